@@ -1,0 +1,198 @@
+"""The engine's contract with the worker servicer: requests in, per-request outputs out, KV export
+and import for disaggregation, per-rank loads. No grpc here.
+
+Threading: the engine runs one step loop per DP rank in background threads. Every method below is
+safe to call from the asyncio event loop thread; outputs are delivered to the caller's loop.
+
+Token accounting rules (DESIGN.md "Token accounting"):
+- `num_generated_tokens` is the authoritative per-request counter of tokens this engine sampled
+  for the request, excluding a terminating model EOS (so an immediate EOS counts 0); a token from
+  `stop_token_ids` that ends the request IS counted (its text is excluded unless
+  `include_stop_in_output`).
+- finish reason: `num_generated_tokens >= max_tokens` -> LENGTH, else the stop reason.
+- For a DECODE_REMOTE request the first token was sampled (and counted, and its text emitted) by
+  the prefill worker: this engine counts only what it samples after the handoff, and its
+  incremental detokenizer consumes the first token silently so text continues seamlessly.
+- `num_local_cached_tokens` / `num_transferred_tokens` are fixed when the request is first
+  scheduled (or the KV import completes) and never rewritten by preemption.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+class RequestKind(enum.Enum):
+    # Prefill + decode here (unified worker, or local prefill on a decode worker).
+    FULL = "full"
+    # Prefill, sample the first token, then hold the KV blocks until `release` (after export).
+    PREFILL_ONLY = "prefill_only"
+    # Reserve blocks now; KV arrives through `import_kv`; decoding starts at `finish_import`.
+    DECODE_REMOTE = "decode_remote"
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    max_tokens: int
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # 1 = disabled
+    top_k: int = 0  # 0 = disabled
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_in_output: bool = False
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingConfig
+    dp_rank: int = 0
+    kind: RequestKind = RequestKind.FULL
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What changed for one request in one step (or the terminal event)."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]  # tokens sampled since the previous output (may be empty)
+    text_delta: str  # detokenized text since the previous output ("" while a char is partial)
+    finished: bool
+    finish_reason: FinishReason | None  # set iff finished
+    num_generated_tokens: int  # authoritative running count (see module docstring)
+    num_prompt_tokens: int
+    num_local_cached_tokens: int
+    num_transferred_tokens: int
+    num_prefill_chunks: int = 0  # prefill chunks run for this request so far (count)
+    prefill_ns: int = 0  # time in prefill forward passes for this request (nanoseconds)
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A DECODE_REMOTE request admitted: blocks for the whole prompt are reserved."""
+
+    request_id: str
+    transfer_ticket: str
+    num_cached_blocks: int  # leading full prompt blocks already in this rank's prefix cache
+    num_local_cached_tokens: int
+
+
+@dataclass(frozen=True)
+class KvBlocksChunk:
+    """Serialized KV of blocks [first_block, first_block + num_blocks) of one request.
+
+    data: for each block, for each layer, K then V, each [num_kv_heads, block_size, head_dim] in
+    the layout dtype, C order (the layout described in worker.proto's KvChunk)."""
+
+    first_block: int
+    num_blocks: int
+    data: bytes
+
+
+@dataclass(frozen=True)
+class KvLayoutInfo:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str  # "float32" | "bfloat16" | "float16"
+
+
+@dataclass(frozen=True)
+class RankLoadStats:
+    dp_rank: int
+    num_used_tokens: int
+    num_running: int
+    num_waiting: int
+    kv_capacity_tokens: int
+    prefix_cache_queries_tokens: int
+    prefix_cache_hits_tokens: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        q = self.prefix_cache_queries_tokens
+        return self.prefix_cache_hits_tokens / q if q else 0.0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str
+    device: str = "cpu"  # "cpu" | "cuda" | "auto"
+    dtype: str = "float32"  # "float32" | "bfloat16" | "float16" | "auto"
+    dp_size: int = 1
+    block_size: int = 16  # tokens per KV block
+    kv_cache_tokens: int = 0  # KV pool size per rank (tokens); 0 = from kv_memory_fraction
+    kv_memory_fraction: float = 0.3  # of free device memory, when kv_cache_tokens == 0
+    max_batch_tokens: int = 2048  # tokens per forward pass (decode + prefill chunks)
+    max_num_seqs: int = 64  # running requests per rank
+    max_model_len: int = 0  # 0 = the model's max_position_embeddings
+    torch_threads: int = 0  # 0 = torch default
+    enable_prefix_caching: bool = True
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+class RequestHandle(Protocol):
+    """Outputs of one request, in order; ends after the output with finished=True."""
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]: ...
+
+
+class Engine(Protocol):
+    config: EngineConfig
+    model_id: str
+    kv_layout: KvLayoutInfo
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+
+    def start(self) -> None:
+        """Load model replicas, allocate pools, run a warm-up step, start the step loops."""
+
+    def shutdown(self) -> None:
+        """Abort everything, stop the step loops."""
+
+    def add_request(self, request: EngineRequest) -> RequestHandle:
+        """Queue a FULL or PREFILL_ONLY request. Raises shared.errors.InvalidArgument (bad rank,
+        prompt too long for max_model_len, empty prompt) or ResourceExhausted (can never fit)."""
+
+    def admit_remote(self, request: EngineRequest) -> tuple[Admission, RequestHandle]:
+        """Admit a DECODE_REMOTE request: reserve blocks, look up the prefix cache."""
+
+    def import_kv(self, transfer_ticket: str, chunk: KvBlocksChunk) -> None:
+        """Write received blocks into the reserved blocks. NotFound for an unknown ticket."""
+
+    def finish_import(
+        self, transfer_ticket: str, num_tokens: int, first_token_id: int | None,
+        prefill_generated_tokens: int,
+    ) -> None:
+        """All KV arrived: the request joins the decode batch after the first token."""
+
+    def export_kv(
+        self, request_id: str, skip_blocks: int, max_chunk_bytes: int
+    ) -> Iterator[KvBlocksChunk]:
+        """Serialized KV of a finished PREFILL_ONLY request's prompt blocks from skip_blocks on
+        (the last block may be partial: it carries num_prompt_tokens % block_size valid rows)."""
+
+    def release(self, request_id: str) -> None:
+        """Free a PREFILL_ONLY request's held blocks (they stay in the prefix cache)."""
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request in any state and free its blocks; its handle ends with ABORT.
+        Returns False when unknown."""
+
+    def rank_loads(self) -> list[RankLoadStats]: ...
+
+    def num_free_blocks(self, dp_rank: int) -> int: ...
+
+    def num_total_blocks(self, dp_rank: int) -> int: ...

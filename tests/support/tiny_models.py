@@ -1,0 +1,124 @@
+"""Tiny random Llama models with locally trained tokenizers, for tests that need *a* model.
+
+Two tokenizer kinds, because token accounting differs between them:
+- "bpe": byte-level BPE (like SmolLM2/GPT-2): every byte is a token, multi-byte characters
+  usually split into several tokens whose text pieces only make sense together.
+- "byte_fallback": BPE over characters with `<0xXX>` byte tokens for unknown characters (like
+  Llama/Mistral): '🙂' becomes 4 byte tokens that decode to one character, or U+FFFD when partial.
+
+Usage: `build_tiny_model(folder, kind)` or `python -m tests.support.tiny_models FOLDER --kind bpe`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello world! This is a tiny model used for pdserve tests.",
+    "Prefill and decode run on different workers; the KV cache moves between them.",
+    "Tokens, blocks, ranks and schedulers: serving language models in production.",
+    "user assistant system What is the capital of France? Paris is the capital.",
+    "numbers 0 1 2 3 4 5 6 7 8 9 10 100 1000 and punctuation , . ; : ! ? ( ) [ ] { }",
+]
+
+
+def _train_tokenizer(kind: str) -> object:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if kind == "bpe":
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=600,
+            special_tokens=SPECIAL_TOKENS,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        )
+    elif kind == "byte_fallback":
+        tok = Tokenizer(models.BPE(byte_fallback=True))
+        tok.pre_tokenizer = pre_tokenizers.Metaspace()
+        tok.decoder = decoders.Sequence(
+            [
+                decoders.Replace("\u2581", " "),
+                decoders.ByteFallback(),
+                decoders.Fuse(),
+                decoders.Strip(" ", 1, 0),
+            ]
+        )
+        byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+        trainer = trainers.BpeTrainer(
+            vocab_size=700,
+            special_tokens=SPECIAL_TOKENS + byte_tokens,
+            limit_alphabet=100,
+        )
+    else:
+        raise ValueError(f"unknown tokenizer kind {kind!r}")
+    tok.train_from_iterator(CORPUS * 20, trainer=trainer)
+    return tok
+
+
+def build_tiny_model(folder: str | Path, kind: str = "bpe", seed: int = 0) -> Path:
+    """Write a tiny random LlamaForCausalLM + tokenizer to `folder` (idempotent); returns it."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    folder = Path(folder)
+    if (folder / "config.json").exists() and (folder / "tokenizer.json").exists():
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    raw = _train_tokenizer(kind)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=raw,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|im_end|>",
+        unk_token=None,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(folder))
+    eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.generation_config.eos_token_id = eos_id
+    model.generation_config.pad_token_id = eos_id
+    model.save_pretrained(str(folder))
+    (folder / "pdserve-tiny.json").write_text(json.dumps({"kind": kind, "seed": seed}))
+    return folder
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("folder")
+    parser.add_argument("--kind", default="bpe", choices=["bpe", "byte_fallback"])
+    args = parser.parse_args()
+    print(build_tiny_model(args.folder, args.kind))
+
+
+if __name__ == "__main__":
+    main()
