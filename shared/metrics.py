@@ -1,0 +1,74 @@
+"""Every Prometheus metric pdserve exports (namespace `pdserve_`), defined once, plus the endpoint.
+
+Services import the objects they update; each process only exports what it touched. Units are in
+the names (`_seconds`, `_tokens`, `_bytes`). Label values are bounded (dp_rank, policy, code).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+_LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_SMALL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+# --- gateway: request lifecycle (computed once, when a request finishes) ---
+TTFT_SECONDS = Histogram(
+    "pdserve_time_to_first_token_seconds", "Request arrival to first token sent", buckets=_LATENCY_BUCKETS_S
+)
+INTER_TOKEN_SECONDS = Histogram(
+    "pdserve_inter_token_latency_seconds", "Time between streamed frames", buckets=_SMALL_BUCKETS_S
+)
+E2E_SECONDS = Histogram(
+    "pdserve_e2e_request_latency_seconds", "Request arrival to final frame", buckets=_LATENCY_BUCKETS_S
+)
+QUEUE_SECONDS = Histogram(
+    "pdserve_queue_time_seconds", "Arrival to first scheduled by the engine", buckets=_LATENCY_BUCKETS_S
+)
+PROMPT_TOKENS = Counter("pdserve_prompt_tokens_total", "Prompt tokens of finished requests")
+GENERATION_TOKENS = Counter(
+    "pdserve_generation_tokens_total", "Generated tokens (sum of usage.completion_tokens)"
+)
+REQUESTS = Counter("pdserve_requests_total", "Finished requests", ["finish_reason"])
+ERRORS = Counter("pdserve_errors_total", "RPCs that ended with an error status", ["code"])
+
+# --- prefix cache (tokens) ---
+PREFIX_CACHE_QUERIES = Counter(
+    "pdserve_prefix_cache_queries_tokens_total", "Prompt tokens looked up in the prefix cache"
+)
+PREFIX_CACHE_HITS = Counter(
+    "pdserve_prefix_cache_hits_tokens_total", "Prompt tokens served from cache", ["source"]
+)  # source: local | transferred
+
+# --- workers: KV and loads, per DP rank ---
+KV_USAGE_RATIO = Gauge("pdserve_kv_cache_usage_ratio", "Used / total KV blocks", ["dp_rank"])
+RANK_USED_TOKENS = Gauge("pdserve_rank_used_tokens", "Tokens in use on a DP rank", ["dp_rank"])
+RANK_RUNNING = Gauge("pdserve_rank_running_requests", "Running requests on a DP rank", ["dp_rank"])
+RANK_WAITING = Gauge("pdserve_rank_waiting_requests", "Waiting requests on a DP rank", ["dp_rank"])
+KV_TRANSFER_BYTES = Counter("pdserve_kv_transfer_bytes_total", "KV bytes pushed or received", ["direction"])
+KV_TRANSFER_SECONDS = Histogram(
+    "pdserve_kv_transfer_seconds", "Time to push one request's KV", buckets=_SMALL_BUCKETS_S
+)
+PREEMPTIONS = Counter("pdserve_preemptions_total", "Requests preempted by recompute", ["dp_rank"])
+
+# --- scheduler ---
+SCHEDULE_DECISIONS = Counter(
+    "pdserve_schedule_decisions_total", "Routing decisions", ["role", "policy"]
+)
+PREFILL_MODE = Counter(
+    "pdserve_prefill_mode_total", "Requests by where they were prefilled", ["mode"]
+)  # mode: disaggregated | local | aggregated
+SCHEDULE_SECONDS = Histogram(
+    "pdserve_schedule_decision_seconds", "Schedule() decision time",
+    buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 1e-2),
+)
+
+# --- load-monitor ---
+REGISTERED_WORKERS = Gauge("pdserve_registered_workers", "Workers with a live lease", ["role"])
+
+
+def start_metrics_server(port: int, addr: str = "0.0.0.0") -> int:
+    """Serve /metrics on `port` (0 picks a free one; negative disables). Returns the bound port."""
+    if port < 0:
+        return -1
+    server, _thread = start_http_server(port, addr=addr)
+    return int(server.server_port)
