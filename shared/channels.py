@@ -10,6 +10,4 @@ from shared.tracing import client_interceptors
 
 def make_channel(address: str) -> grpc.aio.Channel:
     """An insecure grpc.aio channel to `address` (host:port) that propagates the trace context."""
-    return grpc.aio.insecure_channel(
-        address, options=CHANNEL_OPTIONS, interceptors=client_interceptors()
-    )
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=client_interceptors())

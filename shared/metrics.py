@@ -51,14 +51,13 @@ KV_TRANSFER_SECONDS = Histogram(
 PREEMPTIONS = Counter("pdserve_preemptions_total", "Requests preempted by recompute", ["dp_rank"])
 
 # --- scheduler ---
-SCHEDULE_DECISIONS = Counter(
-    "pdserve_schedule_decisions_total", "Routing decisions", ["role", "policy"]
-)
+SCHEDULE_DECISIONS = Counter("pdserve_schedule_decisions_total", "Routing decisions", ["role", "policy"])
 PREFILL_MODE = Counter(
     "pdserve_prefill_mode_total", "Requests by where they were prefilled", ["mode"]
 )  # mode: disaggregated | local | aggregated
 SCHEDULE_SECONDS = Histogram(
-    "pdserve_schedule_decision_seconds", "Schedule() decision time",
+    "pdserve_schedule_decision_seconds",
+    "Schedule() decision time",
     buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 1e-2),
 )
 

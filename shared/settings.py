@@ -20,7 +20,7 @@ T = TypeVar("T")
 ENV_PREFIX = "PDSERVE_"
 
 
-def field(default: Any, help: str, *, choices: Sequence[str] | None = None) -> Any:  # noqa: A002
+def field(default: Any, help: str, *, choices: Sequence[str] | None = None) -> Any:
     """A settings field with its help text (and allowed values)."""
     return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
 
@@ -68,8 +68,9 @@ def parse_settings(
         env_name = ENV_PREFIX + f.name.upper()
         help_text = f"{f.metadata.get('help', '')} (env {env_name}; default {f.default!r})"
         if _base_type(hints[f.name]) is bool:
-            parser.add_argument(flag, dest=f.name, default=None,
-                                action=argparse.BooleanOptionalAction, help=help_text)
+            parser.add_argument(
+                flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction, help=help_text
+            )
         else:
             parser.add_argument(flag, dest=f.name, default=None, type=str, help=help_text)
     args = parser.parse_args(list(argv) if argv is not None else [])

@@ -1,0 +1,281 @@
+"""`pdserve up`: the whole stack on one machine for development.
+
+Starts load-monitor, scheduler, one prefill + one decode worker (or one unified worker with
+--unified) and the gateway as child processes, waits until every health check is SERVING and the
+scheduler sees the workers, prints the gateway address and a ready-to-paste grpcurl command, and
+stops them all (gateway first, workers, scheduler, load-monitor) on Ctrl-C or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+PORT_OFFSETS = {
+    "gateway": 0,
+    "scheduler": 1,
+    "load-monitor": 2,
+    "prefill-worker": 10,
+    "decode-worker": 20,
+    "worker": 30,
+}
+METRICS_OFFSET = 50  # metrics port = base + METRICS_OFFSET + offset, when --metrics
+
+
+@dataclass
+class Child:
+    name: str
+    module: str
+    address: str
+    args: list[str]
+    proc: subprocess.Popen[bytes] | None = None
+    log_path: Path | None = None
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+def _parse(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="pdserve up", description=__doc__)
+    p.add_argument("--unified", action="store_true", help="one unified worker instead of prefill + decode")
+    p.add_argument(
+        "--model", default="default", help="model folder, or 'default' (bundled SmolLM2-135M-Instruct)"
+    )
+    p.add_argument(
+        "--model-cache-dir",
+        default="",
+        help="where the default model is converted (default ~/.cache/pdserve/models)",
+    )
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"])
+    p.add_argument("--dp-size", type=int, default=1, help="data-parallel ranks per worker")
+    p.add_argument("--torch-threads", type=int, default=1, help="torch threads per worker process")
+    p.add_argument("--host", default="127.0.0.1", help="address every service binds and advertises")
+    p.add_argument(
+        "--port-base",
+        type=int,
+        default=50051,
+        help="gateway port; scheduler +1, load-monitor +2, prefill +10, decode +20, unified +30",
+    )
+    p.add_argument("--metrics", action="store_true", help="expose /metrics on port-base+50+offset")
+    p.add_argument(
+        "--log-dir", default="", help="write each service's log to DIR/<service>.log (default: this terminal)"
+    )
+    p.add_argument("--log-level", default="info")
+    p.add_argument("--ready-timeout-s", type=float, default=600.0)
+    p.add_argument(
+        "--worker-arg",
+        action="append",
+        default=[],
+        help="extra flag passed to every worker (repeatable), e.g. --worker-arg=--kv-cache-tokens=4096",
+    )
+    return p.parse_args(list(argv))
+
+
+def _children(a: argparse.Namespace, model_path: str) -> list[Child]:
+    def addr(name: str) -> str:
+        return f"{a.host}:{a.port_base + PORT_OFFSETS[name]}"
+
+    def common(name: str) -> list[str]:
+        metrics = a.port_base + METRICS_OFFSET + PORT_OFFSETS[name] if a.metrics else -1
+        return ["--listen", addr(name), "--metrics-port", str(metrics), "--log-level", a.log_level]
+
+    worker_common = [
+        "--load-monitor-address",
+        addr("load-monitor"),
+        "--model",
+        model_path,
+        "--model-cache-dir",
+        a.model_cache_dir,
+        "--device",
+        a.device,
+        "--dtype",
+        a.dtype,
+        "--dp-size",
+        str(a.dp_size),
+        "--torch-threads",
+        str(a.torch_threads),
+        *a.worker_arg,
+    ]
+    children = [
+        Child("load-monitor", "services.load_monitor", addr("load-monitor"), common("load-monitor")),
+        Child(
+            "scheduler",
+            "services.scheduler",
+            addr("scheduler"),
+            [*common("scheduler"), "--load-monitor-address", addr("load-monitor")],
+        ),
+    ]
+    worker_names = ["worker"] if a.unified else ["prefill-worker", "decode-worker"]
+    for name in worker_names:
+        module = {
+            "worker": "services.worker",
+            "prefill-worker": "services.prefill_worker",
+            "decode-worker": "services.decode_worker",
+        }[name]
+        role = ["--role", "unified"] if name == "worker" else []
+        children.append(
+            Child(
+                name,
+                module,
+                addr(name),
+                [*common(name), *role, "--advertise-address", addr(name), *worker_common],
+            )
+        )
+    children.append(
+        Child(
+            "gateway",
+            "services.gateway",
+            addr("gateway"),
+            [
+                *common("gateway"),
+                "--scheduler-address",
+                addr("scheduler"),
+                "--model",
+                model_path,
+                "--model-cache-dir",
+                a.model_cache_dir,
+            ],
+        )
+    )
+    return children
+
+
+def _die_with_parent() -> None:
+    """Children get SIGTERM if `pdserve up` itself dies (Linux prctl PR_SET_PDEATHSIG)."""
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+
+
+def _start(child: Child, log_dir: str) -> None:
+    cmd = [sys.executable, "-m", child.module, *child.args]
+    stderr = None
+    if log_dir:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        child.log_path = Path(log_dir) / f"{child.name}.log"
+        stderr = open(child.log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
+    env = {**os.environ, **child.extra_env}
+    child.proc = subprocess.Popen(
+        cmd, stdout=stderr, stderr=stderr, env=env, start_new_session=True, preexec_fn=_die_with_parent
+    )
+
+
+def _health(address: str, timeout_s: float = 2.0) -> int:
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            return int(stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s).status)
+        except grpc.RpcError:
+            return -1
+
+
+def _scheduler_worker_count(address: str) -> int:
+    from shared.proto import scheduler_pb2, scheduler_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            state = scheduler_pb2_grpc.SchedulerStub(channel).GetState(
+                scheduler_pb2.GetStateRequest(), timeout=2.0
+            )
+        except grpc.RpcError:
+            return -1
+        return len(state.workers)
+
+
+def _stop_all(children: Sequence[Child], grace_s: float = 30.0) -> None:
+    for child in reversed(children):  # gateway first, load-monitor last
+        if child.proc and child.proc.poll() is None:
+            child.proc.send_signal(signal.SIGTERM)
+            try:
+                child.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                child.proc.kill()
+                child.proc.wait()
+
+
+def _wait_ready(
+    children: Sequence[Child], num_workers: int, timeout_s: float, stop: threading.Event
+) -> str | None:
+    """None when ready, else why not."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(children)
+    while time.monotonic() < deadline and not stop.is_set():
+        for child in children:
+            if child.proc and child.proc.poll() is not None:
+                where = f" (log: {child.log_path})" if child.log_path else ""
+                return f"{child.name} exited with code {child.proc.returncode}{where}"
+        pending = [c for c in pending if _health(c.address) != health_pb2.HealthCheckResponse.SERVING]
+        if not pending:
+            scheduler = next(c for c in children if c.name == "scheduler")
+            if _scheduler_worker_count(scheduler.address) >= num_workers:
+                return None
+        time.sleep(0.25)
+    if stop.is_set():
+        return "interrupted"
+    return "timed out waiting for: " + ", ".join(c.name for c in pending or children)
+
+
+def grpcurl_command(gateway: str) -> str:
+    exe = shutil.which("grpcurl") or str(Path(sys.prefix) / "bin" / "grpcurl")
+    body = json.dumps(
+        {
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 64,
+            "temperature": 0,
+        }
+    )
+    return f"{exe} -plaintext -d '{body}' {gateway} pdserve.v1.Gateway/Generate"
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    a = _parse(sys.argv[1:] if argv is None else argv)
+    from shared.model_store import resolve_model
+
+    print(f"pdserve up: preparing model {a.model!r} ...", flush=True)
+    model_path = str(resolve_model(a.model, a.model_cache_dir or None))
+    children = _children(a, model_path)
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    for child in children:
+        _start(child, a.log_dir)
+    num_workers = 1 if a.unified else 2
+    problem = _wait_ready(children, num_workers, a.ready_timeout_s, stop)
+    if problem is not None:
+        print(f"pdserve up: not ready: {problem}; stopping", file=sys.stderr, flush=True)
+        _stop_all(children)
+        raise SystemExit(1)
+    gateway = children[-1].address
+    workers = ", ".join(f"{c.name} {c.address}" for c in children if "worker" in c.name)
+    print(f"pdserve is up: gateway {gateway} (model {Path(model_path).name}; {workers})", flush=True)
+    print("Try:\n  " + grpcurl_command(gateway), flush=True)
+    print("Ctrl-C stops everything.", flush=True)
+    exit_code = 0
+    while not stop.is_set():
+        dead = [c for c in children if c.proc and c.proc.poll() is not None]
+        if dead:
+            print(
+                f"pdserve up: {dead[0].name} exited with code {dead[0].proc.returncode}"  # type: ignore[union-attr]
+                "; stopping",
+                file=sys.stderr,
+                flush=True,
+            )
+            exit_code = 1
+            break
+        stop.wait(0.5)
+    print("pdserve up: stopping ...", flush=True)
+    _stop_all(children)
+    raise SystemExit(exit_code)
