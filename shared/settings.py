@@ -79,12 +79,15 @@ def parse_settings(
         tp = hints[f.name]
         cli_value = getattr(args, f.name)
         env_value = env.get(ENV_PREFIX + f.name.upper())
-        if cli_value is not None:
-            value = cli_value if isinstance(cli_value, bool) else _convert(cli_value, tp, f.name)
-        elif env_value is not None:
-            value = _convert(env_value, tp, f.name)
-        else:
-            continue
+        try:
+            if cli_value is not None:
+                value = cli_value if isinstance(cli_value, bool) else _convert(cli_value, tp, f.name)
+            elif env_value is not None:
+                value = _convert(env_value, tp, f.name)
+            else:
+                continue
+        except ValueError as exc:
+            parser.error(str(exc))
         choices = f.metadata.get("choices")
         if choices and value not in choices:
             parser.error(f"--{f.name.replace('_', '-')}: {value!r} is not one of {list(choices)}")

@@ -1,0 +1,28 @@
+"""Chained block hashes: equal prefixes give equal hashes, any earlier difference changes all later."""
+
+from __future__ import annotations
+
+from shared.block_hash import block_hashes
+
+
+def test_only_full_blocks_are_hashed() -> None:
+    assert len(block_hashes(list(range(33)), 16)) == 2
+    assert block_hashes(list(range(15)), 16) == []
+
+
+def test_shared_prefix_shares_hashes() -> None:
+    a = block_hashes(list(range(48)), 16)
+    b = block_hashes([*range(32), *range(100, 116)], 16)
+    assert a[:2] == b[:2]
+    assert a[2] != b[2]
+
+
+def test_hash_is_chained() -> None:
+    a = block_hashes([1, *range(1, 32)], 16)
+    b = block_hashes([2, *range(1, 32)], 16)
+    # The second blocks hold the same tokens but follow different first blocks.
+    assert a[1] != b[1]
+
+
+def test_deterministic_across_calls() -> None:
+    assert block_hashes(list(range(64)), 16) == block_hashes(list(range(64)), 16)
