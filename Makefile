@@ -11,6 +11,7 @@ export PYTHONUNBUFFERED := 1
 # Prerequisites of `make test` / extra pytest args; mk/*.mk fragments append to these.
 TEST_DEPS := install gen
 CHECKS :=
+BENCH_TARGETS :=
 PYTEST_ARGS ?=
 
 .PHONY: all install gen check-gen test pytest lint typecheck run bench clean help
@@ -60,6 +61,8 @@ test: $(TEST_DEPS) check-gen lint typecheck $(CHECKS)
 
 run: install gen
 	$(VENV)/bin/pdserve up $(ARGS)
+
+bench: install gen $(BENCH_TARGETS)
 
 clean:
 	rm -rf shared/gen .pytest_cache .mypy_cache .ruff_cache
