@@ -1,0 +1,1 @@
+"""The decode worker: the generic worker (services.worker) with --role decode."""

@@ -1,0 +1,1 @@
+"""The prefill worker: the generic worker (services.worker) with --role prefill."""

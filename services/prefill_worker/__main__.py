@@ -1,0 +1,5 @@
+"""`python -m services.prefill_worker ...`"""
+
+from services.prefill_worker.server import main
+
+main()

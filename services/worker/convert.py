@@ -1,0 +1,231 @@
+"""Every protobuf <-> worker domain conversion (the only worker module that knows both sides)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from services.worker.engine.api import (
+    EngineRequest,
+    FinishReason,
+    KvBlocksChunk,
+    KvLayoutInfo,
+    RankLoadStats,
+    RequestKind,
+    SamplingConfig,
+)
+from services.worker.messages import (
+    DecodeCall,
+    DecodeEvent,
+    FrameKind,
+    IncomingKvChunk,
+    KvReceipt,
+    KvTargetSpec,
+    PrefillCall,
+    PrefillResult,
+    WorkerIdentity,
+)
+from shared.proto import common_pb2, worker_pb2
+
+_FINISH_TO_PB = {
+    None: common_pb2.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
+}
+_FRAME_KIND_TO_PB = {
+    FrameKind.ADMITTED: worker_pb2.DECODE_FRAME_KIND_ADMITTED,
+    FrameKind.TOKENS: worker_pb2.DECODE_FRAME_KIND_TOKENS,
+    FrameKind.FINAL: worker_pb2.DECODE_FRAME_KIND_FINAL,
+}
+ROLE_TO_PB = {
+    "prefill": common_pb2.WORKER_ROLE_PREFILL,
+    "decode": common_pb2.WORKER_ROLE_DECODE,
+    "unified": common_pb2.WORKER_ROLE_UNIFIED,
+}
+
+
+def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingConfig:
+    """Proto defaults mean "unset": temperature 0 = greedy, top_p 0 = disabled (1)."""
+    return SamplingConfig(
+        max_tokens=pb.max_tokens,
+        temperature=pb.temperature,
+        top_p=pb.top_p if pb.top_p != 0 else 1.0,
+        top_k=pb.top_k,
+        seed=pb.seed if pb.HasField("seed") else None,
+        stop=tuple(pb.stop),
+        stop_token_ids=tuple(pb.stop_token_ids),
+        ignore_eos=pb.ignore_eos,
+        include_stop_in_output=pb.include_stop_in_output,
+    )
+
+
+def _engine_request(
+    request_id: str, prompt: Iterable[int], sampling: common_pb2.SamplingParams, dp_rank: int,
+    kind: RequestKind,
+) -> EngineRequest:
+    return EngineRequest(
+        request_id=request_id,
+        prompt_token_ids=tuple(prompt),
+        sampling=sampling_from_pb(sampling),
+        dp_rank=dp_rank,
+        kind=kind,
+    )
+
+
+def prefill_call_from_pb(pb: worker_pb2.PrefillRequest) -> PrefillCall:
+    target = None
+    if pb.HasField("kv_target"):
+        t = pb.kv_target
+        target = KvTargetSpec(
+            address=t.address, dp_rank=t.dp_rank, transfer_ticket=t.transfer_ticket,
+            skip_blocks=t.skip_blocks,
+        )
+    return PrefillCall(
+        request=_engine_request(pb.request_id, pb.prompt_token_ids, pb.sampling, pb.dp_rank,
+                                RequestKind.PREFILL_ONLY),
+        kv_target=target,
+        return_token_ids=pb.return_token_ids,
+    )
+
+
+def prefill_result_to_pb(r: PrefillResult) -> worker_pb2.PrefillResponse:
+    return worker_pb2.PrefillResponse(
+        request_id=r.request_id,
+        text=r.text,
+        token_ids=r.token_ids,
+        generated_tokens=r.generated_tokens,  # always set (presence = a 1.1 worker)
+        finish_reason=_FINISH_TO_PB[r.finish_reason],
+        prompt_tokens=r.prompt_tokens,
+        local_cached_tokens=r.local_cached_tokens,
+        kv_bytes_sent=r.kv_bytes_sent,
+        num_chunks=r.num_chunks,
+        prefill_ns=r.prefill_ns,
+        kv_transfer_ns=r.kv_transfer_ns,
+    )
+
+
+def decode_call_from_pb(pb: worker_pb2.DecodeRequest) -> DecodeCall:
+    kind = RequestKind.FULL if pb.local_prefill else RequestKind.DECODE_REMOTE
+    return DecodeCall(
+        request=_engine_request(pb.request_id, pb.prompt_token_ids, pb.sampling, pb.dp_rank, kind),
+        local_prefill=pb.local_prefill,
+        return_token_ids=pb.return_token_ids,
+    )
+
+
+def decode_event_to_pb(e: DecodeEvent) -> worker_pb2.DecodeFrame:
+    frame = worker_pb2.DecodeFrame(
+        request_id=e.request_id,
+        kind=_FRAME_KIND_TO_PB[e.kind],
+        text=e.text,
+        token_ids=e.token_ids,
+        finish_reason=_FINISH_TO_PB[e.finish_reason],
+        transfer_ticket=e.transfer_ticket,
+        cached_blocks=e.cached_blocks,
+        prompt_tokens=e.prompt_tokens,
+        local_cached_tokens=e.local_cached_tokens,
+        transferred_cached_tokens=e.transferred_cached_tokens,
+    )
+    if e.generated_tokens is not None:  # FINAL only; unset (not 0) on the other frames
+        frame.generated_tokens = e.generated_tokens
+    return frame
+
+
+def layout_to_pb(layout: KvLayoutInfo) -> common_pb2.KvLayout:
+    return common_pb2.KvLayout(
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        block_size=layout.block_size,
+        dtype=layout.dtype,
+    )
+
+
+def layout_from_pb(pb: common_pb2.KvLayout) -> KvLayoutInfo:
+    return KvLayoutInfo(
+        num_layers=pb.num_layers,
+        num_kv_heads=pb.num_kv_heads,
+        head_dim=pb.head_dim,
+        block_size=pb.block_size,
+        dtype=pb.dtype,
+    )
+
+
+def kv_chunk_from_pb(pb: worker_pb2.KvChunk) -> IncomingKvChunk:
+    return IncomingKvChunk(
+        request_id=pb.request_id,
+        transfer_ticket=pb.transfer_ticket,
+        dp_rank=pb.dp_rank,
+        layout=layout_from_pb(pb.layout) if pb.HasField("layout") else None,
+        chunk=KvBlocksChunk(first_block=pb.first_block, num_blocks=pb.num_blocks, data=pb.data),
+        last=pb.last,
+        num_tokens=pb.num_tokens,
+        first_token_id=pb.first_token_id if pb.HasField("first_token_id") else None,
+        generated_tokens=pb.generated_tokens if pb.HasField("generated_tokens") else None,
+    )
+
+
+def kv_chunk_to_pb(
+    request_id: str,
+    target: KvTargetSpec,
+    layout: common_pb2.KvLayout,
+    chunk: KvBlocksChunk,
+    last: tuple[int, int, int] | None = None,
+) -> worker_pb2.KvChunk:
+    """One outgoing chunk; `last` = (num_tokens, first_token_id, generated_tokens) on the last."""
+    pb = worker_pb2.KvChunk(
+        request_id=request_id,
+        transfer_ticket=target.transfer_ticket,
+        dp_rank=target.dp_rank,
+        first_block=chunk.first_block,
+        num_blocks=chunk.num_blocks,
+        data=chunk.data,
+        layout=layout,
+    )
+    if last is not None:
+        num_tokens, first_token_id, generated_tokens = last
+        pb.num_tokens = num_tokens
+        pb.first_token_id = first_token_id
+        pb.generated_tokens = generated_tokens
+        pb.last = True
+    return pb
+
+
+def kv_receipt_to_pb(r: KvReceipt) -> worker_pb2.PushKvResponse:
+    return worker_pb2.PushKvResponse(
+        bytes_received=r.bytes_received, blocks_received=r.blocks_received
+    )
+
+
+def rank_load_to_pb(load: RankLoadStats) -> common_pb2.RankLoad:
+    return common_pb2.RankLoad(
+        dp_rank=load.dp_rank,
+        num_used_tokens=load.num_used_tokens,
+        num_running=load.num_running,
+        num_waiting=load.num_waiting,
+        kv_capacity_tokens=load.kv_capacity_tokens,
+        prefix_cache_queries_tokens=load.prefix_cache_queries_tokens,
+        prefix_cache_hits_tokens=load.prefix_cache_hits_tokens,
+        prefix_cache_hit_rate=load.prefix_cache_hit_rate,
+    )
+
+
+def get_load_to_pb(worker_id: str, loads: Iterable[RankLoadStats]) -> worker_pb2.GetLoadResponse:
+    return worker_pb2.GetLoadResponse(
+        worker_id=worker_id, ranks=[rank_load_to_pb(load) for load in loads]
+    )
+
+
+def worker_info_to_pb(ident: WorkerIdentity) -> common_pb2.WorkerInfo:
+    return common_pb2.WorkerInfo(
+        worker_id=ident.worker_id,
+        address=ident.address,
+        role=ROLE_TO_PB[ident.role],
+        model_id=ident.model_id,
+        dp_size=ident.dp_size,
+        kv_layout=layout_to_pb(ident.kv_layout),
+        capabilities=list(ident.capabilities),
+        proto_version=ident.proto_version,
+        max_model_len=ident.max_model_len,
+        device=ident.device,
+    )

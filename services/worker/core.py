@@ -1,0 +1,418 @@
+"""The worker's domain core: prefill, decode, KV import, abort, loads and drain over one Engine.
+
+No grpc here: the servicer converts protobuf to the messages in `messages`, calls one method,
+converts back. Errors are `shared.errors` exceptions (the server interceptor maps them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+
+import structlog
+
+from services.worker.engine.api import (
+    Engine,
+    EngineRequest,
+    FinishReason,
+    RankLoadStats,
+    RequestKind,
+    RequestOutput,
+)
+from services.worker.messages import (
+    DecodeCall,
+    DecodeEvent,
+    FrameKind,
+    IncomingKvChunk,
+    KvPusher,
+    KvReceipt,
+    PrefillCall,
+    PrefillResult,
+    WorkerIdentity,
+)
+from shared import errors, metrics
+from shared.tracing import tracer
+
+log = structlog.get_logger(__name__)
+
+# Roles allowed to serve each RPC.
+_ROLES_FOR = {
+    "Prefill": ("prefill", "unified"),
+    "Decode": ("decode", "unified"),
+    "PushKv": ("decode", "unified"),
+}
+
+
+def _layout_str(layout: object) -> str:
+    d = dataclasses.asdict(layout)  # type: ignore[call-overload]
+    return ", ".join(f"{k}={v}" for k, v in d.items())
+
+
+class WorkerCore:
+    """Serves one engine's requests; tracks in-flight requests so a drain can wait for them."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        identity: WorkerIdentity,
+        pusher: KvPusher,
+        kv_chunk_bytes: int = 1 << 20,
+        log_prompts: bool = False,
+    ) -> None:
+        self.engine = engine
+        self.identity = identity
+        self._pusher = pusher
+        self._kv_chunk_bytes = kv_chunk_bytes
+        self._log_prompts = log_prompts
+        # request_id -> phase ("prefill" | "pushing" | "decode"); only requests with a live RPC.
+        self._active: dict[str, str] = {}
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._draining = False
+
+    # ----- validation and bookkeeping -----
+
+    def _require_role(self, rpc: str) -> None:
+        allowed = _ROLES_FOR[rpc]
+        if self.identity.role not in allowed:
+            raise errors.FailedPrecondition(
+                f"{rpc} is not served by a {self.identity.role} worker "
+                f"(roles that serve it: {', '.join(allowed)})"
+            )
+
+    def validate(self, request: EngineRequest) -> None:
+        """Raise InvalidArgument for anything the engine must never see."""
+        if not request.request_id:
+            raise errors.InvalidArgument("request_id is required")
+        dp_size = self.identity.dp_size
+        if not 0 <= request.dp_rank < dp_size:
+            raise errors.InvalidArgument(
+                f"dp_rank {request.dp_rank} is out of range: this worker has {dp_size} "
+                f"rank(s), 0..{dp_size - 1}"
+            )
+        if not request.prompt_token_ids:
+            raise errors.InvalidArgument("prompt_token_ids is empty")
+        max_len = self.engine.max_model_len
+        if len(request.prompt_token_ids) > max_len:
+            raise errors.InvalidArgument(
+                f"prompt has {len(request.prompt_token_ids)} tokens, more than this worker's "
+                f"max_model_len of {max_len}"
+            )
+        s = request.sampling
+        if s.max_tokens < 1:
+            raise errors.InvalidArgument("sampling.max_tokens must be >= 1")
+        if s.temperature < 0:
+            raise errors.InvalidArgument(f"sampling.temperature must be >= 0, got {s.temperature}")
+        if not 0 < s.top_p <= 1:
+            raise errors.InvalidArgument(f"sampling.top_p must be in (0, 1], got {s.top_p}")
+        if s.top_k < 0:
+            raise errors.InvalidArgument(f"sampling.top_k must be >= 0, got {s.top_k}")
+
+    @contextlib.contextmanager
+    def _track(self, request_id: str, phase: str) -> Iterator[None]:
+        if self._draining:
+            raise errors.Unavailable("worker is draining; send the request to another worker")
+        if request_id in self._active:
+            raise errors.AlreadyExists(f"request {request_id!r} is already running on this worker")
+        self._active[request_id] = phase
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._active.pop(request_id, None)
+            if not self._active:
+                self._idle.set()
+
+    def _aborted_error(self, request_id: str) -> errors.PdserveError:
+        if self._draining:
+            return errors.Unavailable(f"request {request_id!r} aborted: the worker is shutting down")
+        return errors.Cancelled(f"request {request_id!r} was aborted")
+
+    @staticmethod
+    def _record_cache_stats(out: RequestOutput) -> None:
+        """Once per request, when its cache stats are fixed (its first output)."""
+        metrics.PREFIX_CACHE_QUERIES.inc(out.num_prompt_tokens)
+        metrics.PREFIX_CACHE_HITS.labels(source="local").inc(out.num_local_cached_tokens)
+        metrics.PREFIX_CACHE_HITS.labels(source="transferred").inc(out.num_transferred_tokens)
+
+    # ----- Prefill -----
+
+    async def prefill(self, call: PrefillCall) -> PrefillResult:
+        """Run the prompt, sample the first token, push the KV to call.kv_target, free the KV."""
+        self._require_role("Prefill")
+        request = dataclasses.replace(call.request, kind=RequestKind.PREFILL_ONLY)
+        self.validate(request)
+        rid = request.request_id
+        with self._track(rid, "prefill"), tracer().start_as_current_span("prefill") as span:
+            span.set_attribute("pdserve.request_id", rid)
+            span.set_attribute("pdserve.prompt_tokens", len(request.prompt_token_ids))
+            handle = self.engine.add_request(request)
+            token_ids: list[int] = []
+            text: list[str] = []
+            last: RequestOutput | None = None
+            try:
+                async for out in handle:
+                    if last is None:
+                        self._record_cache_stats(out)
+                    last = out
+                    token_ids.extend(out.new_token_ids)
+                    text.append(out.text_delta)
+                    if out.finished:
+                        break
+            except BaseException:  # the caller went away (CancelledError) or the engine failed
+                self.engine.abort(rid)
+                raise
+            try:
+                if last is None or last.finish_reason is FinishReason.ABORT:
+                    raise self._aborted_error(rid)
+                finish = self._prefill_finish_reason(last, request)
+                span.set_attribute("pdserve.num_chunks", last.num_prefill_chunks)
+                span.set_attribute("pdserve.local_cached_tokens", last.num_local_cached_tokens)
+                kv_bytes, kv_ns = 0, 0
+                if call.kv_target is not None and finish is None:
+                    if not token_ids:
+                        raise errors.FailedPrecondition(
+                            f"request {rid!r}: the engine produced no first token to hand off"
+                        )
+                    self._active[rid] = "pushing"
+                    kv_bytes, kv_ns = await self._push(call, last, token_ids[-1])
+            finally:
+                self._release(rid)
+            if self._log_prompts:
+                log.info("prefill_done", prompt_token_ids=list(request.prompt_token_ids),
+                         text="".join(text))
+            log.debug("prefill_done", prompt_tokens=last.num_prompt_tokens,
+                      generated_tokens=last.num_generated_tokens,
+                      num_chunks=last.num_prefill_chunks, kv_bytes_sent=kv_bytes)
+            return PrefillResult(
+                request_id=rid,
+                text="".join(text),
+                token_ids=tuple(token_ids) if call.return_token_ids else (),
+                generated_tokens=last.num_generated_tokens,
+                finish_reason=finish,
+                prompt_tokens=last.num_prompt_tokens,
+                local_cached_tokens=last.num_local_cached_tokens,
+                kv_bytes_sent=kv_bytes,
+                num_chunks=last.num_prefill_chunks,
+                prefill_ns=last.prefill_ns,
+                kv_transfer_ns=kv_ns,
+            )
+
+    @staticmethod
+    def _prefill_finish_reason(out: RequestOutput, request: EngineRequest) -> FinishReason | None:
+        """STOP/LENGTH when the request ended at its first token, None when decoding continues.
+
+        The worker's rule (engine/api.py): count >= max_tokens -> LENGTH, else the stop reason.
+        """
+        if out.num_generated_tokens >= request.sampling.max_tokens:
+            return FinishReason.LENGTH
+        if out.finish_reason is FinishReason.STOP:
+            return FinishReason.STOP
+        return None
+
+    async def _push(self, call: PrefillCall, out: RequestOutput, first_token_id: int) -> tuple[int, int]:
+        target = call.kv_target
+        assert target is not None
+        rid = call.request.request_id
+        with tracer().start_as_current_span("kv_transfer") as span:
+            span.set_attribute("pdserve.target", target.address)
+            chunks = self.engine.export_kv(rid, target.skip_blocks, self._kv_chunk_bytes)
+            result = await self._pusher.push(
+                request_id=rid,
+                target=target,
+                layout=self.engine.kv_layout,
+                chunks=chunks,
+                num_tokens=out.num_prompt_tokens,
+                first_token_id=first_token_id,
+                generated_tokens=out.num_generated_tokens,
+            )
+            span.set_attribute("pdserve.bytes", result.bytes_sent)
+            span.set_attribute("pdserve.num_chunks", result.num_chunks)
+        metrics.KV_TRANSFER_BYTES.labels(direction="sent").inc(result.bytes_sent)
+        metrics.KV_TRANSFER_SECONDS.observe(result.seconds)
+        log.debug("kv_pushed", target=target.address, bytes=result.bytes_sent,
+                  chunks=result.num_chunks, seconds=round(result.seconds, 6))
+        return result.bytes_sent, int(result.seconds * 1e9)
+
+    def _release(self, request_id: str) -> None:
+        """Free a PREFILL_ONLY request's held blocks (they stay in the prefix cache)."""
+        with contextlib.suppress(errors.NotFound):  # already aborted and freed
+            self.engine.release(request_id)
+
+    # ----- Decode -----
+
+    async def decode(self, call: DecodeCall) -> AsyncGenerator[DecodeEvent, None]:
+        """ADMITTED, then TOKENS frames as the engine produces them, then FINAL.
+
+        Closing the iterator early (client cancelled) aborts the request and frees its KV."""
+        self._require_role("Decode")
+        kind = RequestKind.FULL if call.local_prefill else RequestKind.DECODE_REMOTE
+        request = dataclasses.replace(call.request, kind=kind)
+        self.validate(request)
+        rid = request.request_id
+        ids = call.return_token_ids
+        with self._track(rid, "decode"):
+            span = tracer().start_span("decode")
+            span.set_attribute("pdserve.request_id", rid)
+            span.set_attribute("pdserve.local_prefill", call.local_prefill)
+            prompt_tokens = len(request.prompt_token_ids)
+            local_cached, transferred, generated = 0, 0, 0
+            finished = False
+            try:
+                if call.local_prefill:
+                    handle = self.engine.add_request(request)
+                    ticket, cached_blocks = "", 0
+                else:
+                    admission, handle = self.engine.admit_remote(request)
+                    ticket, cached_blocks = admission.transfer_ticket, admission.num_cached_blocks
+                    local_cached = admission.num_local_cached_tokens
+                yield DecodeEvent(
+                    request_id=rid, kind=FrameKind.ADMITTED, prompt_tokens=prompt_tokens,
+                    local_cached_tokens=local_cached, transferred_cached_tokens=0,
+                    transfer_ticket=ticket, cached_blocks=cached_blocks,
+                )
+                first = True
+                async for out in handle:
+                    if first:
+                        self._record_cache_stats(out)
+                        first = False
+                    prompt_tokens = out.num_prompt_tokens
+                    local_cached = out.num_local_cached_tokens
+                    transferred = out.num_transferred_tokens
+                    generated = out.num_generated_tokens
+                    if out.finished:
+                        finished = True
+                        yield DecodeEvent(
+                            request_id=rid, kind=FrameKind.FINAL, prompt_tokens=prompt_tokens,
+                            local_cached_tokens=local_cached,
+                            transferred_cached_tokens=transferred, text=out.text_delta,
+                            token_ids=out.new_token_ids if ids else (),
+                            generated_tokens=generated,
+                            finish_reason=out.finish_reason or FinishReason.ABORT,
+                        )
+                        return
+                    if out.text_delta or (ids and out.new_token_ids):
+                        yield DecodeEvent(
+                            request_id=rid, kind=FrameKind.TOKENS, prompt_tokens=prompt_tokens,
+                            local_cached_tokens=local_cached,
+                            transferred_cached_tokens=transferred, text=out.text_delta,
+                            token_ids=out.new_token_ids if ids else (),
+                        )
+                # The handle ended without a finished output: report it as aborted.
+                finished = True
+                yield DecodeEvent(
+                    request_id=rid, kind=FrameKind.FINAL, prompt_tokens=prompt_tokens,
+                    local_cached_tokens=local_cached, transferred_cached_tokens=transferred,
+                    generated_tokens=generated, finish_reason=FinishReason.ABORT,
+                )
+            finally:
+                if not finished:
+                    self.engine.abort(rid)
+                span.set_attribute("pdserve.tokens", generated)
+                span.end()
+                log.debug("decode_done", generated_tokens=generated, finished=finished)
+
+    # ----- PushKv (receiving side) -----
+
+    async def receive_kv(self, chunks: AsyncIterator[IncomingKvChunk]) -> KvReceipt:
+        """Import one request's KV chunks; the last one starts decoding.
+
+        A transfer that breaks after the engine accepted KV aborts the request (its Decode stream
+        ends with ABORT and its blocks are freed); it could never complete otherwise."""
+        self._require_role("PushKv")
+        ours = self.engine.kv_layout
+        request_id: str | None = None
+        ticket = ""
+        bytes_received = blocks_received = 0
+        started = done = False
+        try:
+            async for c in chunks:
+                if request_id is None:
+                    request_id, ticket = c.request_id, c.transfer_ticket
+                    if c.layout is None:
+                        raise errors.InvalidArgument("the first KvChunk must carry the layout")
+                elif c.transfer_ticket != ticket:
+                    raise errors.InvalidArgument(
+                        "every KvChunk of one PushKv stream must carry the same transfer_ticket"
+                    )
+                if done:
+                    raise errors.InvalidArgument("KvChunk received after the chunk marked last")
+                if c.layout is not None and c.layout != ours:
+                    raise errors.FailedPrecondition(
+                        f"KV layout mismatch: the sender has ({_layout_str(c.layout)}), this "
+                        f"worker has ({_layout_str(ours)}); pair workers with the same model, "
+                        "dtype and block size"
+                    )
+                if c.chunk.num_blocks:
+                    self.engine.import_kv(ticket, c.chunk)
+                    started = True
+                bytes_received += len(c.chunk.data)
+                blocks_received += c.chunk.num_blocks
+                if c.last:
+                    # An old (v1.0) prefill worker sends no count: it always generated 1 token.
+                    prefill_generated = 1 if c.generated_tokens is None else c.generated_tokens
+                    started = True
+                    self.engine.finish_import(
+                        ticket, c.num_tokens, c.first_token_id, prefill_generated
+                    )
+                    done = True
+            if request_id is None:
+                raise errors.InvalidArgument("PushKv stream carried no KvChunk")
+            if not done:
+                raise errors.InvalidArgument("PushKv stream ended without a KvChunk marked last")
+        except BaseException:
+            if started and request_id is not None:
+                self.engine.abort(request_id)
+            raise
+        metrics.KV_TRANSFER_BYTES.labels(direction="received").inc(bytes_received)
+        log.debug("kv_received", request_id=request_id, bytes=bytes_received,
+                  blocks=blocks_received)
+        return KvReceipt(bytes_received=bytes_received, blocks_received=blocks_received)
+
+    # ----- Abort, loads -----
+
+    def abort(self, request_id: str) -> bool:
+        if not request_id:
+            raise errors.InvalidArgument("request_id is required")
+        return self.engine.abort(request_id)
+
+    def rank_loads(self) -> list[RankLoadStats]:
+        return self.engine.rank_loads()
+
+    def refresh_metrics(self) -> None:
+        """Update the per-rank gauges from the engine (called periodically and on GetLoad)."""
+        for load in self.engine.rank_loads():
+            rank = str(load.dp_rank)
+            total = self.engine.num_total_blocks(load.dp_rank)
+            free = self.engine.num_free_blocks(load.dp_rank)
+            metrics.KV_USAGE_RATIO.labels(dp_rank=rank).set((total - free) / total if total else 0.0)
+            metrics.RANK_USED_TOKENS.labels(dp_rank=rank).set(load.num_used_tokens)
+            metrics.RANK_RUNNING.labels(dp_rank=rank).set(load.num_running)
+            metrics.RANK_WAITING.labels(dp_rank=rank).set(load.num_waiting)
+
+    # ----- drain -----
+
+    @property
+    def num_active(self) -> int:
+        return len(self._active)
+
+    def begin_drain(self) -> None:
+        """Refuse new Prefill/Decode (UNAVAILABLE); PushKv for admitted requests still works."""
+        self._draining = True
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """True when every in-flight request finished within timeout_s."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout=max(timeout_s, 0.0))
+        except TimeoutError:
+            return False
+        return True
+
+    def abort_all(self) -> list[str]:
+        """Abort every in-flight request except KV pushes already under way (they end soon)."""
+        aborted = [rid for rid, phase in self._active.items() if phase != "pushing"]
+        for rid in aborted:
+            self.engine.abort(rid)
+        return aborted

@@ -1,0 +1,141 @@
+"""Typed messages between the worker's servicer and its domain core (no grpc, no protobuf here)."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from services.worker.engine.api import (
+    EngineRequest,
+    FinishReason,
+    KvBlocksChunk,
+    KvLayoutInfo,
+)
+
+# Capabilities this worker advertises at registration and in Info (worker.proto WorkerInfo).
+CAPABILITIES = ("generated_tokens", "kv_block_skip", "local_prefill")
+# Contract version implemented: 1.1 = 1.0 + the optional generated_tokens fields.
+PROTO_VERSION = "1.1"
+
+
+@dataclass(frozen=True)
+class KvTargetSpec:
+    """Where a prefill worker pushes a request's KV (a decode worker's admitted request)."""
+
+    address: str
+    dp_rank: int
+    transfer_ticket: str
+    skip_blocks: int  # leading full prompt blocks the decode side already holds (count)
+
+
+@dataclass(frozen=True)
+class PrefillCall:
+    request: EngineRequest
+    kv_target: KvTargetSpec | None
+    return_token_ids: bool
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]  # empty unless return_token_ids
+    generated_tokens: int  # authoritative: 1, or 0 on an immediate EOS
+    finish_reason: FinishReason | None  # set when the request already finished
+    prompt_tokens: int
+    local_cached_tokens: int
+    kv_bytes_sent: int
+    num_chunks: int
+    prefill_ns: int
+    kv_transfer_ns: int
+
+
+@dataclass(frozen=True)
+class DecodeCall:
+    request: EngineRequest
+    local_prefill: bool
+    return_token_ids: bool
+
+
+class FrameKind(enum.Enum):
+    ADMITTED = "admitted"
+    TOKENS = "tokens"
+    FINAL = "final"
+
+
+@dataclass(frozen=True)
+class DecodeEvent:
+    """One Decode stream frame. generated_tokens and finish_reason are set on FINAL only."""
+
+    request_id: str
+    kind: FrameKind
+    prompt_tokens: int
+    local_cached_tokens: int
+    transferred_cached_tokens: int
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    generated_tokens: int | None = None
+    finish_reason: FinishReason | None = None
+    transfer_ticket: str = ""
+    cached_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class IncomingKvChunk:
+    """One received KvChunk. Fields of the last chunk are None/0 on the others."""
+
+    request_id: str
+    transfer_ticket: str
+    dp_rank: int
+    layout: KvLayoutInfo | None
+    chunk: KvBlocksChunk
+    last: bool
+    num_tokens: int
+    first_token_id: int | None
+    generated_tokens: int | None  # None: an old (v1.0) prefill worker, which means 1
+
+
+@dataclass(frozen=True)
+class KvReceipt:
+    bytes_received: int
+    blocks_received: int
+
+
+@dataclass(frozen=True)
+class KvPushResult:
+    bytes_sent: int
+    num_chunks: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class WorkerIdentity:
+    worker_id: str
+    address: str
+    role: str  # "prefill" | "decode" | "unified"
+    model_id: str
+    dp_size: int
+    kv_layout: KvLayoutInfo
+    capabilities: tuple[str, ...]
+    proto_version: str
+    max_model_len: int
+    device: str  # "cpu" | "cuda"
+
+
+class KvPusher(Protocol):
+    """Sends a finished prefill's KV to a decode worker (implemented over gRPC in kv_transfer)."""
+
+    async def push(
+        self,
+        request_id: str,
+        target: KvTargetSpec,
+        layout: KvLayoutInfo,
+        chunks: Iterator[KvBlocksChunk],
+        num_tokens: int,
+        first_token_id: int,
+        generated_tokens: int,
+    ) -> KvPushResult: ...
+
+    async def close(self) -> None: ...

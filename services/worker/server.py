@@ -1,0 +1,235 @@
+"""Worker process bootstrap: settings, logs, tracing, metrics, model load, gRPC server,
+load-monitor membership and the SIGTERM drain. `main` is the entry point of every worker role."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import sys
+import time
+import uuid
+from collections.abc import Callable, Sequence
+
+import structlog
+
+from services.worker import convert
+from services.worker.core import WorkerCore
+from services.worker.engine.api import Engine, EngineConfig
+from services.worker.kv_transfer import GrpcKvPusher
+from services.worker.messages import CAPABILITIES, PROTO_VERSION, WorkerIdentity
+from services.worker.registration import Registration
+from services.worker.servicer import WorkerServicer
+from services.worker.settings import WorkerSettings
+from shared.logs import configure_logging
+from shared.metrics import start_metrics_server
+from shared.model_store import model_id_for, resolve_model
+from shared.proto import worker_pb2_grpc
+from shared.server import Server, install_signal_handlers
+from shared.settings import otel_env, parse_settings
+from shared.tracing import configure_tracing, server_interceptors
+
+log = structlog.get_logger(__name__)
+
+SERVICE_NAME = "pdserve.v1.Worker"
+# Time left to streams that were aborted at the end of the drain to send their last frame (s).
+_ABORT_FLUSH_S = 5.0
+
+EngineFactory = Callable[[EngineConfig], Engine]
+
+
+def resolve_device(device: str) -> str:
+    """"auto" -> "cuda" when a GPU is visible, else "cpu"."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """"auto" -> float32 on CPU (exact, token-identical), bfloat16 on CUDA."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device == "cuda" else "float32"
+
+
+def default_engine_factory(config: EngineConfig) -> Engine:
+    from services.worker.engine import create_engine
+
+    return create_engine(config)
+
+
+def new_worker_id(role: str) -> str:
+    return f"{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class WorkerApp:
+    """One worker: gRPC server first (health NOT_SERVING), then the model, then SERVING."""
+
+    def __init__(
+        self, settings: WorkerSettings, engine_factory: EngineFactory = default_engine_factory
+    ) -> None:
+        self.settings = settings
+        self._engine_factory = engine_factory
+        self.servicer = WorkerServicer()
+        self.server = Server(settings.listen, [SERVICE_NAME], interceptors=server_interceptors())
+        worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server.grpc)
+        self.address = settings.advertise_address or self.server.address
+        self.worker_id = settings.worker_id or new_worker_id(settings.role)
+        self.pusher = GrpcKvPusher(timeout_s=settings.kv_push_timeout_s)
+        self.engine: Engine | None = None
+        self.core: WorkerCore | None = None
+        self.registration: Registration | None = None
+        self._refresher: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Listen, load and warm up the model, register, then report SERVING."""
+        await self.server.start()
+        log.info("listening", address=self.server.address, advertise_address=self.address,
+                 role=self.settings.role, worker_id=self.worker_id)
+        await self.load()
+        self._refresher = asyncio.create_task(self._refresh_loop(), name="load-gauges")
+        if self.settings.load_monitor_address:
+            assert self.core is not None
+            self.registration = Registration(
+                self.settings.load_monitor_address,
+                convert.worker_info_to_pb(self.core.identity),
+                heartbeat_interval_s=self.settings.heartbeat_interval_s,
+                retry_s=self.settings.register_retry_s,
+            )
+            self.registration.start()
+        await self.server.set_serving(True)
+        log.info("serving", address=self.address)
+
+    async def load(self) -> None:
+        s = self.settings
+        started = time.perf_counter()
+        log.info("model_resolving", model=s.model)
+        path = await asyncio.to_thread(resolve_model, s.model, s.model_cache_dir or None)
+        device = resolve_device(s.device)
+        dtype = resolve_dtype(s.dtype, device)
+        config = EngineConfig(
+            model_path=str(path),
+            device=device,
+            dtype=dtype,
+            dp_size=s.dp_size,
+            block_size=s.block_size,
+            kv_cache_tokens=s.kv_cache_tokens,
+            max_batch_tokens=s.max_batch_tokens,
+            max_num_seqs=s.max_num_seqs,
+            max_model_len=s.max_model_len,
+            torch_threads=s.torch_threads,
+        )
+        log.info("model_loading", path=str(path), device=device, dtype=dtype, dp_size=s.dp_size)
+        # Off the event loop, so health checks are answered (NOT_SERVING) while loading.
+        engine = await asyncio.to_thread(self._create_engine, config)
+        self.engine = engine
+        identity = WorkerIdentity(
+            worker_id=self.worker_id,
+            address=self.address,
+            role=s.role,
+            model_id=engine.model_id or model_id_for(path),
+            dp_size=s.dp_size,
+            kv_layout=engine.kv_layout,
+            capabilities=CAPABILITIES,
+            proto_version=PROTO_VERSION,
+            max_model_len=engine.max_model_len,
+            device=device,
+        )
+        self.core = WorkerCore(
+            engine, identity, self.pusher, kv_chunk_bytes=s.kv_chunk_bytes,
+            log_prompts=s.log_prompts,
+        )
+        self.core.refresh_metrics()
+        self.servicer.core = self.core
+        log.info("model_ready", model_id=identity.model_id, kv_layout=str(identity.kv_layout),
+                 max_model_len=identity.max_model_len,
+                 seconds=round(time.perf_counter() - started, 3))
+
+    def _create_engine(self, config: EngineConfig) -> Engine:
+        engine = self._engine_factory(config)
+        engine.start()  # loads the replicas and runs the warm-up step
+        return engine
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.load_refresh_s)
+            if self.core is not None:
+                try:
+                    self.core.refresh_metrics()
+                except Exception:
+                    log.exception("load_gauges_refresh_failed")
+
+    async def drain(self) -> None:
+        """NOT_SERVING, leave the cluster, let in-flight requests finish, abort what's left."""
+        grace_s = self.settings.drain_grace_s
+        await self.server.set_serving(False)
+        if self.registration is not None:
+            await self.registration.deregister()
+            self.registration = None
+        if self.core is None:
+            return
+        self.core.begin_drain()
+        log.info("draining", in_flight=self.core.num_active, grace_s=grace_s)
+        if not await self.core.wait_idle(grace_s):
+            aborted = self.core.abort_all()
+            log.warning("drain_grace_expired_aborting", aborted=len(aborted))
+            if not await self.core.wait_idle(_ABORT_FLUSH_S):
+                log.warning("drain_incomplete", in_flight=self.core.num_active)
+        log.info("drained")
+
+    async def stop(self) -> None:
+        """Stop the server and the engine (after `drain`, nothing is in flight)."""
+        if self._refresher is not None:
+            self._refresher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._refresher
+        if self.registration is not None:
+            await self.registration.deregister()
+        await self.server.stop(1.0)
+        await self.pusher.close()
+        if self.engine is not None:
+            self.engine.shutdown()
+        log.info("stopped")
+
+
+async def serve(settings: WorkerSettings) -> None:
+    stop_event = asyncio.Event()
+    install_signal_handlers(stop_event)
+    app = WorkerApp(settings)
+    try:
+        start = asyncio.create_task(app.start())
+        stopped = asyncio.create_task(stop_event.wait())
+        await asyncio.wait({start, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if not start.done():  # SIGTERM while loading: nothing is in flight, just stop
+            start.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await start
+        else:
+            start.result()  # a failed load raises here
+            await stopped
+            await app.drain()
+    finally:
+        await app.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    settings = parse_settings(
+        WorkerSettings, sys.argv[1:] if argv is None else argv, prog="pdserve worker"
+    )
+    configure_logging(settings.service_name, settings.log_level, settings.log_format)
+    configure_tracing(settings.service_name, otel_env())
+    port = start_metrics_server(settings.metrics_port)
+    if port >= 0:
+        log.info("metrics_listening", port=port)
+    try:
+        asyncio.run(serve(settings))
+    except Exception:
+        log.exception("worker_failed")
+        raise SystemExit(1) from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""Settings of a worker process (prefill, decode or unified role), from flags and PDSERVE_* env."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from shared.settings import field
+
+ROLES = ("prefill", "decode", "unified")
+
+# Per-role defaults (docs/CONTRIBUTING.md "Settings every service has").
+DEFAULT_LISTEN = {
+    "prefill": "0.0.0.0:50061",
+    "decode": "0.0.0.0:50071",
+    "unified": "0.0.0.0:50081",
+}
+DEFAULT_METRICS_PORT = {"prefill": 9103, "decode": 9104, "unified": 9105}
+
+# Sentinel for "the role's default port" (-1 already means "disabled").
+_ROLE_DEFAULT_PORT = -2
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """pdserve worker: runs a model; prefill, decode or both (unified)."""
+
+    role: str = field("unified", "What this worker does", choices=ROLES)
+    listen: str = field("", "host:port to serve gRPC on; empty = the role's default port")
+    metrics_port: int = field(
+        _ROLE_DEFAULT_PORT,
+        "Prometheus /metrics port; -1 disables, 0 picks a free one, -2 = the role's default",
+    )
+    log_level: str = field("info", "Log level", choices=("debug", "info", "warning", "error"))
+    log_format: str = field("auto", "Log format", choices=("auto", "json", "console"))
+    drain_grace_s: float = field(
+        30.0, "On SIGTERM, seconds to let in-flight requests finish before aborting them"
+    )
+    model: str = field("default", "A local model folder, or 'default' (bundled SmolLM2)")
+    model_cache_dir: str = field("", "Where the default model is converted; empty = ~/.cache")
+    device: str = field("auto", "Where the model runs; auto = cuda if available",
+                        choices=("auto", "cpu", "cuda"))
+    dtype: str = field("auto", "Model and KV dtype; auto = float32 on CPU, bfloat16 on CUDA",
+                       choices=("auto", "float32", "bfloat16", "float16"))
+    dp_size: int = field(1, "Data-parallel ranks (model replicas) in this process")
+    block_size: int = field(16, "Tokens per KV block")
+    kv_cache_tokens: int = field(0, "KV pool size per rank (tokens); 0 = from free memory")
+    max_batch_tokens: int = field(2048, "Tokens per forward pass (decode + prefill chunks)")
+    max_num_seqs: int = field(64, "Running requests per rank")
+    max_model_len: int = field(0, "Longest prompt + generation (tokens); 0 = the model's limit")
+    torch_threads: int = field(0, "torch intra-op threads; 0 = torch default")
+    load_monitor_address: str = field("", "host:port of the load-monitor; empty = don't register")
+    advertise_address: str = field(
+        "", "host:port others use to reach this worker; empty = the bound address "
+        "(set it, e.g. to the pod IP, when peers run on other hosts)"
+    )
+    worker_id: str = field("", "Stable id of this worker; empty = generated per process")
+    heartbeat_interval_s: float = field(
+        0.0, "Heartbeat period (seconds); 0 = the load-monitor's suggestion"
+    )
+    register_retry_s: float = field(
+        2.0, "Seconds between registration attempts while the load-monitor is unreachable"
+    )
+    load_refresh_s: float = field(1.0, "Seconds between refreshes of the per-rank load gauges")
+    kv_chunk_bytes: int = field(1 << 20, "Target size of one KV push message (bytes)")
+    kv_push_timeout_s: float = field(60.0, "Deadline of one KV push to a decode worker (seconds)")
+    log_prompts: bool = field(False, "Log prompt and completion text (off: never logged)")
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {list(ROLES)}, got {self.role!r}")
+        if not self.listen:
+            object.__setattr__(self, "listen", DEFAULT_LISTEN[self.role])
+        if self.metrics_port == _ROLE_DEFAULT_PORT:
+            object.__setattr__(self, "metrics_port", DEFAULT_METRICS_PORT[self.role])
+        if ":" not in self.listen:
+            raise ValueError(f"listen must be host:port, got {self.listen!r}")
+        if self.dp_size < 1:
+            raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.kv_chunk_bytes < 1:
+            raise ValueError(f"kv_chunk_bytes must be >= 1, got {self.kv_chunk_bytes}")
+        if self.drain_grace_s < 0:
+            raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
+        for name in ("max_batch_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("kv_cache_tokens", "max_model_len", "torch_threads"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def service_name(self) -> str:
+        """The logging / tracing service name, e.g. "prefill-worker"."""
+        return f"{self.role}-worker"
+
+    def replace(self, **changes: object) -> WorkerSettings:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
