@@ -1,0 +1,1 @@
+"""The gateway: pdserve's public API (validation, tokenization, request life, usage)."""

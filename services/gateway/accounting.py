@@ -1,0 +1,110 @@
+"""Token accounting (pure functions): completion_tokens, finish_reason, cache stats, usage.
+
+DESIGN.md "Token accounting": the worker that generated a token is the only authority on how many
+it generated. Counts arrive as `generated_tokens` on the prefill's first-token reply and on the
+decode's FINAL frame; the gateway sums them (saturating at 2**64 - 1, the wire type's range) and
+clamps to max_tokens. Only when no frame carried a count (a v1.0 worker) does it count frames.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+U64_MAX = 2**64 - 1
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+class FrameSource(enum.Enum):
+    """Which worker message a relayed piece came from (for fallback counting)."""
+
+    PREFILL_REPLY = "prefill_reply"
+    DECODE_TOKENS = "decode_tokens"
+    DECODE_FINAL = "decode_final"
+
+
+def saturating_sum(counts: Iterable[int]) -> int:
+    """Sum of non-negative counts that sticks at U64_MAX instead of overflowing the wire type."""
+    total = 0
+    for count in counts:
+        total = min(U64_MAX, total + max(0, count))
+    return total
+
+
+def fallback_tokens(source: FrameSource, text: str, num_token_ids: int, stopped: bool) -> int:
+    """Tokens a frame from a worker that sends no `generated_tokens` (v1.0) stands for.
+
+    Token ids, when the worker returned them, are exact. Otherwise: a v1.0 decode worker sends one
+    TOKENS frame per sampled token, even when its text is empty (byte fallback holds text back);
+    the prefill reply stands for its one token unless it is an immediate EOS (no text, stopped);
+    a FINAL frame stands for a token only when it carries that token's text.
+    """
+    if num_token_ids > 0:
+        return num_token_ids
+    if source is FrameSource.DECODE_TOKENS:
+        return 1
+    if source is FrameSource.PREFILL_REPLY:
+        return 0 if (stopped and not text) else 1
+    return 1 if text else 0
+
+
+def completion_tokens(reported: Iterable[int], fallback: Iterable[int], max_tokens: int) -> int:
+    """usage.completion_tokens: the authoritative counts summed, or (only when no frame carried a
+    count, i.e. `reported` is empty) the fallback frame counts summed; clamped to max_tokens."""
+    reported = list(reported)
+    raw = saturating_sum(reported) if reported else saturating_sum(fallback)
+    return min(raw, max(0, max_tokens))
+
+
+def finish_reason(
+    num_completion_tokens: int, max_tokens: int, worker_reason: FinishReason | None
+) -> FinishReason:
+    """The worker's own rule: abort stays abort; count >= max_tokens -> length; else the worker's
+    stop reason (a worker that ended without naming one is treated as having stopped)."""
+    if worker_reason is FinishReason.ABORT:
+        return FinishReason.ABORT
+    if num_completion_tokens >= max_tokens:
+        return FinishReason.LENGTH
+    return worker_reason if worker_reason is not None else FinishReason.STOP
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """Prompt tokens whose KV was not computed for this request, by source (tokens)."""
+
+    local_tokens: int = 0
+    transferred_tokens: int = 0
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.local_tokens + self.transferred_tokens
+
+
+def cache_stats(prompt_tokens: int, local_tokens: int, transferred_tokens: int) -> CacheStats:
+    """Clamp reported cache figures: each >= 0, and local + transferred <= prompt_tokens (local
+    wins when the two overlap), so no derived figure can go negative or exceed the prompt."""
+    prompt_tokens = max(0, prompt_tokens)
+    local = min(max(0, local_tokens), prompt_tokens)
+    transferred = min(max(0, transferred_tokens), prompt_tokens - local)
+    return CacheStats(local, transferred)
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cache: CacheStats
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.cache.cached_tokens
+
+    @property
+    def total_tokens(self) -> int:
+        return min(U64_MAX, self.prompt_tokens + self.completion_tokens)

@@ -1,0 +1,229 @@
+"""Protobuf <-> domain conversion for the gateway (the only module besides clients/servicer that
+touches generated stubs). Presence of optional fields is read with HasField, never from zeros."""
+
+from __future__ import annotations
+
+from services.gateway.accounting import FinishReason, Usage
+from services.gateway.ports import (
+    DecodeEvent,
+    DecodeEventKind,
+    KvDestination,
+    ModelCard,
+    Placement,
+    PrefillResult,
+    ScheduleQuery,
+    ServingMode,
+    WorkerJob,
+    WorkerTarget,
+)
+from services.gateway.request import ChatTurn, Completion, FrameKind, GenerateInput, OutputFrame, Sampling
+from shared.proto import common_pb2, gateway_pb2, scheduler_pb2, worker_pb2
+
+_FINISH_FROM_PB = {
+    common_pb2.FINISH_REASON_STOP: FinishReason.STOP,
+    common_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+    common_pb2.FINISH_REASON_ABORT: FinishReason.ABORT,
+}
+_FINISH_TO_PB = {v: k for k, v in _FINISH_FROM_PB.items()}
+_FRAME_KIND_TO_PB = {
+    FrameKind.FIRST: gateway_pb2.FRAME_KIND_FIRST,
+    FrameKind.CONTINUATION: gateway_pb2.FRAME_KIND_CONTINUATION,
+    FrameKind.FINAL: gateway_pb2.FRAME_KIND_FINAL,
+}
+_DECODE_KIND_FROM_PB = {
+    worker_pb2.DECODE_FRAME_KIND_ADMITTED: DecodeEventKind.ADMITTED,
+    worker_pb2.DECODE_FRAME_KIND_TOKENS: DecodeEventKind.TOKENS,
+    worker_pb2.DECODE_FRAME_KIND_FINAL: DecodeEventKind.FINAL,
+}
+_MODE_FROM_PB = {
+    scheduler_pb2.SERVING_MODE_DISAGGREGATED: ServingMode.DISAGGREGATED,
+    scheduler_pb2.SERVING_MODE_AGGREGATED: ServingMode.AGGREGATED,
+    scheduler_pb2.SERVING_MODE_LOCAL_PREFILL: ServingMode.LOCAL_PREFILL,
+}
+
+
+def finish_from_pb(value: int) -> FinishReason | None:
+    return _FINISH_FROM_PB.get(value)  # type: ignore[call-overload]
+
+
+def finish_to_pb(reason: FinishReason | None) -> common_pb2.FinishReason:
+    return _FINISH_TO_PB[reason] if reason is not None else common_pb2.FINISH_REASON_UNSPECIFIED
+
+
+# --- public API ---
+def generate_input(req: gateway_pb2.GenerateRequest) -> GenerateInput:
+    return GenerateInput(
+        model=req.model,
+        prompt=req.prompt,
+        prompt_token_ids=tuple(req.prompt_token_ids),
+        messages=tuple(ChatTurn(m.role, m.content) for m in req.messages),
+        max_tokens=req.max_tokens if req.HasField("max_tokens") else None,
+        temperature=req.temperature if req.HasField("temperature") else None,
+        top_p=req.top_p if req.HasField("top_p") else None,
+        top_k=req.top_k if req.HasField("top_k") else None,
+        seed=req.seed if req.HasField("seed") else None,
+        stop=tuple(req.stop),
+        stop_token_ids=tuple(req.stop_token_ids),
+        ignore_eos=req.ignore_eos,
+        return_token_ids=req.return_token_ids,
+        request_id=req.request_id,
+        include_stop_in_output=req.include_stop_in_output,
+    )
+
+
+def usage_to_pb(usage: Usage) -> common_pb2.Usage:
+    return common_pb2.Usage(
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        cached_tokens=usage.cached_tokens,
+        local_cached_tokens=usage.cache.local_tokens,
+        transferred_cached_tokens=usage.cache.transferred_tokens,
+        total_tokens=usage.total_tokens,
+    )
+
+
+def generate_response(frame: OutputFrame) -> gateway_pb2.GenerateResponse:
+    msg = gateway_pb2.GenerateResponse(
+        request_id=frame.request_id,
+        text=frame.text,
+        token_ids=frame.token_ids,
+        finish_reason=finish_to_pb(frame.finish_reason),
+        kind=_FRAME_KIND_TO_PB[frame.kind],
+        prompt_tokens=frame.prompt_tokens,
+        cached_tokens=frame.cached_tokens,
+        model=frame.model,
+    )
+    if frame.usage is not None:
+        msg.usage.CopyFrom(usage_to_pb(frame.usage))
+    return msg
+
+
+def complete_response(done: Completion) -> gateway_pb2.CompleteResponse:
+    return gateway_pb2.CompleteResponse(
+        request_id=done.request_id,
+        text=done.text,
+        token_ids=done.token_ids,
+        finish_reason=finish_to_pb(done.finish_reason),
+        usage=usage_to_pb(done.usage),
+        model=done.model,
+    )
+
+
+def list_models_response(cards: list[ModelCard]) -> gateway_pb2.ListModelsResponse:
+    return gateway_pb2.ListModelsResponse(
+        models=[gateway_pb2.ModelCard(id=c.id, max_model_len=c.max_model_len) for c in cards]
+    )
+
+
+# --- scheduler ---
+def schedule_request(q: ScheduleQuery) -> scheduler_pb2.ScheduleRequest:
+    return scheduler_pb2.ScheduleRequest(
+        request_id=q.request_id,
+        model=q.model,
+        prompt_tokens=q.prompt_tokens,
+        prefix_block_hashes=q.prefix_block_hashes,
+        max_tokens=q.max_tokens,
+        exclude_worker_ids=q.exclude_worker_ids,
+    )
+
+
+def _target(t: scheduler_pb2.WorkerTarget) -> WorkerTarget:
+    return WorkerTarget(t.worker_id, t.address, t.dp_rank, tuple(t.capabilities))
+
+
+def placement(resp: scheduler_pb2.ScheduleResponse) -> Placement:
+    """Raises ValueError on a response the gateway cannot act on (caller maps it)."""
+    mode = _MODE_FROM_PB.get(resp.mode)  # type: ignore[call-overload]
+    if mode is None:
+        raise ValueError(f"unknown serving mode {resp.mode}")
+    if not resp.HasField("decode") or not resp.decode.address:
+        raise ValueError("no decode worker in the schedule response")
+    prefill = _target(resp.prefill) if resp.HasField("prefill") and resp.prefill.address else None
+    return Placement(mode, _target(resp.decode), prefill, resp.model, resp.max_model_len)
+
+
+def model_cards(state: scheduler_pb2.GetStateResponse) -> list[ModelCard]:
+    """Distinct model ids of registered workers; max_model_len is the smallest among a model's
+    workers (a request must fit wherever it lands)."""
+    lens: dict[str, int] = {}
+    for w in state.workers:
+        model_id, n = w.info.model_id, w.info.max_model_len
+        if not model_id:
+            continue
+        lens[model_id] = min(lens.get(model_id, n), n) if n else lens.get(model_id, 0)
+    return [ModelCard(m, lens[m]) for m in sorted(lens)]
+
+
+# --- workers ---
+def sampling_to_pb(s: Sampling) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(
+        max_tokens=s.max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        stop=s.stop,
+        stop_token_ids=s.stop_token_ids,
+        ignore_eos=s.ignore_eos,
+        include_stop_in_output=s.include_stop_in_output,
+    )
+    if s.seed is not None:
+        msg.seed = s.seed
+    return msg
+
+
+def decode_request(job: WorkerJob, dp_rank: int, local_prefill: bool) -> worker_pb2.DecodeRequest:
+    return worker_pb2.DecodeRequest(
+        request_id=job.request_id,
+        prompt_token_ids=job.prompt_token_ids,
+        sampling=sampling_to_pb(job.sampling),
+        dp_rank=dp_rank,
+        local_prefill=local_prefill,
+        return_token_ids=job.return_token_ids,
+    )
+
+
+def prefill_request(job: WorkerJob, dp_rank: int, kv: KvDestination | None) -> worker_pb2.PrefillRequest:
+    msg = worker_pb2.PrefillRequest(
+        request_id=job.request_id,
+        prompt_token_ids=job.prompt_token_ids,
+        sampling=sampling_to_pb(job.sampling),
+        dp_rank=dp_rank,
+        return_token_ids=job.return_token_ids,
+    )
+    if kv is not None:
+        msg.kv_target.CopyFrom(
+            worker_pb2.KvTarget(
+                address=kv.address,
+                dp_rank=kv.dp_rank,
+                transfer_ticket=kv.transfer_ticket,
+                skip_blocks=kv.skip_blocks,
+            )
+        )
+    return msg
+
+
+def decode_event(frame: worker_pb2.DecodeFrame) -> DecodeEvent:
+    kind = _DECODE_KIND_FROM_PB.get(frame.kind)  # type: ignore[call-overload]
+    if kind is None:
+        raise ValueError(f"decode frame of unknown kind {frame.kind}")
+    return DecodeEvent(
+        kind=kind,
+        text=frame.text,
+        token_ids=tuple(frame.token_ids),
+        generated_tokens=frame.generated_tokens if frame.HasField("generated_tokens") else None,
+        finish_reason=finish_from_pb(frame.finish_reason),
+        transfer_ticket=frame.transfer_ticket,
+        cached_blocks=frame.cached_blocks,
+        local_cached_tokens=frame.local_cached_tokens,
+        transferred_cached_tokens=frame.transferred_cached_tokens,
+    )
+
+
+def prefill_result(resp: worker_pb2.PrefillResponse) -> PrefillResult:
+    return PrefillResult(
+        text=resp.text,
+        token_ids=tuple(resp.token_ids),
+        generated_tokens=resp.generated_tokens if resp.HasField("generated_tokens") else None,
+        finish_reason=finish_from_pb(resp.finish_reason),
+        local_cached_tokens=resp.local_cached_tokens,
+    )

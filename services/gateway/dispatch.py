@@ -1,0 +1,339 @@
+"""The request life: schedule, admit on decode, prefill with a KV target, relay frames, finish;
+abort both workers on cancel/deadline/error; reschedule once when a worker is unavailable before
+any output reached the client (retry before handoff). No grpc here: workers and the scheduler are
+reached through the ports in `ports.py`."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import structlog
+
+from services.gateway.accounting import FinishReason, FrameSource
+from services.gateway.ports import (
+    DecodeEvent,
+    DecodeEventKind,
+    DecodeStream,
+    KvDestination,
+    Placement,
+    ScheduleQuery,
+    SchedulerClient,
+    ServingMode,
+    WorkerClient,
+    WorkerJob,
+    WorkerTarget,
+    WorkerUnavailable,
+)
+from services.gateway.request import FrameKind, OutputFrame, RequestState, RequestStatus, Sampling
+from services.gateway.validation import resolve_max_tokens
+from shared.block_hash import block_hashes
+from shared.errors import DeadlineExceeded, FailedPrecondition
+from shared.tracing import tracer
+
+log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
+
+MAX_ATTEMPTS = 2  # the first try + one reschedule before handoff
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A validated, tokenized request, ready to schedule."""
+
+    request_id: str
+    model: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: Sampling  # max_tokens here is requested-or-default; resolved per placement
+    requested_max_tokens: int | None
+    default_max_tokens: int
+    return_token_ids: bool
+
+
+@dataclass
+class _Attempt:
+    """What one scheduling attempt started, so that it can be undone."""
+
+    placement: Placement | None = None
+    started: list[str] = field(default_factory=list)  # worker addresses that know the request
+    stream: DecodeStream | None = None
+
+    def start(self, address: str) -> None:
+        if address not in self.started:
+            self.started.append(address)
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        scheduler: SchedulerClient,
+        workers: WorkerClient,
+        block_size: int,
+        control_timeout_s: float = 10.0,
+    ) -> None:
+        self._scheduler = scheduler
+        self._workers = workers
+        self._block_size = block_size
+        self._control_timeout_s = control_timeout_s
+        self._abort_tasks: set[asyncio.Task[None]] = set()
+
+    async def run(
+        self, req: PreparedRequest, state: RequestState, deadline_s: float | None
+    ) -> AsyncIterator[OutputFrame]:
+        """Frames for the client, the last one FINAL. Raises shared.errors on failure, after
+        aborting whatever was started. deadline_s is on the time.monotonic() clock."""
+        hashes = tuple(block_hashes(req.prompt_token_ids, self._block_size))
+        exclude: list[str] = []
+        tries = 0
+        while True:
+            tries += 1
+            attempt = _Attempt()
+            try:
+                async for frame in self._attempt(req, state, attempt, hashes, tuple(exclude), deadline_s):
+                    yield frame
+                return
+            except WorkerUnavailable as exc:
+                await self._undo(attempt, req.request_id)
+                if state.handed_off or tries >= MAX_ATTEMPTS:
+                    state.fail()
+                    raise
+                log.warning("retry_before_handoff", error=str(exc), exclude_worker_id=exc.worker_id or None)
+                if exc.worker_id:
+                    exclude.append(exc.worker_id)
+                if state.status is not RequestStatus.WAITING:
+                    state.reset_for_retry()
+            except (asyncio.CancelledError, GeneratorExit):
+                await self._undo(attempt, req.request_id)
+                if not state.status.is_finished:
+                    state.finish(FinishReason.ABORT)
+                raise
+            except BaseException:
+                await self._undo(attempt, req.request_id)
+                state.fail()
+                raise
+
+    async def _attempt(
+        self,
+        req: PreparedRequest,
+        state: RequestState,
+        attempt: _Attempt,
+        hashes: tuple[int, ...],
+        exclude: tuple[str, ...],
+        deadline_s: float | None,
+    ) -> AsyncIterator[OutputFrame]:
+        query = ScheduleQuery(
+            request_id=req.request_id,
+            model=req.model,
+            prompt_tokens=len(req.prompt_token_ids),
+            prefix_block_hashes=hashes,
+            max_tokens=req.sampling.max_tokens,
+            exclude_worker_ids=exclude,
+        )
+        with tracer().start_as_current_span("schedule") as span:
+            span.set_attribute("pdserve.prompt_tokens", query.prompt_tokens)
+            placement = await self._within(
+                self._scheduler.schedule(query, self._control_timeout(deadline_s)), deadline_s
+            )
+            span.set_attribute("pdserve.mode", placement.mode.value)
+        attempt.placement = placement
+        max_tokens = resolve_max_tokens(
+            req.requested_max_tokens,
+            req.default_max_tokens,
+            len(req.prompt_token_ids),
+            placement.max_model_len,
+        )
+        state.mark_scheduled(max_tokens)
+        job = WorkerJob(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            sampling=dataclasses.replace(req.sampling, max_tokens=max_tokens),
+            return_token_ids=req.return_token_ids,
+        )
+        log.debug(
+            "scheduled",
+            mode=placement.mode.value,
+            decode=placement.decode.worker_id,
+            prefill=placement.prefill.worker_id if placement.prefill else None,
+            max_tokens=max_tokens,
+        )
+        if placement.mode is ServingMode.DISAGGREGATED:
+            if placement.prefill is None:
+                raise FailedPrecondition("the scheduler chose disaggregated serving without a prefill worker")
+            frames = self._disaggregated(state, attempt, placement.prefill, placement.decode, job, deadline_s)
+        else:
+            frames = self._aggregated(state, attempt, placement.decode, job, deadline_s)
+        async for frame in frames:
+            yield frame
+
+    async def _disaggregated(
+        self,
+        state: RequestState,
+        attempt: _Attempt,
+        prefill: WorkerTarget,
+        decode: WorkerTarget,
+        job: WorkerJob,
+        deadline_s: float | None,
+    ) -> AsyncIterator[OutputFrame]:
+        # 1. The decode worker admits the request first: it reserves KV and issues a ticket.
+        attempt.start(decode.address)
+        stream = attempt.stream = self._workers.decode(
+            decode, job, local_prefill=False, timeout_s=self._remaining(deadline_s)
+        )
+        admitted = await self._within(stream.next(), deadline_s)
+        if admitted is None or admitted.kind is not DecodeEventKind.ADMITTED:
+            got = "the end of the stream" if admitted is None else f"a {admitted.kind.value} frame"
+            raise WorkerUnavailable(
+                f"decode worker {decode.worker_id} did not admit the request (got {got})", decode.worker_id
+            )
+        state.record_cache(admitted.local_cached_tokens, admitted.transferred_cached_tokens)
+        state.advance(RequestStatus.ADMITTED)
+        # 2. The prefill worker runs the prompt and pushes KV straight to that decode rank.
+        kv = KvDestination(decode.address, decode.dp_rank, admitted.transfer_ticket, admitted.cached_blocks)
+        state.advance(RequestStatus.PREFILLING)
+        attempt.start(prefill.address)
+        reply = await self._within(
+            self._workers.prefill(prefill, job, kv, self._remaining(deadline_s)), deadline_s
+        )
+        state.record_output(
+            FrameSource.PREFILL_REPLY,
+            reply.text,
+            reply.token_ids,
+            reply.generated_tokens,
+            reply.finish_reason,
+        )
+        if reply.finish_reason is not None:
+            # Finished at the first token (EOS, stop, max_tokens=1): free the decode side's KV.
+            stream.cancel()
+            await self._abort_all([decode.address], job.request_id)
+            state.finish()
+            yield self._frame(state, FrameKind.FINAL, reply.text, reply.token_ids)
+            return
+        # 3. The first token goes to the client at once (TTFT); decode continues.
+        state.advance(RequestStatus.DECODING)
+        yield self._frame(state, FrameKind.FIRST, reply.text, reply.token_ids)
+        async for frame in self._relay(state, stream, decode, deadline_s):
+            yield frame
+
+    async def _aggregated(
+        self,
+        state: RequestState,
+        attempt: _Attempt,
+        target: WorkerTarget,
+        job: WorkerJob,
+        deadline_s: float | None,
+    ) -> AsyncIterator[OutputFrame]:
+        attempt.start(target.address)
+        state.advance(RequestStatus.PREFILLING)
+        stream = attempt.stream = self._workers.decode(
+            target, job, local_prefill=True, timeout_s=self._remaining(deadline_s)
+        )
+        async for frame in self._relay(state, stream, target, deadline_s):
+            yield frame
+
+    async def _relay(
+        self, state: RequestState, stream: DecodeStream, target: WorkerTarget, deadline_s: float | None
+    ) -> AsyncIterator[OutputFrame]:
+        while True:
+            event: DecodeEvent | None = await self._within(stream.next(), deadline_s)
+            if event is None:
+                raise WorkerUnavailable(
+                    f"decode worker {target.worker_id} ended the stream without a final frame "
+                    f"after {state.num_completion_tokens} tokens",
+                    target.worker_id,
+                )
+            state.record_cache(event.local_cached_tokens, event.transferred_cached_tokens)
+            if event.kind is DecodeEventKind.ADMITTED:
+                continue  # aggregated: admission carries only cache figures
+            if event.kind is DecodeEventKind.FINAL:
+                state.record_output(
+                    FrameSource.DECODE_FINAL,
+                    event.text,
+                    event.token_ids,
+                    event.generated_tokens,
+                    event.finish_reason,
+                )
+                state.finish()
+                yield self._frame(state, FrameKind.FINAL, event.text, event.token_ids)
+                return
+            # TOKENS frames: counts ride on FINAL only, so any count here is ignored by design.
+            state.record_output(FrameSource.DECODE_TOKENS, event.text, event.token_ids, None, None)
+            kind = FrameKind.CONTINUATION if state.handed_off else FrameKind.FIRST
+            if state.status < RequestStatus.DECODING:
+                state.advance(RequestStatus.DECODING)
+            yield self._frame(state, kind, event.text, event.token_ids)
+
+    def _frame(
+        self, state: RequestState, kind: FrameKind, text: str, token_ids: tuple[int, ...]
+    ) -> OutputFrame:
+        state.note_frame_sent()
+        final = kind is FrameKind.FINAL
+        return OutputFrame(
+            request_id=state.request_id,
+            kind=kind,
+            text=text,
+            token_ids=token_ids if state.return_token_ids else (),
+            prompt_tokens=state.num_prompt_tokens,
+            cached_tokens=state.cache.cached_tokens,
+            model=state.model,
+            finish_reason=state.finish_reason if final else None,
+            usage=state.usage if final else None,
+        )
+
+    # --- undo ---
+    async def _undo(self, attempt: _Attempt, request_id: str) -> None:
+        """Cancel the decode stream and abort the request on every worker this attempt reached."""
+        if attempt.stream is not None:
+            attempt.stream.cancel()
+        await self._abort_all(attempt.started, request_id)
+
+    async def _abort_all(self, addresses: list[str], request_id: str) -> None:
+        if not addresses:
+            return
+        tasks = [asyncio.ensure_future(self._abort_one(a, request_id)) for a in addresses]
+        for task in tasks:  # keep them alive even if our caller is cancelled while waiting
+            self._abort_tasks.add(task)
+            task.add_done_callback(self._abort_tasks.discard)
+        # If our caller is cancelled meanwhile, the aborts go on; wait_for_aborts() collects them.
+        await asyncio.shield(asyncio.gather(*tasks))
+
+    async def _abort_one(self, address: str, request_id: str) -> None:
+        try:
+            found = await asyncio.wait_for(self._workers.abort(address, request_id), self._control_timeout_s)
+            log.info("aborted_on_worker", worker=address, found=found)
+        except Exception as exc:  # best effort: the worker may be gone; its lease frees the KV
+            log.warning("abort_failed", worker=address, error=str(exc) or type(exc).__name__)
+
+    async def wait_for_aborts(self, timeout_s: float) -> None:
+        """Let pending Abort calls finish (graceful shutdown)."""
+        if self._abort_tasks:
+            await asyncio.wait(list(self._abort_tasks), timeout=timeout_s)
+
+    # --- deadlines ---
+    def _remaining(self, deadline_s: float | None) -> float | None:
+        if deadline_s is None:
+            return None
+        return max(0.001, deadline_s - time.monotonic())
+
+    def _control_timeout(self, deadline_s: float | None) -> float:
+        remaining = self._remaining(deadline_s)
+        return self._control_timeout_s if remaining is None else min(remaining, self._control_timeout_s)
+
+    async def _within(self, aw: Awaitable[T], deadline_s: float | None) -> T:
+        if deadline_s is None:
+            return await aw
+        remaining = deadline_s - time.monotonic()
+        try:
+            if remaining <= 0:
+                raise TimeoutError
+            return await asyncio.wait_for(aw, remaining)
+        except TimeoutError:
+            if asyncio.iscoroutine(aw):
+                aw.close()
+            raise DeadlineExceeded(
+                "the request ran past its deadline and was aborted on the workers"
+            ) from None

@@ -1,0 +1,139 @@
+"""What the request life needs from the scheduler and the workers, in domain terms (no grpc).
+
+`clients.py` implements these over gRPC; tests may substitute fakes. Errors surface as
+shared.errors classes; `WorkerUnavailable` names the worker so a retry can exclude it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from services.gateway.accounting import FinishReason
+from services.gateway.request import Sampling
+from shared.errors import Unavailable
+
+
+class WorkerUnavailable(Unavailable):
+    """A worker (or the scheduler, worker_id "") could not be reached or refused for capacity."""
+
+    def __init__(self, message: str, worker_id: str = "") -> None:
+        super().__init__(message)
+        self.worker_id = worker_id
+
+
+class ServingMode(enum.Enum):
+    DISAGGREGATED = "disaggregated"
+    AGGREGATED = "aggregated"
+    LOCAL_PREFILL = "local_prefill"
+
+
+@dataclass(frozen=True)
+class WorkerTarget:
+    worker_id: str
+    address: str
+    dp_rank: int
+    capabilities: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ScheduleQuery:
+    request_id: str
+    model: str
+    prompt_tokens: int
+    prefix_block_hashes: tuple[int, ...]
+    max_tokens: int
+    exclude_worker_ids: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Placement:
+    mode: ServingMode
+    decode: WorkerTarget
+    prefill: WorkerTarget | None
+    model: str
+    max_model_len: int  # 0 = unknown
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    id: str
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class WorkerJob:
+    """What both worker calls carry."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: Sampling
+    return_token_ids: bool
+
+
+@dataclass(frozen=True)
+class KvDestination:
+    address: str
+    dp_rank: int
+    transfer_ticket: str
+    skip_blocks: int
+
+
+class DecodeEventKind(enum.Enum):
+    ADMITTED = "admitted"
+    TOKENS = "tokens"
+    FINAL = "final"
+
+
+@dataclass(frozen=True)
+class DecodeEvent:
+    """One DecodeFrame. generated_tokens is None when the field is absent (HasField false)."""
+
+    kind: DecodeEventKind
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    generated_tokens: int | None = None
+    finish_reason: FinishReason | None = None
+    transfer_ticket: str = ""
+    cached_blocks: int = 0
+    local_cached_tokens: int = 0
+    transferred_cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """The PrefillResponse. generated_tokens is None when the field is absent."""
+
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    generated_tokens: int | None = None
+    finish_reason: FinishReason | None = None
+    local_cached_tokens: int = 0
+
+
+class DecodeStream(Protocol):
+    async def next(self) -> DecodeEvent | None:
+        """The next frame, or None when the worker ended the stream."""
+        ...
+
+    def cancel(self) -> None: ...
+
+
+class WorkerClient(Protocol):
+    def decode(
+        self, target: WorkerTarget, job: WorkerJob, local_prefill: bool, timeout_s: float | None
+    ) -> DecodeStream: ...
+
+    async def prefill(
+        self, target: WorkerTarget, job: WorkerJob, kv: KvDestination | None, timeout_s: float | None
+    ) -> PrefillResult: ...
+
+    async def abort(self, address: str, request_id: str) -> bool: ...
+
+
+class SchedulerClient(Protocol):
+    async def schedule(self, query: ScheduleQuery, timeout_s: float | None) -> Placement: ...
+
+    async def list_models(self) -> Sequence[ModelCard]: ...

@@ -1,0 +1,287 @@
+"""One request as the gateway sees it: the client's input, the validated job, and the request
+state that owns everything relayed so far (text pieces, token ids, counts) with derived figures."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from services.gateway import accounting
+from services.gateway.accounting import CacheStats, FinishReason, FrameSource, Usage
+
+
+@dataclass(frozen=True)
+class ChatTurn:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class GenerateInput:
+    """The client's GenerateRequest, unvalidated; None means the optional field was not set."""
+
+    model: str = ""
+    prompt: str = ""
+    prompt_token_ids: tuple[int, ...] = ()
+    messages: tuple[ChatTurn, ...] = ()
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+    request_id: str = ""
+    include_stop_in_output: bool = False
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Validated sampling/stop parameters, as the workers get them."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_in_output: bool = False
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+class RequestStatus(enum.IntEnum):
+    """Life of a request in the gateway. Order means something: everything >= FINISHED_STOPPED is
+    finished; everything >= DECODING has sent output to the client (no retry possible)."""
+
+    WAITING = 0  # validated and tokenized, not (or no longer) scheduled
+    SCHEDULED = 1  # workers chosen
+    ADMITTED = 2  # decode worker admitted it and reserved KV (disaggregated)
+    PREFILLING = 3  # prefill worker (or the unified worker) runs the prompt
+    DECODING = 4  # first output sent to the client; relaying decode frames
+    FINISHED_STOPPED = 5
+    FINISHED_LENGTH = 6
+    FINISHED_ABORTED = 7
+    FAILED = 8  # ended with an error status
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+_FINISHED = {
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+    RequestStatus.FAILED,
+}
+
+ALLOWED_TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
+    RequestStatus.WAITING: frozenset({RequestStatus.SCHEDULED} | _FINISHED),
+    RequestStatus.SCHEDULED: frozenset(
+        {RequestStatus.ADMITTED, RequestStatus.PREFILLING, RequestStatus.WAITING} | _FINISHED
+    ),
+    RequestStatus.ADMITTED: frozenset({RequestStatus.PREFILLING, RequestStatus.WAITING} | _FINISHED),
+    RequestStatus.PREFILLING: frozenset({RequestStatus.DECODING, RequestStatus.WAITING} | _FINISHED),
+    RequestStatus.DECODING: frozenset(_FINISHED),
+    **{s: frozenset() for s in _FINISHED},
+}
+
+STATUS_BY_FINISH_REASON = {
+    FinishReason.STOP: RequestStatus.FINISHED_STOPPED,
+    FinishReason.LENGTH: RequestStatus.FINISHED_LENGTH,
+    FinishReason.ABORT: RequestStatus.FINISHED_ABORTED,
+}
+
+
+class InvalidTransition(RuntimeError):
+    """A bug: the request life tried a status change the table does not allow."""
+
+
+class FrameKind(enum.Enum):
+    FIRST = "first"
+    CONTINUATION = "continuation"
+    FINAL = "final"
+
+
+@dataclass(frozen=True)
+class OutputFrame:
+    """One frame for the client. finish_reason and usage are set on the FINAL frame only."""
+
+    request_id: str
+    kind: FrameKind
+    text: str
+    token_ids: tuple[int, ...]
+    prompt_tokens: int
+    cached_tokens: int
+    model: str
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+
+
+@dataclass(frozen=True)
+class Completion:
+    """Complete's single response: the same request life as Generate, gathered."""
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason
+    usage: Usage
+    model: str
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """Output relayed from one worker message."""
+
+    source: FrameSource
+    text: str
+    token_ids: tuple[int, ...]
+    fallback_tokens: int  # what this piece stands for when no worker reports counts
+
+
+@dataclass
+class RequestState:
+    """Owns the relayed text/token lists and the workers' reports; every count is derived."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    return_token_ids: bool
+    model: str
+    arrival_s: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    max_tokens: int = 0  # set when scheduled (depends on the chosen workers' max_model_len)
+    attempts: int = 0  # Schedule calls made
+    _pieces: list[_Piece] = field(default_factory=list)
+    _reported_counts: list[int] = field(default_factory=list)  # present generated_tokens values
+    _worker_finish: FinishReason | None = None
+    _local_cached: int | None = None
+    _transferred_cached: int | None = None
+    _abort_reason: FinishReason | None = None
+    frame_times_s: list[float] = field(default_factory=list)  # when each frame went to the client
+
+    # --- status ---
+    def advance(self, new: RequestStatus) -> None:
+        if new not in ALLOWED_TRANSITIONS[self.status]:
+            raise InvalidTransition(f"request {self.request_id}: {self.status.name} -> {new.name}")
+        self.status = new
+
+    def mark_scheduled(self, max_tokens: int) -> None:
+        self.advance(RequestStatus.SCHEDULED)
+        self.max_tokens = max_tokens
+        self.attempts += 1
+
+    @property
+    def handed_off(self) -> bool:
+        """True once anything went to the client: from then on the request cannot be retried."""
+        return bool(self.frame_times_s)
+
+    def reset_for_retry(self) -> None:
+        """Back to WAITING before a reschedule; only allowed while nothing was sent."""
+        if self.handed_off:
+            raise InvalidTransition(f"request {self.request_id}: retry after output was sent")
+        self.advance(RequestStatus.WAITING)
+        self._pieces.clear()
+        self._reported_counts.clear()
+        self._worker_finish = None
+        self._local_cached = None
+        self._transferred_cached = None
+
+    # --- recording worker output ---
+    def record_output(
+        self,
+        source: FrameSource,
+        text: str,
+        token_ids: tuple[int, ...],
+        generated_tokens: int | None,
+        finish_reason: FinishReason | None,
+    ) -> None:
+        """One prefill reply or decode TOKENS/FINAL frame. `generated_tokens` is None when the field
+        was absent (never confuse absent with 0: an immediate EOS reports 0)."""
+        stopped = finish_reason is FinishReason.STOP
+        self._pieces.append(
+            _Piece(source, text, token_ids, accounting.fallback_tokens(source, text, len(token_ids), stopped))
+        )
+        if generated_tokens is not None:
+            self._reported_counts.append(generated_tokens)
+        if finish_reason is not None:
+            self._worker_finish = finish_reason
+
+    def record_cache(self, local_tokens: int, transferred_tokens: int) -> None:
+        """Cache figures from a worker frame. Each is fixed by the first frame that reports it
+        (non-zero); later frames cannot rewrite it (preemption/reschedule on the worker)."""
+        if self._local_cached is None and local_tokens > 0:
+            self._local_cached = local_tokens
+        if self._transferred_cached is None and transferred_tokens > 0:
+            self._transferred_cached = transferred_tokens
+
+    def finish(self, reason: FinishReason | None = None) -> None:
+        """End the request; `reason` overrides the worker's (ABORT when the gateway cuts it short)."""
+        if reason is not None:
+            self._abort_reason = reason
+        self.advance(STATUS_BY_FINISH_REASON[self.finish_reason])
+
+    def fail(self) -> None:
+        if not self.status.is_finished:
+            self.advance(RequestStatus.FAILED)
+
+    def note_frame_sent(self, now_s: float | None = None) -> None:
+        self.frame_times_s.append(time.monotonic() if now_s is None else now_s)
+
+    # --- derived ---
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def text(self) -> str:
+        return "".join(p.text for p in self._pieces)
+
+    @property
+    def output_token_ids(self) -> tuple[int, ...]:
+        return tuple(t for p in self._pieces for t in p.token_ids)
+
+    @property
+    def has_reported_counts(self) -> bool:
+        return bool(self._reported_counts)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return accounting.completion_tokens(
+            self._reported_counts, (p.fallback_tokens for p in self._pieces), self.max_tokens
+        )
+
+    @property
+    def finish_reason(self) -> FinishReason:
+        if self._abort_reason is not None:
+            return self._abort_reason
+        return accounting.finish_reason(self.num_completion_tokens, self.max_tokens, self._worker_finish)
+
+    @property
+    def cache(self) -> CacheStats:
+        return accounting.cache_stats(
+            self.num_prompt_tokens, self._local_cached or 0, self._transferred_cached or 0
+        )
+
+    @property
+    def usage(self) -> Usage:
+        return Usage(self.num_prompt_tokens, self.num_completion_tokens, self.cache)
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.frame_times_s[0] - self.arrival_s if self.frame_times_s else None
+
+    @property
+    def inter_frame_s(self) -> list[float]:
+        times = self.frame_times_s
+        return [b - a for a, b in itertools.pairwise(times)]

@@ -1,0 +1,184 @@
+"""The gateway's domain facade: validate + tokenize, run the request life, build Complete's
+single response from the same frames Generate streams, list models."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import structlog
+from opentelemetry import trace
+
+from services.gateway import observe
+from services.gateway.dispatch import Dispatcher, PreparedRequest
+from services.gateway.ports import ModelCard, SchedulerClient, WorkerClient
+from services.gateway.request import (
+    Completion,
+    FrameKind,
+    GenerateInput,
+    OutputFrame,
+    RequestState,
+    RequestStatus,
+    Sampling,
+    new_request_id,
+)
+from services.gateway.settings import GatewaySettings
+from services.gateway.tokenization import PromptTokenizer
+from services.gateway.validation import Limits, validate_input, validate_token_ids
+from shared.errors import AlreadyExists, Unavailable
+from shared.tracing import tracer
+
+log = structlog.get_logger(__name__)
+
+
+class GatewayService:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        scheduler: SchedulerClient,
+        workers: WorkerClient,
+        tokenizer: PromptTokenizer | None = None,
+    ) -> None:
+        self._settings = settings
+        self._scheduler = scheduler
+        self._tokenizer = tokenizer
+        self._limits = Limits(settings.max_stop_strings, settings.max_stop_string_chars)
+        self.dispatcher = Dispatcher(scheduler, workers, settings.block_size, settings.worker_rpc_timeout_s)
+        self._in_flight: set[str] = set()
+        self._draining = False
+
+    # --- lifecycle ---
+    def set_tokenizer(self, tokenizer: PromptTokenizer) -> None:
+        self._tokenizer = tokenizer
+
+    @property
+    def ready(self) -> bool:
+        return self._tokenizer is not None and not self._draining
+
+    def begin_drain(self) -> None:
+        """New requests get UNAVAILABLE; in-flight ones continue."""
+        self._draining = True
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    # --- requests ---
+    def prepare(self, inp: GenerateInput) -> PreparedRequest:
+        tok = self._require_tokenizer()
+        validate_input(inp, self._limits, tok.model_id)
+        if inp.prompt_token_ids:
+            prompt = inp.prompt_token_ids
+        elif inp.messages:
+            prompt = tok.encode_chat(inp.messages)
+        else:
+            prompt = tok.encode_prompt(inp.prompt)
+        validate_token_ids(prompt, inp.stop_token_ids, tok.vocab_size)
+        requested = inp.max_tokens
+        sampling = Sampling(
+            max_tokens=requested if requested is not None else self._settings.default_max_tokens,
+            temperature=1.0 if inp.temperature is None else float(inp.temperature),
+            top_p=1.0 if inp.top_p is None else float(inp.top_p),
+            top_k=inp.top_k or 0,
+            seed=inp.seed,
+            stop=inp.stop,
+            stop_token_ids=inp.stop_token_ids,
+            ignore_eos=inp.ignore_eos,
+            include_stop_in_output=inp.include_stop_in_output,
+        )
+        return PreparedRequest(
+            request_id=inp.request_id or new_request_id(),
+            model=inp.model,
+            prompt_token_ids=prompt,
+            sampling=sampling,
+            requested_max_tokens=requested,
+            default_max_tokens=self._settings.default_max_tokens,
+            return_token_ids=inp.return_token_ids,
+        )
+
+    async def generate(
+        self, inp: GenerateInput, client_timeout_s: float | None = None
+    ) -> AsyncIterator[OutputFrame]:
+        """The streamed frames of one request (the last is FINAL). client_timeout_s: what is left
+        of the client's deadline, if it set one."""
+        arrival_s = time.monotonic()
+        if self._draining:
+            raise Unavailable("the gateway is shutting down; retry on another replica")
+        prepared = self.prepare(inp)
+        if prepared.request_id in self._in_flight:
+            raise AlreadyExists(
+                f"request_id {prepared.request_id!r} is already in flight; use a unique id or leave it empty"
+            )
+        timeout_s = self._settings.request_timeout_s
+        if client_timeout_s is not None:
+            timeout_s = min(timeout_s, client_timeout_s)
+        state = RequestState(
+            request_id=prepared.request_id,
+            prompt_token_ids=prepared.prompt_token_ids,
+            return_token_ids=prepared.return_token_ids,
+            model=self._require_tokenizer().model_id,
+            arrival_s=arrival_s,
+        )
+        self._in_flight.add(prepared.request_id)
+        try:
+            with (
+                structlog.contextvars.bound_contextvars(request_id=prepared.request_id),
+                tracer().start_as_current_span("generate") as span,
+            ):
+                span.set_attribute("pdserve.request_id", prepared.request_id)
+                span.set_attribute("pdserve.prompt_tokens", state.num_prompt_tokens)
+                log.info(
+                    "request_start",
+                    prompt_tokens=state.num_prompt_tokens,
+                    max_tokens=prepared.requested_max_tokens,
+                    **({"prompt": inp.prompt or list(inp.messages)} if self._settings.log_prompts else {}),
+                )
+                try:
+                    async for frame in self.dispatcher.run(prepared, state, arrival_s + timeout_s):
+                        yield frame
+                finally:
+                    self._log_end(state, span)
+        finally:
+            self._in_flight.discard(prepared.request_id)
+            observe.record_finished(state)
+
+    async def complete(self, inp: GenerateInput, client_timeout_s: float | None = None) -> Completion:
+        """The same request life as generate, gathered into one response."""
+        text: list[str] = []
+        token_ids: list[int] = []
+        final: OutputFrame | None = None
+        async for frame in self.generate(inp, client_timeout_s):
+            text.append(frame.text)
+            token_ids.extend(frame.token_ids)
+            if frame.kind is FrameKind.FINAL:
+                final = frame
+        assert final is not None and final.usage is not None and final.finish_reason is not None
+        return Completion(
+            final.request_id, "".join(text), tuple(token_ids), final.finish_reason, final.usage, final.model
+        )
+
+    async def list_models(self) -> list[ModelCard]:
+        return list(await self._scheduler.list_models())
+
+    # --- helpers ---
+    def _require_tokenizer(self) -> PromptTokenizer:
+        if self._tokenizer is None:
+            raise Unavailable("the gateway is still loading the tokenizer; retry shortly")
+        return self._tokenizer
+
+    def _log_end(self, state: RequestState, span: trace.Span) -> None:
+        fields: dict[str, object] = {"status": state.status.name.lower(), "attempts": state.attempts}
+        if state.status.is_finished and state.status is not RequestStatus.FAILED:
+            usage = state.usage
+            fields.update(
+                finish_reason=state.finish_reason.value,
+                prompt_tokens=usage.prompt_tokens,
+                completion_tokens=usage.completion_tokens,
+                cached_tokens=usage.cached_tokens,
+                counts_reported=state.has_reported_counts,
+            )
+            span.set_attribute("pdserve.completion_tokens", usage.completion_tokens)
+            span.set_attribute("pdserve.finish_reason", state.finish_reason.value)
+        if self._settings.log_prompts:
+            fields["completion"] = state.text
+        log.info("request_end", **fields)

@@ -1,0 +1,57 @@
+"""pdserve.v1.Gateway servicer: convert -> one domain call -> convert."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+
+from services.gateway import convert, observe
+from services.gateway.service import GatewayService
+from shared.grpc_errors import status_for
+from shared.proto import gateway_pb2, gateway_pb2_grpc
+
+
+def _client_timeout_s(context: grpc.aio.ServicerContext) -> float | None:
+    remaining = context.time_remaining()
+    return None if remaining is None else max(0.0, float(remaining))
+
+
+def _count_error(exc: BaseException) -> None:
+    if isinstance(exc, asyncio.CancelledError | GeneratorExit):
+        observe.record_error(grpc.StatusCode.CANCELLED.name)
+    elif not isinstance(exc, grpc.aio.AbortError):
+        observe.record_error(status_for(exc)[0].name)
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    def __init__(self, service: GatewayService) -> None:
+        self._service = service
+
+    async def Generate(
+        self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        try:
+            async for frame in self._service.generate(
+                convert.generate_input(request), _client_timeout_s(context)
+            ):
+                yield convert.generate_response(frame)
+        except BaseException as exc:
+            _count_error(exc)
+            raise
+
+    async def Complete(
+        self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.CompleteResponse:
+        try:
+            done = await self._service.complete(convert.generate_input(request), _client_timeout_s(context))
+        except BaseException as exc:
+            _count_error(exc)
+            raise
+        return convert.complete_response(done)
+
+    async def ListModels(
+        self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.ListModelsResponse:
+        return convert.list_models_response(await self._service.list_models())

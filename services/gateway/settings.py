@@ -1,0 +1,57 @@
+"""The gateway's settings: flags `--field-name`, env `PDSERVE_FIELD_NAME` (see shared.settings)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from shared.settings import field, parse_settings
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    """pdserve gateway: the public Generate/Complete/ListModels API in front of the scheduler and workers."""
+
+    listen: str = field("0.0.0.0:50051", "host:port to serve the public API on")
+    metrics_port: int = field(9100, "Prometheus /metrics port (-1 disables, 0 picks a free one)")
+    log_level: str = field("info", "log level", choices=("debug", "info", "warning", "error"))
+    log_format: str = field("auto", "log format", choices=("auto", "json", "console"))
+    drain_grace_s: float = field(30.0, "on SIGTERM, seconds in-flight streams get to finish (s)")
+    scheduler_address: str = field("127.0.0.1:50052", "host:port of the scheduler")
+    model: str = field(
+        "default",
+        "tokenizer + chat template source: 'default' (bundled SmolLM2-135M-Instruct) or a model "
+        "folder; must be the model the workers serve",
+    )
+    model_cache_dir: str = field(
+        "", "where the default model is converted once ('' = ~/.cache/pdserve/models)"
+    )
+    block_size: int = field(
+        16,
+        "tokens per KV block used for the prefix block hashes sent to the scheduler (tokens); "
+        "must equal the workers' --block-size or cache-aware routing finds no overlap",
+    )
+    default_max_tokens: int = field(256, "max_tokens when a request leaves it unset (tokens)")
+    max_stop_strings: int = field(16, "most stop strings one request may carry (count)")
+    max_stop_string_chars: int = field(256, "longest stop string accepted (characters)")
+    request_timeout_s: float = field(
+        600.0, "longest a request may run, end to end, when the client sets no shorter deadline (s)"
+    )
+    worker_rpc_timeout_s: float = field(10.0, "timeout of short control RPCs (Schedule, Abort, GetState) (s)")
+    log_prompts: bool = field(False, "log prompt and completion text (off by default: privacy)")
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
+        if self.max_stop_strings < 0 or self.max_stop_string_chars < 1:
+            raise ValueError("max_stop_strings must be >= 0 and max_stop_string_chars >= 1")
+        if self.request_timeout_s <= 0 or self.worker_rpc_timeout_s <= 0:
+            raise ValueError("request_timeout_s and worker_rpc_timeout_s must be > 0")
+        if self.drain_grace_s < 0:
+            raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
+
+
+def load_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> GatewaySettings:
+    return parse_settings(GatewaySettings, argv, env, prog="pdserve gateway")

@@ -1,0 +1,122 @@
+"""Validation of client requests: every problem becomes one INVALID_ARGUMENT (or NOT_FOUND) a
+person can act on, raised before anything is started anywhere."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from services.gateway.request import GenerateInput
+from shared.errors import InvalidArgument, NotFound
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+MAX_REQUEST_ID_CHARS = 128
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
+
+
+def validate_input(req: GenerateInput, limits: Limits, served_model: str) -> None:
+    """Checks that need no tokenizer and no scheduler. Raises InvalidArgument / NotFound."""
+    if req.model and req.model != served_model:
+        raise NotFound(
+            f"model {req.model!r} is not served here; this deployment serves {served_model!r} "
+            "(ListModels lists it; leave model empty to use it)"
+        )
+    given = [
+        name
+        for name, present in (
+            ("prompt", bool(req.prompt)),
+            ("prompt_token_ids", bool(req.prompt_token_ids)),
+            ("messages", bool(req.messages)),
+        )
+        if present
+    ]
+    if not given:
+        raise InvalidArgument(
+            "the request has no input: set exactly one of prompt, prompt_token_ids, messages"
+        )
+    if len(given) > 1:
+        raise InvalidArgument(
+            f"set exactly one of prompt, prompt_token_ids, messages; this request sets {' and '.join(given)}"
+        )
+    for i, turn in enumerate(req.messages):
+        if turn.role not in CHAT_ROLES:
+            raise InvalidArgument(
+                f"messages[{i}].role is {turn.role!r}; it must be one of {', '.join(CHAT_ROLES)}"
+            )
+    if req.max_tokens is not None and req.max_tokens < 1:
+        raise InvalidArgument(f"max_tokens must be >= 1 (or unset for the default), got {req.max_tokens}")
+    if req.temperature is not None and not (math.isfinite(req.temperature) and req.temperature >= 0):
+        raise InvalidArgument(f"temperature must be a finite number >= 0 (0 = greedy), got {req.temperature}")
+    if req.top_p is not None and not (math.isfinite(req.top_p) and 0 < req.top_p <= 1):
+        raise InvalidArgument(f"top_p must be in (0, 1] (1 disables nucleus sampling), got {req.top_p}")
+    if len(req.stop) > limits.max_stop_strings:
+        raise InvalidArgument(
+            f"at most {limits.max_stop_strings} stop strings are allowed, got {len(req.stop)}"
+        )
+    for i, s in enumerate(req.stop):
+        if not s:
+            raise InvalidArgument(f"stop[{i}] is empty; remove it or give a non-empty string")
+        if len(s) > limits.max_stop_string_chars:
+            raise InvalidArgument(
+                f"stop[{i}] is {len(s)} characters; the limit is {limits.max_stop_string_chars}"
+            )
+    validate_request_id(req.request_id)
+
+
+def validate_request_id(request_id: str) -> None:
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidArgument(
+            f"request_id is {len(request_id)} characters; the limit is {MAX_REQUEST_ID_CHARS} "
+            "(or leave it empty and the gateway assigns one)"
+        )
+    for i, ch in enumerate(request_id):
+        if not (" " <= ch <= "~"):
+            raise InvalidArgument(
+                f"request_id must be printable ASCII; character {i} is {ch!r} "
+                "(or leave it empty and the gateway assigns one)"
+            )
+
+
+def validate_token_ids(
+    prompt_token_ids: tuple[int, ...], stop_token_ids: tuple[int, ...], vocab_size: int
+) -> None:
+    """Token ids the client sent must exist in the served model's vocabulary."""
+    for name, ids in (("prompt_token_ids", prompt_token_ids), ("stop_token_ids", stop_token_ids)):
+        for i, t in enumerate(ids):
+            if t >= vocab_size:
+                raise InvalidArgument(
+                    f"{name}[{i}] = {t} is not a token of the served model (vocabulary size {vocab_size})"
+                )
+    if not prompt_token_ids:
+        raise InvalidArgument("the prompt is empty after tokenization; send some text or token ids")
+
+
+def resolve_max_tokens(
+    requested: int | None, default_max_tokens: int, prompt_tokens: int, max_model_len: int
+) -> int:
+    """Effective max_tokens once the workers' max_model_len is known (0 = unknown, no limit).
+
+    An explicit max_tokens must fit: prompt + max_tokens <= max_model_len. An unset one is the
+    default, shortened to what fits.
+    """
+    if max_model_len <= 0:
+        return requested if requested is not None else default_max_tokens
+    room = max_model_len - prompt_tokens
+    if room < 1:
+        raise InvalidArgument(
+            f"the prompt is {prompt_tokens} tokens; the model accepts at most {max_model_len} tokens "
+            "of prompt + generation, so shorten the prompt"
+        )
+    if requested is None:
+        return min(default_max_tokens, room)
+    if requested > room:
+        raise InvalidArgument(
+            f"prompt ({prompt_tokens} tokens) + max_tokens ({requested}) exceeds the model's "
+            f"max_model_len ({max_model_len}); set max_tokens <= {room} or shorten the prompt"
+        )
+    return requested
