@@ -1,0 +1,1 @@
+"""The load-monitor service: worker membership with leases and per-DP-rank load snapshots."""

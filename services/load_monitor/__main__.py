@@ -1,0 +1,3 @@
+from services.load_monitor.server import main
+
+main()

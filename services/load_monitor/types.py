@@ -1,0 +1,89 @@
+"""Domain records of the load-monitor: worker identity, per-rank loads, snapshots (no grpc here)."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+class Role(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    UNIFIED = "unified"
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int  # tokens per KV block
+    dtype: str  # "float32" | "bfloat16" | "float16"
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    worker_id: str
+    address: str  # host:port of the worker's gRPC server
+    role: Role
+    model_id: str
+    dp_size: int
+    kv_layout: KvLayout
+    capabilities: tuple[str, ...] = ()
+    proto_version: str = ""
+    max_model_len: int = 0  # tokens; 0 = unknown
+    device: str = ""
+
+
+@dataclass(frozen=True)
+class RankLoad:
+    dp_rank: int
+    num_used_tokens: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_capacity_tokens: int = 0
+    prefix_cache_queries_tokens: int = 0
+    prefix_cache_hits_tokens: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Hits / queries over the summed counters (0 when nothing was looked up)."""
+        if self.prefix_cache_queries_tokens == 0:
+            return 0.0
+        return self.prefix_cache_hits_tokens / self.prefix_cache_queries_tokens
+
+
+def sum_rank_loads(reports: Iterable[RankLoad], dp_size: int) -> tuple[RankLoad, ...]:
+    """One entry per rank 0..dp_size-1; several reports for the same rank are summed, never
+    overwritten; reports for ranks outside [0, dp_size) are dropped (the worker said it has
+    dp_size ranks)."""
+    acc = [[0, 0, 0, 0, 0, 0] for _ in range(dp_size)]
+    for r in reports:
+        if not 0 <= r.dp_rank < dp_size:
+            continue
+        a = acc[r.dp_rank]
+        a[0] += r.num_used_tokens
+        a[1] += r.num_running
+        a[2] += r.num_waiting
+        a[3] += r.kv_capacity_tokens
+        a[4] += r.prefix_cache_queries_tokens
+        a[5] += r.prefix_cache_hits_tokens
+    return tuple(RankLoad(rank, *a) for rank, a in enumerate(acc))
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """One worker in a snapshot."""
+
+    info: WorkerInfo
+    ranks: tuple[RankLoad, ...]  # one per rank, index = dp_rank
+    age_ms: int  # since the last successful poll (or since registration if never polled)
+    stale: bool  # age_ms exceeds the staleness limit
+
+
+@dataclass(frozen=True)
+class LoadSnapshot:
+    workers: tuple[WorkerLoad, ...]
+    version: int  # increases with every new snapshot
+    timestamp_ms: int  # Unix time (milliseconds)

@@ -1,0 +1,1 @@
+"""The scheduler service: picks prefill/decode workers, DP ranks and the serving mode per request."""

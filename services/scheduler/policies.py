@@ -1,0 +1,100 @@
+"""Routing policies as pure functions: they read candidate loads (tokens: reported in use plus
+reserved since the last report) and request features, and return an index. No state is kept
+here: round-robin turns, random generators and prefix matches are passed in by the router.
+
+Ties always break to the lowest index, so equal inputs give equal picks.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+WORKER_POLICIES = ("round_robin", "random", "power_of_two", "cache_aware")
+RANK_POLICIES = ("min_tokens", "round_robin", "hash")
+
+
+@dataclass(frozen=True)
+class Balance:
+    """When loads count as unbalanced for `cache_aware`: the spread exceeds `abs_tokens` AND the
+    largest load exceeds `rel` times the smallest."""
+
+    abs_tokens: int = 8192
+    rel: float = 1.5
+
+
+# --- worker policies (index into the candidate list) ---
+
+
+def round_robin(num_candidates: int, turn: int) -> int:
+    """The `turn`-th candidate, cycling."""
+    return turn % num_candidates
+
+
+def random_pick(num_candidates: int, rng: random.Random) -> int:
+    """A uniformly random candidate."""
+    return rng.randrange(num_candidates)
+
+
+def least_loaded(loads: Sequence[int]) -> int:
+    """The candidate with the fewest tokens (lowest index on ties)."""
+    return loads.index(min(loads))
+
+
+def power_of_two(loads: Sequence[int], rng: random.Random) -> int:
+    """The less loaded of two distinct random candidates (the lower index on a tie)."""
+    n = len(loads)
+    if n == 1:
+        return 0
+    i = rng.randrange(n)
+    j = rng.randrange(n - 1)
+    if j >= i:
+        j += 1
+    if loads[j] < loads[i] or (loads[j] == loads[i] and j < i):
+        return j
+    return i
+
+
+def is_unbalanced(loads: Sequence[int], balance: Balance) -> bool:
+    hi = max(loads)
+    lo = min(loads)
+    return hi - lo > balance.abs_tokens and hi > lo * balance.rel
+
+
+def cache_aware(loads: Sequence[int], matched: Sequence[int], balance: Balance) -> int:
+    """Prefer the candidates (indices in `matched`) that hold the longest prefix of the prompt,
+    least loaded among them; the least loaded candidate overall when nothing matches or when
+    loads are unbalanced beyond `balance` (so a hot prefix cannot pile everything on one worker).
+    """
+    if not matched or is_unbalanced(loads, balance):
+        return least_loaded(loads)
+    return min(matched, key=lambda i: (loads[i], i))
+
+
+# --- DP rank policies (rank index inside one worker) ---
+
+
+def min_tokens(rank_tokens: Sequence[int]) -> int:
+    """The rank with the fewest tokens (reported in use + reserved); lowest rank on ties.
+
+    The caller must add the request's prompt tokens to the chosen rank's reservation in the same
+    critical section as this call (see Router), or a burst would all see the same minimum.
+    """
+    return rank_tokens.index(min(rank_tokens))
+
+
+def rank_round_robin(dp_size: int, turn: int) -> int:
+    """The `turn`-th rank of the worker, cycling."""
+    return turn % dp_size
+
+
+def rank_hash(request_id: str, dp_size: int) -> int:
+    """A stable hash of the request id (CRC-32) modulo the number of ranks."""
+    return zlib.crc32(request_id.encode()) % dp_size
+
+
+def candidates_holding(matched_ids: Sequence[str], index_of: Mapping[str, int]) -> list[int]:
+    """Indices of the candidates among `matched_ids` (workers found by the prefix index)."""
+    return [index_of[w] for w in matched_ids if w in index_of]

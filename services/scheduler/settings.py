@@ -1,0 +1,58 @@
+"""Settings of the scheduler (flags `--field-name`, env `PDSERVE_FIELD_NAME`). Every field has a
+default, so a config that predates a field keeps loading."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.scheduler.policies import RANK_POLICIES, WORKER_POLICIES
+from shared.settings import field
+
+
+@dataclass(frozen=True)
+class Settings:
+    """pdserve scheduler: picks prefill/decode workers, DP ranks and the serving mode."""
+
+    listen: str = field("0.0.0.0:50052", "host:port to serve gRPC on")
+    metrics_port: int = field(9101, "Prometheus /metrics port (-1 disables, 0 picks a free one)")
+    load_monitor_address: str = field("127.0.0.1:50053", "host:port of the load-monitor")
+    prefill_policy: str = field(
+        "cache_aware",
+        "how to pick the prefill worker (and the unified worker in aggregated mode)",
+        choices=WORKER_POLICIES,
+    )
+    decode_policy: str = field(
+        "power_of_two", "how to pick the decode worker", choices=WORKER_POLICIES
+    )
+    dp_rank_policy: str = field(
+        "min_tokens", "how to pick the DP rank inside a worker", choices=RANK_POLICIES
+    )
+    local_prefill_threshold: int = field(
+        0,
+        "prefill on the decode worker when the prompt's uncached part is below this many tokens "
+        "(0 = always disaggregate)",
+    )
+    cache_aware_balance_abs_tokens: int = field(
+        8192, "cache_aware ignores prefix matches when loads differ by more than this (tokens) ..."
+    )
+    cache_aware_balance_rel: float = field(
+        1.5, "... and the most loaded worker has more than this times the least loaded's tokens"
+    )
+    prefix_blocks_per_worker: int = field(
+        65536, "prefix block hashes remembered per worker for cache_aware routing (count)"
+    )
+    seed: int = field(-1, "seed of the random policies (-1 = nondeterministic)")
+    watch_backoff_max_s: float = field(
+        5.0, "longest wait between two reconnects to the load-monitor (seconds)"
+    )
+    log_level: str = field("info", "log level", choices=("debug", "info", "warning", "error"))
+    log_format: str = field("auto", "log format", choices=("auto", "json", "console"))
+    drain_grace_s: float = field(30.0, "seconds to finish in-flight calls on SIGTERM")
+
+    def __post_init__(self) -> None:
+        if self.local_prefill_threshold < 0:
+            raise ValueError("local_prefill_threshold must be >= 0")
+        if self.prefix_blocks_per_worker < 1:
+            raise ValueError("prefix_blocks_per_worker must be >= 1")
+        if self.watch_backoff_max_s <= 0:
+            raise ValueError("watch_backoff_max_s must be > 0")
