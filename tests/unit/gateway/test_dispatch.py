@@ -1,0 +1,297 @@
+"""The request life against in-memory fake ports (no grpc): modes, first-token finish, retry
+before handoff, cancel and deadline aborts."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import pytest
+
+from services.gateway.accounting import FinishReason
+from services.gateway.dispatch import Dispatcher, PreparedRequest
+from services.gateway.ports import (
+    DecodeEvent,
+    DecodeEventKind,
+    KvDestination,
+    ModelCard,
+    Placement,
+    PrefillResult,
+    ScheduleQuery,
+    ServingMode,
+    WorkerJob,
+    WorkerTarget,
+    WorkerUnavailable,
+)
+from services.gateway.request import FrameKind, OutputFrame, RequestState, RequestStatus, Sampling
+from shared.errors import DeadlineExceeded, InvalidArgument
+
+PREFILL = WorkerTarget("p1", "prefill:1", 0)
+DECODE = WorkerTarget("d1", "decode:1", 1)
+DECODE2 = WorkerTarget("d2", "decode:2", 0)
+
+ADMITTED = DecodeEvent(
+    DecodeEventKind.ADMITTED, transfer_ticket="t-1", cached_blocks=1, local_cached_tokens=4
+)
+
+
+def tokens(text: str, *ids: int) -> DecodeEvent:
+    return DecodeEvent(DecodeEventKind.TOKENS, text=text, token_ids=ids)
+
+
+def final(text: str = "", count: int | None = None, reason: FinishReason = FinishReason.STOP) -> DecodeEvent:
+    return DecodeEvent(DecodeEventKind.FINAL, text=text, generated_tokens=count, finish_reason=reason)
+
+
+class FakeStream:
+    def __init__(self, events: Sequence[DecodeEvent | Exception], hang: bool = False) -> None:
+        self._events = list(events)
+        self._hang = hang
+        self.cancelled = False
+
+    async def next(self) -> DecodeEvent | None:
+        await asyncio.sleep(0)
+        if not self._events:
+            if self._hang:
+                await asyncio.Event().wait()
+            return None
+        item = self._events.pop(0)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+@dataclass
+class FakeWorkers:
+    streams: dict[str, list[FakeStream]] = field(default_factory=dict)
+    prefills: dict[str, list[PrefillResult | Exception]] = field(default_factory=dict)
+    decode_calls: list[tuple[str, bool, int]] = field(default_factory=list)
+    prefill_calls: list[tuple[str, KvDestination | None]] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)
+    prefill_delay_s: float = 0.0
+
+    def decode(
+        self, target: WorkerTarget, job: WorkerJob, local_prefill: bool, timeout_s: float | None
+    ) -> FakeStream:
+        self.decode_calls.append((target.address, local_prefill, job.sampling.max_tokens))
+        return self.streams[target.address].pop(0)
+
+    async def prefill(
+        self, target: WorkerTarget, job: WorkerJob, kv: KvDestination | None, timeout_s: float | None
+    ) -> PrefillResult:
+        self.prefill_calls.append((target.address, kv))
+        if self.prefill_delay_s:
+            await asyncio.sleep(self.prefill_delay_s)
+        item = self.prefills[target.address].pop(0)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    async def abort(self, address: str, request_id: str) -> bool:
+        self.aborts.append(address)
+        return True
+
+
+@dataclass
+class FakeScheduler:
+    placements: list[Placement | Exception]
+    queries: list[ScheduleQuery] = field(default_factory=list)
+
+    async def schedule(self, query: ScheduleQuery, timeout_s: float | None) -> Placement:
+        self.queries.append(query)
+        item = self.placements.pop(0)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    async def list_models(self) -> Sequence[ModelCard]:
+        return []
+
+
+def disagg(decode: WorkerTarget = DECODE, max_model_len: int = 0) -> Placement:
+    return Placement(ServingMode.DISAGGREGATED, decode, PREFILL, "m", max_model_len)
+
+
+def agg(decode: WorkerTarget = DECODE) -> Placement:
+    return Placement(ServingMode.AGGREGATED, decode, None, "m", 0)
+
+
+def prepared(max_tokens: int | None = 8, prompt_len: int = 20) -> PreparedRequest:
+    return PreparedRequest(
+        request_id="req-1",
+        model="",
+        prompt_token_ids=tuple(range(prompt_len)),
+        sampling=Sampling(max_tokens=max_tokens or 256),
+        requested_max_tokens=max_tokens,
+        default_max_tokens=256,
+        return_token_ids=True,
+    )
+
+
+async def run(
+    sched: FakeScheduler,
+    workers: FakeWorkers,
+    req: PreparedRequest | None = None,
+    deadline_s: float | None = None,
+) -> tuple[list[OutputFrame], RequestState]:
+    req = req or prepared()
+    state = RequestState(req.request_id, req.prompt_token_ids, req.return_token_ids, "m")
+    frames = [f async for f in Dispatcher(sched, workers, block_size=4).run(req, state, deadline_s)]
+    return frames, state
+
+
+async def test_disaggregated_path() -> None:
+    workers = FakeWorkers(
+        streams={DECODE.address: [FakeStream([ADMITTED, tokens("b", 2), tokens("", 3), final("d", 3)])]},
+        prefills={PREFILL.address: [PrefillResult("a", (1,), 1, None, local_cached_tokens=8)]},
+    )
+    sched = FakeScheduler([disagg()])
+    frames, state = await run(sched, workers)
+    assert [f.kind for f in frames] == [
+        FrameKind.FIRST,
+        FrameKind.CONTINUATION,
+        FrameKind.CONTINUATION,
+        FrameKind.FINAL,
+    ]
+    assert "".join(f.text for f in frames) == "abd"
+    assert workers.decode_calls == [(DECODE.address, False, 8)]
+    assert workers.prefill_calls == [(PREFILL.address, KvDestination(DECODE.address, 1, "t-1", 1))]
+    usage = frames[-1].usage
+    assert usage is not None and usage.completion_tokens == 4
+    assert frames[-1].finish_reason is FinishReason.STOP
+    assert all(f.prompt_tokens == 20 and f.cached_tokens == 4 for f in frames)
+    assert len(sched.queries[0].prefix_block_hashes) == 5
+    assert workers.aborts == []
+    assert state.status is RequestStatus.FINISHED_STOPPED
+
+
+async def test_prefill_finishes_request_aborts_decode() -> None:
+    stream = FakeStream([ADMITTED], hang=True)
+    workers = FakeWorkers(
+        streams={DECODE.address: [stream]},
+        prefills={PREFILL.address: [PrefillResult("", (), 0, FinishReason.STOP)]},
+    )
+    frames, _state = await run(FakeScheduler([disagg()]), workers)
+    assert [f.kind for f in frames] == [FrameKind.FINAL]
+    assert frames[0].usage is not None and frames[0].usage.completion_tokens == 0
+    assert frames[0].finish_reason is FinishReason.STOP
+    assert stream.cancelled
+    assert workers.aborts == [DECODE.address]
+
+
+async def test_aggregated_path_first_frame_is_first() -> None:
+    workers = FakeWorkers(
+        streams={
+            DECODE.address: [
+                FakeStream([DecodeEvent(DecodeEventKind.ADMITTED), tokens("x"), tokens("y"), final("", 2)])
+            ]
+        }
+    )
+    frames, _ = await run(FakeScheduler([agg()]), workers)
+    assert [f.kind for f in frames] == [FrameKind.FIRST, FrameKind.CONTINUATION, FrameKind.FINAL]
+    assert workers.decode_calls == [(DECODE.address, True, 8)]
+
+
+async def test_retry_before_handoff_excludes_failed_decode_worker() -> None:
+    workers = FakeWorkers(
+        streams={
+            DECODE.address: [FakeStream([WorkerUnavailable("down", "d1")])],
+            DECODE2.address: [FakeStream([ADMITTED, final("z", 1)])],
+        },
+        prefills={PREFILL.address: [PrefillResult("y", (5,), 1, None)]},
+    )
+    sched = FakeScheduler([disagg(DECODE), disagg(DECODE2)])
+    frames, state = await run(sched, workers)
+    assert sched.queries[1].exclude_worker_ids == ("d1",)
+    assert "".join(f.text for f in frames) == "yz"
+    assert DECODE.address in workers.aborts
+    assert state.attempts == 2
+
+
+async def test_retry_after_prefill_unavailable_aborts_admitted_decode() -> None:
+    first_stream = FakeStream([ADMITTED], hang=True)
+    workers = FakeWorkers(
+        streams={DECODE.address: [first_stream, FakeStream([ADMITTED, final("", 1)])]},
+        prefills={PREFILL.address: [WorkerUnavailable("gone", "p1"), PrefillResult("a", (), 1, None)]},
+    )
+    sched = FakeScheduler([disagg(), disagg()])
+    frames, _ = await run(sched, workers)
+    assert sched.queries[1].exclude_worker_ids == ("p1",)
+    assert first_stream.cancelled
+    assert sorted(workers.aborts) == sorted([DECODE.address, PREFILL.address])
+    assert frames[-1].usage is not None and frames[-1].usage.completion_tokens == 2
+
+
+async def test_only_one_retry() -> None:
+    sched = FakeScheduler([WorkerUnavailable("no workers"), WorkerUnavailable("no workers")])
+    with pytest.raises(WorkerUnavailable):
+        await run(sched, FakeWorkers())
+    assert len(sched.queries) == 2
+
+
+async def test_no_retry_after_handoff() -> None:
+    workers = FakeWorkers(
+        streams={DECODE.address: [FakeStream([ADMITTED, tokens("b"), WorkerUnavailable("died", "d1")])]},
+        prefills={PREFILL.address: [PrefillResult("a", (), 1, None)]},
+    )
+    sched = FakeScheduler([disagg(), disagg()])
+    got: list[OutputFrame] = []
+    req = prepared()
+    state = RequestState(req.request_id, req.prompt_token_ids, True, "m")
+    with pytest.raises(WorkerUnavailable):
+        async for f in Dispatcher(sched, workers, 4).run(req, state, None):
+            got.append(f)
+    assert len(got) == 2
+    assert len(sched.queries) == 1
+    assert sorted(workers.aborts) == sorted([DECODE.address, PREFILL.address])
+    assert state.status is RequestStatus.FAILED
+
+
+async def test_max_model_len_checked_before_any_worker_call() -> None:
+    workers = FakeWorkers()
+    with pytest.raises(InvalidArgument, match="exceeds the model's max_model_len"):
+        await run(FakeScheduler([disagg(max_model_len=24)]), workers, prepared(max_tokens=8, prompt_len=20))
+    assert workers.decode_calls == [] and workers.aborts == []
+
+
+async def test_unset_max_tokens_shortened_to_fit() -> None:
+    workers = FakeWorkers(
+        streams={DECODE.address: [FakeStream([ADMITTED, final("", 3)])]},
+        prefills={PREFILL.address: [PrefillResult("a", (), 1, None)]},
+    )
+    frames, _ = await run(FakeScheduler([disagg(max_model_len=24)]), workers, prepared(max_tokens=None))
+    assert workers.decode_calls[0][2] == 4
+    assert frames[-1].finish_reason is FinishReason.LENGTH
+    assert frames[-1].usage is not None and frames[-1].usage.completion_tokens == 4
+
+
+async def test_deadline_aborts_both_workers() -> None:
+    workers = FakeWorkers(
+        streams={DECODE.address: [FakeStream([ADMITTED], hang=True)]},
+        prefills={PREFILL.address: [PrefillResult("a", (), 1, None)]},
+    )
+    with pytest.raises(DeadlineExceeded):
+        await run(FakeScheduler([disagg()]), workers, deadline_s=time.monotonic() + 0.2)
+    assert sorted(workers.aborts) == sorted([DECODE.address, PREFILL.address])
+
+
+async def test_cancel_during_prefill_aborts_both_workers() -> None:
+    stream = FakeStream([ADMITTED], hang=True)
+    workers = FakeWorkers(
+        streams={DECODE.address: [stream]},
+        prefills={PREFILL.address: [PrefillResult("a", (), 1, None)]},
+        prefill_delay_s=10,
+    )
+    task = asyncio.ensure_future(run(FakeScheduler([disagg()]), workers))
+    while not workers.prefill_calls:
+        await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert stream.cancelled
+    assert sorted(workers.aborts) == sorted([DECODE.address, PREFILL.address])

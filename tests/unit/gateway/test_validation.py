@@ -1,0 +1,121 @@
+"""Validation: each bad request gets one clear, actionable error."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from services.gateway.request import ChatTurn, GenerateInput
+from services.gateway.validation import (
+    Limits,
+    resolve_max_tokens,
+    validate_input,
+    validate_request_id,
+    validate_token_ids,
+)
+from shared.errors import InvalidArgument, NotFound
+
+MODEL = "tiny"
+LIMITS = Limits(max_stop_strings=2, max_stop_string_chars=5)
+
+
+def check(**fields: object) -> None:
+    validate_input(GenerateInput(**fields), LIMITS, MODEL)  # type: ignore[arg-type]
+
+
+def test_valid_prompt_passes() -> None:
+    check(prompt="hi", max_tokens=3, temperature=0.0, top_p=1.0, stop=("a", "bb"))
+
+
+def test_no_input() -> None:
+    with pytest.raises(InvalidArgument, match="set exactly one of prompt, prompt_token_ids, messages"):
+        check()
+
+
+def test_two_inputs_named() -> None:
+    with pytest.raises(InvalidArgument, match="sets prompt and messages"):
+        check(prompt="x", messages=(ChatTurn("user", "y"),))
+
+
+def test_unknown_model_is_not_found() -> None:
+    with pytest.raises(NotFound, match=r"'other' is not served here.*'tiny'"):
+        check(model="other", prompt="x")
+
+
+def test_model_name_matches() -> None:
+    check(model=MODEL, prompt="x")
+
+
+@pytest.mark.parametrize("value", [0])
+def test_max_tokens_must_be_positive(value: int) -> None:
+    with pytest.raises(InvalidArgument, match="max_tokens must be >= 1"):
+        check(prompt="x", max_tokens=value)
+
+
+@pytest.mark.parametrize("value", [-0.1, math.inf, math.nan])
+def test_temperature(value: float) -> None:
+    with pytest.raises(InvalidArgument, match="temperature must be a finite number >= 0"):
+        check(prompt="x", temperature=value)
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, 1.01, math.nan])
+def test_top_p(value: float) -> None:
+    with pytest.raises(InvalidArgument, match=r"top_p must be in \(0, 1\]"):
+        check(prompt="x", top_p=value)
+
+
+def test_too_many_stop_strings() -> None:
+    with pytest.raises(InvalidArgument, match="at most 2 stop strings"):
+        check(prompt="x", stop=("a", "b", "c"))
+
+
+def test_stop_string_too_long() -> None:
+    with pytest.raises(InvalidArgument, match=r"stop\[1\] is 6 characters; the limit is 5"):
+        check(prompt="x", stop=("a", "abcdef"))
+
+
+def test_empty_stop_string() -> None:
+    with pytest.raises(InvalidArgument, match=r"stop\[0\] is empty"):
+        check(prompt="x", stop=("",))
+
+
+def test_bad_chat_role() -> None:
+    with pytest.raises(InvalidArgument, match=r"messages\[1\].role is 'robot'"):
+        check(messages=(ChatTurn("user", "a"), ChatTurn("robot", "b")))
+
+
+def test_request_id_rules() -> None:
+    validate_request_id("")
+    validate_request_id("abc-123 ~!")
+    validate_request_id("x" * 128)
+    with pytest.raises(InvalidArgument, match="129 characters; the limit is 128"):
+        validate_request_id("x" * 129)
+    with pytest.raises(InvalidArgument, match="printable ASCII; character 2"):
+        validate_request_id("ab\ncd")
+    with pytest.raises(InvalidArgument, match="printable ASCII"):
+        validate_request_id("é")
+
+
+def test_token_ids_in_vocabulary() -> None:
+    validate_token_ids((0, 9), (), vocab_size=10)
+    with pytest.raises(InvalidArgument, match=r"prompt_token_ids\[1\] = 10 is not a token.*size 10"):
+        validate_token_ids((0, 10), (), vocab_size=10)
+    with pytest.raises(InvalidArgument, match=r"stop_token_ids\[0\] = 99"):
+        validate_token_ids((1,), (99,), vocab_size=10)
+
+
+def test_empty_prompt_after_tokenization() -> None:
+    with pytest.raises(InvalidArgument, match="empty after tokenization"):
+        validate_token_ids((), (), vocab_size=10)
+
+
+def test_resolve_max_tokens() -> None:
+    assert resolve_max_tokens(None, 256, prompt_tokens=10, max_model_len=0) == 256
+    assert resolve_max_tokens(5, 256, prompt_tokens=10, max_model_len=0) == 5
+    assert resolve_max_tokens(None, 256, prompt_tokens=10, max_model_len=100) == 90  # default shortened
+    assert resolve_max_tokens(90, 256, prompt_tokens=10, max_model_len=100) == 90
+    with pytest.raises(InvalidArgument, match=r"\(10 tokens\) \+ max_tokens \(91\) exceeds.*\(100\).*<= 90"):
+        resolve_max_tokens(91, 256, prompt_tokens=10, max_model_len=100)
+    with pytest.raises(InvalidArgument, match="shorten the prompt"):
+        resolve_max_tokens(None, 256, prompt_tokens=100, max_model_len=100)
