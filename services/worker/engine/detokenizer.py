@@ -1,0 +1,78 @@
+"""Incremental detokenization and stop-string matching for one request.
+
+IncrementalDetokenizer turns token ids into stable text pieces (text is held back while it ends in
+U+FFFD, i.e. a multi-token character is incomplete, as with byte-fallback tokenizers). OutputText
+accumulates those pieces, finds stop strings (text from the stop string on is cut unless
+include_stop_in_output) and holds back the tail that could still become a stop string.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# tokens of context decoded before the first new token, so a leading space/merge is right
+_PREFIX_WINDOW = 6
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any, prompt_token_ids: tuple[int, ...] | list[int]) -> None:
+        self._tokenizer = tokenizer
+        self._ids: list[int] = list(prompt_token_ids[-_PREFIX_WINDOW:])
+        self._prefix_offset = 0  # ids[prefix_offset:read_offset] is already-emitted context
+        self._read_offset = len(self._ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        return str(self._tokenizer.decode(ids, skip_special_tokens=True))
+
+    def append(self, token_id: int) -> str:
+        """Feed one token; returns the text that became stable ("" while a char is partial)."""
+        self._ids.append(token_id)
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset :])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            delta = new_text[len(prefix_text) :]
+            # drop ids no longer needed as context (keeps decode cost O(window))
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._ids)
+            if self._prefix_offset > 4 * _PREFIX_WINDOW:
+                cut = self._prefix_offset
+                self._ids = self._ids[cut:]
+                self._prefix_offset -= cut
+                self._read_offset -= cut
+            return delta
+        return ""
+
+
+class OutputText:
+    """Generated text of one request, with stop strings and stream hold-back."""
+
+    def __init__(self, stop: tuple[str, ...], include_stop: bool) -> None:
+        self._stop = tuple(s for s in stop if s)
+        self._include_stop = include_stop
+        self._hold_chars = max((len(s) for s in self._stop), default=1) - 1
+        self.text = ""
+        self._emitted_chars = 0
+
+    def add(self, delta: str) -> bool:
+        """Append stable text; True when a stop string appeared (text is cut there)."""
+        if not delta:
+            return False
+        start = max(0, len(self.text) - self._hold_chars)
+        self.text += delta
+        best: tuple[int, int] | None = None
+        for s in self._stop:
+            i = self.text.find(s, start)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, len(s))
+        if best is None:
+            return False
+        i, n = best
+        self.text = self.text[: i + n if self._include_stop else i]
+        return True
+
+    def take(self, final: bool) -> str:
+        """Text not yet emitted; while running keeps back what may start a stop string."""
+        end = len(self.text) if final else max(self._emitted_chars, len(self.text) - self._hold_chars)
+        out = self.text[self._emitted_chars : end]
+        self._emitted_chars = end
+        return out

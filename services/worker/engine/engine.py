@@ -1,0 +1,285 @@
+"""The Engine facade: validates requests, routes them to their DP rank, and owns the ranks'
+lifecycle (model replicas, KV pools, step threads). Implements services.worker.engine.api.Engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from services.worker.engine.api import (
+    Admission,
+    EngineConfig,
+    EngineRequest,
+    KvBlocksChunk,
+    KvLayoutInfo,
+    RankLoadStats,
+    RequestHandle,
+    RequestKind,
+)
+from services.worker.engine.block_manager import BlockManager
+from services.worker.engine.detokenizer import IncrementalDetokenizer, OutputText
+from services.worker.engine.handle import OutputHandle
+from services.worker.engine.model_runner import (
+    ModelRunner,
+    kv_layout_of,
+    load_model,
+    resolve_dtype,
+)
+from services.worker.engine.rank import Rank
+from services.worker.engine.request import Request
+from services.worker.engine.scheduler import Scheduler
+from shared.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
+
+log = logging.getLogger(__name__)
+
+# without an explicit kv_cache_tokens a CPU pool is capped here (bytes): host RAM is shared
+_CPU_POOL_CAP_BYTES = 4 << 30
+
+
+def _available_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
+    ids: list[int] = []
+    for src in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(src, "eos_token_id", None) if src is not None else None
+        if isinstance(eos, int):
+            ids.append(eos)
+        elif isinstance(eos, (list, tuple)):
+            ids.extend(int(e) for e in eos)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    return tuple(dict.fromkeys(ids))
+
+
+class PagedEngine:
+    """Continuous batching over a paged KV cache, one step loop per DP rank."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        if config.dp_size < 1:
+            raise InvalidArgument("dp_size must be >= 1")
+        if config.block_size < 1:
+            raise InvalidArgument("block_size must be >= 1")
+        self.config = config
+        self.model_id = Path(config.model_path).name
+        self.kv_layout: KvLayoutInfo
+        self.max_model_len = 0
+        self.eos_token_ids: tuple[int, ...] = ()
+        self.tokenizer: Any = None
+        self.vocab_size = 0
+        self._ranks: list[Rank] = []
+        self._started = False
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def _device_for(self, dp_rank: int) -> torch.device:
+        want = self.config.device
+        if want == "auto":
+            want = "cuda" if torch.cuda.is_available() else "cpu"
+        if want == "cuda":
+            if not torch.cuda.is_available():
+                raise FailedPrecondition("device cuda requested but CUDA is not available")
+            return torch.device("cuda", dp_rank % torch.cuda.device_count())
+        return torch.device(want)
+
+    def _num_blocks(self, runner_layout: KvLayoutInfo, dtype: torch.dtype,
+                    device: torch.device) -> int:
+        cfg = self.config
+        if cfg.kv_cache_tokens > 0:
+            return -(-cfg.kv_cache_tokens // cfg.block_size)
+        lay = runner_layout
+        per_block = (lay.num_layers * 2 * lay.block_size * lay.num_kv_heads * lay.head_dim
+                     * torch.tensor([], dtype=dtype).element_size())
+        budget = int(_available_bytes(device) * cfg.kv_memory_fraction)
+        if device.type == "cpu":
+            budget = min(budget, _CPU_POOL_CAP_BYTES)
+        return max(1, budget // per_block // max(1, cfg.dp_size if device.type == "cpu" else 1))
+
+    def start(self) -> None:
+        if self._started:
+            return
+        from transformers import AutoTokenizer
+
+        cfg = self.config
+        if cfg.torch_threads > 0:
+            torch.set_num_threads(cfg.torch_threads)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
+        for dp_rank in range(cfg.dp_size):
+            device = self._device_for(dp_rank)
+            dtype = resolve_dtype(cfg.dtype, device)
+            model = load_model(cfg.model_path, device, dtype)
+            if dp_rank == 0:
+                text_cfg = model.config.get_text_config()
+                self.kv_layout = kv_layout_of(model.config, cfg.block_size, dtype)
+                self.max_model_len = cfg.max_model_len or int(text_cfg.max_position_embeddings)
+                self.eos_token_ids = _eos_ids(model, self.tokenizer)
+                self.vocab_size = int(text_cfg.vocab_size)
+            num_blocks = self._num_blocks(self.kv_layout, dtype, device)
+            runner = ModelRunner(model, self.kv_layout, num_blocks, device, dtype)
+            runner.warm_up()
+            blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+            scheduler = Scheduler(blocks, cfg.max_batch_tokens, cfg.max_num_seqs)
+            self._ranks.append(Rank(dp_rank, runner, blocks, scheduler, self.eos_token_ids,
+                                    self.max_model_len))
+            log.info("rank %d ready: %s %s, %d KV blocks of %d tokens", dp_rank, device,
+                     dtype, num_blocks, cfg.block_size)
+        for rank in self._ranks:
+            rank.start()
+        self._started = True
+
+    def shutdown(self) -> None:
+        for rank in self._ranks:
+            rank.stop()
+
+    # ---- requests ------------------------------------------------------------------------
+    def _validate(self, request: EngineRequest) -> Rank:
+        if not self._started:
+            raise FailedPrecondition("engine not started")
+        if not 0 <= request.dp_rank < len(self._ranks):
+            raise InvalidArgument(f"dp_rank {request.dp_rank} out of range 0..{len(self._ranks) - 1}")
+        n = len(request.prompt_token_ids)
+        if n == 0:
+            raise InvalidArgument("empty prompt")
+        if n >= self.max_model_len:
+            raise InvalidArgument(
+                f"prompt has {n} tokens; the model's limit is {self.max_model_len - 1}")
+        if any(not 0 <= t < self.vocab_size for t in request.prompt_token_ids):
+            raise InvalidArgument(f"prompt token ids must be in [0, {self.vocab_size})")
+        sp = request.sampling
+        if sp.max_tokens < 1:
+            raise InvalidArgument("max_tokens must be >= 1")
+        if sp.temperature < 0:
+            raise InvalidArgument("temperature must be >= 0")
+        if not 0.0 < sp.top_p <= 1.0:
+            raise InvalidArgument("top_p must be in (0, 1]")
+        if sp.top_k < 0:
+            raise InvalidArgument("top_k must be >= 0")
+        rank = self._ranks[request.dp_rank]
+        if rank.blocks.blocks_needed(n + 1) > rank.blocks.num_blocks:
+            raise ResourceExhausted(
+                f"prompt of {n} tokens exceeds the KV pool "
+                f"({rank.blocks.num_blocks * rank.blocks.block_size} tokens)")
+        for r in self._ranks:
+            if request.request_id in r.requests:
+                raise AlreadyExists(f"request {request.request_id!r} already exists")
+        return rank
+
+    def _new_request(self, request: EngineRequest, rank: Rank) -> Request:
+        sp = request.sampling
+        generator = None
+        if sp.seed is not None and sp.temperature > 0:
+            generator = torch.Generator(device=rank.runner.device)
+            generator.manual_seed(sp.seed & 0xFFFF_FFFF_FFFF_FFFF)
+        handle = OutputHandle(request.request_id, asyncio.get_running_loop())
+        return Request.from_engine_request(
+            request, handle,
+            IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids),
+            OutputText(sp.stop, sp.include_stop_in_output),
+            generator, rank.next_seq(),
+        )
+
+    def add_request(self, request: EngineRequest) -> RequestHandle:
+        if request.kind is RequestKind.DECODE_REMOTE:
+            raise InvalidArgument("DECODE_REMOTE requests are admitted with admit_remote")
+        rank = self._validate(request)
+        with rank.lock:
+            if request.request_id in rank.requests:
+                raise AlreadyExists(f"request {request.request_id!r} already exists")
+            req = self._new_request(request, rank)
+            rank.requests[req.request_id] = req
+            rank.scheduler.add(req)
+            rank.notify()
+        return req.handle
+
+    def admit_remote(self, request: EngineRequest) -> tuple[Admission, RequestHandle]:
+        if request.kind is not RequestKind.DECODE_REMOTE:
+            raise InvalidArgument("admit_remote takes DECODE_REMOTE requests")
+        rank = self._validate(request)
+        with rank.lock:
+            if request.request_id in rank.requests:
+                raise AlreadyExists(f"request {request.request_id!r} already exists")
+            req = self._new_request(request, rank)
+            num_cached_blocks = rank.scheduler.reserve_remote(req)
+            ticket = f"{rank.dp_rank}-{uuid.uuid4().hex}"
+            req.transfer_ticket = ticket
+            rank.requests[req.request_id] = req
+            rank.tickets[ticket] = req
+        admission = Admission(
+            request_id=req.request_id, transfer_ticket=ticket,
+            num_cached_blocks=num_cached_blocks,
+            num_local_cached_tokens=req.num_local_cached_tokens,
+        )
+        return admission, req.handle
+
+    def _rank_of_ticket(self, ticket: str) -> Rank:
+        head = ticket.split("-", 1)[0]
+        if head.isdigit() and int(head) < len(self._ranks):
+            return self._ranks[int(head)]
+        raise NotFound(f"unknown transfer ticket {ticket!r}")
+
+    def import_kv(self, transfer_ticket: str, chunk: KvBlocksChunk) -> None:
+        self._rank_of_ticket(transfer_ticket).import_kv(transfer_ticket, chunk)
+
+    def finish_import(self, transfer_ticket: str, num_tokens: int, first_token_id: int | None,
+                      prefill_generated_tokens: int) -> None:
+        self._rank_of_ticket(transfer_ticket).finish_import(
+            transfer_ticket, num_tokens, first_token_id, prefill_generated_tokens)
+
+    def _rank_of_request(self, request_id: str) -> Rank | None:
+        for rank in self._ranks:
+            with rank.lock:
+                if request_id in rank.requests:
+                    return rank
+        return None
+
+    def export_kv(self, request_id: str, skip_blocks: int,
+                  max_chunk_bytes: int) -> Iterator[KvBlocksChunk]:
+        rank = self._rank_of_request(request_id)
+        if rank is None:
+                raise NotFound(f"unknown request {request_id!r}")
+        indices = rank.export_blocks(request_id, skip_blocks)
+        per_chunk = max(1, max_chunk_bytes // rank.runner.bytes_per_block)
+        return rank.iter_export(request_id, indices, per_chunk)
+
+    def release(self, request_id: str) -> None:
+        rank = self._rank_of_request(request_id)
+        if rank is None:
+                raise NotFound(f"unknown request {request_id!r}")
+        rank.release(request_id)
+
+    def abort(self, request_id: str) -> bool:
+        return any(rank.abort(request_id) for rank in self._ranks)
+
+    # ---- loads ---------------------------------------------------------------------------
+    def rank_loads(self) -> list[RankLoadStats]:
+        return [rank.load() for rank in self._ranks]
+
+    def num_free_blocks(self, dp_rank: int) -> int:
+        with self._ranks[dp_rank].lock:
+            return self._ranks[dp_rank].blocks.num_free_blocks
+
+    def num_total_blocks(self, dp_rank: int) -> int:
+        return self._ranks[dp_rank].blocks.num_blocks

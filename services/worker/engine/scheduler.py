@@ -1,0 +1,190 @@
+"""One rank's scheduler: waiting/running queues, the per-step token budget (chunked prefill),
+block allocation with prefix-cache lookup, and preemption by recompute (newest first).
+
+`schedule()` picks what runs in the next forward pass; `on_computed()` records KV progress and
+registers newly full blocks in the prefix cache. All calls happen under the rank's lock.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from services.worker.engine.block_manager import BlockManager
+from services.worker.engine.request import Request, RequestStatus
+from shared.block_hash import chain_hash
+from shared.errors import ResourceExhausted
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens whose K/V this step computes
+
+    @property
+    def samples(self) -> bool:
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    # requests that cannot fit in the pool even alone (they are finished by the caller)
+    unfittable: list[Request]
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_batch_tokens: int,
+                 max_num_seqs: int) -> None:
+        self.blocks = block_manager
+        self.block_size = block_manager.block_size
+        self.max_batch_tokens = max_batch_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    # ---- scheduling ----------------------------------------------------------------------
+    def _grow(self, req: Request, num_tokens: int) -> bool:
+        need = self.blocks.blocks_needed(num_tokens) - len(req.block_ids)
+        if need <= 0:
+            return True
+        if not self.blocks.can_allocate(need):
+            return False
+        req.block_ids.extend(self.blocks.allocate(need))
+        return True
+
+    def preempt(self, req: Request) -> None:
+        """Free the request's blocks; it recomputes everything (prompt + outputs) later."""
+        self.running.remove(req)
+        self._drop_blocks(req)
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+
+    def _drop_blocks(self, req: Request) -> None:
+        self.blocks.free(req.block_ids)
+        req.block_ids = []
+        req.num_computed_tokens = 0
+        req.num_hashed_blocks = 0
+        req.last_block_hash = None
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_batch_tokens
+        scheduled: list[ScheduledRequest] = []
+        unfittable: list[Request] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_uncomputed_tokens, budget)
+            fits = True
+            while not self._grow(req, req.num_computed_tokens + n):
+                victim = max(self.running[i:], key=lambda r: r.arrival_seq)
+                if victim is req and not scheduled and len(self.running) == 1:
+                    unfittable.append(req)  # alone and still too big: never fits
+                    self.running.pop(i)
+                    fits = False
+                    break
+                self.preempt(victim)
+                preempted = True
+                if victim is req:
+                    fits = False
+                    break
+            if not fits:
+                continue  # req left running; running[i] is now the next request
+            scheduled.append(ScheduledRequest(req, n))
+            budget -= n
+            i += 1
+        while (self.waiting and budget > 0 and not preempted
+               and len(self.running) < self.max_num_seqs):
+            req = self.waiting[0]
+            n = self._admit_waiting(req, budget)
+            if n == 0:
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            req.status = RequestStatus.RUNNING
+            scheduled.append(ScheduledRequest(req, n))
+            budget -= n
+        return SchedulerOutput(scheduled, unfittable)
+
+    def _admit_waiting(self, req: Request, budget: int) -> int:
+        """Give a waiting request blocks (prefix hits first); returns tokens scheduled or 0."""
+        bs = self.block_size
+        if req.block_ids:  # KV imported (DECODE_REMOTE): blocks already held
+            n = min(req.num_uncomputed_tokens, budget)
+            return n if self._grow(req, req.num_computed_tokens + n) else 0
+        # at least the last token is computed so there are logits to sample from
+        cached = self.blocks.lookup_prefix(req.token_ids, (req.num_tokens - 1) // bs)
+        num_cached_tokens = len(cached) * bs
+        n = min(req.num_tokens - num_cached_tokens, budget)
+        need = self.blocks.blocks_needed(num_cached_tokens + n) - len(cached)
+        if not self.blocks.can_allocate(need, cached):
+            return 0  # wait for blocks (add-time checks guarantee the prompt fits alone)
+        self.blocks.take(cached)
+        req.block_ids = list(cached) + self.blocks.allocate(need)
+        req.num_computed_tokens = num_cached_tokens
+        req.num_hashed_blocks = len(cached)
+        req.last_block_hash = self.blocks.block_hash(cached[-1]) if cached else None
+        if not req.stats_fixed:
+            req.stats_fixed = True
+            req.num_local_cached_tokens = num_cached_tokens
+            self.blocks.record_query(req.num_prompt_tokens, num_cached_tokens)
+        return n
+
+    # ---- after the forward pass ----------------------------------------------------------
+    def on_computed(self, req: Request, num_new_tokens: int) -> None:
+        req.num_computed_tokens += num_new_tokens
+        self.hash_full_blocks(req)
+
+    def hash_full_blocks(self, req: Request) -> None:
+        """Register every block whose tokens are all computed (prompt or generated)."""
+        bs = self.block_size
+        while (req.num_hashed_blocks + 1) * bs <= req.num_computed_tokens:
+            k = req.num_hashed_blocks
+            h = chain_hash(req.last_block_hash, req.token_ids[k * bs : (k + 1) * bs])
+            self.blocks.cache_block(req.block_ids[k], h)
+            req.last_block_hash = h
+            req.num_hashed_blocks = k + 1
+
+    # ---- leaving -------------------------------------------------------------------------
+    def remove(self, req: Request, keep_blocks: bool = False) -> None:
+        """Take the request out of the queues; free its blocks unless kept (PREFILL_ONLY)."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        if not keep_blocks:
+            self._drop_blocks(req)
+
+    # ---- DECODE_REMOTE -------------------------------------------------------------------
+    def reserve_remote(self, req: Request) -> int:
+        """Blocks for the prompt + first token; returns leading prompt blocks found cached."""
+        bs = self.block_size
+        cached = self.blocks.lookup_prefix(req.prompt_token_ids, req.num_prompt_tokens // bs)
+        need = self.blocks.blocks_needed(req.num_prompt_tokens + 1) - len(cached)
+        if not self.blocks.can_allocate(need, cached):
+            raise ResourceExhausted("KV pool full: cannot reserve blocks for the request")
+        self.blocks.take(cached)
+        req.block_ids = list(cached) + self.blocks.allocate(need)
+        req.num_hashed_blocks = len(cached)
+        req.last_block_hash = self.blocks.block_hash(cached[-1]) if cached else None
+        req.stats_fixed = True
+        req.num_local_cached_tokens = len(cached) * bs
+        self.blocks.record_query(req.num_prompt_tokens, len(cached) * bs)
+        req.status = RequestStatus.WAITING_FOR_KV
+        return len(cached)
+
+    def start_remote(self, req: Request) -> None:
+        """All prompt KV is in place: decode from the handoff token."""
+        req.num_computed_tokens = req.num_prompt_tokens
+        self.hash_full_blocks(req)
+        self.add(req)

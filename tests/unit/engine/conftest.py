@@ -1,0 +1,95 @@
+"""Fixtures for engine tests: tiny models (built once per session) and engine factories."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.worker.engine import create_engine
+from services.worker.engine.api import (
+    Engine,
+    EngineConfig,
+    EngineRequest,
+    RequestHandle,
+    RequestKind,
+    RequestOutput,
+    SamplingConfig,
+)
+from tests.support.tiny_models import build_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_bpe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_bpe"), "bpe")
+
+
+@pytest.fixture(scope="session")
+def tiny_byte_fallback(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_bf"), "byte_fallback")
+
+
+EngineFactory = Callable[..., Engine]
+
+
+@pytest.fixture
+def make_engine(tiny_bpe: Path) -> Iterator[EngineFactory]:
+    """Builds started engines (tiny bpe model by default); shuts them all down afterwards."""
+    engines: list[Engine] = []
+
+    def factory(model_path: Path | str | None = None, **overrides: Any) -> Engine:
+        settings: dict[str, Any] = {"kv_cache_tokens": 4096, "max_batch_tokens": 512}
+        settings.update(overrides)
+        engine = create_engine(EngineConfig(model_path=str(model_path or tiny_bpe), **settings))
+        engine.start()
+        engines.append(engine)
+        return engine
+
+    yield factory
+    for engine in engines:
+        engine.shutdown()
+
+
+def greedy(max_tokens: int, **kw: Any) -> SamplingConfig:
+    return SamplingConfig(max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+def request(request_id: str, prompt: tuple[int, ...] | list[int], sampling: SamplingConfig,
+            kind: RequestKind = RequestKind.FULL, dp_rank: int = 0) -> EngineRequest:
+    return EngineRequest(request_id, tuple(prompt), sampling, dp_rank=dp_rank, kind=kind)
+
+
+async def collect(handle: RequestHandle) -> list[RequestOutput]:
+    return [out async for out in handle]
+
+
+def tokens_of(outputs: list[RequestOutput]) -> list[int]:
+    return [t for o in outputs for t in o.new_token_ids]
+
+
+def text_of(outputs: list[RequestOutput]) -> str:
+    return "".join(o.text_delta for o in outputs)
+
+
+async def drain(handles: list[RequestHandle]) -> list[list[RequestOutput]]:
+    import asyncio
+
+    return list(await asyncio.gather(*(collect(h) for h in handles)))
+
+
+def hf_greedy(model: Any, prompt: tuple[int, ...] | list[int], max_new_tokens: int) -> list[int]:
+    import torch
+
+    from transformers import GenerationConfig
+
+    # no EOS: the engine side runs with ignore_eos, so EOS is an ordinary token on both sides
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False,
+                              eos_token_id=model.config.vocab_size + 1,
+                              pad_token_id=0)
+    ids = torch.tensor([list(prompt)])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    return [int(t) for t in out[0, len(prompt):].tolist()]
+
+
