@@ -170,9 +170,10 @@ def kv_chunk_to_pb(
     target: KvTargetSpec,
     layout: common_pb2.KvLayout,
     chunk: KvBlocksChunk,
-    last: tuple[int, int, int] | None = None,
+    last: tuple[int, int | None, int] | None = None,
 ) -> worker_pb2.KvChunk:
-    """One outgoing chunk; `last` = (num_tokens, first_token_id, generated_tokens) on the last."""
+    """One outgoing chunk; `last` = (num_tokens, first_token_id, generated_tokens) on the last
+    (first_token_id None: the request finished at its first token, nothing to decode)."""
     pb = worker_pb2.KvChunk(
         request_id=request_id,
         transfer_ticket=target.transfer_ticket,
@@ -185,7 +186,8 @@ def kv_chunk_to_pb(
     if last is not None:
         num_tokens, first_token_id, generated_tokens = last
         pb.num_tokens = num_tokens
-        pb.first_token_id = first_token_id
+        if first_token_id is not None:
+            pb.first_token_id = first_token_id
         pb.generated_tokens = generated_tokens
         pb.last = True
     return pb

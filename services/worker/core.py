@@ -17,6 +17,7 @@ from services.worker.engine.api import (
     Engine,
     EngineRequest,
     FinishReason,
+    KvBlocksChunk,
     RankLoadStats,
     RequestKind,
     RequestOutput,
@@ -95,10 +96,10 @@ class WorkerCore:
         if not request.prompt_token_ids:
             raise errors.InvalidArgument("prompt_token_ids is empty")
         max_len = self.engine.max_model_len
-        if len(request.prompt_token_ids) > max_len:
+        if len(request.prompt_token_ids) >= max_len:
             raise errors.InvalidArgument(
-                f"prompt has {len(request.prompt_token_ids)} tokens, more than this worker's "
-                f"max_model_len of {max_len}"
+                f"prompt has {len(request.prompt_token_ids)} tokens; this worker's max_model_len "
+                f"is {max_len}, so prompts may have at most {max_len - 1}"
             )
         s = request.sampling
         if s.max_tokens < 1:
@@ -171,13 +172,12 @@ class WorkerCore:
                 span.set_attribute("pdserve.num_chunks", last.num_prefill_chunks)
                 span.set_attribute("pdserve.local_cached_tokens", last.num_local_cached_tokens)
                 kv_bytes, kv_ns = 0, 0
-                if call.kv_target is not None and finish is None:
-                    if not token_ids:
-                        raise errors.FailedPrecondition(
-                            f"request {rid!r}: the engine produced no first token to hand off"
-                        )
+                if call.kv_target is not None:
+                    # Finished at the first token: the handoff carries no KV and no first token,
+                    # so the decode side ends the request at once (FINAL, its count 0).
+                    first_token_id = token_ids[-1] if finish is None and token_ids else None
                     self._active[rid] = "pushing"
-                    kv_bytes, kv_ns = await self._push(call, last, token_ids[-1])
+                    kv_bytes, kv_ns = await self._push(call, last, first_token_id)
             finally:
                 self._release(rid)
             if self._log_prompts:
@@ -208,17 +208,22 @@ class WorkerCore:
         """
         if out.num_generated_tokens >= request.sampling.max_tokens:
             return FinishReason.LENGTH
-        if out.finish_reason is FinishReason.STOP:
-            return FinishReason.STOP
+        if out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+            return out.finish_reason  # LENGTH here: the model's context is full
         return None
 
-    async def _push(self, call: PrefillCall, out: RequestOutput, first_token_id: int) -> tuple[int, int]:
+    async def _push(
+        self, call: PrefillCall, out: RequestOutput, first_token_id: int | None
+    ) -> tuple[int, int]:
+        """Push the KV (all of it after target.skip_blocks; none when first_token_id is None)."""
         target = call.kv_target
         assert target is not None
         rid = call.request.request_id
         with tracer().start_as_current_span("kv_transfer") as span:
             span.set_attribute("pdserve.target", target.address)
-            chunks = self.engine.export_kv(rid, target.skip_blocks, self._kv_chunk_bytes)
+            chunks: Iterator[KvBlocksChunk] = iter(())
+            if first_token_id is not None:
+                chunks = self.engine.export_kv(rid, target.skip_blocks, self._kv_chunk_bytes)
             result = await self._pusher.push(
                 request_id=rid,
                 target=target,

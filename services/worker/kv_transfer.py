@@ -41,7 +41,7 @@ class GrpcKvPusher:
         layout: KvLayoutInfo,
         chunks: Iterator[KvBlocksChunk],
         num_tokens: int,
-        first_token_id: int,
+        first_token_id: int | None,
         generated_tokens: int,
     ) -> KvPushResult:
         """Stream every chunk; the last carries num_tokens, first_token_id, generated_tokens.

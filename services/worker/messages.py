@@ -134,8 +134,10 @@ class KvPusher(Protocol):
         layout: KvLayoutInfo,
         chunks: Iterator[KvBlocksChunk],
         num_tokens: int,
-        first_token_id: int,
+        first_token_id: int | None,
         generated_tokens: int,
-    ) -> KvPushResult: ...
+    ) -> KvPushResult:
+        """first_token_id None: the request already finished at its first token."""
+        ...
 
     async def close(self) -> None: ...

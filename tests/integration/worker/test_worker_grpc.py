@@ -1,0 +1,406 @@
+"""Worker RPCs over real channels: unified and disaggregated generation vs HF generate, accounting
+fields, abort, validation, layout checks, Info/GetLoad, health."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.worker.engine.api import Engine, EngineConfig
+from services.worker.server import WorkerApp, default_engine_factory
+from shared.proto import common_pb2, worker_pb2
+from shared.server import CHANNEL_OPTIONS
+from tests.support.reference import hf_greedy, tokenize
+
+from .harness import (
+    BLOCK_SIZE,
+    KV_CACHE_TOKENS,
+    MAX_MODEL_LEN,
+    RunningWorker,
+    collect,
+    running_worker,
+    sampling,
+    worker_settings,
+)
+
+PROMPT = "Prefill and decode run on different workers; the KV cache moves between them."
+ADMITTED = worker_pb2.DECODE_FRAME_KIND_ADMITTED
+TOKENS = worker_pb2.DECODE_FRAME_KIND_TOKENS
+FINAL = worker_pb2.DECODE_FRAME_KIND_FINAL
+
+
+@pytest.fixture
+async def unified(tiny_model: Path) -> AsyncIterator[RunningWorker]:
+    async with running_worker(worker_settings(tiny_model, "unified")) as w:
+        yield w
+
+
+@pytest.fixture
+async def prefill(tiny_model: Path) -> AsyncIterator[RunningWorker]:
+    async with running_worker(worker_settings(tiny_model, "prefill")) as w:
+        yield w
+
+
+@pytest.fixture
+async def decode(tiny_model: Path) -> AsyncIterator[RunningWorker]:
+    async with running_worker(worker_settings(tiny_model, "decode")) as w:
+        yield w
+
+
+def prompt_ids(model: Path, text: str = PROMPT) -> list[int]:
+    ids = tokenize(model, text)
+    assert len(ids) > 3 * BLOCK_SIZE  # spans several blocks (and a partial one, usually)
+    return ids
+
+
+def all_blocks_free(w: RunningWorker, rank: int = 0) -> bool:
+    engine = w.app.engine
+    assert engine is not None
+    return engine.num_free_blocks(rank) == engine.num_total_blocks(rank)
+
+
+async def wait_blocks_free(w: RunningWorker, timeout_s: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not all_blocks_free(w):
+        assert loop.time() < deadline, "KV blocks were not freed"
+        await asyncio.sleep(0.02)
+
+
+def token_ids_of(frames: list[worker_pb2.DecodeFrame]) -> list[int]:
+    return [t for f in frames for t in f.token_ids]
+
+
+async def test_unified_local_prefill_matches_hf_generate(
+    unified: RunningWorker, tiny_model: Path
+) -> None:
+    ids = prompt_ids(tiny_model)
+    max_tokens = 24
+    want = hf_greedy(tiny_model, ids, max_tokens)
+    frames = await collect(unified.stub.Decode(worker_pb2.DecodeRequest(
+        request_id="u1", prompt_token_ids=ids, sampling=sampling(max_tokens), local_prefill=True,
+        return_token_ids=True,
+    )))
+    assert frames[0].kind == ADMITTED
+    assert frames[-1].kind == FINAL
+    assert all(f.kind == TOKENS for f in frames[1:-1])
+    assert token_ids_of(frames) == want
+    final = frames[-1]
+    assert final.HasField("generated_tokens")
+    assert final.generated_tokens == len(want)
+    expected_reason = (common_pb2.FINISH_REASON_LENGTH if len(want) == max_tokens
+                       else common_pb2.FINISH_REASON_STOP)
+    assert final.finish_reason == expected_reason
+    for f in frames[:-1]:
+        assert not f.HasField("generated_tokens")
+        assert f.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
+    for f in frames:
+        assert f.request_id == "u1"
+        assert f.prompt_tokens == len(ids)
+        assert f.transferred_cached_tokens == 0
+    await wait_blocks_free(unified)
+
+
+async def test_token_ids_only_when_asked(unified: RunningWorker, tiny_model: Path) -> None:
+    ids = prompt_ids(tiny_model)
+    frames = await collect(unified.stub.Decode(worker_pb2.DecodeRequest(
+        request_id="u2", prompt_token_ids=ids, sampling=sampling(8), local_prefill=True,
+    )))
+    assert token_ids_of(frames) == []
+    assert frames[-1].generated_tokens == len(hf_greedy(tiny_model, ids, 8))
+    assert "".join(f.text for f in frames)
+
+
+async def disaggregated(
+    prefill: RunningWorker, decode: RunningWorker, request_id: str, ids: list[int],
+    max_tokens: int,
+) -> tuple[worker_pb2.PrefillResponse, list[worker_pb2.DecodeFrame]]:
+    """The gateway's sequence: Decode (admit) -> Prefill with kv_target -> the rest of Decode."""
+    stream = decode.stub.Decode(worker_pb2.DecodeRequest(
+        request_id=request_id, prompt_token_ids=ids, sampling=sampling(max_tokens),
+        return_token_ids=True,
+    ))
+    admitted = await stream.read()
+    assert admitted.kind == ADMITTED
+    assert admitted.transfer_ticket
+    reply = await prefill.stub.Prefill(worker_pb2.PrefillRequest(
+        request_id=request_id, prompt_token_ids=ids, sampling=sampling(max_tokens),
+        return_token_ids=True,
+        kv_target=worker_pb2.KvTarget(
+            address=decode.address, dp_rank=0, transfer_ticket=admitted.transfer_ticket,
+            skip_blocks=admitted.cached_blocks,
+        ),
+    ))
+    frames = [admitted, *await collect(stream)]
+    return reply, frames
+
+
+async def test_disaggregated_matches_unified_and_hf_generate(
+    prefill: RunningWorker, decode: RunningWorker, unified: RunningWorker, tiny_model: Path
+) -> None:
+    ids = prompt_ids(tiny_model)
+    max_tokens = 20
+    reply, frames = await disaggregated(prefill, decode, "d1", ids, max_tokens)
+
+    # The first-token reply: authoritative count 1, not finished, KV pushed in several chunks.
+    assert reply.HasField("generated_tokens") and reply.generated_tokens == 1
+    assert reply.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
+    assert len(reply.token_ids) == 1
+    assert reply.prompt_tokens == len(ids)
+    assert reply.kv_bytes_sent > 0
+    assert reply.num_chunks >= 1
+    assert reply.prefill_ns > 0 and reply.kv_transfer_ns > 0
+
+    # Decode frames: counts only on FINAL, the decode worker's own post-handoff count.
+    assert frames[-1].kind == FINAL
+    assert all(not f.HasField("generated_tokens") for f in frames[:-1])
+    disagg = list(reply.token_ids) + token_ids_of(frames)
+    assert frames[-1].generated_tokens == len(disagg) - 1
+    assert frames[-1].transferred_cached_tokens + frames[-1].local_cached_tokens == len(ids)
+    assert frames[-1].transferred_cached_tokens > 0
+    for f in frames:
+        assert f.prompt_tokens == len(ids)
+
+    unified_frames = await collect(unified.stub.Decode(worker_pb2.DecodeRequest(
+        request_id="d1-unified", prompt_token_ids=ids, sampling=sampling(max_tokens),
+        local_prefill=True, return_token_ids=True,
+    )))
+    assert disagg == token_ids_of(unified_frames)
+    assert disagg == hf_greedy(tiny_model, ids, max_tokens)
+    assert frames[-1].finish_reason == unified_frames[-1].finish_reason
+    # Text continues seamlessly across the handoff.
+    text = reply.text + "".join(f.text for f in frames)
+    assert text == "".join(f.text for f in unified_frames)
+
+    await wait_blocks_free(decode)
+    await wait_blocks_free(prefill)
+
+
+async def test_kv_push_skips_blocks_cached_on_the_decode_worker(
+    prefill: RunningWorker, decode: RunningWorker, tiny_model: Path
+) -> None:
+    ids = prompt_ids(tiny_model)
+    first_reply, first = await disaggregated(prefill, decode, "c1", ids, 6)
+    second_reply, second = await disaggregated(prefill, decode, "c2", ids, 6)
+    assert second[0].cached_blocks > 0  # the decode worker's prefix cache holds the prompt
+    assert second_reply.kv_bytes_sent < first_reply.kv_bytes_sent
+    assert second[-1].local_cached_tokens >= second[0].cached_blocks * BLOCK_SIZE
+    assert (list(second_reply.token_ids) + token_ids_of(second)
+            == list(first_reply.token_ids) + token_ids_of(first))
+
+
+async def test_prefill_without_kv_target_frees_its_blocks(
+    prefill: RunningWorker, tiny_model: Path
+) -> None:
+    ids = prompt_ids(tiny_model)
+    reply = await prefill.stub.Prefill(worker_pb2.PrefillRequest(
+        request_id="p1", prompt_token_ids=ids, sampling=sampling(1),
+    ))
+    assert reply.generated_tokens == 1
+    assert list(reply.token_ids) == []  # not asked for
+    assert reply.finish_reason == common_pb2.FINISH_REASON_LENGTH  # max_tokens = 1
+    assert reply.kv_bytes_sent == 0
+    assert reply.num_chunks >= 1
+    await wait_blocks_free(prefill)
+
+
+async def test_abort_frees_admitted_blocks(decode: RunningWorker, tiny_model: Path) -> None:
+    ids = prompt_ids(tiny_model)
+    stream = decode.stub.Decode(worker_pb2.DecodeRequest(
+        request_id="a1", prompt_token_ids=ids, sampling=sampling(16),
+    ))
+    admitted = await stream.read()
+    assert admitted.kind == ADMITTED
+    assert not all_blocks_free(decode)  # blocks reserved for the incoming KV
+    found = await decode.stub.Abort(worker_pb2.AbortRequest(request_id="a1"))
+    assert found.found
+    rest = await collect(stream)
+    assert rest[-1].kind == FINAL
+    assert rest[-1].finish_reason == common_pb2.FINISH_REASON_ABORT
+    assert rest[-1].generated_tokens == 0
+    await wait_blocks_free(decode)
+    unknown = await decode.stub.Abort(worker_pb2.AbortRequest(request_id="nope"))
+    assert not unknown.found
+
+
+async def test_client_cancel_frees_blocks(unified: RunningWorker, tiny_model: Path) -> None:
+    ids = prompt_ids(tiny_model)
+    stream = unified.stub.Decode(worker_pb2.DecodeRequest(
+        request_id="x1", prompt_token_ids=ids,
+        sampling=sampling(MAX_MODEL_LEN - len(ids), ignore_eos=True), local_prefill=True,
+    ))
+    assert (await stream.read()).kind == ADMITTED
+    await stream.read()
+    stream.cancel()
+    await wait_blocks_free(unified)
+
+
+@pytest.mark.parametrize("rpc", ["Prefill", "Decode"])
+async def test_invalid_inputs_are_invalid_argument(
+    prefill: RunningWorker, decode: RunningWorker, tiny_model: Path, rpc: str
+) -> None:
+    ids = prompt_ids(tiny_model)
+    bad = [
+        dict(prompt_token_ids=ids, sampling=sampling(4), dp_rank=1),  # one rank only
+        dict(prompt_token_ids=[], sampling=sampling(4)),
+        dict(prompt_token_ids=[5] * (MAX_MODEL_LEN + 1), sampling=sampling(4)),
+        dict(prompt_token_ids=ids, sampling=sampling(0)),
+    ]
+    for i, fields in enumerate(bad):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            if rpc == "Prefill":
+                await prefill.stub.Prefill(worker_pb2.PrefillRequest(request_id=f"b{i}", **fields))
+            else:
+                await collect(decode.stub.Decode(
+                    worker_pb2.DecodeRequest(request_id=f"b{i}", **fields)))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, fields
+        assert info.value.details()
+    await wait_blocks_free(decode)
+
+
+async def test_role_mismatch_is_failed_precondition(
+    prefill: RunningWorker, tiny_model: Path
+) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await collect(prefill.stub.Decode(worker_pb2.DecodeRequest(
+            request_id="r1", prompt_token_ids=prompt_ids(tiny_model), sampling=sampling(4),
+        )))
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def kv_chunk(ticket: str, layout: common_pb2.KvLayout, **kw: Any) -> worker_pb2.KvChunk:
+    fields: dict[str, Any] = dict(first_block=0, num_blocks=0, data=b"")
+    fields.update(kw)
+    return worker_pb2.KvChunk(request_id="k1", transfer_ticket=ticket, layout=layout, **fields)
+
+
+async def test_push_kv_layout_mismatch_and_unknown_ticket(
+    decode: RunningWorker, tiny_model: Path
+) -> None:
+    info = await decode.stub.Info(worker_pb2.InfoRequest())
+    stream = decode.stub.Decode(worker_pb2.DecodeRequest(
+        request_id="k1", prompt_token_ids=prompt_ids(tiny_model), sampling=sampling(4),
+    ))
+    ticket = (await stream.read()).transfer_ticket
+    wrong = common_pb2.KvLayout()
+    wrong.CopyFrom(info.kv_layout)
+    wrong.block_size = info.kv_layout.block_size * 2
+
+    async def one(chunk: worker_pb2.KvChunk) -> AsyncIterator[worker_pb2.KvChunk]:
+        yield chunk
+
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await decode.stub.PushKv(one(kv_chunk(ticket, wrong, last=True, num_tokens=4,
+                                              first_token_id=5, generated_tokens=1)))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "layout" in (err.value.details() or "")
+
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await decode.stub.PushKv(one(kv_chunk(
+            "no-such-ticket", info.kv_layout, num_blocks=1,
+            data=b"\0" * 4, last=False)))
+    assert err.value.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT)
+
+    # The admitted request is untouched by the bad pushes; the gateway's Abort frees it.
+    assert (await decode.stub.Abort(worker_pb2.AbortRequest(request_id="k1"))).found
+    frames = await collect(stream)
+    assert frames[-1].finish_reason == common_pb2.FINISH_REASON_ABORT
+    await wait_blocks_free(decode)
+
+
+async def test_info_and_get_load(decode: RunningWorker, tiny_model: Path) -> None:
+    info = await decode.stub.Info(worker_pb2.InfoRequest())
+    assert info.worker_id == decode.app.worker_id
+    assert info.address == decode.address
+    assert info.role == common_pb2.WORKER_ROLE_DECODE
+    assert info.model_id
+    assert info.dp_size == 1
+    assert info.kv_layout.block_size == BLOCK_SIZE
+    assert info.kv_layout.dtype == "float32"
+    assert info.kv_layout.num_layers == 2
+    assert info.kv_layout.num_kv_heads == 2
+    assert info.kv_layout.head_dim == 16
+    assert set(info.capabilities) >= {"generated_tokens", "kv_block_skip", "local_prefill"}
+    assert info.proto_version == "1.1"
+    assert info.max_model_len == MAX_MODEL_LEN
+    assert info.device == "cpu"
+
+    load = await decode.stub.GetLoad(worker_pb2.GetLoadRequest())
+    assert load.worker_id == info.worker_id
+    assert [r.dp_rank for r in load.ranks] == [0]
+    rank = load.ranks[0]
+    assert rank.kv_capacity_tokens > 0
+    assert rank.kv_capacity_tokens <= KV_CACHE_TOKENS
+    assert rank.num_used_tokens == 0 and rank.num_running == 0 and rank.num_waiting == 0
+
+    ids = prompt_ids(tiny_model)
+    stream = decode.stub.Decode(worker_pb2.DecodeRequest(
+        request_id="l1", prompt_token_ids=ids, sampling=sampling(4)))
+    await stream.read()
+    busy = (await decode.stub.GetLoad(worker_pb2.GetLoadRequest())).ranks[0]
+    assert busy.num_used_tokens >= len(ids)
+    await decode.stub.Abort(worker_pb2.AbortRequest(request_id="l1"))
+    await collect(stream)
+
+
+async def test_dp_ranks(tiny_model: Path) -> None:
+    async with running_worker(worker_settings(tiny_model, "unified", dp_size=2)) as w:
+        load = await w.stub.GetLoad(worker_pb2.GetLoadRequest())
+        assert [r.dp_rank for r in load.ranks] == [0, 1]
+        ids = prompt_ids(tiny_model)
+        outs = []
+        for rank in (0, 1):
+            frames = await collect(w.stub.Decode(worker_pb2.DecodeRequest(
+                request_id=f"r{rank}", prompt_token_ids=ids, sampling=sampling(8),
+                dp_rank=rank, local_prefill=True, return_token_ids=True)))
+            outs.append(token_ids_of(frames))
+        assert outs[0] == outs[1] == hf_greedy(tiny_model, ids, 8)
+
+
+async def test_health_not_serving_until_loaded(tiny_model: Path) -> None:
+    import threading
+
+    release = threading.Event()
+
+    def slow_factory(config: EngineConfig) -> Engine:
+        release.wait(30)
+        return default_engine_factory(config)
+
+    app = WorkerApp(worker_settings(tiny_model, "unified"), engine_factory=slow_factory)
+    start = asyncio.create_task(app.start())
+    try:
+        async with grpc.aio.insecure_channel(app.server.address, options=CHANNEL_OPTIONS) as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            for _ in range(200):
+                if app.server.grpc is not None and start.done() is False:
+                    try:
+                        resp = await health.Check(health_pb2.HealthCheckRequest(service=""))
+                        break
+                    except grpc.aio.AioRpcError:
+                        await asyncio.sleep(0.02)
+            assert resp.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await worker_stub(ch).Info(worker_pb2.InfoRequest())
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            release.set()
+            await start
+            for service in ("", "pdserve.v1.Worker"):
+                resp = await health.Check(health_pb2.HealthCheckRequest(service=service))
+                assert resp.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        release.set()
+        if not start.done():
+            await start
+        await app.stop()
+
+
+def worker_stub(ch: grpc.aio.Channel) -> object:
+    from shared.proto import worker_pb2_grpc
+
+    return worker_pb2_grpc.WorkerStub(ch)
