@@ -1,0 +1,63 @@
+"""Reservations and the prefix index."""
+
+from __future__ import annotations
+
+from services.scheduler.prefix_index import PrefixIndex
+from services.scheduler.reservations import Reservations
+
+
+def test_reservations_add_and_cover_by_time() -> None:
+    r = Reservations()
+    r.add("w", 2, 0, 100, now_s=1.0)
+    r.add("w", 2, 1, 50, now_s=2.0)
+    r.add("w", 2, 0, 10, now_s=3.0)
+    assert r.totals("w", 2) == [110, 50]
+    r.cover("w", reported_at_s=2.0)  # a report polled at t=2 already counts the first two
+    assert r.totals("w", 2) == [10, 0]
+    r.cover("w", reported_at_s=10.0)
+    assert r.totals("w", 2) == [0, 0]
+    assert r.totals("unknown", 3) == [0, 0, 0]
+
+
+def test_reservations_forget_and_retain() -> None:
+    r = Reservations()
+    r.add("a", 1, 0, 5, 0.0)
+    r.add("b", 1, 0, 7, 0.0)
+    r.retain({"b"})
+    assert r.totals("a", 1) == [0]
+    assert r.totals("b", 1) == [7]
+    r.forget("b")
+    assert r.totals("b", 1) == [0]
+
+
+def test_reservations_reset_when_dp_size_changes() -> None:
+    r = Reservations()
+    r.add("a", 2, 1, 5, 0.0)
+    r.add("a", 4, 3, 1, 0.0)
+    assert r.totals("a", 4) == [0, 0, 0, 1]
+
+
+def test_prefix_index_longest_match_among_candidates() -> None:
+    idx = PrefixIndex()
+    idx.record("a", [1, 2, 3])
+    idx.record("b", [1, 2])
+    idx.record("c", [1, 2, 3, 4])
+    assert idx.longest_match([1, 2, 3, 4, 5], {"a", "b", "c"}) == (["c"], 4)
+    assert idx.longest_match([1, 2, 3, 4, 5], {"a", "b"}) == (["a"], 3)
+    assert idx.longest_match([1, 2, 9], {"a", "b"}) == (["a", "b"], 2)
+    assert idx.longest_match([7, 8], {"a"}) == ([], 0)
+    assert idx.matched_blocks([1, 2, 3, 4], "b") == 2
+    assert idx.matched_blocks([1], "nobody") == 0
+
+
+def test_prefix_index_evicts_least_recent_and_forgets() -> None:
+    idx = PrefixIndex(max_blocks_per_worker=3)
+    idx.record("a", [1, 2])
+    idx.record("a", [1])  # refresh 1: block 2 is now the oldest
+    idx.record("a", [5, 6])
+    assert idx.matched_blocks([1], "a") == 1
+    assert idx.matched_blocks([2], "a") == 0
+    assert idx.longest_match([2], {"a"}) == ([], 0)
+    idx.forget("a")
+    assert idx.longest_match([1], {"a"}) == ([], 0)
+    assert idx.workers() == []
