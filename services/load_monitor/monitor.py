@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import structlog
@@ -145,7 +145,7 @@ class LoadMonitor:
 
     # --- watchers ---
 
-    async def watch(self) -> AsyncIterator[LoadSnapshot]:
+    async def watch(self) -> AsyncGenerator[LoadSnapshot, None]:
         """The latest snapshot at once, then the newest one after every change or poll round.
         A slow watcher skips intermediate snapshots rather than queueing them."""
         watcher = _Watcher()
