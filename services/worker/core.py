@@ -409,6 +409,8 @@ class WorkerCore:
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """True when every in-flight request finished within timeout_s."""
+        if self._idle.is_set():
+            return True
         try:
             await asyncio.wait_for(self._idle.wait(), timeout=max(timeout_s, 0.0))
         except TimeoutError:

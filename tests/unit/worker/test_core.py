@@ -1,0 +1,220 @@
+"""WorkerCore paths that are hard to reach over real servers, against a recording fake engine."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+
+from services.worker.core import WorkerCore
+from services.worker.engine.api import (
+    EngineRequest,
+    FinishReason,
+    KvBlocksChunk,
+    KvLayoutInfo,
+    RequestOutput,
+    SamplingConfig,
+)
+from services.worker.messages import (
+    CAPABILITIES,
+    PROTO_VERSION,
+    IncomingKvChunk,
+    KvPushResult,
+    KvTargetSpec,
+    PrefillCall,
+    WorkerIdentity,
+)
+from shared import errors
+
+LAYOUT = KvLayoutInfo(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, dtype="float32")
+
+
+class FakeHandle:
+    def __init__(self, outputs: list[RequestOutput]) -> None:
+        self._outputs = outputs
+
+    async def _iter(self) -> AsyncIterator[RequestOutput]:
+        for out in self._outputs:
+            yield out
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iter()
+
+
+class FakeEngine:
+    """Records the calls the core makes; PREFILL_ONLY yields one first-token output."""
+
+    max_model_len = 64
+    kv_layout = LAYOUT
+    model_id = "fake"
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+        self.fail_import_at: int | None = None
+
+    def add_request(self, request: EngineRequest) -> FakeHandle:
+        self.calls.append(("add", request.request_id, request.kind))
+        return FakeHandle([RequestOutput(
+            request_id=request.request_id, new_token_ids=(7,), text_delta="x", finished=True,
+            finish_reason=None, num_generated_tokens=1,
+            num_prompt_tokens=len(request.prompt_token_ids), num_local_cached_tokens=0,
+            num_transferred_tokens=0, num_prefill_chunks=1, prefill_ns=5)])
+
+    def export_kv(self, request_id: str, skip_blocks: int, max_chunk_bytes: int
+                  ) -> Iterator[KvBlocksChunk]:
+        self.calls.append(("export", request_id, skip_blocks))
+        yield KvBlocksChunk(first_block=skip_blocks, num_blocks=1, data=b"\0" * 8)
+
+    def import_kv(self, ticket: str, chunk: KvBlocksChunk) -> None:
+        n = sum(1 for c in self.calls if c[0] == "import")
+        self.calls.append(("import", ticket, chunk.first_block))
+        if self.fail_import_at == n:
+            raise errors.InvalidArgument("bad chunk")
+
+    def finish_import(self, ticket: str, num_tokens: int, first_token_id: int | None,
+                      prefill_generated_tokens: int) -> None:
+        self.calls.append(("finish", ticket, num_tokens, first_token_id,
+                           prefill_generated_tokens))
+
+    def release(self, request_id: str) -> None:
+        self.calls.append(("release", request_id))
+
+    def abort(self, request_id: str) -> bool:
+        self.calls.append(("abort", request_id))
+        return True
+
+
+class FailingPusher:
+    async def push(self, **kwargs: Any) -> KvPushResult:
+        list(kwargs["chunks"])
+        raise errors.Unavailable("decode worker unreachable")
+
+    async def close(self) -> None:
+        pass
+
+
+def make_core(role: str = "unified", pusher: Any = None) -> tuple[WorkerCore, FakeEngine]:
+    engine = FakeEngine()
+    identity = WorkerIdentity(
+        worker_id="w", address="a:1", role=role, model_id="fake", dp_size=1, kv_layout=LAYOUT,
+        capabilities=CAPABILITIES, proto_version=PROTO_VERSION, max_model_len=64, device="cpu")
+    return WorkerCore(engine, identity, pusher or FailingPusher()), engine  # type: ignore[arg-type]
+
+
+def request(**kw: Any) -> EngineRequest:
+    fields: dict[str, Any] = dict(request_id="r", prompt_token_ids=(1, 2, 3, 4, 5),
+                                  sampling=SamplingConfig(max_tokens=4, temperature=0))
+    fields.update(kw)
+    return EngineRequest(**fields)
+
+
+def chunk(first: int, n: int = 1, last: bool = False, layout: KvLayoutInfo | None = LAYOUT,
+          generated: int | None = None, ticket: str = "t") -> IncomingKvChunk:
+    return IncomingKvChunk(
+        request_id="r", transfer_ticket=ticket, dp_rank=0, layout=layout,
+        chunk=KvBlocksChunk(first_block=first, num_blocks=n, data=b"\0" * 8 * n), last=last,
+        num_tokens=5 if last else 0, first_token_id=7 if last else None,
+        generated_tokens=generated)
+
+
+async def stream(*chunks: IncomingKvChunk) -> AsyncIterator[IncomingKvChunk]:
+    for c in chunks:
+        yield c
+
+
+async def test_old_prefill_worker_without_count_means_one() -> None:
+    core, engine = make_core()
+    receipt = await core.receive_kv(stream(chunk(0), chunk(1, last=True)))
+    assert receipt.blocks_received == 2 and receipt.bytes_received == 16
+    assert ("finish", "t", 5, 7, 1) in engine.calls
+    core, engine = make_core()
+    await core.receive_kv(stream(chunk(0, last=True, generated=1)))
+    assert ("finish", "t", 5, 7, 1) in engine.calls
+
+
+async def test_broken_transfer_aborts_the_request() -> None:
+    core, engine = make_core()
+    with pytest.raises(errors.InvalidArgument, match="without a KvChunk marked last"):
+        await core.receive_kv(stream(chunk(0)))
+    assert ("abort", "r") in engine.calls
+    core, engine = make_core()
+    engine.fail_import_at = 1
+    with pytest.raises(errors.InvalidArgument):
+        await core.receive_kv(stream(chunk(0), chunk(1, last=True)))
+    assert ("abort", "r") in engine.calls
+
+
+async def test_layout_mismatch_leaves_the_request_alone() -> None:
+    core, engine = make_core()
+    other = KvLayoutInfo(num_layers=2, num_kv_heads=2, head_dim=16, block_size=8,
+                         dtype="float32")
+    with pytest.raises(errors.FailedPrecondition, match="layout"):
+        await core.receive_kv(stream(chunk(0, layout=other, last=True)))
+    assert not [c for c in engine.calls if c[0] in ("abort", "import", "finish")]
+
+
+async def test_mixed_tickets_and_chunks_after_last_are_rejected() -> None:
+    core, _ = make_core()
+    with pytest.raises(errors.InvalidArgument, match="same transfer_ticket"):
+        await core.receive_kv(stream(chunk(0), chunk(1, ticket="u", last=True)))
+    core, _ = make_core()
+    with pytest.raises(errors.InvalidArgument, match="after the chunk marked last"):
+        await core.receive_kv(stream(chunk(0, last=True), chunk(1, last=True)))
+    core, _ = make_core()
+    with pytest.raises(errors.InvalidArgument, match="layout"):
+        await core.receive_kv(stream(chunk(0, layout=None, last=True)))
+
+
+async def test_failed_push_releases_the_prefill_blocks() -> None:
+    core, engine = make_core("prefill")
+    target = KvTargetSpec(address="d:1", dp_rank=0, transfer_ticket="t", skip_blocks=1)
+    with pytest.raises(errors.Unavailable):
+        await core.prefill(PrefillCall(request=request(), kv_target=target,
+                                       return_token_ids=False))
+    assert ("export", "r", 1) in engine.calls
+    assert engine.calls[-1] == ("release", "r")
+    assert core.num_active == 0
+
+
+async def test_role_gating_and_drain() -> None:
+    core, _ = make_core("prefill")
+    with pytest.raises(errors.FailedPrecondition, match="Decode"):
+        async for _ in core.decode(None):  # type: ignore[arg-type]
+            pass
+    with pytest.raises(errors.FailedPrecondition, match="PushKv"):
+        await core.receive_kv(stream())
+    core, _ = make_core("unified")
+    core.begin_drain()
+    with pytest.raises(errors.Unavailable, match="draining"):
+        await core.prefill(PrefillCall(request=request(), kv_target=None,
+                                       return_token_ids=False))
+    assert await core.wait_idle(0)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [(dict(dp_rank=1), "dp_rank"), (dict(prompt_token_ids=()), "empty"),
+     (dict(prompt_token_ids=(1,) * 64), "max_model_len"), (dict(request_id=""), "request_id"),
+     (dict(sampling=SamplingConfig(max_tokens=0)), "max_tokens"),
+     (dict(sampling=SamplingConfig(max_tokens=1, top_p=1.5)), "top_p"),
+     (dict(sampling=SamplingConfig(max_tokens=1, temperature=-1)), "temperature")],
+)
+def test_validation_messages(fields: dict[str, Any], message: str) -> None:
+    core, _ = make_core()
+    with pytest.raises(errors.InvalidArgument, match=message):
+        core.validate(request(**fields))
+
+
+def test_finish_reason_rule_at_the_first_token() -> None:
+    out = RequestOutput(request_id="r", new_token_ids=(), text_delta="", finished=True,
+                        finish_reason=FinishReason.STOP, num_generated_tokens=0,
+                        num_prompt_tokens=5, num_local_cached_tokens=0, num_transferred_tokens=0)
+    rule = WorkerCore._prefill_finish_reason
+    assert rule(out, request()) is FinishReason.STOP  # immediate EOS: count 0
+    one = request(sampling=SamplingConfig(max_tokens=1))
+    cont = RequestOutput(request_id="r", new_token_ids=(7,), text_delta="x", finished=True,
+                         finish_reason=None, num_generated_tokens=1, num_prompt_tokens=5,
+                         num_local_cached_tokens=0, num_transferred_tokens=0)
+    assert rule(cont, one) is FinishReason.LENGTH
+    assert rule(cont, request()) is None

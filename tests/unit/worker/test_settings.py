@@ -1,0 +1,54 @@
+"""Worker settings: per-role default ports, flags over env, validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.worker.settings import WorkerSettings
+from shared.settings import parse_settings
+
+
+@pytest.mark.parametrize(
+    ("role", "listen", "metrics_port"),
+    [("prefill", "0.0.0.0:50061", 9103), ("decode", "0.0.0.0:50071", 9104),
+     ("unified", "0.0.0.0:50081", 9105)],
+)
+def test_role_default_ports(role: str, listen: str, metrics_port: int) -> None:
+    s = parse_settings(WorkerSettings, ["--role", role], env={})
+    assert s.listen == listen
+    assert s.metrics_port == metrics_port
+    assert s.service_name == f"{role}-worker"
+
+
+def test_defaults() -> None:
+    s = parse_settings(WorkerSettings, [], env={})
+    assert s.role == "unified"
+    assert s.model == "default"
+    assert s.device == "auto" and s.dtype == "auto"
+    assert s.dp_size == 1 and s.block_size == 16
+    assert s.load_monitor_address == ""
+    assert s.drain_grace_s == 30.0
+    assert s.kv_chunk_bytes == 1 << 20
+    assert s.log_prompts is False
+
+
+def test_env_and_flags() -> None:
+    env = {"PDSERVE_ROLE": "decode", "PDSERVE_DP_SIZE": "2", "PDSERVE_LISTEN": "127.0.0.1:7000",
+           "PDSERVE_LOAD_MONITOR_ADDRESS": "lm:50053", "PDSERVE_LOG_PROMPTS": "true"}
+    s = parse_settings(WorkerSettings, ["--dp-size", "3", "--metrics-port", "-1"], env=env)
+    assert s.role == "decode"
+    assert s.dp_size == 3  # flag beats env
+    assert s.listen == "127.0.0.1:7000"
+    assert s.metrics_port == -1
+    assert s.load_monitor_address == "lm:50053"
+    assert s.log_prompts is True
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--role", "router"], ["--dp-size", "0"], ["--device", "tpu"], ["--listen", "nohost"],
+     ["--kv-chunk-bytes", "0"], ["--drain-grace-s", "-1"]],
+)
+def test_invalid_values_exit_with_a_message(argv: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_settings(WorkerSettings, argv, env={})
