@@ -8,24 +8,47 @@ include_stop_in_output) and holds back the tail that could still become a stop s
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 # tokens of context decoded before the first new token, so a leading space/merge is right
 _PREFIX_WINDOW = 6
 
 
+_BYTE_TOKEN = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
+
+
+def hidden_token_ids(tokenizer: Any) -> frozenset[int]:
+    """Special tokens whose text is never shown (like skip_special_tokens), except byte-fallback
+    tokens `<0xXX>`, which some tokenizers register as special but which carry text."""
+    ids = set()
+    for token, token_id in zip(tokenizer.all_special_tokens, tokenizer.all_special_ids,
+                               strict=False):
+        if not _BYTE_TOKEN.match(str(token)):
+            ids.add(int(token_id))
+    for token_id, added in getattr(tokenizer, "added_tokens_decoder", {}).items():
+        if getattr(added, "special", False) and not _BYTE_TOKEN.match(str(added.content)):
+            ids.add(int(token_id))
+    return frozenset(ids)
+
+
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, prompt_token_ids: tuple[int, ...] | list[int]) -> None:
+    def __init__(self, tokenizer: Any, prompt_token_ids: tuple[int, ...] | list[int],
+                 hidden_ids: frozenset[int] = frozenset()) -> None:
         self._tokenizer = tokenizer
-        self._ids: list[int] = list(prompt_token_ids[-_PREFIX_WINDOW:])
+        self._hidden_ids = hidden_ids
+        prompt = [t for t in prompt_token_ids[-_PREFIX_WINDOW:] if t not in hidden_ids]
+        self._ids: list[int] = prompt
         self._prefix_offset = 0  # ids[prefix_offset:read_offset] is already-emitted context
         self._read_offset = len(self._ids)
 
     def _decode(self, ids: list[int]) -> str:
-        return str(self._tokenizer.decode(ids, skip_special_tokens=True))
+        return str(self._tokenizer.decode(ids, skip_special_tokens=False))
 
     def append(self, token_id: int) -> str:
         """Feed one token; returns the text that became stable ("" while a char is partial)."""
+        if token_id in self._hidden_ids:
+            return ""
         self._ids.append(token_id)
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset :])

@@ -24,7 +24,11 @@ from services.worker.engine.api import (
     RequestKind,
 )
 from services.worker.engine.block_manager import BlockManager
-from services.worker.engine.detokenizer import IncrementalDetokenizer, OutputText
+from services.worker.engine.detokenizer import (
+    IncrementalDetokenizer,
+    OutputText,
+    hidden_token_ids,
+)
 from services.worker.engine.handle import OutputHandle
 from services.worker.engine.model_runner import (
     ModelRunner,
@@ -90,6 +94,7 @@ class PagedEngine:
         self.max_model_len = 0
         self.eos_token_ids: tuple[int, ...] = ()
         self.tokenizer: Any = None
+        self._hidden_ids: frozenset[int] = frozenset()
         self.vocab_size = 0
         self._ranks: list[Rank] = []
         self._started = False
@@ -127,6 +132,7 @@ class PagedEngine:
         if cfg.torch_threads > 0:
             torch.set_num_threads(cfg.torch_threads)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
+        self._hidden_ids = hidden_token_ids(self.tokenizer)
         for dp_rank in range(cfg.dp_size):
             device = self._device_for(dp_rank)
             dtype = resolve_dtype(cfg.dtype, device)
@@ -196,7 +202,7 @@ class PagedEngine:
         handle = OutputHandle(request.request_id, asyncio.get_running_loop())
         return Request.from_engine_request(
             request, handle,
-            IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids),
+            IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, self._hidden_ids),
             OutputText(sp.stop, sp.include_stop_in_output),
             generator, rank.next_seq(),
         )

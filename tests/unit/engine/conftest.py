@@ -81,7 +81,6 @@ async def drain(handles: list[RequestHandle]) -> list[list[RequestOutput]]:
 
 def hf_greedy(model: Any, prompt: tuple[int, ...] | list[int], max_new_tokens: int) -> list[int]:
     import torch
-
     from transformers import GenerationConfig
 
     # no EOS: the engine side runs with ignore_eos, so EOS is an ordinary token on both sides

@@ -1,0 +1,95 @@
+"""PREFILL_ONLY + export_kv on one engine, DECODE_REMOTE + import_kv + finish_import on another:
+same tokens as a unified run; the decode side skips blocks already in its prefix cache."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from services.worker.engine.api import Engine, KvBlocksChunk, RequestKind, RequestOutput
+from shared.errors import InvalidArgument, NotFound
+from tests.unit.engine.conftest import EngineFactory, collect, greedy, request, tokens_of
+
+
+def _prompt(n: int, seed: int) -> tuple[int, ...]:
+    rng = random.Random(seed)
+    return tuple(rng.randrange(3, 450) for _ in range(n))
+
+
+async def _disaggregated(prefill: Engine, decode: Engine, rid: str, prompt: tuple[int, ...],
+                         max_tokens: int) -> tuple[RequestOutput, list[RequestOutput], int]:
+    sampling = greedy(max_tokens, ignore_eos=True)
+    first = await collect(prefill.add_request(
+        request(rid, prompt, sampling, kind=RequestKind.PREFILL_ONLY)))
+    assert len(first) == 1 and first[0].finished
+    admission, handle = decode.admit_remote(
+        request(rid, prompt, sampling, kind=RequestKind.DECODE_REMOTE))
+    sent_bytes = 0
+    for chunk in prefill.export_kv(rid, admission.num_cached_blocks, max_chunk_bytes=20_000):
+        sent_bytes += len(chunk.data)
+        decode.import_kv(admission.transfer_ticket, chunk)
+    prefill.release(rid)
+    decode.finish_import(admission.transfer_ticket, len(prompt), first[0].new_token_ids[0],
+                         first[0].num_generated_tokens)
+    return first[0], await collect(handle), sent_bytes
+
+
+async def test_prefill_decode_handoff_matches_unified(make_engine: EngineFactory) -> None:
+    unified, prefill, decode = make_engine(), make_engine(), make_engine()
+    prompt = _prompt(75, 1)
+    cold = await collect(unified.add_request(request("u", prompt, greedy(10, ignore_eos=True))))
+    first, rest, sent = await _disaggregated(prefill, decode, "d", prompt, 10)
+    assert first.num_generated_tokens == 1 and first.finish_reason is None
+    assert list(first.new_token_ids) + tokens_of(rest) == tokens_of(cold)
+    assert "".join([first.text_delta] + [o.text_delta for o in rest]) == "".join(
+        o.text_delta for o in cold)
+    last = rest[-1]
+    assert last.num_generated_tokens == 9  # post-handoff tokens only
+    assert last.finish_reason is not None and last.finish_reason.value == "length"
+    assert last.num_transferred_tokens == 75 and last.num_local_cached_tokens == 0
+    block_bytes = sent // 5  # 75 tokens = 5 blocks of 16
+    assert sent == 5 * block_bytes
+    for engine in (prefill, decode):
+        assert engine.num_free_blocks(0) == engine.num_total_blocks(0)
+
+
+async def test_decode_side_skips_cached_blocks(make_engine: EngineFactory) -> None:
+    prefill, decode = make_engine(), make_engine()
+    shared = _prompt(64, 2)
+    _, _, sent_cold = await _disaggregated(prefill, decode, "a", shared + _prompt(20, 3), 4)
+    _, rest, sent_warm = await _disaggregated(prefill, decode, "b", shared + _prompt(20, 4), 4)
+    # 84 tokens = 6 blocks; the 4 blocks of the shared 64 tokens are already on the decode side
+    assert sent_warm * 6 == sent_cold * 2
+    assert rest[-1].num_local_cached_tokens == 64
+    assert rest[-1].num_transferred_tokens == 20
+
+
+async def test_prefill_only_immediate_finish_and_errors(make_engine: EngineFactory) -> None:
+    engine = make_engine()
+    out = await collect(engine.add_request(
+        request("p", _prompt(20, 5), greedy(1), kind=RequestKind.PREFILL_ONLY)))
+    assert out[-1].finish_reason is not None and out[-1].finish_reason.value == "length"
+    with pytest.raises(InvalidArgument):
+        list(engine.export_kv("p", 99, 1 << 20))
+    assert len(list(engine.export_kv("p", 0, 1 << 20))) == 1
+    engine.release("p")
+    with pytest.raises(NotFound):
+        engine.release("p")
+    with pytest.raises(NotFound):
+        engine.import_kv("0-nope", KvBlocksChunk(first_block=0, num_blocks=0, data=b""))
+    assert engine.num_free_blocks(0) == engine.num_total_blocks(0)
+
+
+async def test_abort_waiting_for_kv(make_engine: EngineFactory) -> None:
+    engine = make_engine()
+    admission, handle = engine.admit_remote(
+        request("x", _prompt(40, 6), greedy(5), kind=RequestKind.DECODE_REMOTE))
+    assert engine.num_free_blocks(0) < engine.num_total_blocks(0)
+    assert engine.abort("x")
+    outs = await collect(handle)
+    assert outs[-1].finish_reason is not None and outs[-1].finish_reason.value == "abort"
+    assert not engine.abort("x")
+    with pytest.raises(NotFound):
+        engine.finish_import(admission.transfer_ticket, 40, 5, 1)
+    assert engine.num_free_blocks(0) == engine.num_total_blocks(0)
