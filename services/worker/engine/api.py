@@ -64,7 +64,12 @@ class EngineRequest:
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """What changed for one request in one step (or the terminal event)."""
+    """What changed for one request in one step (or the terminal event).
+
+    new_token_ids never contains a terminating EOS (it is not counted either). A PREFILL_ONLY
+    request's handle yields exactly one output, finished=True, after its first token: its
+    finish_reason is STOP/LENGTH when the request ended there (EOS, stop, max_tokens, context
+    full), else None (decoding continues elsewhere; the KV is held until `release`)."""
 
     request_id: str
     new_token_ids: tuple[int, ...]  # tokens sampled since the previous output (may be empty)
