@@ -3,7 +3,9 @@
 DESIGN.md "Token accounting": the worker that generated a token is the only authority on how many
 it generated. Counts arrive as `generated_tokens` on the prefill's first-token reply and on the
 decode's FINAL frame; the gateway sums them (saturating at 2**64 - 1, the wire type's range) and
-clamps to max_tokens. Only when no frame carried a count (a v1.0 worker) does it count frames.
+clamps to max_tokens. Only when a worker's messages carried no count (a v1.0 worker) are that
+worker's frames counted instead; with every worker old, that is "no frame carried a count -> count
+frames", and in a half-upgraded pair (old prefill, new decode) each side is still counted once.
 """
 
 from __future__ import annotations
@@ -21,12 +23,24 @@ class FinishReason(enum.Enum):
     ABORT = "abort"
 
 
+class Segment(enum.Enum):
+    """The worker that generated part of a completion: the prefill worker's first token, or what
+    the decode (or unified) worker generated."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
 class FrameSource(enum.Enum):
     """Which worker message a relayed piece came from (for fallback counting)."""
 
     PREFILL_REPLY = "prefill_reply"
     DECODE_TOKENS = "decode_tokens"
     DECODE_FINAL = "decode_final"
+
+    @property
+    def segment(self) -> Segment:
+        return Segment.PREFILL if self is FrameSource.PREFILL_REPLY else Segment.DECODE
 
 
 def saturating_sum(counts: Iterable[int]) -> int:
@@ -54,12 +68,22 @@ def fallback_tokens(source: FrameSource, text: str, num_token_ids: int, stopped:
     return 1 if text else 0
 
 
-def completion_tokens(reported: Iterable[int], fallback: Iterable[int], max_tokens: int) -> int:
-    """usage.completion_tokens: the authoritative counts summed, or (only when no frame carried a
-    count, i.e. `reported` is empty) the fallback frame counts summed; clamped to max_tokens."""
-    reported = list(reported)
-    raw = saturating_sum(reported) if reported else saturating_sum(fallback)
-    return min(raw, max(0, max_tokens))
+@dataclass(frozen=True)
+class WorkerCount:
+    """What one worker's messages say about the tokens it generated for a request."""
+
+    reported: int | None  # its generated_tokens; None when the field was absent (never 0 for absent)
+    frame_tokens: int = 0  # what its token-bearing frames stand for (fallback_tokens summed)
+
+    @property
+    def tokens(self) -> int:
+        return self.frame_tokens if self.reported is None else max(0, self.reported)
+
+
+def completion_tokens(counts: Iterable[WorkerCount], max_tokens: int) -> int:
+    """usage.completion_tokens: each worker's authoritative count (or, only where it sent none,
+    its frame count), summed with saturation and clamped to max_tokens."""
+    return min(saturating_sum(c.tokens for c in counts), max(0, max_tokens))
 
 
 def finish_reason(

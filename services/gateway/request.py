@@ -10,7 +10,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from services.gateway import accounting
-from services.gateway.accounting import CacheStats, FinishReason, FrameSource, Usage
+from services.gateway.accounting import CacheStats, FinishReason, FrameSource, Segment, Usage, WorkerCount
 
 
 @dataclass(frozen=True)
@@ -163,7 +163,7 @@ class RequestState:
     max_tokens: int = 0  # set when scheduled (depends on the chosen workers' max_model_len)
     attempts: int = 0  # Schedule calls made
     _pieces: list[_Piece] = field(default_factory=list)
-    _reported_counts: list[int] = field(default_factory=list)  # present generated_tokens values
+    _reported_counts: dict[Segment, int] = field(default_factory=dict)  # present generated_tokens
     _worker_finish: FinishReason | None = None
     _local_cached: int | None = None
     _transferred_cached: int | None = None
@@ -213,7 +213,10 @@ class RequestState:
             _Piece(source, text, token_ids, accounting.fallback_tokens(source, text, len(token_ids), stopped))
         )
         if generated_tokens is not None:
-            self._reported_counts.append(generated_tokens)
+            segment = source.segment
+            self._reported_counts[segment] = accounting.saturating_sum(
+                (self._reported_counts.get(segment, 0), generated_tokens)
+            )
         if finish_reason is not None:
             self._worker_finish = finish_reason
 
@@ -256,10 +259,19 @@ class RequestState:
         return bool(self._reported_counts)
 
     @property
+    def worker_counts(self) -> list[WorkerCount]:
+        """Per worker (prefill, decode): its reported count, or None, and its frame count."""
+        counts = []
+        for segment in Segment:
+            pieces = [p for p in self._pieces if p.source.segment is segment]
+            if pieces or segment in self._reported_counts:
+                frame_tokens = accounting.saturating_sum(p.fallback_tokens for p in pieces)
+                counts.append(WorkerCount(self._reported_counts.get(segment), frame_tokens))
+        return counts
+
+    @property
     def num_completion_tokens(self) -> int:
-        return accounting.completion_tokens(
-            self._reported_counts, (p.fallback_tokens for p in self._pieces), self.max_tokens
-        )
+        return accounting.completion_tokens(self.worker_counts, self.max_tokens)
 
     @property
     def finish_reason(self) -> FinishReason:

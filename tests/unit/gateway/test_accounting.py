@@ -10,6 +10,7 @@ from services.gateway.accounting import (
     FinishReason,
     FrameSource,
     Usage,
+    WorkerCount,
     cache_stats,
     completion_tokens,
     fallback_tokens,
@@ -33,31 +34,37 @@ def test_saturating_sum_ignores_negative_garbage() -> None:
 
 
 def test_completion_tokens_is_sum_of_authoritative_counts() -> None:
-    # prefill's first token (1) + decode's post-handoff count (9)
-    assert completion_tokens([1, 9], [1, 1, 1], max_tokens=100) == 10
+    # prefill's first token (1) + decode's post-handoff count (9); frames do not matter
+    counts = [WorkerCount(1, frame_tokens=1), WorkerCount(9, frame_tokens=3)]
+    assert completion_tokens(counts, max_tokens=100) == 10
 
 
 def test_completion_tokens_prefers_counts_even_when_frames_disagree() -> None:
     # byte fallback: 5 tokens made 1 text piece; counts win over frames
-    assert completion_tokens([1, 4], [1, 1], max_tokens=100) == 5
+    assert completion_tokens([WorkerCount(1, 1), WorkerCount(4, 1)], max_tokens=100) == 5
 
 
 def test_completion_tokens_zero_count_is_a_count() -> None:
     # an immediate EOS reports 0: present, not absent; the frame fallback must not kick in
-    assert completion_tokens([0], [1], max_tokens=16) == 0
+    assert completion_tokens([WorkerCount(0, frame_tokens=1)], max_tokens=16) == 0
 
 
 def test_inflated_count_is_clamped_to_max_tokens() -> None:
-    assert completion_tokens([1, 10_000], [], max_tokens=8) == 8
-    assert completion_tokens([U64_MAX, U64_MAX], [], max_tokens=8) == 8
+    assert completion_tokens([WorkerCount(1), WorkerCount(10_000)], max_tokens=8) == 8
+    assert completion_tokens([WorkerCount(U64_MAX), WorkerCount(U64_MAX)], max_tokens=8) == 8
 
 
 def test_fallback_counting_when_no_frame_carried_a_count() -> None:
-    assert completion_tokens([], [1, 1, 1, 0], max_tokens=100) == 3
+    assert completion_tokens([WorkerCount(None, 1), WorkerCount(None, 2)], max_tokens=100) == 3
 
 
 def test_fallback_counting_is_clamped() -> None:
-    assert completion_tokens([], [1] * 50, max_tokens=7) == 7
+    assert completion_tokens([WorkerCount(None, 50)], max_tokens=7) == 7
+
+
+def test_half_upgraded_pair_counts_each_worker_once() -> None:
+    # an old prefill worker (no count: its reply frame stands for 1) + a new decode worker (count 6)
+    assert completion_tokens([WorkerCount(None, 1), WorkerCount(6, 2)], max_tokens=100) == 7
 
 
 @pytest.mark.parametrize(

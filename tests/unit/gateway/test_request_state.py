@@ -123,3 +123,20 @@ def test_latencies_derived_from_frame_times() -> None:
     state.note_frame_sent(101.0)
     assert state.ttft_s == 0.5
     assert state.inter_frame_s == [0.25, 0.25]
+
+
+def test_half_upgraded_pair_old_prefill_new_decode() -> None:
+    state = make_state(max_tokens=10)
+    state.record_output(FrameSource.PREFILL_REPLY, "a", (), None, None)  # v1.0 prefill worker
+    state.record_output(FrameSource.DECODE_TOKENS, "b", (), None, None)
+    state.record_output(FrameSource.DECODE_FINAL, "", (), 4, FinishReason.STOP)  # new decode worker
+    assert state.num_completion_tokens == 5
+
+
+def test_half_upgraded_pair_new_prefill_old_decode() -> None:
+    state = make_state(max_tokens=10)
+    state.record_output(FrameSource.PREFILL_REPLY, "a", (), 1, None)
+    for _ in range(3):
+        state.record_output(FrameSource.DECODE_TOKENS, "", (), None, None)
+    state.record_output(FrameSource.DECODE_FINAL, "", (), None, FinishReason.STOP)
+    assert state.num_completion_tokens == 4
