@@ -1,0 +1,231 @@
+"""Mixed-version clusters (issue 5, item 5), with real v1.0 peers built from compat/v1.0:
+
+(a) an old worker (never sets generated_tokens) behind a new gateway: the gateway counts frames,
+    still clamps to max_tokens, and derives finish_reason with the worker's rule;
+(b) new worker messages read by an old gateway: the unknown field is ignored (and kept intact).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from services.gateway.server import GatewayApp, build_app
+from services.gateway.settings import GatewaySettings
+from shared.proto import (
+    common_pb2,
+    gateway_pb2,
+    gateway_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
+
+from .conftest import run_old_peer
+
+STOP, LENGTH = common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH
+
+
+@dataclass
+class OneWorkerScheduler(scheduler_pb2_grpc.SchedulerServicer):
+    """Routes every request to one worker, in the mode the test sets."""
+
+    address: str
+    mode: int = scheduler_pb2.SERVING_MODE_DISAGGREGATED
+    requests: list[scheduler_pb2.ScheduleRequest] = field(default_factory=list)
+
+    async def Schedule(
+        self, request: scheduler_pb2.ScheduleRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.ScheduleResponse:
+        self.requests.append(request)
+        target = scheduler_pb2.WorkerTarget(worker_id="old-1", address=self.address)
+        resp = scheduler_pb2.ScheduleResponse(mode=self.mode, decode=target, model="tiny")  # type: ignore[arg-type]
+        if self.mode == scheduler_pb2.SERVING_MODE_DISAGGREGATED:
+            resp.prefill.CopyFrom(target)
+        return resp
+
+
+@dataclass
+class Gateway:
+    app: GatewayApp
+    scheduler: OneWorkerScheduler
+    stub: gateway_pb2_grpc.GatewayStub
+
+
+@pytest.fixture
+async def gateway(old_worker: str, tiny_model: Path) -> AsyncIterator[Gateway]:
+    scheduler = OneWorkerScheduler(old_worker)
+    sched_server = grpc.aio.server()
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(scheduler, sched_server)
+    port = sched_server.add_insecure_port("127.0.0.1:0")
+    await sched_server.start()
+    settings = GatewaySettings(
+        listen="127.0.0.1:0", metrics_port=-1, scheduler_address=f"127.0.0.1:{port}", model=str(tiny_model)
+    )
+    app = build_app(settings)
+    await app.start()
+    channel = grpc.aio.insecure_channel(app.server.address)
+    try:
+        yield Gateway(app, scheduler, gateway_pb2_grpc.GatewayStub(channel))  # type: ignore[no-untyped-call]
+    finally:
+        await channel.close()
+        await app.stop(0)
+        await sched_server.stop(0)
+
+
+DISAGG, AGG = scheduler_pb2.SERVING_MODE_DISAGGREGATED, scheduler_pb2.SERVING_MODE_AGGREGATED
+
+
+@pytest.mark.parametrize(
+    ("scenario", "mode", "max_tokens", "count", "reason", "text"),
+    [
+        ("stop", DISAGG, 10, 3, STOP, "pss"),  # prefill's token + 2 decode frames
+        ("length", DISAGG, 5, 5, LENGTH, "pllll"),
+        ("length", AGG, 3, 3, LENGTH, "lll"),
+        ("overrun", DISAGG, 4, 4, LENGTH, "p" + "o" * 9),  # 10 frames, clamped; worker said stop
+        ("overrun", AGG, 4, 4, LENGTH, "o" * 9),
+        ("bytes", DISAGG, 16, 6, STOP, "p\U0001f642"),  # empty-text frames still count
+        ("bytes", DISAGG, 6, 6, LENGTH, "p\U0001f642"),  # max_tokens hit on the multi-token char
+        ("ids", DISAGG, 16, 7, STOP, "piiiiii"),  # 2 token ids per frame: counted exactly
+        ("eos", DISAGG, 16, 0, STOP, ""),  # immediate EOS at prefill
+    ],
+)
+async def test_old_worker_new_gateway_falls_back_to_counting_frames(
+    gateway: Gateway, scenario: str, mode: int, max_tokens: int, count: int, reason: int, text: str
+) -> None:
+    gateway.scheduler.mode = mode
+    fields: dict[str, Any] = dict(
+        prompt="hello old worker", max_tokens=max_tokens, return_token_ids=scenario == "ids"
+    )
+    frames = [
+        f
+        async for f in gateway.stub.Generate(
+            gateway_pb2.GenerateRequest(request_id=f"{scenario}-stream", **fields), timeout=30
+        )
+    ]
+    done = await gateway.stub.Complete(
+        gateway_pb2.GenerateRequest(request_id=f"{scenario}-unary", **fields), timeout=30
+    )
+    last = frames[-1]
+    assert last.kind == gateway_pb2.FRAME_KIND_FINAL
+    assert "".join(f.text for f in frames) == done.text == text
+    assert last.usage.completion_tokens == done.usage.completion_tokens == count
+    assert last.finish_reason == done.finish_reason == reason
+    assert last.usage.total_tokens == last.usage.prompt_tokens + count
+    assert done.usage == last.usage
+
+
+def _new_messages() -> dict[str, Any]:
+    return {
+        "DecodeFrame": worker_pb2.DecodeFrame(
+            request_id="r",
+            kind=worker_pb2.DECODE_FRAME_KIND_FINAL,
+            text="end",
+            generated_tokens=7,
+            finish_reason=STOP,
+            local_cached_tokens=16,
+            transferred_cached_tokens=32,
+        ),
+        "PrefillResponse": worker_pb2.PrefillResponse(
+            request_id="r", text="a", generated_tokens=1, prompt_tokens=48, local_cached_tokens=16
+        ),
+        "KvChunk": worker_pb2.KvChunk(
+            request_id="r",
+            transfer_ticket="t",
+            num_blocks=2,
+            data=b"\x00\x01",
+            last=True,
+            num_tokens=48,
+            first_token_id=5,
+            generated_tokens=1,
+        ),
+    }
+
+
+def test_new_worker_messages_parse_in_an_old_gateway(v1_0_stubs: Path) -> None:
+    new = _new_messages()
+    payload = json.dumps({name: msg.SerializeToString().hex() for name, msg in new.items()})
+    parsed = json.loads(run_old_peer(v1_0_stubs, "parse", stdin=payload))
+    for name, msg in new.items():
+        old = parsed[name]
+        assert not old["knows_generated_tokens"]  # really the v1.0 schema
+        assert "generated_tokens" not in old["fields"]
+        assert old["fields"]["request_id"] == "r"
+        # every v1.0 field reads the same as the new writer meant
+        for fname, value in old["fields"].items():
+            if fname in ("kind", "finish_reason"):
+                continue
+            got = getattr(msg, fname)
+            if isinstance(got, bytes):
+                assert value  # base64 in JSON; presence is enough here
+            else:
+                assert str(got) == str(value), (name, fname)
+        # an old relay that re-serializes keeps the unknown field intact for newer readers
+        again = type(msg)()
+        again.ParseFromString(bytes.fromhex(old["reserialized"]))
+        assert again.HasField("generated_tokens") and again.generated_tokens == msg.generated_tokens
+    assert parsed["DecodeFrame"]["fields"]["finish_reason"] == "FINISH_REASON_STOP"
+    assert parsed["DecodeFrame"]["fields"]["text"] == "end"
+
+
+class NewWorker(worker_pb2_grpc.WorkerServicer):
+    """A current worker: sets generated_tokens on the prefill reply and the FINAL frame."""
+
+    async def Prefill(
+        self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.PrefillResponse:
+        return worker_pb2.PrefillResponse(request_id=request.request_id, text="Hi", generated_tokens=1)
+
+    async def Decode(
+        self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.DecodeFrame]:
+        rid = request.request_id
+        yield worker_pb2.DecodeFrame(request_id=rid, kind=worker_pb2.DECODE_FRAME_KIND_ADMITTED)
+        yield worker_pb2.DecodeFrame(request_id=rid, kind=worker_pb2.DECODE_FRAME_KIND_TOKENS, text="Hi")
+        yield worker_pb2.DecodeFrame(request_id=rid, kind=worker_pb2.DECODE_FRAME_KIND_TOKENS, text=" there")
+        yield worker_pb2.DecodeFrame(
+            request_id=rid, kind=worker_pb2.DECODE_FRAME_KIND_FINAL, finish_reason=STOP, generated_tokens=3
+        )
+
+
+async def test_old_gateway_talks_to_a_new_worker(v1_0_stubs: Path) -> None:
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_WorkerServicer_to_server(NewWorker(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        out = await asyncio.to_thread(run_old_peer, v1_0_stubs, "client", f"127.0.0.1:{port}")
+    finally:
+        await server.stop(0)
+    seen = json.loads(out)
+    assert seen["prefill"] == {"request_id": "old-gw", "text": "Hi"}
+    kinds = [f["kind"] for f in seen["frames"]]
+    assert kinds == [
+        "DECODE_FRAME_KIND_ADMITTED",
+        "DECODE_FRAME_KIND_TOKENS",
+        "DECODE_FRAME_KIND_TOKENS",
+        "DECODE_FRAME_KIND_FINAL",
+    ]
+    assert "".join(f.get("text", "") for f in seen["frames"]) == "Hi there"
+    assert seen["frames"][-1]["finish_reason"] == "FINISH_REASON_STOP"
+    assert all("generated_tokens" not in f for f in seen["frames"])
+
+
+def test_snapshot_really_predates_generated_tokens(v1_0_stubs: Path) -> None:
+    new = worker_pb2.DecodeFrame.DESCRIPTOR.fields_by_name
+    assert new["generated_tokens"].number == 5 and new["generated_tokens"].has_presence
+    payload = json.dumps(
+        {"DecodeFrame": worker_pb2.DecodeFrame(generated_tokens=0).SerializeToString().hex()}
+    )
+    # generated_tokens=0 is present on the wire (optional): the old parser sees an unknown field
+    old = json.loads(run_old_peer(v1_0_stubs, "parse", stdin=payload))["DecodeFrame"]
+    assert old["reserialized"] != ""
+    assert not old["knows_generated_tokens"]
