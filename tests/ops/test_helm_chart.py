@@ -233,6 +233,10 @@ def test_model_sources(gpu_objs: list[Obj]) -> None:
         (["--set", "model.source=s3"], "model.source must be"),
         (["--set", "decodeWorker.blockSize=32"], "blockSize must match"),
         (["--set", "tls.enabled=true"], "tls.secretName is required"),
+        # values.schema.json: a typo or a wrong value fails instead of being silently ignored
+        (["--set", "prefillWorker.gpu=1"], "Additional property gpu is not allowed"),
+        (["--set", "decodeWorker.device=tpu"], "must be one of"),
+        (["--set", "common.drainGraceS=-1"], "drainGraceS"),
     ],
 )
 def test_inconsistent_values_fail_to_render(args: list[str], message: str) -> None:
