@@ -50,7 +50,7 @@ from shared.errors import (
 log = logging.getLogger(__name__)
 
 # without an explicit kv_cache_tokens a CPU pool is capped here (bytes): host RAM is shared
-_CPU_POOL_CAP_BYTES = 4 << 30
+_CPU_POOL_CAP_BYTES = 1 << 30
 
 
 def _available_bytes(device: torch.device) -> int:
@@ -110,18 +110,20 @@ class PagedEngine:
             return torch.device("cuda", dp_rank % torch.cuda.device_count())
         return torch.device(want)
 
-    def _num_blocks(self, runner_layout: KvLayoutInfo, dtype: torch.dtype,
-                    device: torch.device) -> int:
+    def _num_blocks(self, layout: KvLayoutInfo, dtype: torch.dtype, device: torch.device) -> int:
+        """Blocks per rank: kv_cache_tokens when set, else kv_memory_fraction of free memory,
+        capped at what max_num_seqs full-length requests can use (and at 1 GiB on CPU, where
+        host RAM is shared with everything else)."""
         cfg = self.config
         if cfg.kv_cache_tokens > 0:
             return -(-cfg.kv_cache_tokens // cfg.block_size)
-        lay = runner_layout
-        per_block = (lay.num_layers * 2 * lay.block_size * lay.num_kv_heads * lay.head_dim
+        per_token = (layout.num_layers * 2 * layout.num_kv_heads * layout.head_dim
                      * torch.tensor([], dtype=dtype).element_size())
         budget = int(_available_bytes(device) * cfg.kv_memory_fraction)
         if device.type == "cpu":
-            budget = min(budget, _CPU_POOL_CAP_BYTES)
-        return max(1, budget // per_block // max(1, cfg.dp_size if device.type == "cpu" else 1))
+            budget = min(budget // cfg.dp_size, _CPU_POOL_CAP_BYTES)
+        tokens = min(budget // per_token, cfg.max_num_seqs * self.max_model_len)
+        return max(1, tokens // cfg.block_size)
 
     def start(self) -> None:
         if self._started:
