@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -59,7 +60,9 @@ def parse_settings(
     env: Mapping[str, str] | None = None,
     prog: str | None = None,
 ) -> T:
-    """Build `cls` (a dataclass) from argv, then env, then defaults. Unknown env vars are ignored."""
+    """Build `cls` (a dataclass) from argv (None = sys.argv[1:]), then env, then defaults.
+
+    Unknown env vars are ignored."""
     env = os.environ if env is None else env
     hints = typing.get_type_hints(cls)
     parser = argparse.ArgumentParser(prog=prog, description=(cls.__doc__ or "").strip())
@@ -73,7 +76,7 @@ def parse_settings(
             )
         else:
             parser.add_argument(flag, dest=f.name, default=None, type=str, help=help_text)
-    args = parser.parse_args(list(argv) if argv is not None else [])
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     values: dict[str, Any] = {}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         tp = hints[f.name]
