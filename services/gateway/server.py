@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -82,13 +83,18 @@ async def serve(settings: GatewaySettings) -> None:
         await serve_until_stopped(
             app.server, on_ready=app.load, on_drain=app.drain, grace_s=settings.drain_grace_s
         )
+    except Exception as exc:  # e.g. the model folder is missing: say so and exit non-zero
+        log.error("gateway_failed", error=str(exc) or type(exc).__name__)
+        await app.server.stop(0)
+        raise SystemExit(1) from None
     finally:
         await app.service.dispatcher.wait_for_aborts(timeout_s=5.0)
         await app.channels.close()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    settings = load_settings(argv)
+    """`pdserve gateway [flags]` / `python -m services.gateway [flags]` (argv None: sys.argv)."""
+    settings = load_settings(sys.argv[1:] if argv is None else argv)
     configure_logging("gateway", settings.log_level, settings.log_format)
     configure_tracing("gateway", otel_env())
     asyncio.run(serve(settings))
