@@ -72,6 +72,7 @@ class WorkerCore:
         self._idle = asyncio.Event()
         self._idle.set()
         self._draining = False
+        self._preemptions_seen: dict[int, int] = {}  # dp_rank -> count already exported
 
     # ----- validation and bookkeeping -----
 
@@ -243,8 +244,12 @@ class WorkerCore:
 
     def _release(self, request_id: str) -> None:
         """Free a PREFILL_ONLY request's held blocks (they stay in the prefix cache)."""
-        with contextlib.suppress(errors.NotFound):  # already aborted and freed
+        try:
             self.engine.release(request_id)
+        except errors.NotFound:
+            pass  # aborted before its first token: already freed
+        except errors.PdserveError as exc:  # never mask the error that brought us here
+            log.warning("release_failed", error=str(exc))
 
     # ----- Decode -----
 
@@ -388,6 +393,8 @@ class WorkerCore:
 
     def refresh_metrics(self) -> None:
         """Update the per-rank gauges from the engine (called periodically and on GetLoad)."""
+        # Optional engine extension: cumulative `num_preemptions(dp_rank) -> int`.
+        num_preemptions = getattr(self.engine, "num_preemptions", None)
         for load in self.engine.rank_loads():
             rank = str(load.dp_rank)
             total = self.engine.num_total_blocks(load.dp_rank)
@@ -396,6 +403,12 @@ class WorkerCore:
             metrics.RANK_USED_TOKENS.labels(dp_rank=rank).set(load.num_used_tokens)
             metrics.RANK_RUNNING.labels(dp_rank=rank).set(load.num_running)
             metrics.RANK_WAITING.labels(dp_rank=rank).set(load.num_waiting)
+            if callable(num_preemptions):
+                total_preempted = int(num_preemptions(load.dp_rank))
+                seen = self._preemptions_seen.get(load.dp_rank, 0)
+                if total_preempted > seen:
+                    metrics.PREEMPTIONS.labels(dp_rank=rank).inc(total_preempted - seen)
+                    self._preemptions_seen[load.dp_rank] = total_preempted
 
     # ----- drain -----
 

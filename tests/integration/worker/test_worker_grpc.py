@@ -4,6 +4,7 @@ fields, abort, validation, layout checks, Info/GetLoad, health."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.worker.engine.api import Engine, EngineConfig
 from services.worker.server import WorkerApp, default_engine_factory
-from shared.proto import common_pb2, worker_pb2
+from shared.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from shared.server import CHANNEL_OPTIONS
 from tests.support.reference import hf_greedy, tokenize
 
@@ -364,8 +365,6 @@ async def test_dp_ranks(tiny_model: Path) -> None:
 
 
 async def test_health_not_serving_until_loaded(tiny_model: Path) -> None:
-    import threading
-
     release = threading.Event()
 
     def slow_factory(config: EngineConfig) -> Engine:
@@ -377,17 +376,14 @@ async def test_health_not_serving_until_loaded(tiny_model: Path) -> None:
     try:
         async with grpc.aio.insecure_channel(app.server.address, options=CHANNEL_OPTIONS) as ch:
             health = health_pb2_grpc.HealthStub(ch)
-            for _ in range(200):
-                if app.server.grpc is not None and start.done() is False:
-                    try:
-                        resp = await health.Check(health_pb2.HealthCheckRequest(service=""))
-                        break
-                    except grpc.aio.AioRpcError:
-                        await asyncio.sleep(0.02)
+            check = health_pb2.HealthCheckRequest(service="pdserve.v1.Worker")
+            await asyncio.wait_for(ch.channel_ready(), 10)
+            resp = await health.Check(check)
             assert resp.status == health_pb2.HealthCheckResponse.NOT_SERVING
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await worker_stub(ch).Info(worker_pb2.InfoRequest())
+                await worker_pb2_grpc.WorkerStub(ch).Info(worker_pb2.InfoRequest())
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "loading" in (err.value.details() or "")
             release.set()
             await start
             for service in ("", "pdserve.v1.Worker"):
@@ -398,9 +394,3 @@ async def test_health_not_serving_until_loaded(tiny_model: Path) -> None:
         if not start.done():
             await start
         await app.stop()
-
-
-def worker_stub(ch: grpc.aio.Channel) -> object:
-    from shared.proto import worker_pb2_grpc
-
-    return worker_pb2_grpc.WorkerStub(ch)
