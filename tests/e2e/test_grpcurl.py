@@ -49,8 +49,8 @@ def test_generate_via_grpcurl(disagg_stack: Stack) -> None:
     frames = [json.loads(chunk) for chunk in out.replace("}\n{", "}\x00{").split("\x00") if chunk.strip()]
     final = frames[-1]
     assert final["kind"] == "FRAME_KIND_FINAL"
-    assert final["finishReason"] in ("FINISH_REASON_LENGTH", "FINISH_REASON_STOP")
-    assert int(final["usage"]["completionTokens"]) >= 1
+    assert final["finish_reason"] in ("FINISH_REASON_LENGTH", "FINISH_REASON_STOP")
+    assert int(final["usage"]["completion_tokens"]) >= 1
 
 
 def test_describe_shows_field_comments(disagg_stack: Stack) -> None:
