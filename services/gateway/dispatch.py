@@ -55,10 +55,17 @@ class PreparedRequest:
     return_token_ids: bool
 
 
+def attempt_request_id(request_id: str, attempt: int) -> str:
+    """The id workers and the scheduler see. A reschedule uses a new one, so that it can never
+    collide with the first attempt still winding down on a worker that is chosen again."""
+    return request_id if attempt <= 1 else f"{request_id}:retry{attempt - 1}"
+
+
 @dataclass
 class _Attempt:
     """What one scheduling attempt started, so that it can be undone."""
 
+    request_id: str
     placement: Placement | None = None
     started: list[str] = field(default_factory=list)  # worker addresses that know the request
     stream: DecodeStream | None = None
@@ -92,13 +99,13 @@ class Dispatcher:
         tries = 0
         while True:
             tries += 1
-            attempt = _Attempt()
+            attempt = _Attempt(attempt_request_id(req.request_id, tries))
             try:
                 async for frame in self._attempt(req, state, attempt, hashes, tuple(exclude), deadline_s):
                     yield frame
                 return
             except WorkerUnavailable as exc:
-                await self._undo(attempt, req.request_id)
+                await self._undo(attempt)
                 if state.handed_off or tries >= MAX_ATTEMPTS:
                     state.fail()
                     raise
@@ -108,12 +115,12 @@ class Dispatcher:
                 if state.status is not RequestStatus.WAITING:
                     state.reset_for_retry()
             except (asyncio.CancelledError, GeneratorExit):
-                await self._undo(attempt, req.request_id)
+                await self._undo(attempt)
                 if not state.status.is_finished:
                     state.finish(FinishReason.ABORT)
                 raise
             except BaseException:
-                await self._undo(attempt, req.request_id)
+                await self._undo(attempt)
                 state.fail()
                 raise
 
@@ -127,7 +134,7 @@ class Dispatcher:
         deadline_s: float | None,
     ) -> AsyncIterator[OutputFrame]:
         query = ScheduleQuery(
-            request_id=req.request_id,
+            request_id=attempt.request_id,
             model=req.model,
             prompt_tokens=len(req.prompt_token_ids),
             prefix_block_hashes=hashes,
@@ -149,7 +156,7 @@ class Dispatcher:
         )
         state.mark_scheduled(max_tokens)
         job = WorkerJob(
-            request_id=req.request_id,
+            request_id=attempt.request_id,
             prompt_token_ids=req.prompt_token_ids,
             sampling=dataclasses.replace(req.sampling, max_tokens=max_tokens),
             return_token_ids=req.return_token_ids,
@@ -285,11 +292,11 @@ class Dispatcher:
         )
 
     # --- undo ---
-    async def _undo(self, attempt: _Attempt, request_id: str) -> None:
+    async def _undo(self, attempt: _Attempt) -> None:
         """Cancel the decode stream and abort the request on every worker this attempt reached."""
         if attempt.stream is not None:
             attempt.stream.cancel()
-        await self._abort_all(attempt.started, request_id)
+        await self._abort_all(attempt.started, attempt.request_id)
 
     async def _abort_all(self, addresses: list[str], request_id: str) -> None:
         if not addresses:

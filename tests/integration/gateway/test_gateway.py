@@ -280,6 +280,9 @@ async def test_retry_before_handoff_on_unavailable_prefill(cluster: Cluster) -> 
     frames = await generate(c, prompt="hi", max_tokens=8, request_id="r-retry")
     assert "".join(f.text for f in frames) == "x" and frames[-1].usage.completion_tokens == 1
     assert list(c.scheduler.requests[1].exclude_worker_ids) == ["prefill-1"]
+    # the client keeps its id; the second attempt runs under a fresh worker-side id
+    assert all(f.request_id == "r-retry" for f in frames)
+    assert c.decode2.decode_requests[0].request_id == "r-retry:retry1"
     # the first decode worker had admitted the request: its KV reservation is released
     await asyncio.wait_for(c.decode.aborted.wait(), 5)
     assert c.decode.aborts == ["r-retry"]
