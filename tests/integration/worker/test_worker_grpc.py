@@ -394,3 +394,24 @@ async def test_health_not_serving_until_loaded(tiny_model: Path) -> None:
         if not start.done():
             await start
         await app.stop()
+
+
+async def test_byte_fallback_disaggregated_text_and_counts_match_unified(
+    tiny_byte_fallback_model: Path,
+) -> None:
+    model = tiny_byte_fallback_model
+    ids = tokenize(model, "日本語のテキスト 🙂🚀 ok, the quick brown fox")
+    max_tokens = 24
+    async with running_worker(worker_settings(model, "prefill")) as p, \
+            running_worker(worker_settings(model, "decode")) as d, \
+            running_worker(worker_settings(model, "unified")) as u:
+        reply, frames = await disaggregated(p, d, "bf1", ids, max_tokens)
+        unified_frames = await collect(u.stub.Decode(worker_pb2.DecodeRequest(
+            request_id="bf1", prompt_token_ids=ids, sampling=sampling(max_tokens),
+            local_prefill=True, return_token_ids=True)))
+    disagg = list(reply.token_ids) + token_ids_of(frames)
+    assert disagg == token_ids_of(unified_frames) == hf_greedy(model, ids, max_tokens)
+    assert reply.text + "".join(f.text for f in frames) == "".join(f.text for f in unified_frames)
+    assert reply.generated_tokens + frames[-1].generated_tokens == (
+        unified_frames[-1].generated_tokens)
+    assert frames[-1].finish_reason == unified_frames[-1].finish_reason
