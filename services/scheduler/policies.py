@@ -57,19 +57,30 @@ def power_of_two(loads: Sequence[int], rng: random.Random) -> int:
     return i
 
 
-def is_unbalanced(loads: Sequence[int], balance: Balance) -> bool:
-    hi = max(loads)
-    lo = min(loads)
-    return hi - lo > balance.abs_tokens and hi > lo * balance.rel
+def is_unbalanced(min_load: int, max_load: int, balance: Balance) -> bool:
+    return max_load - min_load > balance.abs_tokens and max_load > min_load * balance.rel
 
 
-def cache_aware(loads: Sequence[int], matched: Sequence[int], balance: Balance) -> int:
+def cache_aware(
+    loads: Sequence[int],
+    matched: Sequence[int],
+    balance: Balance,
+    least: int | None = None,
+    max_load: int | None = None,
+) -> int:
     """Prefer the candidates (indices in `matched`) that hold the longest prefix of the prompt,
     least loaded among them; the least loaded candidate overall when nothing matches or when
     loads are unbalanced beyond `balance` (so a hot prefix cannot pile everything on one worker).
+
+    `least` (index of the least loaded candidate) and `max_load` may be passed when the caller
+    tracks them (the router does, to stay O(log n) per decision); they are computed otherwise.
     """
-    if not matched or is_unbalanced(loads, balance):
-        return least_loaded(loads)
+    if least is None:
+        least = least_loaded(loads)
+    if max_load is None:
+        max_load = max(loads)
+    if not matched or is_unbalanced(loads[least], max_load, balance):
+        return least
     return min(matched, key=lambda i: (loads[i], i))
 
 

@@ -19,6 +19,7 @@ model and role exists.
 
 from __future__ import annotations
 
+import heapq
 import random
 import threading
 import time
@@ -78,18 +79,37 @@ class _Worker:
 
 
 class _Pool:
-    """Candidates of one model and role, with their total tokens in a parallel list."""
+    """Candidates of one model and role, with their total tokens in a parallel list. Loads only
+    grow between snapshots (reservations), so the largest is a running max and the least loaded
+    comes from a heap with lazy deletion: O(log n) per decision instead of a scan."""
 
-    __slots__ = ("index_of", "key", "loads", "workers")
+    __slots__ = ("_heap", "index_of", "key", "loads", "max_load", "workers")
 
     def __init__(self, key: str, workers: list[_Worker], mirror: bool) -> None:
         self.key = key  # names the round-robin turn
         self.workers = workers
         self.loads = [sum(w.rank_tokens) for w in workers]
+        self.max_load = max(self.loads, default=0)
+        self._heap = [(load, i) for i, load in enumerate(self.loads)]
+        heapq.heapify(self._heap)
         self.index_of = {w.info.worker_id: i for i, w in enumerate(workers)}
         if mirror:
             for i, w in enumerate(workers):
                 w.slots.append((self, i))
+
+    def add(self, index: int, tokens: int) -> None:
+        load = self.loads[index] + tokens
+        self.loads[index] = load
+        if load > self.max_load:
+            self.max_load = load
+        heapq.heappush(self._heap, (load, index))
+
+    def least_loaded(self) -> int:
+        """Index of the candidate with the fewest tokens (lowest index on ties)."""
+        heap, loads = self._heap, self.loads
+        while heap[0][0] != loads[heap[0][1]]:  # an entry from before a reservation
+            heapq.heappop(heap)
+        return heap[0][1]
 
 
 @dataclass
@@ -147,7 +167,7 @@ class Router:
         self,
         policy: Policies | None = None,
         seed: int | None = None,
-        prefix_blocks_per_worker: int = 65536,
+        prefix_entries_per_worker: int = 65536,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.policies = policy or Policies()
@@ -155,7 +175,7 @@ class Router:
         self._lock = threading.Lock()
         self._rng = random.Random(seed)
         self._reservations = Reservations()
-        self._prefix = PrefixIndex(prefix_blocks_per_worker)
+        self._prefix = PrefixIndex(prefix_entries_per_worker)
         self._workers: dict[str, _Worker] = {}
         self._pools: dict[str, _ModelPools] = {}
         self._default_model = ""
@@ -292,7 +312,7 @@ class Router:
         self._reservations.add(w.info.worker_id, w.info.dp_size, rank, tokens, self._clock())
         w.rank_tokens[rank] += tokens
         for pool, index in w.slots:
-            pool.loads[index] += tokens
+            pool.add(index, tokens)
         return rank
 
     def _decision(
@@ -340,7 +360,9 @@ class Router:
         if f.prefix_block_hashes:
             ids, _ = self._prefix.longest_match(f.prefix_block_hashes, pool.index_of)
             matched = policies.candidates_holding(ids, pool.index_of)
-        return policies.cache_aware(pool.loads, matched, self.policies.balance)
+        return policies.cache_aware(
+            pool.loads, matched, self.policies.balance, pool.least_loaded(), pool.max_load
+        )
 
     def _rank_round_robin(self, w: _Worker, f: RequestFeatures) -> int:
         wid = w.info.worker_id

@@ -39,7 +39,7 @@ def make_router(settings: Settings) -> Router:
             ),
         ),
         seed=None if settings.seed < 0 else settings.seed,
-        prefix_blocks_per_worker=settings.prefix_blocks_per_worker,
+        prefix_entries_per_worker=settings.prefix_entries_per_worker,
     )
 
 

@@ -38,8 +38,8 @@ class Settings:
     cache_aware_balance_rel: float = field(
         1.5, "... and the most loaded worker has more than this times the least loaded's tokens"
     )
-    prefix_blocks_per_worker: int = field(
-        65536, "prefix block hashes remembered per worker for cache_aware routing (count)"
+    prefix_entries_per_worker: int = field(
+        65536, "prompt prefixes (sampled block-hash depths) remembered per worker for cache_aware (count)"
     )
     seed: int = field(-1, "seed of the random policies (-1 = nondeterministic)")
     watch_backoff_max_s: float = field(
@@ -52,7 +52,7 @@ class Settings:
     def __post_init__(self) -> None:
         if self.local_prefill_threshold < 0:
             raise ValueError("local_prefill_threshold must be >= 0")
-        if self.prefix_blocks_per_worker < 1:
-            raise ValueError("prefix_blocks_per_worker must be >= 1")
+        if self.prefix_entries_per_worker < 1:
+            raise ValueError("prefix_entries_per_worker must be >= 1")
         if self.watch_backoff_max_s <= 0:
             raise ValueError("watch_backoff_max_s must be > 0")

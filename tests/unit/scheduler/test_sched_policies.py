@@ -49,9 +49,12 @@ def test_cache_aware_falls_back_to_least_loaded_when_unbalanced() -> None:
     # Worker 0 holds the prefix but has 5000 tokens more than worker 1: spread wins.
     assert policies.cache_aware([6000, 1000, 3000], matched=[0], balance=balance) == 1
     # Both thresholds must be exceeded: a large absolute gap with a small ratio is balanced.
-    assert not policies.is_unbalanced([100_000, 98_000], balance)
-    assert not policies.is_unbalanced([600, 100], balance)  # large ratio, small gap
-    assert policies.is_unbalanced([6000, 1000], balance)
+    assert not policies.is_unbalanced(98_000, 100_000, balance)
+    assert not policies.is_unbalanced(100, 600, balance)  # large ratio, small gap
+    assert policies.is_unbalanced(1000, 6000, balance)
+    # Precomputed least/max (as the router passes them) give the same answer.
+    loads = [6000, 1000, 3000]
+    assert policies.cache_aware(loads, [0], balance, least=1, max_load=6000) == 1
 
 
 def test_min_tokens_fewest_then_lowest_rank() -> None:

@@ -320,3 +320,17 @@ def test_negative_prompt_rejected() -> None:
 def test_unknown_policy_rejected() -> None:
     with pytest.raises(ValueError, match="decode policy 'nope'"):
         Policies(decode="nope")
+
+
+def test_least_loaded_tracking_matches_a_scan() -> None:
+    """The pool's heap of loads agrees with a plain scan after many reservations."""
+    r = router(prefill="cache_aware")
+    workers = [worker(f"p{i}", Role.PREFILL, [i * 100, 0]) for i in range(7)]
+    r.apply_snapshot(snapshot(*workers, worker("d", Role.DECODE)))
+    sizes = [(i * 7919) % 3000 + 1 for i in range(200)]
+    for i, size in enumerate(sizes):
+        state = {w.info.worker_id: sum(x.num_used_tokens for x in w.ranks) + sum(w.reserved_tokens)
+                 for w in r.state().workers if w.info.role is Role.PREFILL}
+        expected = min(sorted(state), key=lambda wid: (state[wid], int(wid[1:])))
+        d = r.schedule(request(f"r{i}", size))  # no prefix hashes: least loaded
+        assert d.prefill is not None and d.prefill.worker_id == expected
