@@ -21,7 +21,9 @@ class FailingWorker(worker_pb2_grpc.WorkerServicer):
             raise errors.ResourceExhausted("KV pool is full")
         raise RuntimeError("secret internal detail")
 
-    async def Decode(self, request: worker_pb2.DecodeRequest, context: object) -> AsyncIterator[worker_pb2.DecodeFrame]:
+    async def Decode(
+        self, request: worker_pb2.DecodeRequest, context: object
+    ) -> AsyncIterator[worker_pb2.DecodeFrame]:
         yield worker_pb2.DecodeFrame(request_id=request.request_id)
         raise errors.Unavailable("draining")
 
@@ -43,8 +45,9 @@ async def server() -> AsyncIterator[Server]:
         ("other", grpc.StatusCode.INTERNAL, "internal error; see the server log"),
     ],
 )
-async def test_unary_errors_map_to_status(server: Server, request_id: str, code: grpc.StatusCode,
-                                          message: str) -> None:
+async def test_unary_errors_map_to_status(
+    server: Server, request_id: str, code: grpc.StatusCode, message: str
+) -> None:
     async with grpc.aio.insecure_channel(server.address) as channel:
         with pytest.raises(grpc.aio.AioRpcError) as exc:
             await worker_pb2_grpc.WorkerStub(channel).Abort(worker_pb2.AbortRequest(request_id=request_id))

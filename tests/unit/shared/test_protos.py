@@ -13,8 +13,12 @@ ROOT = Path(__file__).resolve().parents[3]
 
 def test_generated_stubs_are_fresh(tmp_path: Path) -> None:
     out = tmp_path / "shared" / "gen"
-    subprocess.run(["bash", "scripts/gen_protos.sh", str(out)], cwd=ROOT, check=True,
-                   env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"})
+    subprocess.run(
+        ["bash", "scripts/gen_protos.sh", str(out)],
+        cwd=ROOT,
+        check=True,
+        env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"},
+    )
     for fresh in sorted(out.rglob("*.py*")):
         rel = fresh.relative_to(out)
         have = ROOT / "shared" / "gen" / rel
@@ -35,7 +39,11 @@ def test_every_field_is_commented() -> None:
         lines = proto.read_text().splitlines()
         for i, line in enumerate(lines):
             s = line.strip()
-            if s.endswith(";") and "=" in s and not s.startswith(("option", "//", "syntax", "package", "reserved")):
+            if (
+                s.endswith(";")
+                and "=" in s
+                and not s.startswith(("option", "//", "syntax", "package", "reserved"))
+            ):
                 assert lines[i - 1].strip().startswith("//"), f"{proto.name}:{i + 1} uncommented: {s}"
 
 

@@ -34,8 +34,9 @@ def test_env_then_flag_precedence() -> None:
 
 
 def test_types_tuple_optional_and_bool_flags() -> None:
-    s = parse_settings(DemoSettings, ["--names", "x, y", "--limit", "3", "--no-verbose"],
-                       env={"PDSERVE_VERBOSE": "1"})
+    s = parse_settings(
+        DemoSettings, ["--names", "x, y", "--limit", "3", "--no-verbose"], env={"PDSERVE_VERBOSE": "1"}
+    )
     assert s.names == ("x", "y")
     assert s.limit == 3
     assert s.verbose is False
