@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from shared.settings import field
@@ -94,6 +93,3 @@ class WorkerSettings:
     def service_name(self) -> str:
         """The logging / tracing service name, e.g. "prefill-worker"."""
         return f"{self.role}-worker"
-
-    def replace(self, **changes: object) -> WorkerSettings:
-        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from shared.server import CHANNEL_OPTIONS
+from tests.support.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.e2e
 
@@ -62,13 +63,18 @@ def wait_serving(proc: subprocess.Popen[bytes], address: str, log_path: Path) ->
     raise AssertionError("worker never became SERVING:\n" + log_path.read_text(errors="replace"))
 
 
+@pytest.fixture(scope="module")
+def drain_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("drain-model") / "tiny-bpe", "bpe")
+
+
 @pytest.fixture
-def worker_factory(tiny_bpe_model: Path, tmp_path: Path) -> Iterator[object]:
+def worker_factory(drain_model: Path, tmp_path: Path) -> Iterator[object]:
     procs: list[subprocess.Popen[bytes]] = []
 
     def make(grace_s: float) -> tuple[subprocess.Popen[bytes], str, Path]:
         log_path = tmp_path / f"worker-{len(procs)}.log"
-        proc, address = start_worker(tiny_bpe_model, log_path, grace_s)
+        proc, address = start_worker(drain_model, log_path, grace_s)
         procs.append(proc)
         wait_serving(proc, address, log_path)
         return proc, address, log_path
