@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Iterator
 
@@ -17,21 +18,34 @@ from shared.proto import worker_pb2, worker_pb2_grpc
 
 log = structlog.get_logger(__name__)
 
+_MAX_CACHED_CHANNELS = 64
+# An evicted channel may still carry a push in flight: let it finish (seconds).
+_CLOSE_GRACE_S = 60.0
+
 
 class GrpcKvPusher:
     """Pushes KV over one cached channel per decode-worker address."""
 
     def __init__(self, timeout_s: float = 60.0) -> None:
         self._timeout_s = timeout_s
+        # One channel per decode-worker address, least recently used first.
         self._stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._closing: set[asyncio.Future[None]] = set()
 
     def _stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
-        stub = self._stubs.get(address)
+        stub = self._stubs.pop(address, None)
         if stub is None:
-            channel = make_channel(address)
-            self._channels[address] = channel
-            stub = self._stubs[address] = worker_pb2_grpc.WorkerStub(channel)
+            if len(self._stubs) >= _MAX_CACHED_CHANNELS:  # decode workers come and go
+                oldest = next(iter(self._stubs))
+                del self._stubs[oldest]
+                channel = self._channels.pop(oldest)
+                closing = asyncio.ensure_future(channel.close(grace=_CLOSE_GRACE_S))
+                self._closing.add(closing)
+                closing.add_done_callback(self._closing.discard)
+            self._channels[address] = make_channel(address)
+            stub = worker_pb2_grpc.WorkerStub(self._channels[address])
+        self._stubs[address] = stub  # most recently used last
         return stub
 
     async def push(
@@ -96,6 +110,9 @@ class GrpcKvPusher:
     async def close(self) -> None:
         for channel in self._channels.values():
             await channel.close()
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
+        self._closing.clear()
         self._channels.clear()
         self._stubs.clear()
 

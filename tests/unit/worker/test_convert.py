@@ -78,3 +78,4 @@ def test_kv_chunk_round_trip_and_old_sender() -> None:
     old = worker_pb2.KvChunk(request_id="r", transfer_ticket="t", last=True, num_tokens=9,
                              first_token_id=42)
     assert convert.kv_chunk_from_pb(old).generated_tokens is None
+
