@@ -12,6 +12,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.worker import convert
+from services.worker.engine.api import EngineRequest, RequestKind, SamplingConfig
 from shared.proto import common_pb2, load_monitor_pb2, load_monitor_pb2_grpc, worker_pb2
 from tests.support.reference import hf_greedy
 
@@ -241,3 +243,48 @@ async def test_drain_aborts_what_outlives_the_grace(tiny_model: Path) -> None:
         assert final.finish_reason == common_pb2.FINISH_REASON_ABORT
         assert final.generated_tokens < max_tokens
         await wait_blocks_free(w)
+
+
+async def test_push_from_an_old_prefill_worker_without_generated_tokens(
+    pair: tuple[RunningWorker, RunningWorker], tiny_model: Path
+) -> None:
+    """A v1.0 prefill worker's last KvChunk has no generated_tokens (field 10 absent on the wire):
+    the decode worker counts its one first token and still stops at max_tokens."""
+    prefill, decode = pair
+    ids = prompt_ids(tiny_model)
+    max_tokens = 8
+    stream = decode.stub.Decode(worker_pb2.DecodeRequest(
+        request_id="o1", prompt_token_ids=ids, sampling=sampling(max_tokens),
+        return_token_ids=True))
+    admitted = await stream.read()
+    # Run the prefill with the prefill worker's engine and send the chunks the old way.
+    engine = prefill.app.engine
+    assert engine is not None
+    handle = engine.add_request(EngineRequest(
+        request_id="o1", prompt_token_ids=tuple(ids), kind=RequestKind.PREFILL_ONLY,
+        sampling=SamplingConfig(max_tokens=max_tokens, temperature=0)))
+    outs = [out async for out in handle]
+    first_token = outs[-1].new_token_ids[-1]
+    chunks = list(engine.export_kv("o1", admitted.cached_blocks, 4096))
+    engine.release("o1")
+    layout = convert.layout_to_pb(engine.kv_layout)
+    messages = [worker_pb2.KvChunk(
+        request_id="o1", transfer_ticket=admitted.transfer_ticket, first_block=c.first_block,
+        num_blocks=c.num_blocks, data=c.data, layout=layout) for c in chunks]
+    messages[-1].num_tokens = len(ids)
+    messages[-1].first_token_id = first_token
+    messages[-1].last = True
+    assert not messages[-1].HasField("generated_tokens")
+
+    async def send() -> AsyncIterator[worker_pb2.KvChunk]:
+        for m in messages:
+            yield m
+
+    receipt = await decode.stub.PushKv(send())
+    assert receipt.blocks_received == sum(c.num_blocks for c in chunks)
+    frames = await collect(stream)
+    assert [first_token, *token_ids_of(frames)] == hf_greedy(tiny_model, ids, max_tokens)
+    assert frames[-1].generated_tokens == max_tokens - 1
+    assert frames[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    await wait_blocks_free(decode)
+    await wait_blocks_free(prefill)
