@@ -270,6 +270,7 @@ class WorkerCore:
             prompt_tokens = len(request.prompt_token_ids)
             local_cached, transferred, generated = 0, 0, 0
             finished = False
+            completion: list[str] | None = [] if self._log_prompts else None
             try:
                 if call.local_prefill:
                     handle = self.engine.add_request(request)
@@ -292,6 +293,8 @@ class WorkerCore:
                     local_cached = out.num_local_cached_tokens
                     transferred = out.num_transferred_tokens
                     generated = out.num_generated_tokens
+                    if completion is not None:
+                        completion.append(out.text_delta)
                     if out.finished:
                         finished = True
                         yield DecodeEvent(
@@ -323,6 +326,9 @@ class WorkerCore:
                 span.set_attribute("pdserve.tokens", generated)
                 span.end()
                 log.debug("decode_done", generated_tokens=generated, finished=finished)
+                if completion is not None:
+                    log.info("decode_done", prompt_token_ids=list(request.prompt_token_ids),
+                             text="".join(completion))
 
     # ----- PushKv (receiving side) -----
 

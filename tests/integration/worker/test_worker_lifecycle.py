@@ -10,6 +10,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import structlog.testing
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.worker import convert
@@ -288,3 +289,22 @@ async def test_push_from_an_old_prefill_worker_without_generated_tokens(
     assert frames[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
     await wait_blocks_free(decode)
     await wait_blocks_free(prefill)
+
+
+@pytest.mark.parametrize("log_prompts", [False, True])
+async def test_prompt_and_completion_text_logged_only_with_log_prompts(
+    tiny_model: Path, log_prompts: bool
+) -> None:
+    ids = prompt_ids(tiny_model)
+    settings = worker_settings(tiny_model, "unified", log_prompts=log_prompts)
+    async with running_worker(settings) as w:
+        with structlog.testing.capture_logs() as logs:
+            frames = await collect(w.stub.Decode(worker_pb2.DecodeRequest(
+                request_id="lp", prompt_token_ids=ids, sampling=sampling(6), local_prefill=True)))
+    text = "".join(f.text for f in frames)
+    assert text
+    with_text = [entry for entry in logs if "text" in entry or "prompt_token_ids" in entry]
+    if log_prompts:
+        assert any(entry.get("text") == text for entry in with_text)
+    else:
+        assert with_text == []
