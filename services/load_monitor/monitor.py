@@ -124,6 +124,8 @@ class LoadMonitor:
         self._publish()
 
     def _record(self, target: PollTarget, result: LoadReport | BaseException) -> None:
+        if not self.registry.is_current(target):
+            return  # left or re-registered while polled (its channel may have been closed)
         if isinstance(result, LoadReport) and result.worker_id not in ("", target.worker_id):
             result = RuntimeError(
                 f"address now serves worker {result.worker_id!r}, not {target.worker_id!r}"

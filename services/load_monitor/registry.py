@@ -140,6 +140,11 @@ class Registry:
             if m.lease_expires_s > now
         ]
 
+    def is_current(self, target: PollTarget) -> bool:
+        """Whether `target` is still the live registration it was when the poll started."""
+        member = self._members.get(target.worker_id)
+        return member is not None and member.epoch == target.epoch
+
     def record_loads(self, target: PollTarget, reports: Iterable[RankLoad]) -> bool:
         """Stores a successful poll's loads (duplicate ranks summed). False, and nothing stored,
         when the worker left or re-registered since the poll started."""

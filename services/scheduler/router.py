@@ -49,6 +49,9 @@ class Policies:
     dp_rank: str = "min_tokens"
     # Prompts whose uncached part is below this many tokens prefill on the decode worker; 0 = off.
     local_prefill_threshold: int = 0
+    # A load report polled at T covers the reservations made before T - grace: a request needs
+    # a moment (gateway -> worker -> engine step) before its tokens show in the worker's report.
+    reservation_grace_s: float = 0.05
     balance: policies.Balance = field(default_factory=policies.Balance)
 
     def __post_init__(self) -> None:
@@ -61,6 +64,8 @@ class Policies:
                 raise ValueError(f"{name} {value!r} is not one of {list(allowed)}")
         if self.local_prefill_threshold < 0:
             raise ValueError("local_prefill_threshold must be >= 0")
+        if self.reservation_grace_s < 0:
+            raise ValueError("reservation_grace_s must be >= 0")
 
 
 class _Worker:
@@ -221,6 +226,7 @@ class Router:
         workers absent from it are forgotten (reservations, prefix entries, turns)."""
         with self._lock:
             now = self._clock()
+            grace_s = self.policies.reservation_grace_s
             workers: dict[str, _Worker] = {}
             for wl in snapshot.workers:
                 info = wl.info
@@ -228,7 +234,7 @@ class Router:
                 previous = self._workers.get(wid)
                 if previous is not None and previous.info != info:
                     self._forget(wid)  # registered again with another identity: start clean
-                self._reservations.cover(wid, now - wl.age_ms / 1000.0)
+                self._reservations.cover(wid, now - wl.age_ms / 1000.0 - grace_s)
                 reserved = self._reservations.totals(wid, info.dp_size)
                 workers[wid] = _Worker(info, wl.ranks, reserved, wl.stale)
             for wid in [w for w in self._workers if w not in workers]:

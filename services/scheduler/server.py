@@ -33,6 +33,7 @@ def make_router(settings: Settings) -> Router:
             decode=settings.decode_policy,
             dp_rank=settings.dp_rank_policy,
             local_prefill_threshold=settings.local_prefill_threshold,
+            reservation_grace_s=settings.reservation_grace_s,
             balance=Balance(
                 abs_tokens=settings.cache_aware_balance_abs_tokens,
                 rel=settings.cache_aware_balance_rel,

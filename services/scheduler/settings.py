@@ -32,6 +32,11 @@ class Settings:
         "prefill on the decode worker when the prompt's uncached part is below this many tokens "
         "(0 = always disaggregate)",
     )
+    reservation_grace_s: float = field(
+        0.05,
+        "a load report polled at T replaces the reservations made before T minus this (seconds): "
+        "time for a routed request to show up in its worker's report",
+    )
     cache_aware_balance_abs_tokens: int = field(
         8192, "cache_aware ignores prefix matches when loads differ by more than this (tokens) ..."
     )
@@ -52,6 +57,8 @@ class Settings:
     def __post_init__(self) -> None:
         if self.local_prefill_threshold < 0:
             raise ValueError("local_prefill_threshold must be >= 0")
+        if self.reservation_grace_s < 0:
+            raise ValueError("reservation_grace_s must be >= 0")
         if self.prefix_entries_per_worker < 1:
             raise ValueError("prefix_entries_per_worker must be >= 1")
         if self.watch_backoff_max_s <= 0:
