@@ -11,7 +11,7 @@ from services.worker import server as worker_server
 def main(argv: Sequence[str] | None = None) -> None:
     """Run a decode worker (listen and metrics ports default to the decode role's)."""
     args = list(sys.argv[1:] if argv is None else argv)
-    worker_server.main(["--role", "decode", *args])
+    worker_server.main(["--role", "decode", *args], prog="pdserve decode-worker")
 
 
 if __name__ == "__main__":

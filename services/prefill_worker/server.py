@@ -11,7 +11,7 @@ from services.worker import server as worker_server
 def main(argv: Sequence[str] | None = None) -> None:
     """Run a prefill worker (listen and metrics ports default to the prefill role's)."""
     args = list(sys.argv[1:] if argv is None else argv)
-    worker_server.main(["--role", "prefill", *args])
+    worker_server.main(["--role", "prefill", *args], prog="pdserve prefill-worker")
 
 
 if __name__ == "__main__":

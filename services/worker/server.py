@@ -215,10 +215,8 @@ async def serve(settings: WorkerSettings) -> None:
         await app.stop()
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    settings = parse_settings(
-        WorkerSettings, sys.argv[1:] if argv is None else argv, prog="pdserve worker"
-    )
+def main(argv: Sequence[str] | None = None, prog: str = "pdserve worker") -> None:
+    settings = parse_settings(WorkerSettings, sys.argv[1:] if argv is None else argv, prog=prog)
     configure_logging(settings.service_name, settings.log_level, settings.log_format)
     configure_tracing(settings.service_name, otel_env())
     port = start_metrics_server(settings.metrics_port)
