@@ -78,12 +78,17 @@ class Registration:
                     log.info("load_monitor_reachable_again", load_monitor=self._address)
                 failures = 0
                 await asyncio.sleep(interval_s)
-            except grpc.aio.AioRpcError as exc:
+            except Exception as exc:  # never let membership die: retry whatever went wrong
                 failures += 1
                 # Log the first failure and then every 10th, not a line per retry.
                 if failures == 1 or failures % 10 == 0:
-                    log.warning("load_monitor_unreachable", load_monitor=self._address,
-                                code=exc.code().name, details=exc.details(), attempts=failures)
+                    if isinstance(exc, grpc.aio.AioRpcError):
+                        log.warning("load_monitor_unreachable", load_monitor=self._address,
+                                    code=exc.code().name, details=exc.details(),
+                                    attempts=failures)
+                    else:
+                        log.exception("load_monitor_call_failed", load_monitor=self._address,
+                                      attempts=failures)
                 await asyncio.sleep(self._retry_s if self.worker_id is None else interval_s)
 
     async def deregister(self) -> None:
