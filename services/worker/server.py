@@ -22,6 +22,7 @@ from services.worker.messages import CAPABILITIES, PROTO_VERSION, WorkerIdentity
 from services.worker.registration import Registration
 from services.worker.servicer import WorkerServicer
 from services.worker.settings import WorkerSettings
+from shared.errors import PdserveError
 from shared.logs import configure_logging
 from shared.metrics import start_metrics_server
 from shared.model_store import model_id_for, resolve_model
@@ -224,6 +225,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "pdserve worker") -> Non
         log.info("metrics_listening", port=port)
     try:
         asyncio.run(serve(settings))
+    except (FileNotFoundError, PdserveError) as exc:  # a configuration problem: say what
+        log.error("worker_failed", error=str(exc))
+        raise SystemExit(1) from None
     except Exception:
         log.exception("worker_failed")
         raise SystemExit(1) from None
