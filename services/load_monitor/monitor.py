@@ -64,6 +64,7 @@ class LoadMonitor:
         self._watchers: set[_Watcher] = set()
         self._failing: set[str] = set()  # worker ids whose last poll failed (log once per outage)
         self._tasks: list[asyncio.Task[None]] = []
+        self._closed = False  # set by stop(): watch streams end so watchers reconnect elsewhere
         self._update_gauge()
 
     # --- membership ---
@@ -154,9 +155,11 @@ class LoadMonitor:
         self._watchers.add(watcher)
         try:
             yield self.snapshot()
-            while True:
+            while not self._closed:
                 await watcher.changed.wait()
                 watcher.changed.clear()
+                if self._closed:
+                    break
                 snapshot, watcher.latest = watcher.latest, None
                 if snapshot is not None:
                     yield snapshot
@@ -186,12 +189,17 @@ class LoadMonitor:
     # --- background loops ---
 
     def start(self) -> None:
+        self._closed = False
         self._tasks = [
             asyncio.create_task(self._poll_loop(), name="load-poll"),
             asyncio.create_task(self._expiry_loop(), name="lease-expiry"),
         ]
 
     async def stop(self) -> None:
+        """Stop polling and expiring, and end every watch stream."""
+        self._closed = True
+        for watcher in self._watchers:
+            watcher.changed.set()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

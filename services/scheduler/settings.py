@@ -18,14 +18,19 @@ class Settings:
     load_monitor_address: str = field("127.0.0.1:50053", "host:port of the load-monitor")
     prefill_policy: str = field(
         "cache_aware",
-        "how to pick the prefill worker (and the unified worker in aggregated mode)",
+        "prefill worker choice (also the unified worker in aggregated mode): "
+        "round_robin | random | power_of_two | cache_aware",
         choices=WORKER_POLICIES,
     )
     decode_policy: str = field(
-        "power_of_two", "how to pick the decode worker", choices=WORKER_POLICIES
+        "power_of_two",
+        "decode worker choice: round_robin | random | power_of_two | cache_aware",
+        choices=WORKER_POLICIES,
     )
     dp_rank_policy: str = field(
-        "min_tokens", "how to pick the DP rank inside a worker", choices=RANK_POLICIES
+        "min_tokens",
+        "DP rank inside the chosen worker: min_tokens | round_robin | hash (of the request id)",
+        choices=RANK_POLICIES,
     )
     local_prefill_threshold: int = field(
         0,

@@ -157,3 +157,19 @@ async def test_registration_reply() -> None:
     reg = make(FakeWorkers()).register(info("w1", "h:1"))
     assert (reg.worker_id, reg.lease_ttl_ms) == ("w1", 10_000)
     assert 0 < reg.heartbeat_interval_ms < reg.lease_ttl_ms
+
+
+async def test_stop_ends_watch_streams() -> None:
+    mon = make(FakeWorkers())
+    mon.start()
+    stream = mon.watch()
+    await anext(stream)
+
+    async def drain() -> int:
+        return len([s async for s in stream])
+
+    reader = asyncio.create_task(drain())
+    await asyncio.sleep(0.05)
+    await mon.stop()
+    await asyncio.wait_for(reader, 2.0)
+    assert mon.num_watchers == 0
