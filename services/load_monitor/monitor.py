@@ -60,7 +60,8 @@ class LoadMonitor:
         self._fetch = fetch
         self._forget = forget
         self.load_interval_s = load_interval_s
-        self.load_timeout_s = load_timeout_s
+        # A poll round waits for its slowest answer: never longer than one interval.
+        self.load_timeout_s = min(load_timeout_s, load_interval_s)
         self._watchers: set[_Watcher] = set()
         self._failing: set[str] = set()  # worker ids whose last poll failed (log once per outage)
         self._tasks: list[asyncio.Task[None]] = []

@@ -14,7 +14,11 @@ class Settings:
     listen: str = field("0.0.0.0:50053", "host:port to serve gRPC on")
     metrics_port: int = field(9102, "Prometheus /metrics port (-1 disables, 0 picks a free one)")
     load_interval_s: float = field(0.5, "seconds between two GetLoad polls of every worker")
-    load_timeout_s: float = field(1.0, "per-call timeout of one GetLoad poll (seconds)")
+    load_timeout_s: float = field(
+        0.4,
+        "per-call timeout of one GetLoad poll (seconds); capped at load_interval_s so that one "
+        "slow worker cannot delay everyone's reports",
+    )
     lease_ttl_s: float = field(10.0, "a worker not heard from (Heartbeat) for this long is removed")
     stale_after_s: float = field(
         2.0, "a worker whose loads are older than this (seconds) is flagged stale"

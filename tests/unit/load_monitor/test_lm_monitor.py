@@ -50,12 +50,13 @@ def used(snapshot: LoadSnapshot) -> dict[str, list[int]]:
 
 async def test_poll_sums_duplicate_ranks_and_keeps_last_loads_on_failure() -> None:
     fake = FakeWorkers()
-    mon = make(fake)
+    mon = make(fake, interval_s=1.0)
     mon.register(info("w1", "h:1"))
     fake.loads["h:1"] = LoadReport("w1", [RankLoad(0, 10), RankLoad(0, 5), RankLoad(1, 3)])
     await mon.poll_once()
     assert used(mon.snapshot()) == {"w1": [15, 3]}
     assert fake.calls == [("h:1", 0.2)]  # per-call timeout passed through
+    assert make(fake, interval_s=0.1).load_timeout_s == 0.1  # capped at one interval
     del fake.loads["h:1"]  # the worker stops answering: its last loads stay, aging
     await mon.poll_once()
     assert used(mon.snapshot()) == {"w1": [15, 3]}
