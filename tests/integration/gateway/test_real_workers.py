@@ -1,0 +1,203 @@
+"""The gateway in front of REAL workers (prefill, decode, unified; in process, tiny random Llama
+models with byte-level BPE and byte-fallback tokenizers): usage.completion_tokens equals the true
+number of generated tokens (every token id, returned once), finish_reason matches the unified
+path, streaming equals unary, including max_tokens hit inside a multi-token character.
+
+The scheduler is a stand-in that routes by the test's choice of mode."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import pytest_asyncio
+
+from services.gateway.server import GatewayApp, build_app
+from services.gateway.tokenization import PromptTokenizer
+from services.worker.server import WorkerApp
+from services.worker.settings import WorkerSettings
+from shared.proto import common_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from tests.support.tiny_models import build_tiny_model
+
+from .conftest import gateway_settings
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+MAX_MODEL_LEN = 256
+LENGTH, STOP = common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_STOP
+PROMPTS = ["日本語のテキスト 🙂🚀 ok", "Hello world! 你好，世界", "The quick brown fox"]
+
+
+@dataclass
+class Router(scheduler_pb2_grpc.SchedulerServicer):
+    targets: dict[str, scheduler_pb2.WorkerTarget] = field(default_factory=dict)
+    mode: str = "disaggregated"
+
+    async def Schedule(
+        self, request: scheduler_pb2.ScheduleRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.ScheduleResponse:
+        if self.mode == "disaggregated":
+            return scheduler_pb2.ScheduleResponse(
+                mode=scheduler_pb2.SERVING_MODE_DISAGGREGATED,
+                prefill=self.targets["prefill"],
+                decode=self.targets["decode"],
+                max_model_len=MAX_MODEL_LEN,
+            )
+        return scheduler_pb2.ScheduleResponse(
+            mode=scheduler_pb2.SERVING_MODE_AGGREGATED,
+            decode=self.targets["unified"],
+            max_model_len=MAX_MODEL_LEN,
+        )
+
+
+@dataclass
+class Stack:
+    router: Router
+    gateway: GatewayApp
+    stub: gateway_pb2_grpc.GatewayStub
+    tokenizer: PromptTokenizer
+
+    async def run(
+        self, mode: str, **fields: Any
+    ) -> tuple[list[gateway_pb2.GenerateResponse], gateway_pb2.CompleteResponse]:
+        self.router.mode = mode
+        frames = [f async for f in self.stub.Generate(gateway_pb2.GenerateRequest(**fields), timeout=120)]
+        done = await self.stub.Complete(gateway_pb2.GenerateRequest(**fields), timeout=120)
+        return frames, done
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=["bpe", "byte_fallback"])
+async def stack(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Stack]:
+    model = build_tiny_model(tmp_path_factory.mktemp("real-workers") / f"tiny-{request.param}", request.param)
+    workers: list[WorkerApp] = []
+    router = Router()
+    for role in ("prefill", "decode", "unified"):
+        app = WorkerApp(
+            WorkerSettings(
+                role=role,
+                listen="127.0.0.1:0",
+                metrics_port=-1,
+                model=str(model),
+                device="cpu",
+                dtype="float32",
+                block_size=4,
+                kv_cache_tokens=2048,
+                max_model_len=MAX_MODEL_LEN,
+                torch_threads=1,
+                drain_grace_s=1.0,
+            )
+        )
+        await app.start()
+        workers.append(app)
+        router.targets[role] = scheduler_pb2.WorkerTarget(worker_id=app.worker_id, address=app.address)
+    sched = grpc.aio.server()
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(router, sched)
+    port = sched.add_insecure_port("127.0.0.1:0")
+    await sched.start()
+    gateway = build_app(gateway_settings(model, f"127.0.0.1:{port}", block_size=4))
+    await gateway.start()
+    channel = grpc.aio.insecure_channel(gateway.server.address)
+    try:
+        yield Stack(router, gateway, gateway_pb2_grpc.GatewayStub(channel), PromptTokenizer.load(Path(model)))  # type: ignore[no-untyped-call]
+    finally:
+        await channel.close()
+        await gateway.stop(0)
+        await sched.stop(0)
+        for app in workers:
+            await app.stop()
+
+
+def counts(usage: common_pb2.Usage) -> tuple[int, int, int]:
+    """Usage without the cache figures (a repeated prompt hits the prefix cache the second time)."""
+    return usage.prompt_tokens, usage.completion_tokens, usage.total_tokens
+
+
+def ids_of(frames: list[gateway_pb2.GenerateResponse]) -> list[int]:
+    return [t for f in frames for t in f.token_ids]
+
+
+def check_consistent(
+    frames: list[gateway_pb2.GenerateResponse], done: gateway_pb2.CompleteResponse, max_tokens: int
+) -> None:
+    last = frames[-1]
+    true_count = len(ids_of(frames))  # every generated token id, sent once (EOS never included)
+    assert last.usage.completion_tokens == true_count
+    assert done.usage.completion_tokens == len(done.token_ids)
+    if true_count >= max_tokens:
+        assert last.finish_reason == LENGTH
+    else:
+        assert last.finish_reason == STOP
+    assert all(f.prompt_tokens == last.usage.prompt_tokens for f in frames)
+    u = last.usage
+    assert u.cached_tokens == u.local_cached_tokens + u.transferred_cached_tokens <= u.prompt_tokens
+    assert all(f.cached_tokens <= f.prompt_tokens for f in frames)
+    assert last.usage.total_tokens == last.usage.prompt_tokens + true_count
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+async def test_greedy_counts_exact_and_modes_agree(stack: Stack, prompt: str) -> None:
+    fields = dict(prompt=prompt, max_tokens=12, temperature=0.0, return_token_ids=True)
+    disagg, disagg_done = await stack.run("disaggregated", **fields)
+    unified, unified_done = await stack.run("unified", **fields)
+    for frames, done in ((disagg, disagg_done), (unified, unified_done)):
+        check_consistent(frames, done, 12)
+        assert done.text == "".join(f.text for f in frames)
+        assert list(done.token_ids) == ids_of(frames)
+        assert counts(done.usage) == counts(frames[-1].usage)
+        assert done.finish_reason == frames[-1].finish_reason
+    assert ids_of(disagg) == ids_of(unified)
+    assert disagg_done.text == unified_done.text
+    assert disagg[-1].finish_reason == unified[-1].finish_reason
+    assert disagg[-1].usage.completion_tokens == unified[-1].usage.completion_tokens
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "unified"])
+async def test_sampled_byte_tokens_counted_exactly(stack: Stack, mode: str) -> None:
+    fields = dict(prompt=PROMPTS[0], max_tokens=24, temperature=1.0, seed=7, return_token_ids=True)
+    frames, done = await stack.run(mode, **fields)
+    check_consistent(frames, done, 24)
+    assert list(done.token_ids) == ids_of(frames)  # seeded: stream == unary
+    assert counts(done.usage) == counts(frames[-1].usage) and done.finish_reason == frames[-1].finish_reason
+    # the count does not depend on asking for token ids
+    plain, plain_done = await stack.run(mode, **{**fields, "return_token_ids": False})
+    assert counts(plain[-1].usage) == counts(frames[-1].usage) and counts(plain_done.usage) == counts(
+        done.usage
+    )
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "unified"])
+async def test_max_tokens_hit_inside_a_multi_token_character(stack: Stack, mode: str) -> None:
+    tok = stack.tokenizer._tok
+    base = dict(prompt=PROMPTS[0], temperature=1.0, ignore_eos=True, return_token_ids=True)
+    for seed in range(40):
+        frames, _ = await stack.run(mode, **base, seed=seed, max_tokens=32)
+        ids = ids_of(frames)
+        # a position whose token leaves a character incomplete
+        cut = next((k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith("\ufffd")), None)
+        if cut is not None:
+            break
+    else:
+        pytest.skip("no partial character in 40 seeded samples")
+    frames, done = await stack.run(mode, **base, seed=seed, max_tokens=cut)
+    assert ids_of(frames) == ids[:cut]
+    assert frames[-1].usage.completion_tokens == done.usage.completion_tokens == cut
+    assert frames[-1].finish_reason == done.finish_reason == LENGTH
+    assert done.text == "".join(f.text for f in frames)
+
+
+async def test_stop_token_id_counted_and_reason_stop(stack: Stack) -> None:
+    fields = dict(prompt=PROMPTS[2], max_tokens=12, temperature=0.0, return_token_ids=True)
+    frames, _ = await stack.run("unified", **fields)
+    first = ids_of(frames)[0]
+    for mode in ("disaggregated", "unified"):
+        frames, done = await stack.run(mode, **fields, stop_token_ids=[first])
+        assert frames[-1].finish_reason == done.finish_reason == STOP
+        assert (
+            frames[-1].usage.completion_tokens == done.usage.completion_tokens == 1
+        )  # the stop token counts
