@@ -38,6 +38,7 @@ class Registration:
         self._stub = load_monitor_pb2_grpc.LoadMonitorStub(self._channel)
         self._task: asyncio.Task[None] | None = None
         self.worker_id: str | None = None  # set while registered
+        self._attempted = False  # a Register was sent at least once
         self.registered = asyncio.Event()
 
     def start(self) -> None:
@@ -45,6 +46,7 @@ class Registration:
 
     async def _register(self) -> float:
         """Register once; returns the heartbeat period (seconds)."""
+        self._attempted = True
         resp = await self._stub.Register(
             load_monitor_pb2.RegisterRequest(worker=self._info), timeout=_RPC_TIMEOUT_S
         )
@@ -98,13 +100,15 @@ class Registration:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        if self.worker_id is not None:
+        # Also when a Register was cut short by the cancel: the load-monitor may know us.
+        worker_id = self.worker_id or (self._info.worker_id if self._attempted else None)
+        if worker_id is not None:
             try:
                 resp = await self._stub.Deregister(
-                    load_monitor_pb2.DeregisterRequest(worker_id=self.worker_id),
+                    load_monitor_pb2.DeregisterRequest(worker_id=worker_id),
                     timeout=_RPC_TIMEOUT_S,
                 )
-                log.info("deregistered", worker_id=self.worker_id, found=resp.found)
+                log.info("deregistered", worker_id=worker_id, found=resp.found)
             except grpc.aio.AioRpcError as exc:
                 log.warning("deregister_failed", code=exc.code().name, details=exc.details())
             self.worker_id = None
