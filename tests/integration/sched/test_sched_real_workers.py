@@ -1,12 +1,14 @@
-"""Load-monitor + scheduler + two REAL unified workers (--dp-size 2, tiny model, CPU) over gRPC:
-each request runs on exactly the worker and rank the scheduler chose (seen in that worker's own
-per-rank loads), and the load reports reach the scheduler."""
+"""Load-monitor + scheduler + REAL workers (--dp-size 2, tiny model, CPU) over gRPC: each request
+runs on exactly the worker and rank the scheduler chose (seen in that worker's own per-rank
+loads), unified and disaggregated (through the real gateway), and load reports reach the
+scheduler."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -21,17 +23,42 @@ from shared.proto import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_p
 from tests.integration.sched.conftest import load_monitor_settings
 from tests.support.tiny_models import build_tiny_model
 
+BLOCK_SIZE = 4
+
 
 @pytest.fixture(scope="session")
 def sched_tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("sched-models") / "tiny-bpe", "bpe")
 
 
-Cluster = tuple[scheduler_pb2_grpc.SchedulerStub, list[WorkerApp]]
+@dataclass
+class RealCluster:
+    scheduler_address: str
+    scheduler: scheduler_pb2_grpc.SchedulerStub
+    workers: list[WorkerApp]
+
+    async def wait_workers(self, n: int) -> None:
+        for _ in range(500):
+            state = await self.scheduler.GetState(scheduler_pb2.GetStateRequest(), timeout=5)
+            if len(state.workers) == n:
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError("workers never reached the scheduler")
+
+
+def real_worker(model: Path, role: str, load_monitor: str) -> WorkerApp:
+    return WorkerApp(
+        WorkerSettings(
+            role=role, listen="127.0.0.1:0", metrics_port=-1, model=str(model), device="cpu",
+            dtype="float32", dp_size=2, block_size=BLOCK_SIZE, kv_cache_tokens=2048,
+            max_model_len=512, torch_threads=1, drain_grace_s=0.0,
+            load_monitor_address=load_monitor, heartbeat_interval_s=0.2, load_refresh_s=0.2,
+        )
+    )
 
 
 @contextlib.asynccontextmanager
-async def real_cluster(model: Path) -> AsyncIterator[Cluster]:
+async def real_cluster(model: Path, roles: tuple[str, ...]) -> AsyncIterator[RealCluster]:
     lm = build_load_monitor(load_monitor_settings())
     await lm.start()
     sched = build_scheduler(
@@ -41,23 +68,14 @@ async def real_cluster(model: Path) -> AsyncIterator[Cluster]:
         )
     )
     await sched.start()
-    workers = [
-        WorkerApp(
-            WorkerSettings(
-                role="unified", listen="127.0.0.1:0", metrics_port=-1, model=str(model),
-                device="cpu", dtype="float32", dp_size=2, block_size=4, kv_cache_tokens=2048,
-                max_model_len=512, torch_threads=1, drain_grace_s=0.0,
-                load_monitor_address=lm.server.address, heartbeat_interval_s=0.2,
-                load_refresh_s=0.2,
-            )
-        )
-        for _ in range(2)
-    ]
+    workers = [real_worker(model, role, lm.server.address) for role in roles]
     channel = grpc.aio.insecure_channel(sched.server.address)
     try:
         for w in workers:
             await w.start()
-        yield scheduler_pb2_grpc.SchedulerStub(channel), workers
+        cluster = RealCluster(sched.server.address, scheduler_pb2_grpc.SchedulerStub(channel), workers)
+        await cluster.wait_workers(len(workers))
+        yield cluster
     finally:
         await channel.close()
         for w in workers:
@@ -66,26 +84,27 @@ async def real_cluster(model: Path) -> AsyncIterator[Cluster]:
         await lm.stop()
 
 
-async def wait_workers(stub: scheduler_pb2_grpc.SchedulerStub, n: int) -> None:
-    for _ in range(500):
-        state = await stub.GetState(scheduler_pb2.GetStateRequest(), timeout=5)
-        if len(state.workers) == n:
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("workers never reached the scheduler")
+async def busy_ranks(address: str) -> set[int]:
+    """Ranks of the worker at `address` that hold or run a request, from its own GetLoad."""
+    async with grpc.aio.insecure_channel(address) as ch:
+        load = await worker_pb2_grpc.WorkerStub(ch).GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
+    return {r.dp_rank for r in load.ranks if r.num_used_tokens > 0 or r.num_running or r.num_waiting}
+
+
+def prompt(i: int, size: int) -> list[int]:
+    return [5 + (i * 7 + k) % 200 for k in range(size)]
 
 
 @pytest.mark.timeout(300)
-async def test_real_workers_run_requests_on_the_chosen_ranks(sched_tiny_model: Path) -> None:
-    async with real_cluster(sched_tiny_model) as (stub, workers):
-        await wait_workers(stub, 2)
-        by_id = {w.worker_id: w for w in workers}
-        sizes = [120, 40, 40, 40]  # min_tokens: 120 alone on one rank, the 40s spread elsewhere
+async def test_unified_workers_run_requests_on_the_chosen_ranks(sched_tiny_model: Path) -> None:
+    async with real_cluster(sched_tiny_model, ("unified", "unified")) as c:
+        by_id = {w.worker_id: w for w in c.workers}
+        sizes = [120, 40, 40, 40]
         calls = []
         chosen = []
         channels = []
         for i, size in enumerate(sizes):
-            d = await stub.Schedule(
+            d = await c.scheduler.Schedule(
                 scheduler_pb2.ScheduleRequest(request_id=f"real-{i}", prompt_tokens=size, max_tokens=300),
                 timeout=5,
             )
@@ -97,7 +116,7 @@ async def test_real_workers_run_requests_on_the_chosen_ranks(sched_tiny_model: P
             call = worker_pb2_grpc.WorkerStub(ch).Decode(
                 worker_pb2.DecodeRequest(
                     request_id=f"real-{i}",
-                    prompt_token_ids=[5 + (i * 7 + k) % 200 for k in range(size)],
+                    prompt_token_ids=prompt(i, size),
                     sampling=common_pb2.SamplingParams(max_tokens=300, temperature=0, ignore_eos=True),
                     dp_rank=d.decode.dp_rank,
                     local_prefill=True,
@@ -110,20 +129,17 @@ async def test_real_workers_run_requests_on_the_chosen_ranks(sched_tiny_model: P
         assert len(set(chosen)) == 4
         # While they run, each worker's own per-rank load shows exactly the chosen ranks busy.
         for wid, w in by_id.items():
-            async with grpc.aio.insecure_channel(w.address) as ch:
-                load = await worker_pb2_grpc.WorkerStub(ch).GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
-            busy = {r.dp_rank for r in load.ranks if r.num_used_tokens > 0 or r.num_running or r.num_waiting}
-            assert busy == {rank for (cw, rank) in chosen if cw == wid}
+            assert await busy_ranks(w.address) == {rank for (cw, rank) in chosen if cw == wid}
         # The load reports reach the scheduler: it sees tokens only on the chosen ranks.
-        state = await stub.GetState(scheduler_pb2.GetStateRequest(), timeout=5)
+        seen: set[tuple[str, int]] = set()
         for _ in range(100):
+            state = await c.scheduler.GetState(scheduler_pb2.GetStateRequest(), timeout=5)
             seen = {
                 (w.info.worker_id, r.dp_rank) for w in state.workers for r in w.ranks if r.num_used_tokens
             }
             if seen:
                 break
             await asyncio.sleep(0.05)
-            state = await stub.GetState(scheduler_pb2.GetStateRequest(), timeout=5)
         assert seen and seen <= set(chosen)
         for call in calls:
             while await call.read() is not grpc.aio.EOF:
@@ -131,3 +147,44 @@ async def test_real_workers_run_requests_on_the_chosen_ranks(sched_tiny_model: P
             assert await call.code() == grpc.StatusCode.OK
         for ch in channels:
             await ch.close()
+
+
+@pytest.mark.timeout(300)
+async def test_disaggregated_through_the_gateway_uses_both_decode_ranks(sched_tiny_model: Path) -> None:
+    """Gateway -> scheduler (min_tokens) -> prefill worker -> KV push -> decode worker, dp 2 each:
+    two concurrent long generations occupy both decode ranks (a gateway or worker ignoring the
+    chosen dp_rank would put both on rank 0)."""
+    from services.gateway.server import build_app
+    from services.gateway.settings import GatewaySettings
+    from shared.proto import gateway_pb2, gateway_pb2_grpc
+
+    async with real_cluster(sched_tiny_model, ("prefill", "decode")) as c:
+        decode = next(w for w in c.workers if w.settings.role == "decode")
+        gateway = build_app(
+            GatewaySettings(
+                listen="127.0.0.1:0", metrics_port=-1, scheduler_address=c.scheduler_address,
+                model=str(sched_tiny_model), block_size=BLOCK_SIZE, drain_grace_s=0.0,
+            )
+        )
+        await gateway.start()
+        try:
+            async with grpc.aio.insecure_channel(gateway.server.address) as ch:
+                stub = gateway_pb2_grpc.GatewayStub(ch)
+                calls = [
+                    stub.Generate(
+                        gateway_pb2.GenerateRequest(
+                            prompt_token_ids=prompt(i, 60), max_tokens=300, temperature=0, ignore_eos=True
+                        ),
+                        timeout=120,
+                    )
+                    for i in range(2)
+                ]
+                for call in calls:
+                    await call.read()  # the first token: prefill done, decoding on its rank
+                assert await busy_ranks(decode.address) == {0, 1}
+                for call in calls:
+                    while await call.read() is not grpc.aio.EOF:
+                        pass
+                    assert await call.code() == grpc.StatusCode.OK
+        finally:
+            await gateway.stop(0)
