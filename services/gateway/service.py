@@ -131,7 +131,7 @@ class GatewayService:
                     "request_start",
                     prompt_tokens=state.num_prompt_tokens,
                     max_tokens=prepared.requested_max_tokens,
-                    **({"prompt": inp.prompt or list(inp.messages)} if self._settings.log_prompts else {}),
+                    **(self._prompt_fields(inp) if self._settings.log_prompts else {}),
                 )
                 try:
                     async for frame in self.dispatcher.run(prepared, state, arrival_s + timeout_s):
@@ -165,6 +165,15 @@ class GatewayService:
         if self._tokenizer is None:
             raise Unavailable("the gateway is still loading the tokenizer; retry shortly")
         return self._tokenizer
+
+    @staticmethod
+    def _prompt_fields(inp: GenerateInput) -> dict[str, object]:
+        """Only with --log-prompts: the client's input as given."""
+        if inp.messages:
+            return {"messages": [{"role": m.role, "content": m.content} for m in inp.messages]}
+        if inp.prompt_token_ids:
+            return {"prompt_token_ids": list(inp.prompt_token_ids)}
+        return {"prompt": inp.prompt}
 
     def _log_end(self, state: RequestState, span: trace.Span) -> None:
         fields: dict[str, object] = {"status": state.status.name.lower(), "attempts": state.attempts}
