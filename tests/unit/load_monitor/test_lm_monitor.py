@@ -102,7 +102,7 @@ async def test_slow_watcher_gets_only_the_newest_snapshot() -> None:
 
 async def test_lease_expiry_evicts_and_publishes() -> None:
     fake = FakeWorkers()
-    mon = make(fake, ttl_s=0.2)
+    mon = make(fake, ttl_s=0.5)
     mon.register(info("w1", "h:1"))
     mon.register(info("w2", "h:2"))
     fake.loads["h:1"] = LoadReport("w1", [RankLoad(0, 5)])
