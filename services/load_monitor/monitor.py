@@ -123,6 +123,7 @@ class LoadMonitor:
         )
         for target, result in zip(targets, results, strict=True):
             self._record(target, result)
+        self._failing.intersection_update(t.worker_id for t in targets)
         self._publish()
 
     def _record(self, target: PollTarget, result: LoadReport | BaseException) -> None:
