@@ -63,5 +63,15 @@ def state_to_pb(s: RouterState) -> scheduler_pb2.GetStateResponse:
     )
 
 
-def snapshot_from_pb(pb: load_monitor_pb2.LoadSnapshot) -> LoadSnapshot:
-    return load_convert.snapshot_from_pb(pb)
+def snapshot_from_pb(pb: load_monitor_pb2.LoadSnapshot) -> tuple[LoadSnapshot, list[str]]:
+    """The snapshot, and the ids of workers left out because their entry is unusable (e.g. a
+    role this scheduler does not know, from a newer load-monitor): one bad entry must not stop
+    routing to the others."""
+    workers = []
+    skipped = []
+    for w in pb.workers:
+        try:
+            workers.append(load_convert.worker_load_from_pb(w))
+        except InvalidArgument:
+            skipped.append(w.info.worker_id)
+    return LoadSnapshot(tuple(workers), pb.version, pb.timestamp_ms), skipped

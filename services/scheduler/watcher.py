@@ -33,6 +33,7 @@ class LoadWatcher:
         self._task: asyncio.Task[None] | None = None
         self.connected = asyncio.Event()  # set while the stream delivers snapshots
         self.snapshots_received = 0
+        self._skipped: set[str] = set()  # worker ids left out of the last snapshot (logged once)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="watch-loads")
@@ -53,7 +54,11 @@ class LoadWatcher:
                 try:
                     call = stub.WatchLoads(load_monitor_pb2.WatchLoadsRequest())
                     async for pb in call:
-                        self._router.apply_snapshot(convert.snapshot_from_pb(pb))
+                        snapshot, skipped = convert.snapshot_from_pb(pb)
+                        if skipped and set(skipped) != self._skipped:
+                            log.warning("workers_ignored", worker_ids=skipped, reason="unusable entry")
+                        self._skipped = set(skipped)
+                        self._router.apply_snapshot(snapshot)
                         self.snapshots_received += 1
                         if not self.connected.is_set():
                             self.connected.set()
