@@ -334,3 +334,17 @@ def test_least_loaded_tracking_matches_a_scan() -> None:
         expected = min(sorted(state), key=lambda wid: (state[wid], int(wid[1:])))
         d = r.schedule(request(f"r{i}", size))  # no prefix hashes: least loaded
         assert d.prefill is not None and d.prefill.worker_id == expected
+
+
+def test_reservations_just_before_a_poll_survive_it() -> None:
+    """A request routed moments before the worker was polled may not show in that report yet:
+    reservations younger than reservation_grace_s at poll time are kept."""
+    clock = FakeClock()
+    r = router(clock, reservation_grace_s=0.05)
+    r.apply_snapshot(snapshot(worker("u", Role.UNIFIED, [0, 0])))
+    r.schedule(request("a", 300))  # t = 1000.00
+    clock.now = 1000.1
+    r.apply_snapshot(snapshot(worker("u", Role.UNIFIED, [0, 0], age_ms=80)))  # polled at 1000.02
+    assert r.state().workers[0].reserved_tokens == (300, 0)
+    r.apply_snapshot(snapshot(worker("u", Role.UNIFIED, [300, 0], age_ms=0)))  # polled at 1000.1
+    assert r.state().workers[0].reserved_tokens == (0, 0)
