@@ -5,9 +5,18 @@ from __future__ import annotations
 import grpc
 
 from shared.server import CHANNEL_OPTIONS
+from shared.tls import TlsConfig
 from shared.tracing import client_interceptors
 
 
-def make_channel(address: str) -> grpc.aio.Channel:
-    """An insecure grpc.aio channel to `address` (host:port) that propagates the trace context."""
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=client_interceptors())
+def make_channel(address: str, tls: TlsConfig | None = None) -> grpc.aio.Channel:
+    """A grpc.aio channel to `address` (host:port) that propagates the trace context; TLS when
+    `tls` is given (see shared.tls), plaintext otherwise."""
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=client_interceptors())
+    return grpc.aio.secure_channel(
+        address,
+        tls.channel_credentials(),
+        options=[*CHANNEL_OPTIONS, *tls.channel_options()],
+        interceptors=client_interceptors(),
+    )

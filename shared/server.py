@@ -13,6 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from shared.grpc_errors import ErrorMappingInterceptor
+from shared.tls import TlsConfig
 
 log = structlog.get_logger(__name__)
 
@@ -38,6 +39,7 @@ class Server:
         address: str,
         service_names: Sequence[str],
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+        tls: TlsConfig | None = None,
     ) -> None:
         self.service_names = list(service_names)
         self.grpc = grpc.aio.server(
@@ -49,7 +51,10 @@ class Server:
         reflection.enable_server_reflection(
             [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.grpc
         )
-        self.port = self.grpc.add_insecure_port(address)
+        if tls is None:
+            self.port = self.grpc.add_insecure_port(address)
+        else:
+            self.port = self.grpc.add_secure_port(address, tls.server_credentials())
         if self.port == 0:
             raise RuntimeError(f"cannot bind {address}")
         host = address.rsplit(":", 1)[0]

@@ -1,0 +1,132 @@
+"""TLS and mutual TLS over real loopback servers, with certificates made by openssl for the test."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from shared.channels import make_channel
+from shared.server import Server
+from shared.tls import TlsSettings
+
+pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
+
+
+def _openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("pki")
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=pdserve-test-ca",
+        "-keyout",
+        str(d / "ca.key"),
+        "-out",
+        str(d / "ca.crt"),
+    )
+    _openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        "/CN=pdserve.internal",
+        "-keyout",
+        str(d / "tls.key"),
+        "-out",
+        str(d / "tls.csr"),
+    )
+    (d / "ext.cnf").write_text("subjectAltName=DNS:pdserve.internal,IP:127.0.0.1\n")
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        str(d / "tls.csr"),
+        "-CA",
+        str(d / "ca.crt"),
+        "-CAkey",
+        str(d / "ca.key"),
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        str(d / "ext.cnf"),
+        "-out",
+        str(d / "tls.crt"),
+    )
+    return d
+
+
+def _settings(d: Path, client_auth: bool) -> TlsSettings:
+    return TlsSettings(
+        tls_cert_file=str(d / "tls.crt"),
+        tls_key_file=str(d / "tls.key"),
+        tls_ca_file=str(d / "ca.crt"),
+        tls_client_auth=client_auth,
+        tls_server_name="pdserve.internal",
+    )
+
+
+async def _check(address: str, channel: grpc.aio.Channel) -> int:
+    async with channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        return int((await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)).status)
+
+
+@pytest.fixture(params=[False, True], ids=["tls", "mtls"])
+async def tls_server(request: pytest.FixtureRequest, pki: Path) -> AsyncIterator[tuple[Server, TlsSettings]]:
+    settings = _settings(pki, client_auth=request.param)
+    server = Server("127.0.0.1:0", ["pdserve.v1.Gateway"], tls=settings.tls_config())
+    await server.start()
+    await server.set_serving(True)
+    yield server, settings
+    await server.stop(0)
+
+
+async def test_tls_client_reaches_tls_server(tls_server: tuple[Server, TlsSettings]) -> None:
+    server, settings = tls_server
+    status = await _check(server.address, make_channel(server.address, settings.tls_config()))
+    assert status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_plaintext_client_is_refused(tls_server: tuple[Server, TlsSettings]) -> None:
+    server = tls_server[0]
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await _check(server.address, make_channel(server.address))
+    assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_mutual_tls_refuses_clients_without_a_certificate(pki: Path) -> None:
+    server_settings = _settings(pki, client_auth=True)
+    server = Server("127.0.0.1:0", ["pdserve.v1.Gateway"], tls=server_settings.tls_config())
+    await server.start()
+    try:
+        one_way = _settings(pki, client_auth=False).tls_config()
+        with pytest.raises(grpc.aio.AioRpcError):
+            await _check(server.address, make_channel(server.address, one_way))
+    finally:
+        await server.stop(0)
+
+
+def test_half_configured_tls_is_an_error(pki: Path) -> None:
+    with pytest.raises(ValueError, match="both"):
+        TlsSettings(tls_cert_file=str(pki / "tls.crt")).tls_config()
+    with pytest.raises(ValueError, match="cannot read"):
+        TlsSettings(tls_cert_file="/nonexistent.crt", tls_key_file="/nonexistent.key").tls_config()
+    assert TlsSettings().tls_config() is None
