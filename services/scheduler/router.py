@@ -234,7 +234,9 @@ class Router:
                 previous = self._workers.get(wid)
                 if previous is not None and previous.info != info:
                     self._forget(wid)  # registered again with another identity: start clean
-                self._reservations.cover(wid, now - wl.age_ms / 1000.0 - grace_s)
+                self._reservations.cover(
+                    wid, now - wl.age_ms / 1000.0 - grace_s, [r.num_waiting for r in wl.ranks]
+                )
                 reserved = self._reservations.totals(wid, info.dp_size)
                 workers[wid] = _Worker(info, wl.ranks, reserved, wl.stale)
             for wid in [w for w in self._workers if w not in workers]:

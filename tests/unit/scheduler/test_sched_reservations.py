@@ -85,3 +85,18 @@ def test_prefix_index_evicts_least_recent_and_forgets() -> None:
     assert idx.longest_match([1], {"a"}) == ([], 0)
     assert idx.longest_match([5], {"a", "b"}) == (["b"], 1)
     assert idx.workers() == ["b"]
+
+
+def test_waiting_requests_keep_their_reservations() -> None:
+    """A report that says rank 0 has 1 request waiting (not yet holding KV, so not in its used
+    tokens) keeps the newest covered reservation of rank 0."""
+    r = Reservations()
+    r.add("w", 2, 0, 100, now_s=1.0)
+    r.add("w", 2, 0, 200, now_s=2.0)
+    r.add("w", 2, 1, 50, now_s=2.5)
+    r.cover("w", reported_at_s=3.0, num_waiting=[1, 0])
+    assert r.totals("w", 2) == [200, 0]
+    r.cover("w", reported_at_s=4.0, num_waiting=[5, 0])  # more waiting than covered: keep all
+    assert r.totals("w", 2) == [200, 0]
+    r.cover("w", reported_at_s=5.0, num_waiting=[0, 0])
+    assert r.totals("w", 2) == [0, 0]
