@@ -54,8 +54,11 @@ class GatewayApp:
         await self.server.set_serving(True)
 
     async def drain(self) -> None:
-        self.service.begin_drain()
+        """SIGTERM: refuse new requests, let in-flight streams finish within drain_grace_s, then
+        abort what is left on its workers (the server stops afterwards)."""
         log.info("drain_started", in_flight=self.service.num_in_flight)
+        await self.service.drain(self.settings.drain_grace_s)
+        log.info("drained")
 
     async def stop(self, grace_s: float = 0.0) -> None:
         await self.server.stop(grace_s)

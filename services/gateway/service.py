@@ -3,6 +3,7 @@ single response from the same frames Generate streams, list models."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -44,8 +45,11 @@ class GatewayService:
         self._tokenizer = tokenizer
         self._limits = Limits(settings.max_stop_strings, settings.max_stop_string_chars)
         self.dispatcher = Dispatcher(scheduler, workers, settings.block_size, settings.worker_rpc_timeout_s)
-        self._in_flight: set[str] = set()
+        self._in_flight: dict[str, asyncio.Task[object]] = {}  # request_id -> the RPC's task
+        self._idle = asyncio.Event()
+        self._idle.set()
         self._draining = False
+        self._cancelled_by_drain: set[asyncio.Task[object]] = set()
 
     # --- lifecycle ---
     def set_tokenizer(self, tokenizer: PromptTokenizer) -> None:
@@ -58,6 +62,22 @@ class GatewayService:
     def begin_drain(self) -> None:
         """New requests get UNAVAILABLE; in-flight ones continue."""
         self._draining = True
+
+    async def drain(self, grace_s: float) -> None:
+        """Refuse new requests, give in-flight ones `grace_s` to finish, then cancel the rest
+        (their workers get Abort) and wait until those aborts went out."""
+        self.begin_drain()
+        try:
+            await asyncio.wait_for(self._idle.wait(), grace_s)
+        except TimeoutError:
+            leftover = list(self._in_flight.values())
+            log.warning("drain_grace_expired_aborting", in_flight=len(leftover))
+            for task in leftover:
+                self._cancelled_by_drain.add(task)
+                task.cancel()
+            if leftover:
+                await asyncio.wait(leftover, timeout=5.0)
+        await self.dispatcher.wait_for_aborts(timeout_s=5.0)
 
     @property
     def num_in_flight(self) -> int:
@@ -119,7 +139,10 @@ class GatewayService:
             model=self._require_tokenizer().model_id,
             arrival_s=arrival_s,
         )
-        self._in_flight.add(prepared.request_id)
+        task = asyncio.current_task()
+        assert task is not None
+        self._in_flight[prepared.request_id] = task
+        self._idle.clear()
         try:
             with (
                 structlog.contextvars.bound_contextvars(request_id=prepared.request_id),
@@ -136,10 +159,21 @@ class GatewayService:
                 try:
                     async for frame in self.dispatcher.run(prepared, state, arrival_s + timeout_s):
                         yield frame
+                except asyncio.CancelledError:
+                    if task not in self._cancelled_by_drain:
+                        raise  # the client went away
+                    # We cancelled it (drain grace expired; workers got Abort): tell the client.
+                    task.uncancel()
+                    raise Unavailable(
+                        "the gateway shut down before this request finished; retry it"
+                    ) from None
                 finally:
                     self._log_end(state, span)
         finally:
-            self._in_flight.discard(prepared.request_id)
+            del self._in_flight[prepared.request_id]
+            self._cancelled_by_drain.discard(task)
+            if not self._in_flight:
+                self._idle.set()
             observe.record_finished(state)
 
     async def complete(self, inp: GenerateInput, client_timeout_s: float | None = None) -> Completion:

@@ -410,6 +410,21 @@ async def test_duplicate_in_flight_request_id(cluster: Cluster) -> None:
     assert rest[-1].kind == FINAL
 
 
+async def test_drain_past_grace_cancels_and_aborts_on_workers(cluster: Cluster) -> None:
+    c = cluster
+    c.scheduler.responses.append(disaggregated(c.prefill, c.decode))
+    c.decode.decode_scripts.append([admitted(), tokens("b"), Hang()])
+    c.prefill.prefill_scripts.append(prefill_reply("a", 1))
+    call = c.stub.Generate(gateway_pb2.GenerateRequest(prompt="hi", request_id="stuck"), timeout=30)
+    await call.read()
+    await c.app.drain()  # drain_grace_s=1 in these tests
+    assert c.decode.aborts == ["stuck"] and c.prefill.aborts == ["stuck"]
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await read_rest(call)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "shut down before this request finished" in (err.value.details() or "")
+
+
 async def test_list_models_from_scheduler_state(cluster: Cluster) -> None:
     def worker(model: str, n: int) -> scheduler_pb2.SchedulerWorker:
         return scheduler_pb2.SchedulerWorker(info=common_pb2.WorkerInfo(model_id=model, max_model_len=n))
@@ -466,10 +481,13 @@ async def test_drain_rejects_new_requests_and_finishes_in_flight(cluster: Cluste
     c.decode.decode_scripts.append([tokens("a"), Hang(release), final("b", 2, STOP)])
     call = c.stub.Generate(gateway_pb2.GenerateRequest(prompt="hi"), timeout=30)
     await call.read()
-    await c.app.drain()
+    drain = asyncio.ensure_future(c.app.drain())  # waits for the stream, up to drain_grace_s
+    await asyncio.sleep(0.1)
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await complete(c, prompt="hi")
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert not drain.done()
     release.set()
+    await drain
     rest = await read_rest(call)
     assert rest[-1].kind == FINAL and rest[-1].usage.completion_tokens == 2

@@ -30,6 +30,7 @@ async def test_generate_span_with_schedule_child(cluster: Cluster) -> None:
     script(cluster, "x")
     frames = [f async for f in cluster.stub.Generate(gateway_pb2.GenerateRequest(prompt="hi"), timeout=30)]
     spans = {s.name: s for s in exporter.get_finished_spans()}
+    exporter.shutdown()  # the global provider keeps the processor; stop collecting
     generate, schedule = spans["generate"], spans["schedule"]
     assert schedule.parent is not None and schedule.parent.span_id == generate.context.span_id
     assert schedule.context.trace_id == generate.context.trace_id
