@@ -339,6 +339,32 @@ def run_simulation(cfg: SimConfig) -> list[SimResult]:
     return results
 
 
+def run_seed_sweep(cfg: SimConfig, seeds: tuple[int, ...]) -> dict[str, float]:
+    """The main comparison on other traces (seeds): how much of the gain is the trace."""
+    gains, rr_ratios, mt_ratios = [], [], []
+    for seed in seeds:
+        c = replace(cfg, seed=seed)
+        trace = make_trace(c)
+        rr, mt = (simulate(p, c, trace) for p in ("round_robin", "min_tokens"))
+        gains.append(1 - mt.p50_ttft_s / rr.p50_ttft_s)
+        rr_ratios.append(rr.max_mean_ratio)
+        mt_ratios.append(mt.max_mean_ratio)
+    print(
+        f"\nother traces (seeds {list(seeds)}): p50 TTFT min_tokens vs round_robin "
+        f"{-max(gains) * 100:+.1f}% .. {-min(gains) * 100:+.1f}% "
+        f"(mean {-statistics.fmean(gains) * 100:+.1f}%); "
+        f"max/mean rr {min(rr_ratios):.2f}..{max(rr_ratios):.2f}, min_tokens "
+        f"{min(mt_ratios):.3f}..{max(mt_ratios):.3f}"
+    )
+    return {
+        "p50_ttft_gain_min": round(min(gains), 4),
+        "p50_ttft_gain_max": round(max(gains), 4),
+        "p50_ttft_gain_mean": round(statistics.fmean(gains), 4),
+        "round_robin_max_mean_min": round(min(rr_ratios), 4),
+        "min_tokens_max_mean_max": round(max(mt_ratios), 4),
+    }
+
+
 def run_load_sweep(cfg: SimConfig, utilizations: tuple[float, ...]) -> list[dict[str, float]]:
     """min_tokens vs round_robin at other prefill loads (same trace shape, fewer requests)."""
     print("\nload sweep (min_tokens vs round_robin):")
@@ -658,6 +684,7 @@ def main(argv: list[str] | None = None) -> None:
 
     cfg = SimConfig(num_requests=a.requests)
     sim = run_simulation(cfg)
+    seeds = run_seed_sweep(cfg, (1, 2, 3, 4, 5))
     sweep = run_load_sweep(cfg, (0.6, 0.7, 0.8))
 
     print("\n(b) end to end on real workers")
@@ -709,6 +736,7 @@ def main(argv: list[str] | None = None) -> None:
             for r in sim
         },
         "tpot_ms": {r.policy: round(r.mean_tpot_s * 1000, 2) for r in sim},
+        "seed_sweep": seeds,
         "load_sweep": sweep,
         "grpc_decision_us": grpc_lat,
         "e2e": e2e,
