@@ -166,13 +166,14 @@ class WorkerApp:
     async def drain(self) -> None:
         """NOT_SERVING, leave the cluster, let in-flight requests finish, abort what's left."""
         grace_s = self.settings.drain_grace_s
+        if self.core is not None:
+            self.core.begin_drain()  # first: once health says NOT_SERVING, new work is refused
         await self.server.set_serving(False)
         if self.registration is not None:
             await self.registration.deregister()
             self.registration = None
         if self.core is None:
             return
-        self.core.begin_drain()
         log.info("draining", in_flight=self.core.num_active, grace_s=grace_s)
         if not await self.core.wait_idle(grace_s):
             aborted = self.core.abort_all()

@@ -63,6 +63,17 @@ def wait_serving(proc: subprocess.Popen[bytes], address: str, log_path: Path) ->
     raise AssertionError("worker never became SERVING:\n" + log_path.read_text(errors="replace"))
 
 
+def wait_not_serving(channel: grpc.Channel) -> None:
+    health = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        resp = health.Check(health_pb2.HealthCheckRequest(service="pdserve.v1.Worker"), timeout=5)
+        if resp.status == health_pb2.HealthCheckResponse.NOT_SERVING:
+            return
+        time.sleep(0.01)
+    raise AssertionError("health never went NOT_SERVING after SIGTERM")
+
+
 @pytest.fixture(scope="module")
 def drain_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("drain-model") / "tiny-bpe", "bpe")
@@ -103,6 +114,15 @@ def test_sigterm_mid_stream_finishes_the_stream_and_exits_0(worker_factory: obje
         frames = [next(stream), next(stream)]  # ADMITTED + first tokens: mid-stream now
         assert frames[0].kind == worker_pb2.DECODE_FRAME_KIND_ADMITTED
         proc.send_signal(signal.SIGTERM)
+        wait_not_serving(channel)
+        # Draining: new work is refused with a clear status while the stream goes on.
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Decode(worker_pb2.DecodeRequest(
+                request_id="late", prompt_token_ids=PROMPT_IDS, local_prefill=True,
+                sampling=common_pb2.SamplingParams(max_tokens=4)), timeout=10))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+        assert "draining" in (err.value.details() or "")  # type: ignore[attr-defined]
         frames.extend(stream)  # the stream still completes
     finally:
         channel.close()
@@ -125,13 +145,6 @@ def test_sigterm_past_grace_aborts_cleanly_and_exits_0(worker_factory: object) -
         frames = [next(stream), next(stream)]
         proc.send_signal(signal.SIGTERM)
         frames.extend(stream)
-        # New work is refused while the process goes away.
-        stub = worker_pb2_grpc.WorkerStub(channel)
-        with pytest.raises(grpc.RpcError) as err:
-            list(stub.Decode(worker_pb2.DecodeRequest(
-                request_id="late", prompt_token_ids=PROMPT_IDS, local_prefill=True,
-                sampling=common_pb2.SamplingParams(max_tokens=4)), timeout=10))
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
     finally:
         channel.close()
     final = frames[-1]
