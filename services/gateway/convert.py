@@ -143,15 +143,15 @@ def placement(resp: scheduler_pb2.ScheduleResponse) -> Placement:
 
 
 def model_cards(state: scheduler_pb2.GetStateResponse) -> list[ModelCard]:
-    """Distinct model ids of registered workers; max_model_len is the smallest among a model's
-    workers (a request must fit wherever it lands)."""
-    lens: dict[str, int] = {}
+    """Distinct model ids of registered workers; max_model_len is the smallest a worker of that
+    model reports (a request must fit wherever it lands), 0 when none reports one."""
+    lens: dict[str, list[int]] = {}
     for w in state.workers:
-        model_id, n = w.info.model_id, w.info.max_model_len
-        if not model_id:
-            continue
-        lens[model_id] = min(lens.get(model_id, n), n) if n else lens.get(model_id, 0)
-    return [ModelCard(m, lens[m]) for m in sorted(lens)]
+        if w.info.model_id:
+            known = lens.setdefault(w.info.model_id, [])
+            if w.info.max_model_len > 0:
+                known.append(w.info.max_model_len)
+    return [ModelCard(m, min(lens[m], default=0)) for m in sorted(lens)]
 
 
 # --- workers ---

@@ -55,10 +55,6 @@ class GatewayService:
     def set_tokenizer(self, tokenizer: PromptTokenizer) -> None:
         self._tokenizer = tokenizer
 
-    @property
-    def ready(self) -> bool:
-        return self._tokenizer is not None and not self._draining
-
     def begin_drain(self) -> None:
         """New requests get UNAVAILABLE; in-flight ones continue."""
         self._draining = True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import grpc
 import pytest
@@ -12,7 +13,7 @@ from prometheus_client import REGISTRY
 from services.gateway.server import build_app
 from services.gateway.tokenization import PromptTokenizer
 from shared.block_hash import block_hashes
-from shared.proto import common_pb2, gateway_pb2, scheduler_pb2
+from shared.proto import common_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb2
 
 from .conftest import Cluster, gateway_settings
 from .fakes import (
@@ -430,10 +431,30 @@ async def test_list_models_from_scheduler_state(cluster: Cluster) -> None:
         return scheduler_pb2.SchedulerWorker(info=common_pb2.WorkerInfo(model_id=model, max_model_len=n))
 
     cluster.scheduler.state = scheduler_pb2.GetStateResponse(
-        workers=[worker("tiny", 2048), worker("tiny", 1024), worker("other", 512)]
+        workers=[
+            worker("tiny", 0),
+            worker("tiny", 2048),
+            worker("tiny", 1024),
+            worker("other", 512),
+            worker("", 9),
+        ]
     )
     resp = await cluster.stub.ListModels(gateway_pb2.ListModelsRequest(), timeout=10)
     assert [(m.id, m.max_model_len) for m in resp.models] == [("other", 512), ("tiny", 1024)]
+
+
+async def test_list_models_scheduler_down(tiny_model: Path) -> None:
+    app = build_app(gateway_settings(tiny_model, "127.0.0.1:1", worker_rpc_timeout_s=2.0))
+    await app.start()
+    try:
+        async with grpc.aio.insecure_channel(app.server.address) as channel:
+            stub = gateway_pb2_grpc.GatewayStub(channel)  # type: ignore[no-untyped-call]
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.ListModels(gateway_pb2.ListModelsRequest(), timeout=10)
+    finally:
+        await app.stop(0)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "scheduler 127.0.0.1:1 is unavailable" in (err.value.details() or "")
 
 
 async def test_metrics_count_usage(cluster: Cluster) -> None:
@@ -451,8 +472,8 @@ async def test_metrics_count_usage(cluster: Cluster) -> None:
     assert after[1] - before[1] == 1
 
 
-async def test_health_not_serving_until_tokenizer_loaded(tiny_model: object, cluster: Cluster) -> None:
-    app = build_app(gateway_settings(tiny_model, cluster.scheduler.address))  # type: ignore[arg-type]
+async def test_health_not_serving_until_tokenizer_loaded(tiny_model: Path, cluster: Cluster) -> None:
+    app = build_app(gateway_settings(tiny_model, cluster.scheduler.address))
     await app.server.start()
     async with grpc.aio.insecure_channel(app.server.address) as channel:
         health = health_pb2_grpc.HealthStub(channel)  # type: ignore[no-untyped-call]
@@ -468,8 +489,6 @@ async def test_health_not_serving_until_tokenizer_loaded(tiny_model: object, clu
 
 
 async def gateway_complete(channel: grpc.aio.Channel) -> None:
-    from shared.proto import gateway_pb2_grpc
-
     stub = gateway_pb2_grpc.GatewayStub(channel)  # type: ignore[no-untyped-call]
     await stub.Complete(gateway_pb2.GenerateRequest(prompt="hi"), timeout=5)
 
