@@ -8,10 +8,19 @@ from shared.server import CHANNEL_OPTIONS
 from shared.tls import TlsConfig
 from shared.tracing import client_interceptors
 
+_default_tls: TlsConfig | None = None
+
+
+def set_default_tls(tls: TlsConfig | None) -> None:
+    """The process's client TLS (from its settings, once at start-up; like the tracer provider)."""
+    global _default_tls
+    _default_tls = tls
+
 
 def make_channel(address: str, tls: TlsConfig | None = None) -> grpc.aio.Channel:
     """A grpc.aio channel to `address` (host:port) that propagates the trace context; TLS when
-    `tls` is given (see shared.tls), plaintext otherwise."""
+    `tls` (or the process default) is set (see shared.tls), plaintext otherwise."""
+    tls = tls or _default_tls
     if tls is None:
         return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=client_interceptors())
     return grpc.aio.secure_channel(

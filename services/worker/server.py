@@ -22,6 +22,7 @@ from services.worker.messages import CAPABILITIES, PROTO_VERSION, WorkerIdentity
 from services.worker.registration import Registration
 from services.worker.servicer import WorkerServicer
 from services.worker.settings import WorkerSettings
+from shared.channels import set_default_tls
 from shared.errors import PdserveError
 from shared.logs import configure_logging
 from shared.metrics import start_metrics_server
@@ -75,7 +76,9 @@ class WorkerApp:
         self.settings = settings
         self._engine_factory = engine_factory
         self.servicer = WorkerServicer()
-        self.server = Server(settings.listen, [SERVICE_NAME], interceptors=server_interceptors())
+        tls = settings.tls_config()
+        set_default_tls(tls)  # KV pushes and registration dial peers with the same TLS settings
+        self.server = Server(settings.listen, [SERVICE_NAME], interceptors=server_interceptors(), tls=tls)
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server.grpc)
         self.address = settings.advertise_address or self.server.address
         self.worker_id = settings.worker_id or new_worker_id(settings.role)
@@ -226,7 +229,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "pdserve worker") -> Non
         log.info("metrics_listening", port=port)
     try:
         asyncio.run(serve(settings))
-    except (FileNotFoundError, PdserveError) as exc:  # a configuration problem: say what
+    except (FileNotFoundError, ValueError, PdserveError) as exc:  # a configuration problem: say what
         log.error("worker_failed", error=str(exc))
         raise SystemExit(1) from None
     except Exception:

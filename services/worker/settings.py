@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.settings import field
+from shared.tls import TlsSettings
 
 ROLES = ("prefill", "decode", "unified")
 
@@ -21,7 +22,7 @@ _ROLE_DEFAULT_PORT = -2
 
 
 @dataclass(frozen=True)
-class WorkerSettings:
+class WorkerSettings(TlsSettings):
     """pdserve worker: runs a model; prefill, decode or both (unified)."""
 
     role: str = field("unified", "What this worker does", choices=ROLES)
