@@ -85,7 +85,7 @@ def _gen_config(model: Any, new_tokens: int) -> Any:
     from transformers import GenerationConfig
 
     # an id outside the vocabulary as EOS: every request generates exactly new_tokens
-    return GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+    return GenerationConfig(max_new_tokens=new_tokens, do_sample=False,
                             eos_token_id=model.config.vocab_size + 1,
                             pad_token_id=model.config.pad_token_id or 0)
 
@@ -302,8 +302,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-prompt", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prefix-tokens", type=int, default=448)
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
-    parser.add_argument("--kv-cache-tokens", type=int, default=16384)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads for every contender (0 = torch default); 1 keeps a "
+                        "shared 2-core machine from thrashing OpenMP spin-waits")
+    parser.add_argument("--kv-cache-tokens", type=int, default=10240)
     parser.add_argument("--max-batch-tokens", type=int, default=2048)
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
     parser.add_argument("--no-prefix-run", action="store_true")

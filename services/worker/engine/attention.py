@@ -4,12 +4,13 @@
 loaded with attn_implementation="pdserve_paged" call `paged_attention_forward` in every layer with
 our per-step `paged_meta` (forward kwargs flow down to the attention function).
 
-Pool layout (one tensor per rank): [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads,
-head_dim]. Each step the packed tokens' K/V are written to their slots, then:
-- decode-like sequences (one query token) attend in ONE batched SDPA call over their blocks
-  gathered into a padded [B, kv_heads, max_blocks * block_size, head_dim] batch with a mask;
-- prefill chunks attend one SDPA call each (causal over fresh K/V when nothing is cached, else
-  over their gathered blocks with an explicit mask).
+Pool layout (one tensor per rank): [num_layers, 2 (K, V), num_kv_heads, num_blocks * block_size,
+head_dim], i.e. per layer and head a flat array of token slots (slot = block * block_size + row).
+A request whose blocks are consecutive therefore has its K/V as a zero-copy strided view
+[kv_heads, ctx, head_dim]; the block manager allocates consecutive runs when it can, and other
+requests gather their blocks (one index_select per layer). Each step the packed tokens' K/V are
+written to their slots, then one SDPA call per sequence runs over its view: on this CPU that is
+~5x cheaper than gathering every sequence into a padded batch.
 """
 
 from __future__ import annotations
@@ -24,23 +25,34 @@ ATTN_IMPLEMENTATION = "pdserve_paged"
 
 
 @dataclass
-class PrefillSeq:
-    q_start: int  # first packed position of this chunk
-    q_len: int  # tokens in the chunk
-    ctx_start: int  # tokens already in the cache before the chunk (positions 0..ctx_start-1)
-    block_ids: torch.Tensor | None  # [num_blocks] covering ctx_start + q_len (None if ctx_start 0)
-    mask: torch.Tensor | None  # [q_len, ctx_start + q_len] bool (None if ctx_start 0)
+class SeqAttention:
+    """One sequence's share of a packed step."""
+
+    q_start: int  # first packed position of its new tokens
+    q_len: int  # new tokens this step
+    ctx_len: int  # tokens attended to = cached before the step + q_len
+    fresh: bool  # nothing cached before: attend causally over the step's own K/V
+    kv_start: int | None  # first slot when its blocks are consecutive (zero-copy view)
+    blocks: torch.Tensor | None  # its block ids when they are not consecutive (gathered)
+    mask: torch.Tensor | None  # [q_len, ctx_len] bool for a later prefill chunk, else None
 
 
 @dataclass
 class PagedAttentionMetadata:
     kv_cache: torch.Tensor  # the rank's pool, layout above
-    slot_blocks: torch.Tensor  # [T] block id of each packed token
-    slot_offsets: torch.Tensor  # [T] row within that block
-    decode_q_idx: torch.Tensor | None  # [B] packed positions of single-token sequences
-    decode_block_table: torch.Tensor | None  # [B, max_blocks] (padding: block 0, masked)
-    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool
-    prefills: list[PrefillSeq]
+    block_size: int
+    slots: torch.Tensor  # [T] slot of each packed token
+    seqs: list[SeqAttention]
+
+
+def _context(pool: torch.Tensor, s: SeqAttention, block_size: int) -> torch.Tensor:
+    """[kv_heads, ctx_len, head_dim] of one sequence (a view when its blocks are consecutive)."""
+    if s.kv_start is not None:
+        return pool[:, s.kv_start : s.kv_start + s.ctx_len]
+    assert s.blocks is not None
+    heads, _, dim = pool.shape
+    by_block = pool.view(heads, -1, block_size, dim)
+    return by_block.index_select(1, s.blocks).view(heads, -1, dim)[:, : s.ctx_len]
 
 
 def paged_attention_forward(
@@ -58,48 +70,43 @@ def paged_attention_forward(
         raise RuntimeError("pdserve_paged attention needs paged_meta (use the engine)")
     meta = paged_meta
     layer = int(module.layer_idx)  # type: ignore[arg-type]
-    k_pool = meta.kv_cache[layer, 0]  # [num_blocks, block_size, kv_heads, head_dim]
+    k_pool = meta.kv_cache[layer, 0]  # [kv_heads, slots, head_dim]
     v_pool = meta.kv_cache[layer, 1]
-    k_new = key[0].transpose(0, 1)  # [T, kv_heads, head_dim]
-    v_new = value[0].transpose(0, 1)
-    k_pool[meta.slot_blocks, meta.slot_offsets] = k_new
-    v_pool[meta.slot_blocks, meta.slot_offsets] = v_new
+    k_pool.index_copy_(1, meta.slots, key[0])
+    v_pool.index_copy_(1, meta.slots, value[0])
 
-    q = query[0]  # [heads, T, head_dim]
-    num_heads, num_tokens, head_dim = q.shape
-    out = query.new_empty(num_tokens, num_heads, head_dim)
-    gqa = num_heads != key.shape[1]
-
-    if meta.decode_q_idx is not None:
-        assert meta.decode_block_table is not None
-        bt = meta.decode_block_table
-        batch = bt.shape[0]
-        qd = q[:, meta.decode_q_idx].transpose(0, 1).unsqueeze(2)  # [B, heads, 1, D]
-        # [B, max_blocks, block_size, kv_heads, D] -> [B, kv_heads, max_kv, D]
-        kd = k_pool[bt].reshape(batch, -1, k_pool.shape[2], head_dim).transpose(1, 2)
-        vd = v_pool[bt].reshape(batch, -1, v_pool.shape[2], head_dim).transpose(1, 2)
-        od = F.scaled_dot_product_attention(
-            qd, kd, vd, attn_mask=meta.decode_mask, scale=scaling, enable_gqa=gqa
-        )
-        out[meta.decode_q_idx] = od[:, :, 0]
-
-    for p in meta.prefills:
-        qp = q[:, p.q_start : p.q_start + p.q_len].unsqueeze(0)  # [1, heads, q, D]
-        if p.block_ids is None:
-            kp = key[:, :, p.q_start : p.q_start + p.q_len]
-            vp = value[:, :, p.q_start : p.q_start + p.q_len]
-            op = F.scaled_dot_product_attention(
-                qp, kp, vp, is_causal=True, scale=scaling, enable_gqa=gqa
+    q_all = query[0]  # [heads, T, head_dim]
+    num_heads, _, head_dim = q_all.shape
+    num_kv_heads = key.shape[1]
+    rep = num_heads // num_kv_heads
+    outs: list[torch.Tensor] = []
+    for s in meta.seqs:
+        q = q_all[:, s.q_start : s.q_start + s.q_len]  # [heads, q_len, D]
+        if s.q_len == 1:
+            # decode: the `rep` query heads sharing a KV head become rep query rows, so no GQA
+            # expansion and no mask (a single query attends to every cached token)
+            k = _context(k_pool, s, meta.block_size)
+            v = _context(v_pool, s, meta.block_size)
+            o = F.scaled_dot_product_attention(
+                q.reshape(1, num_kv_heads, rep, head_dim), k[None], v[None], scale=scaling
+            )
+            outs.append(o.reshape(num_heads, 1, head_dim))
+            continue
+        if s.fresh:
+            k = key[0, :, s.q_start : s.q_start + s.q_len]
+            v = value[0, :, s.q_start : s.q_start + s.q_len]
+            o = F.scaled_dot_product_attention(
+                q[None], k[None], v[None], is_causal=True, scale=scaling, enable_gqa=rep > 1
             )
         else:
-            ctx = p.ctx_start + p.q_len
-            kp = k_pool[p.block_ids].flatten(0, 1)[:ctx].transpose(0, 1).unsqueeze(0)
-            vp = v_pool[p.block_ids].flatten(0, 1)[:ctx].transpose(0, 1).unsqueeze(0)
-            op = F.scaled_dot_product_attention(
-                qp, kp, vp, attn_mask=p.mask, scale=scaling, enable_gqa=gqa
+            k = _context(k_pool, s, meta.block_size)
+            v = _context(v_pool, s, meta.block_size)
+            o = F.scaled_dot_product_attention(
+                q[None], k[None], v[None], attn_mask=s.mask, scale=scaling, enable_gqa=rep > 1
             )
-        out[p.q_start : p.q_start + p.q_len] = op[0].transpose(0, 1)
-    return out.unsqueeze(0), None
+        outs.append(o[0])
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)  # [heads, T, D]
+    return out.transpose(0, 1).unsqueeze(0), None
 
 
 _registered = False

@@ -23,6 +23,7 @@ class BlockManager:
         self._hash_to_block: dict[int, int] = {}
         # unreferenced blocks, eviction order first (uncached ones are kept at the front)
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cursor = 0  # next-fit position for runs of fresh blocks
         self.prefix_queries_tokens = 0  # tokens looked up in the prefix cache (tokens)
         self.prefix_hits_tokens = 0  # of which found (tokens)
 
@@ -75,21 +76,66 @@ class BlockManager:
                 del self._free[b]
             self._ref_counts[b] += 1
 
-    def allocate(self, num_blocks: int) -> list[int]:
-        """Fresh blocks (ref_count 1), evicting the least recently freed cached ones."""
+    def allocate(self, num_blocks: int, after: int | None = None,
+                 want_blocks: int = 0) -> list[int]:
+        """Fresh blocks (ref_count 1), preferring consecutive ids (attention then reads a
+        request's K/V as a zero-copy view): right after block `after` when those are free, else
+        a free run of `want_blocks` (room to grow) or `num_blocks`, else any blocks, least
+        recently freed first. Handing out a cached block evicts it."""
         if num_blocks > len(self._free):
             raise RuntimeError("allocate() without can_allocate()")
-        out: list[int] = []
-        for _ in range(num_blocks):
-            b, _ = self._free.popitem(last=False)
-            h = self._hashes[b]
-            if h is not None:
-                if self._hash_to_block.get(h) == b:
-                    del self._hash_to_block[h]
-                self._hashes[b] = None
-            self._ref_counts[b] = 1
-            out.append(b)
-        return out
+        if num_blocks == 0:
+            return []
+        if after is not None and self._run_is_free(after + 1, num_blocks):
+            return self._take_run(after + 1, num_blocks)
+        for size in dict.fromkeys((max(num_blocks, want_blocks), num_blocks)):
+            start = self._find_run(size)
+            if start is not None:
+                self._cursor = (start + size) % self.num_blocks
+                return self._take_run(start, num_blocks)
+        return [self._take(b) for b in list(self._free)[:num_blocks]]
+
+    def _run_is_free(self, start: int, length: int) -> bool:
+        if start + length > self.num_blocks:
+            return False
+        refs = self._ref_counts
+        return all(refs[b] == 0 for b in range(start, start + length))
+
+    def _find_run(self, length: int) -> int | None:
+        """Start of `length` consecutive free blocks: first among never-cached (or evicted)
+        blocks, scanning from a moving cursor (next fit), then starting at the least recently
+        freed cached blocks (bounded search)."""
+        if length > len(self._free):
+            return None
+        refs, hashes, n = self._ref_counts, self._hashes, self.num_blocks
+        for lo, hi in ((self._cursor, n), (0, self._cursor)):
+            run = 0
+            for b in range(lo, hi):
+                if refs[b] == 0 and hashes[b] is None:
+                    run += 1
+                    if run == length:
+                        return b - length + 1
+                else:
+                    run = 0
+        for i, b in enumerate(self._free):
+            if i >= 256:
+                break
+            if self._run_is_free(b, length):
+                return b
+        return None
+
+    def _take_run(self, start: int, length: int) -> list[int]:
+        return [self._take(b) for b in range(start, start + length)]
+
+    def _take(self, b: int) -> int:
+        del self._free[b]
+        h = self._hashes[b]
+        if h is not None:
+            if self._hash_to_block.get(h) == b:
+                del self._hash_to_block[h]
+            self._hashes[b] = None
+        self._ref_counts[b] = 1
+        return b
 
     def free(self, block_ids: Sequence[int]) -> None:
         """Drop one reference of each block; tail blocks are freed first so they are evicted

@@ -73,9 +73,9 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.num_blocks = num_blocks
-        # zeros, not empty: masked-out padding rows must be finite (0 * NaN = NaN in SDPA)
+        # zeros, not empty: stale rows of reused blocks are never read, but keep them finite
         self.kv_cache = torch.zeros(
-            layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads,
+            layout.num_layers, 2, layout.num_kv_heads, num_blocks * layout.block_size,
             layout.head_dim, dtype=dtype, device=device,
         )
 
@@ -89,53 +89,40 @@ class ModelRunner:
         torch.Tensor, torch.Tensor, attention.PagedAttentionMetadata, torch.Tensor
     ]:
         bs = self.layout.block_size
+        dev = self.device
         input_ids: list[int] = []
         positions: list[int] = []
-        slot_blocks: list[int] = []
-        slot_offsets: list[int] = []
-        decode_idx: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        prefills: list[attention.PrefillSeq] = []
+        slots: list[int] = []
+        attn: list[attention.SeqAttention] = []
         logits_idx: list[int] = []
         for s in seqs:
             q_start = len(input_ids)
             n = len(s.token_ids)
-            input_ids.extend(s.token_ids)
-            pos = range(s.start_pos, s.start_pos + n)
-            positions.extend(pos)
-            slot_blocks.extend(s.block_ids[p // bs] for p in pos)
-            slot_offsets.extend(p % bs for p in pos)
             ctx = s.start_pos + n
-            if n == 1:
-                decode_idx.append(q_start)
-                decode_tables.append(s.block_ids[: -(-ctx // bs)])
-                decode_lens.append(ctx)
-            elif s.start_pos == 0:
-                prefills.append(attention.PrefillSeq(q_start, n, 0, None, None))
-            else:
-                blocks = torch.tensor(s.block_ids[: -(-ctx // bs)], device=self.device)
-                q_pos = torch.arange(s.start_pos, ctx, device=self.device)
-                mask = torch.arange(ctx, device=self.device)[None, :] <= q_pos[:, None]
-                prefills.append(attention.PrefillSeq(q_start, n, s.start_pos, blocks, mask))
+            input_ids.extend(s.token_ids)
+            pos = range(s.start_pos, ctx)
+            positions.extend(pos)
+            blocks = s.block_ids[: -(-ctx // bs)]
+            slots.extend(blocks[p // bs] * bs + p % bs for p in pos)
+            fresh = s.start_pos == 0
+            kv_start: int | None = None
+            block_tensor: torch.Tensor | None = None
+            mask: torch.Tensor | None = None
+            if not fresh or n == 1:
+                if blocks[-1] - blocks[0] == len(blocks) - 1 and _consecutive(blocks):
+                    kv_start = blocks[0] * bs
+                else:
+                    block_tensor = torch.tensor(blocks, device=dev)
+                if n > 1:  # a later prefill chunk: query i sees keys 0..start_pos + i
+                    q_pos = torch.arange(s.start_pos, ctx, device=dev)
+                    mask = torch.arange(ctx, device=dev)[None, :] <= q_pos[:, None]
+            attn.append(attention.SeqAttention(q_start, n, ctx, fresh and n > 1, kv_start,
+                                               block_tensor, mask))
             if s.sample:
                 logits_idx.append(q_start + n - 1)
-        dev = self.device
-        decode_q = decode_bt = decode_mask = None
-        if decode_idx:
-            max_blocks = max(len(t) for t in decode_tables)
-            decode_q = torch.tensor(decode_idx, device=dev)
-            decode_bt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in decode_tables],
-                                     device=dev)
-            lens = torch.tensor(decode_lens, device=dev)
-            decode_mask = (torch.arange(max_blocks * bs, device=dev)[None, :] < lens[:, None])
-            decode_mask = decode_mask[:, None, None, :]
         meta = attention.PagedAttentionMetadata(
-            kv_cache=self.kv_cache,
-            slot_blocks=torch.tensor(slot_blocks, device=dev),
-            slot_offsets=torch.tensor(slot_offsets, device=dev),
-            decode_q_idx=decode_q, decode_block_table=decode_bt, decode_mask=decode_mask,
-            prefills=prefills,
+            kv_cache=self.kv_cache, block_size=bs,
+            slots=torch.tensor(slots, device=dev), seqs=attn,
         )
         return (torch.tensor([input_ids], device=dev), torch.tensor([positions], device=dev),
                 meta, torch.tensor(logits_idx, device=dev))
@@ -167,11 +154,16 @@ class ModelRunner:
         log.debug("warm-up step took %.3f s", time.perf_counter() - t0)
 
     # ---- KV transfer ---------------------------------------------------------------------
+    def _by_block(self) -> torch.Tensor:
+        lay = self.layout
+        return self.kv_cache.view(lay.num_layers, 2, lay.num_kv_heads, self.num_blocks,
+                                  lay.block_size, lay.head_dim)
+
     def read_blocks(self, block_ids: list[int]) -> bytes:
         """Blocks in the wire layout: per block, per layer, K then V [kv_heads, block_size, D]."""
         idx = torch.tensor(block_ids, device=self.device)
-        data = self.kv_cache[:, :, idx]  # [L, 2, n, bs, H, D]
-        data = data.permute(2, 0, 1, 4, 3, 5).contiguous().cpu()  # [n, L, 2, H, bs, D]
+        data = self._by_block().index_select(3, idx)  # [L, 2, H, n, bs, D]
+        data = data.permute(3, 0, 1, 2, 4, 5).contiguous().cpu()  # [n, L, 2, H, bs, D]
         return data.view(torch.uint8).numpy().tobytes()
 
     def write_blocks(self, block_ids: list[int], data: bytes) -> None:
@@ -180,6 +172,11 @@ class ModelRunner:
         raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         arr = raw.view(self.dtype).view(n, lay.num_layers, 2, lay.num_kv_heads,
                                         lay.block_size, lay.head_dim)
-        arr = arr.permute(1, 2, 0, 4, 3, 5).to(self.device)  # [L, 2, n, bs, H, D]
+        arr = arr.permute(1, 2, 3, 0, 4, 5).to(self.device)  # [L, 2, H, n, bs, D]
         idx = torch.tensor(block_ids, device=self.device)
-        self.kv_cache[:, :, idx] = arr
+        self._by_block().index_copy_(3, idx, arr)
+
+
+def _consecutive(blocks: list[int]) -> bool:
+    first = blocks[0]
+    return all(b == first + i for i, b in enumerate(blocks))

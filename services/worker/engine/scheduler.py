@@ -15,6 +15,9 @@ from services.worker.engine.request import Request, RequestStatus
 from shared.block_hash import chain_hash
 from shared.errors import ResourceExhausted
 
+# growth room looked for when placing a request's blocks (tokens of its max_tokens)
+_GROWTH_CAP_TOKENS = 512
+
 
 @dataclass
 class ScheduledRequest:
@@ -59,8 +62,15 @@ class Scheduler:
             return True
         if not self.blocks.can_allocate(need):
             return False
-        req.block_ids.extend(self.blocks.allocate(need))
+        after = req.block_ids[-1] if req.block_ids else None
+        req.block_ids.extend(self.blocks.allocate(need, after, self._want_blocks(req)))
         return True
+
+    def _want_blocks(self, req: Request) -> int:
+        """Blocks the request will probably hold in total (prompt + a bounded share of its
+        max_tokens): the allocator looks for a free run this long so it can grow in place."""
+        growth = min(req.sampling.max_tokens - req.num_counted_towards_max, _GROWTH_CAP_TOKENS)
+        return self.blocks.blocks_needed(req.num_tokens + max(0, growth)) - len(req.block_ids)
 
     def preempt(self, req: Request) -> None:
         """Free the request's blocks; it recomputes everything (prompt + outputs) later."""
@@ -130,7 +140,9 @@ class Scheduler:
         if not self.blocks.can_allocate(need, cached):
             return 0  # wait for blocks (add-time checks guarantee the prompt fits alone)
         self.blocks.take(cached)
-        req.block_ids = list(cached) + self.blocks.allocate(need)
+        req.block_ids = list(cached)
+        req.block_ids += self.blocks.allocate(need, cached[-1] if cached else None,
+                                              self._want_blocks(req))
         req.num_computed_tokens = num_cached_tokens
         req.num_hashed_blocks = len(cached)
         req.last_block_hash = self.blocks.block_hash(cached[-1]) if cached else None
@@ -174,7 +186,9 @@ class Scheduler:
         if not self.blocks.can_allocate(need, cached):
             raise ResourceExhausted("KV pool full: cannot reserve blocks for the request")
         self.blocks.take(cached)
-        req.block_ids = list(cached) + self.blocks.allocate(need)
+        req.block_ids = list(cached)
+        req.block_ids += self.blocks.allocate(need, cached[-1] if cached else None,
+                                              self._want_blocks(req))
         req.num_hashed_blocks = len(cached)
         req.last_block_hash = self.blocks.block_hash(cached[-1]) if cached else None
         req.stats_fixed = True
