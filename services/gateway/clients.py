@@ -17,6 +17,7 @@ from services.gateway.ports import (
     PrefillResult,
     ScheduleQuery,
     WorkerJob,
+    WorkerOutOfCapacity,
     WorkerTarget,
     WorkerUnavailable,
 )
@@ -46,15 +47,15 @@ class ChannelPool:
 
 
 def map_rpc_error(exc: grpc.aio.AioRpcError, peer: str, worker_id: str = "") -> errors.PdserveError:
-    """A peer's failure as a domain error. UNAVAILABLE and RESOURCE_EXHAUSTED from a worker are
-    retryable elsewhere (WorkerUnavailable); the peer's message is kept for the client."""
+    """A peer's failure as a domain error. UNAVAILABLE (any peer) and RESOURCE_EXHAUSTED (a worker)
+    are Retryable elsewhere; the status code and the peer's message are kept for the client."""
     code, detail = exc.code(), exc.details() or ""
     where = f"{peer}: {detail}" if detail else peer
     if code == grpc.StatusCode.UNAVAILABLE:
         return WorkerUnavailable(f"{peer} is unavailable ({detail or 'no details'})", worker_id)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         if worker_id:
-            return WorkerUnavailable(f"{peer} is out of capacity ({detail})", worker_id)
+            return WorkerOutOfCapacity(f"{peer} is out of capacity ({detail or 'no details'})", worker_id)
         return errors.ResourceExhausted(where)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return errors.InvalidArgument(f"rejected by {where}")

@@ -26,6 +26,7 @@ from services.gateway.ports import (
     ServingMode,
     WorkerClient,
     WorkerJob,
+    WorkerOutOfCapacity,
     WorkerTarget,
     WorkerUnavailable,
 )
@@ -104,7 +105,7 @@ class Dispatcher:
                 async for frame in self._attempt(req, state, attempt, hashes, tuple(exclude), deadline_s):
                     yield frame
                 return
-            except WorkerUnavailable as exc:
+            except (WorkerUnavailable, WorkerOutOfCapacity) as exc:
                 await self._undo(attempt)
                 if state.handed_off or tries >= MAX_ATTEMPTS:
                     state.fail()

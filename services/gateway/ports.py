@@ -1,7 +1,7 @@
 """What the request life needs from the scheduler and the workers, in domain terms (no grpc).
 
 `clients.py` implements these over gRPC; tests may substitute fakes. Errors surface as
-shared.errors classes; `WorkerUnavailable` names the worker so a retry can exclude it.
+shared.errors classes; `Retryable` ones name the worker so a retry can exclude it.
 """
 
 from __future__ import annotations
@@ -13,13 +13,28 @@ from typing import Protocol
 
 from services.gateway.accounting import FinishReason
 from services.gateway.request import Sampling
-from shared.errors import Unavailable
+from shared.errors import ResourceExhausted, Unavailable
 
 
-class WorkerUnavailable(Unavailable):
-    """A worker (or the scheduler, worker_id "") could not be reached or refused for capacity."""
+class Retryable:
+    """Marks a failure that another worker may not have: before any output reached the client,
+    the request is rescheduled once, excluding `worker_id` ("" = the scheduler itself)."""
+
+    worker_id: str = ""
+
+
+class WorkerUnavailable(Unavailable, Retryable):
+    """A worker (or the scheduler, worker_id "") could not be reached or is shutting down."""
 
     def __init__(self, message: str, worker_id: str = "") -> None:
+        super().__init__(message)
+        self.worker_id = worker_id
+
+
+class WorkerOutOfCapacity(ResourceExhausted, Retryable):
+    """A worker refused the request for capacity (KV pool or queue full)."""
+
+    def __init__(self, message: str, worker_id: str) -> None:
         super().__init__(message)
         self.worker_id = worker_id
 

@@ -302,6 +302,18 @@ async def test_second_unavailable_is_reported(cluster: Cluster) -> None:
     assert len(c.scheduler.requests) == 2
 
 
+async def test_out_of_capacity_retries_elsewhere_then_keeps_its_code(cluster: Cluster) -> None:
+    c = cluster
+    c.scheduler.responses += [aggregated(c.decode), aggregated(c.decode2)]
+    c.decode.decode_scripts.append([Fail(grpc.StatusCode.RESOURCE_EXHAUSTED, "KV pool full")])
+    c.decode2.decode_scripts.append([Fail(grpc.StatusCode.RESOURCE_EXHAUSTED, "KV pool full")])
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await complete(c, prompt="hi")
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "decode-2" in (err.value.details() or "") and "KV pool full" in (err.value.details() or "")
+    assert list(c.scheduler.requests[1].exclude_worker_ids) == ["decode-1"]
+
+
 async def test_no_retry_after_first_token(cluster: Cluster) -> None:
     c = cluster
     c.scheduler.responses += [disaggregated(c.prefill, c.decode), disaggregated(c.prefill, c.decode2)]
