@@ -14,6 +14,7 @@ from services.load_monitor.registry import Registry
 from services.load_monitor.servicer import LoadMonitorServicer
 from services.load_monitor.settings import Settings
 from services.load_monitor.worker_client import WorkerLoadClient
+from shared.channels import set_default_tls
 from shared.logs import configure_logging
 from shared.metrics import start_metrics_server
 from shared.proto import load_monitor_pb2, load_monitor_pb2_grpc
@@ -56,7 +57,9 @@ def build(settings: Settings, interceptors: Sequence[object] = ()) -> LoadMonito
         load_timeout_s=settings.load_timeout_s,
         forget=client.forget,
     )
-    server = Server(settings.listen, [SERVICE_NAME], interceptors=list(interceptors))  # type: ignore[arg-type]
+    tls = settings.tls_config()
+    set_default_tls(tls)  # the same TLS settings for the channels this service dials
+    server = Server(settings.listen, [SERVICE_NAME], interceptors=list(interceptors), tls=tls)  # type: ignore[arg-type]
     load_monitor_pb2_grpc.add_LoadMonitorServicer_to_server(LoadMonitorServicer(monitor), server.grpc)
     return LoadMonitorApp(server, monitor, client)
 

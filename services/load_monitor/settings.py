@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.settings import field
+from shared.tls import TlsSettings
 
 
 @dataclass(frozen=True)
-class Settings:
+class Settings(TlsSettings):
     """pdserve load-monitor: worker membership (leases) and per-DP-rank load snapshots."""
 
     listen: str = field("0.0.0.0:50053", "host:port to serve gRPC on")

@@ -14,6 +14,7 @@ from services.scheduler.router import Policies, Router
 from services.scheduler.servicer import SchedulerServicer
 from services.scheduler.settings import Settings
 from services.scheduler.watcher import LoadWatcher
+from shared.channels import set_default_tls
 from shared.logs import configure_logging
 from shared.metrics import start_metrics_server
 from shared.proto import scheduler_pb2, scheduler_pb2_grpc
@@ -68,7 +69,9 @@ def build(settings: Settings, interceptors: Sequence[object] = ()) -> SchedulerA
     watcher = LoadWatcher(
         settings.load_monitor_address, router, backoff_max_s=settings.watch_backoff_max_s
     )
-    server = Server(settings.listen, [SERVICE_NAME], interceptors=list(interceptors))  # type: ignore[arg-type]
+    tls = settings.tls_config()
+    set_default_tls(tls)  # the same TLS settings for the channels this service dials
+    server = Server(settings.listen, [SERVICE_NAME], interceptors=list(interceptors), tls=tls)  # type: ignore[arg-type]
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(router), server.grpc)
     return SchedulerApp(server, router, watcher)
 

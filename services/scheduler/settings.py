@@ -7,10 +7,11 @@ from dataclasses import dataclass
 
 from services.scheduler.policies import RANK_POLICIES, WORKER_POLICIES
 from shared.settings import field
+from shared.tls import TlsSettings
 
 
 @dataclass(frozen=True)
-class Settings:
+class Settings(TlsSettings):
     """pdserve scheduler: picks prefill/decode workers, DP ranks and the serving mode."""
 
     listen: str = field("0.0.0.0:50052", "host:port to serve gRPC on")
