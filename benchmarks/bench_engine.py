@@ -147,7 +147,6 @@ def run_hf_padded(args: argparse.Namespace, prompts: list[list[int]]) -> dict[st
 
 
 def run_hf_continuous(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
-    import torch
     from transformers import ContinuousBatchingConfig
 
     model = _load_hf(args.model_path, args.dtype, args.device)
@@ -157,13 +156,15 @@ def run_hf_continuous(args: argparse.Namespace, prompts: list[list[int]]) -> dic
     cb = ContinuousBatchingConfig(page_size=256, num_blocks=need_tokens // 256 + len(prompts) + 4,
                                   max_batch_tokens=args.max_batch_tokens)
     t0 = time.perf_counter()
-    with torch.inference_mode():
-        results = model.generate_batch(prompts, generation_config=cfg,
-                                       continuous_batching_config=cb, record_timestamps=True)
+    # no inference_mode here: generate_batch runs its own thread and updates tensors in place
+    results = model.generate_batch(prompts, generation_config=cfg,
+                                   continuous_batching_config=cb, record_timestamps=True)
     wall = time.perf_counter() - t0
     times = [list(r.timestamps or []) for r in results.values()]
-    if sum(len(r.generated_tokens) for r in results.values()) != len(prompts) * args.new_tokens:
-        raise RuntimeError("generate_batch returned a different number of tokens")
+    got = sorted(len(r.generated_tokens) for r in results.values())
+    if got != [args.new_tokens] * len(prompts):
+        raise RuntimeError(f"generate_batch returned {got} tokens per request, "
+                           f"{[r.error for r in results.values() if r.error][:1]}")
     if not any(times):  # no timestamps: count tokens, no latencies
         times = [[t0 + wall] * len(r.generated_tokens) for r in results.values()]
     return summarize(t0, times, wall)

@@ -103,8 +103,8 @@ class BlockManager:
 
     def _find_run(self, length: int) -> int | None:
         """Start of `length` consecutive free blocks: first among never-cached (or evicted)
-        blocks, scanning from a moving cursor (next fit), then starting at the least recently
-        freed cached blocks (bounded search)."""
+        blocks, scanning from a moving cursor (next fit); else a run made only of the older
+        half of the unreferenced blocks in LRU order (eviction stays approximately LRU)."""
         if length > len(self._free):
             return None
         refs, hashes, n = self._ref_counts, self._hashes, self.num_blocks
@@ -117,10 +117,10 @@ class BlockManager:
                         return b - length + 1
                 else:
                     run = 0
-        for i, b in enumerate(self._free):
-            if i >= 256:
-                break
-            if self._run_is_free(b, length):
+        limit = max(length, len(self._free) // 2)
+        lru_rank = {b: i for i, b in enumerate(self._free) if i < limit}
+        for b in lru_rank:
+            if all(x in lru_rank for x in range(b, b + length)):
                 return b
         return None
 
