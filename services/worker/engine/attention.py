@@ -42,17 +42,20 @@ class PagedAttentionMetadata:
     kv_cache: torch.Tensor  # the rank's pool, layout above
     block_size: int
     slots: torch.Tensor  # [T] slot of each packed token
-    seqs: list[SeqAttention]
+    seqs: list[SeqAttention]  # in packed order
+    decode_idx: torch.Tensor | None  # [B] packed positions of the single-token sequences
+    num_decode: int  # how many of `seqs` have q_len 1 (B)
 
 
 def _context(pool: torch.Tensor, s: SeqAttention, block_size: int) -> torch.Tensor:
-    """[kv_heads, ctx_len, head_dim] of one sequence (a view when its blocks are consecutive)."""
+    """[1, kv_heads, ctx_len, head_dim] of one sequence (a view when its blocks are
+    consecutive, else gathered)."""
     if s.kv_start is not None:
-        return pool[:, s.kv_start : s.kv_start + s.ctx_len]
+        return pool[:, :, s.kv_start : s.kv_start + s.ctx_len]
     assert s.blocks is not None
-    heads, _, dim = pool.shape
+    _, heads, _, dim = pool.shape
     by_block = pool.view(heads, -1, block_size, dim)
-    return by_block.index_select(1, s.blocks).view(heads, -1, dim)[:, : s.ctx_len]
+    return by_block.index_select(1, s.blocks).view(1, heads, -1, dim)[:, :, : s.ctx_len]
 
 
 def paged_attention_forward(
@@ -69,44 +72,64 @@ def paged_attention_forward(
     if paged_meta is None:
         raise RuntimeError("pdserve_paged attention needs paged_meta (use the engine)")
     meta = paged_meta
+    bs = meta.block_size
     layer = int(module.layer_idx)  # type: ignore[arg-type]
-    k_pool = meta.kv_cache[layer, 0]  # [kv_heads, slots, head_dim]
-    v_pool = meta.kv_cache[layer, 1]
-    k_pool.index_copy_(1, meta.slots, key[0])
-    v_pool.index_copy_(1, meta.slots, value[0])
+    k_pool = meta.kv_cache[layer, 0:1]  # [1, kv_heads, slots, head_dim]
+    v_pool = meta.kv_cache[layer, 1:2]
+    k_pool[0].index_copy_(1, meta.slots, key[0])
+    v_pool[0].index_copy_(1, meta.slots, value[0])
 
-    q_all = query[0]  # [heads, T, head_dim]
-    num_heads, _, head_dim = q_all.shape
+    _, num_heads, num_tokens, head_dim = query.shape
     num_kv_heads = key.shape[1]
     rep = num_heads // num_kv_heads
-    outs: list[torch.Tensor] = []
-    for s in meta.seqs:
-        q = q_all[:, s.q_start : s.q_start + s.q_len]  # [heads, q_len, D]
-        if s.q_len == 1:
-            # decode: the `rep` query heads sharing a KV head become rep query rows, so no GQA
-            # expansion and no mask (a single query attends to every cached token)
-            k = _context(k_pool, s, meta.block_size)
-            v = _context(v_pool, s, meta.block_size)
-            o = F.scaled_dot_product_attention(
-                q.reshape(1, num_kv_heads, rep, head_dim), k[None], v[None], scale=scaling
-            )
-            outs.append(o.reshape(num_heads, 1, head_dim))
-            continue
+    if meta.num_decode == num_tokens:  # decode-only step: no scatter needed
+        out_d = _decode(query, k_pool, v_pool, meta, scaling, num_kv_heads, rep)
+        return out_d.view(1, num_tokens, num_heads, head_dim), None
+
+    out = query.new_empty(num_tokens, num_heads, head_dim)
+    if meta.num_decode:
+        assert meta.decode_idx is not None
+        out[meta.decode_idx] = _decode(query, k_pool, v_pool, meta, scaling, num_kv_heads, rep)
+    for s in meta.seqs[meta.num_decode :]:
+        q = query[:, :, s.q_start : s.q_start + s.q_len]  # [1, heads, q_len, D]
         if s.fresh:
-            k = key[0, :, s.q_start : s.q_start + s.q_len]
-            v = value[0, :, s.q_start : s.q_start + s.q_len]
-            o = F.scaled_dot_product_attention(
-                q[None], k[None], v[None], is_causal=True, scale=scaling, enable_gqa=rep > 1
-            )
+            k = key[:, :, s.q_start : s.q_start + s.q_len]
+            v = value[:, :, s.q_start : s.q_start + s.q_len]
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling,
+                                               enable_gqa=rep > 1)
         else:
-            k = _context(k_pool, s, meta.block_size)
-            v = _context(v_pool, s, meta.block_size)
-            o = F.scaled_dot_product_attention(
-                q[None], k[None], v[None], attn_mask=s.mask, scale=scaling, enable_gqa=rep > 1
-            )
-        outs.append(o[0])
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)  # [heads, T, D]
-    return out.transpose(0, 1).unsqueeze(0), None
+            k = _context(k_pool, s, bs)
+            v = _context(v_pool, s, bs)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=s.mask, scale=scaling,
+                                               enable_gqa=rep > 1)
+        out[s.q_start : s.q_start + s.q_len] = o[0].transpose(0, 1)
+    return out.unsqueeze(0), None
+
+
+def _decode(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+            meta: PagedAttentionMetadata, scaling: float | None, num_kv_heads: int,
+            rep: int) -> torch.Tensor:
+    """Single-query sequences -> [B, heads, head_dim]. The `rep` query heads sharing a KV head
+    become `rep` query rows, so there is no GQA expansion and no mask (a lone query attends to
+    every cached token)."""
+    head_dim = query.shape[-1]
+    if meta.num_decode == query.shape[2]:
+        qd = query[0].transpose(0, 1)  # [B, heads, D]
+    else:
+        assert meta.decode_idx is not None
+        qd = query[0].index_select(1, meta.decode_idx).transpose(0, 1)
+    qd = qd.reshape(-1, 1, num_kv_heads, rep, head_dim)  # [B, 1, kv_heads, rep, D]
+    bs = meta.block_size
+    outs = []
+    for i, s in enumerate(meta.seqs[: meta.num_decode]):
+        if s.kv_start is not None:
+            k = k_pool[:, :, s.kv_start : s.kv_start + s.ctx_len]
+            v = v_pool[:, :, s.kv_start : s.kv_start + s.ctx_len]
+        else:
+            k = _context(k_pool, s, bs)
+            v = _context(v_pool, s, bs)
+        outs.append(F.scaled_dot_product_attention(qd[i], k, v, scale=scaling))
+    return torch.cat(outs).view(-1, num_kv_heads * rep, head_dim)
 
 
 _registered = False

@@ -94,8 +94,11 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         attn: list[attention.SeqAttention] = []
-        logits_idx: list[int] = []
-        for s in seqs:
+        # single-token sequences first: attention batches their bookkeeping
+        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].token_ids) != 1)
+        decode_idx: list[int] = []
+        for i in order:
+            s = seqs[i]
             q_start = len(input_ids)
             n = len(s.token_ids)
             ctx = s.start_pos + n
@@ -108,6 +111,8 @@ class ModelRunner:
             kv_start: int | None = None
             block_tensor: torch.Tensor | None = None
             mask: torch.Tensor | None = None
+            if n == 1:
+                decode_idx.append(q_start)
             if not fresh or n == 1:
                 if blocks[-1] - blocks[0] == len(blocks) - 1 and _consecutive(blocks):
                     kv_start = blocks[0] * bs
@@ -118,11 +123,14 @@ class ModelRunner:
                     mask = torch.arange(ctx, device=dev)[None, :] <= q_pos[:, None]
             attn.append(attention.SeqAttention(q_start, n, ctx, fresh and n > 1, kv_start,
                                                block_tensor, mask))
-            if s.sample:
-                logits_idx.append(q_start + n - 1)
+        # logits rows in the caller's order of the sampling sequences
+        first_pos = {i: a.q_start + a.q_len - 1 for i, a in zip(order, attn, strict=True)}
+        logits_idx = [first_pos[i] for i, s in enumerate(seqs) if s.sample]
         meta = attention.PagedAttentionMetadata(
             kv_cache=self.kv_cache, block_size=bs,
             slots=torch.tensor(slots, device=dev), seqs=attn,
+            decode_idx=torch.tensor(decode_idx, device=dev) if decode_idx else None,
+            num_decode=len(decode_idx),
         )
         return (torch.tensor([input_ids], device=dev), torch.tensor([positions], device=dev),
                 meta, torch.tensor(logits_idx, device=dev))
