@@ -26,6 +26,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from shared.tls import TlsConfig, TlsSettings
+
 PORT_OFFSETS = {
     "gateway": 0,
     "scheduler": 1,
@@ -62,6 +64,11 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"])
     p.add_argument("--dp-size", type=int, default=1, help="data-parallel ranks per worker")
+    p.add_argument("--block-size", type=int, default=16, help="KV block size (tokens), workers and gateway")
+    p.add_argument("--tls-cert-file", default="", help="PEM certificate for every service (TLS on when set)")
+    p.add_argument("--tls-key-file", default="", help="PEM key for every service")
+    p.add_argument("--tls-ca-file", default="", help="PEM CA bundle that certificates are checked against")
+    p.add_argument("--tls-server-name", default="", help="name in the certificates, if not the host")
     p.add_argument("--torch-threads", type=int, default=1, help="torch threads per worker process")
     p.add_argument("--host", default="127.0.0.1", help="address every service binds and advertises")
     p.add_argument(
@@ -89,9 +96,15 @@ def _children(a: argparse.Namespace, model_path: str) -> list[Child]:
     def addr(name: str) -> str:
         return f"{a.host}:{a.port_base + PORT_OFFSETS[name]}"
 
+    tls = [
+        *(["--tls-cert-file", a.tls_cert_file, "--tls-key-file", a.tls_key_file] if a.tls_cert_file else []),
+        *(["--tls-ca-file", a.tls_ca_file] if a.tls_ca_file else []),
+        *(["--tls-server-name", a.tls_server_name] if a.tls_server_name else []),
+    ]
+
     def common(name: str) -> list[str]:
         metrics = a.port_base + METRICS_OFFSET + PORT_OFFSETS[name] if a.metrics else -1
-        return ["--listen", addr(name), "--metrics-port", str(metrics), "--log-level", a.log_level]
+        return ["--listen", addr(name), "--metrics-port", str(metrics), "--log-level", a.log_level, *tls]
 
     worker_common = [
         "--load-monitor-address",
@@ -106,6 +119,8 @@ def _children(a: argparse.Namespace, model_path: str) -> list[Child]:
         a.dtype,
         "--dp-size",
         str(a.dp_size),
+        "--block-size",
+        str(a.block_size),
         "--torch-threads",
         str(a.torch_threads),
         *a.worker_arg,
@@ -148,6 +163,8 @@ def _children(a: argparse.Namespace, model_path: str) -> list[Child]:
                 model_path,
                 "--model-cache-dir",
                 a.model_cache_dir,
+                "--block-size",
+                str(a.block_size),
             ],
         )
     )
@@ -173,8 +190,14 @@ def _start(child: Child, log_dir: str) -> None:
     )
 
 
-def _health(address: str, timeout_s: float = 2.0) -> int:
-    with grpc.insecure_channel(address) as channel:
+def _dial(address: str, tls: TlsConfig | None) -> grpc.Channel:
+    if tls is None:
+        return grpc.insecure_channel(address)
+    return grpc.secure_channel(address, tls.channel_credentials(), options=tls.channel_options())
+
+
+def _health(address: str, tls: TlsConfig | None, timeout_s: float = 2.0) -> int:
+    with _dial(address, tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             return int(stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s).status)
@@ -182,10 +205,10 @@ def _health(address: str, timeout_s: float = 2.0) -> int:
             return -1
 
 
-def _scheduler_worker_count(address: str) -> int:
+def _scheduler_worker_count(address: str, tls: TlsConfig | None) -> int:
     from shared.proto import scheduler_pb2, scheduler_pb2_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    with _dial(address, tls) as channel:
         try:
             state = scheduler_pb2_grpc.SchedulerStub(channel).GetState(
                 scheduler_pb2.GetStateRequest(), timeout=2.0
@@ -207,7 +230,11 @@ def _stop_all(children: Sequence[Child], grace_s: float = 30.0) -> None:
 
 
 def _wait_ready(
-    children: Sequence[Child], num_workers: int, timeout_s: float, stop: threading.Event
+    children: Sequence[Child],
+    num_workers: int,
+    timeout_s: float,
+    stop: threading.Event,
+    tls: TlsConfig | None,
 ) -> str | None:
     """None when ready, else why not."""
     deadline = time.monotonic() + timeout_s
@@ -217,10 +244,10 @@ def _wait_ready(
             if child.proc and child.proc.poll() is not None:
                 where = f" (log: {child.log_path})" if child.log_path else ""
                 return f"{child.name} exited with code {child.proc.returncode}{where}"
-        pending = [c for c in pending if _health(c.address) != health_pb2.HealthCheckResponse.SERVING]
+        pending = [c for c in pending if _health(c.address, tls) != health_pb2.HealthCheckResponse.SERVING]
         if not pending:
             scheduler = next(c for c in children if c.name == "scheduler")
-            if _scheduler_worker_count(scheduler.address) >= num_workers:
+            if _scheduler_worker_count(scheduler.address, tls) >= num_workers:
                 return None
         time.sleep(0.25)
     if stop.is_set():
@@ -228,8 +255,12 @@ def _wait_ready(
     return "timed out waiting for: " + ", ".join(c.name for c in pending or children)
 
 
-def grpcurl_command(gateway: str) -> str:
+def grpcurl_command(gateway: str, ca_file: str = "", server_name: str = "") -> str:
+    """A ready-to-paste grpcurl line (plaintext, or TLS checked against `ca_file`)."""
     exe = shutil.which("grpcurl") or str(Path(sys.prefix) / "bin" / "grpcurl")
+    transport = "-plaintext"
+    if ca_file:
+        transport = f"-cacert {ca_file}" + (f" -servername {server_name}" if server_name else "")
     body = json.dumps(
         {
             "messages": [{"role": "user", "content": "What is the capital of France?"}],
@@ -237,7 +268,7 @@ def grpcurl_command(gateway: str) -> str:
             "temperature": 0,
         }
     )
-    return f"{exe} -plaintext -d '{body}' {gateway} pdserve.v1.Gateway/Generate"
+    return f"{exe} {transport} -d '{body}' {gateway} pdserve.v1.Gateway/Generate"
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -253,7 +284,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     for child in children:
         _start(child, a.log_dir)
     num_workers = 1 if a.unified else 2
-    problem = _wait_ready(children, num_workers, a.ready_timeout_s, stop)
+    tls = TlsSettings(
+        tls_cert_file=a.tls_cert_file,
+        tls_key_file=a.tls_key_file,
+        tls_ca_file=a.tls_ca_file,
+        tls_server_name=a.tls_server_name,
+    ).tls_config()
+    problem = _wait_ready(children, num_workers, a.ready_timeout_s, stop, tls)
     if problem is not None:
         print(f"pdserve up: not ready: {problem}; stopping", file=sys.stderr, flush=True)
         _stop_all(children)
@@ -261,7 +298,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     gateway = children[-1].address
     workers = ", ".join(f"{c.name} {c.address}" for c in children if "worker" in c.name)
     print(f"pdserve is up: gateway {gateway} (model {Path(model_path).name}; {workers})", flush=True)
-    print("Try:\n  " + grpcurl_command(gateway), flush=True)
+    ca = a.tls_ca_file if tls is not None else ""
+    print("Try:\n  " + grpcurl_command(gateway, ca, a.tls_server_name), flush=True)
     print("Ctrl-C stops everything.", flush=True)
     exit_code = 0
     while not stop.is_set():

@@ -100,7 +100,9 @@ def finish_reason(
 
 @dataclass(frozen=True)
 class CacheStats:
-    """Prompt tokens whose KV was not computed for this request, by source (tokens)."""
+    """Prompt tokens served from a prefix cache instead of computed for this request (tokens):
+    local = the serving worker's own hits when it prefilled; transferred = the prefill worker's
+    hits in disaggregated serving (KV it computed and pushed is not cached)."""
 
     local_tokens: int = 0
     transferred_tokens: int = 0

@@ -198,7 +198,8 @@ class Dispatcher:
             raise WorkerUnavailable(
                 f"decode worker {decode.worker_id} did not admit the request (got {got})", decode.worker_id
             )
-        state.record_cache(admitted.local_cached_tokens, admitted.transferred_cached_tokens)
+        # The decode worker's own cache hits and the KV it receives are not cache hits for this
+        # request: the prefill worker computes every prompt token it does not find in ITS cache.
         state.advance(RequestStatus.ADMITTED)
         # 2. The prefill worker runs the prompt and pushes KV straight to that decode rank.
         kv = KvDestination(decode.address, decode.dp_rank, admitted.transfer_ticket, admitted.cached_blocks)
@@ -207,6 +208,7 @@ class Dispatcher:
         reply = await self._within(
             self._workers.prefill(prefill, job, kv, self._remaining(deadline_s)), deadline_s
         )
+        state.record_cache(local_tokens=0, transferred_tokens=reply.local_cached_tokens)
         state.record_output(
             FrameSource.PREFILL_REPLY,
             reply.text,
@@ -224,7 +226,7 @@ class Dispatcher:
         # 3. The first token goes to the client at once (TTFT); decode continues.
         state.advance(RequestStatus.DECODING)
         yield self._frame(state, FrameKind.FIRST, reply.text, reply.token_ids)
-        async for frame in self._relay(state, stream, decode, deadline_s):
+        async for frame in self._relay(state, stream, decode, deadline_s, prefilled_here=False):
             yield frame
 
     async def _aggregated(
@@ -240,12 +242,19 @@ class Dispatcher:
         stream = attempt.stream = self._workers.decode(
             target, job, local_prefill=True, timeout_s=self._remaining(deadline_s)
         )
-        async for frame in self._relay(state, stream, target, deadline_s):
+        async for frame in self._relay(state, stream, target, deadline_s, prefilled_here=True):
             yield frame
 
     async def _relay(
-        self, state: RequestState, stream: DecodeStream, target: WorkerTarget, deadline_s: float | None
+        self,
+        state: RequestState,
+        stream: DecodeStream,
+        target: WorkerTarget,
+        deadline_s: float | None,
+        prefilled_here: bool,
     ) -> AsyncIterator[OutputFrame]:
+        """Relays decode frames. `prefilled_here`: the decode worker ran the prompt itself
+        (aggregated / local prefill), so its prefix-cache hits are this request's local hits."""
         while True:
             event: DecodeEvent | None = await self._within(stream.next(), deadline_s)
             if event is None:
@@ -254,7 +263,8 @@ class Dispatcher:
                     f"after {state.num_completion_tokens} tokens",
                     target.worker_id,
                 )
-            state.record_cache(event.local_cached_tokens, event.transferred_cached_tokens)
+            if prefilled_here:
+                state.record_cache(local_tokens=event.local_cached_tokens, transferred_tokens=0)
             if event.kind is DecodeEventKind.ADMITTED:
                 continue  # aggregated: admission carries only cache figures
             if event.kind is DecodeEventKind.FINAL:

@@ -15,6 +15,7 @@ from services.gateway.service import GatewayService
 from services.gateway.servicer import GatewayServicer
 from services.gateway.settings import GatewaySettings, load_settings
 from services.gateway.tokenization import PromptTokenizer
+from shared.channels import set_default_tls
 from shared.logs import configure_logging
 from shared.metrics import start_metrics_server
 from shared.model_store import resolve_model
@@ -73,7 +74,9 @@ def build_app(settings: GatewaySettings) -> GatewayApp:
         GrpcScheduler(channels, settings.scheduler_address, settings.worker_rpc_timeout_s),
         GrpcWorkers(channels, settings.worker_rpc_timeout_s),
     )
-    server = Server(settings.listen, [SERVICE_NAME], interceptors=server_interceptors())
+    tls = settings.tls_config()
+    set_default_tls(tls)  # scheduler and worker channels use the same TLS settings
+    server = Server(settings.listen, [SERVICE_NAME], interceptors=server_interceptors(), tls=tls)
     gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(service), server.grpc)  # type: ignore[no-untyped-call]
     return GatewayApp(settings, server, service, channels)
 

@@ -6,10 +6,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from shared.settings import field, parse_settings
+from shared.tls import TlsSettings
 
 
 @dataclass(frozen=True)
-class GatewaySettings:
+class GatewaySettings(TlsSettings):
     """pdserve gateway: the public Generate/Complete/ListModels API in front of the scheduler and workers."""
 
     listen: str = field("0.0.0.0:50051", "host:port to serve the public API on")

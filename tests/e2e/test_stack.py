@@ -140,3 +140,20 @@ async def test_cancel_mid_stream_frees_kv_on_both_workers(disagg_stack: Stack) -
             break
         await asyncio.sleep(0.1)
     assert busy == [0, 0], f"KV still held after cancel: {busy}"
+
+
+async def test_cached_tokens_count_prefix_hits_only(disagg_stack: Stack, unified_stack: Stack) -> None:
+    """A cold prompt reports 0 cached tokens (KV pushed from prefill to decode is not a cache hit);
+    the same prompt again hits the prefix cache in whole blocks, on both serving paths."""
+    prompt = "Cache accounting check: " + " ".join(f"w{i}" for i in range(60))
+    for stack in (disagg_stack, unified_stack):
+        cold = await _generate(stack, prompt=prompt, max_tokens=4, temperature=0)
+        warm = await _generate(stack, prompt=prompt, max_tokens=4, temperature=0)
+        assert cold[-1].usage.cached_tokens == 0
+        assert all(f.cached_tokens == 0 for f in cold)
+        usage = warm[-1].usage
+        assert 0 < usage.cached_tokens <= usage.prompt_tokens
+        assert usage.cached_tokens % 16 == 0  # whole KV blocks
+        assert usage.cached_tokens == usage.local_cached_tokens + usage.transferred_cached_tokens
+        assert all(f.cached_tokens == usage.cached_tokens for f in warm)
+    assert warm[-1].usage.local_cached_tokens > 0  # unified: the worker's own cache

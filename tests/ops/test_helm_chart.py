@@ -140,11 +140,16 @@ def test_gpu_requests_only_on_workers(default_objs: list[Obj], gpu_objs: list[Ob
 
 def test_worker_roles_are_placed_independently() -> None:
     objs = render(
-        "--set", "prefillWorker.nodeSelector.pool=prefill",
-        "--set", "decodeWorker.nodeSelector.pool=decode",
-        "--set", "prefillWorker.replicas=3",
-        "--set", "decodeWorker.replicas=5",
-        "--set", "decodeWorker.gpus=2",
+        "--set",
+        "prefillWorker.nodeSelector.pool=prefill",
+        "--set",
+        "decodeWorker.nodeSelector.pool=decode",
+        "--set",
+        "prefillWorker.replicas=3",
+        "--set",
+        "decodeWorker.replicas=5",
+        "--set",
+        "decodeWorker.gpus=2",
     )
     deps = deployments(objs)
     assert deps["prefill-worker"]["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "prefill"}
@@ -184,11 +189,16 @@ def test_wiring_env(default_objs: list[Obj]) -> None:
 
 def test_settings_maps_become_env_vars() -> None:
     objs = render(
-        "--set", "decodeWorker.settings.max_num_seqs=128",
-        "--set", "decodeWorker.settings.kv_cache_tokens=1048576",
-        "--set", "gateway.settings.log_level=debug",
-        "--set", "prefillWorker.kvCacheTokens=65536",
-        "--set", "loadMonitor.leaseTtlS=7.5",
+        "--set",
+        "decodeWorker.settings.max_num_seqs=128",
+        "--set",
+        "decodeWorker.settings.kv_cache_tokens=1048576",
+        "--set",
+        "gateway.settings.log_level=debug",
+        "--set",
+        "prefillWorker.kvCacheTokens=65536",
+        "--set",
+        "loadMonitor.leaseTtlS=7.5",
     )
     deps = deployments(objs)
     dec = env_of(deps["decode-worker"])
@@ -270,8 +280,10 @@ def test_network_policy_exposes_only_the_gateway(objs: list[Obj]) -> None:
 
 def test_network_policy_metrics_and_client_peers() -> None:
     objs = render(
-        "--set", "networkPolicy.metricsFrom[0].namespaceSelector.matchLabels.team=monitoring",
-        "--set", "networkPolicy.gatewayFrom[0].ipBlock.cidr=10.0.0.0/8",
+        "--set",
+        "networkPolicy.metricsFrom[0].namespaceSelector.matchLabels.team=monitoring",
+        "--set",
+        "networkPolicy.gatewayFrom[0].ipBlock.cidr=10.0.0.0/8",
     )
     policies = {p["metadata"]["name"]: p["spec"] for p in of_kind(objs, "NetworkPolicy")}
     metrics_rule = policies["pdserve-internal"]["ingress"][1]
@@ -299,6 +311,7 @@ def test_tls_secret_mounted_and_probes_use_tls() -> None:
         assert vols["tls"]["secret"]["secretName"] == "pdserve-tls"
         env = env_of(dep)
         assert env["PDSERVE_TLS_CERT_FILE"] == "/etc/pdserve/tls/tls.crt"
+        assert "PDSERVE_TLS_CLIENT_AUTH" not in env  # one-way TLS unless tls.mutual
         # The kubelet's gRPC probe speaks plaintext: with TLS an in-container health check runs.
         probe = container(dep)["readinessProbe"]
         assert "grpc" not in probe
@@ -331,7 +344,6 @@ SETTINGS_MODULES = {
     "decode-worker": "services.worker.settings",
 }
 # Set by the chart only when tls.enabled; the services do not read them yet.
-NOT_YET_SETTINGS = {"tls_cert_file", "tls_key_file", "tls_ca_file"}
 
 
 def settings_fields(module_name: str) -> set[str] | None:
@@ -352,8 +364,18 @@ def test_env_vars_are_real_settings(name: str, default_objs: list[Obj], gpu_objs
     fields = settings_fields(SETTINGS_MODULES[name])
     if fields is None:
         pytest.skip(f"{SETTINGS_MODULES[name]} has no settings dataclass yet")
-    for objs in (default_objs, gpu_objs):
+    mtls_objs = render(
+        "--set",
+        "tls.enabled=true",
+        "--set",
+        "tls.secretName=s",
+        "--set",
+        "tls.mutual=true",
+        "--set",
+        "tls.serverName=pdserve.internal",
+    )
+    for objs in (default_objs, gpu_objs, mtls_objs):
         env = env_of(deployments(objs)[name])
         chart_settings = {k.removeprefix("PDSERVE_").lower() for k in env if k.startswith("PDSERVE_")}
-        unknown = chart_settings - fields - NOT_YET_SETTINGS
+        unknown = chart_settings - fields
         assert not unknown, f"{name}: the chart sets PDSERVE_* vars the service does not read: {unknown}"

@@ -82,6 +82,7 @@ def running_stack(
     dp_size: int = 1,
     metrics: bool = False,
     worker_args: Sequence[str] = (),
+    up_args: Sequence[str] = (),
     ready_timeout_s: float = 300.0,
 ) -> Iterator[Stack]:
     base = free_port_base()
@@ -108,6 +109,7 @@ def running_stack(
     if metrics:
         cmd.append("--metrics")
     cmd += [f"--worker-arg={a}" for a in worker_args]
+    cmd += list(up_args)
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output: list[str] = []
     lines: queue.Queue[str | None] = queue.Queue()

@@ -147,7 +147,7 @@ exec:
       rd = lambda n: open(d + n, "rb").read()
       mutual = {{ if .root.Values.tls.mutual }}True{{ else }}False{{ end }}
       creds = grpc.ssl_channel_credentials(rd("ca.crt"), rd("tls.key") if mutual else None, rd("tls.crt") if mutual else None)
-      ch = grpc.secure_channel("127.0.0.1:{{ .port }}", creds, options=[("grpc.ssl_target_name_override", "{{ .host }}")])
+      ch = grpc.secure_channel("127.0.0.1:{{ .port }}", creds, options=[("grpc.ssl_target_name_override", "{{ .root.Values.tls.serverName | default .host }}")])
       r = g.HealthStub(ch).Check(h.HealthCheckRequest(service="{{ .service }}"), timeout={{ .cfg.timeoutSeconds }})
       sys.exit(0 if r.status == h.HealthCheckResponse.SERVING else 1)
 {{- else -}}

@@ -63,7 +63,9 @@ def script_disaggregated(c: Cluster, max_model_len: int = 0) -> None:
             final("rld", 2, STOP, 14),
         ]
     )
-    c.prefill.prefill_scripts.append(prefill_reply("Hel", 1, ids=(11,)))
+    # The prefill worker found 8 prompt tokens in its prefix cache: those are the request's cache
+    # hits. The decode worker's own hits (16) and the KV it received (4) are not.
+    c.prefill.prefill_scripts.append(prefill_reply("Hel", 1, ids=(11,), local_cached=8))
 
 
 async def test_disaggregated_stream(cluster: Cluster, tokenizer: PromptTokenizer) -> None:
@@ -78,7 +80,7 @@ async def test_disaggregated_stream(cluster: Cluster, tokenizer: PromptTokenizer
     assert len(rid) == 32 and all(f.request_id == rid for f in frames)
     prompt_ids = list(tokenizer.encode_prompt(prompt))
     assert all(f.prompt_tokens == len(prompt_ids) for f in frames)
-    assert [f.cached_tokens for f in frames] == [16, 20, 20, 20]  # local from admission, then + transferred
+    assert [f.cached_tokens for f in frames] == [8, 8, 8, 8]  # the prefill worker's hits, on every frame
     last = frames[-1]
     assert last.finish_reason == STOP
     assert last.usage.completion_tokens == 3
@@ -87,7 +89,7 @@ async def test_disaggregated_stream(cluster: Cluster, tokenizer: PromptTokenizer
         last.usage.cached_tokens,
         last.usage.local_cached_tokens,
         last.usage.transferred_cached_tokens,
-    ) == (20, 16, 4)
+    ) == (8, 0, 8)
     assert last.usage.total_tokens == len(prompt_ids) + 3
     assert last.model == "tiny"
     # what the peers saw

@@ -164,7 +164,9 @@ async def test_disaggregated_path() -> None:
     usage = frames[-1].usage
     assert usage is not None and usage.completion_tokens == 4
     assert frames[-1].finish_reason is FinishReason.STOP
-    assert all(f.prompt_tokens == 20 and f.cached_tokens == 4 for f in frames)
+    # cached = the prefill worker's prefix hits (8); the decode side's admission figure (4) is not
+    assert all(f.prompt_tokens == 20 and f.cached_tokens == 8 for f in frames)
+    assert (usage.cache.local_tokens, usage.cache.transferred_tokens) == (0, 8)
     assert len(sched.queries[0].prefix_block_hashes) == 5
     assert workers.aborts == []
     assert state.status is RequestStatus.FINISHED_STOPPED

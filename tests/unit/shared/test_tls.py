@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shutil
-import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -14,63 +13,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from shared.channels import make_channel
 from shared.server import Server
 from shared.tls import TlsSettings
+from tests.support.pki import make_pki
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
 
 
-def _openssl(*args: str) -> None:
-    subprocess.run(["openssl", *args], check=True, capture_output=True)
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("pki")
-    _openssl(
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-days",
-        "2",
-        "-subj",
-        "/CN=pdserve-test-ca",
-        "-keyout",
-        str(d / "ca.key"),
-        "-out",
-        str(d / "ca.crt"),
-    )
-    _openssl(
-        "req",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-subj",
-        "/CN=pdserve.internal",
-        "-keyout",
-        str(d / "tls.key"),
-        "-out",
-        str(d / "tls.csr"),
-    )
-    (d / "ext.cnf").write_text("subjectAltName=DNS:pdserve.internal,IP:127.0.0.1\n")
-    _openssl(
-        "x509",
-        "-req",
-        "-in",
-        str(d / "tls.csr"),
-        "-CA",
-        str(d / "ca.crt"),
-        "-CAkey",
-        str(d / "ca.key"),
-        "-CAcreateserial",
-        "-days",
-        "2",
-        "-extfile",
-        str(d / "ext.cnf"),
-        "-out",
-        str(d / "tls.crt"),
-    )
-    return d
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 def _settings(d: Path, client_auth: bool) -> TlsSettings:
