@@ -3,6 +3,7 @@ channel per address, RPC errors mapped to domain errors that say which peer fail
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
 import grpc
@@ -11,6 +12,7 @@ import structlog
 from services.gateway import convert
 from services.gateway.ports import (
     DecodeEvent,
+    DecodeEventKind,
     KvDestination,
     ModelCard,
     Placement,
@@ -26,6 +28,9 @@ from shared.channels import make_channel
 from shared.proto import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = structlog.get_logger(__name__)
+
+# How long a decode worker may take to end its call after the FINAL frame (seconds).
+_END_OF_STREAM_WAIT_S = 2.0
 
 
 class ChannelPool:
@@ -123,9 +128,20 @@ class GrpcDecodeStream:
         if frame is grpc.aio.EOF:
             return None
         try:
-            return convert.decode_event(frame)
+            event = convert.decode_event(frame)
         except ValueError as exc:
             raise errors.FailedPrecondition(f"decode worker {self._target.worker_id}: {exc}") from None
+        if event.kind is DecodeEventKind.FINAL:
+            await self._finish()
+        return event
+
+    async def _finish(self) -> None:
+        """After FINAL the worker ends the call: read its end so the call (and its trace span) is
+        closed now; a worker that keeps the stream open gets cancelled."""
+        try:
+            await asyncio.wait_for(self._call.read(), _END_OF_STREAM_WAIT_S)
+        except (TimeoutError, grpc.aio.AioRpcError):
+            self._call.cancel()
 
     def cancel(self) -> None:
         self._call.cancel()
