@@ -177,7 +177,8 @@ def _engine(args: argparse.Namespace, **overrides: Any) -> Any:
     settings: dict[str, Any] = {
         "model_path": args.model_path, "device": args.device, "dtype": args.dtype,
         "kv_cache_tokens": args.kv_cache_tokens, "max_batch_tokens": args.max_batch_tokens,
-        "torch_threads": args.threads,
+        "torch_threads": args.threads if args.engine_threads < 0 else args.engine_threads,
+        "dp_size": args.engine_dp_size,
     }
     settings.update(overrides)
     engine = create_engine(EngineConfig(**settings))
@@ -200,7 +201,8 @@ async def _engine_round(engine: Any, prompts: list[list[int]], new_tokens: int,
             last[i] = out
 
     t0 = time.perf_counter()
-    handles = [engine.add_request(EngineRequest(f"{tag}{i}", tuple(p), sampling))
+    dp = engine.config.dp_size
+    handles = [engine.add_request(EngineRequest(f"{tag}{i}", tuple(p), sampling, dp_rank=i % dp))
                for i, p in enumerate(prompts)]
     await asyncio.gather(*(one(i, h) for i, h in enumerate(handles)))
     return t0, times, last
@@ -228,7 +230,7 @@ def run_prefix(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, 
              for _ in range(args.num_requests)]
     out: dict[str, Any] = {"prefix_tokens": args.prefix_tokens, "requests": len(batch)}
     for label, caching in (("with_cache", True), ("without_cache", False)):
-        engine = _engine(args, enable_prefix_caching=caching)
+        engine = _engine(args, enable_prefix_caching=caching, dp_size=1)
         try:
             async def go(engine: Any = engine) -> tuple[float, list[Any]]:
                 await _engine_round(engine, [prefix + [7] * 8], 1, "w")  # populates the cache
@@ -306,6 +308,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads for every contender (0 = torch default); 1 keeps a "
                         "shared 2-core machine from thrashing OpenMP spin-waits")
+    parser.add_argument("--engine-dp-size", type=int, default=1,
+                        help="pdserve DP ranks (requests alternate ranks)")
+    parser.add_argument("--engine-threads", type=int, default=-1,
+                        help="pdserve torch threads (-1 = same as --threads)")
     parser.add_argument("--kv-cache-tokens", type=int, default=10240)
     parser.add_argument("--max-batch-tokens", type=int, default=2048)
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
@@ -335,6 +341,7 @@ def main(argv: list[str] | None = None) -> None:
         "--new-tokens", str(args.new_tokens), "--prefix-tokens", str(args.prefix_tokens),
         "--threads", str(args.threads), "--kv-cache-tokens", str(args.kv_cache_tokens),
         "--max-batch-tokens", str(args.max_batch_tokens),
+        "--engine-dp-size", str(args.engine_dp_size), "--engine-threads", str(args.engine_threads),
     ]
     print(f"model {args.model_path}, {args.device} {args.dtype}, {args.num_requests} requests, "
           f"prompts {args.min_prompt}-{args.max_prompt}, {args.new_tokens} new tokens, "
@@ -378,7 +385,9 @@ def main(argv: list[str] | None = None) -> None:
         "config": {"model": args.model, "device": args.device, "dtype": args.dtype,
                    "num_requests": args.num_requests,
                    "prompt_tokens": [args.min_prompt, args.max_prompt],
-                   "new_tokens": args.new_tokens, "quick": args.quick, "threads": args.threads},
+                   "new_tokens": args.new_tokens, "quick": args.quick, "threads": args.threads,
+                   "engine_dp_size": args.engine_dp_size,
+                   "engine_threads": args.engine_threads},
         "details": results,
     }
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)

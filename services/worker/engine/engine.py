@@ -1,5 +1,8 @@
 """The Engine facade: validates requests, routes them to their DP rank, and owns the ranks'
 lifecycle (model replicas, KV pools, step threads). Implements services.worker.engine.api.Engine.
+
+add_request / admit_remote must be called on a running asyncio loop: the returned handle
+delivers its outputs on that loop. Every other method may be called from any thread.
 """
 
 from __future__ import annotations

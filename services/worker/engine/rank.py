@@ -76,41 +76,55 @@ class Rank:
     # ---- the step loop -------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
-            with self.lock:
-                outputs: Outputs = []
-                self._process_aborts(outputs)
-                if self._stopping:
-                    deliver_batch(outputs)
-                    return
-                sched = self.scheduler.schedule()
-                for req in sched.unfittable:
-                    log.warning("request %s outgrew the KV pool; aborting it", req.request_id)
-                    self._finish(req, FinishReason.ABORT, outputs)
-                scheduled = sched.scheduled
-                seqs = [self._snapshot(s) for s in scheduled]
-                if not scheduled:
-                    deliver_batch(outputs)
-                    # woken by add/finish_import/abort/release; the timeout covers waiting
-                    # requests blocked on blocks that free up without a notification
-                    self._wake.wait(timeout=0.05)
-                    continue
-            deliver_batch(outputs)
-            t0 = time.perf_counter_ns()
             try:
-                sampled = self.runner.execute(seqs)
-            except Exception:
-                log.exception("forward pass failed on rank %d; aborting its batch", self.dp_rank)
+                if not self._step():
+                    return
+            except Exception:  # a bug must not leave callers waiting forever
+                log.exception("step loop failed on rank %d; aborting its requests", self.dp_rank)
                 with self.lock:
-                    outputs = []
-                    for s in scheduled:
-                        self._finish(s.request, FinishReason.ABORT, outputs)
+                    outputs: Outputs = []
+                    for req in [*self.scheduler.running, *self.scheduler.waiting]:
+                        self._finish(req, FinishReason.ABORT, outputs)
                 deliver_batch(outputs)
-                continue
-            elapsed_ns = time.perf_counter_ns() - t0
+
+    def _step(self) -> bool:
+        """One iteration: schedule, forward, post-process. False once stopped."""
+        with self.lock:
+            outputs: Outputs = []
+            self._process_aborts(outputs)
+            if self._stopping:
+                deliver_batch(outputs)
+                return False
+            sched = self.scheduler.schedule()
+            for req in sched.unfittable:
+                log.warning("request %s outgrew the KV pool; aborting it", req.request_id)
+                self._finish(req, FinishReason.ABORT, outputs)
+            scheduled = sched.scheduled
+            seqs = [self._snapshot(s) for s in scheduled]
+            if not scheduled:
+                deliver_batch(outputs)
+                # woken by add/finish_import/abort/release; the timeout covers waiting
+                # requests blocked on blocks that free up without a notification
+                self._wake.wait(timeout=0.05)
+                return True
+        deliver_batch(outputs)
+        t0 = time.perf_counter_ns()
+        try:
+            sampled = self.runner.execute(seqs)
+        except Exception:
+            log.exception("forward pass failed on rank %d; aborting its batch", self.dp_rank)
             with self.lock:
                 outputs = []
-                self._postprocess(scheduled, sampled, elapsed_ns, outputs)
+                for s in scheduled:
+                    self._finish(s.request, FinishReason.ABORT, outputs)
             deliver_batch(outputs)
+            return True
+        elapsed_ns = time.perf_counter_ns() - t0
+        with self.lock:
+            outputs = []
+            self._postprocess(scheduled, sampled, elapsed_ns, outputs)
+        deliver_batch(outputs)
+        return True
 
     def _snapshot(self, s: ScheduledRequest) -> ScheduledSeq:
         r = s.request

@@ -92,3 +92,20 @@ async def test_cuda_engine_matches_cpu(make_engine: EngineFactory) -> None:
                            for i, p in enumerate(prompts)])
     assert [tokens_of(o) for o in gpu_out] == [tokens_of(o) for o in cpu_out]
     assert gpu.num_free_blocks(0) == gpu.num_total_blocks(0)
+
+
+async def test_failed_forward_aborts_its_batch(make_engine: EngineFactory,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = make_engine()
+    runner = engine._ranks[0].runner  # type: ignore[attr-defined]
+
+    def boom(seqs: object) -> list[int]:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(runner, "execute", boom)
+    outs = await asyncio.wait_for(collect(engine.add_request(request("f", (5, 6), greedy(3)))), 10)
+    assert outs[-1].finish_reason is not None and outs[-1].finish_reason.value == "abort"
+    monkeypatch.undo()
+    outs = await collect(engine.add_request(request("g", (5, 6), greedy(3, ignore_eos=True))))
+    assert outs[-1].num_generated_tokens == 3
+    assert engine.num_free_blocks(0) == engine.num_total_blocks(0)
