@@ -7,6 +7,7 @@ prefix (hash set) until it is handed out again, which evicts it (least recently 
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -79,21 +80,25 @@ class BlockManager:
     def allocate(self, num_blocks: int, after: int | None = None,
                  want_blocks: int = 0) -> list[int]:
         """Fresh blocks (ref_count 1), preferring consecutive ids (attention then reads a
-        request's K/V as a zero-copy view): right after block `after` when those are free, else
-        a free run of `want_blocks` (room to grow) or `num_blocks`, else any blocks, least
-        recently freed first. Handing out a cached block evicts it."""
+        request's K/V as a zero-copy view). Growing a request (`after` = its last block): the
+        blocks right after it when free, else any. A new request: a free run of `want_blocks`
+        (room to grow) or `num_blocks`, else any. "Any" is least recently freed first (never
+        cached ones before cached ones); handing out a cached block evicts it."""
         if num_blocks > len(self._free):
             raise RuntimeError("allocate() without can_allocate()")
         if num_blocks == 0:
             return []
-        if after is not None and self._run_is_free(after + 1, num_blocks):
-            return self._take_run(after + 1, num_blocks)
+        if after is not None:
+            if self._run_is_free(after + 1, num_blocks):
+                return self._take_run(after + 1, num_blocks)
+            # the request's blocks are not consecutive any more: any blocks will do
+            return [self._take(b) for b in list(itertools.islice(self._free, num_blocks))]
         for size in dict.fromkeys((max(num_blocks, want_blocks), num_blocks)):
             start = self._find_run(size)
             if start is not None:
                 self._cursor = (start + size) % self.num_blocks
                 return self._take_run(start, num_blocks)
-        return [self._take(b) for b in list(self._free)[:num_blocks]]
+        return [self._take(b) for b in list(itertools.islice(self._free, num_blocks))]
 
     def _run_is_free(self, start: int, length: int) -> bool:
         if start + length > self.num_blocks:
