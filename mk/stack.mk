@@ -1,0 +1,9 @@
+# Stack benchmarks: KV transfer vs prefill time; end-to-end overhead vs the in-process engine.
+#   make bench-stack                   (SmolLM2, CPU fp32; about two minutes)
+#   make bench-stack STACK_BENCH_ARGS=--quick
+STACK_BENCH_ARGS ?=
+BENCH_TARGETS += bench-stack
+
+.PHONY: bench-stack
+bench-stack: install gen
+	$(PY) -m benchmarks.bench_stack $(STACK_BENCH_ARGS)
