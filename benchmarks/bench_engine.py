@@ -4,7 +4,11 @@
 
 Workload: N concurrent requests (default 16) arriving together, prompts spread evenly over
 [64, 512] tokens (random token ids, fixed seed), exactly 64 new tokens each (EOS ignored).
-Each contender runs in its own subprocess so peak RSS is its own. Reported per contender:
+Every contender gets the whole machine: transformers with torch's default threads, pdserve (by
+default on CPU) as one DP rank per core, up to 2, with one torch thread each (one thread per
+rank beats two threads in one on this 2-core CPU, see ENGINE-NOTES); `--threads 1
+--engine-dp-size 1` compares on one core instead. Each contender runs in its own subprocess so
+peak RSS is its own. Reported per contender:
 aggregate generated tokens/s (all tokens / wall time from the common arrival), TTFT (arrival to
 first token) and TPOT (mean gap between a request's later tokens) p50/p99, peak RSS.
 
@@ -177,7 +181,7 @@ def _engine(args: argparse.Namespace, **overrides: Any) -> Any:
     settings: dict[str, Any] = {
         "model_path": args.model_path, "device": args.device, "dtype": args.dtype,
         "kv_cache_tokens": args.kv_cache_tokens, "max_batch_tokens": args.max_batch_tokens,
-        "torch_threads": args.threads if args.engine_threads < 0 else args.engine_threads,
+        "torch_threads": args.engine_threads,
         "dp_size": args.engine_dp_size,
     }
     settings.update(overrides)
@@ -305,13 +309,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-prompt", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prefix-tokens", type=int, default=448)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads for every contender (0 = torch default); 1 keeps a "
-                        "shared 2-core machine from thrashing OpenMP spin-waits")
-    parser.add_argument("--engine-dp-size", type=int, default=1,
-                        help="pdserve DP ranks (requests alternate ranks)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads of the transformers contenders (0 = torch default)")
+    parser.add_argument("--engine-dp-size", type=int, default=0,
+                        help="pdserve DP ranks, requests alternate ranks (0 = auto: on CPU one "
+                        "rank per core up to 2, each with 1 thread; on CUDA 1)")
     parser.add_argument("--engine-threads", type=int, default=-1,
-                        help="pdserve torch threads (-1 = same as --threads)")
+                        help="pdserve torch threads (-1 = auto: 1 with several CPU ranks, "
+                        "else --threads)")
     parser.add_argument("--kv-cache-tokens", type=int, default=10240)
     parser.add_argument("--max-batch-tokens", type=int, default=2048)
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
@@ -328,6 +333,11 @@ def main(argv: list[str] | None = None) -> None:
         args.new_tokens, args.prefix_tokens = 8, 64
     if not args.output:
         args.output = str(RESULTS.with_name("engine-quick.json") if args.quick else RESULTS)
+    if args.engine_dp_size <= 0:
+        cpu_ranks = min(2, os.cpu_count() or 1)
+        args.engine_dp_size = cpu_ranks if args.device == "cpu" else 1
+    if args.engine_threads < 0:
+        args.engine_threads = 1 if args.device == "cpu" and args.engine_dp_size > 1 else args.threads
     if args.contender:
         run_one(args)
         return
