@@ -23,13 +23,9 @@ class RequestStatus(enum.IntEnum):
     WAITING = 0  # queued for (re)prefill
     WAITING_FOR_KV = 1  # DECODE_REMOTE: blocks reserved, KV arriving through import_kv
     RUNNING = 2  # scheduled every step (prefill chunks, then one decode token per step)
-    PREEMPTED = 3  # transient: blocks freed, goes back to the front of the waiting queue
+    PREEMPTED = 3  # blocks freed, back at the front of the waiting queue (recomputes all)
     HELD = 4  # PREFILL_ONLY after its first token: blocks kept for export until release
     FINISHED = 5  # done, blocks freed (finish_reason says why)
-
-    @property
-    def is_done_stepping(self) -> bool:
-        return self > RequestStatus.PREEMPTED
 
 
 @dataclass(eq=False)

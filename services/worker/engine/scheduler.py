@@ -76,7 +76,7 @@ class Scheduler:
         """Free the request's blocks; it recomputes everything (prompt + outputs) later."""
         self.running.remove(req)
         self._drop_blocks(req)
-        req.status = RequestStatus.WAITING
+        req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
 
     def _drop_blocks(self, req: Request) -> None:
