@@ -101,6 +101,7 @@ class PagedEngine:
         self.vocab_size = 0
         self._ranks: list[Rank] = []
         self._started = False
+        self._stopped = False
 
     # ---- lifecycle -----------------------------------------------------------------------
     def _device_for(self, dp_rank: int) -> torch.device:
@@ -162,13 +163,15 @@ class PagedEngine:
         self._started = True
 
     def shutdown(self) -> None:
+        self._stopped = True
         for rank in self._ranks:
             rank.stop()
 
     # ---- requests ------------------------------------------------------------------------
     def _validate(self, request: EngineRequest) -> Rank:
-        if not self._started:
-            raise FailedPrecondition("engine not started")
+        if not self._started or self._stopped:
+            raise FailedPrecondition("engine not started" if not self._started
+                                     else "engine is shut down")
         if not 0 <= request.dp_rank < len(self._ranks):
             raise InvalidArgument(f"dp_rank {request.dp_rank} out of range 0..{len(self._ranks) - 1}")
         n = len(request.prompt_token_ids)
