@@ -64,12 +64,18 @@ async def test_disaggregated_greedy_matches_hf_generate(
     assert len({f.request_id for f in frames}) == 1
 
 
-async def test_unified_and_disaggregated_agree(disagg_stack: Stack, unified_stack: Stack) -> None:
+@pytest.mark.parametrize(
+    "sampling", [dict(temperature=0), dict(temperature=1.2, top_p=0.9, seed=42)], ids=["greedy", "seeded"]
+)
+async def test_unified_and_disaggregated_agree(
+    disagg_stack: Stack, unified_stack: Stack, sampling: dict[str, float]
+) -> None:
     fields = dict(
         messages=[gateway_pb2.ChatMessage(role="user", content="What is a KV cache?")],
         max_tokens=20,
-        temperature=0,
         return_token_ids=True,
+        ignore_eos=True,
+        **sampling,
     )
     disagg = await _generate(disagg_stack, **fields)
     unified = await _generate(unified_stack, **fields)

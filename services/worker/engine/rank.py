@@ -132,7 +132,7 @@ class Rank:
         return ScheduledSeq(
             token_ids=r.token_ids[start : start + s.num_new_tokens], start_pos=start,
             block_ids=list(r.block_ids), sample=s.samples, sampling=r.sampling,
-            generator=r.generator,
+            generator=r.generator_for_next_token() if s.samples else None,
         )
 
     def _postprocess(self, scheduled: list[ScheduledRequest], sampled: list[int],

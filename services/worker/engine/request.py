@@ -77,6 +77,18 @@ class Request:
             token_ids=list(req.prompt_token_ids),
         )
 
+    def generator_for_next_token(self) -> torch.Generator | None:
+        """The seeded generator, positioned for the output token about to be sampled.
+
+        Each draw is seeded from (seed, output index), not from the generator's running state,
+        so the token at output index k is the same wherever it is sampled: the decode worker's
+        first draw after a handoff (index 1) equals a unified worker's second, and a preempted
+        request that recomputes draws the same noise again."""
+        if self.generator is None or self.sampling.seed is None:
+            return self.generator
+        self.generator.manual_seed(_mix_seed(self.sampling.seed, self.num_output_tokens))
+        return self.generator
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
@@ -101,3 +113,11 @@ class Request:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+
+def _mix_seed(seed: int, index: int) -> int:
+    """A 64-bit seed for draw `index` of a request seeded with `seed` (splitmix64 finalizer)."""
+    z = (seed + (index + 1) * 0x9E3779B97F4A7C15) & 0xFFFF_FFFF_FFFF_FFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFF_FFFF_FFFF_FFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFF_FFFF_FFFF_FFFF
+    return z ^ (z >> 31)

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from services.worker.engine.api import Engine, KvBlocksChunk, RequestKind, RequestOutput
+from services.worker.engine.api import Engine, KvBlocksChunk, RequestKind, RequestOutput, SamplingConfig
 from shared.errors import InvalidArgument, NotFound
 from tests.unit.engine.conftest import EngineFactory, collect, greedy, request, tokens_of
 
@@ -18,8 +18,9 @@ def _prompt(n: int, seed: int) -> tuple[int, ...]:
 
 
 async def _disaggregated(prefill: Engine, decode: Engine, rid: str, prompt: tuple[int, ...],
-                         max_tokens: int) -> tuple[RequestOutput, list[RequestOutput], int]:
-    sampling = greedy(max_tokens, ignore_eos=True)
+                         max_tokens: int, sampling: SamplingConfig | None = None,
+                         ) -> tuple[RequestOutput, list[RequestOutput], int]:
+    sampling = sampling or greedy(max_tokens, ignore_eos=True)
     first = await collect(prefill.add_request(
         request(rid, prompt, sampling, kind=RequestKind.PREFILL_ONLY)))
     assert len(first) == 1 and first[0].finished
@@ -52,6 +53,19 @@ async def test_prefill_decode_handoff_matches_unified(make_engine: EngineFactory
     assert sent == 5 * block_bytes
     for engine in (prefill, decode):
         assert engine.num_free_blocks(0) == engine.num_total_blocks(0)
+
+
+@pytest.mark.parametrize("seed", [7, 2**63 + 5])
+async def test_seeded_sampling_handoff_matches_unified(make_engine: EngineFactory, seed: int) -> None:
+    """The token at each output position depends only on (seed, position): the decode worker's
+    draws after a handoff continue exactly where a unified worker's would."""
+    unified, prefill, decode = make_engine(), make_engine(), make_engine()
+    prompt = _prompt(40, 9)
+    sampling = SamplingConfig(max_tokens=16, temperature=1.5, top_k=50, seed=seed, ignore_eos=True)
+    cold = await collect(unified.add_request(request("u", prompt, sampling)))
+    first, rest, _ = await _disaggregated(prefill, decode, "d", prompt, 16, sampling)
+    assert list(first.new_token_ids) + tokens_of(rest) == tokens_of(cold)
+    assert len(set(tokens_of(cold))) > 3  # really sampled, not a greedy-looking repeat
 
 
 async def test_decode_side_skips_cached_blocks(make_engine: EngineFactory) -> None:
