@@ -188,7 +188,9 @@ class Rank:
         return RequestOutput(
             request_id=req.request_id,
             new_token_ids=new_ids,
-            text_delta=req.text.take(final=finished),
+            # a PREFILL_ONLY handoff (finished here, no reason) is not the end of the text: keep
+            # back what may start a stop string; the decode worker replays the same state
+            text_delta=req.text.take(final=finished and req.finish_reason is not None),
             finished=finished,
             finish_reason=req.finish_reason if finished else None,
             num_generated_tokens=req.num_generated_tokens,
@@ -332,9 +334,14 @@ class Rank:
             else:
                 req.token_ids.append(first_token_id)
                 req.num_handoff_tokens = 1
-                req.detokenizer.append(first_token_id)  # text already sent by the prefill side
-                self.scheduler.start_remote(req)
-                self._wake.notify_all()
+                # Replay the prefill side's text state: stop strings can span the handoff token,
+                # and what the prefill worker already sent is marked as emitted, not sent again.
+                if req.text.add(req.detokenizer.append(first_token_id)):
+                    self._finish(req, FinishReason.STOP, outputs)  # an older prefill worker
+                else:
+                    req.text.take(final=False)
+                    self.scheduler.start_remote(req)
+                    self._wake.notify_all()
             deliver_batch(outputs)
 
     # ---- loads ---------------------------------------------------------------------------

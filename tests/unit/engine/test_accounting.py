@@ -32,8 +32,7 @@ def script(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     """Tokens the sampler returns, in order (one request at a time in these tests)."""
     tokens: list[int] = []
 
-    def scripted(logits: torch.Tensor, params: Sequence[Any], generators: Sequence[Any]
-                 ) -> torch.Tensor:
+    def scripted(logits: torch.Tensor, params: Sequence[Any], generators: Sequence[Any]) -> torch.Tensor:
         # engine warm-ups sample too: they get token 0
         return torch.tensor([tokens.pop(0) if tokens else 0 for _ in params])
 
@@ -49,7 +48,7 @@ def engine(make_engine: EngineFactory, tiny_byte_fallback: Path) -> Engine:
 def _expected_text(engine: Any, generated: list[int]) -> str:
     tok = engine.tokenizer
     kw = {"skip_special_tokens": False}
-    return str(tok.decode(list(PROMPT) + generated, **kw))[len(tok.decode(list(PROMPT), **kw)):]
+    return str(tok.decode(list(PROMPT) + generated, **kw))[len(tok.decode(list(PROMPT), **kw)) :]
 
 
 async def _run(engine: Engine, max_tokens: int, **kw: Any) -> list[RequestOutput]:
@@ -107,8 +106,9 @@ async def test_stop_string(engine: Engine, script: list[int]) -> None:
     assert outs[-1].finish_reason is not None and outs[-1].finish_reason.value == "stop"
     script.clear()
     script.extend([*HELLO, *SMILE, 314, 365, 297, 289, EOS])
-    outs = await collect(engine.add_request(request(
-        "b", PROMPT, greedy(20, stop=("wor",), include_stop_in_output=True))))
+    outs = await collect(
+        engine.add_request(request("b", PROMPT, greedy(20, stop=("wor",), include_stop_in_output=True)))
+    )
     assert text_of(outs) == full[: full.index("wor") + 3]
 
 
@@ -126,11 +126,9 @@ async def test_decode_remote_continues_text_after_partial_first_token(
     decode = make_engine(model_path=tiny_byte_fallback)
     sampling = greedy(6)
     script.extend([SMILE[0]])
-    first = await collect(prefill.add_request(
-        request("r", PROMPT, sampling, kind=RequestKind.PREFILL_ONLY)))
+    first = await collect(prefill.add_request(request("r", PROMPT, sampling, kind=RequestKind.PREFILL_ONLY)))
     assert first[0].text_delta == "" and first[0].num_generated_tokens == 1
-    admission, handle = decode.admit_remote(
-        request("r", PROMPT, sampling, kind=RequestKind.DECODE_REMOTE))
+    admission, handle = decode.admit_remote(request("r", PROMPT, sampling, kind=RequestKind.DECODE_REMOTE))
     for chunk in prefill.export_kv("r", admission.num_cached_blocks, 1 << 20):
         decode.import_kv(admission.transfer_ticket, chunk)
     prefill.release("r")
@@ -147,12 +145,10 @@ async def test_decode_remote_length_counts_prefill_token(
 ) -> None:
     decode = make_engine(model_path=tiny_byte_fallback)
     sampling = greedy(3, ignore_eos=True)
-    admission, handle = decode.admit_remote(
-        request("r", PROMPT, sampling, kind=RequestKind.DECODE_REMOTE))
+    admission, handle = decode.admit_remote(request("r", PROMPT, sampling, kind=RequestKind.DECODE_REMOTE))
     prefill = make_engine(model_path=tiny_byte_fallback)
     script.extend([7])
-    await collect(prefill.add_request(request("r", PROMPT, sampling,
-                                              kind=RequestKind.PREFILL_ONLY)))
+    await collect(prefill.add_request(request("r", PROMPT, sampling, kind=RequestKind.PREFILL_ONLY)))
     for chunk in prefill.export_kv("r", 0, 1 << 20):
         decode.import_kv(admission.transfer_ticket, chunk)
     script.extend([8, 9, 10])
@@ -161,3 +157,38 @@ async def test_decode_remote_length_counts_prefill_token(
     assert tokens_of(outs) == [8, 9]
     assert outs[-1].num_generated_tokens == 2
     assert outs[-1].finish_reason is not None and outs[-1].finish_reason.value == "length"
+
+
+async def _handoff(
+    prefill: Engine, decode: Engine, sampling: Any, first: list[int], rest: list[int], script: list[int]
+) -> tuple[list[RequestOutput], list[RequestOutput]]:
+    script.extend(first)
+    head = await collect(prefill.add_request(request("h", PROMPT, sampling, kind=RequestKind.PREFILL_ONLY)))
+    admission, handle = decode.admit_remote(request("h", PROMPT, sampling, kind=RequestKind.DECODE_REMOTE))
+    for chunk in prefill.export_kv("h", admission.num_cached_blocks, 1 << 20):
+        decode.import_kv(admission.transfer_ticket, chunk)
+    prefill.release("h")
+    script.extend(rest)
+    decode.finish_import(
+        admission.transfer_ticket, len(PROMPT), head[0].new_token_ids[0], head[0].num_generated_tokens
+    )
+    return head, await collect(handle)
+
+
+async def test_stop_string_spanning_the_handoff_matches_unified(
+    make_engine: EngineFactory, tiny_byte_fallback: Path, script: list[int]
+) -> None:
+    """'he' (prefill's first token) + 'llo' (decode) completes the stop string 'hel': the prefill
+    worker must hold back the possible stop prefix, and the decode worker must match across it."""
+    sampling = greedy(8, stop=("hel",))
+    # all engines first: their warm-ups also draw from the scripted sampler
+    unified, prefill, decode = (make_engine(model_path=tiny_byte_fallback) for _ in range(3))
+    script.extend([316, 482, 314, 316, 482])
+    cold = await collect(unified.add_request(request("u", PROMPT, sampling)))
+    assert cold[-1].finish_reason is not None and cold[-1].finish_reason.value == "stop"
+    script.clear()
+    head, rest = await _handoff(prefill, decode, sampling, [316], [482, 314, 316, 482], script)
+    assert head[0].text_delta + text_of(rest) == text_of(cold)
+    assert "he" not in head[0].text_delta  # held back: it may start the stop string
+    assert rest[-1].finish_reason == cold[-1].finish_reason
+    assert head[0].num_generated_tokens + rest[-1].num_generated_tokens == cold[-1].num_generated_tokens == 2
