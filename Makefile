@@ -20,7 +20,7 @@ all: test
 help:
 	@echo "make run    - start gateway, scheduler, load-monitor, prefill + decode workers (CPU, default model)"
 	@echo "make test   - install everything, generate stubs, lint, type-check, run all tests"
-	@echo "make bench  - run the benchmarks (baseline and pdserve in the same run)"
+	@echo "make bench  - run the benchmarks (baseline and pdserve in the same run): $(BENCH_TARGETS)"
 
 include $(wildcard mk/*.mk)
 
