@@ -75,11 +75,16 @@ async def test_preempted_request_resumes_with_cold_tokens(make_engine: EngineFac
     engine = make_engine(kv_cache_tokens=128, max_batch_tokens=64)
     ref_engine = make_engine()
     prompts = [_prompt(30, 10 + i) for i in range(3)]
-    handles = [engine.add_request(request(f"p{i}", p, greedy(40, ignore_eos=True)))
-               for i, p in enumerate(prompts)]
+    handles = [
+        engine.add_request(request(f"p{i}", p, greedy(40, ignore_eos=True))) for i, p in enumerate(prompts)
+    ]
     results = await drain(handles)
-    refs = await drain([ref_engine.add_request(request(f"q{i}", p, greedy(40, ignore_eos=True)))
-                        for i, p in enumerate(prompts)])
+    refs = await drain(
+        [
+            ref_engine.add_request(request(f"q{i}", p, greedy(40, ignore_eos=True)))
+            for i, p in enumerate(prompts)
+        ]
+    )
     for got, ref in zip(results, refs, strict=True):
         assert tokens_of(got) == tokens_of(ref)
         assert got[-1].num_generated_tokens == 40
@@ -91,8 +96,7 @@ async def test_preempted_request_resumes_with_cold_tokens(make_engine: EngineFac
 
 
 async def test_500_random_requests_with_aborts_leak_no_block(make_engine: EngineFactory) -> None:
-    engines = [make_engine(kv_cache_tokens=512, max_batch_tokens=96, max_num_seqs=16,
-                           dp_size=2)]
+    engines = [make_engine(kv_cache_tokens=512, max_batch_tokens=96, max_num_seqs=16, dp_size=2)]
     engine = engines[0]
     rng = random.Random(0)
     tasks: list[asyncio.Task[list[RequestOutput]]] = []
@@ -100,8 +104,7 @@ async def test_500_random_requests_with_aborts_leak_no_block(make_engine: Engine
     for i in range(500):
         prompt = _prompt(rng.randint(1, 120), 1000 + rng.randrange(20))  # repeats: cache hits
         rid = f"r{i}"
-        h = engine.add_request(request(rid, prompt, greedy(rng.randint(1, 12)),
-                                       dp_rank=i % 2))
+        h = engine.add_request(request(rid, prompt, greedy(rng.randint(1, 12)), dp_rank=i % 2))
         handles.append((rid, h))
         tasks.append(asyncio.ensure_future(collect(h)))
         if rng.random() < 0.3:
@@ -111,10 +114,35 @@ async def test_500_random_requests_with_aborts_leak_no_block(make_engine: Engine
             await asyncio.sleep(0.01)
     results = await asyncio.gather(*tasks)
     assert all(r[-1].finished for r in results)
-    assert any(r[-1].finish_reason is not None and r[-1].finish_reason.value == "abort"
-               for r in results)
+    assert any(r[-1].finish_reason is not None and r[-1].finish_reason.value == "abort" for r in results)
     for rank in range(2):
         assert engine.num_free_blocks(rank) == engine.num_total_blocks(rank)
     loads = engine.rank_loads()
     assert [x.num_running + x.num_waiting for x in loads] == [0, 0]
     assert all(x.prefix_cache_hits_tokens > 0 for x in loads)
+
+
+async def test_preemption_never_rewrites_prefix_hits(make_engine: EngineFactory) -> None:
+    """Requests that hit a cached prefix and are then preempted (tiny pool) keep reporting the
+    cache figures fixed at their first scheduling: a recompute that finds its own blocks cached
+    must not raise them, and nothing derived can go negative."""
+    engine = make_engine(kv_cache_tokens=128, max_batch_tokens=64)
+    shared = _prompt(32, 50)  # two full blocks
+    await collect(engine.add_request(request("warm", (*shared, 1, 2, 3), greedy(2))))
+    prompts = [(*shared, *_prompt(14, 60 + i)) for i in range(3)]
+    results = await drain(
+        [engine.add_request(request(f"h{i}", p, greedy(40, ignore_eos=True))) for i, p in enumerate(prompts)]
+    )
+    assert max(r[-1].num_prefill_chunks for r in results) > 1  # someone was preempted and recomputed
+    cached = []
+    for outs in results:
+        figures = {(o.num_local_cached_tokens, o.num_transferred_tokens) for o in outs}
+        assert len(figures) == 1, f"cache figures changed during the request: {figures}"
+        ((local, transferred),) = figures
+        assert transferred == 0 and local in (0, 32) and local <= outs[-1].num_prompt_tokens
+        cached.append(local)
+    assert 32 in cached  # the prefix really was hit
+    load = engine.rank_loads()[0]
+    assert 0 <= load.prefix_cache_hits_tokens <= load.prefix_cache_queries_tokens
+    assert 0.0 <= load.prefix_cache_hit_rate <= 1.0
+    assert engine.num_free_blocks(0) == engine.num_total_blocks(0)
