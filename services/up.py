@@ -12,7 +12,6 @@ import argparse
 import contextlib
 import ctypes
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -20,7 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -47,7 +46,6 @@ class Child:
     args: list[str]
     proc: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
-    extra_env: dict[str, str] = field(default_factory=dict)
 
 
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
@@ -184,9 +182,8 @@ def _start(child: Child, log_dir: str) -> None:
         Path(log_dir).mkdir(parents=True, exist_ok=True)
         child.log_path = Path(log_dir) / f"{child.name}.log"
         stderr = open(child.log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
-    env = {**os.environ, **child.extra_env}
     child.proc = subprocess.Popen(
-        cmd, stdout=stderr, stderr=stderr, env=env, start_new_session=True, preexec_fn=_die_with_parent
+        cmd, stdout=stderr, stderr=stderr, start_new_session=True, preexec_fn=_die_with_parent
     )
 
 

@@ -11,5 +11,3 @@ from shared.gen.pdserve.v1 import (  # noqa: F401
     worker_pb2,
     worker_pb2_grpc,
 )
-
-PROTO_VERSION = "1.1"  # 1.0 = compat/v1.0; 1.1 added the optional generated_tokens fields

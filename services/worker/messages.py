@@ -17,7 +17,7 @@ from services.worker.engine.api import (
 # Capabilities this worker advertises at registration and in Info (worker.proto WorkerInfo).
 CAPABILITIES = ("generated_tokens", "kv_block_skip", "local_prefill")
 # Contract version implemented: 1.1 = 1.0 + the optional generated_tokens fields.
-PROTO_VERSION = "1.1"
+PROTO_VERSION = "1.1"  # advertised contract: 1.0 = compat/v1.0; 1.1 added optional generated_tokens
 
 
 @dataclass(frozen=True)

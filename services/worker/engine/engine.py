@@ -205,8 +205,8 @@ class PagedEngine:
         sp = request.sampling
         generator = None
         if sp.seed is not None and sp.temperature > 0:
+            # seeded per draw from (seed, output index): Request.generator_for_next_token
             generator = torch.Generator(device=rank.runner.device)
-            generator.manual_seed(sp.seed & 0xFFFF_FFFF_FFFF_FFFF)
         handle = OutputHandle(request.request_id, asyncio.get_running_loop())
         return Request.from_engine_request(
             request, handle,
