@@ -125,6 +125,7 @@ class WorkerApp:
             max_num_seqs=s.max_num_seqs,
             max_model_len=s.max_model_len,
             torch_threads=s.torch_threads,
+            cpu_prepack=s.cpu_prepack,
         )
         log.info("model_loading", path=str(path), device=device, dtype=dtype, dp_size=s.dp_size)
         # Off the event loop, so health checks are answered (NOT_SERVING) while loading.

@@ -49,6 +49,10 @@ class WorkerSettings(TlsSettings):
     max_num_seqs: int = field(64, "Running requests per rank")
     max_model_len: int = field(0, "Longest prompt + generation (tokens); 0 = the model's limit")
     torch_threads: int = field(0, "torch intra-op threads; 0 = torch default")
+    cpu_prepack: bool = field(
+        True, "On CPU, pack linear-layer weights once for oneDNN (faster at every batch size; "
+        "--no-cpu-prepack = torch's default matmul)"
+    )
     load_monitor_address: str = field("", "host:port of the load-monitor; empty = don't register")
     advertise_address: str = field(
         "", "host:port others use to reach this worker; empty = the bound address "

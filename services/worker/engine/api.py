@@ -144,6 +144,7 @@ class EngineConfig:
     max_num_seqs: int = 64  # running requests per rank
     max_model_len: int = 0  # 0 = the model's max_position_embeddings
     torch_threads: int = 0  # 0 = torch default
+    cpu_prepack: bool = True  # CPU: oneDNN-prepacked linear weights (engine/cpu_linear.py)
     enable_prefix_caching: bool = True
     extra: dict[str, str] = field(default_factory=dict)
 

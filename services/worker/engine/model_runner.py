@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from services.worker.engine import attention
+from services.worker.engine import attention, cpu_linear
 from services.worker.engine.api import KvLayoutInfo, SamplingConfig
 from services.worker.engine.sampler import sample
 
@@ -40,7 +40,10 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-def load_model(model_path: str, device: torch.device, dtype: torch.dtype) -> Any:
+def load_model(model_path: str, device: torch.device, dtype: torch.dtype,
+               prepack: bool = True) -> Any:
+    """transformers' own model class with our attention; on CPU its linear layers prepacked
+    for oneDNN unless `prepack` is False (see cpu_linear)."""
     from transformers import AutoModelForCausalLM
 
     attention.register()
@@ -49,6 +52,8 @@ def load_model(model_path: str, device: torch.device, dtype: torch.dtype) -> Any
     )
     model.to(device)  # type: ignore[arg-type]
     model.eval()
+    if prepack:
+        cpu_linear.prepack_linears(model)
     return model
 
 
