@@ -158,7 +158,7 @@ def run_hf_continuous(args: argparse.Namespace, prompts: list[list[int]]) -> dic
     # a small explicit KV budget: by default it reserves most of free RAM on CPU
     need_tokens = sum(len(p) + args.new_tokens for p in prompts)
     cb = ContinuousBatchingConfig(page_size=256, num_blocks=need_tokens // 256 + len(prompts) + 4,
-                                  max_batch_tokens=args.max_batch_tokens)
+                                  max_batch_tokens=args.max_batch_tokens or 2048)
     t0 = time.perf_counter()
     # no inference_mode here: generate_batch runs its own thread and updates tensors in place
     results = model.generate_batch(prompts, generation_config=cfg,
@@ -318,7 +318,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="pdserve torch threads (-1 = auto: 1 with several CPU ranks, "
                         "else --threads)")
     parser.add_argument("--kv-cache-tokens", type=int, default=10240)
-    parser.add_argument("--max-batch-tokens", type=int, default=2048)
+    parser.add_argument("--max-batch-tokens", type=int, default=0,
+                        help="per-step token budget of the engine and generate_batch; "
+                        "0 = the engine's device default (512 on CPU), 2048 for generate_batch")
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
     parser.add_argument("--no-prefix-run", action="store_true")
     parser.add_argument("--output", default="",

@@ -45,7 +45,9 @@ class WorkerSettings(TlsSettings):
     dp_size: int = field(1, "Data-parallel ranks (model replicas) in this process")
     block_size: int = field(16, "Tokens per KV block")
     kv_cache_tokens: int = field(0, "KV pool size per rank (tokens); 0 = from free memory")
-    max_batch_tokens: int = field(2048, "Tokens per forward pass (decode + prefill chunks)")
+    max_batch_tokens: int = field(
+        0, "Tokens per forward pass (decode + prefill chunks); 0 = 512 on CPU, 2048 on CUDA"
+    )
     max_num_seqs: int = field(64, "Running requests per rank")
     max_model_len: int = field(0, "Longest prompt + generation (tokens); 0 = the model's limit")
     torch_threads: int = field(0, "torch intra-op threads; 0 = torch default")
@@ -87,10 +89,10 @@ class WorkerSettings(TlsSettings):
             raise ValueError(f"kv_chunk_bytes must be >= 1, got {self.kv_chunk_bytes}")
         if self.drain_grace_s < 0:
             raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
-        for name in ("max_batch_tokens", "max_num_seqs"):
+        for name in ("max_num_seqs",):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("kv_cache_tokens", "max_model_len", "torch_threads"):
+        for name in ("kv_cache_tokens", "max_batch_tokens", "max_model_len", "torch_threads"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 

@@ -140,7 +140,7 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block
     kv_cache_tokens: int = 0  # KV pool size per rank (tokens); 0 = from kv_memory_fraction
     kv_memory_fraction: float = 0.3  # of free device memory, when kv_cache_tokens == 0
-    max_batch_tokens: int = 2048  # tokens per forward pass (decode + prefill chunks)
+    max_batch_tokens: int = 0  # tokens per forward pass (decode + prefill chunks); 0 = by device
     max_num_seqs: int = 64  # running requests per rank
     max_model_len: int = 0  # 0 = the model's max_position_embeddings
     torch_threads: int = 0  # 0 = torch default
