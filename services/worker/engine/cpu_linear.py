@@ -72,5 +72,11 @@ def prepack_linears(model: Any) -> int:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, PackedLinear(getattr(parent, attr)))
+    # The remaining tensors (embedding, norms) may still be views of the checkpoint's memory
+    # map, which would keep every original weight page mapped (and counted in RSS) next to the
+    # packed copies: give them memory of their own so the map is released.
+    with torch.no_grad():
+        for param in model.parameters():
+            param.data = param.data.clone()
     log.debug("prepacked %d linear layers for oneDNN", len(names))
     return len(names)
