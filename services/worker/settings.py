@@ -89,9 +89,8 @@ class WorkerSettings(TlsSettings):
             raise ValueError(f"kv_chunk_bytes must be >= 1, got {self.kv_chunk_bytes}")
         if self.drain_grace_s < 0:
             raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
-        for name in ("max_num_seqs",):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         for name in ("kv_cache_tokens", "max_batch_tokens", "max_model_len", "torch_threads"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

@@ -30,6 +30,14 @@ def test_defaults() -> None:
     assert s.drain_grace_s == 30.0
     assert s.kv_chunk_bytes == 1 << 20
     assert s.log_prompts is False
+    assert s.max_batch_tokens == 0  # the engine picks by device (512 CPU, 2048 CUDA)
+    assert s.cpu_prepack is True
+
+
+def test_cpu_prepack_can_be_turned_off() -> None:
+    assert parse_settings(WorkerSettings, ["--no-cpu-prepack"], env={}).cpu_prepack is False
+    off = parse_settings(WorkerSettings, [], env={"PDSERVE_CPU_PREPACK": "false"})
+    assert off.cpu_prepack is False
 
 
 def test_env_and_flags() -> None:
@@ -47,7 +55,8 @@ def test_env_and_flags() -> None:
 @pytest.mark.parametrize(
     "argv",
     [["--role", "router"], ["--dp-size", "0"], ["--device", "tpu"], ["--listen", "nohost"],
-     ["--kv-chunk-bytes", "0"], ["--drain-grace-s", "-1"]],
+     ["--kv-chunk-bytes", "0"], ["--drain-grace-s", "-1"], ["--max-batch-tokens", "-1"],
+     ["--max-num-seqs", "0"]],
 )
 def test_invalid_values_exit_with_a_message(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
