@@ -17,6 +17,7 @@ import structlog
 from services.worker import convert
 from services.worker.core import WorkerCore
 from services.worker.engine.api import Engine, EngineConfig
+from services.worker.kv_shm import ShmKvFolder
 from services.worker.kv_transfer import GrpcKvPusher
 from services.worker.messages import CAPABILITIES, PROTO_VERSION, WorkerIdentity
 from services.worker.registration import Registration
@@ -82,7 +83,8 @@ class WorkerApp:
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server.grpc)
         self.address = settings.advertise_address or self.server.address
         self.worker_id = settings.worker_id or new_worker_id(settings.role)
-        self.pusher = GrpcKvPusher(timeout_s=settings.kv_push_timeout_s)
+        self.shm = ShmKvFolder(settings.kv_shm_dir)
+        self.pusher = GrpcKvPusher(timeout_s=settings.kv_push_timeout_s, shm=self.shm)
         self.engine: Engine | None = None
         self.core: WorkerCore | None = None
         self.registration: Registration | None = None
@@ -91,6 +93,7 @@ class WorkerApp:
     async def start(self) -> None:
         """Listen, load and warm up the model, register, then report SERVING."""
         await self.server.start()
+        self.shm.open()
         log.info("listening", address=self.server.address, advertise_address=self.address,
                  role=self.settings.role, worker_id=self.worker_id)
         await self.load()
@@ -145,7 +148,7 @@ class WorkerApp:
         )
         self.core = WorkerCore(
             engine, identity, self.pusher, kv_chunk_bytes=s.kv_chunk_bytes,
-            log_prompts=s.log_prompts,
+            log_prompts=s.log_prompts, shm=self.shm,
         )
         self.core.refresh_metrics()
         self.servicer.core = self.core
@@ -196,6 +199,7 @@ class WorkerApp:
             await self.registration.deregister()
         await self.server.stop(1.0)
         await self.pusher.close()
+        self.shm.close()
         if self.engine is not None:
             self.engine.shutdown()
         log.info("stopped")
