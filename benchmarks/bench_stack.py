@@ -2,10 +2,8 @@
 one torch thread per worker:
 
 (a) KV transfer time vs prefill time: per prompt length, a prefill worker runs the prompt and
-    pushes its KV to a decode worker (PushKv); the worker's own timings
-    (PrefillResponse.prefill_ns / kv_transfer_ns / kv_bytes_sent) give the ratio. Twice: KV
-    bytes inside the gRPC messages (workers started with --kv-shm-dir=), then the same-host
-    handoff through /dev/shm files (the default, after one push has introduced the workers).
+    pushes its KV to a decode worker over gRPC (PushKv); the worker's own timings
+    (PrefillResponse.prefill_ns / kv_transfer_ns / kv_bytes_sent) give the ratio.
 (b) End-to-end stack overhead vs the in-process engine: the same greedy requests, one at a time,
     through gateway -> scheduler -> prefill -> KV push -> decode, and through the engine called
     in process; prints the wall-time ratio.
@@ -143,18 +141,12 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
     reps = 1 if args.quick else 3
     n_requests, new_tokens = (2, 8) if args.quick else (8, 32)
     prompts = [_prompt(128, 5000 + i) for i in range(n_requests)]
-    with tempfile.TemporaryDirectory() as logs:
-        with running_stack("default", Path(logs), worker_args=["--kv-shm-dir="]) as stack:
-            assert stack.prefill and stack.decode
-            print("(a) KV transfer vs prefill, KV bytes in gRPC messages over loopback", flush=True)
-            rows = await kv_vs_prefill(stack.prefill, stack.decode, lengths, reps)
-        with running_stack("default", Path(logs)) as stack:
-            assert stack.prefill and stack.decode
-            print("(a') the same through shared-memory files", flush=True)
-            await kv_vs_prefill(stack.prefill, stack.decode, [64], 1)  # introduces the workers
-            shm_rows = await kv_vs_prefill(stack.prefill, stack.decode, lengths, reps)
-            print(f"(b) {n_requests} requests x {new_tokens} tokens, one at a time", flush=True)
-            stack_s, stack_out = await through_stack(stack.gateway, prompts, new_tokens)
+    with tempfile.TemporaryDirectory() as logs, running_stack("default", Path(logs)) as stack:
+        assert stack.prefill and stack.decode
+        print("(a) KV transfer vs prefill (disaggregated workers, gRPC PushKv over loopback)", flush=True)
+        rows = await kv_vs_prefill(stack.prefill, stack.decode, lengths, reps)
+        print(f"(b) {n_requests} requests x {new_tokens} tokens, one at a time", flush=True)
+        stack_s, stack_out = await through_stack(stack.gateway, prompts, new_tokens)
     engine_s, engine_out = await in_process(model, prompts, new_tokens)
     identical = stack_out == engine_out
     overhead = stack_s / engine_s
@@ -163,14 +155,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
         f"ratio {overhead:.2f}   tokens identical: {identical}",
         flush=True,
     )
-    for grpc_row, shm_row in zip(rows, shm_rows, strict=True):
-        shm_row["grpc_over_shm"] = round(grpc_row["kv_transfer_ms"] / shm_row["kv_transfer_ms"], 2)
-        print(f"  prompt {shm_row['prompt_tokens']:5d} tokens: KV push {grpc_row['kv_transfer_ms']:.1f}"
-              f" ms over gRPC, {shm_row['kv_transfer_ms']:.1f} ms through shared memory "
-              f"({shm_row['grpc_over_shm']:.2f}x)", flush=True)
     return {
         "kv_vs_prefill": rows,
-        "kv_vs_prefill_shm": shm_rows,
         "stack_overhead": {
             "requests": n_requests,
             "new_tokens": new_tokens,
