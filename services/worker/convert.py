@@ -162,7 +162,6 @@ def kv_chunk_from_pb(pb: worker_pb2.KvChunk) -> IncomingKvChunk:
         num_tokens=pb.num_tokens,
         first_token_id=pb.first_token_id if pb.HasField("first_token_id") else None,
         generated_tokens=pb.generated_tokens if pb.HasField("generated_tokens") else None,
-        shm_file=pb.shm_file if pb.HasField("shm_file") else None,
     )
 
 
@@ -172,23 +171,18 @@ def kv_chunk_to_pb(
     layout: common_pb2.KvLayout,
     chunk: KvBlocksChunk,
     last: tuple[int, int | None, int] | None = None,
-    shm_file: str | None = None,
 ) -> worker_pb2.KvChunk:
     """One outgoing chunk; `last` = (num_tokens, first_token_id, generated_tokens) on the last
-    (first_token_id None: the request finished at its first token, nothing to decode). With
-    `shm_file` the bytes travel in that file instead of the message."""
+    (first_token_id None: the request finished at its first token, nothing to decode)."""
     pb = worker_pb2.KvChunk(
         request_id=request_id,
         transfer_ticket=target.transfer_ticket,
         dp_rank=target.dp_rank,
         first_block=chunk.first_block,
         num_blocks=chunk.num_blocks,
+        data=chunk.data,
         layout=layout,
     )
-    if shm_file is None:
-        pb.data = chunk.data
-    else:
-        pb.shm_file = shm_file
     if last is not None:
         num_tokens, first_token_id, generated_tokens = last
         pb.num_tokens = num_tokens
@@ -200,12 +194,9 @@ def kv_chunk_to_pb(
 
 
 def kv_receipt_to_pb(r: KvReceipt) -> worker_pb2.PushKvResponse:
-    pb = worker_pb2.PushKvResponse(
+    return worker_pb2.PushKvResponse(
         bytes_received=r.bytes_received, blocks_received=r.blocks_received
     )
-    if r.shm_domain is not None:
-        pb.shm_domain = r.shm_domain
-    return pb
 
 
 def rank_load_to_pb(load: RankLoadStats) -> common_pb2.RankLoad:

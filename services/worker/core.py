@@ -22,7 +22,6 @@ from services.worker.engine.api import (
     RequestKind,
     RequestOutput,
 )
-from services.worker.kv_shm import ShmKvFolder
 from services.worker.messages import (
     DecodeCall,
     DecodeEvent,
@@ -62,12 +61,10 @@ class WorkerCore:
         pusher: KvPusher,
         kv_chunk_bytes: int = 1 << 20,
         log_prompts: bool = False,
-        shm: ShmKvFolder | None = None,
     ) -> None:
         self.engine = engine
         self.identity = identity
         self._pusher = pusher
-        self._shm = shm or ShmKvFolder("")  # receiving side of same-host handoffs
         self._kv_chunk_bytes = kv_chunk_bytes
         self._log_prompts = log_prompts
         # request_id -> phase ("prefill" | "pushing" | "decode"); only requests with a live RPC.
@@ -242,8 +239,7 @@ class WorkerCore:
         metrics.KV_TRANSFER_BYTES.labels(direction="sent").inc(result.bytes_sent)
         metrics.KV_TRANSFER_SECONDS.observe(result.seconds)
         log.debug("kv_pushed", target=target.address, bytes=result.bytes_sent,
-                  chunks=result.num_chunks, seconds=round(result.seconds, 6),
-                  via_shm=result.via_shm)
+                  chunks=result.num_chunks, seconds=round(result.seconds, 6))
         return result.bytes_sent, int(result.seconds * 1e9)
 
     def _release(self, request_id: str) -> None:
@@ -365,13 +361,10 @@ class WorkerCore:
                         f"worker has ({_layout_str(ours)}); pair workers with the same model, "
                         "dtype and block size"
                     )
-                chunk = c.chunk
-                if c.shm_file is not None:
-                    chunk = dataclasses.replace(chunk, data=self._shm.take(c.shm_file))
-                if chunk.num_blocks:
-                    self.engine.import_kv(ticket, chunk)
+                if c.chunk.num_blocks:
+                    self.engine.import_kv(ticket, c.chunk)
                     started = True
-                bytes_received += len(chunk.data)
+                bytes_received += len(c.chunk.data)
                 blocks_received += c.chunk.num_blocks
                 if c.last:
                     # An old (v1.0) prefill worker sends no count: it always generated 1 token.
@@ -392,8 +385,7 @@ class WorkerCore:
         metrics.KV_TRANSFER_BYTES.labels(direction="received").inc(bytes_received)
         log.debug("kv_received", request_id=request_id, bytes=bytes_received,
                   blocks=blocks_received)
-        return KvReceipt(bytes_received=bytes_received, blocks_received=blocks_received,
-                         shm_domain=self._shm.domain if self._shm.enabled else None)
+        return KvReceipt(bytes_received=bytes_received, blocks_received=blocks_received)
 
     # ----- Abort, loads -----
 

@@ -1,6 +1,4 @@
-"""The KV push client: streams a finished prefill's KV blocks to a decode worker over PushKv,
-the bytes inside the messages or, towards a worker sharing this host's shared-memory folder,
-in files of that folder (kv_shm)."""
+"""The KV push client: streams a finished prefill's KV blocks to a decode worker over PushKv."""
 
 from __future__ import annotations
 
@@ -13,7 +11,6 @@ import structlog
 
 from services.worker import convert
 from services.worker.engine.api import KvBlocksChunk, KvLayoutInfo
-from services.worker.kv_shm import ShmKvFolder
 from services.worker.messages import KvPushResult, KvTargetSpec
 from shared import errors
 from shared.channels import make_channel
@@ -29,11 +26,8 @@ _CLOSE_GRACE_S = 60.0
 class GrpcKvPusher:
     """Pushes KV over one cached channel per decode-worker address."""
 
-    def __init__(self, timeout_s: float = 60.0, shm: ShmKvFolder | None = None) -> None:
+    def __init__(self, timeout_s: float = 60.0) -> None:
         self._timeout_s = timeout_s
-        self._shm = shm or ShmKvFolder("")
-        # decode-worker address -> the shared-memory domain it announced (set when it is ours)
-        self._shm_peers: dict[str, str] = {}
         # One channel per decode-worker address, least recently used first.
         self._stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -45,7 +39,6 @@ class GrpcKvPusher:
             if len(self._stubs) >= _MAX_CACHED_CHANNELS:  # decode workers come and go
                 oldest = next(iter(self._stubs))
                 del self._stubs[oldest]
-                self._shm_peers.pop(oldest, None)
                 channel = self._channels.pop(oldest)
                 closing = asyncio.ensure_future(channel.close(grace=_CLOSE_GRACE_S))
                 self._closing.add(closing)
@@ -74,25 +67,8 @@ class GrpcKvPusher:
         layout_pb = convert.layout_to_pb(layout)
         sent = {"bytes": 0, "chunks": 0}
         last_fields = (num_tokens, first_token_id, generated_tokens)
-        via_shm = target.address in self._shm_peers
-        files: list[str] = []  # chunk files written; the receiver deletes what it reads
 
         export_error: list[BaseException] = []
-
-        def to_pb(chunk: KvBlocksChunk, last: tuple[int, int | None, int] | None = None
-                  ) -> worker_pb2.KvChunk:
-            shm_file = None
-            if via_shm and chunk.data:
-                try:
-                    shm_file = self._shm.write(chunk.data)
-                    files.append(shm_file)
-                except OSError as exc:  # e.g. the tmpfs is full: this chunk goes as bytes
-                    log.warning("kv_shm_write_failed", target=target.address, error=str(exc))
-                    self._shm_peers.pop(target.address, None)
-            sent["bytes"] += len(chunk.data)
-            sent["chunks"] += 1
-            return convert.kv_chunk_to_pb(request_id, target, layout_pb, chunk, last=last,
-                                          shm_file=shm_file)
 
         async def messages() -> AsyncIterator[worker_pb2.KvChunk]:
             # One chunk of lookahead, so the last real chunk carries last=True.
@@ -100,42 +76,36 @@ class GrpcKvPusher:
             try:
                 for chunk in chunks:
                     if pending is not None:
-                        yield to_pb(pending)
+                        yield self._count(sent, convert.kv_chunk_to_pb(
+                            request_id, target, layout_pb, pending))
                     pending = chunk
-                if pending is None:  # everything was skipped: an empty last chunk closes it
-                    pending = KvBlocksChunk(first_block=target.skip_blocks, num_blocks=0,
-                                            data=b"")
-                yield to_pb(pending, last=last_fields)
             except Exception as exc:  # grpc would swallow it: end the stream unfinished, re-raise
                 export_error.append(exc)
+                return
+            if pending is None:  # everything was skipped: an empty last chunk closes the import
+                pending = KvBlocksChunk(first_block=target.skip_blocks, num_blocks=0, data=b"")
+            yield self._count(sent, convert.kv_chunk_to_pb(
+                request_id, target, layout_pb, pending, last=last_fields))
 
         start = time.perf_counter()
         try:
-            reply = await self._stub(target.address).PushKv(messages(), timeout=self._timeout_s)
+            await self._stub(target.address).PushKv(messages(), timeout=self._timeout_s)
         except grpc.aio.AioRpcError as exc:
-            if via_shm:  # e.g. the peer lost its folder: back to bytes for the next push
-                self._shm_peers.pop(target.address, None)
             if export_error:
                 raise export_error[0] from exc
             raise _push_error(exc, target, request_id) from exc
-        finally:
-            self._shm.discard(files)  # only files a failed push left behind still exist
         if export_error:
             raise export_error[0]
-        self._learn_peer(target.address, reply)
         return KvPushResult(
             bytes_sent=sent["bytes"], num_chunks=sent["chunks"],
-            seconds=time.perf_counter() - start, via_shm=via_shm,
+            seconds=time.perf_counter() - start,
         )
 
-    def _learn_peer(self, address: str, reply: worker_pb2.PushKvResponse) -> None:
-        """Hand later pushes to `address` over as files when it uses our shared-memory folder."""
-        if reply.HasField("shm_domain") and self._shm.shares_with(reply.shm_domain):
-            if address not in self._shm_peers:
-                log.info("kv_shm_peer", target=address)
-            self._shm_peers[address] = reply.shm_domain
-        else:
-            self._shm_peers.pop(address, None)
+    @staticmethod
+    def _count(sent: dict[str, int], pb: worker_pb2.KvChunk) -> worker_pb2.KvChunk:
+        sent["bytes"] += len(pb.data)
+        sent["chunks"] += 1
+        return pb
 
     async def close(self) -> None:
         for channel in self._channels.values():

@@ -95,22 +95,19 @@ class IncomingKvChunk:
     num_tokens: int
     first_token_id: int | None
     generated_tokens: int | None  # None: an old (v1.0) prefill worker, which means 1
-    shm_file: str | None = None  # the chunk's bytes are in this shared-memory file (kv_shm)
 
 
 @dataclass(frozen=True)
 class KvReceipt:
     bytes_received: int
     blocks_received: int
-    shm_domain: str | None = None  # set when this worker accepts shared-memory chunk files
 
 
 @dataclass(frozen=True)
 class KvPushResult:
-    bytes_sent: int  # KV payload, whichever way it went
+    bytes_sent: int
     num_chunks: int
     seconds: float
-    via_shm: bool = False  # chunks went as shared-memory files, not gRPC bytes
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,6 @@ import structlog
 from services.worker import convert
 from services.worker.core import WorkerCore
 from services.worker.engine.api import Engine, EngineConfig
-from services.worker.kv_shm import ShmKvFolder
 from services.worker.kv_transfer import GrpcKvPusher
 from services.worker.messages import CAPABILITIES, PROTO_VERSION, WorkerIdentity
 from services.worker.registration import Registration
@@ -83,8 +82,7 @@ class WorkerApp:
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server.grpc)
         self.address = settings.advertise_address or self.server.address
         self.worker_id = settings.worker_id or new_worker_id(settings.role)
-        self.shm = ShmKvFolder(settings.kv_shm_dir)
-        self.pusher = GrpcKvPusher(timeout_s=settings.kv_push_timeout_s, shm=self.shm)
+        self.pusher = GrpcKvPusher(timeout_s=settings.kv_push_timeout_s)
         self.engine: Engine | None = None
         self.core: WorkerCore | None = None
         self.registration: Registration | None = None
@@ -93,7 +91,6 @@ class WorkerApp:
     async def start(self) -> None:
         """Listen, load and warm up the model, register, then report SERVING."""
         await self.server.start()
-        self.shm.open()
         log.info("listening", address=self.server.address, advertise_address=self.address,
                  role=self.settings.role, worker_id=self.worker_id)
         await self.load()
@@ -148,7 +145,7 @@ class WorkerApp:
         )
         self.core = WorkerCore(
             engine, identity, self.pusher, kv_chunk_bytes=s.kv_chunk_bytes,
-            log_prompts=s.log_prompts, shm=self.shm,
+            log_prompts=s.log_prompts,
         )
         self.core.refresh_metrics()
         self.servicer.core = self.core
@@ -199,7 +196,6 @@ class WorkerApp:
             await self.registration.deregister()
         await self.server.stop(1.0)
         await self.pusher.close()
-        self.shm.close()
         if self.engine is not None:
             self.engine.shutdown()
         log.info("stopped")

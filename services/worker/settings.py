@@ -70,10 +70,6 @@ class WorkerSettings(TlsSettings):
     load_refresh_s: float = field(1.0, "Seconds between refreshes of the per-rank load gauges")
     kv_chunk_bytes: int = field(1 << 20, "Target size of one KV push message (bytes)")
     kv_push_timeout_s: float = field(60.0, "Deadline of one KV push to a decode worker (seconds)")
-    kv_shm_dir: str = field(
-        "/dev/shm", "Shared-memory folder for same-host KV handoff between prefill and decode "
-        "workers (both must use the same one); empty = KV bytes always go over gRPC"
-    )
     log_prompts: bool = field(False, "Log prompt and completion text (off: never logged)")
 
     def __post_init__(self) -> None:
