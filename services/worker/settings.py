@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shared.addresses import normalize_address
 from shared.settings import field
 from shared.tls import TlsSettings
 
@@ -81,6 +82,9 @@ class WorkerSettings(TlsSettings):
             object.__setattr__(self, "metrics_port", DEFAULT_METRICS_PORT[self.role])
         if ":" not in self.listen:
             raise ValueError(f"listen must be host:port, got {self.listen!r}")
+        if self.advertise_address:  # peers dial it: an IPv6 pod IP needs brackets
+            object.__setattr__(self, "advertise_address",
+                               normalize_address(self.advertise_address))
         if self.dp_size < 1:
             raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
         if self.block_size < 1:

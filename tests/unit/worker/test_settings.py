@@ -40,6 +40,11 @@ def test_cpu_prepack_can_be_turned_off() -> None:
     assert off.cpu_prepack is False
 
 
+def test_ipv6_pod_ip_is_advertised_in_brackets() -> None:
+    s = parse_settings(WorkerSettings, [], env={"PDSERVE_ADVERTISE_ADDRESS": "fd00:10::7:50061"})
+    assert s.advertise_address == "[fd00:10::7]:50061"
+
+
 def test_env_and_flags() -> None:
     env = {"PDSERVE_ROLE": "decode", "PDSERVE_DP_SIZE": "2", "PDSERVE_LISTEN": "127.0.0.1:7000",
            "PDSERVE_LOAD_MONITOR_ADDRESS": "lm:50053", "PDSERVE_LOG_PROMPTS": "true"}
@@ -56,7 +61,7 @@ def test_env_and_flags() -> None:
     "argv",
     [["--role", "router"], ["--dp-size", "0"], ["--device", "tpu"], ["--listen", "nohost"],
      ["--kv-chunk-bytes", "0"], ["--drain-grace-s", "-1"], ["--max-batch-tokens", "-1"],
-     ["--max-num-seqs", "0"]],
+     ["--max-num-seqs", "0"], ["--advertise-address", "10.0.0.7"]],
 )
 def test_invalid_values_exit_with_a_message(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
