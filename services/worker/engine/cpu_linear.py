@@ -30,9 +30,12 @@ _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 def prepack_available(device: torch.device, dtype: torch.dtype) -> bool:
     ops = torch.ops.mkldnn
-    return (device.type == "cpu" and dtype in _PACKABLE_DTYPES
+    if not (device.type == "cpu" and dtype in _PACKABLE_DTYPES
             and torch.backends.mkldnn.is_available()
-            and hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise"))
+            and hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")):
+        return False
+    # oneDNN's bf16 kernels need CPU support (AVX-512 BF16/BW or AVX-NE-CONVERT)
+    return dtype != torch.bfloat16 or bool(ops._is_mkldnn_bf16_supported())
 
 
 class PackedLinear(torch.nn.Module):

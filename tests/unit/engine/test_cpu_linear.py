@@ -33,6 +33,19 @@ def test_packed_linear_matches_nn_linear(rows: int, bias: bool) -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not cpu_linear.prepack_available(torch.device("cpu"), torch.bfloat16),
+                    reason="no oneDNN bf16 support on this CPU")
+def test_packed_linear_in_bfloat16() -> None:
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 48).to(torch.bfloat16)
+    x = torch.randn(1, 5, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        got = cpu_linear.PackedLinear(linear)(x)
+        want = linear(x)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
 def test_packed_linear_takes_non_contiguous_rows() -> None:
     linear = torch.nn.Linear(32, 8)
     packed = cpu_linear.PackedLinear(linear)
