@@ -39,11 +39,11 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from services.load_monitor.types import KvLayout, LoadSnapshot, RankLoad, Role, WorkerInfo, WorkerLoad
 from services.scheduler import policies
 from services.scheduler.reservations import Reservations
 from services.scheduler.router import Policies, Router
 from services.scheduler.types import RequestFeatures
+from shared.cluster import KvLayout, LoadSnapshot, RankLoad, Role, WorkerInfo, WorkerLoad
 
 RESULTS = Path(__file__).resolve().parent / "results" / "sched.json"
 SIM_POLICIES = ("round_robin", "random", "hash", "min_tokens")
@@ -550,7 +550,7 @@ async def _e2e_policy(policy: str, model: Path, cfg: E2EConfig) -> dict[str, flo
     workers = [
         WorkerApp(
             WorkerSettings(
-                role="unified", listen="127.0.0.1:0", metrics_port=-1, model=str(model),
+                role=Role.UNIFIED, listen="127.0.0.1:0", metrics_port=-1, model=str(model),
                 device="cpu", dtype="float32", dp_size=2, block_size=BLOCK_SIZE,
                 kv_cache_tokens=16384, max_model_len=2048, torch_threads=1, drain_grace_s=0,
                 load_monitor_address=lm.server.address, heartbeat_interval_s=0.5,

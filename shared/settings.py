@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import os
 import sys
 import types
@@ -37,6 +38,12 @@ def _base_type(tp: Any) -> Any:
 
 def _convert(raw: str, tp: Any, name: str) -> Any:
     base = _base_type(tp)
+    if isinstance(base, type) and issubclass(base, enum.Enum):  # by value: "prefill" -> Role.PREFILL
+        try:
+            return base(raw.strip())
+        except ValueError:
+            allowed = [m.value for m in base]
+            raise ValueError(f"{name}: {raw!r} is not one of {allowed}") from None
     if base is bool:
         low = raw.strip().lower()
         if low in ("1", "true", "yes", "on"):
@@ -69,7 +76,8 @@ def parse_settings(
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         flag = "--" + f.name.replace("_", "-")
         env_name = ENV_PREFIX + f.name.upper()
-        help_text = f"{f.metadata.get('help', '')} (env {env_name}; default {f.default!r})"
+        default = f.default.value if isinstance(f.default, enum.Enum) else f.default
+        help_text = f"{f.metadata.get('help', '')} (env {env_name}; default {default!r})"
         if _base_type(hints[f.name]) is bool:
             parser.add_argument(
                 flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction, help=help_text

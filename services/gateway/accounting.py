@@ -14,13 +14,9 @@ import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from shared.cluster import FinishReason
+
 U64_MAX = 2**64 - 1
-
-
-class FinishReason(enum.Enum):
-    STOP = "stop"
-    LENGTH = "length"
-    ABORT = "abort"
 
 
 class Segment(enum.Enum):

@@ -3,7 +3,7 @@ touches generated stubs). Presence of optional fields is read with HasField, nev
 
 from __future__ import annotations
 
-from services.gateway.accounting import FinishReason, Usage
+from services.gateway.accounting import Usage
 from services.gateway.ports import (
     DecodeEvent,
     DecodeEventKind,
@@ -12,19 +12,13 @@ from services.gateway.ports import (
     Placement,
     PrefillResult,
     ScheduleQuery,
-    ServingMode,
     WorkerJob,
     WorkerTarget,
 )
 from services.gateway.request import ChatTurn, Completion, FrameKind, GenerateInput, OutputFrame, Sampling
+from shared.cluster_convert import finish_reason_from_pb, finish_reason_to_pb, serving_mode_from_pb
 from shared.proto import common_pb2, gateway_pb2, scheduler_pb2, worker_pb2
 
-_FINISH_FROM_PB = {
-    common_pb2.FINISH_REASON_STOP: FinishReason.STOP,
-    common_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
-    common_pb2.FINISH_REASON_ABORT: FinishReason.ABORT,
-}
-_FINISH_TO_PB = {v: k for k, v in _FINISH_FROM_PB.items()}
 _FRAME_KIND_TO_PB = {
     FrameKind.FIRST: gateway_pb2.FRAME_KIND_FIRST,
     FrameKind.CONTINUATION: gateway_pb2.FRAME_KIND_CONTINUATION,
@@ -35,19 +29,6 @@ _DECODE_KIND_FROM_PB = {
     worker_pb2.DECODE_FRAME_KIND_TOKENS: DecodeEventKind.TOKENS,
     worker_pb2.DECODE_FRAME_KIND_FINAL: DecodeEventKind.FINAL,
 }
-_MODE_FROM_PB = {
-    scheduler_pb2.SERVING_MODE_DISAGGREGATED: ServingMode.DISAGGREGATED,
-    scheduler_pb2.SERVING_MODE_AGGREGATED: ServingMode.AGGREGATED,
-    scheduler_pb2.SERVING_MODE_LOCAL_PREFILL: ServingMode.LOCAL_PREFILL,
-}
-
-
-def finish_from_pb(value: int) -> FinishReason | None:
-    return _FINISH_FROM_PB.get(value)  # type: ignore[call-overload]
-
-
-def finish_to_pb(reason: FinishReason | None) -> common_pb2.FinishReason:
-    return _FINISH_TO_PB[reason] if reason is not None else common_pb2.FINISH_REASON_UNSPECIFIED
 
 
 # --- public API ---
@@ -87,7 +68,7 @@ def generate_response(frame: OutputFrame) -> gateway_pb2.GenerateResponse:
         request_id=frame.request_id,
         text=frame.text,
         token_ids=frame.token_ids,
-        finish_reason=finish_to_pb(frame.finish_reason),
+        finish_reason=finish_reason_to_pb(frame.finish_reason),
         kind=_FRAME_KIND_TO_PB[frame.kind],
         prompt_tokens=frame.prompt_tokens,
         cached_tokens=frame.cached_tokens,
@@ -103,7 +84,7 @@ def complete_response(done: Completion) -> gateway_pb2.CompleteResponse:
         request_id=done.request_id,
         text=done.text,
         token_ids=done.token_ids,
-        finish_reason=finish_to_pb(done.finish_reason),
+        finish_reason=finish_reason_to_pb(done.finish_reason),
         usage=usage_to_pb(done.usage),
         model=done.model,
     )
@@ -133,7 +114,7 @@ def _target(t: scheduler_pb2.WorkerTarget) -> WorkerTarget:
 
 def placement(resp: scheduler_pb2.ScheduleResponse) -> Placement:
     """Raises ValueError on a response the gateway cannot act on (caller maps it)."""
-    mode = _MODE_FROM_PB.get(resp.mode)  # type: ignore[call-overload]
+    mode = serving_mode_from_pb(resp.mode)
     if mode is None:
         raise ValueError(f"unknown serving mode {resp.mode}")
     if not resp.HasField("decode") or not resp.decode.address:
@@ -211,7 +192,7 @@ def decode_event(frame: worker_pb2.DecodeFrame) -> DecodeEvent:
         text=frame.text,
         token_ids=tuple(frame.token_ids),
         generated_tokens=frame.generated_tokens if frame.HasField("generated_tokens") else None,
-        finish_reason=finish_from_pb(frame.finish_reason),
+        finish_reason=finish_reason_from_pb(frame.finish_reason),
         transfer_ticket=frame.transfer_ticket,
         cached_blocks=frame.cached_blocks,
         local_cached_tokens=frame.local_cached_tokens,
@@ -224,6 +205,6 @@ def prefill_result(resp: worker_pb2.PrefillResponse) -> PrefillResult:
         text=resp.text,
         token_ids=tuple(resp.token_ids),
         generated_tokens=resp.generated_tokens if resp.HasField("generated_tokens") else None,
-        finish_reason=finish_from_pb(resp.finish_reason),
+        finish_reason=finish_reason_from_pb(resp.finish_reason),
         local_cached_tokens=resp.local_cached_tokens,
     )

@@ -14,7 +14,7 @@ from typing import TypeVar
 
 import structlog
 
-from services.gateway.accounting import FinishReason, FrameSource
+from services.gateway.accounting import FrameSource
 from services.gateway.ports import (
     DecodeEvent,
     DecodeEventKind,
@@ -23,7 +23,6 @@ from services.gateway.ports import (
     Placement,
     ScheduleQuery,
     SchedulerClient,
-    ServingMode,
     WorkerClient,
     WorkerJob,
     WorkerOutOfCapacity,
@@ -33,6 +32,7 @@ from services.gateway.ports import (
 from services.gateway.request import FrameKind, OutputFrame, RequestState, RequestStatus, Sampling
 from services.gateway.validation import resolve_max_tokens
 from shared.block_hash import block_hashes
+from shared.cluster import FinishReason, ServingMode
 from shared.errors import DeadlineExceeded, FailedPrecondition
 from shared.tracing import tracer
 

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from services.gateway.accounting import FinishReason
 from services.gateway.request import Sampling
+from shared.cluster import FinishReason, ServingMode
 from shared.errors import ResourceExhausted, Unavailable
 
 
@@ -37,12 +37,6 @@ class WorkerOutOfCapacity(ResourceExhausted, Retryable):
     def __init__(self, message: str, worker_id: str) -> None:
         super().__init__(message)
         self.worker_id = worker_id
-
-
-class ServingMode(enum.Enum):
-    DISAGGREGATED = "disaggregated"
-    AGGREGATED = "aggregated"
-    LOCAL_PREFILL = "local_prefill"
 
 
 @dataclass(frozen=True)

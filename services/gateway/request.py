@@ -10,7 +10,8 @@ import uuid
 from dataclasses import dataclass, field
 
 from services.gateway import accounting
-from services.gateway.accounting import CacheStats, FinishReason, FrameSource, Segment, Usage, WorkerCount
+from services.gateway.accounting import CacheStats, FrameSource, Segment, Usage, WorkerCount
+from shared.cluster import FinishReason
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from services.load_monitor.registry import PollTarget, Registry
-from services.load_monitor.types import LoadSnapshot, RankLoad, WorkerInfo
+from shared.cluster import LoadSnapshot, RankLoad, WorkerInfo
 from shared.metrics import REGISTERED_WORKERS
 
 log = structlog.get_logger(__name__)

@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
-from services.load_monitor.types import (
+from shared.cluster import (
     LoadSnapshot,
     RankLoad,
     Role,

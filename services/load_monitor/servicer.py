@@ -8,6 +8,7 @@ import grpc
 
 from services.load_monitor import convert
 from services.load_monitor.monitor import LoadMonitor
+from shared import cluster_convert
 from shared.errors import InvalidArgument
 from shared.proto import load_monitor_pb2, load_monitor_pb2_grpc
 
@@ -21,7 +22,7 @@ class LoadMonitorServicer(load_monitor_pb2_grpc.LoadMonitorServicer):
     ) -> load_monitor_pb2.RegisterResponse:
         if not request.HasField("worker"):
             raise InvalidArgument("worker is required")
-        info = convert.worker_info_from_pb(request.worker)
+        info = cluster_convert.worker_info_from_pb(request.worker)
         return convert.registration_to_pb(self._monitor.register(info))
 
     async def Heartbeat(
@@ -38,10 +39,10 @@ class LoadMonitorServicer(load_monitor_pb2_grpc.LoadMonitorServicer):
     async def GetLoads(
         self, request: load_monitor_pb2.GetLoadsRequest, context: grpc.aio.ServicerContext
     ) -> load_monitor_pb2.LoadSnapshot:
-        return convert.snapshot_to_pb(self._monitor.snapshot())
+        return cluster_convert.snapshot_to_pb(self._monitor.snapshot())
 
     async def WatchLoads(
         self, request: load_monitor_pb2.WatchLoadsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[load_monitor_pb2.LoadSnapshot]:
         async for snapshot in self._monitor.watch():
-            yield convert.snapshot_to_pb(snapshot)
+            yield cluster_convert.snapshot_to_pb(snapshot)

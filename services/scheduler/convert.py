@@ -1,18 +1,12 @@
-"""Protobuf <-> domain conversion for the scheduler (the only module that knows both)."""
+"""Protobuf <-> domain conversion for the scheduler's own messages (the cluster types, load
+snapshots included, convert in shared.cluster_convert)."""
 
 from __future__ import annotations
 
-from services.load_monitor import convert as load_convert
-from services.load_monitor.types import LoadSnapshot
-from services.scheduler.types import Decision, Mode, RequestFeatures, RouterState, Target
+from services.scheduler.types import Decision, RequestFeatures, RouterState, Target
+from shared.cluster_convert import rank_load_to_pb, serving_mode_to_pb, worker_info_to_pb
 from shared.errors import InvalidArgument
-from shared.proto import load_monitor_pb2, scheduler_pb2
-
-_MODE_TO_PB = {
-    Mode.DISAGGREGATED: scheduler_pb2.SERVING_MODE_DISAGGREGATED,
-    Mode.AGGREGATED: scheduler_pb2.SERVING_MODE_AGGREGATED,
-    Mode.LOCAL_PREFILL: scheduler_pb2.SERVING_MODE_LOCAL_PREFILL,
-}
+from shared.proto import scheduler_pb2
 
 
 def features_from_pb(pb: scheduler_pb2.ScheduleRequest) -> RequestFeatures:
@@ -36,7 +30,7 @@ def _target_to_pb(t: Target) -> scheduler_pb2.WorkerTarget:
 
 def decision_to_pb(d: Decision) -> scheduler_pb2.ScheduleResponse:
     pb = scheduler_pb2.ScheduleResponse(
-        mode=_MODE_TO_PB[d.mode],
+        mode=serving_mode_to_pb(d.mode),
         decode=_target_to_pb(d.decode),
         model=d.model,
         max_model_len=d.max_model_len,
@@ -50,8 +44,8 @@ def state_to_pb(s: RouterState) -> scheduler_pb2.GetStateResponse:
     return scheduler_pb2.GetStateResponse(
         workers=[
             scheduler_pb2.SchedulerWorker(
-                info=load_convert.worker_info_to_pb(w.info),
-                ranks=[load_convert.rank_load_to_pb(r) for r in w.ranks],
+                info=worker_info_to_pb(w.info),
+                ranks=[rank_load_to_pb(r) for r in w.ranks],
                 reserved_tokens=list(w.reserved_tokens),
             )
             for w in s.workers
@@ -62,16 +56,3 @@ def state_to_pb(s: RouterState) -> scheduler_pb2.GetStateResponse:
         dp_rank_policy=s.dp_rank_policy,
     )
 
-
-def snapshot_from_pb(pb: load_monitor_pb2.LoadSnapshot) -> tuple[LoadSnapshot, list[str]]:
-    """The snapshot, and the ids of workers left out because their entry is unusable (e.g. a
-    role this scheduler does not know, from a newer load-monitor): one bad entry must not stop
-    routing to the others."""
-    workers = []
-    skipped = []
-    for w in pb.workers:
-        try:
-            workers.append(load_convert.worker_load_from_pb(w))
-        except InvalidArgument:
-            skipped.append(w.info.worker_id)
-    return LoadSnapshot(tuple(workers), pb.version, pb.timestamp_ms), skipped

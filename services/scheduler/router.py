@@ -26,18 +26,17 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from services.load_monitor.types import KvLayout, LoadSnapshot, RankLoad, Role, WorkerInfo
 from services.scheduler import policies
 from services.scheduler.prefix_index import PrefixIndex
 from services.scheduler.reservations import Reservations
 from services.scheduler.types import (
     Decision,
-    Mode,
     RequestFeatures,
     RouterState,
     Target,
     WorkerView,
 )
+from shared.cluster import KvLayout, LoadSnapshot, RankLoad, Role, ServingMode, WorkerInfo
 from shared.errors import InvalidArgument, Unavailable
 from shared.metrics import PREFILL_MODE, SCHEDULE_DECISIONS, SCHEDULE_SECONDS
 
@@ -214,9 +213,9 @@ class Router:
             )
         }
         self._mode_counted = {
-            Mode.DISAGGREGATED: PREFILL_MODE.labels(mode="disaggregated"),
-            Mode.LOCAL_PREFILL: PREFILL_MODE.labels(mode="local"),
-            Mode.AGGREGATED: PREFILL_MODE.labels(mode="aggregated"),
+            ServingMode.DISAGGREGATED: PREFILL_MODE.labels(mode="disaggregated"),
+            ServingMode.LOCAL_PREFILL: PREFILL_MODE.labels(mode="local"),
+            ServingMode.AGGREGATED: PREFILL_MODE.labels(mode="aggregated"),
         }
 
     # --- snapshots ---
@@ -293,7 +292,7 @@ class Router:
                 )
                 if f.prompt_tokens - min(hit_tokens, f.prompt_tokens) < threshold:
                     self._prefix.record(decode.info.worker_id, hashes)
-                    return self._decision(Mode.LOCAL_PREFILL, model, None, (decode, decode_rank))
+                    return self._decision(ServingMode.LOCAL_PREFILL, model, None, (decode, decode_rank))
             pool = mp.prefill_by_layout[decode.info.kv_layout]
             prefill = pool.workers[self._pick_prefill(pool, f)]
             prefill_rank = self._reserve_rank(prefill, f)
@@ -301,7 +300,7 @@ class Router:
             if threshold > 0 or self.policies.decode == "cache_aware":
                 self._prefix.record(decode.info.worker_id, hashes)
             return self._decision(
-                Mode.DISAGGREGATED, model, (prefill, prefill_rank), (decode, decode_rank)
+                ServingMode.DISAGGREGATED, model, (prefill, prefill_rank), (decode, decode_rank)
             )
         if mp.unified.workers:
             worker = mp.unified.workers[self._pick_prefill(mp.unified, f)]
@@ -311,7 +310,7 @@ class Router:
             raise Unavailable(self._missing_pair(f, model))
         rank = self._reserve_rank(worker, f)
         self._prefix.record(worker.info.worker_id, hashes)
-        return self._decision(Mode.AGGREGATED, model, None, (worker, rank))
+        return self._decision(ServingMode.AGGREGATED, model, None, (worker, rank))
 
     def _reserve_rank(self, w: _Worker, f: RequestFeatures) -> int:
         """Pick the rank and add the prompt tokens to its reservation (caller holds the lock)."""
@@ -325,7 +324,7 @@ class Router:
 
     def _decision(
         self,
-        mode: Mode,
+        mode: ServingMode,
         model: str,
         prefill: tuple[_Worker, int] | None,
         decode: tuple[_Worker, int],
@@ -341,12 +340,12 @@ class Router:
         )
 
     def _count(self, d: Decision) -> None:
-        if d.mode is Mode.DISAGGREGATED:
+        if d.mode is ServingMode.DISAGGREGATED:
             self._counted["prefill"].inc()
             self._counted["decode"].inc()
             self._counted["dp_rank"].inc(2)
         else:
-            self._counted["unified" if d.mode is Mode.AGGREGATED else "decode"].inc()
+            self._counted["unified" if d.mode is ServingMode.AGGREGATED else "decode"].inc()
             self._counted["dp_rank"].inc()
         self._mode_counted[d.mode].inc()
 

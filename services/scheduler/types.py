@@ -2,16 +2,9 @@
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
-from services.load_monitor.types import RankLoad, WorkerInfo
-
-
-class Mode(enum.Enum):
-    DISAGGREGATED = "disaggregated"  # prefill worker, KV pushed to the decode worker
-    AGGREGATED = "aggregated"  # one worker prefills and decodes (unified, or decode without prefill)
-    LOCAL_PREFILL = "local_prefill"  # the decode worker prefills itself (short/mostly cached prompt)
+from shared.cluster import RankLoad, ServingMode, WorkerInfo
 
 
 @dataclass(frozen=True)
@@ -34,7 +27,7 @@ class Target:
 
 @dataclass(frozen=True)
 class Decision:
-    mode: Mode
+    mode: ServingMode
     prefill: Target | None  # DISAGGREGATED only
     decode: Target  # every mode; it also prefills in AGGREGATED and LOCAL_PREFILL
     model: str

@@ -10,9 +10,9 @@ import contextlib
 import grpc
 import structlog
 
-from services.scheduler import convert
 from services.scheduler.router import Router
 from shared.channels import make_channel
+from shared.cluster_convert import snapshot_from_pb
 from shared.proto import load_monitor_pb2, load_monitor_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -54,7 +54,7 @@ class LoadWatcher:
                 try:
                     call = stub.WatchLoads(load_monitor_pb2.WatchLoadsRequest())
                     async for pb in call:
-                        snapshot, skipped = convert.snapshot_from_pb(pb)
+                        snapshot, skipped = snapshot_from_pb(pb)
                         if skipped and set(skipped) != self._skipped:
                             log.warning("workers_ignored", worker_ids=skipped, reason="unusable entry")
                         self._skipped = set(skipped)

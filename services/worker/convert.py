@@ -6,10 +6,7 @@ from collections.abc import Iterable
 
 from services.worker.engine.api import (
     EngineRequest,
-    FinishReason,
     KvBlocksChunk,
-    KvLayoutInfo,
-    RankLoadStats,
     RequestKind,
     SamplingConfig,
 )
@@ -22,25 +19,15 @@ from services.worker.messages import (
     KvTargetSpec,
     PrefillCall,
     PrefillResult,
-    WorkerIdentity,
 )
+from shared.cluster import RankLoad
+from shared.cluster_convert import finish_reason_to_pb, kv_layout_from_pb, rank_load_to_pb
 from shared.proto import common_pb2, worker_pb2
 
-_FINISH_TO_PB = {
-    None: common_pb2.FINISH_REASON_UNSPECIFIED,
-    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
-    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
-    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
-}
 _FRAME_KIND_TO_PB = {
     FrameKind.ADMITTED: worker_pb2.DECODE_FRAME_KIND_ADMITTED,
     FrameKind.TOKENS: worker_pb2.DECODE_FRAME_KIND_TOKENS,
     FrameKind.FINAL: worker_pb2.DECODE_FRAME_KIND_FINAL,
-}
-ROLE_TO_PB = {
-    "prefill": common_pb2.WORKER_ROLE_PREFILL,
-    "decode": common_pb2.WORKER_ROLE_DECODE,
-    "unified": common_pb2.WORKER_ROLE_UNIFIED,
 }
 
 
@@ -94,7 +81,7 @@ def prefill_result_to_pb(r: PrefillResult) -> worker_pb2.PrefillResponse:
         text=r.text,
         token_ids=r.token_ids,
         generated_tokens=r.generated_tokens,  # always set (presence = a 1.1 worker)
-        finish_reason=_FINISH_TO_PB[r.finish_reason],
+        finish_reason=finish_reason_to_pb(r.finish_reason),
         prompt_tokens=r.prompt_tokens,
         local_cached_tokens=r.local_cached_tokens,
         kv_bytes_sent=r.kv_bytes_sent,
@@ -119,7 +106,7 @@ def decode_event_to_pb(e: DecodeEvent) -> worker_pb2.DecodeFrame:
         kind=_FRAME_KIND_TO_PB[e.kind],
         text=e.text,
         token_ids=e.token_ids,
-        finish_reason=_FINISH_TO_PB[e.finish_reason],
+        finish_reason=finish_reason_to_pb(e.finish_reason),
         transfer_ticket=e.transfer_ticket,
         cached_blocks=e.cached_blocks,
         prompt_tokens=e.prompt_tokens,
@@ -131,32 +118,12 @@ def decode_event_to_pb(e: DecodeEvent) -> worker_pb2.DecodeFrame:
     return frame
 
 
-def layout_to_pb(layout: KvLayoutInfo) -> common_pb2.KvLayout:
-    return common_pb2.KvLayout(
-        num_layers=layout.num_layers,
-        num_kv_heads=layout.num_kv_heads,
-        head_dim=layout.head_dim,
-        block_size=layout.block_size,
-        dtype=layout.dtype,
-    )
-
-
-def layout_from_pb(pb: common_pb2.KvLayout) -> KvLayoutInfo:
-    return KvLayoutInfo(
-        num_layers=pb.num_layers,
-        num_kv_heads=pb.num_kv_heads,
-        head_dim=pb.head_dim,
-        block_size=pb.block_size,
-        dtype=pb.dtype,
-    )
-
-
 def kv_chunk_from_pb(pb: worker_pb2.KvChunk) -> IncomingKvChunk:
     return IncomingKvChunk(
         request_id=pb.request_id,
         transfer_ticket=pb.transfer_ticket,
         dp_rank=pb.dp_rank,
-        layout=layout_from_pb(pb.layout) if pb.HasField("layout") else None,
+        layout=kv_layout_from_pb(pb.layout) if pb.HasField("layout") else None,
         chunk=KvBlocksChunk(first_block=pb.first_block, num_blocks=pb.num_blocks, data=pb.data),
         last=pb.last,
         num_tokens=pb.num_tokens,
@@ -199,35 +166,8 @@ def kv_receipt_to_pb(r: KvReceipt) -> worker_pb2.PushKvResponse:
     )
 
 
-def rank_load_to_pb(load: RankLoadStats) -> common_pb2.RankLoad:
-    return common_pb2.RankLoad(
-        dp_rank=load.dp_rank,
-        num_used_tokens=load.num_used_tokens,
-        num_running=load.num_running,
-        num_waiting=load.num_waiting,
-        kv_capacity_tokens=load.kv_capacity_tokens,
-        prefix_cache_queries_tokens=load.prefix_cache_queries_tokens,
-        prefix_cache_hits_tokens=load.prefix_cache_hits_tokens,
-        prefix_cache_hit_rate=load.prefix_cache_hit_rate,
-    )
-
-
-def get_load_to_pb(worker_id: str, loads: Iterable[RankLoadStats]) -> worker_pb2.GetLoadResponse:
+def get_load_to_pb(worker_id: str, loads: Iterable[RankLoad]) -> worker_pb2.GetLoadResponse:
     return worker_pb2.GetLoadResponse(
         worker_id=worker_id, ranks=[rank_load_to_pb(load) for load in loads]
     )
 
-
-def worker_info_to_pb(ident: WorkerIdentity) -> common_pb2.WorkerInfo:
-    return common_pb2.WorkerInfo(
-        worker_id=ident.worker_id,
-        address=ident.address,
-        role=ROLE_TO_PB[ident.role],
-        model_id=ident.model_id,
-        dp_size=ident.dp_size,
-        kv_layout=layout_to_pb(ident.kv_layout),
-        capabilities=list(ident.capabilities),
-        proto_version=ident.proto_version,
-        max_model_len=ident.max_model_len,
-        device=ident.device,
-    )

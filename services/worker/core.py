@@ -16,9 +16,7 @@ import structlog
 from services.worker.engine.api import (
     Engine,
     EngineRequest,
-    FinishReason,
     KvBlocksChunk,
-    RankLoadStats,
     RequestKind,
     RequestOutput,
 )
@@ -31,18 +29,18 @@ from services.worker.messages import (
     KvReceipt,
     PrefillCall,
     PrefillResult,
-    WorkerIdentity,
 )
 from shared import errors, metrics
+from shared.cluster import FinishReason, RankLoad, Role, WorkerInfo
 from shared.tracing import tracer
 
 log = structlog.get_logger(__name__)
 
 # Roles allowed to serve each RPC.
 _ROLES_FOR = {
-    "Prefill": ("prefill", "unified"),
-    "Decode": ("decode", "unified"),
-    "PushKv": ("decode", "unified"),
+    "Prefill": (Role.PREFILL, Role.UNIFIED),
+    "Decode": (Role.DECODE, Role.UNIFIED),
+    "PushKv": (Role.DECODE, Role.UNIFIED),
 }
 
 
@@ -57,7 +55,7 @@ class WorkerCore:
     def __init__(
         self,
         engine: Engine,
-        identity: WorkerIdentity,
+        identity: WorkerInfo,
         pusher: KvPusher,
         kv_chunk_bytes: int = 1 << 20,
         log_prompts: bool = False,
@@ -80,8 +78,8 @@ class WorkerCore:
         allowed = _ROLES_FOR[rpc]
         if self.identity.role not in allowed:
             raise errors.FailedPrecondition(
-                f"{rpc} is not served by a {self.identity.role} worker "
-                f"(roles that serve it: {', '.join(allowed)})"
+                f"{rpc} is not served by a {self.identity.role.value} worker "
+                f"(roles that serve it: {', '.join(r.value for r in allowed)})"
             )
 
     def validate(self, request: EngineRequest) -> None:
@@ -394,7 +392,7 @@ class WorkerCore:
             raise errors.InvalidArgument("request_id is required")
         return self.engine.abort(request_id)
 
-    def rank_loads(self) -> list[RankLoadStats]:
+    def rank_loads(self) -> list[RankLoad]:
         return self.engine.rank_loads()
 
     def refresh_metrics(self) -> None:

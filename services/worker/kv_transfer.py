@@ -10,10 +10,12 @@ import grpc
 import structlog
 
 from services.worker import convert
-from services.worker.engine.api import KvBlocksChunk, KvLayoutInfo
+from services.worker.engine.api import KvBlocksChunk
 from services.worker.messages import KvPushResult, KvTargetSpec
 from shared import errors
 from shared.channels import make_channel
+from shared.cluster import KvLayout
+from shared.cluster_convert import kv_layout_to_pb
 from shared.proto import worker_pb2, worker_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -52,7 +54,7 @@ class GrpcKvPusher:
         self,
         request_id: str,
         target: KvTargetSpec,
-        layout: KvLayoutInfo,
+        layout: KvLayout,
         chunks: Iterator[KvBlocksChunk],
         num_tokens: int,
         first_token_id: int | None,
@@ -64,7 +66,7 @@ class GrpcKvPusher:
         the ticket: the request was aborted there) or Unavailable (anything else)."""
         if not target.address:
             raise errors.InvalidArgument("kv_target.address is required")
-        layout_pb = convert.layout_to_pb(layout)
+        layout_pb = kv_layout_to_pb(layout)
         sent = {"bytes": 0, "chunks": 0}
         last_fields = (num_tokens, first_token_id, generated_tokens)
 

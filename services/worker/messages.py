@@ -7,12 +7,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from services.worker.engine.api import (
-    EngineRequest,
-    FinishReason,
-    KvBlocksChunk,
-    KvLayoutInfo,
-)
+from services.worker.engine.api import EngineRequest, KvBlocksChunk
+from shared.cluster import FinishReason, KvLayout
 
 # Capabilities this worker advertises at registration and in Info (worker.proto WorkerInfo).
 CAPABILITIES = ("generated_tokens", "kv_block_skip", "local_prefill")
@@ -89,7 +85,7 @@ class IncomingKvChunk:
     request_id: str
     transfer_ticket: str
     dp_rank: int
-    layout: KvLayoutInfo | None
+    layout: KvLayout | None
     chunk: KvBlocksChunk
     last: bool
     num_tokens: int
@@ -110,20 +106,6 @@ class KvPushResult:
     seconds: float
 
 
-@dataclass(frozen=True)
-class WorkerIdentity:
-    worker_id: str
-    address: str
-    role: str  # "prefill" | "decode" | "unified"
-    model_id: str
-    dp_size: int
-    kv_layout: KvLayoutInfo
-    capabilities: tuple[str, ...]
-    proto_version: str
-    max_model_len: int
-    device: str  # "cpu" | "cuda"
-
-
 class KvPusher(Protocol):
     """Sends a finished prefill's KV to a decode worker (implemented over gRPC in kv_transfer)."""
 
@@ -131,7 +113,7 @@ class KvPusher(Protocol):
         self,
         request_id: str,
         target: KvTargetSpec,
-        layout: KvLayoutInfo,
+        layout: KvLayout,
         chunks: Iterator[KvBlocksChunk],
         num_tokens: int,
         first_token_id: int | None,

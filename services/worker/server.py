@@ -14,15 +14,16 @@ from collections.abc import Callable, Sequence
 
 import structlog
 
-from services.worker import convert
 from services.worker.core import WorkerCore
 from services.worker.engine.api import Engine, EngineConfig
 from services.worker.kv_transfer import GrpcKvPusher
-from services.worker.messages import CAPABILITIES, PROTO_VERSION, WorkerIdentity
+from services.worker.messages import CAPABILITIES, PROTO_VERSION
 from services.worker.registration import Registration
 from services.worker.servicer import WorkerServicer
 from services.worker.settings import WorkerSettings
 from shared.channels import set_default_tls
+from shared.cluster import Role, WorkerInfo
+from shared.cluster_convert import worker_info_to_pb
 from shared.errors import PdserveError
 from shared.logs import configure_logging
 from shared.metrics import start_metrics_server
@@ -63,8 +64,8 @@ def default_engine_factory(config: EngineConfig) -> Engine:
     return create_engine(config)
 
 
-def new_worker_id(role: str) -> str:
-    return f"{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+def new_worker_id(role: Role) -> str:
+    return f"{role.value}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
 class WorkerApp:
@@ -92,14 +93,14 @@ class WorkerApp:
         """Listen, load and warm up the model, register, then report SERVING."""
         await self.server.start()
         log.info("listening", address=self.server.address, advertise_address=self.address,
-                 role=self.settings.role, worker_id=self.worker_id)
+                 role=self.settings.role.value, worker_id=self.worker_id)
         await self.load()
         self._refresher = asyncio.create_task(self._refresh_loop(), name="load-gauges")
         if self.settings.load_monitor_address:
             assert self.core is not None
             self.registration = Registration(
                 self.settings.load_monitor_address,
-                convert.worker_info_to_pb(self.core.identity),
+                worker_info_to_pb(self.core.identity),
                 heartbeat_interval_s=self.settings.heartbeat_interval_s,
                 retry_s=self.settings.register_retry_s,
             )
@@ -131,7 +132,7 @@ class WorkerApp:
         # Off the event loop, so health checks are answered (NOT_SERVING) while loading.
         engine = await asyncio.to_thread(self._create_engine, config)
         self.engine = engine
-        identity = WorkerIdentity(
+        identity = WorkerInfo(
             worker_id=self.worker_id,
             address=self.address,
             role=s.role,

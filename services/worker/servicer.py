@@ -11,6 +11,7 @@ from services.worker import convert
 from services.worker.core import WorkerCore
 from services.worker.messages import IncomingKvChunk
 from shared import errors
+from shared.cluster_convert import worker_info_to_pb
 from shared.proto import common_pb2, worker_pb2, worker_pb2_grpc
 
 
@@ -71,4 +72,4 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Info(
         self, request: worker_pb2.InfoRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.WorkerInfo:
-        return convert.worker_info_to_pb(self._core().identity)
+        return worker_info_to_pb(self._core().identity)

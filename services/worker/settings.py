@@ -5,18 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.addresses import normalize_address
+from shared.cluster import Role
 from shared.settings import field
 from shared.tls import TlsSettings
 
-ROLES = ("prefill", "decode", "unified")
-
 # Per-role defaults (docs/CONTRIBUTING.md "Settings every service has").
 DEFAULT_LISTEN = {
-    "prefill": "0.0.0.0:50061",
-    "decode": "0.0.0.0:50071",
-    "unified": "0.0.0.0:50081",
+    Role.PREFILL: "0.0.0.0:50061",
+    Role.DECODE: "0.0.0.0:50071",
+    Role.UNIFIED: "0.0.0.0:50081",
 }
-DEFAULT_METRICS_PORT = {"prefill": 9103, "decode": 9104, "unified": 9105}
+DEFAULT_METRICS_PORT = {Role.PREFILL: 9103, Role.DECODE: 9104, Role.UNIFIED: 9105}
 
 # Sentinel for "the role's default port" (-1 already means "disabled").
 _ROLE_DEFAULT_PORT = -2
@@ -26,7 +25,7 @@ _ROLE_DEFAULT_PORT = -2
 class WorkerSettings(TlsSettings):
     """pdserve worker: runs a model; prefill, decode or both (unified)."""
 
-    role: str = field("unified", "What this worker does", choices=ROLES)
+    role: Role = field(Role.UNIFIED, "What this worker does: prefill, decode or unified")  # noqa: RUF009 (an enum member is immutable)
     listen: str = field("", "host:port to serve gRPC on; empty = the role's default port")
     metrics_port: int = field(
         _ROLE_DEFAULT_PORT,
@@ -74,8 +73,8 @@ class WorkerSettings(TlsSettings):
     log_prompts: bool = field(False, "Log prompt and completion text (off: never logged)")
 
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {list(ROLES)}, got {self.role!r}")
+        # Settings built in code may name the role by its value ("prefill"): keep the member.
+        object.__setattr__(self, "role", Role(self.role))
         if not self.listen:
             object.__setattr__(self, "listen", DEFAULT_LISTEN[self.role])
         if self.metrics_port == _ROLE_DEFAULT_PORT:
@@ -102,4 +101,4 @@ class WorkerSettings(TlsSettings):
     @property
     def service_name(self) -> str:
         """The logging / tracing service name, e.g. "prefill-worker"."""
-        return f"{self.role}-worker"
+        return f"{self.role.value}-worker"

@@ -24,11 +24,8 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-
-class FinishReason(enum.Enum):
-    STOP = "stop"
-    LENGTH = "length"
-    ABORT = "abort"
+# The cluster types this contract speaks in (defined once, in shared.cluster).
+from shared.cluster import FinishReason, KvLayout, RankLoad
 
 
 class RequestKind(enum.Enum):
@@ -107,31 +104,6 @@ class KvBlocksChunk:
 
 
 @dataclass(frozen=True)
-class KvLayoutInfo:
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    dtype: str  # "float32" | "bfloat16" | "float16"
-
-
-@dataclass(frozen=True)
-class RankLoadStats:
-    dp_rank: int
-    num_used_tokens: int
-    num_running: int
-    num_waiting: int
-    kv_capacity_tokens: int
-    prefix_cache_queries_tokens: int
-    prefix_cache_hits_tokens: int
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        q = self.prefix_cache_queries_tokens
-        return self.prefix_cache_hits_tokens / q if q else 0.0
-
-
-@dataclass(frozen=True)
 class EngineConfig:
     model_path: str
     device: str = "cpu"  # "cpu" | "cuda" | "auto"
@@ -158,7 +130,7 @@ class RequestHandle(Protocol):
 class Engine(Protocol):
     config: EngineConfig
     model_id: str
-    kv_layout: KvLayoutInfo
+    kv_layout: KvLayout
     max_model_len: int
     eos_token_ids: tuple[int, ...]
 
@@ -197,7 +169,7 @@ class Engine(Protocol):
         """Abort a request in any state and free its blocks; its handle ends with ABORT.
         Returns False when unknown."""
 
-    def rank_loads(self) -> list[RankLoadStats]: ...
+    def rank_loads(self) -> list[RankLoad]: ...
 
     def num_free_blocks(self, dp_rank: int) -> int: ...
 

@@ -22,8 +22,8 @@ from services.worker.engine.api import (
     EngineConfig,
     EngineRequest,
     KvBlocksChunk,
-    KvLayoutInfo,
-    RankLoadStats,
+    KvLayout,
+    RankLoad,
     RequestHandle,
     RequestKind,
 )
@@ -104,7 +104,7 @@ class PagedEngine:
             raise InvalidArgument("block_size must be >= 1")
         self.config = config
         self.model_id = Path(config.model_path).name
-        self.kv_layout: KvLayoutInfo
+        self.kv_layout: KvLayout
         self.max_model_len = 0
         self.eos_token_ids: tuple[int, ...] = ()
         self.tokenizer: Any = None
@@ -125,7 +125,7 @@ class PagedEngine:
             return torch.device("cuda", dp_rank % torch.cuda.device_count())
         return torch.device(want)
 
-    def _num_blocks(self, layout: KvLayoutInfo, dtype: torch.dtype, device: torch.device) -> int:
+    def _num_blocks(self, layout: KvLayout, dtype: torch.dtype, device: torch.device) -> int:
         """Blocks per rank: kv_cache_tokens when set, else kv_memory_fraction of free memory,
         capped at what max_num_seqs full-length requests can use (and at 1 GiB on CPU, where
         host RAM is shared with everything else)."""
@@ -301,7 +301,7 @@ class PagedEngine:
         return any(rank.abort(request_id) for rank in self._ranks)
 
     # ---- loads ---------------------------------------------------------------------------
-    def rank_loads(self) -> list[RankLoadStats]:
+    def rank_loads(self) -> list[RankLoad]:
         return [rank.load() for rank in self._ranks]
 
     def num_free_blocks(self, dp_rank: int) -> int:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from services.worker.engine import attention, cpu_linear
-from services.worker.engine.api import KvLayoutInfo, SamplingConfig
+from services.worker.engine.api import KvLayout, SamplingConfig
 from services.worker.engine.sampler import sample
 
 log = logging.getLogger(__name__)
@@ -57,11 +57,11 @@ def load_model(model_path: str, device: torch.device, dtype: torch.dtype,
     return model
 
 
-def kv_layout_of(model_config: Any, block_size: int, dtype: torch.dtype) -> KvLayoutInfo:
+def kv_layout_of(model_config: Any, block_size: int, dtype: torch.dtype) -> KvLayout:
     cfg = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     num_heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
-    return KvLayoutInfo(
+    return KvLayout(
         num_layers=cfg.num_hidden_layers,
         num_kv_heads=getattr(cfg, "num_key_value_heads", None) or num_heads,
         head_dim=head_dim,
@@ -71,7 +71,7 @@ def kv_layout_of(model_config: Any, block_size: int, dtype: torch.dtype) -> KvLa
 
 
 class ModelRunner:
-    def __init__(self, model: Any, layout: KvLayoutInfo, num_blocks: int,
+    def __init__(self, model: Any, layout: KvLayout, num_blocks: int,
                  device: torch.device, dtype: torch.dtype) -> None:
         self.model = model
         self.layout = layout

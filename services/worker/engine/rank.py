@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from services.worker.engine.api import (
     FinishReason,
     KvBlocksChunk,
-    RankLoadStats,
+    RankLoad,
     RequestKind,
     RequestOutput,
 )
@@ -345,9 +345,9 @@ class Rank:
             deliver_batch(outputs)
 
     # ---- loads ---------------------------------------------------------------------------
-    def load(self) -> RankLoadStats:
+    def load(self) -> RankLoad:
         with self.lock:
-            return RankLoadStats(
+            return RankLoad(
                 dp_rank=self.dp_rank,
                 num_used_tokens=self.blocks.num_used_blocks * self.blocks.block_size,
                 num_running=len(self.scheduler.running),

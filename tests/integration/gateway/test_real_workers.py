@@ -20,6 +20,7 @@ from services.gateway.server import GatewayApp, build_app
 from services.gateway.tokenization import PromptTokenizer
 from services.worker.server import WorkerApp
 from services.worker.settings import WorkerSettings
+from shared.cluster import Role
 from shared.proto import common_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.support.tiny_models import build_tiny_model
 
@@ -80,7 +81,7 @@ async def stack(
     for role in ("prefill", "decode", "unified"):
         app = WorkerApp(
             WorkerSettings(
-                role=role,
+                role=Role(role),
                 listen="127.0.0.1:0",
                 metrics_port=-1,
                 model=str(model),

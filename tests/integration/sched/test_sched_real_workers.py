@@ -19,6 +19,7 @@ from services.scheduler.server import build as build_scheduler
 from services.scheduler.settings import Settings as SchedulerSettings
 from services.worker.server import WorkerApp
 from services.worker.settings import WorkerSettings
+from shared.cluster import Role
 from shared.proto import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.integration.sched.conftest import load_monitor_settings
 from tests.support.tiny_models import build_tiny_model
@@ -49,7 +50,7 @@ class RealCluster:
 def real_worker(model: Path, role: str, load_monitor: str) -> WorkerApp:
     return WorkerApp(
         WorkerSettings(
-            role=role, listen="127.0.0.1:0", metrics_port=-1, model=str(model), device="cpu",
+            role=Role(role), listen="127.0.0.1:0", metrics_port=-1, model=str(model), device="cpu",
             dtype="float32", dp_size=2, block_size=BLOCK_SIZE, kv_cache_tokens=2048,
             max_model_len=512, torch_threads=1, drain_grace_s=0.0,
             load_monitor_address=load_monitor, heartbeat_interval_s=0.2, load_refresh_s=0.2,
@@ -159,7 +160,7 @@ async def test_disaggregated_through_the_gateway_uses_both_decode_ranks(sched_ti
     from shared.proto import gateway_pb2, gateway_pb2_grpc
 
     async with real_cluster(sched_tiny_model, ("prefill", "decode")) as c:
-        decode = next(w for w in c.workers if w.settings.role == "decode")
+        decode = next(w for w in c.workers if w.settings.role is Role.DECODE)
         gateway = build_app(
             GatewaySettings(
                 listen="127.0.0.1:0", metrics_port=-1, scheduler_address=c.scheduler_address,

@@ -21,6 +21,7 @@ from services.scheduler.server import build as build_scheduler
 from services.scheduler.settings import Settings as SchedulerSettings
 from services.worker.server import WorkerApp
 from services.worker.settings import WorkerSettings
+from shared.cluster import Role
 from shared.proto import gateway_pb2, gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from shared.tracing import configure_tracing, server_interceptors
 from tests.support.tiny_models import build_tiny_model
@@ -49,7 +50,7 @@ async def five_services(model: Path) -> AsyncIterator[GatewayApp]:
     workers = [
         WorkerApp(
             WorkerSettings(
-                role=role,
+                role=Role(role),
                 listen="127.0.0.1:0",
                 metrics_port=-1,
                 model=str(model),

@@ -13,8 +13,8 @@ import pytest
 import structlog.testing
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.worker import convert
 from services.worker.engine.api import EngineRequest, RequestKind, SamplingConfig
+from shared.cluster_convert import kv_layout_to_pb
 from shared.proto import common_pb2, load_monitor_pb2, load_monitor_pb2_grpc, worker_pb2
 from tests.support.reference import hf_greedy
 
@@ -268,7 +268,7 @@ async def test_push_from_an_old_prefill_worker_without_generated_tokens(
     first_token = outs[-1].new_token_ids[-1]
     chunks = list(engine.export_kv("o1", admitted.cached_blocks, 4096))
     engine.release("o1")
-    layout = convert.layout_to_pb(engine.kv_layout)
+    layout = kv_layout_to_pb(engine.kv_layout)
     messages = [worker_pb2.KvChunk(
         request_id="o1", transfer_ticket=admitted.transfer_ticket, first_block=c.first_block,
         num_blocks=c.num_blocks, data=c.data, layout=layout) for c in chunks]

@@ -7,7 +7,6 @@ import pytest
 from services.gateway.accounting import (
     U64_MAX,
     CacheStats,
-    FinishReason,
     FrameSource,
     Usage,
     WorkerCount,
@@ -17,6 +16,7 @@ from services.gateway.accounting import (
     finish_reason,
     saturating_sum,
 )
+from shared.cluster import FinishReason
 
 
 def test_saturating_sum_adds_small_counts() -> None:

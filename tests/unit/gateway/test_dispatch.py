@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from services.gateway.accounting import FinishReason
 from services.gateway.dispatch import Dispatcher, PreparedRequest
 from services.gateway.ports import (
     DecodeEvent,
@@ -20,12 +19,12 @@ from services.gateway.ports import (
     Placement,
     PrefillResult,
     ScheduleQuery,
-    ServingMode,
     WorkerJob,
     WorkerTarget,
     WorkerUnavailable,
 )
 from services.gateway.request import FrameKind, OutputFrame, RequestState, RequestStatus, Sampling
+from shared.cluster import FinishReason, ServingMode
 from shared.errors import DeadlineExceeded, InvalidArgument
 
 PREFILL = WorkerTarget("p1", "prefill:1", 0)

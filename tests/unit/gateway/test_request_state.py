@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.gateway.accounting import FinishReason, FrameSource
+from services.gateway.accounting import FrameSource
 from services.gateway.request import ALLOWED_TRANSITIONS, InvalidTransition, RequestState, RequestStatus
+from shared.cluster import FinishReason
 
 
 def make_state(prompt_len: int = 10, max_tokens: int = 5) -> RequestState:

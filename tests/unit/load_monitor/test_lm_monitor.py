@@ -6,7 +6,7 @@ import asyncio
 
 from services.load_monitor.monitor import LoadMonitor, LoadReport
 from services.load_monitor.registry import Registry
-from services.load_monitor.types import KvLayout, LoadSnapshot, RankLoad, Role, WorkerInfo
+from shared.cluster import KvLayout, LoadSnapshot, RankLoad, Role, WorkerInfo
 from shared.metrics import REGISTERED_WORKERS
 
 LAYOUT = KvLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype="float32")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.load_monitor.registry import Registry
-from services.load_monitor.types import KvLayout, RankLoad, Role, WorkerInfo, sum_rank_loads
+from shared.cluster import KvLayout, RankLoad, Role, WorkerInfo, sum_rank_loads
 from shared.errors import InvalidArgument
 
 LAYOUT = KvLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype="float32")

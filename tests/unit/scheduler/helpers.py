@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from services.load_monitor.types import KvLayout, LoadSnapshot, RankLoad, Role, WorkerInfo, WorkerLoad
 from services.scheduler.types import RequestFeatures
+from shared.cluster import KvLayout, LoadSnapshot, RankLoad, Role, WorkerInfo, WorkerLoad
 
 LAYOUT = KvLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype="float32")
 BF16 = KvLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype="bfloat16")

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from services.load_monitor.types import Role
 from services.scheduler.router import Policies, Router
+from shared.cluster import Role
 from tests.unit.scheduler.helpers import request, snapshot, worker
 
 DP_SIZE = 4

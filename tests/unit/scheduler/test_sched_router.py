@@ -6,9 +6,8 @@ from collections import Counter
 
 import pytest
 
-from services.load_monitor.types import KvLayout, Role
 from services.scheduler.router import Policies, Router
-from services.scheduler.types import Mode
+from shared.cluster import KvLayout, Role, ServingMode
 from shared.errors import InvalidArgument, Unavailable
 from shared.metrics import PREFILL_MODE, SCHEDULE_DECISIONS
 from tests.unit.scheduler.helpers import BF16, request, snapshot, worker
@@ -32,7 +31,7 @@ def test_disaggregated_pair_and_min_tokens_ranks() -> None:
         snapshot(worker("p1", Role.PREFILL, [500, 100]), worker("d1", Role.DECODE, [0, 40]))
     )
     d = r.schedule(request(prompt_tokens=300))
-    assert d.mode is Mode.DISAGGREGATED
+    assert d.mode is ServingMode.DISAGGREGATED
     assert d.prefill is not None
     assert (d.prefill.worker_id, d.prefill.dp_rank, d.prefill.address) == ("p1", 1, "p1:1")
     assert (d.decode.worker_id, d.decode.dp_rank) == ("d1", 0)
@@ -159,7 +158,7 @@ def test_unified_only_is_aggregated() -> None:
     r.apply_snapshot(snapshot(worker("u1", Role.UNIFIED, [5, 0])))
     d = r.schedule(request())
     assert (d.mode, d.prefill, d.decode.worker_id, d.decode.dp_rank) == (
-        Mode.AGGREGATED, None, "u1", 1,
+        ServingMode.AGGREGATED, None, "u1", 1,
     )
 
 
@@ -167,7 +166,7 @@ def test_decode_without_any_prefill_worker_is_aggregated() -> None:
     r = router()
     r.apply_snapshot(snapshot(worker("d1", Role.DECODE)))
     d = r.schedule(request())
-    assert (d.mode, d.decode.worker_id) == (Mode.AGGREGATED, "d1")
+    assert (d.mode, d.decode.worker_id) == (ServingMode.AGGREGATED, "d1")
 
 
 def test_incompatible_pair_is_unavailable_naming_the_layouts() -> None:
@@ -207,7 +206,7 @@ def test_model_mismatch_does_not_pair() -> None:
     r.apply_snapshot(snapshot(worker("p1", Role.PREFILL, model="a"), worker("d1", Role.DECODE, model="b")))
     with pytest.raises(Unavailable, match=r"model 'a' has 1 prefill worker.*no decode or unified"):
         r.schedule(request(model="a"))
-    assert r.schedule(request(model="b")).mode is Mode.AGGREGATED  # b has no prefill worker
+    assert r.schedule(request(model="b")).mode is ServingMode.AGGREGATED  # b has no prefill worker
     with pytest.raises(Unavailable, match=r"model 'zzz' is not served.*\['a', 'b'\]"):
         r.schedule(request(model="zzz"))
 
@@ -240,7 +239,7 @@ def test_exclude_worker_ids() -> None:
         assert (d.prefill.worker_id, d.decode.worker_id) == ("p2", "d1")
     # Every prefill worker excluded: the decode worker prefills itself.
     d = r.schedule(request("x", exclude_worker_ids=frozenset({"p1", "p2"})))
-    assert d.mode is Mode.AGGREGATED and d.decode.worker_id in {"d1", "d2"}
+    assert d.mode is ServingMode.AGGREGATED and d.decode.worker_id in {"d1", "d2"}
     with pytest.raises(Unavailable, match="excluded"):
         r.schedule(request("y", exclude_worker_ids=frozenset({"p1", "p2", "d1", "d2"})))
 
@@ -292,13 +291,13 @@ def test_local_prefill_when_uncached_part_is_short() -> None:
     r.apply_snapshot(snapshot(worker("p1", Role.PREFILL), worker("d1", Role.DECODE)))
     before = PREFILL_MODE.labels(mode="local")._value.get()
     short = r.schedule(request("a", 40))
-    assert (short.mode, short.prefill, short.decode.worker_id) == (Mode.LOCAL_PREFILL, None, "d1")
+    assert (short.mode, short.prefill, short.decode.worker_id) == (ServingMode.LOCAL_PREFILL, None, "d1")
     assert PREFILL_MODE.labels(mode="local")._value.get() == before + 1
     long = r.schedule(request("b", 16 * 10, hashes=tuple(range(10))))
-    assert long.mode is Mode.DISAGGREGATED
+    assert long.mode is ServingMode.DISAGGREGATED
     # The decode worker now holds those 10 blocks: 170 tokens with 160 cached -> 10 uncached.
     cached = r.schedule(request("c", 170, hashes=tuple(range(10))))
-    assert cached.mode is Mode.LOCAL_PREFILL
+    assert cached.mode is ServingMode.LOCAL_PREFILL
 
 
 def test_default_model_and_metrics() -> None:

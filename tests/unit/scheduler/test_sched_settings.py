@@ -45,27 +45,3 @@ def test_load_monitor_defaults() -> None:
     assert s.stale_after_s > s.load_interval_s
     with pytest.raises(SystemExit):
         parse_settings(LoadMonitorSettings, ["--load-interval-s", "0"], env={})
-
-
-def test_snapshot_conversion_skips_unusable_workers() -> None:
-    from services.scheduler.convert import snapshot_from_pb
-    from shared.proto import common_pb2, load_monitor_pb2
-
-    def entry(worker_id: str, role: int) -> load_monitor_pb2.WorkerLoad:
-        return load_monitor_pb2.WorkerLoad(
-            info=common_pb2.WorkerInfo(
-                worker_id=worker_id, address="h:1", role=role, model_id="m", dp_size=2,  # type: ignore[arg-type]
-                kv_layout=common_pb2.KvLayout(block_size=16, dtype="float32"),
-            ),
-            ranks=[
-                common_pb2.RankLoad(dp_rank=1, num_used_tokens=5),
-                common_pb2.RankLoad(dp_rank=1, num_used_tokens=2),
-            ],
-        )
-
-    pb = load_monitor_pb2.LoadSnapshot(
-        workers=[entry("ok", common_pb2.WORKER_ROLE_DECODE), entry("odd", 7)], version=3
-    )
-    snapshot, skipped = snapshot_from_pb(pb)
-    assert [w.info.worker_id for w in snapshot.workers] == ["ok"] and skipped == ["odd"]
-    assert [r.num_used_tokens for r in snapshot.workers[0].ranks] == [0, 7]  # summed per rank

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from services.worker import convert
-from services.worker.engine.api import FinishReason, KvBlocksChunk, KvLayoutInfo
+from services.worker.engine.api import KvBlocksChunk
 from services.worker.messages import DecodeEvent, FrameKind, KvTargetSpec, PrefillResult
+from shared.cluster import FinishReason, KvLayout
+from shared.cluster_convert import kv_layout_to_pb
 from shared.proto import common_pb2, worker_pb2
 
-LAYOUT = KvLayoutInfo(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, dtype="float32")
+LAYOUT = KvLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, dtype="float32")
 
 
 def test_sampling_defaults_mean_unset() -> None:
@@ -63,7 +65,7 @@ def test_generated_tokens_only_on_final_frames() -> None:
 def test_kv_chunk_round_trip_and_old_sender() -> None:
     target = KvTargetSpec(address="d:1", dp_rank=1, transfer_ticket="t", skip_blocks=0)
     chunk = KvBlocksChunk(first_block=2, num_blocks=1, data=b"\1\2")
-    layout_pb = convert.layout_to_pb(LAYOUT)
+    layout_pb = kv_layout_to_pb(LAYOUT)
     middle = convert.kv_chunk_from_pb(convert.kv_chunk_to_pb("r", target, layout_pb, chunk))
     assert middle.chunk == chunk and middle.layout == LAYOUT and not middle.last
     assert middle.generated_tokens is None and middle.first_token_id is None

@@ -10,9 +10,7 @@ import pytest
 from services.worker.core import WorkerCore
 from services.worker.engine.api import (
     EngineRequest,
-    FinishReason,
     KvBlocksChunk,
-    KvLayoutInfo,
     RequestOutput,
     SamplingConfig,
 )
@@ -23,11 +21,11 @@ from services.worker.messages import (
     KvPushResult,
     KvTargetSpec,
     PrefillCall,
-    WorkerIdentity,
 )
 from shared import errors
+from shared.cluster import FinishReason, KvLayout, Role, WorkerInfo
 
-LAYOUT = KvLayoutInfo(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, dtype="float32")
+LAYOUT = KvLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, dtype="float32")
 
 
 class FakeHandle:
@@ -94,9 +92,9 @@ class FailingPusher:
         pass
 
 
-def make_core(role: str = "unified", pusher: Any = None) -> tuple[WorkerCore, FakeEngine]:
+def make_core(role: Role = Role.UNIFIED, pusher: Any = None) -> tuple[WorkerCore, FakeEngine]:
     engine = FakeEngine()
-    identity = WorkerIdentity(
+    identity = WorkerInfo(
         worker_id="w", address="a:1", role=role, model_id="fake", dp_size=1, kv_layout=LAYOUT,
         capabilities=CAPABILITIES, proto_version=PROTO_VERSION, max_model_len=64, device="cpu")
     return WorkerCore(engine, identity, pusher or FailingPusher()), engine  # type: ignore[arg-type]
@@ -109,7 +107,7 @@ def request(**kw: Any) -> EngineRequest:
     return EngineRequest(**fields)
 
 
-def chunk(first: int, n: int = 1, last: bool = False, layout: KvLayoutInfo | None = LAYOUT,
+def chunk(first: int, n: int = 1, last: bool = False, layout: KvLayout | None = LAYOUT,
           generated: int | None = None, ticket: str = "t") -> IncomingKvChunk:
     return IncomingKvChunk(
         request_id="r", transfer_ticket=ticket, dp_rank=0, layout=layout,
@@ -147,7 +145,7 @@ async def test_broken_transfer_aborts_the_request() -> None:
 
 async def test_layout_mismatch_leaves_the_request_alone() -> None:
     core, engine = make_core()
-    other = KvLayoutInfo(num_layers=2, num_kv_heads=2, head_dim=16, block_size=8,
+    other = KvLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=8,
                          dtype="float32")
     with pytest.raises(errors.FailedPrecondition, match="layout"):
         await core.receive_kv(stream(chunk(0, layout=other, last=True)))
@@ -167,7 +165,7 @@ async def test_mixed_tickets_and_chunks_after_last_are_rejected() -> None:
 
 
 async def test_failed_push_releases_the_prefill_blocks() -> None:
-    core, engine = make_core("prefill")
+    core, engine = make_core(Role.PREFILL)
     target = KvTargetSpec(address="d:1", dp_rank=0, transfer_ticket="t", skip_blocks=1)
     with pytest.raises(errors.Unavailable):
         await core.prefill(PrefillCall(request=request(), kv_target=target,
@@ -178,13 +176,13 @@ async def test_failed_push_releases_the_prefill_blocks() -> None:
 
 
 async def test_role_gating_and_drain() -> None:
-    core, _ = make_core("prefill")
+    core, _ = make_core(Role.PREFILL)
     with pytest.raises(errors.FailedPrecondition, match="Decode"):
         async for _ in core.decode(None):  # type: ignore[arg-type]
             pass
     with pytest.raises(errors.FailedPrecondition, match="PushKv"):
         await core.receive_kv(stream())
-    core, _ = make_core("unified")
+    core, _ = make_core(Role.UNIFIED)
     core.begin_drain()
     with pytest.raises(errors.Unavailable, match="draining"):
         await core.prefill(PrefillCall(request=request(), kv_target=None,

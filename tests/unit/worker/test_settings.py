@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.worker.settings import WorkerSettings
+from shared.cluster import Role
 from shared.settings import parse_settings
 
 
@@ -15,6 +16,7 @@ from shared.settings import parse_settings
 )
 def test_role_default_ports(role: str, listen: str, metrics_port: int) -> None:
     s = parse_settings(WorkerSettings, ["--role", role], env={})
+    assert s.role is Role(role)
     assert s.listen == listen
     assert s.metrics_port == metrics_port
     assert s.service_name == f"{role}-worker"
@@ -22,7 +24,7 @@ def test_role_default_ports(role: str, listen: str, metrics_port: int) -> None:
 
 def test_defaults() -> None:
     s = parse_settings(WorkerSettings, [], env={})
-    assert s.role == "unified"
+    assert s.role is Role.UNIFIED
     assert s.model == "default"
     assert s.device == "auto" and s.dtype == "auto"
     assert s.dp_size == 1 and s.block_size == 16
@@ -49,7 +51,7 @@ def test_env_and_flags() -> None:
     env = {"PDSERVE_ROLE": "decode", "PDSERVE_DP_SIZE": "2", "PDSERVE_LISTEN": "127.0.0.1:7000",
            "PDSERVE_LOAD_MONITOR_ADDRESS": "lm:50053", "PDSERVE_LOG_PROMPTS": "true"}
     s = parse_settings(WorkerSettings, ["--dp-size", "3", "--metrics-port", "-1"], env=env)
-    assert s.role == "decode"
+    assert s.role is Role.DECODE  # the enum, parsed from its value
     assert s.dp_size == 3  # flag beats env
     assert s.listen == "127.0.0.1:7000"
     assert s.metrics_port == -1
@@ -66,3 +68,15 @@ def test_env_and_flags() -> None:
 def test_invalid_values_exit_with_a_message(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
         parse_settings(WorkerSettings, argv, env={})
+
+
+def test_unknown_role_names_the_allowed_ones(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_settings(WorkerSettings, ["--role", "router"], env={})
+    assert "role: 'router' is not one of ['prefill', 'decode', 'unified']" in capsys.readouterr().err
+
+
+def test_help_shows_the_role_by_value(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_settings(WorkerSettings, ["--help"], env={})
+    assert "default 'unified'" in " ".join(capsys.readouterr().out.split())

@@ -1,4 +1,9 @@
-"""Domain records of the load-monitor: worker identity, per-rank loads, snapshots (no grpc here)."""
+"""The cluster's shared vocabulary, defined once: worker role, KV layout, per-rank load, worker
+info, load snapshots, finish reason and serving mode (no grpc here).
+
+Every service speaks of these the same way; `shared.cluster_convert` is the only place they meet
+the generated protobuf stubs.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +13,43 @@ from dataclasses import dataclass
 
 
 class Role(enum.Enum):
+    """What a worker does; its RPCs are served only by the roles that can."""
+
     PREFILL = "prefill"
     DECODE = "decode"
-    UNIFIED = "unified"
+    UNIFIED = "unified"  # prefills and decodes
+
+    @property
+    def prefills(self) -> bool:
+        """Serves Prefill."""
+        return self is not Role.DECODE
+
+    @property
+    def decodes(self) -> bool:
+        """Serves Decode and PushKv."""
+        return self is not Role.PREFILL
+
+
+class FinishReason(enum.Enum):
+    """Why a request ended (the worker's rule: count >= max_tokens -> LENGTH, else the stop)."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+class ServingMode(enum.Enum):
+    """How the scheduler placed a request."""
+
+    DISAGGREGATED = "disaggregated"  # prefill worker, KV pushed to the decode worker
+    AGGREGATED = "aggregated"  # one worker prefills and decodes (unified, or decode without prefill)
+    LOCAL_PREFILL = "local_prefill"  # the decode worker prefills itself (short/mostly cached prompt)
 
 
 @dataclass(frozen=True)
 class KvLayout:
+    """The shape of a worker's KV blocks: KV moves only between workers of equal layouts."""
+
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -24,27 +59,31 @@ class KvLayout:
 
 @dataclass(frozen=True)
 class WorkerInfo:
+    """A worker as it registers and as every service sees it."""
+
     worker_id: str
     address: str  # host:port of the worker's gRPC server
     role: Role
     model_id: str
-    dp_size: int
+    dp_size: int  # data-parallel ranks (count)
     kv_layout: KvLayout
     capabilities: tuple[str, ...] = ()
     proto_version: str = ""
     max_model_len: int = 0  # tokens; 0 = unknown
-    device: str = ""
+    device: str = ""  # "cpu" | "cuda"; "" = unknown
 
 
 @dataclass(frozen=True)
 class RankLoad:
+    """The load of one data-parallel rank of a worker."""
+
     dp_rank: int
-    num_used_tokens: int = 0
-    num_running: int = 0
-    num_waiting: int = 0
+    num_used_tokens: int = 0  # KV tokens in use
+    num_running: int = 0  # requests
+    num_waiting: int = 0  # requests
     kv_capacity_tokens: int = 0
-    prefix_cache_queries_tokens: int = 0
-    prefix_cache_hits_tokens: int = 0
+    prefix_cache_queries_tokens: int = 0  # since start
+    prefix_cache_hits_tokens: int = 0  # since start
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -74,7 +113,7 @@ def sum_rank_loads(reports: Iterable[RankLoad], dp_size: int) -> tuple[RankLoad,
 
 @dataclass(frozen=True)
 class WorkerLoad:
-    """One worker in a snapshot."""
+    """One worker in a load snapshot."""
 
     info: WorkerInfo
     ranks: tuple[RankLoad, ...]  # one per rank, index = dp_rank
@@ -84,6 +123,8 @@ class WorkerLoad:
 
 @dataclass(frozen=True)
 class LoadSnapshot:
+    """Every registered worker and its load, as the load-monitor publishes it to the scheduler."""
+
     workers: tuple[WorkerLoad, ...]
     version: int  # increases with every new snapshot
     timestamp_ms: int  # Unix time (milliseconds)
