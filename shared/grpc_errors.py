@@ -1,9 +1,12 @@
-"""Mapping of domain errors to gRPC status codes, as one server interceptor for every service."""
+"""Domain errors <-> gRPC status codes, one table for both directions: on the server side one
+interceptor for every service turns domain errors into statuses; on the client side
+`error_from_rpc` turns a peer's status back into the domain error of that status, so an error
+crosses a chain of services (gateway -> worker -> worker) as what it is."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from typing import Any
 
 import grpc
@@ -24,7 +27,56 @@ STATUS_BY_ERROR: dict[type[errors.PdserveError], grpc.StatusCode] = {
     errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 
+# The inverse, for clients. Codes not in it (INTERNAL, UNKNOWN, DATA_LOSS, ...) have no domain
+# class: they become a plain PdserveError, which this service's own interceptor reports as INTERNAL.
+ERROR_BY_STATUS: dict[grpc.StatusCode, type[errors.PdserveError]] = {
+    code: cls for cls, code in STATUS_BY_ERROR.items()
+}
+
 GENERIC_INTERNAL_MESSAGE = "internal error; see the server log"
+
+
+def error_from_status(
+    code: grpc.StatusCode,
+    detail: str,
+    peer: str,
+    *,
+    keep: Collection[grpc.StatusCode] | None = None,
+    otherwise: type[errors.PdserveError] = errors.PdserveError,
+) -> errors.PdserveError:
+    """The domain error for status `code` with message `detail` from `peer` (a phrase naming who
+    was called, e.g. "decode worker d1 (10.0.0.7:50071)"); the message keeps the peer's detail.
+
+    `keep` limits the codes that keep their own class (default: all in ERROR_BY_STATUS); the others
+    become `otherwise` (e.g. a KV push turns everything but a refusal into Unavailable)."""
+    cls = ERROR_BY_STATUS.get(code)
+    if cls is None or (keep is not None and code not in keep):
+        return otherwise(f"{peer} failed with {code.name}: {detail}")
+    where = f"{peer}: {detail}" if detail else peer
+    if code == grpc.StatusCode.UNAVAILABLE:
+        message = f"{peer} is unavailable ({detail or 'no details'})"
+    elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        message = f"{peer} is out of capacity ({detail or 'no details'})"
+    elif code == grpc.StatusCode.INVALID_ARGUMENT:
+        message = f"rejected by {where}"
+    elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        message = f"the request ran past its deadline at {peer}"
+    elif code == grpc.StatusCode.CANCELLED:
+        message = f"{peer} cancelled the request"
+    else:
+        message = where
+    return cls(message)
+
+
+def error_from_rpc(
+    exc: grpc.aio.AioRpcError,
+    peer: str,
+    *,
+    keep: Collection[grpc.StatusCode] | None = None,
+    otherwise: type[errors.PdserveError] = errors.PdserveError,
+) -> errors.PdserveError:
+    """A failed call to `peer` as a domain error (see error_from_status)."""
+    return error_from_status(exc.code(), exc.details() or "", peer, keep=keep, otherwise=otherwise)
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:

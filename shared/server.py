@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -89,20 +90,52 @@ async def serve_until_stopped(
     on_ready: Callable[[], Awaitable[None]] | None = None,
     on_drain: Callable[[], Awaitable[None]] | None = None,
     grace_s: float = 10.0,
+    on_stop_requested: Callable[[], None] | None = None,
 ) -> None:
-    """Start, mark SERVING after `on_ready`, wait for a signal, drain (`on_drain`), then stop."""
+    """Start, mark SERVING after `on_ready`, wait for a signal, drain (`on_drain`), then stop.
+
+    A signal while `on_ready` runs (e.g. a model still loading) cancels it and stops at once:
+    nothing was served, so there is nothing to drain. `on_stop_requested` runs when the signal
+    arrives, before health turns NOT_SERVING, so a service can refuse new work from the moment
+    its peers can see it draining."""
     stop_event = asyncio.Event()
     install_signal_handlers(stop_event)
     await server.start()
     log.info("listening", address=server.address)
-    if on_ready is not None:
-        await on_ready()
+    if on_ready is not None and not await _unless_stopped(on_ready(), stop_event):
+        log.info("stopped_while_starting")
+        await server.stop(0)
+        log.info("stopped")
+        return
     await server.set_serving(True)
     log.info("serving")
     await stop_event.wait()
     log.info("draining", grace_s=grace_s)
+    if on_stop_requested is not None:
+        on_stop_requested()
     await server.set_serving(False)
     if on_drain is not None:
         await on_drain()
     await server.stop(grace_s)
     log.info("stopped")
+
+
+async def _unless_stopped(work: Awaitable[None], stop_event: asyncio.Event) -> bool:
+    """Run `work` unless `stop_event` is set first (then cancel it); True when it completed.
+    Its exceptions propagate."""
+    task = asyncio.ensure_future(work)
+    stopped = asyncio.ensure_future(stop_event.wait())
+    try:
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        stopped.cancel()
+    if task.done():
+        task.result()
+        return True
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return False

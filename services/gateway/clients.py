@@ -1,5 +1,5 @@
-"""The gateway's gRPC clients of the scheduler and the workers (implementing `ports`): one cached
-channel per address, RPC errors mapped to domain errors that say which peer failed."""
+"""The gateway's gRPC clients of the scheduler and the workers (implementing `ports`): channels
+from the process's ChannelCache, RPC errors mapped to domain errors that say which peer failed."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ from services.gateway.ports import (
     WorkerUnavailable,
 )
 from shared import errors
-from shared.channels import make_channel
+from shared.channels import ChannelCache
+from shared.grpc_errors import ERROR_BY_STATUS, error_from_rpc
 from shared.proto import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -33,60 +34,31 @@ log = structlog.get_logger(__name__)
 _END_OF_STREAM_WAIT_S = 2.0
 
 
-class ChannelPool:
-    """One grpc.aio channel per address, created on first use, closed together."""
-
-    def __init__(self) -> None:
-        self._channels: dict[str, grpc.aio.Channel] = {}
-
-    def get(self, address: str) -> grpc.aio.Channel:
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = self._channels[address] = make_channel(address)
-        return channel
-
-    async def close(self) -> None:
-        channels, self._channels = list(self._channels.values()), {}
-        for channel in channels:
-            await channel.close()
-
-
 def map_rpc_error(exc: grpc.aio.AioRpcError, peer: str, worker_id: str = "") -> errors.PdserveError:
-    """A peer's failure as a domain error. UNAVAILABLE (any peer) and RESOURCE_EXHAUSTED (a worker)
-    are Retryable elsewhere; the status code and the peer's message are kept for the client."""
-    code, detail = exc.code(), exc.details() or ""
-    where = f"{peer}: {detail}" if detail else peer
-    if code == grpc.StatusCode.UNAVAILABLE:
-        return WorkerUnavailable(f"{peer} is unavailable ({detail or 'no details'})", worker_id)
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        if worker_id:
-            return WorkerOutOfCapacity(f"{peer} is out of capacity ({detail or 'no details'})", worker_id)
-        return errors.ResourceExhausted(where)
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return errors.InvalidArgument(f"rejected by {where}")
-    if code == grpc.StatusCode.NOT_FOUND:
-        return errors.NotFound(where) if not worker_id else errors.FailedPrecondition(f"{where}")
-    if code == grpc.StatusCode.FAILED_PRECONDITION:
-        return errors.FailedPrecondition(where)
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return errors.DeadlineExceeded(f"the request ran past its deadline at {peer}")
-    if code == grpc.StatusCode.CANCELLED:
-        return errors.Cancelled(f"{peer} cancelled the request")
-    if code == grpc.StatusCode.ALREADY_EXISTS:
-        return errors.AlreadyExists(where)
-    # INTERNAL, UNKNOWN, DATA_LOSS, ...: the interceptor turns this into a generic INTERNAL.
-    log.error("peer_error", peer=peer, code=code.name, detail=detail)
-    return errors.PdserveError(f"{peer} failed with {code.name}: {detail}")
+    """A peer's failure as a domain error (shared.grpc_errors), made Retryable where another
+    worker may succeed: UNAVAILABLE (any peer) and RESOURCE_EXHAUSTED (a worker). A worker's
+    NOT_FOUND (it no longer knows the request) is a FailedPrecondition of this request, not a
+    missing thing the client named."""
+    error = error_from_rpc(exc, peer)
+    if isinstance(error, errors.Unavailable):
+        return WorkerUnavailable(str(error), worker_id)
+    if worker_id and isinstance(error, errors.ResourceExhausted):
+        return WorkerOutOfCapacity(str(error), worker_id)
+    if worker_id and isinstance(error, errors.NotFound):
+        return errors.FailedPrecondition(str(error))
+    if exc.code() not in ERROR_BY_STATUS:  # INTERNAL, UNKNOWN, ...: the client sees a generic INTERNAL
+        log.error("peer_error", peer=peer, code=exc.code().name, detail=exc.details() or "")
+    return error
 
 
 class GrpcScheduler:
-    def __init__(self, pool: ChannelPool, address: str, control_timeout_s: float = 10.0) -> None:
-        self._pool = pool
+    def __init__(self, channels: ChannelCache, address: str, control_timeout_s: float = 10.0) -> None:
+        self._channels = channels
         self._address = address
         self._control_timeout_s = control_timeout_s
 
     def _stub(self) -> scheduler_pb2_grpc.SchedulerStub:
-        return scheduler_pb2_grpc.SchedulerStub(self._pool.get(self._address))  # type: ignore[no-untyped-call]
+        return scheduler_pb2_grpc.SchedulerStub(self._channels.get(self._address))  # type: ignore[no-untyped-call]
 
     async def schedule(self, query: ScheduleQuery, timeout_s: float | None) -> Placement:
         peer = f"scheduler {self._address}"
@@ -148,12 +120,12 @@ class GrpcDecodeStream:
 
 
 class GrpcWorkers:
-    def __init__(self, pool: ChannelPool, control_timeout_s: float = 10.0) -> None:
-        self._pool = pool
+    def __init__(self, channels: ChannelCache, control_timeout_s: float = 10.0) -> None:
+        self._channels = channels
         self._control_timeout_s = control_timeout_s
 
     def _stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
-        return worker_pb2_grpc.WorkerStub(self._pool.get(address))  # type: ignore[no-untyped-call]
+        return worker_pb2_grpc.WorkerStub(self._channels.get(address))  # type: ignore[no-untyped-call]
 
     def decode(
         self, target: WorkerTarget, job: WorkerJob, local_prefill: bool, timeout_s: float | None

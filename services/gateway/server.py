@@ -10,12 +10,12 @@ from dataclasses import dataclass
 
 import structlog
 
-from services.gateway.clients import ChannelPool, GrpcScheduler, GrpcWorkers
+from services.gateway.clients import GrpcScheduler, GrpcWorkers
 from services.gateway.service import GatewayService
 from services.gateway.servicer import GatewayServicer
 from services.gateway.settings import GatewaySettings, load_settings
 from services.gateway.tokenization import PromptTokenizer
-from shared.channels import set_default_tls
+from shared.channels import ChannelCache
 from shared.logs import configure_logging
 from shared.metrics import start_metrics_server
 from shared.model_store import resolve_model
@@ -36,7 +36,7 @@ class GatewayApp:
     settings: GatewaySettings
     server: Server
     service: GatewayService
-    channels: ChannelPool
+    channels: ChannelCache
 
     async def load(self) -> None:
         """Load the tokenizer (off the event loop); the service is usable afterwards."""
@@ -68,14 +68,13 @@ class GatewayApp:
 
 
 def build_app(settings: GatewaySettings) -> GatewayApp:
-    channels = ChannelPool()
+    tls = settings.tls_config()
+    channels = ChannelCache(tls=tls)  # scheduler and worker channels use the same TLS settings
     service = GatewayService(
         settings,
         GrpcScheduler(channels, settings.scheduler_address, settings.worker_rpc_timeout_s),
         GrpcWorkers(channels, settings.worker_rpc_timeout_s),
     )
-    tls = settings.tls_config()
-    set_default_tls(tls)  # scheduler and worker channels use the same TLS settings
     server = Server(settings.listen, [SERVICE_NAME], interceptors=server_interceptors(), tls=tls)
     gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(service), server.grpc)  # type: ignore[no-untyped-call]
     return GatewayApp(settings, server, service, channels)

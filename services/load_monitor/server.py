@@ -14,7 +14,7 @@ from services.load_monitor.registry import Registry
 from services.load_monitor.servicer import LoadMonitorServicer
 from services.load_monitor.settings import Settings
 from services.load_monitor.worker_client import WorkerLoadClient
-from shared.channels import set_default_tls
+from shared.channels import ChannelCache
 from shared.logs import configure_logging
 from shared.metrics import start_metrics_server
 from shared.proto import load_monitor_pb2, load_monitor_pb2_grpc
@@ -48,7 +48,8 @@ class LoadMonitorApp:
 
 
 def build(settings: Settings, interceptors: Sequence[object] = ()) -> LoadMonitorApp:
-    client = WorkerLoadClient()
+    tls = settings.tls_config()
+    client = WorkerLoadClient(ChannelCache(tls=tls))  # the same TLS settings as the server
     registry = Registry(lease_ttl_s=settings.lease_ttl_s, stale_after_s=settings.stale_after_s)
     monitor = LoadMonitor(
         registry,
@@ -57,8 +58,6 @@ def build(settings: Settings, interceptors: Sequence[object] = ()) -> LoadMonito
         load_timeout_s=settings.load_timeout_s,
         forget=client.forget,
     )
-    tls = settings.tls_config()
-    set_default_tls(tls)  # the same TLS settings for the channels this service dials
     server = Server(settings.listen, [SERVICE_NAME], interceptors=list(interceptors), tls=tls)  # type: ignore[arg-type]
     load_monitor_pb2_grpc.add_LoadMonitorServicer_to_server(LoadMonitorServicer(monitor), server.grpc)
     return LoadMonitorApp(server, monitor, client)

@@ -1,4 +1,4 @@
-"""Calls the load-monitor makes to workers (GetLoad), one cached channel per worker address."""
+"""Calls the load-monitor makes to workers (GetLoad), over its ChannelCache."""
 
 from __future__ import annotations
 
@@ -6,30 +6,28 @@ import grpc
 
 from services.load_monitor import convert
 from services.load_monitor.monitor import LoadReport
-from shared.channels import make_channel
+from shared.channels import ChannelCache
+from shared.grpc_errors import error_from_rpc
 from shared.proto import worker_pb2, worker_pb2_grpc
 
 
 class WorkerLoadClient:
     """`fetch` is the monitor's LoadFetcher; `forget` closes a departed worker's channel."""
 
-    def __init__(self) -> None:
-        self._channels: dict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.WorkerStub]] = {}
+    def __init__(self, channels: ChannelCache) -> None:
+        self._channels = channels
 
     async def fetch(self, address: str, timeout_s: float) -> LoadReport:
-        entry = self._channels.get(address)
-        if entry is None:
-            channel = make_channel(address)
-            entry = (channel, worker_pb2_grpc.WorkerStub(channel))
-            self._channels[address] = entry
-        reply = await entry[1].GetLoad(worker_pb2.GetLoadRequest(), timeout=timeout_s)
+        """Raises the domain error of a failed GetLoad (e.g. Unavailable, DeadlineExceeded)."""
+        stub = worker_pb2_grpc.WorkerStub(self._channels.get(address))
+        try:
+            reply = await stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc, f"worker {address}") from None
         return convert.load_report_from_pb(reply)
 
     async def forget(self, address: str) -> None:
-        entry = self._channels.pop(address, None)
-        if entry is not None:
-            await entry[0].close()
+        await self._channels.forget(address)
 
     async def close(self) -> None:
-        for address in list(self._channels):
-            await self.forget(address)
+        await self._channels.close()

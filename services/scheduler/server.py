@@ -14,7 +14,7 @@ from services.scheduler.router import Policies, Router
 from services.scheduler.servicer import SchedulerServicer
 from services.scheduler.settings import Settings
 from services.scheduler.watcher import LoadWatcher
-from shared.channels import set_default_tls
+from shared.channels import ChannelCache
 from shared.logs import configure_logging
 from shared.metrics import start_metrics_server
 from shared.proto import scheduler_pb2, scheduler_pb2_grpc
@@ -47,11 +47,12 @@ def make_router(settings: Settings) -> Router:
 
 @dataclass
 class SchedulerApp:
-    """A built (not yet started) scheduler: server, router and load watcher."""
+    """A built (not yet started) scheduler: server, router, load watcher and its channels."""
 
     server: Server
     router: Router
     watcher: LoadWatcher
+    channels: ChannelCache
 
     async def start(self) -> None:
         """Serve, start watching the load-monitor, report SERVING (in-process use and tests)."""
@@ -62,18 +63,19 @@ class SchedulerApp:
     async def stop(self, grace_s: float = 0.0) -> None:
         await self.server.stop(grace_s)
         await self.watcher.stop()
+        await self.channels.close()
 
 
 def build(settings: Settings, interceptors: Sequence[object] = ()) -> SchedulerApp:
     router = make_router(settings)
-    watcher = LoadWatcher(
-        settings.load_monitor_address, router, backoff_max_s=settings.watch_backoff_max_s
-    )
     tls = settings.tls_config()
-    set_default_tls(tls)  # the same TLS settings for the channels this service dials
+    channels = ChannelCache(tls=tls)  # the same TLS settings for the channels this service dials
+    watcher = LoadWatcher(
+        channels, settings.load_monitor_address, router, backoff_max_s=settings.watch_backoff_max_s
+    )
     server = Server(settings.listen, [SERVICE_NAME], interceptors=list(interceptors), tls=tls)  # type: ignore[arg-type]
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(router), server.grpc)
-    return SchedulerApp(server, router, watcher)
+    return SchedulerApp(server, router, watcher, channels)
 
 
 async def _serve(settings: Settings) -> None:
@@ -86,7 +88,10 @@ async def _serve(settings: Settings) -> None:
     async def on_drain() -> None:
         await app.watcher.stop()
 
-    await serve_until_stopped(app.server, on_ready, on_drain, grace_s=settings.drain_grace_s)
+    try:
+        await serve_until_stopped(app.server, on_ready, on_drain, grace_s=settings.drain_grace_s)
+    finally:
+        await app.channels.close()
 
 
 def main(argv: Sequence[str] | None = None) -> None:

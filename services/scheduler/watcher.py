@@ -11,7 +11,7 @@ import grpc
 import structlog
 
 from services.scheduler.router import Router
-from shared.channels import make_channel
+from shared.channels import ChannelCache
 from shared.cluster_convert import snapshot_from_pb
 from shared.proto import load_monitor_pb2, load_monitor_pb2_grpc
 
@@ -21,11 +21,13 @@ log = structlog.get_logger(__name__)
 class LoadWatcher:
     def __init__(
         self,
+        channels: ChannelCache,
         address: str,
         router: Router,
         backoff_initial_s: float = 0.1,
         backoff_max_s: float = 5.0,
     ) -> None:
+        self._channels = channels
         self.address = address
         self._router = router
         self._backoff_initial_s = backoff_initial_s
@@ -48,40 +50,39 @@ class LoadWatcher:
     async def _run(self) -> None:
         backoff_s = self._backoff_initial_s
         down_since_logged = False
-        async with make_channel(self.address) as channel:
-            stub = load_monitor_pb2_grpc.LoadMonitorStub(channel)
-            while True:
-                try:
-                    call = stub.WatchLoads(load_monitor_pb2.WatchLoadsRequest())
-                    async for pb in call:
-                        snapshot, skipped = snapshot_from_pb(pb)
-                        if skipped and set(skipped) != self._skipped:
-                            log.warning("workers_ignored", worker_ids=skipped, reason="unusable entry")
-                        self._skipped = set(skipped)
-                        self._router.apply_snapshot(snapshot)
-                        self.snapshots_received += 1
-                        if not self.connected.is_set():
-                            self.connected.set()
-                            log.info("load_monitor_connected", address=self.address)
-                            down_since_logged = False
-                        backoff_s = self._backoff_initial_s
-                    error = "stream ended"
-                except asyncio.CancelledError:
-                    raise
-                except grpc.aio.AioRpcError as exc:
-                    error = f"{exc.code().name}: {exc.details()}"
-                except Exception as exc:  # a snapshot that does not convert, ...
-                    log.exception("load_snapshot_rejected")
-                    error = str(exc) or type(exc).__name__
-                self.connected.clear()
-                self._router.mark_stale()
-                if not down_since_logged:
-                    log.warning(
-                        "load_monitor_unreachable",
-                        address=self.address,
-                        error=error,
-                        routing="last snapshot, marked stale",
-                    )
-                    down_since_logged = True
-                await asyncio.sleep(backoff_s)
-                backoff_s = min(backoff_s * 2, self._backoff_max_s)
+        while True:
+            try:
+                stub = load_monitor_pb2_grpc.LoadMonitorStub(self._channels.get(self.address))
+                call = stub.WatchLoads(load_monitor_pb2.WatchLoadsRequest())
+                async for pb in call:
+                    snapshot, skipped = snapshot_from_pb(pb)
+                    if skipped and set(skipped) != self._skipped:
+                        log.warning("workers_ignored", worker_ids=skipped, reason="unusable entry")
+                    self._skipped = set(skipped)
+                    self._router.apply_snapshot(snapshot)
+                    self.snapshots_received += 1
+                    if not self.connected.is_set():
+                        self.connected.set()
+                        log.info("load_monitor_connected", address=self.address)
+                        down_since_logged = False
+                    backoff_s = self._backoff_initial_s
+                error = "stream ended"
+            except asyncio.CancelledError:
+                raise
+            except grpc.aio.AioRpcError as exc:
+                error = f"{exc.code().name}: {exc.details()}"
+            except Exception as exc:  # a snapshot that does not convert, ...
+                log.exception("load_snapshot_rejected")
+                error = str(exc) or type(exc).__name__
+            self.connected.clear()
+            self._router.mark_stale()
+            if not down_since_logged:
+                log.warning(
+                    "load_monitor_unreachable",
+                    address=self.address,
+                    error=error,
+                    routing="last snapshot, marked stale",
+                )
+                down_since_logged = True
+            await asyncio.sleep(backoff_s)
+            backoff_s = min(backoff_s * 2, self._backoff_max_s)

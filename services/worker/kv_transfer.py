@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator, Iterator
 
@@ -13,42 +12,30 @@ from services.worker import convert
 from services.worker.engine.api import KvBlocksChunk
 from services.worker.messages import KvPushResult, KvTargetSpec
 from shared import errors
-from shared.channels import make_channel
+from shared.channels import ChannelCache
 from shared.cluster import KvLayout
 from shared.cluster_convert import kv_layout_to_pb
+from shared.grpc_errors import error_from_rpc
 from shared.proto import worker_pb2, worker_pb2_grpc
 
 log = structlog.get_logger(__name__)
 
-_MAX_CACHED_CHANNELS = 64
-# An evicted channel may still carry a push in flight: let it finish (seconds).
-_CLOSE_GRACE_S = 60.0
+# What a decode worker's refusal of a push means for this request; any other failure (it is
+# unreachable, draining, full, slow) is Unavailable: the gateway may retry on other workers.
+_KEPT_STATUSES = (
+    grpc.StatusCode.FAILED_PRECONDITION,  # layout mismatch
+    grpc.StatusCode.NOT_FOUND,  # the ticket is gone: the request was aborted there
+    grpc.StatusCode.INVALID_ARGUMENT,
+)
 
 
 class GrpcKvPusher:
-    """Pushes KV over one cached channel per decode-worker address."""
+    """Pushes KV over the worker's channels (a ChannelCache bounded for decode workers that come
+    and go)."""
 
-    def __init__(self, timeout_s: float = 60.0) -> None:
+    def __init__(self, channels: ChannelCache, timeout_s: float = 60.0) -> None:
+        self._channels = channels
         self._timeout_s = timeout_s
-        # One channel per decode-worker address, least recently used first.
-        self._stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
-        self._channels: dict[str, grpc.aio.Channel] = {}
-        self._closing: set[asyncio.Future[None]] = set()
-
-    def _stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
-        stub = self._stubs.pop(address, None)
-        if stub is None:
-            if len(self._stubs) >= _MAX_CACHED_CHANNELS:  # decode workers come and go
-                oldest = next(iter(self._stubs))
-                del self._stubs[oldest]
-                channel = self._channels.pop(oldest)
-                closing = asyncio.ensure_future(channel.close(grace=_CLOSE_GRACE_S))
-                self._closing.add(closing)
-                closing.add_done_callback(self._closing.discard)
-            self._channels[address] = make_channel(address)
-            stub = worker_pb2_grpc.WorkerStub(self._channels[address])
-        self._stubs[address] = stub  # most recently used last
-        return stub
 
     async def push(
         self,
@@ -91,7 +78,8 @@ class GrpcKvPusher:
 
         start = time.perf_counter()
         try:
-            await self._stub(target.address).PushKv(messages(), timeout=self._timeout_s)
+            stub = worker_pb2_grpc.WorkerStub(self._channels.get(target.address))
+            await stub.PushKv(messages(), timeout=self._timeout_s)
         except grpc.aio.AioRpcError as exc:
             if export_error:
                 raise export_error[0] from exc
@@ -109,24 +97,8 @@ class GrpcKvPusher:
         sent["chunks"] += 1
         return pb
 
-    async def close(self) -> None:
-        for channel in self._channels.values():
-            await channel.close()
-        if self._closing:
-            await asyncio.gather(*self._closing, return_exceptions=True)
-        self._closing.clear()
-        self._channels.clear()
-        self._stubs.clear()
-
 
 def _push_error(exc: grpc.aio.AioRpcError, target: KvTargetSpec, request_id: str) -> Exception:
-    code, details = exc.code(), exc.details() or ""
-    where = f"KV push of request {request_id!r} to {target.address} rank {target.dp_rank}"
-    log.warning("kv_push_failed", target=target.address, code=code.name, details=details)
-    if code == grpc.StatusCode.FAILED_PRECONDITION:
-        return errors.FailedPrecondition(f"{where} refused: {details}")
-    if code == grpc.StatusCode.NOT_FOUND:
-        return errors.NotFound(f"{where}: {details}")
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return errors.InvalidArgument(f"{where} rejected: {details}")
-    return errors.Unavailable(f"{where} failed: {code.name}: {details}")
+    log.warning("kv_push_failed", target=target.address, code=exc.code().name, details=exc.details())
+    where = f"decode worker {target.address} (KV push of request {request_id!r}, rank {target.dp_rank})"
+    return error_from_rpc(exc, where, keep=_KEPT_STATUSES, otherwise=errors.Unavailable)

@@ -11,7 +11,7 @@ import contextlib
 import grpc
 import structlog
 
-from shared.channels import make_channel
+from shared.channels import ChannelCache
 from shared.proto import common_pb2, load_monitor_pb2, load_monitor_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -25,21 +25,25 @@ class Registration:
 
     def __init__(
         self,
+        channels: ChannelCache,
         address: str,
         info: common_pb2.WorkerInfo,
         heartbeat_interval_s: float = 0.0,
         retry_s: float = 2.0,
     ) -> None:
+        self._channels = channels
         self._address = address
         self._info = info
         self._heartbeat_override_s = heartbeat_interval_s
         self._retry_s = retry_s
-        self._channel = make_channel(address)
-        self._stub = load_monitor_pb2_grpc.LoadMonitorStub(self._channel)
         self._task: asyncio.Task[None] | None = None
         self.worker_id: str | None = None  # set while registered
         self._attempted = False  # a Register was sent at least once
         self.registered = asyncio.Event()
+
+    @property
+    def _stub(self) -> load_monitor_pb2_grpc.LoadMonitorStub:
+        return load_monitor_pb2_grpc.LoadMonitorStub(self._channels.get(self._address))
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="load-monitor-registration")
@@ -94,7 +98,7 @@ class Registration:
                 await asyncio.sleep(self._retry_s if self.worker_id is None else interval_s)
 
     async def deregister(self) -> None:
-        """Stop heartbeating and leave the cluster (best effort), then close the channel."""
+        """Stop heartbeating and leave the cluster (best effort)."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -113,4 +117,3 @@ class Registration:
                 log.warning("deregister_failed", code=exc.code().name, details=exc.details())
             self.worker_id = None
             self.registered.clear()
-        await self._channel.close()

@@ -1,5 +1,6 @@
 """Worker process bootstrap: settings, logs, tracing, metrics, model load, gRPC server,
-load-monitor membership and the SIGTERM drain. `main` is the entry point of every worker role."""
+load-monitor membership and the SIGTERM drain (through shared.server.serve_until_stopped, like
+every service). `main` is the entry point of every worker role."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from services.worker.messages import CAPABILITIES, PROTO_VERSION
 from services.worker.registration import Registration
 from services.worker.servicer import WorkerServicer
 from services.worker.settings import WorkerSettings
-from shared.channels import set_default_tls
+from shared.channels import ChannelCache
 from shared.cluster import Role, WorkerInfo
 from shared.cluster_convert import worker_info_to_pb
 from shared.errors import PdserveError
@@ -29,7 +30,7 @@ from shared.logs import configure_logging
 from shared.metrics import start_metrics_server
 from shared.model_store import model_id_for, resolve_model
 from shared.proto import worker_pb2_grpc
-from shared.server import Server, install_signal_handlers
+from shared.server import Server, serve_until_stopped
 from shared.settings import otel_env, parse_settings
 from shared.tracing import configure_tracing, server_interceptors
 
@@ -38,6 +39,11 @@ log = structlog.get_logger(__name__)
 SERVICE_NAME = "pdserve.v1.Worker"
 # Time left to streams that were aborted at the end of the drain to send their last frame (s).
 _ABORT_FLUSH_S = 5.0
+# After the drain, RPCs still open get this long before the server cancels them (s).
+_SERVER_STOP_GRACE_S = 1.0
+# Channels kept open to peers (decode workers for KV pushes, the load-monitor); decode workers
+# come and go, so the least recently used are closed beyond this (count).
+_MAX_CACHED_CHANNELS = 64
 
 EngineFactory = Callable[[EngineConfig], Engine]
 
@@ -78,35 +84,45 @@ class WorkerApp:
         self._engine_factory = engine_factory
         self.servicer = WorkerServicer()
         tls = settings.tls_config()
-        set_default_tls(tls)  # KV pushes and registration dial peers with the same TLS settings
         self.server = Server(settings.listen, [SERVICE_NAME], interceptors=server_interceptors(), tls=tls)
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server.grpc)
         self.address = settings.advertise_address or self.server.address
         self.worker_id = settings.worker_id or new_worker_id(settings.role)
-        self.pusher = GrpcKvPusher(timeout_s=settings.kv_push_timeout_s)
+        # KV pushes and registration dial peers with the same TLS settings as the server.
+        self.channels = ChannelCache(tls=tls, max_channels=_MAX_CACHED_CHANNELS)
+        self.pusher = GrpcKvPusher(self.channels, timeout_s=settings.kv_push_timeout_s)
         self.engine: Engine | None = None
         self.core: WorkerCore | None = None
         self.registration: Registration | None = None
         self._refresher: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        """Listen, load and warm up the model, register, then report SERVING."""
+        """Listen, get ready, then report SERVING (tests and in-process use; `serve` runs the
+        same steps through serve_until_stopped)."""
         await self.server.start()
-        log.info("listening", address=self.server.address, advertise_address=self.address,
+        self._log_identity()
+        await self.ready()
+        await self.server.set_serving(True)
+        log.info("serving", address=self.address)
+
+    def _log_identity(self) -> None:
+        log.info("worker_starting", address=self.server.address, advertise_address=self.address,
                  role=self.settings.role.value, worker_id=self.worker_id)
+
+    async def ready(self) -> None:
+        """Load and warm up the model, start the load gauges, register with the load-monitor."""
         await self.load()
         self._refresher = asyncio.create_task(self._refresh_loop(), name="load-gauges")
         if self.settings.load_monitor_address:
             assert self.core is not None
             self.registration = Registration(
+                self.channels,
                 self.settings.load_monitor_address,
                 worker_info_to_pb(self.core.identity),
                 heartbeat_interval_s=self.settings.heartbeat_interval_s,
                 retry_s=self.settings.register_retry_s,
             )
             self.registration.start()
-        await self.server.set_serving(True)
-        log.info("serving", address=self.address)
 
     async def load(self) -> None:
         s = self.settings
@@ -168,18 +184,27 @@ class WorkerApp:
                 except Exception:
                     log.exception("load_gauges_refresh_failed")
 
+    def begin_drain(self) -> None:
+        """Refuse new work from now on (called before health says NOT_SERVING)."""
+        if self.core is not None:
+            self.core.begin_drain()
+
     async def drain(self) -> None:
         """NOT_SERVING, leave the cluster, let in-flight requests finish, abort what's left."""
-        grace_s = self.settings.drain_grace_s
-        if self.core is not None:
-            self.core.begin_drain()  # first: once health says NOT_SERVING, new work is refused
+        self.begin_drain()  # first: once health says NOT_SERVING, new work is refused
         await self.server.set_serving(False)
+        await self.finish_in_flight()
+
+    async def finish_in_flight(self) -> None:
+        """Leave the cluster, let in-flight requests finish within drain_grace_s, then abort
+        what is left (after `begin_drain` and NOT_SERVING)."""
+        grace_s = self.settings.drain_grace_s
         if self.registration is not None:
             await self.registration.deregister()
             self.registration = None
         if self.core is None:
             return
-        log.info("draining", in_flight=self.core.num_active, grace_s=grace_s)
+        log.info("drain_started", in_flight=self.core.num_active, grace_s=grace_s)
         if not await self.core.wait_idle(grace_s):
             aborted = self.core.abort_all()
             log.warning("drain_grace_expired_aborting", aborted=len(aborted))
@@ -188,36 +213,33 @@ class WorkerApp:
         log.info("drained")
 
     async def stop(self) -> None:
-        """Stop the server and the engine (after `drain`, nothing is in flight)."""
+        """Stop the server and the engine (after `drain`, nothing is in flight); safe to call
+        after serve_until_stopped already stopped the server."""
         if self._refresher is not None:
             self._refresher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._refresher
         if self.registration is not None:
             await self.registration.deregister()
-        await self.server.stop(1.0)
-        await self.pusher.close()
+        await self.server.stop(_SERVER_STOP_GRACE_S)
+        await self.channels.close()
         if self.engine is not None:
             self.engine.shutdown()
-        log.info("stopped")
 
 
 async def serve(settings: WorkerSettings) -> None:
-    stop_event = asyncio.Event()
-    install_signal_handlers(stop_event)
+    """Serve until SIGTERM/SIGINT: listen (NOT_SERVING), load, register, SERVING; on the signal
+    refuse new work, NOT_SERVING, drain, stop. A signal while loading stops at once."""
     app = WorkerApp(settings)
+    app._log_identity()
     try:
-        start = asyncio.create_task(app.start())
-        stopped = asyncio.create_task(stop_event.wait())
-        await asyncio.wait({start, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        if not start.done():  # SIGTERM while loading: nothing is in flight, just stop
-            start.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await start
-        else:
-            start.result()  # a failed load raises here
-            await stopped
-            await app.drain()
+        await serve_until_stopped(
+            app.server,
+            on_ready=app.ready,
+            on_drain=app.finish_in_flight,
+            grace_s=_SERVER_STOP_GRACE_S,
+            on_stop_requested=app.begin_drain,
+        )
     finally:
         await app.stop()
 

@@ -10,7 +10,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from shared.channels import make_channel
+from shared.channels import ChannelCache, make_channel
 from shared.server import Server
 from shared.tls import TlsSettings
 from tests.support.pki import make_pki
@@ -80,3 +80,19 @@ def test_half_configured_tls_is_an_error(pki: Path) -> None:
     with pytest.raises(ValueError, match="cannot read"):
         TlsSettings(tls_cert_file="/nonexistent.crt", tls_key_file="/nonexistent.key").tls_config()
     assert TlsSettings().tls_config() is None
+
+
+async def test_channel_cache_dials_with_the_tls_it_is_given(tls_server: tuple[Server, TlsSettings]) -> None:
+    server, settings = tls_server
+    secure, plain = ChannelCache(tls=settings.tls_config()), ChannelCache(tls=None)
+    try:
+        stub = health_pb2_grpc.HealthStub(secure.get(server.address))
+        resp = await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.aio.AioRpcError):  # no process-wide TLS default to fall back on
+            await health_pb2_grpc.HealthStub(plain.get(server.address)).Check(
+                health_pb2.HealthCheckRequest(), timeout=5
+            )
+    finally:
+        await secure.close()
+        await plain.close()
