@@ -202,3 +202,6 @@ class Engine(Protocol):
     def num_free_blocks(self, dp_rank: int) -> int: ...
 
     def num_total_blocks(self, dp_rank: int) -> int: ...
+
+    def num_waiting_prompt_tokens(self, dp_rank: int) -> int:
+        """Tokens queued for prefill on the rank (waiting requests + rest of chunked prompts)."""
