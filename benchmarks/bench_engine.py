@@ -6,7 +6,7 @@ Workload: N concurrent requests (default 16) arriving together, prompts spread e
 [64, 512] tokens (random token ids, fixed seed), exactly 64 new tokens each (EOS ignored).
 Every contender gets the whole machine: transformers with torch's default threads, pdserve (by
 default on CPU) as one DP rank per core, up to 2, with one torch thread each (one thread per
-rank beats two threads in one on this 2-core CPU, see ENGINE-NOTES); `--threads 1
+rank beats two threads in one on this 2-core CPU, see docs/architecture.md); `--threads 1
 --engine-dp-size 1` compares on one core instead. Each contender runs in its own subprocess so
 peak RSS is its own. Reported per contender:
 aggregate generated tokens/s (all tokens / wall time from the common arrival), TTFT (arrival to

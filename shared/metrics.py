@@ -44,6 +44,12 @@ KV_USAGE_RATIO = Gauge("pdserve_kv_cache_usage_ratio", "Used / total KV blocks",
 RANK_USED_TOKENS = Gauge("pdserve_rank_used_tokens", "Tokens in use on a DP rank", ["dp_rank"])
 RANK_RUNNING = Gauge("pdserve_rank_running_requests", "Running requests on a DP rank", ["dp_rank"])
 RANK_WAITING = Gauge("pdserve_rank_waiting_requests", "Waiting requests on a DP rank", ["dp_rank"])
+# The prefill backlog (what a prefill-worker autoscaler scales on; helm/pdserve README).
+RANK_WAITING_PROMPT_TOKENS = Gauge(
+    "pdserve_rank_waiting_prompt_tokens",
+    "Tokens waiting to be prefilled on a DP rank (queued requests + rest of chunked prompts)",
+    ["dp_rank"],
+)
 KV_TRANSFER_BYTES = Counter("pdserve_kv_transfer_bytes_total", "KV bytes pushed or received", ["direction"])
 KV_TRANSFER_SECONDS = Histogram(
     "pdserve_kv_transfer_seconds", "Time to push one request's KV", buckets=_SMALL_BUCKETS_S

@@ -1,8 +1,8 @@
 """Token accounting (pure functions): completion_tokens, finish_reason, cache stats, usage.
 
-DESIGN.md "Token accounting": the worker that generated a token is the only authority on how many
-it generated. Counts arrive as `generated_tokens` on the prefill's first-token reply and on the
-decode's FINAL frame; the gateway sums them (saturating at 2**64 - 1, the wire type's range) and
+docs/architecture.md, "Token accounting": the worker that generated a token is the only authority
+on how many it generated. Counts arrive as `generated_tokens` on the prefill's first-token reply
+and on the decode's FINAL frame; the gateway sums them (saturating at 2**64 - 1, the wire type's range) and
 clamps to max_tokens. Only when a worker's messages carried no count (a v1.0 worker) are that
 worker's frames counted instead; with every worker old, that is "no frame carried a count -> count
 frames", and in a half-upgraded pair (old prefill, new decode) each side is still counted once.

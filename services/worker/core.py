@@ -407,6 +407,8 @@ class WorkerCore:
             metrics.RANK_USED_TOKENS.labels(dp_rank=rank).set(load.num_used_tokens)
             metrics.RANK_RUNNING.labels(dp_rank=rank).set(load.num_running)
             metrics.RANK_WAITING.labels(dp_rank=rank).set(load.num_waiting)
+            metrics.RANK_WAITING_PROMPT_TOKENS.labels(dp_rank=rank).set(
+                self.engine.num_waiting_prompt_tokens(load.dp_rank))
             if callable(num_preemptions):
                 total_preempted = int(num_preemptions(load.dp_rank))
                 seen = self._preemptions_seen.get(load.dp_rank, 0)

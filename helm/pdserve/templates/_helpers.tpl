@@ -101,8 +101,11 @@ app.kubernetes.io/component: {{ .name }}
 {{- end }}
 {{- end }}
 
+{{/* repository:tag; the default tag is appVersion (cpu) or appVersion-cuda, as `make image` tags. */}}
 {{- define "pdserve.image" -}}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion (toString .Values.image.tag)) }}
+{{- $default := .Chart.AppVersion }}
+{{- if eq (.Values.image.variant | default "cpu") "cuda" }}{{ $default = printf "%s-cuda" .Chart.AppVersion }}{{ end }}
+{{- printf "%s:%s" .Values.image.repository (default $default (toString .Values.image.tag)) }}
 {{- end }}
 
 {{/* A value as an env var string: whole floats without exponent, lists comma-joined. */}}

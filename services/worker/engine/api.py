@@ -4,7 +4,7 @@ and import for disaggregation, per-rank loads. No grpc here.
 Threading: the engine runs one step loop per DP rank in background threads. Every method below is
 safe to call from the asyncio event loop thread; outputs are delivered to the caller's loop.
 
-Token accounting rules (DESIGN.md "Token accounting"):
+Token accounting rules (docs/architecture.md "Token accounting"):
 - `num_generated_tokens` is the authoritative per-request counter of tokens this engine sampled
   for the request, excluding a terminating model EOS (so an immediate EOS counts 0); a token from
   `stop_token_ids` that ends the request IS counted (its text is excluded unless
@@ -174,3 +174,6 @@ class Engine(Protocol):
     def num_free_blocks(self, dp_rank: int) -> int: ...
 
     def num_total_blocks(self, dp_rank: int) -> int: ...
+
+    def num_waiting_prompt_tokens(self, dp_rank: int) -> int:
+        """Tokens queued for prefill on the rank (waiting requests + rest of chunked prompts)."""

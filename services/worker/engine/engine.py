@@ -304,6 +304,9 @@ class PagedEngine:
     def rank_loads(self) -> list[RankLoad]:
         return [rank.load() for rank in self._ranks]
 
+    def num_waiting_prompt_tokens(self, dp_rank: int) -> int:
+        return self._ranks[dp_rank].num_waiting_prompt_tokens()
+
     def num_free_blocks(self, dp_rank: int) -> int:
         with self._ranks[dp_rank].lock:
             return self._ranks[dp_rank].blocks.num_free_blocks

@@ -345,6 +345,10 @@ class Rank:
             deliver_batch(outputs)
 
     # ---- loads ---------------------------------------------------------------------------
+    def num_waiting_prompt_tokens(self) -> int:
+        with self.lock:
+            return self.scheduler.num_waiting_prompt_tokens
+
     def load(self) -> RankLoad:
         with self.lock:
             return RankLoad(

@@ -51,6 +51,15 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def num_waiting_prompt_tokens(self) -> int:
+        """Tokens still to prefill: every uncomputed token of a waiting request (a preempted one
+        recomputes its outputs too) plus the rest of the prompts being prefilled in chunks. The
+        prefill backlog an autoscaler watches (pdserve_rank_waiting_prompt_tokens)."""
+        queued = sum(r.num_uncomputed_tokens for r in self.waiting)
+        chunked = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in self.running)
+        return queued + chunked
+
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
         self.waiting.append(req)

@@ -98,3 +98,5 @@ async def test_kv_transfer_and_load_metrics_add_up(
     usage = sample("pdserve_kv_cache_usage_ratio", dp_rank="0")
     assert 0.0 <= usage <= 1.0
     assert sample("pdserve_rank_running_requests", dp_rank="0") >= 0
+    # The prefill backlog an autoscaler scales on: published, and empty once the request is done.
+    assert REGISTRY.get_sample_value("pdserve_rank_waiting_prompt_tokens", {"dp_rank": "0"}) == 0.0

@@ -79,3 +79,29 @@ def test_prefix_hit_on_admission_counts_tokens() -> None:
     sched.add(c)
     assert step(sched) == {"b": 1, "c": 4}
     assert c.num_local_cached_tokens == 4
+
+
+def test_waiting_prompt_tokens_follow_the_prefill_backlog() -> None:
+    sched = Scheduler(BlockManager(64, 4, True), max_batch_tokens=10, max_num_seqs=8)
+    assert sched.num_waiting_prompt_tokens == 0
+    a, b = make_request("a", 6), make_request("b", 12, first=100)
+    sched.add(a)
+    sched.add(b)
+    assert sched.num_waiting_prompt_tokens == 18  # both queued
+    step(sched)  # a: 6, b: the first 4 of 12
+    assert sched.num_waiting_prompt_tokens == 8  # the rest of b's prompt, in chunks
+    step(sched)
+    assert sched.num_waiting_prompt_tokens == 0  # decoding tokens are not prefill work
+
+
+def test_a_preempted_request_waits_with_everything_it_recomputes() -> None:
+    bm = BlockManager(6, 4, False)
+    sched = Scheduler(bm, max_batch_tokens=100, max_num_seqs=8)
+    old, new = make_request("old", 8), make_request("new", 8, first=50)
+    sched.add(old)
+    sched.add(new)
+    for _ in range(5):
+        step(sched)
+    step(sched)  # old needs a 4th block: new is preempted
+    assert new.status is RequestStatus.PREEMPTED
+    assert sched.num_waiting_prompt_tokens == new.num_tokens == 8 + 5
