@@ -8,6 +8,8 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from shared import cluster_convert as cc
 from shared.cluster import (
@@ -144,3 +146,53 @@ def test_snapshot_skips_unusable_workers_and_sums_ranks() -> None:
     assert [w.info.worker_id for w in snapshot.workers] == ["ok"] and skipped == ["odd"]
     assert [r.num_used_tokens for r in snapshot.workers[0].ranks] == [0, 7]  # summed per rank
     assert snapshot.version == 3
+
+
+# --- property-based: any value the wire types can carry survives the round trip ------------------
+
+U32 = st.integers(0, 2**32 - 1)
+U64 = st.integers(0, 2**64 - 1)
+
+layouts = st.builds(
+    KvLayout, num_layers=U32, num_kv_heads=U32, head_dim=U32, block_size=U32,
+    dtype=st.sampled_from(["float32", "bfloat16", "float16"]),
+)
+
+
+def infos(dp_size: st.SearchStrategy[int] = U32) -> st.SearchStrategy[WorkerInfo]:
+    return st.builds(
+        WorkerInfo, worker_id=st.text(), address=st.text(), role=st.sampled_from(list(Role)),
+        model_id=st.text(), dp_size=dp_size, kv_layout=layouts,
+        capabilities=st.lists(st.text(), max_size=4).map(tuple), proto_version=st.text(max_size=8),
+        max_model_len=U32, device=st.sampled_from(["", "cpu", "cuda"]),
+    )
+
+
+def rank_loads(dp_rank: st.SearchStrategy[int] = U32) -> st.SearchStrategy[RankLoad]:
+    return st.builds(
+        RankLoad, dp_rank=dp_rank, num_used_tokens=U64, num_running=U32, num_waiting=U32,
+        kv_capacity_tokens=U64, prefix_cache_queries_tokens=U64, prefix_cache_hits_tokens=U64,
+    )
+
+
+@st.composite
+def worker_loads(draw: st.DrawFn) -> WorkerLoad:
+    dp_size = draw(st.integers(1, 4))
+    ranks = tuple(draw(rank_loads(st.just(rank))) for rank in range(dp_size))  # normalized form
+    return WorkerLoad(draw(infos(st.just(dp_size))), ranks, age_ms=draw(U64), stale=draw(st.booleans()))
+
+
+@given(infos())
+def test_any_worker_info_round_trips(info: WorkerInfo) -> None:
+    assert cc.worker_info_from_pb(cc.worker_info_to_pb(info)) == info
+
+
+@given(rank_loads())
+def test_any_rank_load_round_trips(load: RankLoad) -> None:
+    assert cc.rank_load_from_pb(cc.rank_load_to_pb(load)) == load
+
+
+@given(st.lists(worker_loads(), max_size=3).map(tuple), U64, U64)
+def test_any_snapshot_round_trips(workers: tuple[WorkerLoad, ...], version: int, timestamp_ms: int) -> None:
+    snapshot = LoadSnapshot(workers, version, timestamp_ms)
+    assert cc.snapshot_from_pb(cc.snapshot_to_pb(snapshot)) == (snapshot, [])
