@@ -376,3 +376,30 @@ async def test_disconnect_aborts_on_the_workers(bpe: HttpStack, mode: str) -> No
             await http.post("/completions", json=body)
     await bpe.wait_idle()
     assert _aborted() == before + 2
+
+
+async def test_error_after_the_stream_started_ends_it_with_an_error_event(bpe: HttpStack) -> None:
+    bpe.router.mode = "unified"
+    body = {"prompt": LONG_PROMPT, "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    async with gateway_on(bpe) as gw:
+        async with (
+            httpx.AsyncClient(base_url=(gw.http_url or "") + "/v1", timeout=60) as http,
+            http.stream("POST", "/completions", json=body) as r,
+        ):
+            assert r.status_code == 200
+            lines: list[str] = []
+            async for line in r.aiter_lines():
+                if not line:
+                    continue
+                lines.append(line)
+                if len(lines) == 2:  # mid-stream: the gateway shuts down with no grace
+                    drain = asyncio.ensure_future(gw.service.drain(0.0))
+        await drain
+        last = json.loads(lines[-1][6:])
+        assert last["error"]["type"] == "service_unavailable_error" and "retry" in last["error"]["message"]
+        assert "data: [DONE]" not in lines
+        # the official client raises on the error event
+        client = openai.AsyncOpenAI(base_url=(gw.http_url or "") + "/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.InternalServerError):
+            await client.completions.create(model="", prompt="hi", max_tokens=2)  # draining: 503
+    await bpe.wait_idle()
