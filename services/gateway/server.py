@@ -100,7 +100,7 @@ def build_app(settings: GatewaySettings) -> GatewayApp:
     # The API key check runs first: an unauthenticated call reaches nothing else.
     auth = ApiKeyInterceptor(keys, [SERVICE_NAME])
     server = Server(settings.listen, [SERVICE_NAME], interceptors=[auth, *server_interceptors()], tls=tls)
-    gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(service), server.grpc)  # type: ignore[no-untyped-call]
+    gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(service), server.grpc)
     http_api = HttpApi(service, keys, lambda: server.serving, settings.http_max_body_bytes)
     http = None
     if settings.http_port >= 0:

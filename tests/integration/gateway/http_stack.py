@@ -78,7 +78,7 @@ class HttpStack:
 
     @property
     def stub(self) -> gateway_pb2_grpc.GatewayStub:
-        return gateway_pb2_grpc.GatewayStub(self.channel)  # type: ignore[no-untyped-call]
+        return gateway_pb2_grpc.GatewayStub(self.channel)
 
     @property
     def base_url(self) -> str:

@@ -25,7 +25,7 @@ from .http_stack import HttpStack, gateway_on, http_stack
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 MODES = ["disaggregated", "unified"]
-CHAT = [{"role": "user", "content": "The quick brown fox 🙂 jumps"}]
+CHAT: Any = [{"role": "user", "content": "The quick brown fox 🙂 jumps"}]  # openai.types ... MessageParam
 LONG_PROMPT = "Prefill and decode run on different workers; the KV cache moves between them. " * 3
 
 
@@ -194,7 +194,7 @@ async def test_n2_seeds_reproducible_and_stop(bpe: HttpStack) -> None:
     assert texts[0] != texts[1]  # each choice has its own derived seed
     assert single.choices[0].message.content == texts[0]  # choice 0 uses the seed itself
     assert a.usage is not None and a.usage.completion_tokens == 24
-    assert a.usage.prompt_tokens == single.usage.prompt_tokens  # type: ignore[union-attr]
+    assert single.usage is not None and a.usage.prompt_tokens == single.usage.prompt_tokens
     streamed = await client.chat.completions.create(n=2, stream=True, **kw)
     by_choice = {0: "", 1: ""}
     async for c in streamed:
@@ -223,8 +223,9 @@ async def test_cached_tokens_on_a_repeated_prefix(bpe: HttpStack, mode: str) -> 
     first = await client.completions.create(model="", prompt=prompt, max_tokens=2, temperature=0)
     second = await client.completions.create(model="", prompt=prompt + " again", max_tokens=2, temperature=0)
     assert first.usage is not None and second.usage is not None
-    assert first.usage.prompt_tokens_details.cached_tokens == 0  # type: ignore[union-attr]
-    cached = second.usage.prompt_tokens_details.cached_tokens  # type: ignore[union-attr]
+    assert first.usage.prompt_tokens_details is not None and second.usage.prompt_tokens_details is not None
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens or 0
     assert cached >= first.usage.prompt_tokens - 4 and cached % 4 == 0 and cached > 0
 
 
@@ -331,7 +332,7 @@ async def test_api_keys_on_http_and_grpc(bpe: HttpStack) -> None:
                 assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
                 assert r.json()["error"]["type"] == "authentication_error"
         async with grpc.aio.insecure_channel(gw.server.address) as ch:
-            stub = gateway_pb2_grpc.GatewayStub(ch)  # type: ignore[no-untyped-call]
+            stub = gateway_pb2_grpc.GatewayStub(ch)
             req = gateway_pb2.GenerateRequest(prompt="hi", max_tokens=1)
             for md in ((), (("authorization", "Bearer wrong"),)):
                 with pytest.raises(grpc.aio.AioRpcError) as err:
