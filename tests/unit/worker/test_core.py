@@ -23,7 +23,7 @@ from services.worker.messages import (
     PrefillCall,
 )
 from shared import errors
-from shared.cluster import FinishReason, KvLayout, Role, WorkerInfo
+from shared.cluster import KvLayout, Role, WorkerInfo
 
 LAYOUT = KvLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, dtype="float32")
 
@@ -71,7 +71,8 @@ class FakeEngine:
             raise errors.InvalidArgument("bad chunk")
 
     def finish_import(self, ticket: str, num_tokens: int, first_token_id: int | None,
-                      prefill_generated_tokens: int) -> None:
+                      prefill_generated_tokens: int, draft_token_ids: tuple[int, ...] = ()
+                      ) -> None:
         self.calls.append(("finish", ticket, num_tokens, first_token_id,
                            prefill_generated_tokens))
 
@@ -188,31 +189,3 @@ async def test_role_gating_and_drain() -> None:
         await core.prefill(PrefillCall(request=request(), kv_target=None,
                                        return_token_ids=False))
     assert await core.wait_idle(0)
-
-
-@pytest.mark.parametrize(
-    ("fields", "message"),
-    [(dict(dp_rank=1), "dp_rank"), (dict(prompt_token_ids=()), "empty"),
-     (dict(prompt_token_ids=(1,) * 64), "max_model_len"), (dict(request_id=""), "request_id"),
-     (dict(sampling=SamplingConfig(max_tokens=0)), "max_tokens"),
-     (dict(sampling=SamplingConfig(max_tokens=1, top_p=1.5)), "top_p"),
-     (dict(sampling=SamplingConfig(max_tokens=1, temperature=-1)), "temperature")],
-)
-def test_validation_messages(fields: dict[str, Any], message: str) -> None:
-    core, _ = make_core()
-    with pytest.raises(errors.InvalidArgument, match=message):
-        core.validate(request(**fields))
-
-
-def test_finish_reason_rule_at_the_first_token() -> None:
-    out = RequestOutput(request_id="r", new_token_ids=(), text_delta="", finished=True,
-                        finish_reason=FinishReason.STOP, num_generated_tokens=0,
-                        num_prompt_tokens=5, num_local_cached_tokens=0, num_transferred_tokens=0)
-    rule = WorkerCore._prefill_finish_reason
-    assert rule(out, request()) is FinishReason.STOP  # immediate EOS: count 0
-    one = request(sampling=SamplingConfig(max_tokens=1))
-    cont = RequestOutput(request_id="r", new_token_ids=(7,), text_delta="x", finished=True,
-                         finish_reason=None, num_generated_tokens=1, num_prompt_tokens=5,
-                         num_local_cached_tokens=0, num_transferred_tokens=0)
-    assert rule(cont, one) is FinishReason.LENGTH
-    assert rule(cont, request()) is None
