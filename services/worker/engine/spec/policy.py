@@ -19,6 +19,9 @@ EMA_WEIGHT = 0.3
 # proposals verified before a request may back off (count)
 MIN_DRAFTS_BEFORE_BACKOFF = 8
 FIRST_BACKOFF_STEPS = 4
+# the moving average a request restarts from after a back-off (ratio; (1 - EMA_WEIGHT) * it
+# is below LOW_ACCEPTANCE)
+PROBE_ACCEPTANCE = 0.4
 MAX_BACKOFF_STEPS = 64
 
 
@@ -46,9 +49,10 @@ def after_verify(record: SpecRecord, proposed: int, accepted: int) -> SpecRecord
                               recent_acceptance=ema)
     if ema < LOW_ACCEPTANCE and drafts >= MIN_DRAFTS_BEFORE_BACKOFF:
         backoff = min(MAX_BACKOFF_STEPS, max(FIRST_BACKOFF_STEPS, 2 * record.backoff_steps))
-        # after the back-off one probe decides: start it just above the threshold
+        # after the back-off one probe decides: restart the average just above the threshold,
+        # where a probe with nothing accepted falls below it again
         return dataclasses.replace(rec, skip_steps=backoff, backoff_steps=backoff,
-                                   recent_acceptance=LOW_ACCEPTANCE + EMA_WEIGHT / 2)
+                                   recent_acceptance=PROBE_ACCEPTANCE)
     if rate >= 0.5:
         rec = dataclasses.replace(rec, backoff_steps=0)
     return rec
