@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -73,8 +74,9 @@ class FakeEngine:
     def finish_import(self, ticket: str, num_tokens: int, first_token_id: int | None,
                       prefill_generated_tokens: int, draft_token_ids: tuple[int, ...] = ()
                       ) -> None:
-        self.calls.append(("finish", ticket, num_tokens, first_token_id,
-                           prefill_generated_tokens))
+        call: tuple[Any, ...] = ("finish", ticket, num_tokens, first_token_id,
+                                 prefill_generated_tokens)
+        self.calls.append(call + ((draft_token_ids,) if draft_token_ids else ()))
 
     def release(self, request_id: str) -> None:
         self.calls.append(("release", request_id))
@@ -82,6 +84,16 @@ class FakeEngine:
     def abort(self, request_id: str) -> bool:
         self.calls.append(("abort", request_id))
         return True
+
+
+class RecordingPusher:
+    def __init__(self) -> None:
+        self.kwargs: dict[str, Any] = {}
+
+    async def push(self, **kwargs: Any) -> KvPushResult:
+        list(kwargs["chunks"])
+        self.kwargs = kwargs
+        return KvPushResult(bytes_sent=8, num_chunks=1, seconds=0.001)
 
 
 class FailingPusher:
@@ -189,3 +201,25 @@ async def test_role_gating_and_drain() -> None:
         await core.prefill(PrefillCall(request=request(), kv_target=None,
                                        return_token_ids=False))
     assert await core.wait_idle(0)
+
+
+async def test_proposals_travel_from_prefill_to_the_decode_engine() -> None:
+    pusher = RecordingPusher()
+    core, engine = make_core(Role.PREFILL, pusher)
+    original = engine.add_request
+
+    def with_drafts(request: EngineRequest) -> FakeHandle:
+        handle = original(request)
+        handle._outputs = [dataclasses.replace(o, draft_token_ids=(8, 9))
+                           for o in handle._outputs]
+        return handle
+
+    engine.add_request = with_drafts  # type: ignore[method-assign]
+    target = KvTargetSpec(address="d:1", dp_rank=0, transfer_ticket="t", skip_blocks=0)
+    await core.prefill(PrefillCall(request=request(), kv_target=target, return_token_ids=False))
+    assert pusher.kwargs["draft_token_ids"] == (8, 9)
+    assert pusher.kwargs["first_token_id"] == 7
+    core, engine = make_core()
+    last = dataclasses.replace(chunk(0, last=True, generated=1), draft_token_ids=(8, 9))
+    await core.receive_kv(stream(last))
+    assert engine.calls[-1] == ("finish", "t", 5, 7, 1, (8, 9))
