@@ -15,9 +15,12 @@ import sys
 import types
 import typing
 from collections.abc import Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")
 
 ENV_PREFIX = "PDSERVE_"
 
@@ -73,7 +76,7 @@ def parse_settings(
     env = os.environ if env is None else env
     hints = typing.get_type_hints(cls)
     parser = argparse.ArgumentParser(prog=prog, description=(cls.__doc__ or "").strip())
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+    for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
         env_name = ENV_PREFIX + f.name.upper()
         default = f.default.value if isinstance(f.default, enum.Enum) else f.default
@@ -86,7 +89,7 @@ def parse_settings(
             parser.add_argument(flag, dest=f.name, default=None, type=str, help=help_text)
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     values: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+    for f in dataclasses.fields(cls):
         tp = hints[f.name]
         cli_value = getattr(args, f.name)
         env_value = env.get(ENV_PREFIX + f.name.upper())

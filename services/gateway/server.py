@@ -76,7 +76,7 @@ def build_app(settings: GatewaySettings) -> GatewayApp:
         GrpcWorkers(channels, settings.worker_rpc_timeout_s),
     )
     server = Server(settings.listen, [SERVICE_NAME], interceptors=server_interceptors(), tls=tls)
-    gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(service), server.grpc)  # type: ignore[no-untyped-call]
+    gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(service), server.grpc)
     return GatewayApp(settings, server, service, channels)
 
 

@@ -74,7 +74,7 @@ async def gateway(old_worker: str, tiny_model: Path) -> AsyncIterator[Gateway]:
     await app.start()
     channel = grpc.aio.insecure_channel(app.server.address)
     try:
-        yield Gateway(app, scheduler, gateway_pb2_grpc.GatewayStub(channel))  # type: ignore[no-untyped-call]
+        yield Gateway(app, scheduler, gateway_pb2_grpc.GatewayStub(channel))
     finally:
         await channel.close()
         await app.stop(0)

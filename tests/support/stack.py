@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,8 +66,8 @@ def free_port_base() -> int:
     raise RuntimeError("no free port range found")
 
 
-def _pump(stream: object, lines: queue.Queue[str | None], sink: list[str]) -> None:
-    for line in stream:  # type: ignore[attr-defined]
+def _pump(stream: Iterable[str], lines: queue.Queue[str | None], sink: list[str]) -> None:
+    for line in stream:
         sink.append(line.rstrip("\n"))
         lines.put(line)
     lines.put(None)

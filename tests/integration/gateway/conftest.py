@@ -41,7 +41,7 @@ class Cluster:
 
     @property
     def stub(self) -> gateway_pb2_grpc.GatewayStub:
-        return gateway_pb2_grpc.GatewayStub(self.channel)  # type: ignore[no-untyped-call]
+        return gateway_pb2_grpc.GatewayStub(self.channel)
 
 
 def gateway_settings(model: Path, scheduler_address: str, **overrides: Any) -> GatewaySettings:

@@ -247,7 +247,7 @@ async def test_invalid_inputs_are_invalid_argument(
     prefill: RunningWorker, decode: RunningWorker, tiny_model: Path, rpc: str
 ) -> None:
     ids = prompt_ids(tiny_model)
-    bad = [
+    bad: list[dict[str, Any]] = [
         dict(prompt_token_ids=ids, sampling=sampling(4), dp_rank=1),  # one rank only
         dict(prompt_token_ids=[], sampling=sampling(4)),
         dict(prompt_token_ids=[5] * (MAX_MODEL_LEN + 1), sampling=sampling(4)),

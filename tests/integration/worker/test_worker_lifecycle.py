@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import grpc
@@ -76,10 +76,10 @@ async def start_load_monitor(address: str) -> tuple[grpc.aio.Server, FakeLoadMon
     return server, fake, f"127.0.0.1:{port}"
 
 
-async def wait_until(predicate: object, timeout_s: float = 10.0) -> None:
+async def wait_until(predicate: Callable[[], object], timeout_s: float = 10.0) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    while not predicate():  # type: ignore[operator]
+    while not predicate():
         assert loop.time() < deadline, "condition not reached in time"
         await asyncio.sleep(0.02)
 

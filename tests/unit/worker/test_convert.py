@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from services.worker import convert
 from services.worker.engine.api import KvBlocksChunk
 from services.worker.messages import DecodeEvent, FrameKind, KvTargetSpec, PrefillResult
@@ -50,8 +52,8 @@ def test_prefill_reply_always_carries_generated_tokens() -> None:
 
 
 def test_generated_tokens_only_on_final_frames() -> None:
-    base = dict(request_id="r", prompt_tokens=4, local_cached_tokens=0,
-                transferred_cached_tokens=4)
+    base: dict[str, Any] = dict(request_id="r", prompt_tokens=4, local_cached_tokens=0,
+                                transferred_cached_tokens=4)
     tokens = convert.decode_event_to_pb(DecodeEvent(kind=FrameKind.TOKENS, text="a", **base))
     assert not tokens.HasField("generated_tokens")
     assert tokens.kind == worker_pb2.DECODE_FRAME_KIND_TOKENS
