@@ -380,3 +380,32 @@ async def test_500_random_requests_with_cancels_and_speculation_leave_every_pool
         assert engine.num_free_blocks(rank) == engine.num_total_blocks(rank)
         assert engine.spec_stats(rank).num_accepted_tokens > 0
     assert [x.num_running + x.num_waiting for x in engine.rank_loads()] == [0, 0]
+
+
+async def test_a_request_whose_proposals_fail_backs_off(make_engine: EngineFactory) -> None:
+    """1-gram lookup over a prompt holding every token id always finds a proposal; sampled
+    output rejects nearly all of them: the request stops proposing (doubling back-off), so it
+    verifies far fewer than k tokens per step, and its output is unchanged."""
+    off, on = _pair(make_engine, spec_ngram_min=1)
+    vocab = list(range(3, int(on.vocab_size)))  # type: ignore[attr-defined]
+    random.Random(9).shuffle(vocab)
+    sp = SamplingConfig(max_tokens=80, temperature=1.0, seed=1, ignore_eos=True)
+    ref = await collect(off.add_request(request("a", tuple(vocab), sp)))
+    got = await collect(on.add_request(request("b", tuple(vocab), sp)))
+    _same_outputs(ref, got)
+    stats = on.spec_stats(0)
+    assert stats.num_draft_tokens > 0
+    assert stats.acceptance_rate < policy.LOW_ACCEPTANCE
+    assert stats.num_draft_tokens < 80 * 4 / 4  # without back-off: ~4 per step
+
+
+async def test_a_large_batch_verifies_no_proposals(make_engine: EngineFactory) -> None:
+    """Per-step back-off: with more decoding sequences than spec_max_batch_tokens, verification
+    is no longer free and no proposal is scheduled; a lone request still speculates."""
+    busy = make_engine(**SPEC, spec_max_batch_tokens=6)
+    reqs = [request(f"r{i}", _repetitive(30, 70 + i), greedy(30, ignore_eos=True))
+            for i in range(8)]
+    await _run_all(busy, reqs)
+    assert busy.spec_stats(0).num_draft_tokens == 0
+    await _run_all(busy, reqs[:1])
+    assert busy.spec_stats(0).num_draft_tokens > 0
