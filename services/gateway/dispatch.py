@@ -6,9 +6,10 @@ reached through the ports in `ports.py`."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -92,7 +93,7 @@ class Dispatcher:
 
     async def run(
         self, req: PreparedRequest, state: RequestState, deadline_s: float | None
-    ) -> AsyncIterator[OutputFrame]:
+    ) -> AsyncGenerator[OutputFrame, None]:
         """Frames for the client, the last one FINAL. Raises shared.errors on failure, after
         aborting whatever was started. deadline_s is on the time.monotonic() clock."""
         hashes = tuple(block_hashes(req.prompt_token_ids, self._block_size))
@@ -102,8 +103,10 @@ class Dispatcher:
             tries += 1
             attempt = _Attempt(attempt_request_id(req.request_id, tries))
             try:
-                async for frame in self._attempt(req, state, attempt, hashes, tuple(exclude), deadline_s):
-                    yield frame
+                frames = self._attempt(req, state, attempt, hashes, tuple(exclude), deadline_s)
+                async with contextlib.aclosing(frames):
+                    async for frame in frames:
+                        yield frame
                 return
             except (WorkerUnavailable, WorkerOutOfCapacity) as exc:
                 await self._undo(attempt)
@@ -115,14 +118,16 @@ class Dispatcher:
                     exclude.append(exc.worker_id)
                 if state.status is not RequestStatus.WAITING:
                     state.reset_for_retry()
-            except (asyncio.CancelledError, GeneratorExit):
-                await self._undo(attempt)
+            except (asyncio.CancelledError, GeneratorExit, DeadlineExceeded):
+                # The state ends first: a second cancellation while the aborts go out must not
+                # leave the request logged (and counted) as still running.
                 if not state.status.is_finished:
                     state.finish(FinishReason.ABORT)
+                await self._undo(attempt)
                 raise
             except BaseException:
-                await self._undo(attempt)
                 state.fail()
+                await self._undo(attempt)
                 raise
 
     async def _attempt(
@@ -133,7 +138,7 @@ class Dispatcher:
         hashes: tuple[int, ...],
         exclude: tuple[str, ...],
         deadline_s: float | None,
-    ) -> AsyncIterator[OutputFrame]:
+    ) -> AsyncGenerator[OutputFrame, None]:
         query = ScheduleQuery(
             request_id=attempt.request_id,
             model=req.model,
@@ -175,8 +180,9 @@ class Dispatcher:
             frames = self._disaggregated(state, attempt, placement.prefill, placement.decode, job, deadline_s)
         else:
             frames = self._aggregated(state, attempt, placement.decode, job, deadline_s)
-        async for frame in frames:
-            yield frame
+        async with contextlib.aclosing(frames):
+            async for frame in frames:
+                yield frame
 
     async def _disaggregated(
         self,
@@ -186,7 +192,7 @@ class Dispatcher:
         decode: WorkerTarget,
         job: WorkerJob,
         deadline_s: float | None,
-    ) -> AsyncIterator[OutputFrame]:
+    ) -> AsyncGenerator[OutputFrame, None]:
         # 1. The decode worker admits the request first: it reserves KV and issues a ticket.
         attempt.start(decode.address)
         stream = attempt.stream = self._workers.decode(
@@ -226,8 +232,10 @@ class Dispatcher:
         # 3. The first token goes to the client at once (TTFT); decode continues.
         state.advance(RequestStatus.DECODING)
         yield self._frame(state, FrameKind.FIRST, reply.text, reply.token_ids)
-        async for frame in self._relay(state, stream, decode, deadline_s, prefilled_here=False):
-            yield frame
+        relayed = self._relay(state, stream, decode, deadline_s, prefilled_here=False)
+        async with contextlib.aclosing(relayed):
+            async for frame in relayed:
+                yield frame
 
     async def _aggregated(
         self,
@@ -236,14 +244,16 @@ class Dispatcher:
         target: WorkerTarget,
         job: WorkerJob,
         deadline_s: float | None,
-    ) -> AsyncIterator[OutputFrame]:
+    ) -> AsyncGenerator[OutputFrame, None]:
         attempt.start(target.address)
         state.advance(RequestStatus.PREFILLING)
         stream = attempt.stream = self._workers.decode(
             target, job, local_prefill=True, timeout_s=self._remaining(deadline_s)
         )
-        async for frame in self._relay(state, stream, target, deadline_s, prefilled_here=True):
-            yield frame
+        relayed = self._relay(state, stream, target, deadline_s, prefilled_here=True)
+        async with contextlib.aclosing(relayed):
+            async for frame in relayed:
+                yield frame
 
     async def _relay(
         self,
@@ -252,7 +262,7 @@ class Dispatcher:
         target: WorkerTarget,
         deadline_s: float | None,
         prefilled_here: bool,
-    ) -> AsyncIterator[OutputFrame]:
+    ) -> AsyncGenerator[OutputFrame, None]:
         """Relays decode frames. `prefilled_here`: the decode worker ran the prompt itself
         (aggregated / local prefill), so its prefix-cache hits are this request's local hits."""
         while True:

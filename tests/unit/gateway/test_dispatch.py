@@ -296,3 +296,53 @@ async def test_cancel_during_prefill_aborts_both_workers() -> None:
         await task
     assert stream.cancelled
     assert sorted(workers.aborts) == sorted([DECODE.address, PREFILL.address])
+
+
+async def test_deadline_during_prefill_ends_aborted_with_a_finish_reason() -> None:
+    """Logged and counted as finished (abort), not left in `prefilling` with no finish reason."""
+    workers = FakeWorkers(
+        streams={DECODE.address: [FakeStream([ADMITTED], hang=True)]},
+        prefills={PREFILL.address: [PrefillResult("a", (), 1, None)]},
+        prefill_delay_s=10,
+    )
+    req = prepared()
+    state = RequestState(req.request_id, req.prompt_token_ids, True, "m")
+    with pytest.raises(DeadlineExceeded):
+        async for _ in Dispatcher(FakeScheduler([disagg()]), workers, 4).run(
+            req, state, time.monotonic() + 0.2
+        ):
+            pass
+    assert state.status is RequestStatus.FINISHED_ABORTED
+    assert state.finish_reason is FinishReason.ABORT
+
+
+class SlowAbortWorkers(FakeWorkers):
+    async def abort(self, address: str, request_id: str) -> bool:
+        await asyncio.sleep(0.2)
+        return await super().abort(address, request_id)
+
+
+async def test_second_cancel_while_aborting_still_ends_the_state() -> None:
+    workers = SlowAbortWorkers(
+        streams={DECODE.address: [FakeStream([ADMITTED], hang=True)]},
+        prefills={PREFILL.address: [PrefillResult("a", (), 1, None)]},
+        prefill_delay_s=10,
+    )
+    req = prepared()
+    state = RequestState(req.request_id, req.prompt_token_ids, True, "m")
+
+    async def consume() -> None:
+        async for _ in Dispatcher(FakeScheduler([disagg()]), workers, 4).run(req, state, None):
+            pass
+
+    task = asyncio.ensure_future(consume())
+    while not workers.prefill_calls:
+        await asyncio.sleep(0.01)
+    task.cancel()
+    await asyncio.sleep(0.05)  # now inside the aborts
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert state.status is RequestStatus.FINISHED_ABORTED
+    await asyncio.sleep(0.3)
+    assert sorted(workers.aborts) == sorted([DECODE.address, PREFILL.address])
