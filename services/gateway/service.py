@@ -45,7 +45,13 @@ class GatewayService:
         self._scheduler = scheduler
         self._tokenizer = tokenizer
         self._limits = Limits(settings.max_stop_strings, settings.max_stop_string_chars)
-        self.dispatcher = Dispatcher(scheduler, workers, settings.block_size, settings.worker_rpc_timeout_s)
+        self.dispatcher = Dispatcher(
+            scheduler,
+            workers,
+            settings.block_size,
+            settings.worker_rpc_timeout_s,
+            migration_limit=settings.migration_limit,
+        )
         self._in_flight: dict[str, asyncio.Task[object]] = {}  # request_id -> the RPC's task
         self._idle = asyncio.Event()
         self._idle.set()

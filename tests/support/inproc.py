@@ -103,6 +103,7 @@ async def five_services(
             **{
                 **dict(
                     listen="127.0.0.1:0",
+                    http_port=-1,
                     metrics_port=-1,
                     model=str(model),
                     scheduler_address=sched.server.address,
@@ -132,7 +133,7 @@ async def five_services(
 async def wait_for_workers(scheduler_address: str, n: int, cluster_token: str | None = None) -> None:
     metadata = (("x-pdserve-cluster-token", cluster_token),) if cluster_token else None
     async with grpc.aio.insecure_channel(scheduler_address) as ch:
-        stub = scheduler_pb2_grpc.SchedulerStub(ch)  # type: ignore[no-untyped-call]
+        stub = scheduler_pb2_grpc.SchedulerStub(ch)
         for _ in range(1000):
             state = await stub.GetState(scheduler_pb2.GetStateRequest(), metadata=metadata)
             if len(state.workers) >= n:

@@ -10,7 +10,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -80,10 +82,10 @@ def test_service_on_a_busy_port_exits_1_with_one_line(which: str) -> None:
     assert str(port if which == "listen" else metrics) in errors[0]
 
 
-async def _idle_watch_survives(server_opts: list[tuple[str, object]], idle_s: float) -> bool:
+async def _idle_watch_survives(server_opts: Sequence[tuple[str, Any]], idle_s: float) -> bool:
     """Open a health Watch, stay idle `idle_s` with the client pinging every PING_MS, then flip
     the status: True when the change still arrives on the same stream."""
-    server = Server("127.0.0.1:0", ["svc"], options=server_opts)  # type: ignore[arg-type]
+    server = Server("127.0.0.1:0", ["svc"], options=server_opts)
     await server.start()
     try:
         async with grpc.aio.insecure_channel(server.address, options=channel_options(PING_MS)) as ch:

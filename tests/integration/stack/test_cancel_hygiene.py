@@ -32,7 +32,7 @@ async def test_cancelled_and_expired_streams_end_cleanly(
     cancels, expired = 8, 4
     async with five_services(model) as stack:
         async with grpc.aio.insecure_channel(stack.gateway.server.address) as ch:
-            stub = gateway_pb2_grpc.GatewayStub(ch)  # type: ignore[no-untyped-call]
+            stub = gateway_pb2_grpc.GatewayStub(ch)
             req = gateway_pb2.GenerateRequest(
                 prompt="cancel me " * 4, max_tokens=200, ignore_eos=True, temperature=0
             )

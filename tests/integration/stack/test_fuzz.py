@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,14 +52,14 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def loop() -> AsyncIterator[asyncio.AbstractEventLoop]:
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
     loop = asyncio.new_event_loop()
     yield loop
     loop.close()
 
 
 @pytest.fixture(scope="module")
-def stack(tiny: Path, loop: asyncio.AbstractEventLoop) -> AsyncIterator[InProcessStack]:
+def stack(tiny: Path, loop: asyncio.AbstractEventLoop) -> Iterator[InProcessStack]:
     cm = five_services(tiny, gateway_overrides={"request_timeout_s": 10.0})
     s = loop.run_until_complete(cm.__aenter__())
     yield s
@@ -206,7 +206,7 @@ def _channels(stack: InProcessStack) -> dict[str, grpc.aio.Channel]:
 
 async def _still_serves(stack: InProcessStack) -> None:
     async with grpc.aio.insecure_channel(stack.gateway.server.address) as ch:
-        reply = await gateway_pb2_grpc.GatewayStub(ch).Complete(  # type: ignore[no-untyped-call]
+        reply = await gateway_pb2_grpc.GatewayStub(ch).Complete(
             gateway_pb2.GenerateRequest(prompt="still fine", max_tokens=3, temperature=0, ignore_eos=True),
             timeout=CALL_TIMEOUT_S,
         )
@@ -280,7 +280,7 @@ def test_public_api_fuzz(
 ) -> None:
     async def run() -> grpc.StatusCode:
         async with grpc.aio.insecure_channel(stack.gateway.server.address) as ch:
-            stub = gateway_pb2_grpc.GatewayStub(ch)  # type: ignore[no-untyped-call]
+            stub = gateway_pb2_grpc.GatewayStub(ch)
             try:
                 if streaming:
                     async for _ in stub.Generate(req, timeout=CALL_TIMEOUT_S):
