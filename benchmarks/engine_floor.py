@@ -9,6 +9,12 @@ the CPU features torch sees (capability string, AVX-512, AMX), and times pure de
 one engine rank (`ModelRunner`, one torch thread on CPU like a DP rank) for a few batch sizes,
 each sequence holding `context` cached tokens; its step time is compared with the floor at the
 single-core bandwidth (one rank alone streams from one core).
+
+Memory is not the only floor: a step also does 2 x batch x weights FLOPs (plus attention), and
+on a core with AVX2 FMA only (16 fp32 FLOPs per instruction) 8-16 rows of SmolLM2 already take
+about as long to multiply as to stream. So the probe also measures the core's fp32 GEMM rate (a
+large single-thread matmul) and reports the roofline floor = max(memory floor, compute floor);
+`vs_roofline` is the step over that.
 """
 
 from __future__ import annotations
@@ -81,6 +87,35 @@ def cuda_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 1
         torch.cuda.synchronize(device)
         best = min(best, time.perf_counter() - t0)
     return nbytes / best
+
+
+def gemm_flops(device: torch.device, size: int = 1024, repeats: int = 3) -> float:
+    """fp32 matmul FLOP/s of one thread (CPU) or the device: best of `repeats`."""
+    a = torch.randn(size, size, device=device)
+    b = torch.randn(size, size, device=device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * size**3 / best
+
+
+def flops_per_step(model: Any, batch: int, context: int) -> int:
+    """Multiply-adds x 2 of one decode step: every linear over `batch` rows plus attention
+    (scores and weighted values over `context` keys, every head and layer)."""
+    from services.worker.engine.cpu_linear import PackedLinear
+
+    cfg = model.config.get_text_config()
+    linear = sum(m.in_features * m.out_features for m in model.modules()
+                 if isinstance(m, torch.nn.Linear | PackedLinear))
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    attn = 2 * context * cfg.num_attention_heads * head_dim * cfg.num_hidden_layers
+    return 2 * batch * (linear + attn)
 
 
 def weight_bytes_per_step(model: Any, batch: int) -> int:
@@ -167,6 +202,8 @@ def measure(model_path: str, device_name: str, dtype_name: str, threads: int,
         bandwidth = single
     torch.set_num_threads(threads if threads > 0 else 1)
     out["step_threads"] = torch.get_num_threads()
+    flops = gemm_flops(device)
+    out["gemm_gflop_s"] = round(flops / 1e9, 1)
     t0 = time.perf_counter()
     model = load_model(model_path, device, dtype)
     layout = kv_layout_of(model.config, block_size, dtype)
@@ -181,13 +218,18 @@ def measure(model_path: str, device_name: str, dtype_name: str, threads: int,
         w = weight_bytes_per_step(model, batch)
         kv = batch * (context + 1) * kv_per_token
         floor = (w + kv) / bandwidth
+        roofline = max(floor, flops_per_step(model, batch, context) / flops)
         rows.append({"seqs": batch, "step_ms": round(step * 1e3, 2),
                      "step_cpu_ms": round(step_cpu * 1e3, 2),
                      "floor_ms": round(floor * 1e3, 2), "vs_floor": round(step / floor, 2),
                      "cpu_vs_floor": round(step_cpu / floor, 2),
+                "roofline_ms": round(roofline * 1e3, 2),
+                "vs_roofline": round(step / roofline, 2),
                      "weight_mb": round(w / 1e6, 1), "kv_mb": round(kv / 1e6, 1)})
     out["steps"] = rows
-    out["decode_step_vs_floor"] = next((r["vs_floor"] for r in rows if r["seqs"] == 8), None)
+    eight = next((r for r in rows if r["seqs"] == 8), None)
+    out["decode_step_vs_floor"] = eight["vs_floor"] if eight else None
+    out["decode_step_vs_roofline"] = eight["vs_roofline"] if eight else None
     return out
 
 
@@ -203,8 +245,10 @@ def format_report(probe: dict[str, Any]) -> list[str]:
         f"memory read bandwidth: {bw['single_core']:.1f} GB/s one core, {bw['all_cores']:.1f} "
         f"GB/s with {bw['all_core_threads']} threads"
         + (f", {bw['device']:.0f} GB/s device" if "device" in bw else ""),
+        f"fp32 GEMM: {probe['gemm_gflop_s']:.0f} GFLOP/s with {probe['step_threads']} thread(s)",
         f"decode step of one rank ({probe['step_threads']} thread(s), {probe['context_tokens']} "
-        f"cached tokens per sequence) vs its floor (weights + KV read once):",
+        f"cached tokens per sequence) vs its floor (weights + KV read once) and roofline "
+        f"(max of that and FLOPs / GEMM rate):",
     ]
     for r in probe["steps"]:
         lines.append(f"  {r['seqs']:>3} seqs: {r['step_ms']:7.1f} ms wall ({r['step_cpu_ms']:.1f} "
