@@ -86,7 +86,7 @@ def _torch_dtype(name: str) -> Any:
 def _load_hf(path: str, dtype: str, device: str) -> Any:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=_torch_dtype(dtype))
+    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=_torch_dtype(dtype))
     return model.to(device).eval()
 
 

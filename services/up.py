@@ -1,8 +1,10 @@
 """`pdserve up`: the whole stack on one machine for development.
 
-Starts load-monitor, scheduler, one prefill + one decode worker (or one unified worker with
---unified) and the gateway as child processes, waits until every health check is SERVING and the
-scheduler sees the workers, prints the gateway address and a ready-to-paste grpcurl command, and
+Starts load-monitor, scheduler, the workers (by default one prefill + one decode worker;
+`--prefill-workers N --decode-workers M` for more, `--unified` / `--unified-workers N` for unified
+workers instead) and the gateway as child processes, waits until every health check is SERVING and the
+scheduler sees the workers, prints the gateway's gRPC address and HTTP base URL (OpenAI-compatible,
+port-base + 40) with ready-to-paste grpcurl and curl commands, and
 stops them all (gateway first, workers, scheduler, load-monitor) on Ctrl-C or SIGTERM.
 """
 
@@ -12,6 +14,7 @@ import argparse
 import contextlib
 import ctypes
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -35,7 +38,14 @@ PORT_OFFSETS = {
     "decode-worker": 20,
     "worker": 30,
 }
+HTTP_OFFSET = 40  # the gateway's OpenAI-compatible HTTP API listens on base + HTTP_OFFSET
 METRICS_OFFSET = 50  # metrics port = base + METRICS_OFFSET + offset, when --metrics
+MAX_WORKERS_PER_KIND = 10  # worker i of a kind listens on base + offset + i (offsets 10 apart)
+WORKER_MODULES = {
+    "prefill-worker": "services.prefill_worker",
+    "decode-worker": "services.decode_worker",
+    "worker": "services.worker",
+}
 
 
 @dataclass
@@ -44,13 +54,26 @@ class Child:
     module: str
     address: str
     args: list[str]
+    env: dict[str, str] | None = None  # added to this process's environment (secrets: not in argv)
     proc: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
 
 
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="pdserve up", description=__doc__)
-    p.add_argument("--unified", action="store_true", help="one unified worker instead of prefill + decode")
+    p.add_argument(
+        "--unified",
+        action="store_true",
+        help="unified workers (one unless --unified-workers) instead of prefill + decode",
+    )
+    p.add_argument("--prefill-workers", type=int, default=1, help="prefill workers (disaggregated serving)")
+    p.add_argument("--decode-workers", type=int, default=1, help="decode workers (disaggregated serving)")
+    p.add_argument(
+        "--unified-workers",
+        type=int,
+        default=0,
+        help="unified workers; > 0 implies --unified (default 1 with it)",
+    )
     p.add_argument(
         "--model", default="default", help="model folder, or 'default' (bundled SmolLM2-135M-Instruct)"
     )
@@ -73,7 +96,14 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
         "--port-base",
         type=int,
         default=50051,
-        help="gateway port; scheduler +1, load-monitor +2, prefill +10, decode +20, unified +30",
+        help="gateway; scheduler +1, load-monitor +2, worker i: prefill +10+i, decode +20+i, unified +30+i; "
+        "the gateway's HTTP API +40",
+    )
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="API key the gateway requires on every public call (repeatable; passed in its environment)",
     )
     p.add_argument("--metrics", action="store_true", help="expose /metrics on port-base+50+offset")
     p.add_argument(
@@ -87,12 +117,43 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
         default=[],
         help="extra flag passed to every worker (repeatable), e.g. --worker-arg=--kv-cache-tokens=4096",
     )
-    return p.parse_args(list(argv))
+    for kind in ("prefill-worker", "decode-worker", "scheduler", "gateway"):
+        p.add_argument(
+            f"--{kind}-arg",
+            action="append",
+            default=[],
+            help=f"extra flag passed to the {kind}{'s' if 'worker' in kind else ''} (repeatable)",
+        )
+    a = p.parse_args(list(argv))
+    a.worker_counts = worker_counts(a)
+    return a
+
+
+def worker_counts(a: argparse.Namespace) -> dict[str, int]:
+    """How many workers of each kind (child name prefix -> count); exits with a one-line error
+    for a shape the stack cannot serve."""
+    if a.unified or a.unified_workers > 0:
+        counts = {"worker": max(1, a.unified_workers)}
+    else:
+        counts = {"prefill-worker": a.prefill_workers, "decode-worker": a.decode_workers}
+    for kind, n in counts.items():
+        if not 1 <= n <= MAX_WORKERS_PER_KIND:
+            raise SystemExit(f"pdserve up: {kind}s must be between 1 and {MAX_WORKERS_PER_KIND}, got {n}")
+    return counts
+
+
+def worker_name(kind: str, index: int) -> str:
+    """`decode-worker`, `decode-worker-1`, ...: the first keeps the plain name (and port)."""
+    return kind if index == 0 else f"{kind}-{index}"
 
 
 def _children(a: argparse.Namespace, model_path: str) -> list[Child]:
+    def port(name: str) -> int:
+        kind, _, index = name.rpartition("-") if name[-1].isdigit() else (name, "", "0")
+        return a.port_base + PORT_OFFSETS[kind] + int(index)
+
     def addr(name: str) -> str:
-        return f"{a.host}:{a.port_base + PORT_OFFSETS[name]}"
+        return f"{a.host}:{port(name)}"
 
     tls = [
         *(["--tls-cert-file", a.tls_cert_file, "--tls-key-file", a.tls_key_file] if a.tls_cert_file else []),
@@ -101,7 +162,7 @@ def _children(a: argparse.Namespace, model_path: str) -> list[Child]:
     ]
 
     def common(name: str) -> list[str]:
-        metrics = a.port_base + METRICS_OFFSET + PORT_OFFSETS[name] if a.metrics else -1
+        metrics = port(name) + METRICS_OFFSET if a.metrics else -1
         return ["--listen", addr(name), "--metrics-port", str(metrics), "--log-level", a.log_level, *tls]
 
     worker_common = [
@@ -129,25 +190,22 @@ def _children(a: argparse.Namespace, model_path: str) -> list[Child]:
             "scheduler",
             "services.scheduler",
             addr("scheduler"),
-            [*common("scheduler"), "--load-monitor-address", addr("load-monitor")],
+            [*common("scheduler"), "--load-monitor-address", addr("load-monitor"), *a.scheduler_arg],
         ),
     ]
-    worker_names = ["worker"] if a.unified else ["prefill-worker", "decode-worker"]
-    for name in worker_names:
-        module = {
-            "worker": "services.worker",
-            "prefill-worker": "services.prefill_worker",
-            "decode-worker": "services.decode_worker",
-        }[name]
-        role = ["--role", "unified"] if name == "worker" else []
-        children.append(
-            Child(
-                name,
-                module,
-                addr(name),
-                [*common(name), *role, "--advertise-address", addr(name), *worker_common],
+    for kind, count in a.worker_counts.items():
+        role = ["--role", "unified"] if kind == "worker" else []
+        own = {"prefill-worker": a.prefill_worker_arg, "decode-worker": a.decode_worker_arg}.get(kind, [])
+        for index in range(count):
+            name = worker_name(kind, index)
+            children.append(
+                Child(
+                    name,
+                    WORKER_MODULES[kind],
+                    addr(name),
+                    [*common(name), *role, "--advertise-address", addr(name), *worker_common, *own],
+                )
             )
-        )
     children.append(
         Child(
             "gateway",
@@ -163,7 +221,11 @@ def _children(a: argparse.Namespace, model_path: str) -> list[Child]:
                 a.model_cache_dir,
                 "--block-size",
                 str(a.block_size),
+                "--http-port",
+                str(a.port_base + HTTP_OFFSET),
+                *a.gateway_arg,
             ],
+            env={"PDSERVE_API_KEYS": ",".join(a.api_key)} if a.api_key else None,
         )
     )
     return children
@@ -183,7 +245,12 @@ def _start(child: Child, log_dir: str) -> None:
         child.log_path = Path(log_dir) / f"{child.name}.log"
         stderr = open(child.log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
     child.proc = subprocess.Popen(
-        cmd, stdout=stderr, stderr=stderr, start_new_session=True, preexec_fn=_die_with_parent
+        cmd,
+        stdout=stderr,
+        stderr=stderr,
+        start_new_session=True,
+        preexec_fn=_die_with_parent,
+        env={**os.environ, **child.env} if child.env else None,
     )
 
 
@@ -252,8 +319,9 @@ def _wait_ready(
     return "timed out waiting for: " + ", ".join(c.name for c in pending or children)
 
 
-def grpcurl_command(gateway: str, ca_file: str = "", server_name: str = "") -> str:
-    """A ready-to-paste grpcurl line (plaintext, or TLS checked against `ca_file`)."""
+def grpcurl_command(gateway: str, ca_file: str = "", server_name: str = "", api_key: bool = False) -> str:
+    """A ready-to-paste grpcurl line (plaintext, or TLS checked against `ca_file`); with api_key, a
+    placeholder authorization header (the key itself is never printed)."""
     exe = shutil.which("grpcurl") or str(Path(sys.prefix) / "bin" / "grpcurl")
     transport = "-plaintext"
     if ca_file:
@@ -265,7 +333,15 @@ def grpcurl_command(gateway: str, ca_file: str = "", server_name: str = "") -> s
             "temperature": 0,
         }
     )
-    return f"{exe} {transport} -d '{body}' {gateway} pdserve.v1.Gateway/Generate"
+    auth = "-H 'authorization: Bearer <key>' " if api_key else ""
+    return f"{exe} {transport} {auth}-d '{body}' {gateway} pdserve.v1.Gateway/Generate"
+
+
+def curl_command(http_base: str, api_key: bool = False) -> str:
+    """A ready-to-paste curl line for the OpenAI-compatible chat endpoint."""
+    body = json.dumps({"messages": [{"role": "user", "content": "What is the capital of France?"}]})
+    auth = "-H 'Authorization: Bearer <key>' " if api_key else ""
+    return f"curl -s {http_base}/chat/completions -H 'Content-Type: application/json' {auth}-d '{body}'"
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -280,7 +356,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     for child in children:
         _start(child, a.log_dir)
-    num_workers = 1 if a.unified else 2
+    num_workers = sum(a.worker_counts.values())
     tls = TlsSettings(
         tls_cert_file=a.tls_cert_file,
         tls_key_file=a.tls_key_file,
@@ -294,9 +370,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(1)
     gateway = children[-1].address
     workers = ", ".join(f"{c.name} {c.address}" for c in children if "worker" in c.name)
-    print(f"pdserve is up: gateway {gateway} (model {Path(model_path).name}; {workers})", flush=True)
+    scheme = "https" if tls is not None else "http"
+    http_base = f"{scheme}://{a.host}:{a.port_base + HTTP_OFFSET}/v1"
+    print(
+        f"pdserve is up: gateway {gateway}, HTTP {http_base} (model {Path(model_path).name}; {workers})",
+        flush=True,
+    )
     ca = a.tls_ca_file if tls is not None else ""
-    print("Try:\n  " + grpcurl_command(gateway, ca, a.tls_server_name), flush=True)
+    keyed = bool(a.api_key)
+    print("Try:\n  " + grpcurl_command(gateway, ca, a.tls_server_name, keyed), flush=True)
+    print("  " + curl_command(http_base, keyed), flush=True)
     print("Ctrl-C stops everything.", flush=True)
     exit_code = 0
     while not stop.is_set():

@@ -82,7 +82,7 @@ def error_from_rpc(
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status code and client-facing message for an exception."""
     for cls in type(exc).__mro__:
-        code = STATUS_BY_ERROR.get(cls)  # type: ignore[call-overload]
+        code = STATUS_BY_ERROR.get(cls)
         if code is not None:
             return code, str(exc)
     return grpc.StatusCode.INTERNAL, GENERIC_INTERNAL_MESSAGE

@@ -55,6 +55,19 @@ KV_TRANSFER_SECONDS = Histogram(
     "pdserve_kv_transfer_seconds", "Time to push one request's KV", buckets=_SMALL_BUCKETS_S
 )
 PREEMPTIONS = Counter("pdserve_preemptions_total", "Requests preempted by recompute", ["dp_rank"])
+# Speculative decoding (vLLM's spec_decode counters are the model): acceptance rate =
+# accepted / draft tokens; mean accepted run = accepted / drafts.
+SPEC_DRAFTS = Counter(
+    "pdserve_spec_decode_num_drafts_total",
+    "Verifications of a proposed run (sequences with at least one proposal in a step)", ["dp_rank"])
+SPEC_DRAFT_TOKENS = Counter(
+    "pdserve_spec_decode_num_draft_tokens_total", "Proposed tokens verified", ["dp_rank"])
+SPEC_ACCEPTED_TOKENS = Counter(
+    "pdserve_spec_decode_num_accepted_tokens_total", "Proposed tokens accepted", ["dp_rank"])
+SPEC_ACCEPTED_PER_POSITION = Counter(
+    "pdserve_spec_decode_num_accepted_tokens_per_pos_total",
+    "Proposed tokens accepted, by position in their run (0 = first proposal)",
+    ["dp_rank", "position"])
 
 # --- scheduler ---
 SCHEDULE_DECISIONS = Counter("pdserve_schedule_decisions_total", "Routing decisions", ["role", "policy"])

@@ -62,6 +62,7 @@ class Server:
         if host in ("0.0.0.0", "[::]", ""):
             host = "127.0.0.1"
         self.address = f"{host}:{self.port}"
+        self.serving = False  # what health reports for every service (False while starting/draining)
 
     async def start(self) -> None:
         await self.set_serving(False)
@@ -70,10 +71,12 @@ class Server:
     async def set_serving(self, serving: bool) -> None:
         """Overall health ("") and each service's health flip together."""
         status = SERVING if serving else NOT_SERVING
+        self.serving = serving
         for name in ["", *self.service_names]:
             await self.health.set(name, status)
 
     async def stop(self, grace_s: float) -> None:
+        self.serving = False
         await self.health.enter_graceful_shutdown()
         await self.grpc.stop(grace_s)
 

@@ -184,7 +184,7 @@ def prefill_request(job: WorkerJob, dp_rank: int, kv: KvDestination | None) -> w
 
 
 def decode_event(frame: worker_pb2.DecodeFrame) -> DecodeEvent:
-    kind = _DECODE_KIND_FROM_PB.get(frame.kind)  # type: ignore[call-overload]
+    kind = _DECODE_KIND_FROM_PB.get(frame.kind)
     if kind is None:
         raise ValueError(f"decode frame of unknown kind {frame.kind}")
     return DecodeEvent(

@@ -58,7 +58,7 @@ def build(settings: Settings, interceptors: Sequence[object] = ()) -> LoadMonito
         load_timeout_s=settings.load_timeout_s,
         forget=client.forget,
     )
-    server = Server(settings.listen, [SERVICE_NAME], interceptors=list(interceptors), tls=tls)  # type: ignore[arg-type]
+    server = Server(settings.listen, [SERVICE_NAME], interceptors=list(interceptors), tls=tls)
     load_monitor_pb2_grpc.add_LoadMonitorServicer_to_server(LoadMonitorServicer(monitor), server.grpc)
     return LoadMonitorApp(server, monitor, client)
 

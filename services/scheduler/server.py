@@ -73,7 +73,7 @@ def build(settings: Settings, interceptors: Sequence[object] = ()) -> SchedulerA
     watcher = LoadWatcher(
         channels, settings.load_monitor_address, router, backoff_max_s=settings.watch_backoff_max_s
     )
-    server = Server(settings.listen, [SERVICE_NAME], interceptors=list(interceptors), tls=tls)  # type: ignore[arg-type]
+    server = Server(settings.listen, [SERVICE_NAME], interceptors=list(interceptors), tls=tls)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(router), server.grpc)
     return SchedulerApp(server, router, watcher, channels)
 

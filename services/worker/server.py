@@ -143,6 +143,11 @@ class WorkerApp:
             max_model_len=s.max_model_len,
             torch_threads=s.torch_threads,
             cpu_prepack=s.cpu_prepack,
+            speculative=s.speculative,
+            num_speculative_tokens=s.num_speculative_tokens,
+            spec_ngram_min=s.spec_ngram_min,
+            spec_ngram_max=s.spec_ngram_max,
+            spec_max_batch_tokens=s.spec_max_batch_tokens,
         )
         log.info("model_loading", path=str(path), device=device, dtype=dtype, dp_size=s.dp_size)
         # Off the event loop, so health checks are answered (NOT_SERVING) while loading.

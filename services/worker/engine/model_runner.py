@@ -36,6 +36,11 @@ class ScheduledSeq:
     sample: bool  # the chunk ends at the request's last token: sample the next one
     sampling: SamplingConfig
     generator: torch.Generator | None
+    # --- speculative decoding (engine/spec; owned by the request-life side) ---
+    # trailing positions whose logits are sampled (1 + proposals verified at the end of token_ids)
+    num_logits: int = 1
+    # per sampled position: the seed of its draw (Request.draw_seed; None = unseeded)
+    draw_seeds: tuple[int | None, ...] = ()
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -189,21 +194,37 @@ class ModelRunner:
                 meta, torch.tensor(logits_idx, device=dev))
 
     @torch.inference_mode()
-    def execute(self, seqs: list[ScheduledSeq]) -> list[int]:
-        """Run one step; returns the sampled token of each seq with sample=True, in order."""
+    def execute(self, seqs: list[ScheduledSeq]) -> list[list[int]]:
+        """Run one step; for each seq with sample=True, in order, the tokens sampled at its
+        num_logits trailing positions (one token without speculation)."""
         input_ids, positions, meta, logits_idx = self._build_metadata(seqs)
         if len(logits_idx) == 0:
             # nothing to sample (only non-final prefill chunks): skip the LM head entirely
             self.model.model(input_ids=input_ids, position_ids=positions, paged_meta=meta,
                              use_cache=False)
             return []
+        # --- speculative decoding: logits selection and sampling (request-life side) ---
+        sampled_seqs = [s for s in seqs if s.sample]
+        counts = [s.num_logits for s in sampled_seqs]
+        if any(c != 1 for c in counts):
+            # a seq's tokens are packed contiguously: its trailing rows end at its last row
+            logits_idx = torch.cat([torch.arange(int(last) - c + 1, int(last) + 1)
+                                    for last, c in zip(logits_idx.tolist(), counts, strict=True)]
+                                   ).to(logits_idx.device)
         out = self.model(input_ids=input_ids, position_ids=positions, paged_meta=meta,
                          use_cache=False, logits_to_keep=logits_idx)
-        logits = out.logits[0]  # [n, vocab]
-        sampled_seqs = [s for s in seqs if s.sample]
-        tokens = sample(logits, [s.sampling for s in sampled_seqs],
-                        [s.generator for s in sampled_seqs])
-        return [int(t) for t in tokens.tolist()]
+        logits = out.logits[0]  # [sum(counts), vocab]
+        params = [s.sampling for s in sampled_seqs for _ in range(s.num_logits)]
+        gens = [s.generator for s in sampled_seqs for _ in range(s.num_logits)]
+        seeds = [(s.draw_seeds[j] if j < len(s.draw_seeds) else None)
+                 for s in sampled_seqs for j in range(s.num_logits)]
+        flat = [int(t) for t in sample(logits, params, gens, seeds).tolist()]
+        tokens: list[list[int]] = []
+        pos = 0
+        for c in counts:
+            tokens.append(flat[pos : pos + c])
+            pos += c
+        return tokens
 
     def warm_up(self) -> None:
         """One tiny forward (writes block 0, which holds no request yet)."""

@@ -1,0 +1,71 @@
+"""`pdserve up`'s stack shape: worker counts per kind, their names, ports and pass-through flags
+(pure argument handling; the e2e tests start real stacks)."""
+
+from __future__ import annotations
+
+import pytest
+
+from services import up
+
+
+def _children(*argv: str) -> list[up.Child]:
+    return up._children(up._parse(["--port-base", "40000", *argv]), "/models/m")
+
+
+def test_default_is_one_prefill_and_one_decode_worker() -> None:
+    names = [c.name for c in _children()]
+    assert names == ["load-monitor", "scheduler", "prefill-worker", "decode-worker", "gateway"]
+
+
+def test_worker_counts_give_numbered_names_and_consecutive_ports() -> None:
+    children = {c.name: c for c in _children("--prefill-workers", "2", "--decode-workers", "3")}
+    assert [n for n in children if "worker" in n] == [
+        "prefill-worker",
+        "prefill-worker-1",
+        "decode-worker",
+        "decode-worker-1",
+        "decode-worker-2",
+    ]
+    assert children["prefill-worker-1"].address == "127.0.0.1:40011"
+    assert children["decode-worker-2"].address == "127.0.0.1:40022"
+    args = children["decode-worker-2"].args
+    assert args[args.index("--advertise-address") + 1] == "127.0.0.1:40022"
+
+
+def test_unified_workers_replace_prefill_and_decode() -> None:
+    children = _children("--unified-workers", "2", "--metrics")
+    workers = [c for c in children if "worker" in c.name]
+    assert [(c.name, c.address) for c in workers] == [
+        ("worker", "127.0.0.1:40030"),
+        ("worker-1", "127.0.0.1:40031"),
+    ]
+    assert all(c.args[c.args.index("--role") + 1] == "unified" for c in workers)
+    assert workers[1].args[workers[1].args.index("--metrics-port") + 1] == "40081"
+    assert [c.name for c in _children("--unified") if "worker" in c.name] == ["worker"]
+
+
+def test_pass_through_flags_reach_only_their_service() -> None:
+    children = {
+        c.name: c
+        for c in _children(
+            "--scheduler-arg=--x-sched",
+            "--gateway-arg=--x-gw",
+            "--decode-worker-arg=--x-dec",
+            "--prefill-worker-arg=--x-pre",
+            "--worker-arg=--x-all",
+        )
+    }
+    assert "--x-sched" in children["scheduler"].args
+    assert "--x-gw" in children["gateway"].args
+    assert "--x-dec" in children["decode-worker"].args and "--x-pre" not in children["decode-worker"].args
+    assert "--x-pre" in children["prefill-worker"].args
+    assert all("--x-all" in children[n].args for n in ("prefill-worker", "decode-worker"))
+    assert "--x-all" not in children["gateway"].args
+
+
+@pytest.mark.parametrize(
+    "argv", [["--decode-workers", "0"], ["--unified-workers", "11"], ["--prefill-workers", "-1"]]
+)
+def test_impossible_shapes_exit_with_one_line(argv: list[str]) -> None:
+    with pytest.raises(SystemExit, match="must be between 1 and 10"):
+        up._parse(argv)
