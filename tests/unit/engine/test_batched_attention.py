@@ -146,24 +146,44 @@ def test_batched_runner_matches_transformers_greedy(tiny_bpe: Path) -> None:
         ScheduledSeq(prompts[1], 0, tables[1], True, GREEDY, None),
         ScheduledSeq(prompts[2], 0, tables[2], True, GREEDY, None),
     ])
-    outs[1].append(first[0])
-    outs[2].append(first[1])
+    outs[1].extend(first[0])
+    outs[2].extend(first[1])
     mixed = runner.execute([
         ScheduledSeq(prompts[0][6:], 6, tables[0], True, GREEDY, None),
         ScheduledSeq([outs[1][-1]], len(prompts[1]), tables[1], True, GREEDY, None),
         ScheduledSeq([outs[2][-1]], len(prompts[2]), tables[2], True, GREEDY, None),
     ])
     for i, t in enumerate(mixed):
-        outs[i].append(t)
+        outs[i].extend(t)
     while min(len(o) for o in outs) < steps:
         live = [i for i in range(3) if len(outs[i]) < steps]
         got = runner.execute([
             ScheduledSeq([outs[i][-1]], len(prompts[i]) + len(outs[i]) - 1, tables[i], True,
                          GREEDY, None) for i in live])
         for i, t in zip(live, got, strict=True):
-            outs[i].append(t)
+            outs[i].extend(t)
     from transformers import AutoModelForCausalLM
 
     reference = AutoModelForCausalLM.from_pretrained(str(tiny_bpe), dtype=torch.float32)
     for prompt, out in zip(prompts, outs, strict=True):
         assert out == hf_greedy(reference, prompt, steps)
+
+
+def test_verify_pass_samples_the_same_tokens_on_both_paths(tiny_bpe: Path) -> None:
+    """A speculative verify step (k+1 tokens per sequence on cached context, logits at all of
+    them) next to a plain decode: both backends sample the same tokens."""
+    model = load_model(str(tiny_bpe), torch.device("cpu"), torch.float32)
+    layout = kv_layout_of(model.config, 4, torch.float32)
+    got = {}
+    for backend in AttentionBackend:
+        runner = ModelRunner(model, layout, 32, torch.device("cpu"), torch.float32, backend)
+        runner.execute([ScheduledSeq([5, 17, 99, 23, 41, 7, 8], 0, [9, 2, 4, 11], False,
+                                     GREEDY, None),
+                        ScheduledSeq([300, 12, 9, 40, 41], 0, [20, 21, 22], False, GREEDY,
+                                     None)])
+        got[backend] = runner.execute([
+            ScheduledSeq([120, 33, 64, 7], 7, [9, 2, 4, 11], True, GREEDY, None, num_logits=4),
+            ScheduledSeq([42], 5, [20, 21, 22], True, GREEDY, None),
+        ])
+    assert [len(t) for t in got[AttentionBackend.BATCHED]] == [4, 1]
+    assert got[AttentionBackend.BATCHED] == got[AttentionBackend.PER_SEQ]
