@@ -23,13 +23,16 @@ from tests.unit.engine.conftest import hf_greedy
 
 GREEDY = SamplingConfig(max_tokens=1, temperature=0.0)
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 6, 2, 8, 2
+CPU = torch.device("cpu")
 
 
-def _runner(backend: AttentionBackend, block_size: int, num_blocks: int) -> ModelRunner:
+def _runner(backend: AttentionBackend, block_size: int, num_blocks: int,
+            device: torch.device = CPU,
+            dtype: torch.dtype = torch.float32) -> ModelRunner:
     layout = KvLayout(num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
-                      block_size=block_size, dtype="float32")
+                      block_size=block_size, dtype=str(dtype).removeprefix("torch."))
     model = SimpleNamespace(config=SimpleNamespace(num_attention_heads=HEADS))
-    return ModelRunner(model, layout, num_blocks, torch.device("cpu"), torch.float32, backend)
+    return ModelRunner(model, layout, num_blocks, device, dtype, backend)
 
 
 def _seq(start: int, n: int, blocks: list[int]) -> ScheduledSeq:
@@ -79,26 +82,49 @@ def _scenarios(bs: int) -> dict[str, list[ScheduledSeq]]:
     }
 
 
+ALL_SCENARIOS = ["decode_mixed_lengths", "verify_and_chunks", "short_only", "long_only"]
+
+
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-@pytest.mark.parametrize("scenario", ["decode_mixed_lengths", "verify_and_chunks", "short_only",
-                                      "long_only"])
+@pytest.mark.parametrize("scenario", ALL_SCENARIOS)
 def test_batched_equals_per_sequence(block_size: int, scenario: str) -> None:
+    _compare_backends(block_size, scenario, torch.device("cpu"), torch.float32, 1e-5)
+
+
+@pytest.mark.parametrize("scenario", ALL_SCENARIOS)
+def test_batched_equals_per_sequence_in_bfloat16(scenario: str) -> None:
+    _compare_backends(4, scenario, torch.device("cpu"), torch.bfloat16, 3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("scenario", ALL_SCENARIOS)
+def test_batched_equals_per_sequence_on_cuda(scenario: str) -> None:
+    _compare_backends(16, scenario, torch.device("cuda"), torch.float32, 1e-4)
+
+
+def _compare_backends(block_size: int, scenario: str, device: torch.device, dtype: torch.dtype,
+                      tol: float) -> None:
     seqs = _scenarios(block_size)[scenario]
     num_blocks = max(max(s.block_ids) for s in seqs) + 1
     gen = torch.Generator().manual_seed(block_size)
-    pool = torch.randn(LAYERS, 2, KV_HEADS, num_blocks * block_size, HEAD_DIM, generator=gen)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    pool = rand(LAYERS, 2, KV_HEADS, num_blocks * block_size, HEAD_DIM)
     tokens = sum(len(s.token_ids) for s in seqs)
-    q = torch.randn(1, HEADS, tokens, HEAD_DIM, generator=gen)
-    k = torch.randn(1, KV_HEADS, tokens, HEAD_DIM, generator=gen)
-    v = torch.randn(1, KV_HEADS, tokens, HEAD_DIM, generator=gen)
+    q = rand(1, HEADS, tokens, HEAD_DIM)
+    k = rand(1, KV_HEADS, tokens, HEAD_DIM)
+    v = rand(1, KV_HEADS, tokens, HEAD_DIM)
     results = {}
     for backend in AttentionBackend:
-        runner = _runner(backend, block_size, num_blocks)
+        runner = _runner(backend, block_size, num_blocks, device, dtype)
         runner.kv_cache.copy_(pool)
         _, positions, meta, _ = runner._build_metadata(seqs)
         # both backends pack the sequences in their own order: feed each the same per-token
         # q/k/v by position of the token in the caller's sequence list
-        order = _packed_order(seqs, positions[0].tolist())
+        order = torch.tensor(_packed_order(seqs, positions[0].tolist()), device=device)
         out, _ = paged_attention_forward(SimpleNamespace(layer_idx=1), q[:, :, order],
                                          k[:, :, order], v[:, :, order], None,
                                          scaling=HEAD_DIM**-0.5, paged_meta=meta)
@@ -106,7 +132,7 @@ def test_batched_equals_per_sequence(block_size: int, scenario: str) -> None:
         unpacked[:, order] = out
         results[backend] = (unpacked, runner.kv_cache.clone())
     batched, per_seq = results[AttentionBackend.BATCHED], results[AttentionBackend.PER_SEQ]
-    torch.testing.assert_close(batched[0], per_seq[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(batched[0], per_seq[0], rtol=tol, atol=tol)
     assert torch.equal(batched[1], per_seq[1])  # the same K/V written to the same slots
 
 
