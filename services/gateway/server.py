@@ -25,7 +25,7 @@ from shared.logs import configure_logging
 from shared.metrics import start_metrics_server
 from shared.model_store import resolve_model
 from shared.proto import gateway_pb2, gateway_pb2_grpc
-from shared.server import Server, serve_until_stopped
+from shared.server import Server, exit_on_port_in_use, serve_until_stopped
 from shared.settings import otel_env
 from shared.tracing import configure_tracing, server_interceptors
 
@@ -145,6 +145,7 @@ async def serve(settings: GatewaySettings) -> None:
         await app.channels.close()
 
 
+@exit_on_port_in_use
 def main(argv: Sequence[str] | None = None) -> None:
     """`pdserve gateway [flags]` / `python -m services.gateway [flags]` (argv None: sys.argv)."""
     settings = load_settings(sys.argv[1:] if argv is None else argv)

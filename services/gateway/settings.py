@@ -57,6 +57,12 @@ class GatewaySettings(TlsSettings):
     )
     worker_rpc_timeout_s: float = field(10.0, "timeout of short control RPCs (Schedule, Abort, GetState) (s)")
     log_prompts: bool = field(False, "log prompt and completion text (off by default: privacy)")
+    migration_limit: int = field(
+        3,
+        "times one request may be moved to another worker after its decode worker failed "
+        "mid-stream (the prompt plus the tokens generated so far are prefilled elsewhere and "
+        "decoding resumes); past it the client gets UNAVAILABLE; 0 disables migration (count)",
+    )
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -71,6 +77,8 @@ class GatewaySettings(TlsSettings):
             raise ValueError(f"http_port must be -1 (off), 0 (any free port) or a port, got {self.http_port}")
         if self.http_max_body_bytes < 1024:
             raise ValueError(f"http_max_body_bytes must be >= 1024, got {self.http_max_body_bytes}")
+        if self.migration_limit < 0:
+            raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")
         if self.drain_grace_s < 0:
             raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
 
