@@ -65,9 +65,7 @@ def machine() -> dict[str, Any]:
     }
 
 
-async def grpc_stream(
-    stub: gateway_pb2_grpc.GatewayStub, ids: list[int], new_tokens: int
-) -> dict[str, Any]:
+async def grpc_stream(stub: gateway_pb2_grpc.GatewayStub, ids: list[int], new_tokens: int) -> dict[str, Any]:
     req = gateway_pb2.GenerateRequest(
         prompt_token_ids=ids, max_tokens=new_tokens, temperature=0, ignore_eos=True
     )
@@ -223,7 +221,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             "rounds_per_face": rounds,
             "prompt_tokens": prompt_tokens,
             "new_tokens": new_tokens,
-            "clients": "grpc.aio Generate stream vs httpx SSE /v1/completions, same process, one at a time",
+            "clients": "grpc.aio Generate stream vs httpx SSE /v1/completions, same process; sequential: one "
+            "at a time (ABBA); paired: one of each at once",
             "quick": args.quick,
         },
         "machine": host,
