@@ -149,6 +149,8 @@ def sampling_to_pb(s: Sampling) -> common_pb2.SamplingParams:
     )
     if s.seed is not None:
         msg.seed = s.seed
+    if s.first_output_index:
+        msg.first_output_index = s.first_output_index
     return msg
 
 

@@ -18,7 +18,7 @@ from shared.channels import ChannelCache
 from shared.logs import configure_logging
 from shared.metrics import start_metrics_server
 from shared.proto import scheduler_pb2, scheduler_pb2_grpc
-from shared.server import Server, serve_until_stopped
+from shared.server import Server, exit_on_port_in_use, serve_until_stopped
 from shared.settings import otel_env, parse_settings
 from shared.tracing import configure_tracing, server_interceptors
 
@@ -94,6 +94,7 @@ async def _serve(settings: Settings) -> None:
         await app.channels.close()
 
 
+@exit_on_port_in_use
 def main(argv: Sequence[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     settings = parse_settings(Settings, args, prog="pdserve scheduler")

@@ -30,7 +30,7 @@ from shared.logs import configure_logging
 from shared.metrics import start_metrics_server
 from shared.model_store import model_id_for, resolve_model
 from shared.proto import worker_pb2_grpc
-from shared.server import Server, serve_until_stopped
+from shared.server import Server, exit_on_port_in_use, serve_until_stopped
 from shared.settings import otel_env, parse_settings
 from shared.tracing import configure_tracing, server_interceptors
 
@@ -249,6 +249,7 @@ async def serve(settings: WorkerSettings) -> None:
         await app.stop()
 
 
+@exit_on_port_in_use
 def main(argv: Sequence[str] | None = None, prog: str = "pdserve worker") -> None:
     settings = parse_settings(WorkerSettings, sys.argv[1:] if argv is None else argv, prog=prog)
     configure_logging(settings.service_name, settings.log_level, settings.log_format)

@@ -49,6 +49,8 @@ class SamplingConfig:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     include_stop_in_output: bool = False
+    # output index of this request's first generated token (a migrated request continues there)
+    first_output_index: int = 0
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ class Cluster:
 def gateway_settings(model: Path, scheduler_address: str, **overrides: Any) -> GatewaySettings:
     values: dict[str, Any] = dict(
         listen="127.0.0.1:0",
+        http_port=-1,  # the HTTP API's own tests turn it on (http_port=0)
         metrics_port=-1,
         scheduler_address=scheduler_address,
         model=str(model),

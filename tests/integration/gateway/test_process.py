@@ -63,6 +63,8 @@ def start_gateway(tiny_model: Path) -> Iterator[object]:
                 "127.0.0.1:0",
                 "--metrics-port",
                 "-1",
+                "--http-port",
+                "-1",
                 "--scheduler-address",
                 scheduler_address,
                 "--model",

@@ -75,6 +75,7 @@ async def five_services(model: Path) -> AsyncIterator[GatewayApp]:
     gateway = build_app(
         GatewaySettings(
             listen="127.0.0.1:0",
+            http_port=-1,
             metrics_port=-1,
             model=str(model),
             scheduler_address=sched.server.address,
