@@ -237,7 +237,10 @@ class Dispatcher:
             request_id=attempt.request_id,
             prompt_token_ids=prompt,
             sampling=dataclasses.replace(
-                req.sampling, max_tokens=max_tokens - len(generated), first_output_index=len(generated)
+                req.sampling,
+                max_tokens=max_tokens - len(generated),
+                first_output_index=len(generated),
+                unshown_tail_tokens=state.unshown_tail_tokens if generated else 0,
             ),
             # Always: the ids of the tokens generated so far are what a migration resumes from.
             # The client gets them only when it asked (OutputFrame, from state.return_token_ids).
