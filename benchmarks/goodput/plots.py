@@ -67,14 +67,15 @@ def plot_all(doc: Mapping[str, Any], out_dir: Path, stem: str) -> list[Path]:
             for config, points in runs[w].items():
                 pts = sorted((p for p in points if p.get(key) is not None), key=lambda p: p["rate_rps"])
                 ax.plot([p["rate_rps"] for p in pts], [p[key] for p in pts], "o-", label=config)
-            if row == 0 and slo.get("ttft_ms"):
-                ax.axhline(slo["ttft_ms"], color="grey", linestyle="--", linewidth=1)
+            bound = slo.get("ttft_ms" if row == 0 else "tpot_ms")
+            if bound:
+                ax.axhline(bound, color="grey", linestyle="--", linewidth=1)
             ax.set_yscale("log")
             ax.set_title(w, fontsize=9)
             ax.set_xlabel("request rate (req/s)")
             ax.set_ylabel(label)
             ax.legend(fontsize=7)
-    fig.suptitle(f"Latency p90 vs rate (dashed: TTFT SLO) {note}", fontsize=9)
+    fig.suptitle(f"Latency p90 vs rate (dashed: TTFT SLO; TPOT SLO for reference) {note}", fontsize=9)
     fig.tight_layout()
     written.append(_save(fig, plt, out_dir / f"{stem}-latency.png"))
 

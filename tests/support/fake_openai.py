@@ -1,7 +1,7 @@
 """A small OpenAI-compatible chat server (FastAPI + uvicorn, server-sent events) for the load
 generator's unit tests: streams `max_tokens` one-word chunks with set delays, ends with a usage
-chunk and `[DONE]`, and records what it was sent. The user message steers it: "status 429"
-answers 429, "error midway" sends an error event after two chunks, "hang" never answers.
+chunk and `[DONE]`, and records what it was sent. The user message steers it: "[[status 429]]"
+answers 429, "[[error midway]]" sends an error event after two chunks, "[[hang]]" never answers.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class FakeServer:
             body = await request.json()
             self.bodies.append(body)
             text = body["messages"][-1]["content"]
-            if "status 429" in text:
+            if "[[status 429]]" in text:
                 return JSONResponse({"error": {"message": "busy", "type": "rate_limit"}}, status_code=429)
             return StreamingResponse(self._stream(body, text), media_type="text/event-stream")
 
@@ -66,9 +66,9 @@ class FakeServer:
                 return "data: " + json.dumps({**base, "choices": [choice], "usage": None}) + "\n\n"
 
             yield chunk({"role": "assistant", "content": ""})
-            await asyncio.sleep(3600 if "hang" in text else self.ttft_s)
+            await asyncio.sleep(3600 if "[[hang]]" in text else self.ttft_s)
             for i in range(n):
-                if i == 2 and "error midway" in text:
+                if i == 2 and "[[error midway]]" in text:
                     yield (
                         "data: "
                         + json.dumps({"error": {"message": "worker lost", "type": "server_error"}})

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import random
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -59,7 +61,9 @@ async def test_streams_and_records_ttft_itls_and_usage(fake: FakeServer) -> None
 
 async def test_failures_become_statuses(fake: FakeServer) -> None:
     target = Target(fake.base_url, "fake-model", request_timeout_s=0.5)
-    results = await run_sequential(target, [req(0, "status 429"), req(1, "error midway"), req(2, "hang")])
+    results = await run_sequential(
+        target, [req(0, "[[status 429]]"), req(1, "[[error midway]]"), req(2, "[[hang]]")]
+    )
     assert [r.status for r in results] == ["http_429", "error", "timeout"]
     assert "busy" in results[0].error and "worker lost" in results[1].error
     deadline = time.monotonic() + 5
@@ -86,3 +90,31 @@ async def test_open_loop_stops_sending_after_its_time_bound(fake: FakeServer) ->
     arrivals = poisson_arrivals(rate, 50, random.Random(f"7:arrivals:{rate:.6g}"))
     results = await run_open_loop(target, [req(i, max_tokens=2) for i in range(50)], rate, 7, max_send_s)
     assert len(results) == sum(t <= max_send_s for t in arrivals) < 50
+
+
+def test_the_whole_harness_against_a_given_base_url(
+    fake: FakeServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--base-url mode end to end: quiet runs -> SLOs -> sweep -> goodput, JSON and plots."""
+    from benchmarks import bench_goodput
+    from tests.unit.benchmarks.test_goodput_workloads import WordTokenizer
+
+    monkeypatch.setattr(bench_goodput, "load_tokenizer", lambda name: WordTokenizer())
+    out = tmp_path / "goodput.json"
+    argv = ["--base-url", fake.base_url, "--quick", "--workloads", "chat,shared_prefix", "--out", str(out)]
+    doc = bench_goodput.main([*argv, "--quiet-requests", "2", "--max-requests", "3", "--min-requests", "2"])
+    saved = json.loads(out.read_text())
+    assert saved["goodput_rps"] == doc["goodput_rps"]
+    for w in ("chat", "shared_prefix"):
+        points = saved["runs"][w]["external"]
+        assert len(points) == 3  # --quick: three rates, all passing against a steady server
+        assert [p["rate_rps"] for p in points] == sorted(p["rate_rps"] for p in points)
+        assert saved["goodput_rps"][w]["external"] == points[-1]["rate_rps"]
+        assert saved["slo"][w]["ttft_ms"] > 0 and saved["slo"][w]["derivation"]
+        assert saved["itl_samples"][w]["by_config"]["external"]
+    assert saved["machine"]["torch"] and saved["machine"]["cpu_count"]
+    assert {p.name for p in tmp_path.glob("*.png")} == {
+        "goodput.png",
+        "goodput-latency.png",
+        "goodput-itl.png",
+    }
