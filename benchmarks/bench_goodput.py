@@ -111,6 +111,7 @@ class Harness:
             "goodput_rps": {w: {} for w in self.workloads},
             "itl_samples": {},
         }
+        self.quiet: dict[str, dict[str, list[RequestResult]]] = {w: {} for w in self.workloads}
 
     def save(self) -> None:
         self.out.parent.mkdir(parents=True, exist_ok=True)
@@ -164,29 +165,23 @@ class Harness:
 
     # --- phase 1: uncontended latencies -> SLOs ---
 
-    def quiet_phase(
-        self, config_names: Sequence[str], log_dir: Path
-    ) -> dict[str, dict[str, list[RequestResult]]]:
-        quiet: dict[str, dict[str, list[RequestResult]]] = {w: {} for w in self.workloads}
-        for config in config_names:
-            with self.stack(config, log_dir) as base_url:
-                target = asyncio.run(self.target(base_url))
-                for name, w in self.workloads.items():
-                    reqs = workloads.make_requests(
-                        w, self.tokenizer, self.args.quiet_requests, self.args.seed, "quiet", self.corpus
-                    )
-                    results = asyncio.run(loadgen.run_sequential(target, reqs))
-                    quiet[name][config] = results
-                    s = stats.summarize(results, None)
-                    print(
-                        f"[{config}] {name} quiet x{len(results)}: TTFT p50 {s['ttft_p50_ms']} ms, "
-                        f"TPOT p50 {s['tpot_p50_ms']} ms, output tokens mean {s['completion_tokens_mean']}",
-                        flush=True,
-                    )
-        return quiet
+    def quiet_runs(self, config: str, target: loadgen.Target) -> None:
+        for name, w in self.workloads.items():
+            reqs = workloads.make_requests(
+                w, self.tokenizer, self.args.quiet_requests, self.args.seed, "quiet", self.corpus
+            )
+            results = asyncio.run(loadgen.run_sequential(target, reqs))
+            self.quiet[name][config] = results
+            s = stats.summarize(results, None)
+            print(
+                f"[{config}] {name} quiet x{len(results)}: TTFT p50 {s['ttft_p50_ms']} ms, "
+                f"TPOT p50 {s['tpot_p50_ms']} ms, output tokens mean {s['completion_tokens_mean']}",
+                flush=True,
+            )
 
-    def set_slos(self, quiet: dict[str, dict[str, list[RequestResult]]]) -> dict[str, tuple[Slo, float]]:
+    def set_slos(self) -> dict[str, tuple[Slo, float]]:
         """Per workload: the SLO and the sweep's first rate."""
+        quiet = self.quiet
         out = {}
         rule = SloRule(self.args.ttft_factor, self.args.tpot_factor)
         for name in self.workloads:
@@ -216,15 +211,32 @@ class Harness:
 
     # --- phase 2: load sweeps ---
 
-    def sweep_phase(
-        self, config_names: Sequence[str], slos: dict[str, tuple[Slo, float]], log_dir: Path
-    ) -> None:
+    def run(self, config_names: Sequence[str], log_dir: Path) -> None:
+        """Quiet runs on every configuration, then the sweeps; one start per configuration when
+        the SLOs are known before it starts (given, or a single configuration), else two."""
+        fixed = bool(self.args.slo_ttft_ms)
+        slos = self.set_slos() if fixed else None
+        if fixed or len(config_names) == 1:
+            for config in config_names:
+                with self.stack(config, log_dir) as base_url:
+                    target = asyncio.run(self.target(base_url))
+                    if slos is None:
+                        self.quiet_runs(config, target)
+                        slos = self.set_slos()
+                    self.sweeps(config, target, slos)
+            return
         for config in config_names:
             with self.stack(config, log_dir) as base_url:
-                target = asyncio.run(self.target(base_url))
-                for name, w in self.workloads.items():
-                    slo, start = slos[name]
-                    self.sweep(config, name, w, target, slo, start)
+                self.quiet_runs(config, asyncio.run(self.target(base_url)))
+        slos = self.set_slos()
+        for config in config_names:
+            with self.stack(config, log_dir) as base_url:
+                self.sweeps(config, asyncio.run(self.target(base_url)), slos)
+
+    def sweeps(self, config: str, target: loadgen.Target, slos: dict[str, tuple[Slo, float]]) -> None:
+        for name, w in self.workloads.items():
+            slo, start = slos[name]
+            self.sweep(config, name, w, target, slo, start)
 
     def sweep(
         self, config: str, name: str, w: workloads.Workload, target: loadgen.Target, slo: Slo, start: float
@@ -299,7 +311,7 @@ class Harness:
                     + (" (target >= 1.5x on chat)" if w == "chat" else "")
                 )
             if "conditional" in row:
-                others = [row[c] for c in row if c != "conditional"]
+                others = [row[c] for c in row if not c.startswith("conditional")]
                 if others:
                     ok = row["conditional"] >= max(others)
                     checks.append(
@@ -344,7 +356,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a small run: few requests, few rates, short outputs")
     p.add_argument("--workloads", type=_csv(str), default=list(workloads.WORKLOADS), help="comma-separated")
-    p.add_argument("--configs", type=_csv(str), default=list(configs.CONFIG_NAMES), help="comma-separated")
+    p.add_argument(
+        "--configs",
+        type=_csv(str),
+        default=list(configs.CONFIG_NAMES),
+        help="comma-separated; conditional@N: the conditional configuration at threshold N",
+    )
     p.add_argument(
         "--base-url", default="", help="drive this OpenAI-compatible server (…/v1) instead of starting stacks"
     )
@@ -438,8 +455,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if w not in workloads.WORKLOADS:
             p.error(f"unknown workload {w!r}; known: {', '.join(workloads.WORKLOADS)}")
     for c in a.configs:
-        if c not in configs.CONFIG_NAMES:
-            p.error(f"unknown configuration {c!r}; known: {', '.join(configs.CONFIG_NAMES)}")
+        if not configs.is_config(c):
+            p.error(f"unknown configuration {c!r}; known: {', '.join(configs.CONFIG_NAMES)}, conditional@N")
     if a.base_url:
         a.configs = ["external"]
     if bool(a.slo_ttft_ms) != bool(a.slo_tpot_ms):
@@ -462,12 +479,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(f"machine: {h.doc['machine']}", flush=True)
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="goodput-logs-") as logs:
-        if a.slo_ttft_ms:
-            quiet: dict[str, dict[str, list[RequestResult]]] = {w: {} for w in h.workloads}
-        else:
-            quiet = h.quiet_phase(a.configs, Path(logs))
-        slos = h.set_slos(quiet)
-        h.sweep_phase(a.configs, slos, Path(logs))
+        h.run(a.configs, Path(logs))
     h.doc["total_wall_s"] = round(time.monotonic() - t0, 1)
     h.report()
     if not a.no_plots:

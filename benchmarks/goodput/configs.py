@@ -5,7 +5,8 @@ two cores (two model processes or ranks, one torch thread each), and starting/st
 - unified_dp2:      1 unified worker with 2 data-parallel ranks
 - unified_2workers: 2 unified workers with 1 rank each
 - conditional:      disaggregated, prompts whose uncached part is below the threshold prefill
-                    on the decode worker (scheduler `--local-prefill-threshold`)
+                    on the decode worker (scheduler `--local-prefill-threshold`);
+                    `conditional@N` is the same with threshold N (several in one run tune it)
 """
 
 from __future__ import annotations
@@ -28,8 +29,21 @@ DEFAULT_LOCAL_PREFILL_THRESHOLD = 256  # tokens; the conditional configuration's
 _HTTP_URL = re.compile(r"(https?://[^\s,;)]+/v1)\b")
 
 
+def is_config(name: str) -> bool:
+    try:
+        config_args(name)
+    except ValueError:
+        return False
+    return True
+
+
 def config_args(name: str, local_prefill_threshold: int = DEFAULT_LOCAL_PREFILL_THRESHOLD) -> list[str]:
     """The `pdserve up` flags that make configuration `name` (threads included)."""
+    base, _, threshold = name.partition("@")
+    if base == "conditional" and threshold:
+        if not threshold.isdigit():
+            raise ValueError(f"conditional@N needs a token count, got {name!r}")
+        name, local_prefill_threshold = base, int(threshold)
     disaggregated = ["--prefill-workers", "1", "--decode-workers", "1", "--torch-threads", "1"]
     if name == "disaggregated":
         return disaggregated
@@ -39,7 +53,7 @@ def config_args(name: str, local_prefill_threshold: int = DEFAULT_LOCAL_PREFILL_
         return ["--unified-workers", "2", "--torch-threads", "1"]
     if name == "conditional":
         return [*disaggregated, f"--scheduler-arg=--local-prefill-threshold={local_prefill_threshold}"]
-    raise ValueError(f"unknown configuration {name!r}; known: {', '.join(CONFIG_NAMES)}")
+    raise ValueError(f"unknown configuration {name!r}; known: {', '.join(CONFIG_NAMES)}, conditional@N")
 
 
 def up_command(

@@ -91,6 +91,8 @@ def test_configurations_are_pdserve_up_lines_on_two_single_thread_processes() ->
     cond = configs.config_args("conditional", local_prefill_threshold=128)
     assert cond[: len(configs.config_args("disaggregated"))] == configs.config_args("disaggregated")
     assert cond[-1] == "--scheduler-arg=--local-prefill-threshold=128"
+    assert configs.config_args("conditional@64")[-1] == "--scheduler-arg=--local-prefill-threshold=64"
+    assert configs.is_config("conditional@0") and not configs.is_config("conditional@x")
     with pytest.raises(ValueError, match="unknown configuration"):
         configs.config_args("colocated")
 
