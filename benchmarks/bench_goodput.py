@@ -277,7 +277,8 @@ class Harness:
                         round(1000 * x, 2) for r in results if r.ok for x in r.itl_s
                     ]
             print(
-                f"[{config}] {name} {rate:7.3g} req/s x{n}: attainment {_pct(s['attainment'])} "
+                f"[{config}] {name} {rate:7.3g} req/s {len(results)}/{n} sent, "
+                f"attainment {_pct(s['attainment'])} "
                 f"(TTFT {_pct(s['ttft_attainment'])}, TPOT {_pct(s['tpot_attainment'])})  "
                 f"TTFT p90 {s['ttft_p90_ms']} ms  ITL p90 {s['itl_p90_ms']} ms  "
                 f"TPOT p90 {s['tpot_p90_ms']} ms  {s['output_tokens_per_s']} tok/s  "
