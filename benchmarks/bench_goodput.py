@@ -109,6 +109,7 @@ class Harness:
             "slo": {},
             "runs": {w: {} for w in self.workloads},
             "goodput_rps": {w: {} for w in self.workloads},
+            "goodput_lower_bound_only": {},
             "itl_samples": {},
         }
         self.quiet: dict[str, dict[str, list[RequestResult]]] = {w: {} for w in self.workloads}
@@ -286,8 +287,13 @@ class Harness:
                 flush=True,
             )
             self.doc["goodput_rps"][name][config] = stats.goodput(points, args.target)
+            # no rate missed the target: the goodput is only a lower bound
+            lower = all(a >= args.target for _, a in points)
+            self.doc["goodput_lower_bound_only"].setdefault(name, {})[config] = lower
             self.save()
-        print(f"[{config}] {name}: goodput {self.doc['goodput_rps'][name][config]:.3g} req/s", flush=True)
+        lower = self.doc["goodput_lower_bound_only"][name].get(config, False)
+        gp = self.doc["goodput_rps"][name][config]
+        print(f"[{config}] {name}: goodput {'>= ' if lower else ''}{gp:.3g} req/s", flush=True)
 
     # --- summary ---
 
@@ -300,8 +306,17 @@ class Harness:
             )
         )
         print(f"  {'workload':14s}" + "".join(f"{c:>18s}" for c in names))
+        lower = self.doc["goodput_lower_bound_only"]
         for w, row in gp.items():
-            print(f"  {w:14s}" + "".join(f"{row.get(c, float('nan')):18.3g}" for c in names))
+            cells = [
+                (">=" if lower.get(w, {}).get(c) else "") + (f"{row[c]:.3g}" if c in row else "n/a")
+                for c in names
+            ]
+            print(f"  {w:14s}" + "".join(f"{x:>18s}" for x in cells))
+        if any(v for row in lower.values() for v in row.values()):
+            print(
+                "  (>=: no rate tried missed the target; raise --max-points or --start-rps to find the limit)"
+            )
         checks = []
         for w, row in gp.items():
             unified = max((row[c] for c in UNIFIED if c in row), default=None)
