@@ -355,12 +355,31 @@ class _external:
         return None
 
 
-def load_tokenizer(name: str) -> workloads.Tokenizer:
-    from transformers import AutoTokenizer
+class _FastTokenizer:
+    """A `tokenizer.json` through the `tokenizers` library: the same token ids as transformers'
+    fast tokenizer, without importing transformers (seconds saved per run)."""
 
+    def __init__(self, path: Path) -> None:
+        from tokenizers import Tokenizer
+
+        self._tok = Tokenizer.from_file(str(path))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+
+def load_tokenizer(name: str) -> workloads.Tokenizer:
+    """The tokenizer of model folder or name `name` ('default': the bundled model)."""
     from shared.model_store import resolve_model
 
     path = Path(name) if Path(name).exists() else resolve_model(name)
+    if (path / "tokenizer.json").exists():
+        return _FastTokenizer(path / "tokenizer.json")
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(path))  # type: ignore[return-value]
 
 
