@@ -4,8 +4,8 @@
 #   make bench-goodput GOODPUT_ARGS="--workloads chat --configs disaggregated,unified_dp2"
 #   make bench-goodput GOODPUT_ARGS="--base-url http://HOST:PORT/v1"   any OpenAI-compatible server
 #   make bench-goodput GOODPUT_ARGS="--device cuda"      writes benchmarks/results/goodput-cuda.json
+# Not part of `make bench` (minutes): a full run takes hours on two cores.
 GOODPUT_ARGS ?=
-BENCH_TARGETS += bench-goodput
 
 .PHONY: bench-goodput
 bench-goodput: install gen
