@@ -20,6 +20,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--timeout-s", type=float, default=300.0)
+    p.add_argument(
+        "--api-key",
+        default="",
+        help="API key, sent as 'authorization: Bearer <key>' (when the gateway has keys)",
+    )
     a = p.parse_args(list(sys.argv[1:] if argv is None else argv))
 
     from shared.proto import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -38,7 +43,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     with grpc.insecure_channel(a.address) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         try:
-            for frame in stub.Generate(req, timeout=a.timeout_s):
+            metadata = [("authorization", f"Bearer {a.api_key}")] if a.api_key else None
+            for frame in stub.Generate(req, timeout=a.timeout_s, metadata=metadata):
                 sys.stdout.write(frame.text)
                 sys.stdout.flush()
                 if frame.HasField("usage"):

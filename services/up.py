@@ -3,7 +3,8 @@
 Starts load-monitor, scheduler, the workers (by default one prefill + one decode worker;
 `--prefill-workers N --decode-workers M` for more, `--unified` / `--unified-workers N` for unified
 workers instead) and the gateway as child processes, waits until every health check is SERVING and the
-scheduler sees the workers, prints the gateway address and a ready-to-paste grpcurl command, and
+scheduler sees the workers, prints the gateway's gRPC address and HTTP base URL (OpenAI-compatible,
+port-base + 40) with ready-to-paste grpcurl and curl commands, and
 stops them all (gateway first, workers, scheduler, load-monitor) on Ctrl-C or SIGTERM.
 """
 
@@ -13,6 +14,7 @@ import argparse
 import contextlib
 import ctypes
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -36,6 +38,7 @@ PORT_OFFSETS = {
     "decode-worker": 20,
     "worker": 30,
 }
+HTTP_OFFSET = 40  # the gateway's OpenAI-compatible HTTP API listens on base + HTTP_OFFSET
 METRICS_OFFSET = 50  # metrics port = base + METRICS_OFFSET + offset, when --metrics
 MAX_WORKERS_PER_KIND = 10  # worker i of a kind listens on base + offset + i (offsets 10 apart)
 WORKER_MODULES = {
@@ -51,6 +54,7 @@ class Child:
     module: str
     address: str
     args: list[str]
+    env: dict[str, str] | None = None  # added to this process's environment (secrets: not in argv)
     proc: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
 
@@ -92,7 +96,14 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
         "--port-base",
         type=int,
         default=50051,
-        help="gateway; scheduler +1, load-monitor +2, worker i: prefill +10+i, decode +20+i, unified +30+i",
+        help="gateway; scheduler +1, load-monitor +2, worker i: prefill +10+i, decode +20+i, unified +30+i; "
+        "the gateway's HTTP API +40",
+    )
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="API key the gateway requires on every public call (repeatable; passed in its environment)",
     )
     p.add_argument("--metrics", action="store_true", help="expose /metrics on port-base+50+offset")
     p.add_argument(
@@ -210,17 +221,27 @@ def _children(a: argparse.Namespace, model_path: str) -> list[Child]:
                 a.model_cache_dir,
                 "--block-size",
                 str(a.block_size),
+                "--http-port",
+                str(a.port_base + HTTP_OFFSET),
                 *a.gateway_arg,
             ],
+            env={"PDSERVE_API_KEYS": ",".join(a.api_key)} if a.api_key else None,
         )
     )
     return children
 
 
+_UP_PID = os.getpid()
+
+
 def _die_with_parent() -> None:
-    """Children get SIGTERM if `pdserve up` itself dies (Linux prctl PR_SET_PDEATHSIG)."""
+    """Children get SIGTERM if `pdserve up` itself dies, even by SIGKILL (Linux prctl
+    PR_SET_PDEATHSIG; runs in the child between fork and exec). A parent that died before the
+    prctl took effect is caught by the parent-pid check."""
     with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+    if os.getppid() != _UP_PID:
+        os._exit(1)
 
 
 def _start(child: Child, log_dir: str) -> None:
@@ -231,7 +252,12 @@ def _start(child: Child, log_dir: str) -> None:
         child.log_path = Path(log_dir) / f"{child.name}.log"
         stderr = open(child.log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
     child.proc = subprocess.Popen(
-        cmd, stdout=stderr, stderr=stderr, start_new_session=True, preexec_fn=_die_with_parent
+        cmd,
+        stdout=stderr,
+        stderr=stderr,
+        start_new_session=True,
+        preexec_fn=_die_with_parent,
+        env={**os.environ, **child.env} if child.env else None,
     )
 
 
@@ -300,8 +326,9 @@ def _wait_ready(
     return "timed out waiting for: " + ", ".join(c.name for c in pending or children)
 
 
-def grpcurl_command(gateway: str, ca_file: str = "", server_name: str = "") -> str:
-    """A ready-to-paste grpcurl line (plaintext, or TLS checked against `ca_file`)."""
+def grpcurl_command(gateway: str, ca_file: str = "", server_name: str = "", api_key: bool = False) -> str:
+    """A ready-to-paste grpcurl line (plaintext, or TLS checked against `ca_file`); with api_key, a
+    placeholder authorization header (the key itself is never printed)."""
     exe = shutil.which("grpcurl") or str(Path(sys.prefix) / "bin" / "grpcurl")
     transport = "-plaintext"
     if ca_file:
@@ -313,7 +340,15 @@ def grpcurl_command(gateway: str, ca_file: str = "", server_name: str = "") -> s
             "temperature": 0,
         }
     )
-    return f"{exe} {transport} -d '{body}' {gateway} pdserve.v1.Gateway/Generate"
+    auth = "-H 'authorization: Bearer <key>' " if api_key else ""
+    return f"{exe} {transport} {auth}-d '{body}' {gateway} pdserve.v1.Gateway/Generate"
+
+
+def curl_command(http_base: str, api_key: bool = False) -> str:
+    """A ready-to-paste curl line for the OpenAI-compatible chat endpoint."""
+    body = json.dumps({"messages": [{"role": "user", "content": "What is the capital of France?"}]})
+    auth = "-H 'Authorization: Bearer <key>' " if api_key else ""
+    return f"curl -s {http_base}/chat/completions -H 'Content-Type: application/json' {auth}-d '{body}'"
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -342,9 +377,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(1)
     gateway = children[-1].address
     workers = ", ".join(f"{c.name} {c.address}" for c in children if "worker" in c.name)
-    print(f"pdserve is up: gateway {gateway} (model {Path(model_path).name}; {workers})", flush=True)
+    scheme = "https" if tls is not None else "http"
+    http_base = f"{scheme}://{a.host}:{a.port_base + HTTP_OFFSET}/v1"
+    print(
+        f"pdserve is up: gateway {gateway}, HTTP {http_base} (model {Path(model_path).name}; {workers})",
+        flush=True,
+    )
     ca = a.tls_ca_file if tls is not None else ""
-    print("Try:\n  " + grpcurl_command(gateway, ca, a.tls_server_name), flush=True)
+    keyed = bool(a.api_key)
+    print("Try:\n  " + grpcurl_command(gateway, ca, a.tls_server_name, keyed), flush=True)
+    print("  " + curl_command(http_base, keyed), flush=True)
     print("Ctrl-C stops everything.", flush=True)
     exit_code = 0
     while not stop.is_set():

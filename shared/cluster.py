@@ -84,6 +84,15 @@ class RankLoad:
     kv_capacity_tokens: int = 0
     prefix_cache_queries_tokens: int = 0  # since start
     prefix_cache_hits_tokens: int = 0  # since start
+    spec_draft_tokens: int = 0  # speculative proposals verified since start (tokens)
+    spec_accepted_tokens: int = 0  # of which accepted (tokens)
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted / proposed speculative tokens (0 when nothing was proposed)."""
+        if self.spec_draft_tokens == 0:
+            return 0.0
+        return self.spec_accepted_tokens / self.spec_draft_tokens
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -97,7 +106,7 @@ def sum_rank_loads(reports: Iterable[RankLoad], dp_size: int) -> tuple[RankLoad,
     """One entry per rank 0..dp_size-1; several reports for the same rank are summed, never
     overwritten; reports for ranks outside [0, dp_size) are dropped (the worker said it has
     dp_size ranks)."""
-    acc = [[0, 0, 0, 0, 0, 0] for _ in range(dp_size)]
+    acc = [[0] * 8 for _ in range(dp_size)]
     for r in reports:
         if not 0 <= r.dp_rank < dp_size:
             continue
@@ -108,6 +117,8 @@ def sum_rank_loads(reports: Iterable[RankLoad], dp_size: int) -> tuple[RankLoad,
         a[3] += r.kv_capacity_tokens
         a[4] += r.prefix_cache_queries_tokens
         a[5] += r.prefix_cache_hits_tokens
+        a[6] += r.spec_draft_tokens
+        a[7] += r.spec_accepted_tokens
     return tuple(RankLoad(rank, *a) for rank, a in enumerate(acc))
 
 

@@ -136,6 +136,8 @@ def rank_load_to_pb(load: RankLoad) -> common_pb2.RankLoad:
         prefix_cache_queries_tokens=load.prefix_cache_queries_tokens,
         prefix_cache_hits_tokens=load.prefix_cache_hits_tokens,
         prefix_cache_hit_rate=load.prefix_cache_hit_rate,  # derived; not read back
+        spec_draft_tokens=load.spec_draft_tokens,
+        spec_accepted_tokens=load.spec_accepted_tokens,
     )
 
 
@@ -148,6 +150,9 @@ def rank_load_from_pb(pb: common_pb2.RankLoad) -> RankLoad:
         kv_capacity_tokens=pb.kv_capacity_tokens,
         prefix_cache_queries_tokens=pb.prefix_cache_queries_tokens,
         prefix_cache_hits_tokens=pb.prefix_cache_hits_tokens,
+        # unset by workers older than 1.2: 0 (nothing proposed)
+        spec_draft_tokens=pb.spec_draft_tokens,
+        spec_accepted_tokens=pb.spec_accepted_tokens,
     )
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
+from shared.server import PortInUse
+
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _SMALL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
@@ -55,6 +57,19 @@ KV_TRANSFER_SECONDS = Histogram(
     "pdserve_kv_transfer_seconds", "Time to push one request's KV", buckets=_SMALL_BUCKETS_S
 )
 PREEMPTIONS = Counter("pdserve_preemptions_total", "Requests preempted by recompute", ["dp_rank"])
+# Speculative decoding (vLLM's spec_decode counters are the model): acceptance rate =
+# accepted / draft tokens; mean accepted run = accepted / drafts.
+SPEC_DRAFTS = Counter(
+    "pdserve_spec_decode_num_drafts_total",
+    "Verifications of a proposed run (sequences with at least one proposal in a step)", ["dp_rank"])
+SPEC_DRAFT_TOKENS = Counter(
+    "pdserve_spec_decode_num_draft_tokens_total", "Proposed tokens verified", ["dp_rank"])
+SPEC_ACCEPTED_TOKENS = Counter(
+    "pdserve_spec_decode_num_accepted_tokens_total", "Proposed tokens accepted", ["dp_rank"])
+SPEC_ACCEPTED_PER_POSITION = Counter(
+    "pdserve_spec_decode_num_accepted_tokens_per_pos_total",
+    "Proposed tokens accepted, by position in their run (0 = first proposal)",
+    ["dp_rank", "position"])
 
 # --- scheduler ---
 SCHEDULE_DECISIONS = Counter("pdserve_schedule_decisions_total", "Routing decisions", ["role", "policy"])
@@ -75,5 +90,8 @@ def start_metrics_server(port: int, addr: str = "0.0.0.0") -> int:
     """Serve /metrics on `port` (0 picks a free one; negative disables). Returns the bound port."""
     if port < 0:
         return -1
-    server, _thread = start_http_server(port, addr=addr)
+    try:
+        server, _thread = start_http_server(port, addr=addr)
+    except OSError as exc:
+        raise PortInUse(f"cannot serve metrics on {addr}:{port}: {exc.strerror or exc}") from None
     return int(server.server_port)

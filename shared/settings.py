@@ -15,16 +15,35 @@ import sys
 import types
 import typing
 from collections.abc import Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")
 
 ENV_PREFIX = "PDSERVE_"
 
 
-def field(default: Any, help: str, *, choices: Sequence[str] | None = None) -> Any:
-    """A settings field with its help text (and allowed values)."""
-    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+def field(
+    default: Any,
+    help: str,
+    *,
+    choices: Sequence[str] | None = None,
+    repeatable: bool = False,
+    aliases: Sequence[str] = (),
+    secret: bool = False,
+) -> Any:
+    """A settings field with its help text (and allowed values).
+
+    repeatable: a tuple field whose flag may be given several times (each one value, taken as is);
+    its environment variable is still comma-separated. aliases: extra flag names ("api-key").
+    secret: kept out of the dataclass repr, so that logging the settings never shows it."""
+    return dataclasses.field(
+        default=default,
+        repr=not secret,
+        metadata={"help": help, "choices": choices, "repeatable": repeatable, "aliases": tuple(aliases)},
+    )
 
 
 def _base_type(tp: Any) -> Any:
@@ -73,25 +92,30 @@ def parse_settings(
     env = os.environ if env is None else env
     hints = typing.get_type_hints(cls)
     parser = argparse.ArgumentParser(prog=prog, description=(cls.__doc__ or "").strip())
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        flag = "--" + f.name.replace("_", "-")
+    for f in dataclasses.fields(cls):
+        flags = ["--" + f.name.replace("_", "-"), *("--" + a for a in f.metadata.get("aliases", ()))]
         env_name = ENV_PREFIX + f.name.upper()
         default = f.default.value if isinstance(f.default, enum.Enum) else f.default
         help_text = f"{f.metadata.get('help', '')} (env {env_name}; default {default!r})"
         if _base_type(hints[f.name]) is bool:
             parser.add_argument(
-                flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction, help=help_text
+                *flags, dest=f.name, default=None, action=argparse.BooleanOptionalAction, help=help_text
             )
+        elif f.metadata.get("repeatable"):
+            parser.add_argument(*flags, dest=f.name, default=None, action="append", help=help_text)
         else:
-            parser.add_argument(flag, dest=f.name, default=None, type=str, help=help_text)
+            parser.add_argument(*flags, dest=f.name, default=None, type=str, help=help_text)
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     values: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+    for f in dataclasses.fields(cls):
         tp = hints[f.name]
         cli_value = getattr(args, f.name)
         env_value = env.get(ENV_PREFIX + f.name.upper())
+        value: Any
         try:
-            if cli_value is not None:
+            if isinstance(cli_value, list):  # a repeatable flag: each occurrence is one value
+                value = tuple(cli_value)
+            elif cli_value is not None:
                 value = cli_value if isinstance(cli_value, bool) else _convert(cli_value, tp, f.name)
             elif env_value is not None:
                 value = _convert(env_value, tp, f.name)

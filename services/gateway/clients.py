@@ -58,7 +58,7 @@ class GrpcScheduler:
         self._control_timeout_s = control_timeout_s
 
     def _stub(self) -> scheduler_pb2_grpc.SchedulerStub:
-        return scheduler_pb2_grpc.SchedulerStub(self._channels.get(self._address))  # type: ignore[no-untyped-call]
+        return scheduler_pb2_grpc.SchedulerStub(self._channels.get(self._address))
 
     async def schedule(self, query: ScheduleQuery, timeout_s: float | None) -> Placement:
         peer = f"scheduler {self._address}"
@@ -125,7 +125,7 @@ class GrpcWorkers:
         self._control_timeout_s = control_timeout_s
 
     def _stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
-        return worker_pb2_grpc.WorkerStub(self._channels.get(address))  # type: ignore[no-untyped-call]
+        return worker_pb2_grpc.WorkerStub(self._channels.get(address))
 
     def decode(
         self, target: WorkerTarget, job: WorkerJob, local_prefill: bool, timeout_s: float | None

@@ -149,6 +149,8 @@ def sampling_to_pb(s: Sampling) -> common_pb2.SamplingParams:
     )
     if s.seed is not None:
         msg.seed = s.seed
+    if s.first_output_index:
+        msg.first_output_index = s.first_output_index
     return msg
 
 
@@ -184,7 +186,7 @@ def prefill_request(job: WorkerJob, dp_rank: int, kv: KvDestination | None) -> w
 
 
 def decode_event(frame: worker_pb2.DecodeFrame) -> DecodeEvent:
-    kind = _DECODE_KIND_FROM_PB.get(frame.kind)  # type: ignore[call-overload]
+    kind = _DECODE_KIND_FROM_PB.get(frame.kind)
     if kind is None:
         raise ValueError(f"decode frame of unknown kind {frame.kind}")
     return DecodeEvent(

@@ -1,5 +1,6 @@
-"""Gateway process: settings, logging, tracing, metrics, the gRPC server, tokenizer loading
-(health NOT_SERVING until it is loaded), graceful SIGTERM drain."""
+"""Gateway process: settings, logging, tracing, metrics, the gRPC server and the HTTP API on one
+asyncio loop over one GatewayService, API keys, tokenizer loading (health NOT_SERVING until it is
+loaded), graceful SIGTERM drain."""
 
 from __future__ import annotations
 
@@ -11,16 +12,20 @@ from dataclasses import dataclass
 import structlog
 
 from services.gateway.clients import GrpcScheduler, GrpcWorkers
+from services.gateway.http_api import HttpApi
+from services.gateway.http_server import HttpServer
 from services.gateway.service import GatewayService
 from services.gateway.servicer import GatewayServicer
 from services.gateway.settings import GatewaySettings, load_settings
 from services.gateway.tokenization import PromptTokenizer
+from shared.auth import load_api_keys
 from shared.channels import ChannelCache
+from shared.grpc_auth import ApiKeyInterceptor
 from shared.logs import configure_logging
 from shared.metrics import start_metrics_server
 from shared.model_store import resolve_model
 from shared.proto import gateway_pb2, gateway_pb2_grpc
-from shared.server import Server, serve_until_stopped
+from shared.server import Server, exit_on_port_in_use, serve_until_stopped
 from shared.settings import otel_env
 from shared.tracing import configure_tracing, server_interceptors
 
@@ -37,6 +42,17 @@ class GatewayApp:
     server: Server
     service: GatewayService
     channels: ChannelCache
+    http_api: HttpApi
+    http: HttpServer | None  # None when --http-port -1
+
+    @property
+    def http_url(self) -> str | None:
+        """The HTTP API's base URL, e.g. http://127.0.0.1:8000 (the OpenAI base URL adds /v1)."""
+        return None if self.http is None else self.http.base_url
+
+    async def start_http(self) -> None:
+        if self.http is not None:
+            await self.http.start()
 
     async def load(self) -> None:
         """Load the tokenizer (off the event loop); the service is usable afterwards."""
@@ -51,6 +67,7 @@ class GatewayApp:
         """Start serving (health NOT_SERVING), load, then SERVING. For tests; main() uses
         serve_until_stopped."""
         await self.server.start()
+        await self.start_http()
         await self.load()
         await self.server.set_serving(True)
 
@@ -59,9 +76,13 @@ class GatewayApp:
         abort what is left on its workers (the server stops afterwards)."""
         log.info("drain_started", in_flight=self.service.num_in_flight)
         await self.service.drain(self.settings.drain_grace_s)
+        if self.http is not None:
+            await self.http.stop()
         log.info("drained")
 
     async def stop(self, grace_s: float = 0.0) -> None:
+        if self.http is not None:
+            await self.http.stop()
         await self.server.stop(grace_s)
         await self.service.dispatcher.wait_for_aborts(timeout_s=5.0)
         await self.channels.close()
@@ -75,28 +96,56 @@ def build_app(settings: GatewaySettings) -> GatewayApp:
         GrpcScheduler(channels, settings.scheduler_address, settings.worker_rpc_timeout_s),
         GrpcWorkers(channels, settings.worker_rpc_timeout_s),
     )
-    server = Server(settings.listen, [SERVICE_NAME], interceptors=server_interceptors(), tls=tls)
-    gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(service), server.grpc)  # type: ignore[no-untyped-call]
-    return GatewayApp(settings, server, service, channels)
+    keys = load_api_keys(settings.api_keys, settings.api_key_file)
+    # The API key check runs first: an unauthenticated call reaches nothing else.
+    auth = ApiKeyInterceptor(keys, [SERVICE_NAME])
+    server = Server(settings.listen, [SERVICE_NAME], interceptors=[auth, *server_interceptors()], tls=tls)
+    gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(service), server.grpc)
+    http_api = HttpApi(service, keys, lambda: server.serving, settings.http_max_body_bytes)
+    http = None
+    if settings.http_port >= 0:
+        http = HttpServer(
+            http_api.app,
+            settings.listen.rsplit(":", 1)[0],
+            settings.http_port,
+            ssl_cert_file=settings.tls_cert_file if tls else "",
+            ssl_key_file=settings.tls_key_file if tls else "",
+            ssl_ca_file=settings.tls_ca_file if tls else "",
+            client_auth=settings.tls_client_auth,
+        )
+    log.info("api_keys", enabled=keys.enabled, count=len(keys))  # how many, never which
+    return GatewayApp(settings, server, service, channels, http_api, http)
 
 
 async def serve(settings: GatewaySettings) -> None:
-    app = build_app(settings)
+    try:
+        app = build_app(settings)
+    except (ValueError, RuntimeError) as exc:  # an unreadable key file, a port in use: say so
+        log.error("gateway_failed", error=str(exc))
+        raise SystemExit(1) from None
     metrics_port = start_metrics_server(settings.metrics_port)
     log.info("gateway_starting", scheduler=settings.scheduler_address, metrics_port=metrics_port)
+
+    async def ready() -> None:
+        await app.start_http()  # /health answers 503 while the tokenizer loads
+        await app.load()
+
     try:
         await serve_until_stopped(
-            app.server, on_ready=app.load, on_drain=app.drain, grace_s=settings.drain_grace_s
+            app.server, on_ready=ready, on_drain=app.drain, grace_s=settings.drain_grace_s
         )
     except Exception as exc:  # e.g. the model folder is missing: say so and exit non-zero
         log.error("gateway_failed", error=str(exc) or type(exc).__name__)
         await app.server.stop(0)
         raise SystemExit(1) from None
     finally:
+        if app.http is not None:
+            await app.http.stop()
         await app.service.dispatcher.wait_for_aborts(timeout_s=5.0)
         await app.channels.close()
 
 
+@exit_on_port_in_use
 def main(argv: Sequence[str] | None = None) -> None:
     """`pdserve gateway [flags]` / `python -m services.gateway [flags]` (argv None: sys.argv)."""
     settings = load_settings(sys.argv[1:] if argv is None else argv)

@@ -4,8 +4,9 @@ single response from the same frames Generate streams, list models."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import structlog
 from opentelemetry import trace
@@ -44,7 +45,13 @@ class GatewayService:
         self._scheduler = scheduler
         self._tokenizer = tokenizer
         self._limits = Limits(settings.max_stop_strings, settings.max_stop_string_chars)
-        self.dispatcher = Dispatcher(scheduler, workers, settings.block_size, settings.worker_rpc_timeout_s)
+        self.dispatcher = Dispatcher(
+            scheduler,
+            workers,
+            settings.block_size,
+            settings.worker_rpc_timeout_s,
+            migration_limit=settings.migration_limit,
+        )
         self._in_flight: dict[str, asyncio.Task[object]] = {}  # request_id -> the RPC's task
         self._idle = asyncio.Event()
         self._idle.set()
@@ -114,7 +121,7 @@ class GatewayService:
 
     async def generate(
         self, inp: GenerateInput, client_timeout_s: float | None = None
-    ) -> AsyncIterator[OutputFrame]:
+    ) -> AsyncGenerator[OutputFrame, None]:
         """The streamed frames of one request (the last is FINAL). client_timeout_s: what is left
         of the client's deadline, if it set one."""
         arrival_s = time.monotonic()
@@ -153,8 +160,10 @@ class GatewayService:
                     **(self._prompt_fields(inp) if self._settings.log_prompts else {}),
                 )
                 try:
-                    async for frame in self.dispatcher.run(prepared, state, arrival_s + timeout_s):
-                        yield frame
+                    frames = self.dispatcher.run(prepared, state, arrival_s + timeout_s)
+                    async with contextlib.aclosing(frames):
+                        async for frame in frames:
+                            yield frame
                 except asyncio.CancelledError:
                     if task not in self._cancelled_by_drain:
                         raise  # the client went away
@@ -177,11 +186,13 @@ class GatewayService:
         text: list[str] = []
         token_ids: list[int] = []
         final: OutputFrame | None = None
-        async for frame in self.generate(inp, client_timeout_s):
-            text.append(frame.text)
-            token_ids.extend(frame.token_ids)
-            if frame.kind is FrameKind.FINAL:
-                final = frame
+        frames = self.generate(inp, client_timeout_s)
+        async with contextlib.aclosing(frames):
+            async for frame in frames:
+                text.append(frame.text)
+                token_ids.extend(frame.token_ids)
+                if frame.kind is FrameKind.FINAL:
+                    final = frame
         assert final is not None and final.usage is not None and final.finish_reason is not None
         return Completion(
             final.request_id, "".join(text), tuple(token_ids), final.finish_reason, final.usage, final.model

@@ -13,7 +13,24 @@ from shared.tls import TlsSettings
 class GatewaySettings(TlsSettings):
     """pdserve gateway: the public Generate/Complete/ListModels API in front of the scheduler and workers."""
 
-    listen: str = field("0.0.0.0:50051", "host:port to serve the public API on")
+    listen: str = field("0.0.0.0:50051", "host:port to serve the public gRPC API on")
+    http_port: int = field(
+        8000,
+        "port of the OpenAI-compatible HTTP API (/v1/...), on the host of --listen "
+        "(-1 disables it, 0 picks a free one)",
+    )
+    http_max_body_bytes: int = field(
+        8 * 1024 * 1024, "largest HTTP request body accepted; larger ones get 413 (bytes)"
+    )
+    api_keys: tuple[str, ...] = field(
+        (),
+        "API key every public call must carry as 'authorization: Bearer <key>' (repeatable; env: "
+        "comma-separated); health and reflection stay open; none = no authentication",
+        repeatable=True,
+        aliases=("api-key",),
+        secret=True,
+    )
+    api_key_file: str = field("", "file with more API keys, one per line ('#' comments)")
     metrics_port: int = field(9100, "Prometheus /metrics port (-1 disables, 0 picks a free one)")
     log_level: str = field("info", "log level", choices=("debug", "info", "warning", "error"))
     log_format: str = field("auto", "log format", choices=("auto", "json", "console"))
@@ -40,6 +57,12 @@ class GatewaySettings(TlsSettings):
     )
     worker_rpc_timeout_s: float = field(10.0, "timeout of short control RPCs (Schedule, Abort, GetState) (s)")
     log_prompts: bool = field(False, "log prompt and completion text (off by default: privacy)")
+    migration_limit: int = field(
+        3,
+        "times one request may be moved to another worker after its decode worker failed "
+        "mid-stream (the prompt plus the tokens generated so far are prefilled elsewhere and "
+        "decoding resumes); past it the client gets UNAVAILABLE; 0 disables migration (count)",
+    )
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -50,6 +73,12 @@ class GatewaySettings(TlsSettings):
             raise ValueError("max_stop_strings must be >= 0 and max_stop_string_chars >= 1")
         if self.request_timeout_s <= 0 or self.worker_rpc_timeout_s <= 0:
             raise ValueError("request_timeout_s and worker_rpc_timeout_s must be > 0")
+        if self.http_port < -1 or self.http_port > 65535:
+            raise ValueError(f"http_port must be -1 (off), 0 (any free port) or a port, got {self.http_port}")
+        if self.http_max_body_bytes < 1024:
+            raise ValueError(f"http_max_body_bytes must be >= 1024, got {self.http_max_body_bytes}")
+        if self.migration_limit < 0:
+            raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")
         if self.drain_grace_s < 0:
             raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
 

@@ -18,7 +18,7 @@ from shared.channels import ChannelCache
 from shared.logs import configure_logging
 from shared.metrics import start_metrics_server
 from shared.proto import load_monitor_pb2, load_monitor_pb2_grpc
-from shared.server import Server, serve_until_stopped
+from shared.server import Server, exit_on_port_in_use, serve_until_stopped
 from shared.settings import otel_env, parse_settings
 from shared.tracing import configure_tracing, server_interceptors
 
@@ -58,7 +58,7 @@ def build(settings: Settings, interceptors: Sequence[object] = ()) -> LoadMonito
         load_timeout_s=settings.load_timeout_s,
         forget=client.forget,
     )
-    server = Server(settings.listen, [SERVICE_NAME], interceptors=list(interceptors), tls=tls)  # type: ignore[arg-type]
+    server = Server(settings.listen, [SERVICE_NAME], interceptors=list(interceptors), tls=tls)
     load_monitor_pb2_grpc.add_LoadMonitorServicer_to_server(LoadMonitorServicer(monitor), server.grpc)
     return LoadMonitorApp(server, monitor, client)
 
@@ -78,6 +78,7 @@ async def _serve(settings: Settings) -> None:
         await app.client.close()
 
 
+@exit_on_port_in_use
 def main(argv: Sequence[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     settings = parse_settings(Settings, args, prog="pdserve load-monitor")

@@ -43,6 +43,7 @@ def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingConfig:
         stop_token_ids=tuple(pb.stop_token_ids),
         ignore_eos=pb.ignore_eos,
         include_stop_in_output=pb.include_stop_in_output,
+        first_output_index=pb.first_output_index,
     )
 
 
@@ -129,6 +130,7 @@ def kv_chunk_from_pb(pb: worker_pb2.KvChunk) -> IncomingKvChunk:
         num_tokens=pb.num_tokens,
         first_token_id=pb.first_token_id if pb.HasField("first_token_id") else None,
         generated_tokens=pb.generated_tokens if pb.HasField("generated_tokens") else None,
+        draft_token_ids=tuple(pb.draft_token_ids),
     )
 
 
@@ -138,9 +140,11 @@ def kv_chunk_to_pb(
     layout: common_pb2.KvLayout,
     chunk: KvBlocksChunk,
     last: tuple[int, int | None, int] | None = None,
+    draft_token_ids: tuple[int, ...] = (),
 ) -> worker_pb2.KvChunk:
     """One outgoing chunk; `last` = (num_tokens, first_token_id, generated_tokens) on the last
-    (first_token_id None: the request finished at its first token, nothing to decode)."""
+    (first_token_id None: the request finished at its first token, nothing to decode), with the
+    prefill side's proposals `draft_token_ids`."""
     pb = worker_pb2.KvChunk(
         request_id=request_id,
         transfer_ticket=target.transfer_ticket,
@@ -156,6 +160,7 @@ def kv_chunk_to_pb(
         if first_token_id is not None:
             pb.first_token_id = first_token_id
         pb.generated_tokens = generated_tokens
+        pb.draft_token_ids.extend(draft_token_ids)
         pb.last = True
     return pb
 

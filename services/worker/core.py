@@ -9,17 +9,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import enum
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 
 import structlog
 
 from services.worker.engine.api import (
     Engine,
-    EngineRequest,
     KvBlocksChunk,
     RequestKind,
     RequestOutput,
 )
+from services.worker.engine.spec.stats import SpecStats
 from services.worker.messages import (
     DecodeCall,
     DecodeEvent,
@@ -31,17 +32,18 @@ from services.worker.messages import (
     PrefillResult,
 )
 from shared import errors, metrics
-from shared.cluster import FinishReason, RankLoad, Role, WorkerInfo
+from shared.cluster import FinishReason, RankLoad, WorkerInfo
 from shared.tracing import tracer
 
 log = structlog.get_logger(__name__)
 
-# Roles allowed to serve each RPC.
-_ROLES_FOR = {
-    "Prefill": (Role.PREFILL, Role.UNIFIED),
-    "Decode": (Role.DECODE, Role.UNIFIED),
-    "PushKv": (Role.DECODE, Role.UNIFIED),
-}
+
+class Phase(enum.Enum):
+    """Where a request with a live RPC on this worker is."""
+
+    PREFILL = "prefill"
+    PUSHING = "pushing"  # its KV is being pushed to a decode worker (a drain lets it end)
+    DECODE = "decode"
 
 
 def _layout_str(layout: object) -> str:
@@ -65,53 +67,24 @@ class WorkerCore:
         self._pusher = pusher
         self._kv_chunk_bytes = kv_chunk_bytes
         self._log_prompts = log_prompts
-        # request_id -> phase ("prefill" | "pushing" | "decode"); only requests with a live RPC.
-        self._active: dict[str, str] = {}
+        # only requests with a live RPC
+        self._active: dict[str, Phase] = {}
         self._idle = asyncio.Event()
         self._idle.set()
         self._draining = False
-        self._preemptions_seen: dict[int, int] = {}  # dp_rank -> count already exported
+        # per rank, engine counters already exported to Prometheus (cumulative)
+        self._preemptions_seen: dict[int, int] = {}
+        self._spec_seen: dict[int, SpecStats] = {}
 
-    # ----- validation and bookkeeping -----
+    # ----- bookkeeping -----
 
-    def _require_role(self, rpc: str) -> None:
-        allowed = _ROLES_FOR[rpc]
-        if self.identity.role not in allowed:
+    def _require(self, serves: bool, what: str) -> None:
+        if not serves:
             raise errors.FailedPrecondition(
-                f"{rpc} is not served by a {self.identity.role.value} worker "
-                f"(roles that serve it: {', '.join(r.value for r in allowed)})"
-            )
-
-    def validate(self, request: EngineRequest) -> None:
-        """Raise InvalidArgument for anything the engine must never see."""
-        if not request.request_id:
-            raise errors.InvalidArgument("request_id is required")
-        dp_size = self.identity.dp_size
-        if not 0 <= request.dp_rank < dp_size:
-            raise errors.InvalidArgument(
-                f"dp_rank {request.dp_rank} is out of range: this worker has {dp_size} "
-                f"rank(s), 0..{dp_size - 1}"
-            )
-        if not request.prompt_token_ids:
-            raise errors.InvalidArgument("prompt_token_ids is empty")
-        max_len = self.engine.max_model_len
-        if len(request.prompt_token_ids) >= max_len:
-            raise errors.InvalidArgument(
-                f"prompt has {len(request.prompt_token_ids)} tokens; this worker's max_model_len "
-                f"is {max_len}, so prompts may have at most {max_len - 1}"
-            )
-        s = request.sampling
-        if s.max_tokens < 1:
-            raise errors.InvalidArgument("sampling.max_tokens must be >= 1")
-        if s.temperature < 0:
-            raise errors.InvalidArgument(f"sampling.temperature must be >= 0, got {s.temperature}")
-        if not 0 < s.top_p <= 1:
-            raise errors.InvalidArgument(f"sampling.top_p must be in (0, 1], got {s.top_p}")
-        if s.top_k < 0:
-            raise errors.InvalidArgument(f"sampling.top_k must be >= 0, got {s.top_k}")
+                f"{what} is not served by a {self.identity.role.value} worker")
 
     @contextlib.contextmanager
-    def _track(self, request_id: str, phase: str) -> Iterator[None]:
+    def _track(self, request_id: str, phase: Phase) -> Iterator[None]:
         if self._draining:
             raise errors.Unavailable("worker is draining; send the request to another worker")
         if request_id in self._active:
@@ -141,11 +114,11 @@ class WorkerCore:
 
     async def prefill(self, call: PrefillCall) -> PrefillResult:
         """Run the prompt, sample the first token, push the KV to call.kv_target, free the KV."""
-        self._require_role("Prefill")
+        self._require(self.identity.role.prefills,
+                      "Prefill (roles that serve it: prefill, unified)")
         request = dataclasses.replace(call.request, kind=RequestKind.PREFILL_ONLY)
-        self.validate(request)
         rid = request.request_id
-        with self._track(rid, "prefill"), tracer().start_as_current_span("prefill") as span:
+        with self._track(rid, Phase.PREFILL), tracer().start_as_current_span("prefill") as span:
             span.set_attribute("pdserve.request_id", rid)
             span.set_attribute("pdserve.prompt_tokens", len(request.prompt_token_ids))
             handle = self.engine.add_request(request)
@@ -167,7 +140,7 @@ class WorkerCore:
             try:
                 if last is None or last.finish_reason is FinishReason.ABORT:
                     raise self._aborted_error(rid)
-                finish = self._prefill_finish_reason(last, request)
+                finish = last.finish_reason  # the engine's finish rule; None: decoding goes on
                 span.set_attribute("pdserve.num_chunks", last.num_prefill_chunks)
                 span.set_attribute("pdserve.local_cached_tokens", last.num_local_cached_tokens)
                 kv_bytes, kv_ns = 0, 0
@@ -175,7 +148,7 @@ class WorkerCore:
                     # Finished at the first token: the handoff carries no KV and no first token,
                     # so the decode side ends the request at once (FINAL, its count 0).
                     first_token_id = token_ids[-1] if finish is None and token_ids else None
-                    self._active[rid] = "pushing"
+                    self._active[rid] = Phase.PUSHING
                     kv_bytes, kv_ns = await self._push(call, last, first_token_id)
             finally:
                 self._release(rid)
@@ -199,18 +172,6 @@ class WorkerCore:
                 kv_transfer_ns=kv_ns,
             )
 
-    @staticmethod
-    def _prefill_finish_reason(out: RequestOutput, request: EngineRequest) -> FinishReason | None:
-        """STOP/LENGTH when the request ended at its first token, None when decoding continues.
-
-        The worker's rule (engine/api.py): count >= max_tokens -> LENGTH, else the stop reason.
-        """
-        if out.num_generated_tokens >= request.sampling.max_tokens:
-            return FinishReason.LENGTH
-        if out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
-            return out.finish_reason  # LENGTH here: the model's context is full
-        return None
-
     async def _push(
         self, call: PrefillCall, out: RequestOutput, first_token_id: int | None
     ) -> tuple[int, int]:
@@ -231,6 +192,7 @@ class WorkerCore:
                 num_tokens=out.num_prompt_tokens,
                 first_token_id=first_token_id,
                 generated_tokens=out.num_generated_tokens,
+                draft_token_ids=out.draft_token_ids if first_token_id is not None else (),
             )
             span.set_attribute("pdserve.bytes", result.bytes_sent)
             span.set_attribute("pdserve.num_chunks", result.num_chunks)
@@ -255,75 +217,51 @@ class WorkerCore:
         """ADMITTED, then TOKENS frames as the engine produces them, then FINAL.
 
         Closing the iterator early (client cancelled) aborts the request and frees its KV."""
-        self._require_role("Decode")
+        self._require(self.identity.role.decodes, "Decode (roles that serve it: decode, unified)")
         kind = RequestKind.FULL if call.local_prefill else RequestKind.DECODE_REMOTE
         request = dataclasses.replace(call.request, kind=kind)
-        self.validate(request)
         rid = request.request_id
         ids = call.return_token_ids
-        with self._track(rid, "decode"):
+        with self._track(rid, Phase.DECODE):
             span = tracer().start_span("decode")
             span.set_attribute("pdserve.request_id", rid)
             span.set_attribute("pdserve.local_prefill", call.local_prefill)
-            prompt_tokens = len(request.prompt_token_ids)
-            local_cached, transferred, generated = 0, 0, 0
-            finished = False
+            last: RequestOutput | None = None
+            done = False  # the engine ended the request: nothing to abort
             completion: list[str] | None = [] if self._log_prompts else None
             try:
                 if call.local_prefill:
                     handle = self.engine.add_request(request)
-                    ticket, cached_blocks = "", 0
+                    ticket, cached_blocks, local_cached = "", 0, 0
                 else:
                     admission, handle = self.engine.admit_remote(request)
                     ticket, cached_blocks = admission.transfer_ticket, admission.num_cached_blocks
                     local_cached = admission.num_local_cached_tokens
                 yield DecodeEvent(
-                    request_id=rid, kind=FrameKind.ADMITTED, prompt_tokens=prompt_tokens,
+                    request_id=rid, kind=FrameKind.ADMITTED,
+                    prompt_tokens=len(request.prompt_token_ids),
                     local_cached_tokens=local_cached, transferred_cached_tokens=0,
                     transfer_ticket=ticket, cached_blocks=cached_blocks,
                 )
-                first = True
                 async for out in handle:
-                    if first:
+                    if last is None:
                         self._record_cache_stats(out)
-                        first = False
-                    prompt_tokens = out.num_prompt_tokens
-                    local_cached = out.num_local_cached_tokens
-                    transferred = out.num_transferred_tokens
-                    generated = out.num_generated_tokens
+                    last = out
                     if completion is not None:
                         completion.append(out.text_delta)
                     if out.finished:
-                        finished = True
-                        yield DecodeEvent(
-                            request_id=rid, kind=FrameKind.FINAL, prompt_tokens=prompt_tokens,
-                            local_cached_tokens=local_cached,
-                            transferred_cached_tokens=transferred, text=out.text_delta,
-                            token_ids=out.new_token_ids if ids else (),
-                            generated_tokens=generated,
-                            finish_reason=out.finish_reason or FinishReason.ABORT,
-                        )
-                        return
+                        break
                     if out.text_delta or (ids and out.new_token_ids):
-                        yield DecodeEvent(
-                            request_id=rid, kind=FrameKind.TOKENS, prompt_tokens=prompt_tokens,
-                            local_cached_tokens=local_cached,
-                            transferred_cached_tokens=transferred, text=out.text_delta,
-                            token_ids=out.new_token_ids if ids else (),
-                        )
-                # The handle ended without a finished output: report it as aborted.
-                finished = True
-                yield DecodeEvent(
-                    request_id=rid, kind=FrameKind.FINAL, prompt_tokens=prompt_tokens,
-                    local_cached_tokens=local_cached, transferred_cached_tokens=transferred,
-                    generated_tokens=generated, finish_reason=FinishReason.ABORT,
-                )
+                        yield _decode_event(rid, FrameKind.TOKENS, out, ids)
+                done = True
+                yield _final_event(rid, last, ids, len(request.prompt_token_ids))
             finally:
-                if not finished:
+                if not done:
                     self.engine.abort(rid)
+                generated = last.num_generated_tokens if last is not None else 0
                 span.set_attribute("pdserve.tokens", generated)
                 span.end()
-                log.debug("decode_done", generated_tokens=generated, finished=finished)
+                log.debug("decode_done", generated_tokens=generated, finished=done)
                 if completion is not None:
                     log.info("decode_done", prompt_token_ids=list(request.prompt_token_ids),
                              text="".join(completion))
@@ -335,7 +273,7 @@ class WorkerCore:
 
         A transfer that breaks after the engine accepted KV aborts the request (its Decode stream
         ends with ABORT and its blocks are freed); it could never complete otherwise."""
-        self._require_role("PushKv")
+        self._require(self.identity.role.decodes, "PushKv (roles that serve it: decode, unified)")
         ours = self.engine.kv_layout
         request_id: str | None = None
         ticket = ""
@@ -369,7 +307,8 @@ class WorkerCore:
                     prefill_generated = 1 if c.generated_tokens is None else c.generated_tokens
                     started = True
                     self.engine.finish_import(
-                        ticket, c.num_tokens, c.first_token_id, prefill_generated
+                        ticket, c.num_tokens, c.first_token_id, prefill_generated,
+                        c.draft_token_ids,
                     )
                     done = True
             if request_id is None:
@@ -396,25 +335,44 @@ class WorkerCore:
         return self.engine.rank_loads()
 
     def refresh_metrics(self) -> None:
-        """Update the per-rank gauges from the engine (called periodically and on GetLoad)."""
-        # Optional engine extension: cumulative `num_preemptions(dp_rank) -> int`.
-        num_preemptions = getattr(self.engine, "num_preemptions", None)
+        """Update the per-rank gauges and counters from the engine (called periodically and on
+        GetLoad); the engine's cumulative counts become Prometheus counter increments."""
         for load in self.engine.rank_loads():
-            rank = str(load.dp_rank)
-            total = self.engine.num_total_blocks(load.dp_rank)
-            free = self.engine.num_free_blocks(load.dp_rank)
+            dp_rank = load.dp_rank
+            rank = str(dp_rank)
+            total = self.engine.num_total_blocks(dp_rank)
+            free = self.engine.num_free_blocks(dp_rank)
             metrics.KV_USAGE_RATIO.labels(dp_rank=rank).set((total - free) / total if total else 0.0)
             metrics.RANK_USED_TOKENS.labels(dp_rank=rank).set(load.num_used_tokens)
             metrics.RANK_RUNNING.labels(dp_rank=rank).set(load.num_running)
             metrics.RANK_WAITING.labels(dp_rank=rank).set(load.num_waiting)
             metrics.RANK_WAITING_PROMPT_TOKENS.labels(dp_rank=rank).set(
-                self.engine.num_waiting_prompt_tokens(load.dp_rank))
-            if callable(num_preemptions):
-                total_preempted = int(num_preemptions(load.dp_rank))
-                seen = self._preemptions_seen.get(load.dp_rank, 0)
-                if total_preempted > seen:
-                    metrics.PREEMPTIONS.labels(dp_rank=rank).inc(total_preempted - seen)
-                    self._preemptions_seen[load.dp_rank] = total_preempted
+                self.engine.num_waiting_prompt_tokens(dp_rank))
+            preempted = self.engine.num_preemptions(dp_rank)
+            seen = self._preemptions_seen.get(dp_rank, 0)
+            if preempted > seen:
+                metrics.PREEMPTIONS.labels(dp_rank=rank).inc(preempted - seen)
+                self._preemptions_seen[dp_rank] = preempted
+            self._export_spec_stats(dp_rank)
+
+    def _export_spec_stats(self, dp_rank: int) -> None:
+        now = self.engine.spec_stats(dp_rank)
+        seen = self._spec_seen.get(dp_rank, SpecStats())
+        rank = str(dp_rank)
+        for counter, new, old in (
+            (metrics.SPEC_DRAFTS, now.num_drafts, seen.num_drafts),
+            (metrics.SPEC_DRAFT_TOKENS, now.num_draft_tokens, seen.num_draft_tokens),
+            (metrics.SPEC_ACCEPTED_TOKENS, now.num_accepted_tokens, seen.num_accepted_tokens),
+        ):
+            if new > old:
+                counter.labels(dp_rank=rank).inc(new - old)
+        for pos, count in enumerate(now.accepted_per_position):
+            before = (seen.accepted_per_position[pos]
+                      if pos < len(seen.accepted_per_position) else 0)
+            if count > before:
+                metrics.SPEC_ACCEPTED_PER_POSITION.labels(dp_rank=rank, position=str(pos)).inc(
+                    count - before)
+        self._spec_seen[dp_rank] = now
 
     # ----- drain -----
 
@@ -438,7 +396,37 @@ class WorkerCore:
 
     def abort_all(self) -> list[str]:
         """Abort every in-flight request except KV pushes already under way (they end soon)."""
-        aborted = [rid for rid, phase in self._active.items() if phase != "pushing"]
+        aborted = [rid for rid, phase in self._active.items() if phase is not Phase.PUSHING]
         for rid in aborted:
             self.engine.abort(rid)
         return aborted
+
+
+def _decode_event(request_id: str, kind: FrameKind, out: RequestOutput,
+                  return_token_ids: bool) -> DecodeEvent:
+    """A TOKENS or FINAL frame from an engine output (FINAL carries the count and reason)."""
+    final = kind is FrameKind.FINAL
+    return DecodeEvent(
+        request_id=request_id, kind=kind, prompt_tokens=out.num_prompt_tokens,
+        local_cached_tokens=out.num_local_cached_tokens,
+        transferred_cached_tokens=out.num_transferred_tokens, text=out.text_delta,
+        token_ids=out.new_token_ids if return_token_ids else (),
+        generated_tokens=out.num_generated_tokens if final else None,
+        finish_reason=(out.finish_reason or FinishReason.ABORT) if final else None,
+    )
+
+
+def _final_event(request_id: str, last: RequestOutput | None, return_token_ids: bool,
+                 prompt_tokens: int) -> DecodeEvent:
+    """The one builder of the FINAL frame: from the terminal output, or (a handle that ended
+    without one) an ABORT that keeps the last figures seen."""
+    if last is not None and last.finished:
+        return _decode_event(request_id, FrameKind.FINAL, last, return_token_ids)
+    if last is None:
+        return DecodeEvent(request_id=request_id, kind=FrameKind.FINAL,
+                           prompt_tokens=prompt_tokens, local_cached_tokens=0,
+                           transferred_cached_tokens=0, generated_tokens=0,
+                           finish_reason=FinishReason.ABORT)
+    return dataclasses.replace(
+        _decode_event(request_id, FrameKind.FINAL, last, return_token_ids),
+        text="", token_ids=(), finish_reason=FinishReason.ABORT)

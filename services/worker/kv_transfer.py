@@ -46,8 +46,10 @@ class GrpcKvPusher:
         num_tokens: int,
         first_token_id: int | None,
         generated_tokens: int,
+        draft_token_ids: tuple[int, ...] = (),
     ) -> KvPushResult:
-        """Stream every chunk; the last carries num_tokens, first_token_id, generated_tokens.
+        """Stream every chunk; the last carries num_tokens, first_token_id, generated_tokens
+        and the proposals draft_token_ids.
 
         Raises FailedPrecondition (layout mismatch), NotFound (the decode worker no longer knows
         the ticket: the request was aborted there) or Unavailable (anything else)."""
@@ -74,7 +76,8 @@ class GrpcKvPusher:
             if pending is None:  # everything was skipped: an empty last chunk closes the import
                 pending = KvBlocksChunk(first_block=target.skip_blocks, num_blocks=0, data=b"")
             yield self._count(sent, convert.kv_chunk_to_pb(
-                request_id, target, layout_pb, pending, last=last_fields))
+                request_id, target, layout_pb, pending, last=last_fields,
+                draft_token_ids=draft_token_ids))
 
         start = time.perf_counter()
         try:

@@ -11,9 +11,13 @@ from services.worker.engine.api import EngineRequest, KvBlocksChunk
 from shared.cluster import FinishReason, KvLayout
 
 # Capabilities this worker advertises at registration and in Info (worker.proto WorkerInfo).
-CAPABILITIES = ("generated_tokens", "kv_block_skip", "local_prefill")
-# Contract version implemented: 1.1 = 1.0 + the optional generated_tokens fields.
-PROTO_VERSION = "1.1"  # advertised contract: 1.0 = compat/v1.0; 1.1 added optional generated_tokens
+CAPABILITIES = (
+    "generated_tokens", "kv_block_skip", "local_prefill", "draft_token_ids", "first_output_index"
+)
+# Contract version implemented: 1.0 = compat/v1.0; 1.1 added the optional generated_tokens fields;
+# 1.2 added KvChunk.draft_token_ids and RankLoad's speculative-decoding counts.
+# 1.3 added SamplingParams.first_output_index (request migration).
+PROTO_VERSION = "1.3"
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,8 @@ class IncomingKvChunk:
     num_tokens: int
     first_token_id: int | None
     generated_tokens: int | None  # None: an old (v1.0) prefill worker, which means 1
+    # the prefill worker's proposals after the first token (empty: none, or an older worker)
+    draft_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -118,6 +124,8 @@ class KvPusher(Protocol):
         num_tokens: int,
         first_token_id: int | None,
         generated_tokens: int,
+        draft_token_ids: tuple[int, ...] = (),
     ) -> KvPushResult:
-        """first_token_id None: the request already finished at its first token."""
+        """first_token_id None: the request already finished at its first token.
+        draft_token_ids: proposals for the decode worker's first step to verify."""
         ...

@@ -30,7 +30,7 @@ from shared.logs import configure_logging
 from shared.metrics import start_metrics_server
 from shared.model_store import model_id_for, resolve_model
 from shared.proto import worker_pb2_grpc
-from shared.server import Server, serve_until_stopped
+from shared.server import Server, exit_on_port_in_use, serve_until_stopped
 from shared.settings import otel_env, parse_settings
 from shared.tracing import configure_tracing, server_interceptors
 
@@ -143,6 +143,11 @@ class WorkerApp:
             max_model_len=s.max_model_len,
             torch_threads=s.torch_threads,
             cpu_prepack=s.cpu_prepack,
+            speculative=s.speculative,
+            num_speculative_tokens=s.num_speculative_tokens,
+            spec_ngram_min=s.spec_ngram_min,
+            spec_ngram_max=s.spec_ngram_max,
+            spec_max_batch_tokens=s.spec_max_batch_tokens,
         )
         log.info("model_loading", path=str(path), device=device, dtype=dtype, dp_size=s.dp_size)
         # Off the event loop, so health checks are answered (NOT_SERVING) while loading.
@@ -244,6 +249,7 @@ async def serve(settings: WorkerSettings) -> None:
         await app.stop()
 
 
+@exit_on_port_in_use
 def main(argv: Sequence[str] | None = None, prog: str = "pdserve worker") -> None:
     settings = parse_settings(WorkerSettings, sys.argv[1:] if argv is None else argv, prog=prog)
     configure_logging(settings.service_name, settings.log_level, settings.log_format)

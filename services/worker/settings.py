@@ -55,6 +55,15 @@ class WorkerSettings(TlsSettings):
         True, "On CPU, pack linear-layer weights once for oneDNN (faster at every batch size; "
         "--no-cpu-prepack = torch's default matmul)"
     )
+    speculative: str = field(
+        "off", "Speculative decoding: off, or ngram (prompt lookup over the prompt and output)",
+        choices=("off", "ngram"))
+    num_speculative_tokens: int = field(5, "Tokens proposed per sequence per step (k)")
+    spec_ngram_min: int = field(2, "Shortest suffix n-gram looked up by ngram speculation (tokens)")
+    spec_ngram_max: int = field(4, "Longest suffix n-gram looked up by ngram speculation (tokens)")
+    spec_max_batch_tokens: int = field(
+        0, "Proposals are verified only while a step has at most this many tokens (the per-step "
+        "back-off); 0 = 64 on CPU, 512 on CUDA")
     load_monitor_address: str = field("", "host:port of the load-monitor; empty = don't register")
     advertise_address: str = field(
         "", "host:port others use to reach this worker; empty = the bound address "
@@ -94,7 +103,13 @@ class WorkerSettings(TlsSettings):
             raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        for name in ("kv_cache_tokens", "max_batch_tokens", "max_model_len", "torch_threads"):
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if not 1 <= self.spec_ngram_min <= self.spec_ngram_max:
+            raise ValueError(f"need 1 <= spec_ngram_min ({self.spec_ngram_min}) <= "
+                             f"spec_ngram_max ({self.spec_ngram_max})")
+        for name in ("kv_cache_tokens", "max_batch_tokens", "max_model_len", "torch_threads",
+                     "spec_max_batch_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 

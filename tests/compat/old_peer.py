@@ -30,7 +30,7 @@ from typing import Any
 
 def _import_stubs(stubs: str) -> tuple[Any, Any, Any]:
     sys.path.insert(0, stubs)
-    from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc  # type: ignore[import-not-found]
+    from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
     return common_pb2, worker_pb2, worker_pb2_grpc
 
@@ -45,7 +45,9 @@ async def run_worker(stubs: str) -> None:
             request_id=rid, kind=worker_pb2.DECODE_FRAME_KIND_TOKENS, text=text, token_ids=ids
         )
 
-    class OldWorker(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc,name-defined]
+    servicer_base: Any = worker_pb2_grpc.WorkerServicer  # imported at run time from old stubs
+
+    class OldWorker(servicer_base):
         async def Decode(self, request: Any, context: Any) -> AsyncIterator[Any]:
             rid, max_tokens = request.request_id, request.sampling.max_tokens
             scenario = rid.split("-", 1)[0]

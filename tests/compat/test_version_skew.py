@@ -74,7 +74,7 @@ async def gateway(old_worker: str, tiny_model: Path) -> AsyncIterator[Gateway]:
     await app.start()
     channel = grpc.aio.insecure_channel(app.server.address)
     try:
-        yield Gateway(app, scheduler, gateway_pb2_grpc.GatewayStub(channel))  # type: ignore[no-untyped-call]
+        yield Gateway(app, scheduler, gateway_pb2_grpc.GatewayStub(channel))
     finally:
         await channel.close()
         await app.stop(0)
@@ -229,3 +229,27 @@ def test_snapshot_really_predates_generated_tokens(v1_0_stubs: Path) -> None:
     old = json.loads(run_old_peer(v1_0_stubs, "parse", stdin=payload))["DecodeFrame"]
     assert old["reserialized"] != ""
     assert not old["knows_generated_tokens"]
+
+
+def test_an_old_decode_worker_ignores_draft_token_ids(v1_0_stubs: Path) -> None:
+    """A speculating (1.2) prefill worker's last KvChunk, read by an older decode worker: every
+    field it knows reads the same, the proposals are an unknown field it skips (and keeps when it
+    re-serializes); GetLoad's new per-rank speculation counts likewise."""
+    chunk = worker_pb2.KvChunk(
+        request_id="r", transfer_ticket="t", num_blocks=1, data=b"\x01", last=True,
+        num_tokens=48, first_token_id=5, generated_tokens=1, draft_token_ids=[7, 8, 9],
+    )
+    load = worker_pb2.GetLoadResponse(worker_id="w", ranks=[common_pb2.RankLoad(
+        dp_rank=0, num_running=2, spec_draft_tokens=40, spec_accepted_tokens=30)])
+    payload = json.dumps({"KvChunk": chunk.SerializeToString().hex(),
+                          "GetLoadResponse": load.SerializeToString().hex()})
+    parsed = json.loads(run_old_peer(v1_0_stubs, "parse", stdin=payload))
+    old = parsed["KvChunk"]
+    assert "draft_token_ids" not in old["fields"]
+    assert (old["fields"]["first_token_id"], old["fields"]["num_tokens"]) == (5, "48")
+    assert old["fields"]["last"] is True
+    again = worker_pb2.KvChunk()
+    again.ParseFromString(bytes.fromhex(old["reserialized"]))
+    assert list(again.draft_token_ids) == [7, 8, 9]
+    old_load = parsed["GetLoadResponse"]["fields"]["ranks"][0]
+    assert old_load["num_running"] == 2 and "spec_draft_tokens" not in old_load

@@ -4,6 +4,7 @@ agree with transformers' generate token for token on a chat prompt, and the answ
 from __future__ import annotations
 
 import grpc
+import openai
 import pytest
 
 from shared.model_store import resolve_model
@@ -34,7 +35,15 @@ async def test_smollm2_disaggregated_unified_and_hf_agree(tmp_path_factory: pyte
     for unified in (False, True):
         with running_stack("default", tmp_path_factory.mktemp("logs-smol"), unified=unified) as stack:
             frames = await _chat(stack.gateway, 24)
+            client = openai.AsyncOpenAI(base_url=stack.http_base_url, api_key="none", max_retries=0)
+            http = await client.chat.completions.create(
+                model="", messages=MESSAGES, max_tokens=24, temperature=0  # type: ignore[arg-type]
+            )
         results[unified] = frames
+        # the OpenAI-compatible HTTP API answers the same, with the same usage
+        assert http.choices[0].message.content == "".join(f.text for f in frames)
+        assert http.usage is not None and http.usage.completion_tokens == frames[-1].usage.completion_tokens
+        assert http.usage.prompt_tokens == frames[-1].usage.prompt_tokens
         tokens = [t for f in frames for t in f.token_ids]
         assert tokens[: len(want)] == want
         assert frames[-1].usage.completion_tokens == len(want)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -18,13 +19,13 @@ pytestmark = pytest.mark.e2e
 PROMPT = "Prefill and decode run on different workers"
 
 
-async def _generate(stack: Stack, **fields: object) -> list[gateway_pb2.GenerateResponse]:
+async def _generate(stack: Stack, **fields: Any) -> list[gateway_pb2.GenerateResponse]:
     async with grpc.aio.insecure_channel(stack.gateway) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         return [f async for f in stub.Generate(gateway_pb2.GenerateRequest(**fields), timeout=120)]
 
 
-async def _complete(stack: Stack, **fields: object) -> gateway_pb2.CompleteResponse:
+async def _complete(stack: Stack, **fields: Any) -> gateway_pb2.CompleteResponse:
     async with grpc.aio.insecure_channel(stack.gateway) as channel:
         return await gateway_pb2_grpc.GatewayStub(channel).Complete(
             gateway_pb2.GenerateRequest(**fields), timeout=120

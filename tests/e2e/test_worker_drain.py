@@ -9,8 +9,9 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -107,8 +108,8 @@ def long_decode(address: str, request_id: str) -> tuple[grpc.Channel, Iterator[w
     return channel, stream
 
 
-def test_sigterm_mid_stream_finishes_the_stream_and_exits_0(worker_factory: object) -> None:
-    proc, address, log_path = worker_factory(60.0)  # type: ignore[operator]
+def test_sigterm_mid_stream_finishes_the_stream_and_exits_0(worker_factory: Callable[[float], Any]) -> None:
+    proc, address, log_path = worker_factory(60.0)
     channel, stream = long_decode(address, "drain-1")
     try:
         frames = [next(stream), next(stream)]  # ADMITTED + first tokens: mid-stream now
@@ -121,8 +122,8 @@ def test_sigterm_mid_stream_finishes_the_stream_and_exits_0(worker_factory: obje
             list(stub.Decode(worker_pb2.DecodeRequest(
                 request_id="late", prompt_token_ids=PROMPT_IDS, local_prefill=True,
                 sampling=common_pb2.SamplingParams(max_tokens=4)), timeout=10))
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
-        assert "draining" in (err.value.details() or "")  # type: ignore[attr-defined]
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "draining" in (err.value.details() or "")
         frames.extend(stream)  # the stream still completes
     finally:
         channel.close()
@@ -138,8 +139,8 @@ def test_sigterm_mid_stream_finishes_the_stream_and_exits_0(worker_factory: obje
     assert all(line.get("service") == "unified-worker" for line in lines)
 
 
-def test_sigterm_past_grace_aborts_cleanly_and_exits_0(worker_factory: object) -> None:
-    proc, address, _log = worker_factory(0.2)  # type: ignore[operator]
+def test_sigterm_past_grace_aborts_cleanly_and_exits_0(worker_factory: Callable[[float], Any]) -> None:
+    proc, address, _log = worker_factory(0.2)
     channel, stream = long_decode(address, "drain-2")
     try:
         frames = [next(stream), next(stream)]

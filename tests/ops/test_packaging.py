@@ -76,7 +76,7 @@ def test_torch_lock_entry_fits_cpu_and_cuda_builds() -> None:
 
 def test_this_environment_has_exactly_the_locked_versions() -> None:
     """`make install` installed the lock: every pinned package at its pinned version."""
-    wrong = {}
+    wrong: dict[str, tuple[Version, object]] = {}
     for name, version in lock("dev.txt").items():
         try:
             installed = Version(metadata.version(name))

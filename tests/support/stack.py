@@ -10,14 +10,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 # Offsets used by services/up.py (gateway +0, scheduler +1, load-monitor +2, prefill +10,
-# decode +20, unified +30, metrics +50..+80).
-_OFFSETS = (0, 1, 2, 10, 20, 30, 50, 51, 52, 60, 70, 80)
+# decode +20, unified +30, the gateway's HTTP API +40, metrics +50..+80).
+_OFFSETS = (0, 1, 2, 10, 20, 30, 40, 50, 51, 52, 60, 70, 80)
 
 
 @dataclass
@@ -31,6 +31,11 @@ class Stack:
     port_base: int
     log_dir: Path
     output: list[str]
+
+    @property
+    def http_base_url(self) -> str:
+        """The gateway's OpenAI-compatible API (the openai client's base_url)."""
+        return f"http://127.0.0.1:{self.port_base + 40}/v1"
 
     @property
     def workers(self) -> list[str]:
@@ -66,8 +71,8 @@ def free_port_base() -> int:
     raise RuntimeError("no free port range found")
 
 
-def _pump(stream: object, lines: queue.Queue[str | None], sink: list[str]) -> None:
-    for line in stream:  # type: ignore[attr-defined]
+def _pump(stream: Iterable[str], lines: queue.Queue[str | None], sink: list[str]) -> None:
+    for line in stream:
         sink.append(line.rstrip("\n"))
         lines.put(line)
     lines.put(None)

@@ -89,6 +89,7 @@ def build_tiny_model(folder: str | Path, kind: str = "bpe", seed: int = 0) -> Pa
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(str(folder))
     eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert isinstance(eos_id, int)  # one token, one id
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=64,

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 # The cluster types this contract speaks in (defined once, in shared.cluster).
+from services.worker.engine.spec.stats import SpecStats
 from shared.cluster import FinishReason, KvLayout, RankLoad
 
 
@@ -48,6 +49,8 @@ class SamplingConfig:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     include_stop_in_output: bool = False
+    # output index of this request's first generated token (a migrated request continues there)
+    first_output_index: int = 0
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,9 @@ class RequestOutput:
     num_transferred_tokens: int
     num_prefill_chunks: int = 0  # prefill chunks run for this request so far (count)
     prefill_ns: int = 0  # time in prefill forward passes for this request (nanoseconds)
+    # PREFILL_ONLY handoff with speculation on: proposals for the tokens after the first token,
+    # for the decode worker's first step to verify (token ids; empty = none)
+    draft_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -118,6 +124,14 @@ class EngineConfig:
     torch_threads: int = 0  # 0 = torch default
     cpu_prepack: bool = True  # CPU: oneDNN-prepacked linear weights (engine/cpu_linear.py)
     enable_prefix_caching: bool = True
+    # speculative decoding (engine/spec): "off" | "ngram"
+    speculative: str = "off"
+    num_speculative_tokens: int = 5  # proposals per sequence per step (k)
+    spec_ngram_min: int = 2  # shortest suffix n-gram looked up (tokens)
+    spec_ngram_max: int = 4  # longest suffix n-gram looked up (tokens)
+    # per-step back-off: proposals are verified only while a step has at most this many tokens
+    # in all (beyond it verification is no longer free); 0 = by device (CPU 64, CUDA 512)
+    spec_max_batch_tokens: int = 0
     extra: dict[str, str] = field(default_factory=dict)
 
 
@@ -152,9 +166,10 @@ class Engine(Protocol):
 
     def finish_import(
         self, transfer_ticket: str, num_tokens: int, first_token_id: int | None,
-        prefill_generated_tokens: int,
+        prefill_generated_tokens: int, draft_token_ids: tuple[int, ...] = (),
     ) -> None:
-        """All KV arrived: the request joins the decode batch after the first token."""
+        """All KV arrived: the request joins the decode batch after the first token; with
+        speculation on, its first step verifies the prefill worker's `draft_token_ids`."""
 
     def export_kv(
         self, request_id: str, skip_blocks: int, max_chunk_bytes: int
@@ -177,3 +192,9 @@ class Engine(Protocol):
 
     def num_waiting_prompt_tokens(self, dp_rank: int) -> int:
         """Tokens queued for prefill on the rank (waiting requests + rest of chunked prompts)."""
+
+    def num_preemptions(self, dp_rank: int) -> int:
+        """Requests preempted by recompute on the rank since start (count)."""
+
+    def spec_stats(self, dp_rank: int) -> SpecStats:
+        """Speculative-decoding counters of the rank since start (a copy)."""

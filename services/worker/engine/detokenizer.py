@@ -99,3 +99,18 @@ class OutputText:
         out = self.text[self._emitted_chars : end]
         self._emitted_chars = end
         return out
+
+
+class DetokenizedText:
+    """A request's TextTracker (engine/request.py): incremental detokenizer + OutputText."""
+
+    def __init__(self, detokenizer: IncrementalDetokenizer, text: OutputText) -> None:
+        self._detokenizer = detokenizer
+        self._text = text
+
+    def add_token(self, token_id: int, show: bool) -> bool:
+        delta = self._detokenizer.append(token_id)
+        return self._text.add(delta) if show else False
+
+    def take(self, final: bool) -> str:
+        return self._text.take(final)

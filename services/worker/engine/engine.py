@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from services.worker.engine.api import (
 )
 from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.detokenizer import (
+    DetokenizedText,
     IncrementalDetokenizer,
     OutputText,
     hidden_token_ids,
@@ -40,15 +40,16 @@ from services.worker.engine.model_runner import (
     load_model,
     resolve_dtype,
 )
-from services.worker.engine.rank import Rank
+from services.worker.engine.rank import Rank, Speculation
 from services.worker.engine.request import Request
 from services.worker.engine.scheduler import Scheduler
+from services.worker.engine.spec.ngram import NgramProposer
+from services.worker.engine.spec.stats import SpecStats
 from shared.errors import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
-    ResourceExhausted,
 )
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,11 @@ _GIL_SWITCH_INTERVAL_S = 0.0005
 # chunks only stall running decodes longer (a 2048-token step takes ~6.5 s on one core, 512
 # ~1.6 s); GPUs want big chunks to fill their cores.
 _DEFAULT_BATCH_TOKENS = {"cpu": 512, "cuda": 2048}
+# Default per-step cap on tokens while proposals are verified (the per-step back-off of
+# speculation). A CPU core's linear layers cost about the same per step up to a few dozen rows
+# and then grow with them (see above); a GPU stays memory-bound much longer.
+_DEFAULT_SPEC_BATCH_TOKENS = {"cpu": 64, "cuda": 512}
+_SPECULATIVE_METHODS = ("off", "ngram")
 
 
 def _available_bytes(device: torch.device) -> int:
@@ -102,6 +108,13 @@ class PagedEngine:
             raise InvalidArgument("dp_size must be >= 1")
         if config.block_size < 1:
             raise InvalidArgument("block_size must be >= 1")
+        if config.speculative not in _SPECULATIVE_METHODS:
+            raise InvalidArgument(f"speculative must be one of {', '.join(_SPECULATIVE_METHODS)}, "
+                                  f"got {config.speculative!r}")
+        if config.num_speculative_tokens < 1:
+            raise InvalidArgument("num_speculative_tokens must be >= 1")
+        if not 1 <= config.spec_ngram_min <= config.spec_ngram_max:
+            raise InvalidArgument("need 1 <= spec_ngram_min <= spec_ngram_max")
         self.config = config
         self.model_id = Path(config.model_path).name
         self.kv_layout: KvLayout
@@ -166,9 +179,17 @@ class PagedEngine:
             runner.warm_up()
             blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
             budget = cfg.max_batch_tokens or _DEFAULT_BATCH_TOKENS.get(device.type, 2048)
-            scheduler = Scheduler(blocks, budget, cfg.max_num_seqs)
+            speculation = None
+            spec_tokens = 0
+            if cfg.speculative == "ngram":
+                speculation = Speculation(
+                    NgramProposer(cfg.spec_ngram_min, cfg.spec_ngram_max),
+                    cfg.num_speculative_tokens)
+                spec_tokens = (cfg.spec_max_batch_tokens
+                               or _DEFAULT_SPEC_BATCH_TOKENS.get(device.type, 512))
+            scheduler = Scheduler(blocks, budget, cfg.max_num_seqs, spec_tokens)
             self._ranks.append(Rank(dp_rank, runner, blocks, scheduler, self.eos_token_ids,
-                                    self.max_model_len))
+                                    self.max_model_len, self.vocab_size, speculation))
             log.info("rank %d ready: %s %s, %d KV blocks of %d tokens", dp_rank, device,
                      dtype, num_blocks, cfg.block_size)
         for rank in self._ranks:
@@ -182,84 +203,67 @@ class PagedEngine:
 
     # ---- requests ------------------------------------------------------------------------
     def _validate(self, request: EngineRequest) -> Rank:
+        """Everything the engine must never see is refused here, with a message that says what
+        to change (the worker's servicer does not validate again)."""
         if not self._started or self._stopped:
             raise FailedPrecondition("engine not started" if not self._started
                                      else "engine is shut down")
-        if not 0 <= request.dp_rank < len(self._ranks):
-            raise InvalidArgument(f"dp_rank {request.dp_rank} out of range 0..{len(self._ranks) - 1}")
+        if not request.request_id:
+            raise InvalidArgument("request_id is required")
+        num_ranks = len(self._ranks)
+        if not 0 <= request.dp_rank < num_ranks:
+            raise InvalidArgument(
+                f"dp_rank {request.dp_rank} is out of range: this worker has {num_ranks} "
+                f"rank(s), 0..{num_ranks - 1}")
         n = len(request.prompt_token_ids)
         if n == 0:
-            raise InvalidArgument("empty prompt")
+            raise InvalidArgument("prompt_token_ids is empty")
         if n >= self.max_model_len:
             raise InvalidArgument(
-                f"prompt has {n} tokens; the model's limit is {self.max_model_len - 1}")
+                f"prompt has {n} tokens; this worker's max_model_len is {self.max_model_len}, "
+                f"so prompts may have at most {self.max_model_len - 1}")
         if any(not 0 <= t < self.vocab_size for t in request.prompt_token_ids):
             raise InvalidArgument(f"prompt token ids must be in [0, {self.vocab_size})")
         sp = request.sampling
         if sp.max_tokens < 1:
-            raise InvalidArgument("max_tokens must be >= 1")
+            raise InvalidArgument("sampling.max_tokens must be >= 1")
         if sp.temperature < 0:
-            raise InvalidArgument("temperature must be >= 0")
+            raise InvalidArgument(f"sampling.temperature must be >= 0, got {sp.temperature}")
         if not 0.0 < sp.top_p <= 1.0:
-            raise InvalidArgument("top_p must be in (0, 1]")
+            raise InvalidArgument(f"sampling.top_p must be in (0, 1], got {sp.top_p}")
         if sp.top_k < 0:
-            raise InvalidArgument("top_k must be >= 0")
-        rank = self._ranks[request.dp_rank]
-        if rank.blocks.blocks_needed(n + 1) > rank.blocks.num_blocks:
-            raise ResourceExhausted(
-                f"prompt of {n} tokens exceeds the KV pool "
-                f"({rank.blocks.num_blocks * rank.blocks.block_size} tokens)")
-        for r in self._ranks:
-            if request.request_id in r.requests:
+            raise InvalidArgument(f"sampling.top_k must be >= 0, got {sp.top_k}")
+        for i, rank in enumerate(self._ranks):
+            if i != request.dp_rank and rank.has_request(request.request_id):
                 raise AlreadyExists(f"request {request.request_id!r} already exists")
-        return rank
+        return self._ranks[request.dp_rank]
 
-    def _new_request(self, request: EngineRequest, rank: Rank) -> Request:
+    def _new_request(self, request: EngineRequest, rank: Rank) -> tuple[Request, OutputHandle]:
         sp = request.sampling
         generator = None
         if sp.seed is not None and sp.temperature > 0:
-            # seeded per draw from (seed, output index): Request.generator_for_next_token
+            # seeded per draw from (seed, output index): Request.draw_seed
             generator = torch.Generator(device=rank.runner.device)
-        handle = OutputHandle(request.request_id, asyncio.get_running_loop())
-        return Request.from_engine_request(
-            request, handle,
+        text = DetokenizedText(
             IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, self._hidden_ids),
-            OutputText(sp.stop, sp.include_stop_in_output),
-            generator, rank.next_seq(),
-        )
+            OutputText(sp.stop, sp.include_stop_in_output))
+        req = Request.from_engine_request(request, text, generator)
+        return req, OutputHandle(request.request_id, asyncio.get_running_loop())
 
     def add_request(self, request: EngineRequest) -> RequestHandle:
         if request.kind is RequestKind.DECODE_REMOTE:
             raise InvalidArgument("DECODE_REMOTE requests are admitted with admit_remote")
         rank = self._validate(request)
-        with rank.lock:
-            if request.request_id in rank.requests:
-                raise AlreadyExists(f"request {request.request_id!r} already exists")
-            req = self._new_request(request, rank)
-            rank.requests[req.request_id] = req
-            rank.scheduler.add(req)
-            rank.notify()
-        return req.handle
+        req, handle = self._new_request(request, rank)
+        rank.add(req, handle)
+        return handle
 
     def admit_remote(self, request: EngineRequest) -> tuple[Admission, RequestHandle]:
         if request.kind is not RequestKind.DECODE_REMOTE:
             raise InvalidArgument("admit_remote takes DECODE_REMOTE requests")
         rank = self._validate(request)
-        with rank.lock:
-            if request.request_id in rank.requests:
-                raise AlreadyExists(f"request {request.request_id!r} already exists")
-            req = self._new_request(request, rank)
-            num_cached_blocks = rank.scheduler.reserve_remote(req)
-            ticket = f"{rank.dp_rank}-{uuid.uuid4().hex}"
-            req.transfer_ticket = ticket
-            rank.requests[req.request_id] = req
-            rank.tickets[ticket] = req
-        admission = Admission(
-            request_id=req.request_id, transfer_ticket=ticket,
-            num_cached_blocks=num_cached_blocks,
-            num_local_cached_tokens=req.num_local_cached_tokens,
-        )
-        return admission, req.handle
+        req, handle = self._new_request(request, rank)
+        return rank.admit_remote(req, handle), handle
 
     def _rank_of_ticket(self, ticket: str) -> Rank:
         head = ticket.split("-", 1)[0]
@@ -271,22 +275,23 @@ class PagedEngine:
         self._rank_of_ticket(transfer_ticket).import_kv(transfer_ticket, chunk)
 
     def finish_import(self, transfer_ticket: str, num_tokens: int, first_token_id: int | None,
-                      prefill_generated_tokens: int) -> None:
+                      prefill_generated_tokens: int,
+                      draft_token_ids: tuple[int, ...] = ()) -> None:
         self._rank_of_ticket(transfer_ticket).finish_import(
-            transfer_ticket, num_tokens, first_token_id, prefill_generated_tokens)
+            transfer_ticket, num_tokens, first_token_id, prefill_generated_tokens,
+            draft_token_ids)
 
     def _rank_of_request(self, request_id: str) -> Rank | None:
         for rank in self._ranks:
-            with rank.lock:
-                if request_id in rank.requests:
-                    return rank
+            if rank.has_request(request_id):
+                return rank
         return None
 
     def export_kv(self, request_id: str, skip_blocks: int,
                   max_chunk_bytes: int) -> Iterator[KvBlocksChunk]:
         rank = self._rank_of_request(request_id)
         if rank is None:
-                raise NotFound(f"unknown request {request_id!r}")
+            raise NotFound(f"unknown request {request_id!r}")
         indices = rank.export_blocks(request_id, skip_blocks)
         per_chunk = max(1, max_chunk_bytes // rank.runner.bytes_per_block)
         return rank.iter_export(request_id, indices, per_chunk)
@@ -294,7 +299,7 @@ class PagedEngine:
     def release(self, request_id: str) -> None:
         rank = self._rank_of_request(request_id)
         if rank is None:
-                raise NotFound(f"unknown request {request_id!r}")
+            raise NotFound(f"unknown request {request_id!r}")
         rank.release(request_id)
 
     def abort(self, request_id: str) -> bool:
@@ -308,8 +313,13 @@ class PagedEngine:
         return self._ranks[dp_rank].num_waiting_prompt_tokens()
 
     def num_free_blocks(self, dp_rank: int) -> int:
-        with self._ranks[dp_rank].lock:
-            return self._ranks[dp_rank].blocks.num_free_blocks
+        return self._ranks[dp_rank].num_free_blocks()
+
+    def num_preemptions(self, dp_rank: int) -> int:
+        return self._ranks[dp_rank].num_preemptions()
+
+    def spec_stats(self, dp_rank: int) -> SpecStats:
+        return self._ranks[dp_rank].spec_stats()
 
     def num_total_blocks(self, dp_rank: int) -> int:
         return self._ranks[dp_rank].blocks.num_blocks

@@ -19,7 +19,6 @@ class OutputHandle:
         self.request_id = request_id
         self.loop = loop
         self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self.closed = False  # set (on the step thread) once the terminal output was queued
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._iterate()
@@ -46,8 +45,6 @@ def deliver_batch(items: Sequence[tuple[OutputHandle, RequestOutput]]) -> None:
         defaultdict(list)
     )
     for handle, out in items:
-        if out.finished:
-            handle.closed = True
         by_loop[handle.loop].append((handle, out))
     for loop, batch in by_loop.items():
         # a closed caller loop raises RuntimeError: nobody is listening any more

@@ -13,9 +13,15 @@ import torch
 
 from services.worker.engine import attention, cpu_linear
 from services.worker.engine.api import KvLayout, SamplingConfig
+from services.worker.engine.attention import AttentionBackend
 from services.worker.engine.sampler import sample
 
 log = logging.getLogger(__name__)
+
+# BATCHED backend: sequences with at most this many new tokens (decode, speculative verify,
+# short chunks) share one padded call; longer prefill chunks share a second one, so a decode
+# row is never padded to a prefill chunk's length.
+_SHORT_QUERY = 32
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -30,6 +36,11 @@ class ScheduledSeq:
     sample: bool  # the chunk ends at the request's last token: sample the next one
     sampling: SamplingConfig
     generator: torch.Generator | None
+    # --- speculative decoding (engine/spec; owned by the request-life side) ---
+    # trailing positions whose logits are sampled (1 + proposals verified at the end of token_ids)
+    num_logits: int = 1
+    # per sampled position: the seed of its draw (Request.draw_seed; None = unseeded)
+    draw_seeds: tuple[int | None, ...] = ()
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -72,12 +83,17 @@ def kv_layout_of(model_config: Any, block_size: int, dtype: torch.dtype) -> KvLa
 
 class ModelRunner:
     def __init__(self, model: Any, layout: KvLayout, num_blocks: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype,
+                 attention_backend: AttentionBackend | None = None) -> None:
         self.model = model
         self.layout = layout
         self.device = device
         self.dtype = dtype
         self.num_blocks = num_blocks
+        self.attention_backend = attention_backend or AttentionBackend.default_for(device)
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
+            else model.config
+        self.q_per_kv = int(cfg.num_attention_heads) // layout.num_kv_heads
         # zeros, not empty: stale rows of reused blocks are never read, but keep them finite
         self.kv_cache = torch.zeros(
             layout.num_layers, 2, layout.num_kv_heads, num_blocks * layout.block_size,
@@ -93,6 +109,8 @@ class ModelRunner:
     def _build_metadata(self, seqs: list[ScheduledSeq]) -> tuple[
         torch.Tensor, torch.Tensor, attention.PagedAttentionMetadata, torch.Tensor
     ]:
+        if self.attention_backend is AttentionBackend.BATCHED:
+            return self._build_batched_metadata(seqs)
         bs = self.layout.block_size
         dev = self.device
         input_ids: list[int] = []
@@ -140,22 +158,73 @@ class ModelRunner:
         return (torch.tensor([input_ids], device=dev), torch.tensor([positions], device=dev),
                 meta, torch.tensor(logits_idx, device=dev))
 
+    def _build_batched_metadata(self, seqs: list[ScheduledSeq]) -> tuple[
+        torch.Tensor, torch.Tensor, attention.PagedAttentionMetadata, torch.Tensor
+    ]:
+        bs = self.layout.block_size
+        dev = self.device
+        # short queries first, then long chunks; each part is one attention call per layer
+        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].token_ids) > _SHORT_QUERY)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        parts: tuple[list[tuple[int, int, int, list[int]]], ...] = ([], [])
+        last_pos: dict[int, int] = {}
+        for i in order:
+            s = seqs[i]
+            q_start = len(input_ids)
+            n = len(s.token_ids)
+            input_ids.extend(s.token_ids)
+            pos = range(s.start_pos, s.start_pos + n)
+            positions.extend(pos)
+            blocks = s.block_ids
+            slots.extend(blocks[p // bs] * bs + p % bs for p in pos)
+            parts[n > _SHORT_QUERY].append((q_start, n, s.start_pos, blocks))
+            last_pos[i] = q_start + n - 1
+        nonempty = [p for p in parts if p]
+        groups = [attention.build_batched_group(p, bs, self.q_per_kv, self.dtype, dev,
+                                                covers_all=len(nonempty) == 1)
+                  for p in nonempty]
+        logits_idx = [last_pos[i] for i, s in enumerate(seqs) if s.sample]
+        meta = attention.PagedAttentionMetadata(
+            kv_cache=self.kv_cache, block_size=bs, slots=torch.tensor(slots, device=dev),
+            seqs=[], decode_idx=None, num_decode=0, groups=groups,
+        )
+        return (torch.tensor([input_ids], device=dev), torch.tensor([positions], device=dev),
+                meta, torch.tensor(logits_idx, device=dev))
+
     @torch.inference_mode()
-    def execute(self, seqs: list[ScheduledSeq]) -> list[int]:
-        """Run one step; returns the sampled token of each seq with sample=True, in order."""
+    def execute(self, seqs: list[ScheduledSeq]) -> list[list[int]]:
+        """Run one step; for each seq with sample=True, in order, the tokens sampled at its
+        num_logits trailing positions (one token without speculation)."""
         input_ids, positions, meta, logits_idx = self._build_metadata(seqs)
         if len(logits_idx) == 0:
             # nothing to sample (only non-final prefill chunks): skip the LM head entirely
             self.model.model(input_ids=input_ids, position_ids=positions, paged_meta=meta,
                              use_cache=False)
             return []
+        # --- speculative decoding: logits selection and sampling (request-life side) ---
+        sampled_seqs = [s for s in seqs if s.sample]
+        counts = [s.num_logits for s in sampled_seqs]
+        if any(c != 1 for c in counts):
+            # a seq's tokens are packed contiguously: its trailing rows end at its last row
+            logits_idx = torch.cat([torch.arange(int(last) - c + 1, int(last) + 1)
+                                    for last, c in zip(logits_idx.tolist(), counts, strict=True)]
+                                   ).to(logits_idx.device)
         out = self.model(input_ids=input_ids, position_ids=positions, paged_meta=meta,
                          use_cache=False, logits_to_keep=logits_idx)
-        logits = out.logits[0]  # [n, vocab]
-        sampled_seqs = [s for s in seqs if s.sample]
-        tokens = sample(logits, [s.sampling for s in sampled_seqs],
-                        [s.generator for s in sampled_seqs])
-        return [int(t) for t in tokens.tolist()]
+        logits = out.logits[0]  # [sum(counts), vocab]
+        params = [s.sampling for s in sampled_seqs for _ in range(s.num_logits)]
+        gens = [s.generator for s in sampled_seqs for _ in range(s.num_logits)]
+        seeds = [(s.draw_seeds[j] if j < len(s.draw_seeds) else None)
+                 for s in sampled_seqs for j in range(s.num_logits)]
+        flat = [int(t) for t in sample(logits, params, gens, seeds).tolist()]
+        tokens: list[list[int]] = []
+        pos = 0
+        for c in counts:
+            tokens.append(flat[pos : pos + c])
+            pos += c
+        return tokens
 
     def warm_up(self) -> None:
         """One tiny forward (writes block 0, which holds no request yet)."""

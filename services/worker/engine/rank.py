@@ -1,10 +1,11 @@
-"""One DP rank: its scheduler, model runner and the background step loop.
+"""One DP rank: it admits and owns its requests (their table, transfer tickets, output handles),
+runs its scheduler, model runner and speculative proposer in the background step loop.
 
-Threading: every Request/scheduler/block-manager field is guarded by `self.lock`. The step
-thread holds it while scheduling and post-processing, and releases it for the forward pass (torch
-releases the GIL), so API calls from the event loop wait at most for one post-processing phase.
-Aborts of scheduled requests are deferred to the step thread (their blocks may be in use by the
-forward pass in flight).
+Threading: every Request/scheduler/block-manager field is guarded by `self.lock`, taken only by
+this module. The step thread holds it while scheduling and post-processing, and releases it for
+the forward pass (torch releases the GIL), so API calls from the event loop wait at most for one
+post-processing phase. Aborts of scheduled requests are deferred to the step thread (their blocks
+may be in use by the forward pass in flight).
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from services.worker.engine.api import (
+    Admission,
     FinishReason,
     KvBlocksChunk,
     RankLoad,
@@ -24,30 +28,47 @@ from services.worker.engine.api import (
 from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.handle import OutputHandle, deliver_batch
 from services.worker.engine.model_runner import ModelRunner, ScheduledSeq
-from services.worker.engine.request import Request, RequestStatus
+from services.worker.engine.request import Request, RequestStatus, finish_rule
 from services.worker.engine.scheduler import ScheduledRequest, Scheduler
-from shared.errors import InvalidArgument, NotFound
+from services.worker.engine.spec import policy
+from services.worker.engine.spec.ngram import NgramProposer
+from services.worker.engine.spec.stats import SpecStats
+from services.worker.engine.spec.verify import accept_run
+from shared.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 
 log = logging.getLogger(__name__)
 
 Outputs = list[tuple[OutputHandle, RequestOutput]]
 
 
+@dataclass(frozen=True)
+class Speculation:
+    """A rank's speculative decoding: the proposer and the proposals per step (k)."""
+
+    proposer: NgramProposer
+    num_tokens: int  # k
+
+
 class Rank:
     def __init__(self, dp_rank: int, runner: ModelRunner, block_manager: BlockManager,
-                 scheduler: Scheduler, eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
+                 scheduler: Scheduler, eos_token_ids: tuple[int, ...], max_model_len: int,
+                 vocab_size: int = 0, speculation: Speculation | None = None) -> None:
         self.dp_rank = dp_rank
         self.runner = runner
         self.blocks = block_manager
         self.scheduler = scheduler
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.speculation = speculation
         self.lock = threading.Lock()
         self._wake = threading.Condition(self.lock)
-        self.requests: dict[str, Request] = {}  # every request not yet fully gone
-        self.tickets: dict[str, Request] = {}  # DECODE_REMOTE requests waiting for KV
+        self._requests: dict[str, Request] = {}  # every request not yet fully gone
+        self._tickets: dict[str, Request] = {}  # DECODE_REMOTE requests waiting for KV
+        self._handles: dict[str, OutputHandle] = {}  # requests whose terminal output is unsent
         self._aborts: list[Request] = []
         self._next_seq = 0
+        self._spec_stats = SpecStats()
         self._stopping = False
         self._thread: threading.Thread | None = None
 
@@ -59,19 +80,58 @@ class Rank:
 
     def stop(self) -> None:
         with self.lock:
-            for req in list(self.requests.values()):
+            for req in list(self._requests.values()):
                 self._abort_locked(req)
             self._stopping = True
             self._wake.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=30)
 
-    def next_seq(self) -> int:
-        self._next_seq += 1
-        return self._next_seq
+    # ---- admission -----------------------------------------------------------------------
+    def _check_fits(self, req: Request) -> None:
+        n = req.num_prompt_tokens
+        if self.blocks.blocks_needed(n + 1) > self.blocks.num_blocks:
+            raise ResourceExhausted(
+                f"prompt of {n} tokens exceeds the KV pool of rank {self.dp_rank} "
+                f"({self.blocks.num_blocks * self.blocks.block_size} tokens)")
 
-    def notify(self) -> None:
-        self._wake.notify_all()
+    def _register(self, req: Request, handle: OutputHandle) -> None:
+        if req.request_id in self._requests:
+            raise AlreadyExists(f"request {req.request_id!r} already exists")
+        self._next_seq += 1
+        req.arrival_seq = self._next_seq
+        self._requests[req.request_id] = req
+        self._handles[req.request_id] = handle
+
+    def has_request(self, request_id: str) -> bool:
+        with self.lock:
+            return request_id in self._requests
+
+    def add(self, req: Request, handle: OutputHandle) -> None:
+        """Admit a FULL or PREFILL_ONLY request: it queues for prefill."""
+        self._check_fits(req)
+        with self.lock:
+            self._register(req, handle)
+            self.scheduler.add(req)
+            self._wake.notify_all()
+
+    def admit_remote(self, req: Request, handle: OutputHandle) -> Admission:
+        """Admit a DECODE_REMOTE request: reserve its blocks, look up the prefix cache, issue
+        its transfer ticket."""
+        self._check_fits(req)
+        with self.lock:
+            if req.request_id in self._requests:
+                raise AlreadyExists(f"request {req.request_id!r} already exists")
+            num_cached_blocks = self.scheduler.reserve_remote(req)
+            ticket = f"{self.dp_rank}-{uuid.uuid4().hex}"
+            req.transfer_ticket = ticket
+            self._register(req, handle)
+            self._tickets[ticket] = req
+            return Admission(
+                request_id=req.request_id, transfer_ticket=ticket,
+                num_cached_blocks=num_cached_blocks,
+                num_local_cached_tokens=req.num_local_cached_tokens,
+            )
 
     # ---- the step loop -------------------------------------------------------------------
     def _loop(self) -> None:
@@ -129,59 +189,72 @@ class Rank:
     def _snapshot(self, s: ScheduledRequest) -> ScheduledSeq:
         r = s.request
         start = r.num_computed_tokens
+        drafts = r.spec_token_ids[: s.num_draft_tokens]
+        num_logits = 1 + len(drafts) if s.samples else 0
         return ScheduledSeq(
-            token_ids=r.token_ids[start : start + s.num_new_tokens], start_pos=start,
+            token_ids=r.token_ids[start : start + s.num_new_tokens] + drafts, start_pos=start,
             block_ids=list(r.block_ids), sample=s.samples, sampling=r.sampling,
-            generator=r.generator_for_next_token() if s.samples else None,
+            generator=r.generator, num_logits=max(1, num_logits),
+            draw_seeds=tuple(r.draw_seed(j) for j in range(num_logits)),
         )
 
-    def _postprocess(self, scheduled: list[ScheduledRequest], sampled: list[int],
+    def _postprocess(self, scheduled: list[ScheduledRequest], sampled: list[list[int]],
                      elapsed_ns: int, outputs: Outputs) -> None:
-        tokens = iter(sampled)
+        runs = iter(sampled)
         for s in scheduled:
             req = s.request
-            samples = s.samples
             if req.num_computed_tokens < req.num_prompt_tokens:
                 req.num_prefill_chunks += 1
                 req.prefill_ns += elapsed_ns
-            self.scheduler.on_computed(req, s.num_new_tokens)
-            if not samples:
+            if not s.samples:
+                self.scheduler.on_computed(req, s.num_new_tokens)
                 continue
-            reason = self._on_token(req, next(tokens))
+            targets = next(runs)
+            proposals = req.spec_token_ids[: s.num_draft_tokens]
+            run = accept_run(proposals, targets)
+            if proposals:
+                accepted = len(run) - 1
+                self._spec_stats.record(len(proposals), accepted)
+                req.spec = policy.after_verify(req.spec, len(proposals), accepted)
+            req.spec_token_ids = []
+            _, reason = req.append_output_tokens(run, self.eos_token_ids, self.max_model_len)
+            # K/V is valid for the step's tokens and the accepted proposals (the last token of
+            # the run is new); a run cut short by a stop has every appended token computed
+            computed = min(req.num_computed_tokens + s.num_new_tokens + len(run) - 1,
+                           req.num_tokens)
+            self.scheduler.on_computed(req, computed - req.num_computed_tokens)
+            if proposals:
+                self.scheduler.rollback(req)
             if req.kind is RequestKind.PREFILL_ONLY:
                 self.scheduler.remove(req, keep_blocks=True)
-                req.status = RequestStatus.HELD
-                req.finish_reason = reason
-                outputs.append((req.handle, self._output(req, finished=True)))
+                req.hold(reason)
+                drafts = self._propose(req) if reason is None else []
+                self._emit(req, self._output(req, finished=True, drafts=drafts), outputs)
             elif reason is not None:
                 self._finish(req, reason, outputs)
             else:
+                req.spec_token_ids = self._propose(req)
                 out = self._output(req, finished=False)
                 if out.new_token_ids or out.text_delta:
-                    outputs.append((req.handle, out))
+                    self._emit(req, out, outputs)
 
-    def _on_token(self, req: Request, token: int) -> FinishReason | None:
-        """Apply the token-accounting and stop rules (api.py docstring) to a sampled token."""
-        sp = req.sampling
-        reason: FinishReason | None = None
-        if token in self.eos_token_ids and not sp.ignore_eos:
-            reason = FinishReason.STOP  # not appended, not counted, no text
-        else:
-            req.token_ids.append(token)
-            delta = req.detokenizer.append(token)
-            if token in sp.stop_token_ids:
-                if sp.include_stop_in_output:
-                    req.text.add(delta)
-                reason = FinishReason.STOP
-            elif req.text.add(delta):
-                reason = FinishReason.STOP
-            if reason is None and req.num_tokens >= self.max_model_len:
-                reason = FinishReason.LENGTH  # the model's context is full
-        if req.num_counted_towards_max >= sp.max_tokens:
-            reason = FinishReason.LENGTH
-        return reason
+    def _propose(self, req: Request) -> list[int]:
+        """Proposals for the tokens after req.token_ids (none without speculation or while the
+        request backs off)."""
+        spec = self.speculation
+        if spec is None:
+            return []
+        n = policy.proposal_budget(
+            req.spec, spec.num_tokens,
+            tokens_left=req.sampling.max_tokens - req.num_counted_towards_max,
+            context_left=self.max_model_len - req.num_tokens)
+        if n == 0:
+            req.spec = policy.after_skipped_step(req.spec)
+            return []
+        return spec.proposer.propose(req.token_ids, n)
 
-    def _output(self, req: Request, finished: bool) -> RequestOutput:
+    def _output(self, req: Request, finished: bool,
+                drafts: list[int] | None = None) -> RequestOutput:
         first = req.num_prompt_tokens + req.num_handoff_tokens + req.num_reported_tokens
         new_ids = tuple(req.token_ids[first:])
         req.num_reported_tokens += len(new_ids)
@@ -199,19 +272,25 @@ class Rank:
             num_transferred_tokens=req.num_transferred_tokens,
             num_prefill_chunks=req.num_prefill_chunks,
             prefill_ns=req.prefill_ns,
+            draft_token_ids=tuple(drafts or ()),
         )
+
+    def _emit(self, req: Request, out: RequestOutput, outputs: Outputs) -> None:
+        """Queue an output for the request's handle; the terminal one closes it."""
+        handle = (self._handles.pop(req.request_id, None) if out.finished
+                  else self._handles.get(req.request_id))
+        if handle is not None:
+            outputs.append((handle, out))
 
     def _finish(self, req: Request, reason: FinishReason, outputs: Outputs) -> None:
         """End a request that is not HELD: free its blocks, send its terminal output."""
         self.scheduler.remove(req)
-        req.status = RequestStatus.FINISHED
-        req.finish_reason = reason
-        self.requests.pop(req.request_id, None)
+        req.finish(reason)
+        self._requests.pop(req.request_id, None)
         if req.transfer_ticket is not None:
-            self.tickets.pop(req.transfer_ticket, None)
-        if not req.handle.closed:
-            outputs.append((req.handle, self._output(req, finished=True)))
-            req.handle.closed = True
+            self._tickets.pop(req.transfer_ticket, None)
+        if req.request_id in self._handles:
+            self._emit(req, self._output(req, finished=True), outputs)
 
     # ---- aborts and release --------------------------------------------------------------
     def _abort_locked(self, req: Request) -> None:
@@ -230,13 +309,13 @@ class Rank:
         for req in self._aborts:
             if req.status is RequestStatus.HELD:
                 self._release_locked(req)
-            elif req.status is not RequestStatus.FINISHED:
+            elif not req.status.is_finished:
                 self._finish(req, FinishReason.ABORT, outputs)
         self._aborts.clear()
 
     def abort(self, request_id: str) -> bool:
         with self.lock:
-            req = self.requests.get(request_id)
+            req = self._requests.get(request_id)
             if req is None:
                 return False
             self._abort_locked(req)
@@ -244,13 +323,13 @@ class Rank:
 
     def _release_locked(self, req: Request) -> None:
         self.scheduler.remove(req)  # frees the blocks; they stay in the prefix cache
-        req.status = RequestStatus.FINISHED
-        self.requests.pop(req.request_id, None)
+        req.release()
+        self._requests.pop(req.request_id, None)
         self._wake.notify_all()
 
     def release(self, request_id: str) -> None:
         with self.lock:
-            req = self.requests.get(request_id)
+            req = self._requests.get(request_id)
             if req is None:
                 raise NotFound(f"unknown request {request_id!r}")
             if req.status is not RequestStatus.HELD:
@@ -267,7 +346,7 @@ class Rank:
             return list(range(skip_blocks, num_blocks))
 
     def _held(self, request_id: str) -> Request:
-        req = self.requests.get(request_id)
+        req = self._requests.get(request_id)
         if req is None:
             raise NotFound(f"unknown request {request_id!r}")
         if req.status is not RequestStatus.HELD:
@@ -285,7 +364,7 @@ class Rank:
 
     # ---- KV import (DECODE_REMOTE) -------------------------------------------------------
     def _ticket(self, ticket: str) -> Request:
-        req = self.tickets.get(ticket)
+        req = self._tickets.get(ticket)
         if req is None or req.status is not RequestStatus.WAITING_FOR_KV:
             raise NotFound(f"unknown transfer ticket {ticket!r}")
         return req
@@ -312,42 +391,62 @@ class Rank:
             self.runner.write_blocks(targets, chunk.data[skip * bpb :])
 
     def finish_import(self, ticket: str, num_tokens: int, first_token_id: int | None,
-                      prefill_generated_tokens: int) -> None:
+                      prefill_generated_tokens: int,
+                      draft_token_ids: tuple[int, ...] = ()) -> None:
         with self.lock:
             req = self._ticket(ticket)
             if num_tokens != req.num_prompt_tokens:
                 raise InvalidArgument(
                     f"KV covers {num_tokens} tokens, the prompt has {req.num_prompt_tokens}")
-            self.tickets.pop(ticket, None)
+            self._tickets.pop(ticket, None)
             req.transfer_ticket = None
             req.num_prior_generated_tokens = max(0, prefill_generated_tokens)
             req.num_transferred_tokens = req.num_prompt_tokens - req.num_local_cached_tokens
             outputs: Outputs = []
-            sp = req.sampling
-            if first_token_id is None or (first_token_id in self.eos_token_ids
-                                          and not sp.ignore_eos):
-                reason = (FinishReason.LENGTH if req.num_prior_generated_tokens >= sp.max_tokens
-                          else FinishReason.STOP)
+            ended = first_token_id is None or (
+                first_token_id in self.eos_token_ids and not req.sampling.ignore_eos)
+            reason = finish_rule(req.num_prior_generated_tokens, req.sampling.max_tokens,
+                                 FinishReason.STOP if ended else None)
+            if reason is None and first_token_id is not None:
+                reason = req.start_from_handoff(first_token_id)
+            if reason is not None:
                 self._finish(req, reason, outputs)
-            elif req.num_prior_generated_tokens >= sp.max_tokens:
-                self._finish(req, FinishReason.LENGTH, outputs)
             else:
-                req.token_ids.append(first_token_id)
-                req.num_handoff_tokens = 1
-                # Replay the prefill side's text state: stop strings can span the handoff token,
-                # and what the prefill worker already sent is marked as emitted, not sent again.
-                if req.text.add(req.detokenizer.append(first_token_id)):
-                    self._finish(req, FinishReason.STOP, outputs)  # an older prefill worker
-                else:
-                    req.text.take(final=False)
-                    self.scheduler.start_remote(req)
-                    self._wake.notify_all()
+                req.spec_token_ids = self._handoff_drafts(req, draft_token_ids)
+                self.scheduler.start_remote(req)
+                self._wake.notify_all()
             deliver_batch(outputs)
 
-    # ---- loads ---------------------------------------------------------------------------
+    def _handoff_drafts(self, req: Request, draft_token_ids: tuple[int, ...]) -> list[int]:
+        """The prefill worker's proposals, when this rank speculates: capped like its own, and
+        only token ids of this vocabulary (anything else is dropped, never an error)."""
+        if self.speculation is None or not draft_token_ids:
+            return []
+        n = policy.proposal_budget(
+            req.spec, self.speculation.num_tokens,
+            tokens_left=req.sampling.max_tokens - req.num_counted_towards_max,
+            context_left=self.max_model_len - req.num_tokens)
+        drafts = list(draft_token_ids[:n])
+        if any(not 0 <= t < self.vocab_size for t in drafts):
+            return []
+        return drafts
+
+    # ---- loads and stats -----------------------------------------------------------------
     def num_waiting_prompt_tokens(self) -> int:
         with self.lock:
             return self.scheduler.num_waiting_prompt_tokens
+
+    def num_free_blocks(self) -> int:
+        with self.lock:
+            return self.blocks.num_free_blocks
+
+    def num_preemptions(self) -> int:
+        with self.lock:
+            return self.scheduler.num_preemptions
+
+    def spec_stats(self) -> SpecStats:
+        with self.lock:
+            return self._spec_stats.copy()
 
     def load(self) -> RankLoad:
         with self.lock:
@@ -355,9 +454,10 @@ class Rank:
                 dp_rank=self.dp_rank,
                 num_used_tokens=self.blocks.num_used_blocks * self.blocks.block_size,
                 num_running=len(self.scheduler.running),
-                num_waiting=len(self.scheduler.waiting)
-                + sum(1 for r in self.tickets.values()),
+                num_waiting=len(self.scheduler.waiting) + len(self._tickets),
                 kv_capacity_tokens=self.blocks.num_blocks * self.blocks.block_size,
                 prefix_cache_queries_tokens=self.blocks.prefix_queries_tokens,
                 prefix_cache_hits_tokens=self.blocks.prefix_hits_tokens,
+                spec_draft_tokens=self._spec_stats.num_draft_tokens,
+                spec_accepted_tokens=self._spec_stats.num_accepted_tokens,
             )

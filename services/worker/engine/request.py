@@ -1,31 +1,85 @@
-"""Per-request engine state: token ids, KV progress, block table and first-scheduling stats.
+"""Per-request engine state: token ids, KV progress, block table, first-scheduling stats, the
+status life (an allowed-transition table) and the one finish rule.
 
-Counts are derived from the stored lists (never shadowed by counters). The status order means
-something: everything after PREEMPTED no longer takes part in scheduling.
+Counts are derived from the stored lists (never shadowed by counters). Status changes only through
+the `Request` methods below, each checked against ALLOWED_TRANSITIONS (vLLM v1's RequestStatus is
+the model). Output delivery (handles) lives in the rank; the detokenized text sits behind the small
+`TextTracker` interface, so scheduling state is testable with `NoText()`.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from services.worker.engine.api import EngineRequest, FinishReason, RequestKind, SamplingConfig
 
 if TYPE_CHECKING:
     import torch
 
-    from services.worker.engine.detokenizer import IncrementalDetokenizer, OutputText
-    from services.worker.engine.handle import OutputHandle
-
 
 class RequestStatus(enum.IntEnum):
-    WAITING = 0  # queued for (re)prefill
+    """Order means something: everything from FINISHED on no longer takes part in anything."""
+
+    WAITING = 0  # queued for (first) prefill
     WAITING_FOR_KV = 1  # DECODE_REMOTE: blocks reserved, KV arriving through import_kv
-    RUNNING = 2  # scheduled every step (prefill chunks, then one decode token per step)
+    RUNNING = 2  # scheduled every step (prefill chunks, then decode steps)
     PREEMPTED = 3  # blocks freed, back at the front of the waiting queue (recomputes all)
     HELD = 4  # PREFILL_ONLY after its first token: blocks kept for export until release
-    FINISHED = 5  # done, blocks freed (finish_reason says why)
+    FINISHED = 5  # done, blocks freed (finish_reason says why; None for a released handoff)
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED
+
+
+ALLOWED_TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
+    RequestStatus.WAITING: frozenset({RequestStatus.RUNNING, RequestStatus.FINISHED}),
+    RequestStatus.WAITING_FOR_KV: frozenset({RequestStatus.WAITING, RequestStatus.FINISHED}),
+    RequestStatus.RUNNING: frozenset(
+        {RequestStatus.PREEMPTED, RequestStatus.HELD, RequestStatus.FINISHED}),
+    RequestStatus.PREEMPTED: frozenset({RequestStatus.RUNNING, RequestStatus.FINISHED}),
+    RequestStatus.HELD: frozenset({RequestStatus.FINISHED}),
+    RequestStatus.FINISHED: frozenset(),
+}
+
+
+class InvalidTransition(RuntimeError):
+    """A bug: the request life tried a status change the table does not allow."""
+
+
+def finish_rule(num_counted_tokens: int, max_tokens: int,
+                stop_reason: FinishReason | None) -> FinishReason | None:
+    """The worker's one finish rule (docs/architecture.md "Token accounting"): a request whose
+    count reached max_tokens finished by LENGTH, whatever else stopped it; else the stop reason
+    (None: it goes on)."""
+    if num_counted_tokens >= max_tokens:
+        return FinishReason.LENGTH
+    return stop_reason
+
+
+class TextTracker(Protocol):
+    """A request's detokenized output text and stop strings (detokenizer.DetokenizedText)."""
+
+    def add_token(self, token_id: int, show: bool) -> bool:
+        """Detokenize one appended token (its text kept only when `show`); True when a stop
+        string appeared (the text is cut there)."""
+        ...
+
+    def take(self, final: bool) -> str:
+        """Text not yet emitted (while running, holds back what may start a stop string)."""
+        ...
+
+
+class NoText:
+    """A TextTracker for scheduling tests: no text, no stop strings."""
+
+    def add_token(self, token_id: int, show: bool) -> bool:
+        return False
+
+    def take(self, final: bool) -> str:
+        return ""
 
 
 @dataclass(eq=False)
@@ -36,12 +90,10 @@ class Request:
     kind: RequestKind
     sampling: SamplingConfig
     prompt_token_ids: tuple[int, ...]
-    handle: OutputHandle
-    detokenizer: IncrementalDetokenizer
-    text: OutputText
-    generator: torch.Generator | None
-    arrival_seq: int  # monotonically increasing per rank: newer requests are preempted first
-    status: RequestStatus = RequestStatus.WAITING
+    text: TextTracker = field(default_factory=NoText)
+    generator: torch.Generator | None = None
+    arrival_seq: int = 0  # set by the rank: newer requests are preempted first
+    _status: RequestStatus = RequestStatus.WAITING
     # prompt + tokens appended after it (for DECODE_REMOTE the first is the prefill's token)
     token_ids: list[int] = field(default_factory=list)
     # tokens at the start of the output that this engine did not sample (DECODE_REMOTE: 0 or 1)
@@ -52,7 +104,7 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0  # leading blocks whose chained hash is registered/known
     last_block_hash: int | None = None  # chain hash of block num_hashed_blocks - 1
-    finish_reason: FinishReason | None = None
+    _finish_reason: FinishReason | None = None
     abort_requested: bool = False
     # first-scheduling stats: fixed once, never rewritten by preemption
     stats_fixed: bool = False
@@ -63,32 +115,131 @@ class Request:
     transfer_ticket: str | None = None
     # output-delivery cursor: generated tokens already reported in a RequestOutput
     num_reported_tokens: int = 0
+    # speculative decoding: proposals for the tokens after token_ids (verified next step; never
+    # part of token_ids, never in a block once rejected) and this request's acceptance record
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec: SpecRecord = field(default_factory=lambda: SpecRecord())  # replaced, never mutated
 
     @classmethod
-    def from_engine_request(
-        cls, req: EngineRequest, handle: OutputHandle, detokenizer: IncrementalDetokenizer,
-        text: OutputText, generator: torch.Generator | None, arrival_seq: int,
-    ) -> Request:
+    def from_engine_request(cls, req: EngineRequest, text: TextTracker | None = None,
+                            generator: torch.Generator | None = None) -> Request:
+        status = (RequestStatus.WAITING_FOR_KV if req.kind is RequestKind.DECODE_REMOTE
+                  else RequestStatus.WAITING)
         return cls(
             request_id=req.request_id, kind=req.kind, sampling=req.sampling,
-            prompt_token_ids=req.prompt_token_ids, handle=handle, detokenizer=detokenizer,
-            text=text,
-            generator=generator, arrival_seq=arrival_seq,
-            token_ids=list(req.prompt_token_ids),
+            prompt_token_ids=req.prompt_token_ids, text=text or NoText(), generator=generator,
+            _status=status, token_ids=list(req.prompt_token_ids),
         )
 
-    def generator_for_next_token(self) -> torch.Generator | None:
-        """The seeded generator, positioned for the output token about to be sampled.
+    # ---- status: the only ways to change it ----------------------------------------------
+    @property
+    def status(self) -> RequestStatus:
+        return self._status
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self._finish_reason
+
+    def _transition(self, to: RequestStatus) -> None:
+        if to not in ALLOWED_TRANSITIONS[self._status]:
+            raise InvalidTransition(
+                f"request {self.request_id!r}: {self._status.name} -> {to.name} is not allowed")
+        self._status = to
+
+    def kv_arrived(self) -> None:
+        """DECODE_REMOTE: every prompt block is in place; the request queues for decoding."""
+        self._transition(RequestStatus.WAITING)
+
+    def mark_running(self) -> None:
+        """Admitted to the running batch (first time, or again after preemption)."""
+        self._transition(RequestStatus.RUNNING)
+
+    def preempt(self) -> None:
+        """Its blocks were freed: it recomputes everything later; proposals are dropped."""
+        self._transition(RequestStatus.PREEMPTED)
+        self.spec_token_ids = []
+
+    def hold(self, reason: FinishReason | None) -> None:
+        """PREFILL_ONLY after its first token: blocks kept for export; `reason` says whether
+        the request already ended there (None: decoding continues elsewhere)."""
+        self._transition(RequestStatus.HELD)
+        self._finish_reason = reason
+
+    def finish(self, reason: FinishReason) -> None:
+        """Done (any status but HELD, which ends through `release`): blocks are being freed."""
+        if self._status is RequestStatus.HELD:
+            raise InvalidTransition(f"request {self.request_id!r}: a HELD request ends through "
+                                    "release")
+        self._transition(RequestStatus.FINISHED)
+        self._finish_reason = reason
+        self.spec_token_ids = []
+
+    def release(self) -> None:
+        """A HELD request's KV was exported (or abandoned): it ends with the reason it was held
+        with."""
+        if self._status is not RequestStatus.HELD:
+            raise InvalidTransition(f"request {self.request_id!r}: release of a "
+                                    f"{self._status.name} request")
+        self._transition(RequestStatus.FINISHED)
+
+    # ---- tokens: the finish rule applied to each appended token --------------------------
+    def append_output_token(self, token: int, eos_token_ids: frozenset[int],
+                            max_model_len: int) -> FinishReason | None:
+        """Apply the token-accounting and stop rules (api.py docstring) to one sampled token:
+        a terminating EOS is neither appended nor counted; a stop token id is appended and
+        counted (its text only when include_stop_in_output); a stop string cuts the text; a
+        full context is LENGTH; and `finish_rule` puts max_tokens above everything."""
+        sp = self.sampling
+        stop: FinishReason | None = None
+        if token in eos_token_ids and not sp.ignore_eos:
+            stop = FinishReason.STOP  # not appended, not counted, no text
+        else:
+            self.token_ids.append(token)
+            is_stop_token = token in sp.stop_token_ids
+            hit = self.text.add_token(token, show=sp.include_stop_in_output or not is_stop_token)
+            if is_stop_token or hit:
+                stop = FinishReason.STOP
+            elif self.num_tokens >= max_model_len:
+                stop = FinishReason.LENGTH  # the model's context is full
+        return finish_rule(self.num_counted_towards_max, sp.max_tokens, stop)
+
+    def append_output_tokens(self, tokens: list[int], eos_token_ids: frozenset[int],
+                             max_model_len: int) -> tuple[int, FinishReason | None]:
+        """A run of tokens (accepted proposals + the bonus token), one at a time through the
+        same rule; the first that finishes the request ends the run exactly there. Returns
+        (tokens consumed, finish reason)."""
+        for i, token in enumerate(tokens):
+            reason = self.append_output_token(token, eos_token_ids, max_model_len)
+            if reason is not None:
+                return i + 1, reason
+        return len(tokens), None
+
+    def start_from_handoff(self, first_token_id: int) -> FinishReason | None:
+        """DECODE_REMOTE: append the prefill worker's first token (not counted here) and replay
+        the prefill side's text state, so stop strings can span the handoff and what the prefill
+        worker already sent is not sent again. STOP when that token completed a stop string (an
+        older prefill worker did not check it)."""
+        self.token_ids.append(first_token_id)
+        self.num_handoff_tokens = 1
+        if self.text.add_token(first_token_id, show=True):
+            return FinishReason.STOP
+        self.text.take(final=False)
+        return None
+
+    def draw_seed(self, offset: int = 0) -> int | None:
+        """The seed of the draw for output index num_output_tokens + offset (None: unseeded).
 
         Each draw is seeded from (seed, output index), not from the generator's running state,
         so the token at output index k is the same wherever it is sampled: the decode worker's
-        first draw after a handoff (index 1) equals a unified worker's second, and a preempted
-        request that recomputes draws the same noise again."""
+        first draw after a handoff (index 1) equals a unified worker's second, a preempted
+        request that recomputes draws the same noise again, and a position verified inside a
+        speculative run draws what plain decoding would have drawn there."""
         if self.generator is None or self.sampling.seed is None:
-            return self.generator
-        self.generator.manual_seed(_mix_seed(self.sampling.seed, self.num_output_tokens))
-        return self.generator
+            return None
+        index = self.sampling.first_output_index + self.num_output_tokens + offset
+        return _mix_seed(self.sampling.seed, index)
 
+    # ---- derived counts ------------------------------------------------------------------
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
@@ -113,6 +264,22 @@ class Request:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        """Its whole prompt is computed: each step computes its last token (+ proposals)."""
+        return self.num_computed_tokens >= self.num_prompt_tokens
+
+
+@dataclass(frozen=True)
+class SpecRecord:
+    """One request's speculative-decoding record, for its back-off (engine/spec/policy.py)."""
+
+    num_draft_tokens: int = 0  # proposals verified (count)
+    num_accepted_tokens: int = 0  # of which accepted (count)
+    recent_acceptance: float = 1.0  # moving average of accepted / proposed per verify (ratio)
+    skip_steps: int = 0  # steps left without proposals (back-off)
+    backoff_steps: int = 0  # length of the last back-off (steps; doubles while acceptance stays low)
 
 
 def _mix_seed(seed: int, index: int) -> int:

@@ -2,7 +2,9 @@
 
 Sampling uses the exponential-race form of categorical sampling (argmax of p / E with E ~ Exp(1)),
 so each request draws its noise from its own generator: a seeded request gets the same tokens
-whatever else is in the batch.
+whatever else is in the batch. A row with a seed has its generator re-seeded right before its draw
+(the seed of an output index, Request.draw_seed), so several rows of one request (a speculative run)
+each draw what plain decoding would have drawn at their index.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from services.worker.engine.api import SamplingConfig
 def sample(
     logits: torch.Tensor, params: Sequence[SamplingConfig],
     generators: Sequence[torch.Generator | None],
+    seeds: Sequence[int | None] | None = None,
 ) -> torch.Tensor:
-    """logits [n, vocab] -> token ids [n] (long, on logits' device)."""
+    """logits [n, vocab] -> token ids [n] (long, on logits' device). seeds[i], when given and
+    not None, re-seeds generators[i] before row i's draw."""
     greedy = [p.temperature <= 0.0 for p in params]
     if all(greedy):
         return logits.argmax(dim=-1)
@@ -53,6 +57,9 @@ def sample(
         noise[unseeded] = torch.empty(len(unseeded), vocab, device=device).exponential_()
     for i, g in enumerate(generators):
         if g is not None:
+            seed = seeds[i] if seeds is not None else None
+            if seed is not None:
+                g.manual_seed(seed)
             noise[i].exponential_(generator=g)
     sampled = (probs / noise).argmax(dim=-1)
     greedy_mask = torch.tensor(greedy, device=device)

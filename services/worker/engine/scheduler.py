@@ -1,8 +1,10 @@
 """One rank's scheduler: waiting/running queues, the per-step token budget (chunked prefill),
-block allocation with prefix-cache lookup, and preemption by recompute (newest first).
+block allocation with prefix-cache lookup, preemption by recompute (newest first), and the room
+speculative proposals get in a step.
 
 `schedule()` picks what runs in the next forward pass; `on_computed()` records KV progress and
-registers newly full blocks in the prefix cache. All calls happen under the rank's lock.
+registers newly full blocks in the prefix cache; `rollback()` frees the blocks only rejected
+proposals used. All calls happen under the rank's lock.
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ _GROWTH_CAP_TOKENS = 512
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int  # tokens whose K/V this step computes
+    num_new_tokens: int  # tokens of token_ids whose K/V this step computes
+    # proposals verified after them (request.spec_token_ids[:num_draft_tokens]); their K/V is
+    # written too, but counts as computed only once accepted
+    num_draft_tokens: int = 0
 
     @property
     def samples(self) -> bool:
@@ -39,13 +44,17 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_batch_tokens: int,
-                 max_num_seqs: int) -> None:
+                 max_num_seqs: int, max_spec_batch_tokens: int = 0) -> None:
         self.blocks = block_manager
         self.block_size = block_manager.block_size
         self.max_batch_tokens = max_batch_tokens
         self.max_num_seqs = max_num_seqs
+        # per-step back-off of speculation: proposals are verified only while the step has at
+        # most this many tokens in all (beyond it verification is no longer free); 0 = never
+        self.max_spec_batch_tokens = max_spec_batch_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.num_preemptions = 0  # since start (count of preempt events)
 
     @property
     def has_work(self) -> bool:
@@ -61,7 +70,9 @@ class Scheduler:
         return queued + chunked
 
     def add(self, req: Request) -> None:
-        req.status = RequestStatus.WAITING
+        """Queue a WAITING request (new, or DECODE_REMOTE once its KV arrived)."""
+        if req.status is not RequestStatus.WAITING:
+            raise ValueError(f"only WAITING requests are queued, not {req.status.name}")
         self.waiting.append(req)
 
     # ---- scheduling ----------------------------------------------------------------------
@@ -85,7 +96,8 @@ class Scheduler:
         """Free the request's blocks; it recomputes everything (prompt + outputs) later."""
         self.running.remove(req)
         self._drop_blocks(req)
-        req.status = RequestStatus.PREEMPTED
+        req.preempt()
+        self.num_preemptions += 1
         self.waiting.appendleft(req)
 
     def _drop_blocks(self, req: Request) -> None:
@@ -130,10 +142,28 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(req)
-            req.status = RequestStatus.RUNNING
+            req.mark_running()
             scheduled.append(ScheduledRequest(req, n))
             budget -= n
+        self._schedule_drafts(scheduled, budget)
         return SchedulerOutput(scheduled, unfittable)
+
+    def _schedule_drafts(self, scheduled: list[ScheduledRequest], budget: int) -> None:
+        """Give decoding requests room to verify their proposals: what is left of the token
+        budget, capped per step by max_spec_batch_tokens, best recent acceptance first. Proposals
+        never preempt anything and never delay a prefill: without room they are dropped."""
+        room = min(budget, self.max_spec_batch_tokens - sum(s.num_new_tokens for s in scheduled))
+        candidates = [s for s in scheduled if s.request.spec_token_ids and s.samples
+                      and s.request.is_decoding]
+        candidates.sort(key=lambda s: -s.request.spec.recent_acceptance)
+        for s in candidates:
+            req = s.request
+            d = min(len(req.spec_token_ids), max(room, 0))
+            if d > 0 and self._grow(req, req.num_computed_tokens + s.num_new_tokens + d):
+                s.num_draft_tokens = d
+                room -= d
+            else:
+                req.spec_token_ids = []  # no room this step: proposed again after it
 
     def _admit_waiting(self, req: Request, budget: int) -> int:
         """Give a waiting request blocks (prefix hits first); returns tokens scheduled or 0."""
@@ -165,6 +195,16 @@ class Scheduler:
     def on_computed(self, req: Request, num_new_tokens: int) -> None:
         req.num_computed_tokens += num_new_tokens
         self.hash_full_blocks(req)
+
+    def rollback(self, req: Request) -> None:
+        """Free the tail blocks that only rejected proposals used: a request holds the blocks
+        its tokens need (the next step computes its last token), no more. Rejected proposals'
+        K/V rows lie beyond num_computed_tokens, so they are never hashed into the prefix cache
+        and are overwritten before they are ever read."""
+        keep = self.blocks.blocks_needed(req.num_tokens)
+        if len(req.block_ids) > keep:
+            self.blocks.free(req.block_ids[keep:])
+            del req.block_ids[keep:]
 
     def hash_full_blocks(self, req: Request) -> None:
         """Register every block whose tokens are all computed (prompt or generated)."""
@@ -203,11 +243,11 @@ class Scheduler:
         req.stats_fixed = True
         req.num_local_cached_tokens = len(cached) * bs
         self.blocks.record_query(req.num_prompt_tokens, len(cached) * bs)
-        req.status = RequestStatus.WAITING_FOR_KV
         return len(cached)
 
     def start_remote(self, req: Request) -> None:
         """All prompt KV is in place: decode from the handoff token."""
         req.num_computed_tokens = req.num_prompt_tokens
         self.hash_full_blocks(req)
+        req.kv_arrived()
         self.add(req)

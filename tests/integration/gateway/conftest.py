@@ -41,12 +41,13 @@ class Cluster:
 
     @property
     def stub(self) -> gateway_pb2_grpc.GatewayStub:
-        return gateway_pb2_grpc.GatewayStub(self.channel)  # type: ignore[no-untyped-call]
+        return gateway_pb2_grpc.GatewayStub(self.channel)
 
 
 def gateway_settings(model: Path, scheduler_address: str, **overrides: Any) -> GatewaySettings:
     values: dict[str, Any] = dict(
         listen="127.0.0.1:0",
+        http_port=-1,  # the HTTP API's own tests turn it on (http_port=0)
         metrics_port=-1,
         scheduler_address=scheduler_address,
         model=str(model),

@@ -164,7 +164,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         item = self.responses.pop(0)
         if isinstance(item, Fail | Hang):
             await _play(item, context)
-        return item  # type: ignore[no-any-return]
+        return item
 
     async def GetState(
         self, request: scheduler_pb2.GetStateRequest, context: grpc.aio.ServicerContext

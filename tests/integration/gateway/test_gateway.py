@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -36,13 +37,13 @@ FIRST, CONT, FINAL = (
 )
 
 
-async def generate(c: Cluster, **fields: object) -> list[gateway_pb2.GenerateResponse]:
-    call = c.stub.Generate(gateway_pb2.GenerateRequest(**fields), timeout=30)  # type: ignore[arg-type]
+async def generate(c: Cluster, **fields: Any) -> list[gateway_pb2.GenerateResponse]:
+    call = c.stub.Generate(gateway_pb2.GenerateRequest(**fields), timeout=30)
     return [f async for f in call]
 
 
-async def complete(c: Cluster, **fields: object) -> gateway_pb2.CompleteResponse:
-    return await c.stub.Complete(gateway_pb2.GenerateRequest(**fields), timeout=30)  # type: ignore[arg-type]
+async def complete(c: Cluster, **fields: Any) -> gateway_pb2.CompleteResponse:
+    return await c.stub.Complete(gateway_pb2.GenerateRequest(**fields), timeout=30)
 
 
 async def read_rest(call: grpc.aio.UnaryStreamCall) -> list[gateway_pb2.GenerateResponse]:
@@ -462,7 +463,7 @@ async def test_list_models_scheduler_down(tiny_model: Path) -> None:
     await app.start()
     try:
         async with grpc.aio.insecure_channel(app.server.address) as channel:
-            stub = gateway_pb2_grpc.GatewayStub(channel)  # type: ignore[no-untyped-call]
+            stub = gateway_pb2_grpc.GatewayStub(channel)
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stub.ListModels(gateway_pb2.ListModelsRequest(), timeout=10)
     finally:
@@ -490,7 +491,7 @@ async def test_health_not_serving_until_tokenizer_loaded(tiny_model: Path, clust
     app = build_app(gateway_settings(tiny_model, cluster.scheduler.address))
     await app.server.start()
     async with grpc.aio.insecure_channel(app.server.address) as channel:
-        health = health_pb2_grpc.HealthStub(channel)  # type: ignore[no-untyped-call]
+        health = health_pb2_grpc.HealthStub(channel)
         check = health_pb2.HealthCheckRequest(service="pdserve.v1.Gateway")
         assert (await health.Check(check, timeout=5)).status == health_pb2.HealthCheckResponse.NOT_SERVING
         with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -503,7 +504,7 @@ async def test_health_not_serving_until_tokenizer_loaded(tiny_model: Path, clust
 
 
 async def gateway_complete(channel: grpc.aio.Channel) -> None:
-    stub = gateway_pb2_grpc.GatewayStub(channel)  # type: ignore[no-untyped-call]
+    stub = gateway_pb2_grpc.GatewayStub(channel)
     await stub.Complete(gateway_pb2.GenerateRequest(prompt="hi"), timeout=5)
 
 

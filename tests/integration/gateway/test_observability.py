@@ -57,7 +57,7 @@ async def test_log_prompts_opt_in(cluster: Cluster, tiny_model: Path) -> None:
     try:
         script(cluster, "SECRET-COMPLETION")
         async with grpc.aio.insecure_channel(app.server.address) as channel:
-            stub = gateway_pb2_grpc.GatewayStub(channel)  # type: ignore[no-untyped-call]
+            stub = gateway_pb2_grpc.GatewayStub(channel)
             with structlog.testing.capture_logs() as logs:
                 await stub.Complete(gateway_pb2.GenerateRequest(prompt="SECRET-PROMPT"), timeout=30)
     finally:

@@ -9,9 +9,10 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -62,6 +63,8 @@ def start_gateway(tiny_model: Path) -> Iterator[object]:
                 "127.0.0.1:0",
                 "--metrics-port",
                 "-1",
+                "--http-port",
+                "-1",
                 "--scheduler-address",
                 scheduler_address,
                 "--model",
@@ -108,7 +111,7 @@ def start_gateway(tiny_model: Path) -> Iterator[object]:
 
 async def wait_serving(address: str) -> None:
     async with grpc.aio.insecure_channel(address) as channel:
-        health = health_pb2_grpc.HealthStub(channel)  # type: ignore[no-untyped-call]
+        health = health_pb2_grpc.HealthStub(channel)
         for _ in range(600):
             resp = await health.Check(health_pb2.HealthCheckRequest(), timeout=5)
             if resp.status == health_pb2.HealthCheckResponse.SERVING:
@@ -125,8 +128,10 @@ async def wait_exit(proc: subprocess.Popen[str], timeout_s: float) -> int:
     raise AssertionError("gateway did not exit")
 
 
-async def test_sigterm_finishes_in_flight_stream_then_exits(peers: Peers, start_gateway: object) -> None:
-    gw = start_gateway(peers.scheduler.address, 20.0)  # type: ignore[operator]
+async def test_sigterm_finishes_in_flight_stream_then_exits(
+    peers: Peers, start_gateway: Callable[[str, float], Any]
+) -> None:
+    gw = start_gateway(peers.scheduler.address, 20.0)
     await wait_serving(gw.address)
     release = asyncio.Event()
     peers.scheduler.responses.append(aggregated(peers.worker))
@@ -134,7 +139,7 @@ async def test_sigterm_finishes_in_flight_stream_then_exits(peers: Peers, start_
         [tokens("a"), Hang(release), final("b", 2, common_pb2.FINISH_REASON_STOP)]
     )
     async with grpc.aio.insecure_channel(gw.address) as channel:
-        stub = gateway_pb2_grpc.GatewayStub(channel)  # type: ignore[no-untyped-call]
+        stub = gateway_pb2_grpc.GatewayStub(channel)
         call = stub.Generate(gateway_pb2.GenerateRequest(prompt="hi", max_tokens=5), timeout=60)
         first = await call.read()
         assert first.text == "a"
@@ -152,14 +157,14 @@ async def test_sigterm_finishes_in_flight_stream_then_exits(peers: Peers, start_
 
 
 async def test_sigterm_past_grace_aborts_the_stream_on_the_worker(
-    peers: Peers, start_gateway: object
+    peers: Peers, start_gateway: Callable[[str, float], Any]
 ) -> None:
-    gw = start_gateway(peers.scheduler.address, 0.5)  # type: ignore[operator]
+    gw = start_gateway(peers.scheduler.address, 0.5)
     await wait_serving(gw.address)
     peers.scheduler.responses.append(aggregated(peers.worker))
     peers.worker.decode_scripts.append([tokens("a"), Hang()])
     async with grpc.aio.insecure_channel(gw.address) as channel:
-        stub = gateway_pb2_grpc.GatewayStub(channel)  # type: ignore[no-untyped-call]
+        stub = gateway_pb2_grpc.GatewayStub(channel)
         call = stub.Generate(gateway_pb2.GenerateRequest(prompt="hi", request_id="never-ends"), timeout=60)
         await call.read()
         gw.proc.send_signal(signal.SIGTERM)

@@ -105,7 +105,7 @@ async def stack(
     await gateway.start()
     channel = grpc.aio.insecure_channel(gateway.server.address)
     try:
-        yield Stack(router, gateway, gateway_pb2_grpc.GatewayStub(channel), PromptTokenizer.load(Path(model)))  # type: ignore[no-untyped-call]
+        yield Stack(router, gateway, gateway_pb2_grpc.GatewayStub(channel), PromptTokenizer.load(Path(model)))
     finally:
         await channel.close()
         await gateway.stop(0)

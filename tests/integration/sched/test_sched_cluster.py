@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from typing import Any
 
 import grpc
 import pytest
@@ -15,10 +16,10 @@ from tests.integration.sched.fakes import layout
 
 
 async def schedule(
-    c: Cluster, request_id: str, prompt_tokens: int, **kw: object
+    c: Cluster, request_id: str, prompt_tokens: int, **kw: Any
 ) -> scheduler_pb2.ScheduleResponse:
     request = scheduler_pb2.ScheduleRequest(
-        request_id=request_id, prompt_tokens=prompt_tokens, max_tokens=16, **kw  # type: ignore[arg-type]
+        request_id=request_id, prompt_tokens=prompt_tokens, max_tokens=16, **kw
     )
     return await c.scheduler_stub.Schedule(request, timeout=5)
 

@@ -63,7 +63,7 @@ def sampling(max_tokens: int, **kw: Any) -> common_pb2.SamplingParams:
 
 async def collect(call: Any) -> list[worker_pb2.DecodeFrame]:
     """The remaining frames of a Decode call (read API, so it can follow call.read())."""
-    frames = []
+    frames: list[worker_pb2.DecodeFrame] = []
     while True:
         frame = await call.read()
         if frame is grpc.aio.EOF:

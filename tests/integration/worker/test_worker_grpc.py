@@ -247,7 +247,7 @@ async def test_invalid_inputs_are_invalid_argument(
     prefill: RunningWorker, decode: RunningWorker, tiny_model: Path, rpc: str
 ) -> None:
     ids = prompt_ids(tiny_model)
-    bad = [
+    bad: list[dict[str, Any]] = [
         dict(prompt_token_ids=ids, sampling=sampling(4), dp_rank=1),  # one rank only
         dict(prompt_token_ids=[], sampling=sampling(4)),
         dict(prompt_token_ids=[5] * (MAX_MODEL_LEN + 1), sampling=sampling(4)),
@@ -328,7 +328,7 @@ async def test_info_and_get_load(decode: RunningWorker, tiny_model: Path) -> Non
     assert info.kv_layout.num_kv_heads == 2
     assert info.kv_layout.head_dim == 16
     assert set(info.capabilities) >= {"generated_tokens", "kv_block_skip", "local_prefill"}
-    assert info.proto_version == "1.1"
+    assert info.proto_version == "1.2"
     assert info.max_model_len == MAX_MODEL_LEN
     assert info.device == "cpu"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import grpc
@@ -76,10 +76,10 @@ async def start_load_monitor(address: str) -> tuple[grpc.aio.Server, FakeLoadMon
     return server, fake, f"127.0.0.1:{port}"
 
 
-async def wait_until(predicate: object, timeout_s: float = 10.0) -> None:
+async def wait_until(predicate: Callable[[], object], timeout_s: float = 10.0) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    while not predicate():  # type: ignore[operator]
+    while not predicate():
         assert loop.time() < deadline, "condition not reached in time"
         await asyncio.sleep(0.02)
 
@@ -105,8 +105,8 @@ async def test_registers_heartbeats_reregisters_and_deregisters(tiny_model: Path
             assert info.kv_layout.block_size == settings.block_size
             assert info.kv_layout.dtype == "float32"
             assert list(info.capabilities) == ["generated_tokens", "kv_block_skip",
-                                               "local_prefill"]
-            assert info.proto_version == "1.1"
+                                               "local_prefill", "draft_token_ids"]
+            assert info.proto_version == "1.2"
             assert info.max_model_len == settings.max_model_len
             assert info.device == "cpu"
             assert set(lm.heartbeats) == {w.app.worker_id}

@@ -41,6 +41,27 @@ async def test_invalid_requests_are_rejected(make_engine: EngineFactory) -> None
     await collect(handle)
 
 
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [({"dp_rank": 1}, "dp_rank 1 is out of range"), ({"prompt": ()}, "prompt_token_ids is empty"),
+     ({"prompt": (1,) * 2048}, "max_model_len is 2048"), ({"request_id": ""}, "request_id"),
+     ({"sampling": SamplingConfig(max_tokens=0)}, "max_tokens must be >= 1"),
+     ({"sampling": SamplingConfig(max_tokens=1, top_p=1.5)}, "top_p must be in"),
+     ({"sampling": SamplingConfig(max_tokens=1, top_k=-1)}, "top_k must be >= 0"),
+     ({"sampling": SamplingConfig(max_tokens=1, temperature=-1)}, "temperature must be >= 0")],
+)
+async def test_validation_messages_say_what_to_change(
+    make_engine: EngineFactory, fields: dict[str, object], message: str
+) -> None:
+    """The engine is the one validator (the worker core does not check again)."""
+    engine = make_engine()
+    args: dict[str, object] = {"request_id": "v", "prompt": (5, 6), "sampling": greedy(2)}
+    args.update(fields)
+    with pytest.raises(InvalidArgument, match=message):
+        engine.add_request(request(args.pop("request_id"), args.pop("prompt"),  # type: ignore[arg-type]
+                                   args.pop("sampling"), **args))  # type: ignore[arg-type]
+
+
 async def test_dp_ranks_run_independently(make_engine: EngineFactory) -> None:
     engine = make_engine(dp_size=2)
     prompt = tuple(range(20, 60))

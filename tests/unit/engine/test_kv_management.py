@@ -146,3 +146,32 @@ async def test_preemption_never_rewrites_prefix_hits(make_engine: EngineFactory)
     assert 0 <= load.prefix_cache_hits_tokens <= load.prefix_cache_queries_tokens
     assert 0.0 <= load.prefix_cache_hit_rate <= 1.0
     assert engine.num_free_blocks(0) == engine.num_total_blocks(0)
+
+
+async def test_preemption_counter_moves_and_reaches_prometheus(make_engine: EngineFactory) -> None:
+    """A pool too small for three growing requests preempts; the engine counts it and the
+    worker core turns the count into pdserve_preemptions_total."""
+    from prometheus_client import REGISTRY
+
+    from services.worker.core import WorkerCore
+    from shared.cluster import Role, WorkerInfo
+
+    engine = make_engine(kv_cache_tokens=128, max_batch_tokens=64)
+    identity = WorkerInfo(worker_id="w", address="a:1", role=Role.UNIFIED, model_id="tiny",
+                          dp_size=1, kv_layout=engine.kv_layout)
+    core = WorkerCore(engine, identity, pusher=None)  # type: ignore[arg-type]
+
+    def exported() -> float:
+        return REGISTRY.get_sample_value("pdserve_preemptions_total", {"dp_rank": "0"}) or 0.0
+
+    core.refresh_metrics()
+    before = exported()
+    assert engine.num_preemptions(0) == 0
+    await drain([engine.add_request(request(f"p{i}", _prompt(30, 10 + i),
+                                            greedy(40, ignore_eos=True))) for i in range(3)])
+    preempted = engine.num_preemptions(0)
+    assert preempted > 0
+    core.refresh_metrics()
+    assert exported() - before == preempted
+    core.refresh_metrics()  # cumulative counts are exported once
+    assert exported() - before == preempted

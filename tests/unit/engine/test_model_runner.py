@@ -30,11 +30,11 @@ def _generate(runner: ModelRunner, blocks: list[int], prompt: list[int], steps: 
     # prompt in two chunks (the second attends to the first through the pool), then decode
     runner.execute([ScheduledSeq(tokens[:6], 0, blocks, False, GREEDY, None)])
     out = runner.execute([ScheduledSeq(tokens[6:], 6, blocks, True, GREEDY, None)])
-    tokens.append(out[0])
+    tokens.append(out[0][0])
     for _ in range(steps - 1):
         pos = len(tokens) - 1
         out = runner.execute([ScheduledSeq([tokens[-1]], pos, blocks, True, GREEDY, None)])
-        tokens.append(out[0])
+        tokens.append(out[0][0])
     return tokens[len(prompt):]
 
 

@@ -3,6 +3,8 @@ equal greedy; the batched sampler respects each row's parameters."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from services.worker.engine.api import SamplingConfig
@@ -12,7 +14,7 @@ from tests.unit.engine.conftest import EngineFactory, drain, greedy, request, to
 PROMPT = tuple(range(10, 40))
 
 
-def _seeded(seed: int, **kw: float) -> SamplingConfig:
+def _seeded(seed: int, **kw: Any) -> SamplingConfig:
     return SamplingConfig(max_tokens=16, temperature=1.0, seed=seed, ignore_eos=True, **kw)
 
 

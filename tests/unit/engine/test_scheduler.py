@@ -3,8 +3,6 @@ preemption of the newest request, prefix hits on admission."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from services.worker.engine.api import EngineRequest, SamplingConfig
 from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.request import Request, RequestStatus
@@ -14,13 +12,14 @@ _seq = 0
 
 
 def make_request(rid: str, prompt_len: int, max_tokens: int = 8, first: int = 0) -> Request:
+    """A request with no output handle and no text (scheduling state only)."""
     global _seq
     _seq += 1
-    none: Any = None
     prompt = tuple(range(first, first + prompt_len))
-    return Request.from_engine_request(
-        EngineRequest(rid, prompt, SamplingConfig(max_tokens=max_tokens)), none, none, none,
-        None, _seq)
+    req = Request.from_engine_request(
+        EngineRequest(rid, prompt, SamplingConfig(max_tokens=max_tokens)))
+    req.arrival_seq = _seq
+    return req
 
 
 def step(sched: Scheduler, sample: int = 7) -> dict[str, int]:

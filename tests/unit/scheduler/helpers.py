@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from services.scheduler.types import RequestFeatures
 from shared.cluster import KvLayout, LoadSnapshot, RankLoad, Role, WorkerInfo, WorkerLoad
 
@@ -40,8 +42,8 @@ def snapshot(*workers: WorkerLoad) -> LoadSnapshot:
 
 
 def request(
-    request_id: str = "r", prompt_tokens: int = 100, hashes: tuple[int, ...] = (), **kw: object
+    request_id: str = "r", prompt_tokens: int = 100, hashes: tuple[int, ...] = (), **kw: Any
 ) -> RequestFeatures:
     return RequestFeatures(
-        request_id=request_id, prompt_tokens=prompt_tokens, prefix_block_hashes=hashes, **kw  # type: ignore[arg-type]
+        request_id=request_id, prompt_tokens=prompt_tokens, prefix_block_hashes=hashes, **kw
     )

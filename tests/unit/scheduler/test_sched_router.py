@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 import pytest
 
@@ -21,8 +22,8 @@ class FakeClock:
         return self.now
 
 
-def router(clock: FakeClock | None = None, **policy: object) -> Router:
-    return Router(Policies(**policy), seed=0, clock=clock or FakeClock())  # type: ignore[arg-type]
+def router(clock: FakeClock | None = None, **policy: Any) -> Router:
+    return Router(Policies(**policy), seed=0, clock=clock or FakeClock())
 
 
 def test_disaggregated_pair_and_min_tokens_ranks() -> None:

@@ -54,3 +54,21 @@ def test_bad_values_exit_with_a_message(argv: list[str], env: dict[str, str]) ->
     with pytest.raises(SystemExit) as exc:
         parse_settings(DemoSettings, argv, env=env)
     assert exc.value.code == 2
+
+
+@dataclass(frozen=True)
+class KeySettings:
+    """Keys."""
+
+    api_keys: tuple[str, ...] = field((), "keys", repeatable=True, aliases=("api-key",), secret=True)
+
+
+def test_repeatable_flag_alias_and_env() -> None:
+    s = parse_settings(KeySettings, ["--api-key", "a,b", "--api-key", "c"], env={"PDSERVE_API_KEYS": "x"})
+    assert s.api_keys == ("a,b", "c")  # each flag is one value, taken as is; flags beat env
+    assert parse_settings(KeySettings, [], env={"PDSERVE_API_KEYS": "x, y"}).api_keys == ("x", "y")
+    assert parse_settings(KeySettings, ["--api-keys", "z"], env={}).api_keys == ("z",)
+
+
+def test_secret_fields_stay_out_of_repr() -> None:
+    assert "sekrit" not in repr(parse_settings(KeySettings, ["--api-key", "sekrit"], env={}))

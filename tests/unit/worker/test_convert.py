@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from services.worker import convert
 from services.worker.engine.api import KvBlocksChunk
 from services.worker.messages import DecodeEvent, FrameKind, KvTargetSpec, PrefillResult
@@ -50,8 +52,8 @@ def test_prefill_reply_always_carries_generated_tokens() -> None:
 
 
 def test_generated_tokens_only_on_final_frames() -> None:
-    base = dict(request_id="r", prompt_tokens=4, local_cached_tokens=0,
-                transferred_cached_tokens=4)
+    base: dict[str, Any] = dict(request_id="r", prompt_tokens=4, local_cached_tokens=0,
+                                transferred_cached_tokens=4)
     tokens = convert.decode_event_to_pb(DecodeEvent(kind=FrameKind.TOKENS, text="a", **base))
     assert not tokens.HasField("generated_tokens")
     assert tokens.kind == worker_pb2.DECODE_FRAME_KIND_TOKENS
@@ -81,3 +83,32 @@ def test_kv_chunk_round_trip_and_old_sender() -> None:
                              first_token_id=42)
     assert convert.kv_chunk_from_pb(old).generated_tokens is None
 
+
+
+def test_kv_chunk_carries_proposals_on_the_last_chunk_only() -> None:
+    target = KvTargetSpec(address="d:1", dp_rank=0, transfer_ticket="t", skip_blocks=0)
+    chunk = KvBlocksChunk(first_block=0, num_blocks=1, data=b"\1")
+    layout_pb = kv_layout_to_pb(LAYOUT)
+    pb = convert.kv_chunk_to_pb("r", target, layout_pb, chunk, last=(9, 42, 1),
+                                draft_token_ids=(7, 8, 9))
+    assert list(pb.draft_token_ids) == [7, 8, 9]
+    assert convert.kv_chunk_from_pb(pb).draft_token_ids == (7, 8, 9)
+    middle = convert.kv_chunk_to_pb("r", target, layout_pb, chunk, draft_token_ids=(7,))
+    assert list(middle.draft_token_ids) == []
+    # an older prefill worker sends none: no proposals
+    old = worker_pb2.KvChunk(request_id="r", transfer_ticket="t", last=True, num_tokens=9)
+    assert convert.kv_chunk_from_pb(old).draft_token_ids == ()
+
+
+def test_rank_load_speculation_counts_round_trip() -> None:
+    from shared.cluster import RankLoad
+    from shared.cluster_convert import rank_load_from_pb, rank_load_to_pb
+
+    load = RankLoad(dp_rank=1, spec_draft_tokens=40, spec_accepted_tokens=30)
+    pb = rank_load_to_pb(load)
+    assert pb.HasField("spec_draft_tokens") and pb.spec_accepted_tokens == 30
+    assert rank_load_from_pb(pb) == load
+    assert load.spec_acceptance_rate == 0.75
+    old = common_pb2.RankLoad(dp_rank=1)  # a worker older than 1.2
+    assert not old.HasField("spec_draft_tokens")
+    assert rank_load_from_pb(old).spec_acceptance_rate == 0.0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -23,7 +24,7 @@ from services.worker.messages import (
     PrefillCall,
 )
 from shared import errors
-from shared.cluster import FinishReason, KvLayout, Role, WorkerInfo
+from shared.cluster import KvLayout, Role, WorkerInfo
 
 LAYOUT = KvLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, dtype="float32")
 
@@ -71,9 +72,11 @@ class FakeEngine:
             raise errors.InvalidArgument("bad chunk")
 
     def finish_import(self, ticket: str, num_tokens: int, first_token_id: int | None,
-                      prefill_generated_tokens: int) -> None:
-        self.calls.append(("finish", ticket, num_tokens, first_token_id,
-                           prefill_generated_tokens))
+                      prefill_generated_tokens: int, draft_token_ids: tuple[int, ...] = ()
+                      ) -> None:
+        call: tuple[Any, ...] = ("finish", ticket, num_tokens, first_token_id,
+                                 prefill_generated_tokens)
+        self.calls.append(call + ((draft_token_ids,) if draft_token_ids else ()))
 
     def release(self, request_id: str) -> None:
         self.calls.append(("release", request_id))
@@ -81,6 +84,16 @@ class FakeEngine:
     def abort(self, request_id: str) -> bool:
         self.calls.append(("abort", request_id))
         return True
+
+
+class RecordingPusher:
+    def __init__(self) -> None:
+        self.kwargs: dict[str, Any] = {}
+
+    async def push(self, **kwargs: Any) -> KvPushResult:
+        list(kwargs["chunks"])
+        self.kwargs = kwargs
+        return KvPushResult(bytes_sent=8, num_chunks=1, seconds=0.001)
 
 
 class FailingPusher:
@@ -190,29 +203,23 @@ async def test_role_gating_and_drain() -> None:
     assert await core.wait_idle(0)
 
 
-@pytest.mark.parametrize(
-    ("fields", "message"),
-    [(dict(dp_rank=1), "dp_rank"), (dict(prompt_token_ids=()), "empty"),
-     (dict(prompt_token_ids=(1,) * 64), "max_model_len"), (dict(request_id=""), "request_id"),
-     (dict(sampling=SamplingConfig(max_tokens=0)), "max_tokens"),
-     (dict(sampling=SamplingConfig(max_tokens=1, top_p=1.5)), "top_p"),
-     (dict(sampling=SamplingConfig(max_tokens=1, temperature=-1)), "temperature")],
-)
-def test_validation_messages(fields: dict[str, Any], message: str) -> None:
-    core, _ = make_core()
-    with pytest.raises(errors.InvalidArgument, match=message):
-        core.validate(request(**fields))
+async def test_proposals_travel_from_prefill_to_the_decode_engine() -> None:
+    pusher = RecordingPusher()
+    core, engine = make_core(Role.PREFILL, pusher)
+    original = engine.add_request
 
+    def with_drafts(request: EngineRequest) -> FakeHandle:
+        handle = original(request)
+        handle._outputs = [dataclasses.replace(o, draft_token_ids=(8, 9))
+                           for o in handle._outputs]
+        return handle
 
-def test_finish_reason_rule_at_the_first_token() -> None:
-    out = RequestOutput(request_id="r", new_token_ids=(), text_delta="", finished=True,
-                        finish_reason=FinishReason.STOP, num_generated_tokens=0,
-                        num_prompt_tokens=5, num_local_cached_tokens=0, num_transferred_tokens=0)
-    rule = WorkerCore._prefill_finish_reason
-    assert rule(out, request()) is FinishReason.STOP  # immediate EOS: count 0
-    one = request(sampling=SamplingConfig(max_tokens=1))
-    cont = RequestOutput(request_id="r", new_token_ids=(7,), text_delta="x", finished=True,
-                         finish_reason=None, num_generated_tokens=1, num_prompt_tokens=5,
-                         num_local_cached_tokens=0, num_transferred_tokens=0)
-    assert rule(cont, one) is FinishReason.LENGTH
-    assert rule(cont, request()) is None
+    engine.add_request = with_drafts  # type: ignore[method-assign]
+    target = KvTargetSpec(address="d:1", dp_rank=0, transfer_ticket="t", skip_blocks=0)
+    await core.prefill(PrefillCall(request=request(), kv_target=target, return_token_ids=False))
+    assert pusher.kwargs["draft_token_ids"] == (8, 9)
+    assert pusher.kwargs["first_token_id"] == 7
+    core, engine = make_core()
+    last = dataclasses.replace(chunk(0, last=True, generated=1), draft_token_ids=(8, 9))
+    await core.receive_kv(stream(last))
+    assert engine.calls[-1] == ("finish", "t", 5, 7, 1, (8, 9))

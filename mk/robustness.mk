@@ -1,0 +1,5 @@
+# Robustness runs that are too long for CI: a longer fuzz of every API (hypothesis).
+FUZZ_EXAMPLES ?= 400
+.PHONY: fuzz
+fuzz: install gen
+	PDSERVE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -ra tests/integration/stack/test_fuzz.py

@@ -1,0 +1,289 @@
+"""OpenAI HTTP JSON <-> the gateway's domain types: one request becomes the same `GenerateInput`s
+the gRPC servicer builds (one per choice), and the domain's frames and completions become OpenAI
+responses, chunks, usage and error bodies. Validation, tokenization, accounting and finish_reason
+stay in the domain; only what the OpenAI schema adds (n, several prompts, content parts, field
+names) is checked here."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from services.gateway import http_models as m
+from services.gateway.accounting import Usage
+from services.gateway.ports import ModelCard
+from services.gateway.request import ChatTurn, GenerateInput
+from shared.cluster import FinishReason
+from shared.errors import InvalidArgument
+from shared.grpc_errors import GENERIC_INTERNAL_MESSAGE, status_for
+
+MAX_CHOICES = 64  # prompts x n of one HTTP request (each choice is one request on the workers)
+SEED_RANGE = 2**64  # the gRPC API's seed is a uint64
+_SEED_STRIDE = 0x9E3779B97F4A7C15  # odd: choice j's seed = seed + j * stride (mod 2**64), distinct per j
+
+# Known OpenAI (and common vendor) fields pdserve does not implement, with the values that mean
+# "not used": a request setting any other value gets 400 naming the field, never silent ignoring.
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "prompt_logprobs": (None, 0),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1),
+    "logit_bias": (None, {}),
+    "min_p": (None, 0),
+    "min_tokens": (None, 0),
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "parallel_tool_calls": (None, True),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "web_search_options": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+}
+
+
+class InvalidParam(InvalidArgument):
+    """INVALID_ARGUMENT that names the request field at fault (OpenAI's error.param)."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One HTTP request as domain requests: choice i runs `inputs[i]`; choices of the same prompt
+    share a group (usage counts a prompt once per group)."""
+
+    inputs: tuple[GenerateInput, ...]
+    groups: tuple[int, ...]  # choice index -> prompt index
+    stream: bool
+    include_usage: bool
+
+
+# --- requests ---
+def unsupported_and_unknown(extra: Mapping[str, Any] | None) -> list[str]:
+    """Raises InvalidParam for an unsupported field set to a value that matters; returns the names
+    of unknown (vendor) fields, which the caller ignores with a debug log."""
+    unknown = []
+    for name, value in (extra or {}).items():
+        defaults = UNSUPPORTED_FIELDS.get(name)
+        if defaults is None:
+            unknown.append(name)
+        elif value not in defaults:
+            raise InvalidParam(f"{name} is not supported by pdserve; remove it from the request", name)
+    return unknown
+
+
+def _stop(stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    return (stop,) if isinstance(stop, str) else tuple(stop)
+
+
+def _seed(seed: int | None, choice: int) -> int | None:
+    if seed is None:
+        return None
+    return (seed + choice * _SEED_STRIDE) % SEED_RANGE
+
+
+def _common(req: m._GenerationRequest, max_tokens: int | None) -> dict[str, Any]:
+    if not 1 <= req.n <= MAX_CHOICES:
+        raise InvalidParam(f"n must be between 1 and {MAX_CHOICES}, got {req.n}", "n")
+    if req.seed is not None and not 0 <= req.seed < SEED_RANGE:
+        raise InvalidParam(f"seed must be in [0, 2**64 - 1], got {req.seed}", "seed")
+    if req.top_k is not None and req.top_k < -1:
+        raise InvalidParam(f"top_k must be >= 1, or -1 / 0 to disable it; got {req.top_k}", "top_k")
+    if req.stream_options is not None and not req.stream:
+        raise InvalidParam("stream_options is only allowed with stream: true", "stream_options")
+    return dict(
+        model=req.model,
+        max_tokens=max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k if req.top_k is not None and req.top_k > 0 else None,
+        stop=_stop(req.stop),
+        ignore_eos=req.ignore_eos,
+    )
+
+
+def _plan(
+    req: m._GenerationRequest, per_prompt: Sequence[dict[str, Any]], common: dict[str, Any], request_id: str
+) -> Plan:
+    total = len(per_prompt) * req.n
+    if total > MAX_CHOICES:
+        raise InvalidParam(
+            f"{len(per_prompt)} prompts x n={req.n} is {total} choices; the limit is {MAX_CHOICES}", "n"
+        )
+    inputs, groups = [], []
+    for p, prompt_fields in enumerate(per_prompt):
+        for j in range(req.n):
+            i = p * req.n + j
+            inputs.append(
+                GenerateInput(
+                    **common,
+                    **prompt_fields,
+                    seed=_seed(req.seed, j),
+                    request_id=request_id if total == 1 else f"{request_id}-{i}",
+                )
+            )
+            groups.append(p)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return Plan(tuple(inputs), tuple(groups), req.stream, include_usage)
+
+
+def _message_text(i: int, msg: m.ChatMessage) -> str:
+    if msg.content is None:
+        if msg.role == "assistant":
+            return ""
+        raise InvalidParam(f"messages[{i}].content is missing", "messages")
+    if isinstance(msg.content, str):
+        return msg.content
+    texts = []
+    for j, part in enumerate(msg.content):
+        if part.type != "text" or part.text is None:
+            raise InvalidParam(
+                f"messages[{i}].content[{j}] has type {part.type!r}; pdserve serves text only "
+                '({"type": "text", "text": "..."})',
+                "messages",
+            )
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def chat_plan(req: m.ChatCompletionRequest, request_id: str) -> Plan:
+    if (
+        req.max_tokens is not None
+        and req.max_completion_tokens is not None
+        and req.max_tokens != req.max_completion_tokens
+    ):
+        raise InvalidParam(
+            "max_tokens and max_completion_tokens differ; set one of them", "max_completion_tokens"
+        )
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    common = _common(req, max_tokens)
+    if not req.messages:
+        raise InvalidParam("messages is empty; send at least one message", "messages")
+    turns = tuple(
+        # "developer" is OpenAI's newer name for the system role
+        ChatTurn("system" if msg.role == "developer" else msg.role, _message_text(i, msg))
+        for i, msg in enumerate(req.messages)
+    )
+    return _plan(req, [{"messages": turns}], common, request_id)
+
+
+def completion_plan(req: m.CompletionRequest, request_id: str) -> Plan:
+    common = _common(req, req.max_tokens)
+    prompt = req.prompt
+    per_prompt: list[dict[str, Any]]
+    if isinstance(prompt, str):
+        per_prompt = [{"prompt": prompt}]
+    elif not prompt:
+        raise InvalidParam("prompt is empty; send a string, strings, or token ids", "prompt")
+    elif all(isinstance(p, str) for p in prompt):
+        per_prompt = [{"prompt": p} for p in prompt]
+    elif all(isinstance(p, int) for p in prompt):
+        per_prompt = [{"prompt_token_ids": tuple(prompt)}]
+    else:
+        per_prompt = [{"prompt_token_ids": tuple(p)} for p in prompt]  # type: ignore[arg-type]
+    for k, fields in enumerate(per_prompt):
+        if any(t < 0 for t in fields.get("prompt_token_ids", ())):
+            raise InvalidParam(f"prompt {k} has a negative token id", "prompt")
+    return _plan(req, per_prompt, common, request_id)
+
+
+# --- responses ---
+def finish_reason(reason: FinishReason | None) -> str | None:
+    return None if reason is None else reason.value
+
+
+def usage(plan: Plan, usages: Sequence[Usage]) -> m.Usage:
+    """OpenAI's usage of all choices: each prompt counted once (its choices share it), completion
+    tokens summed; cached_tokens of a prompt = the fewest any of its choices found cached."""
+    prompt_tokens = cached = completion = 0
+    for group in sorted(set(plan.groups)):
+        members = [u for g, u in zip(plan.groups, usages, strict=True) if g == group]
+        prompt_tokens += members[0].prompt_tokens
+        cached += min(u.cached_tokens for u in members)
+    completion = sum(u.completion_tokens for u in usages)
+    return m.Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion,
+        total_tokens=prompt_tokens + completion,
+        prompt_tokens_details=m.PromptTokensDetails(cached_tokens=cached),
+    )
+
+
+def chat_id(request_id: str) -> str:
+    return f"chatcmpl-{request_id}"
+
+
+def completion_id(request_id: str) -> str:
+    return f"cmpl-{request_id}"
+
+
+def model_list(cards: Sequence[ModelCard], created: int) -> m.ModelList:
+    return m.ModelList(
+        data=[m.ModelCard(id=c.id, created=created, max_model_len=c.max_model_len or None) for c in cards]
+    )
+
+
+# --- errors ---
+# gRPC status (what the domain error maps to, shared.grpc_errors) -> HTTP status, OpenAI error type
+HTTP_BY_STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "conflict_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
+}
+RETRY_AFTER_S = 1  # Retry-After on 429 and 503 (s): capacity frees as requests finish
+
+
+@dataclass(frozen=True)
+class HttpError:
+    status: int
+    body: m.ErrorResponse
+    headers: dict[str, str]
+    grpc_code: grpc.StatusCode
+
+    @property
+    def is_internal(self) -> bool:
+        return self.status >= 500 and self.grpc_code not in HTTP_BY_STATUS
+
+
+def error_body(
+    message: str, type_: str, param: str | None = None, code: str | None = None
+) -> m.ErrorResponse:
+    return m.ErrorResponse(error=m.ErrorDetail(message=message, type=type_, param=param, code=code))
+
+
+def http_error(exc: BaseException) -> HttpError:
+    """The HTTP status, OpenAI error body and headers for an exception (unknown ones: 500 with a
+    generic message; the caller logs the details)."""
+    code, message = status_for(exc)
+    status, type_ = HTTP_BY_STATUS.get(code, (500, "internal_error"))
+    if status == 500:
+        message = GENERIC_INTERNAL_MESSAGE
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else {}
+    param = getattr(exc, "param", None)
+    if param is None and code == grpc.StatusCode.NOT_FOUND and "model" in message:
+        param = "model"
+    return HttpError(status, error_body(message, type_, param, code.name.lower()), headers, code)

@@ -1,0 +1,406 @@
+"""The OpenAI-compatible HTTP API with the official `openai` client (sync and async) and raw HTTP,
+against a real gateway in front of real workers (tiny models, byte-level BPE and byte-fallback
+tokenizers, disaggregated and unified): responses, streams, usage, n, stop, seeds, cached tokens,
+errors, API keys on both faces, and disconnects that free the workers' KV pools."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import httpx
+import openai
+import pytest
+import pytest_asyncio
+
+from shared import metrics
+from shared.proto import gateway_pb2, gateway_pb2_grpc
+from tests.support.tiny_models import build_tiny_model
+
+from .http_stack import HttpStack, gateway_on, http_stack
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+MODES = ["disaggregated", "unified"]
+CHAT: Any = [{"role": "user", "content": "The quick brown fox 🙂 jumps"}]  # openai.types ... MessageParam
+LONG_PROMPT = "Prefill and decode run on different workers; the KV cache moves between them. " * 3
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def bpe(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[HttpStack]:
+    model = build_tiny_model(tmp_path_factory.mktemp("http") / "tiny-bpe", "bpe")
+    async with http_stack(model) as stack:
+        yield stack
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def byte_fallback(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[HttpStack]:
+    model = build_tiny_model(tmp_path_factory.mktemp("http") / "tiny-bf", "byte_fallback")
+    async with http_stack(model) as stack:
+        yield stack
+
+
+def aclient(stack: HttpStack, **kw: Any) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=stack.base_url, api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
+
+
+def sclient(stack: HttpStack, **kw: Any) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.base_url, api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
+
+
+def usage_of(u: Any) -> tuple[int, int, int, int]:
+    return u.prompt_tokens, u.completion_tokens, u.total_tokens, u.prompt_tokens_details.cached_tokens
+
+
+def grpc_usage(u: Any) -> tuple[int, int, int, int]:
+    return u.prompt_tokens, u.completion_tokens, u.total_tokens, u.cached_tokens
+
+
+def chat_pb(messages: list[dict[str, str]], **kw: Any) -> gateway_pb2.GenerateRequest:
+    return gateway_pb2.GenerateRequest(messages=[gateway_pb2.ChatMessage(**m) for m in messages], **kw)
+
+
+# --- the same request through HTTP and gRPC ---
+@pytest.mark.parametrize("tokenizer", ["bpe", "byte_fallback"])
+@pytest.mark.parametrize("mode", MODES)
+async def test_http_and_grpc_give_identical_text_and_usage(
+    bpe: HttpStack, byte_fallback: HttpStack, tokenizer: str, mode: str
+) -> None:
+    stack = bpe if tokenizer == "bpe" else byte_fallback
+    stack.router.mode = mode
+    await stack.stub.Complete(chat_pb(CHAT, max_tokens=16, temperature=0))  # warm the prefix cache
+    want = await stack.stub.Complete(chat_pb(CHAT, max_tokens=16, temperature=0))
+    frames = [f async for f in stack.stub.Generate(chat_pb(CHAT, max_tokens=16, temperature=0))]
+    client = aclient(stack)
+    got = await client.chat.completions.create(model="", messages=CHAT, max_tokens=16, temperature=0)
+    assert got.choices[0].message.content == want.text
+    assert got.choices[0].finish_reason == {1: "stop", 2: "length"}[want.finish_reason]
+    assert usage_of(got.usage) == grpc_usage(want.usage)
+    assert got.model == want.model == stack.model.name
+    # streamed: the deltas are exactly the gRPC frames' texts (no U+FFFD from a split character)
+    stream = await client.chat.completions.create(
+        model="",
+        messages=CHAT,
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = [c async for c in stream]
+    deltas = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert deltas == [f.text for f in frames if f.text]
+    assert "\ufffd" not in "".join(deltas) or "\ufffd" in want.text
+    assert usage_of(chunks[-1].usage) == grpc_usage(frames[-1].usage)
+    # completions: same prompt text as the gRPC prompt
+    want_c = await stack.stub.Complete(
+        gateway_pb2.GenerateRequest(prompt=LONG_PROMPT, max_tokens=8, temperature=0)
+    )
+    got_c = await client.completions.create(
+        model=stack.model.name, prompt=LONG_PROMPT, max_tokens=8, temperature=0
+    )
+    assert got_c.choices[0].text == want_c.text
+    assert usage_of(got_c.usage)[:3] == grpc_usage(want_c.usage)[:3]
+    await stack.wait_idle()
+
+
+# --- response shapes ---
+async def test_sync_client_chat_and_completions(bpe: HttpStack) -> None:
+    bpe.router.mode = "unified"
+    client = sclient(bpe)
+    chat = await asyncio.to_thread(
+        lambda: client.chat.completions.create(
+            model=bpe.model.name, messages=CHAT, max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+        )
+    )
+    assert chat.id.startswith("chatcmpl-") and chat.object == "chat.completion"
+    assert chat.choices[0].message.role == "assistant" and chat.choices[0].finish_reason == "length"
+    assert chat.usage is not None and chat.usage.completion_tokens == 5
+    assert chat.usage.total_tokens == chat.usage.prompt_tokens + 5
+    comp = await asyncio.to_thread(
+        lambda: client.completions.create(
+            model="",
+            prompt=["Hello world", "The quick brown fox"],
+            max_tokens=4,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert comp.id.startswith("cmpl-") and comp.object == "text_completion"
+    assert [c.index for c in comp.choices] == [0, 1] and all(
+        c.finish_reason == "length" for c in comp.choices
+    )
+    assert comp.usage is not None and comp.usage.completion_tokens == 8
+    # token ids as the prompt give the same answer as the text they encode
+    ids = bpe.gateway.service._require_tokenizer().encode_prompt("Hello world")
+    by_ids = await aclient(bpe).completions.create(
+        model="", prompt=list(ids), max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert by_ids.choices[0].text == comp.choices[0].text
+
+
+async def test_raw_stream_shape_and_request_id(bpe: HttpStack) -> None:
+    bpe.router.mode = "disaggregated"
+    body = {
+        "messages": CHAT,
+        "max_tokens": 6,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
+    async with (
+        httpx.AsyncClient(base_url=bpe.base_url, timeout=60) as http,
+        http.stream("POST", "/chat/completions", json=body, headers={"X-Request-Id": "my-id-1"}) as r,
+    ):
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["x-request-id"] == "my-id-1"
+        lines = [line async for line in r.aiter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    assert all(c["id"] == "chatcmpl-my-id-1" and c["object"] == "chat.completion.chunk" for c in chunks)
+    assert all("usage" in c for c in chunks) and all(c["usage"] is None for c in chunks[:-1])
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    content = [c for c in chunks[1:-1]]
+    assert all(c["choices"][0]["finish_reason"] is None for c in content[:-1])
+    assert content[-1]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+    # without include_usage there is no usage key at all
+    async with (
+        httpx.AsyncClient(base_url=bpe.base_url, timeout=60) as http,
+        http.stream("POST", "/completions", json={"prompt": "Hello", "max_tokens": 3, "stream": True}) as r,
+    ):
+        lines = [line async for line in r.aiter_lines() if line]
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    assert lines[-1] == "data: [DONE]" and all("usage" not in c for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+async def test_n2_seeds_reproducible_and_stop(bpe: HttpStack) -> None:
+    bpe.router.mode = "unified"
+    client = aclient(bpe)
+    kw: dict[str, Any] = dict(
+        model="", messages=CHAT, max_tokens=12, temperature=1.0, seed=1234, extra_body={"ignore_eos": True}
+    )
+    a = await client.chat.completions.create(n=2, **kw)
+    b = await client.chat.completions.create(n=2, **kw)
+    single = await client.chat.completions.create(**kw)
+    texts = [c.message.content for c in a.choices]
+    assert [c.index for c in a.choices] == [0, 1]
+    assert texts == [c.message.content for c in b.choices]  # same seed: same choices
+    assert texts[0] != texts[1]  # each choice has its own derived seed
+    assert single.choices[0].message.content == texts[0]  # choice 0 uses the seed itself
+    assert a.usage is not None and a.usage.completion_tokens == 24
+    assert single.usage is not None and a.usage.prompt_tokens == single.usage.prompt_tokens
+    streamed = await client.chat.completions.create(n=2, stream=True, **kw)
+    by_choice = {0: "", 1: ""}
+    async for c in streamed:
+        for ch in c.choices:
+            by_choice[ch.index] += ch.delta.content or ""
+    assert [by_choice[0], by_choice[1]] == texts
+    # stop: cut where a stop string first appears
+    greedy = await client.completions.create(
+        model="", prompt=LONG_PROMPT, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+    )
+    text = greedy.choices[0].text
+    stop = text[3:6]
+    assert stop.strip(), text
+    cut = await client.completions.create(
+        model="", prompt=LONG_PROMPT, max_tokens=16, temperature=0, stop=[stop]
+    )
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == text[: text.index(stop)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_cached_tokens_on_a_repeated_prefix(bpe: HttpStack, mode: str) -> None:
+    bpe.router.mode = mode
+    client = aclient(bpe)
+    prompt = f"{mode}: {LONG_PROMPT}"  # a prefix no earlier test sent
+    first = await client.completions.create(model="", prompt=prompt, max_tokens=2, temperature=0)
+    second = await client.completions.create(model="", prompt=prompt + " again", max_tokens=2, temperature=0)
+    assert first.usage is not None and second.usage is not None
+    assert first.usage.prompt_tokens_details is not None and second.usage.prompt_tokens_details is not None
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens or 0
+    assert cached >= first.usage.prompt_tokens - 4 and cached % 4 == 0 and cached > 0
+
+
+async def test_models_and_health(bpe: HttpStack) -> None:
+    models = await aclient(bpe).models.list()
+    assert [mdl.id for mdl in models.data] == [bpe.model.name]
+    async with httpx.AsyncClient(base_url=bpe.gateway.http_url or "", timeout=10) as http:
+        r = await http.get("/health")
+        assert r.status_code == 200
+        await bpe.gateway.server.set_serving(False)
+        try:
+            assert (await http.get("/health")).status_code == 503
+        finally:
+            await bpe.gateway.server.set_serving(True)
+
+
+# --- errors ---
+async def test_errors_surface_as_openai_exceptions(bpe: HttpStack) -> None:
+    client = aclient(bpe)
+    with pytest.raises(openai.BadRequestError) as bad:
+        await client.chat.completions.create(model="", messages=CHAT, temperature=-1)
+    assert "temperature" in bad.value.message
+    with pytest.raises(openai.BadRequestError) as bad:
+        await client.chat.completions.create(model="", messages=CHAT, logprobs=True)
+    assert bad.value.body["param"] == "logprobs"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as bad:
+        await client.chat.completions.create(model="", messages=CHAT, max_tokens=10_000)
+    assert "max_model_len" in bad.value.message
+    with pytest.raises(openai.NotFoundError) as nf:
+        await client.chat.completions.create(model="gpt-9", messages=CHAT)
+    assert "gpt-9" in nf.value.message
+    bpe.router.refuse = grpc.StatusCode.RESOURCE_EXHAUSTED
+    try:
+        with pytest.raises(openai.RateLimitError) as rl:
+            await client.chat.completions.create(model="", messages=CHAT, stream=True)
+        assert rl.value.response.headers["retry-after"] == "1"
+        bpe.router.refuse = grpc.StatusCode.UNAVAILABLE
+        with pytest.raises(openai.InternalServerError) as unavailable:
+            await client.completions.create(model="", prompt="hi")
+        assert unavailable.value.status_code == 503
+    finally:
+        bpe.router.refuse = None
+    # an unknown vendor field is ignored
+    ok = await client.completions.create(model="", prompt="hi", max_tokens=1, extra_body={"vendor_x": 1})
+    assert ok.choices[0].text is not None
+
+
+async def test_malformed_requests_get_actionable_4xx(bpe: HttpStack) -> None:
+    async with httpx.AsyncClient(base_url=bpe.base_url, timeout=30) as http:
+        r = await http.post(
+            "/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+        )
+        assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+        r = await http.post("/chat/completions", json={"messages": CHAT, "max_tokens": "ten"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+        r = await http.post("/chat/completions", json={"max_tokens": 3})
+        assert r.status_code == 400 and "messages is required" in r.json()["error"]["message"]
+        r = await http.post("/chat/completions", json=[1, 2])
+        assert r.status_code == 400
+        r = await http.post(
+            "/completions",
+            content=b"prompt=hi",
+            headers={"content-type": "application/x-www-form-urlencoded"},
+        )
+        assert r.status_code == 415 and "application/json" in r.json()["error"]["message"]
+        big = {"prompt": "x" * (bpe.gateway.settings.http_max_body_bytes + 10)}
+        r = await http.post("/completions", json=big)
+        assert r.status_code == 413 and "http-max-body-bytes" in r.json()["error"]["message"]
+        r = await http.post(
+            "/chat/completions", json={"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}
+        )
+        assert r.status_code == 400 and "text only" in r.json()["error"]["message"]
+        r = await http.get("/nothing-here")
+        assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+        # content parts are joined
+        r = await http.post(
+            "/chat/completions",
+            json={
+                "messages": [{"role": "user", "content": [{"type": "text", "text": "Hello"}]}],
+                "max_tokens": 2,
+            },
+        )
+        assert r.status_code == 200, r.text
+    await bpe.wait_idle()
+
+
+# --- API keys on both faces ---
+async def test_api_keys_on_http_and_grpc(bpe: HttpStack) -> None:
+    bpe.router.mode = "unified"
+    async with gateway_on(bpe, api_keys=("key-one", "key-two")) as gw:
+        url = (gw.http_url or "") + "/v1"
+        wrong = openai.AsyncOpenAI(base_url=url, api_key="key-three", max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as denied:
+            await wrong.completions.create(model="", prompt="hi", max_tokens=1)
+        assert "key-three" not in str(denied.value.body)
+        with pytest.raises(openai.AuthenticationError):
+            await wrong.models.list()
+        ok = openai.AsyncOpenAI(base_url=url, api_key="key-two", max_retries=0)
+        assert (await ok.completions.create(model="", prompt="hi", max_tokens=1)).choices
+        async with httpx.AsyncClient(timeout=10) as http:
+            assert (await http.get((gw.http_url or "") + "/health")).status_code == 200  # open
+            for headers in ({}, {"authorization": "Basic a2V5LW9uZQ=="}, {"authorization": "Bearer"}):
+                r = await http.post(url + "/completions", json={"prompt": "hi"}, headers=headers)
+                assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+                assert r.json()["error"]["type"] == "authentication_error"
+        async with grpc.aio.insecure_channel(gw.server.address) as ch:
+            stub = gateway_pb2_grpc.GatewayStub(ch)
+            req = gateway_pb2.GenerateRequest(prompt="hi", max_tokens=1)
+            for md in ((), (("authorization", "Bearer wrong"),)):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.Complete(req, metadata=md)
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    _ = [f async for f in stub.Generate(req, metadata=md)]
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            done = await stub.Complete(req, metadata=(("authorization", "Bearer key-one"),))
+            assert done.usage.completion_tokens == 1
+            from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+            health = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest())
+            assert health.status == health_pb2.HealthCheckResponse.SERVING  # open without a key
+
+
+# --- disconnects ---
+def _aborted() -> float:
+    return metrics.REQUESTS.labels(finish_reason="abort")._value.get()
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_disconnect_aborts_on_the_workers(bpe: HttpStack, mode: str) -> None:
+    bpe.router.mode = mode
+    await bpe.wait_idle()
+    before = _aborted()
+    body = {"prompt": LONG_PROMPT, "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
+    async with (
+        httpx.AsyncClient(base_url=bpe.base_url, timeout=60) as http,
+        http.stream("POST", "/completions", json={**body, "stream": True}) as r,
+    ):
+        got = 0
+        async for line in r.aiter_lines():
+            got += line.startswith("data: ")
+            if got >= 3:
+                break  # the client goes away mid-stream
+    await bpe.wait_idle()
+    assert _aborted() == before + 1
+    # before a non-streaming answer
+    async with httpx.AsyncClient(base_url=bpe.base_url, timeout=0.5) as http:
+        with pytest.raises(httpx.ReadTimeout):
+            await http.post("/completions", json=body)
+    await bpe.wait_idle()
+    assert _aborted() == before + 2
+
+
+async def test_error_after_the_stream_started_ends_it_with_an_error_event(bpe: HttpStack) -> None:
+    bpe.router.mode = "unified"
+    body = {"prompt": LONG_PROMPT, "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    async with gateway_on(bpe) as gw:
+        async with (
+            httpx.AsyncClient(base_url=(gw.http_url or "") + "/v1", timeout=60) as http,
+            http.stream("POST", "/completions", json=body) as r,
+        ):
+            assert r.status_code == 200
+            lines: list[str] = []
+            async for line in r.aiter_lines():
+                if not line:
+                    continue
+                lines.append(line)
+                if len(lines) == 2:  # mid-stream: the gateway shuts down with no grace
+                    drain = asyncio.ensure_future(gw.service.drain(0.0))
+        await drain
+        last = json.loads(lines[-1][6:])
+        assert last["error"]["type"] == "service_unavailable_error" and "retry" in last["error"]["message"]
+        assert "data: [DONE]" not in lines
+        # the official client raises on the error event
+        client = openai.AsyncOpenAI(base_url=(gw.http_url or "") + "/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.InternalServerError):
+            await client.completions.create(model="", prompt="hi", max_tokens=2)  # draining: 503
+    await bpe.wait_idle()

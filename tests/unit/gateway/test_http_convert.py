@@ -1,0 +1,132 @@
+"""OpenAI JSON -> the gateway's domain inputs, usage of several choices, errors -> HTTP statuses."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import pytest
+
+from services.gateway import http_convert as conv
+from services.gateway import http_models as m
+from services.gateway.accounting import CacheStats, Usage
+from services.gateway.request import ChatTurn
+from shared import errors
+
+
+def chat(**kw: Any) -> conv.Plan:
+    body = {"messages": [{"role": "user", "content": "hi"}], **kw}
+    return conv.chat_plan(m.ChatCompletionRequest.model_validate(body, strict=False), "rid")
+
+
+def completion(**kw: Any) -> conv.Plan:
+    return conv.completion_plan(m.CompletionRequest.model_validate(kw, strict=False), "rid")
+
+
+def test_chat_becomes_the_grpc_input() -> None:
+    plan = chat(
+        messages=[
+            {"role": "developer", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        ],
+        max_completion_tokens=7,
+        temperature=0.5,
+        top_p=0.9,
+        top_k=-1,
+        seed=3,
+        stop="END",
+        ignore_eos=True,
+    )
+    (inp,) = plan.inputs
+    assert inp.messages == (ChatTurn("system", "be brief"), ChatTurn("user", "a\nb"))
+    assert (inp.max_tokens, inp.temperature, inp.top_p, inp.top_k, inp.seed) == (7, 0.5, 0.9, None, 3)
+    assert inp.stop == ("END",) and inp.ignore_eos and inp.request_id == "rid"
+    assert not plan.stream and not plan.include_usage
+
+
+def test_n_and_prompts_fan_out_with_derived_seeds() -> None:
+    plan = completion(prompt=["a", "b"], n=2, seed=5, stream=True, stream_options={"include_usage": True})
+    assert [i.prompt for i in plan.inputs] == ["a", "a", "b", "b"]
+    assert plan.groups == (0, 0, 1, 1) and plan.include_usage
+    assert [i.request_id for i in plan.inputs] == ["rid-0", "rid-1", "rid-2", "rid-3"]
+    seeds = [i.seed for i in plan.inputs]
+    assert seeds[0] == seeds[2] == 5 and seeds[1] == seeds[3] != 5
+    assert all(0 <= s < 2**64 for s in seeds if s is not None)
+    assert completion(prompt=[1, 2, 3]).inputs[0].prompt_token_ids == (1, 2, 3)
+    assert [i.prompt_token_ids for i in completion(prompt=[[1], [2, 3]]).inputs] == [(1,), (2, 3)]
+    assert completion(prompt="x", n=3).inputs[2].seed is None  # no seed: none derived
+
+
+@pytest.mark.parametrize(
+    ("kw", "param"),
+    [
+        ({"n": 0}, "n"),
+        ({"n": 65}, "n"),
+        ({"seed": -1}, "seed"),
+        ({"top_k": -2}, "top_k"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+        ({"messages": [{"role": "user"}]}, "messages"),
+    ],
+)
+def test_chat_refusals_name_the_field(kw: dict[str, Any], param: str) -> None:
+    with pytest.raises(conv.InvalidParam) as err:
+        chat(**kw)
+    assert err.value.param == param
+
+
+def test_completion_refusals() -> None:
+    for prompt in ([], [-1]):
+        with pytest.raises(conv.InvalidParam):
+            completion(prompt=prompt)
+    with pytest.raises(conv.InvalidParam, match="choices"):
+        completion(prompt=["a"] * 9, n=8)
+
+
+def test_unsupported_fields_refused_unknown_ignored() -> None:
+    assert conv.unsupported_and_unknown({"logprobs": False, "tools": [], "vendor_x": 1}) == ["vendor_x"]
+    assert conv.unsupported_and_unknown({"response_format": {"type": "text"}, "presence_penalty": 0}) == []
+    for name, value in (("logprobs", True), ("tools", [{"type": "function"}]), ("frequency_penalty", 0.5)):
+        with pytest.raises(conv.InvalidParam) as err:
+            conv.unsupported_and_unknown({name: value})
+        assert err.value.param == name and name in str(err.value)
+
+
+def test_usage_counts_each_prompt_once() -> None:
+    plan = completion(prompt=["a", "b"], n=2)
+    usages = [
+        Usage(10, 3, CacheStats(4, 0)),
+        Usage(10, 5, CacheStats(8, 0)),
+        Usage(6, 1, CacheStats(0, 4)),
+        Usage(6, 2, CacheStats(0, 4)),
+    ]
+    u = conv.usage(plan, usages)
+    assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (16, 11, 27)
+    assert u.prompt_tokens_details.cached_tokens == 4 + 4
+
+
+@pytest.mark.parametrize(
+    ("exc", "status", "retry_after"),
+    [
+        (errors.InvalidArgument("bad"), 400, False),
+        (errors.NotFound("model 'x' is not served here"), 404, False),
+        (errors.AlreadyExists("dup"), 409, False),
+        (errors.ResourceExhausted("full"), 429, True),
+        (errors.Unavailable("down"), 503, True),
+        (errors.DeadlineExceeded("late"), 504, False),
+        (errors.FailedPrecondition("inner detail"), 500, False),
+        (RuntimeError("secret detail"), 500, False),
+    ],
+)
+def test_errors_map_to_http(exc: Exception, status: int, retry_after: bool) -> None:
+    e = conv.http_error(exc)
+    assert e.status == status
+    assert ("Retry-After" in e.headers) == retry_after
+    if status == 500:
+        assert "detail" not in e.body.error.message and e.is_internal
+    else:
+        assert e.body.error.message == str(exc)
+    assert conv.http_error(errors.NotFound("model 'x' is not served here")).body.error.param == "model"
+    assert conv.HTTP_BY_STATUS[grpc.StatusCode.UNAUTHENTICATED][0] == 401
