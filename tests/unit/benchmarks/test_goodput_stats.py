@@ -134,4 +134,4 @@ def test_search_steps_down_when_the_first_rate_fails_and_stops_at_bounds() -> No
 def test_search_plan_rejects_nonsense() -> None:
     for bad in ({"start_rps": 0}, {"start_rps": 1, "growth": 1.0}, {"start_rps": 1, "target": 0}):
         with pytest.raises(ValueError):
-            SearchPlan(**bad)  # type: ignore[arg-type]
+            SearchPlan(**bad)
