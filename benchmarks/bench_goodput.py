@@ -299,7 +299,8 @@ class Harness:
 
     def report(self) -> None:
         gp: dict[str, dict[str, float]] = self.doc["goodput_rps"]
-        names = sorted({c for w in gp.values() for c in w}, key=lambda c: (c not in configs.CONFIG_NAMES, c))
+        order = {c: i for i, c in enumerate(configs.CONFIG_NAMES)}
+        names = sorted({c for w in gp.values() for c in w}, key=lambda c: (order.get(c, len(order)), c))
         print(
             "\nGoodput (req/s at >= {:.0f} % SLO attainment){}".format(
                 100 * self.args.target, f"  {self.args.note}"
