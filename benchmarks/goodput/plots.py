@@ -22,7 +22,7 @@ def _pyplot() -> Any:
 
 
 def _panels(plt: Any, n: int, rows: int = 1) -> tuple[Any, Any]:
-    fig, axes = plt.subplots(rows, n, figsize=(4.2 * n, 3.4 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, n, figsize=(max(4.2 * n, 6.0), 3.4 * rows + 0.4), squeeze=False)
     return fig, axes
 
 
@@ -34,7 +34,7 @@ def plot_all(doc: Mapping[str, Any], out_dir: Path, stem: str) -> list[Path]:
     if not workloads:
         return []
     target = doc["settings"]["attainment_target"]
-    note = doc.get("note", "")
+    note = "\n" + doc["note"] if doc.get("note") else ""
     written = []
 
     fig, axes = _panels(plt, len(workloads))
