@@ -166,8 +166,15 @@ class Harness:
 
     # --- phase 1: uncontended latencies -> SLOs ---
 
+    def warm(self, target: loadgen.Target, w: workloads.Workload) -> None:
+        """One short request of workload `w` (not recorded): the first long prompt and the shared
+        system prompt are then as warm as they are in a running deployment."""
+        reqs = workloads.make_requests(w.quick(8), self.tokenizer, 1, self.args.seed, "warmup", self.corpus)
+        asyncio.run(loadgen.run_sequential(target, reqs))
+
     def quiet_runs(self, config: str, target: loadgen.Target) -> None:
         for name, w in self.workloads.items():
+            self.warm(target, w)
             reqs = workloads.make_requests(
                 w, self.tokenizer, self.args.quiet_requests, self.args.seed, "quiet", self.corpus
             )
@@ -237,6 +244,7 @@ class Harness:
     def sweeps(self, config: str, target: loadgen.Target, slos: dict[str, tuple[Slo, float]]) -> None:
         for name, w in self.workloads.items():
             slo, start = slos[name]
+            self.warm(target, w)
             self.sweep(config, name, w, target, slo, start)
 
     def sweep(
