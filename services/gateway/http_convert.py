@@ -6,6 +6,7 @@ names) is checked here."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -282,7 +283,9 @@ def http_error(exc: BaseException) -> HttpError:
     status, type_ = HTTP_BY_STATUS.get(code, (500, "internal_error"))
     if status == 500:
         message = GENERIC_INTERNAL_MESSAGE
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else {}
+    # An error that knows when to come back (admission's Overloaded) says so; whole seconds, >= 1.
+    retry_after_s = getattr(exc, "retry_after_s", None) or RETRY_AFTER_S
+    headers = {"Retry-After": str(max(1, math.ceil(retry_after_s)))} if status in (429, 503) else {}
     param = getattr(exc, "param", None)
     if param is None and code == grpc.StatusCode.NOT_FOUND and "model" in message:
         param = "model"

@@ -109,14 +109,9 @@ class Completion(BaseModel):
     usage: Usage
 
 
-class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
 class ChatChunkChoice(BaseModel):
     index: int
-    delta: dict[str, Any]
+    delta: dict[str, Any]  # {"role": "assistant", "content": ""} first, then {"content": text} or {}
     finish_reason: str | None = None
     logprobs: None = None
 

@@ -130,3 +130,11 @@ def test_errors_map_to_http(exc: Exception, status: int, retry_after: bool) -> N
         assert e.body.error.message == str(exc)
     assert conv.http_error(errors.NotFound("model 'x' is not served here")).body.error.param == "model"
     assert conv.HTTP_BY_STATUS[grpc.StatusCode.UNAUTHENTICATED][0] == 401
+
+
+def test_retry_after_follows_the_admission_hint() -> None:
+    from services.gateway.admission import Overloaded
+
+    assert conv.http_error(Overloaded("busy", 2.5)).headers == {"Retry-After": "3"}
+    assert conv.http_error(Overloaded("busy", 0.2)).headers == {"Retry-After": "1"}
+    assert conv.http_error(Overloaded("busy", 2.5)).status == 429
