@@ -115,3 +115,25 @@ def test_http_base_url_is_found_in_the_ready_output() -> None:
         configs.http_base_url("  OpenAI-compatible API: http://0.0.0.0:8000/v1") == "http://0.0.0.0:8000/v1"
     )
     assert configs.http_base_url("pdserve is up: gateway 127.0.0.1:57000") is None
+
+
+def test_command_line_defaults_and_refusals() -> None:
+    from benchmarks.bench_goodput import default_out, parse_args, requests_at
+
+    full, quick = parse_args([]), parse_args(["--quick"])
+    assert full.configs == list(configs.CONFIG_NAMES) and full.workloads == list(WORKLOADS)
+    assert (full.max_points, quick.max_points) == (8, 3) and full.dtype == "float32"
+    assert default_out(full).name == "goodput.json" and default_out(quick).name == "goodput-quick.json"
+    assert default_out(parse_args(["--device", "cuda"])).name == "goodput-cuda.json"
+    assert parse_args(["--device", "cuda"]).dtype == "bfloat16"
+    tuned = parse_args(["--configs", "conditional@64,disaggregated"])
+    assert tuned.configs == ["conditional@64", "disaggregated"]
+    assert parse_args(["--base-url", "http://h:1/v1"]).configs == ["external"]
+    # requests per rate: rate x duration, within the count bounds
+    assert requests_at(0.01, full) == full.min_requests
+    assert requests_at(100.0, full) == full.max_requests
+    assert requests_at(0.3, full) == 36
+    for bad in (["--workloads", "chit"], ["--configs", "colocated"], ["--slo-ttft-ms", "100"],
+                ["--slo-ttft-ms", "100", "--slo-tpot-ms", "10"]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            parse_args(bad)
