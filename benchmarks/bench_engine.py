@@ -418,8 +418,7 @@ def main(argv: list[str] | None = None) -> None:
               f"prefix + 64): prefill {wo['prefill_wall_s']:.2f} s without cache, "
               f"{w['prefill_wall_s']:.2f} s with (hit rate {w['hit_rate']:.1%}): "
               f"{prefix['speedup']:.2f}x")
-    pdserve = results.get("pdserve")
-    if pdserve is not None:
+    if (pdserve := results.get("pdserve")) is not None:
         print(f"pdserve engine start (load + warm-up, {args.engine_dp_size} rank(s)): "
               f"{pdserve['engine_start_s']:.1f} s")
     if floor is not None:

@@ -132,9 +132,10 @@ def weight_bytes_per_step(model: Any, batch: int) -> int:
         if isinstance(mod, torch.nn.Linear):
             tensors = [mod.weight] + ([mod.bias] if mod.bias is not None else [])
         elif isinstance(mod, PackedLinear):
-            packed = mod.get_buffer("packed_weight")
-            bias = mod.get_buffer("bias") if mod.bias is not None else None
-            tensors = [packed] + ([bias] if bias is not None else [])
+            packed = mod.packed_weight
+            assert isinstance(packed, torch.Tensor)  # a registered buffer
+            bias = mod.bias
+            tensors = [packed] + ([bias] if isinstance(bias, torch.Tensor) else [])
         else:
             tensors = [p for p in mod.parameters(recurse=False) if p.dim() == 1]
         for t in tensors:  # by identity: a tied head is the embedding's own Parameter

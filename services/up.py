@@ -231,10 +231,17 @@ def _children(a: argparse.Namespace, model_path: str) -> list[Child]:
     return children
 
 
+_UP_PID = os.getpid()
+
+
 def _die_with_parent() -> None:
-    """Children get SIGTERM if `pdserve up` itself dies (Linux prctl PR_SET_PDEATHSIG)."""
+    """Children get SIGTERM if `pdserve up` itself dies, even by SIGKILL (Linux prctl
+    PR_SET_PDEATHSIG; runs in the child between fork and exec). A parent that died before the
+    prctl took effect is caught by the parent-pid check."""
     with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+    if os.getppid() != _UP_PID:
+        os._exit(1)
 
 
 def _start(child: Child, log_dir: str) -> None:

@@ -6,6 +6,7 @@ crosses a chain of services (gateway -> worker -> worker) as what it is."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from typing import Any
 
@@ -13,6 +14,7 @@ import grpc
 import structlog
 
 from shared import errors
+from shared.server_streams import close_when_call_ends
 
 log = structlog.get_logger(__name__)
 
@@ -85,7 +87,51 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         code = STATUS_BY_ERROR.get(cls)
         if code is not None:
             return code, str(exc)
+    if isinstance(exc, NotImplementedError):  # generated base servicers (e.g. health's List)
+        return grpc.StatusCode.UNIMPLEMENTED, "this method is not implemented by the server"
     return grpc.StatusCode.INTERNAL, GENERIC_INTERNAL_MESSAGE
+
+
+class _Undecodable:
+    """What a guarded deserializer returns for bytes that are not a valid message (truncated,
+    wrong wire types, invalid UTF-8 in a string field): the handler answers INVALID_ARGUMENT.
+    grpc's own path would answer UNKNOWN (INTERNAL on client-streaming calls) with a traceback."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _guard_deserializer(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as exc:  # protobuf's DecodeError, UnicodeDecodeError, ...
+            return _Undecodable(f"{type(exc).__name__}: {exc}"[:200])
+
+    return deserialize
+
+
+def _check_decoded(request: Any, method: str) -> Any:
+    if isinstance(request, _Undecodable):
+        log.info("undecodable_request", method=method, error=request.error)
+        raise errors.InvalidArgument(
+            f"the request message could not be decoded as {method.rsplit('/', 1)[-1]}'s request "
+            "type (malformed protobuf or invalid UTF-8 in a string field)"
+        )
+    return request
+
+
+async def _checked_stream(requests: AsyncIterator[Any], method: str) -> AsyncIterator[Any]:
+    async for request in requests:
+        yield _check_decoded(request, method)
+
+
+RETRY_AFTER_MS_KEY = "retry-after-ms"  # trailing metadata of a refusal that names when to retry
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
@@ -94,11 +140,17 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: 
         log.error("unhandled_error", method=method, exc_info=exc)
     else:
         log.info("request_error", method=method, code=code.name, error=message)
-    await context.abort(code, message)
+    retry_after_s = getattr(exc, "retry_after_s", None)
+    trailing: tuple[tuple[str, str], ...] = ()
+    if isinstance(retry_after_s, int | float) and retry_after_s >= 0:
+        trailing = ((RETRY_AFTER_MS_KEY, str(round(retry_after_s * 1000))),)
+    await context.abort(code, message, trailing_metadata=trailing)
 
 
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
-    """Turns domain exceptions raised by servicers into proper statuses (unary and streaming)."""
+    """Turns domain exceptions raised by servicers into proper statuses (unary and streaming), and
+    request bytes that do not decode into INVALID_ARGUMENT with a one-line log, on every method of
+    every service of the server (health and reflection included)."""
 
     async def intercept_service(
         self,
@@ -109,11 +161,17 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return handler
         method = handler_call_details.method
+        deserializer = _guard_deserializer(handler.request_deserializer)
 
-        def wrap_unary(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrap_unary(fn: Callable[..., Any], streaming_request: bool) -> Callable[..., Any]:
             async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 try:
-                    return await fn(request, context)
+                    if streaming_request:
+                        request = _checked_stream(request, method)
+                    else:
+                        request = _check_decoded(request, method)
+                    result = fn(request, context)
+                    return await result if inspect.isawaitable(result) else result
                 except (asyncio.CancelledError, grpc.aio.AbortError):
                     raise
                 except Exception as exc:
@@ -121,10 +179,23 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 
             return wrapper
 
-        def wrap_stream(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrap_stream(fn: Callable[..., Any], streaming_request: bool) -> Callable[..., Any]:
+            # A handler may also be a coroutine that writes with context.write (grpc's health
+            # Watch): it is awaited inside this generator, which then yields nothing itself. So
+            # every streaming handler is a generator, as interceptors outside this one expect.
+            writes_itself = inspect.iscoroutinefunction(fn)
+
             async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 try:
-                    async for item in fn(request, context):
+                    if streaming_request:
+                        request = _checked_stream(request, method)
+                    else:
+                        request = _check_decoded(request, method)
+                    if writes_itself:
+                        await fn(request, context)
+                        return
+                    stream = close_when_call_ends(fn(request, context))
+                    async for item in stream:
                         yield item
                 except (asyncio.CancelledError, grpc.aio.AbortError):
                     raise
@@ -135,26 +206,26 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
-                wrap_unary(handler.unary_unary),
-                request_deserializer=handler.request_deserializer,
+                wrap_unary(handler.unary_unary, False),
+                request_deserializer=deserializer,
                 response_serializer=handler.response_serializer,
             )
         if handler.stream_unary:
             return grpc.stream_unary_rpc_method_handler(
-                wrap_unary(handler.stream_unary),
-                request_deserializer=handler.request_deserializer,
+                wrap_unary(handler.stream_unary, True),
+                request_deserializer=deserializer,
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
-                wrap_stream(handler.unary_stream),
-                request_deserializer=handler.request_deserializer,
+                wrap_stream(handler.unary_stream, False),
+                request_deserializer=deserializer,
                 response_serializer=handler.response_serializer,
             )
         if handler.stream_stream:
             return grpc.stream_stream_rpc_method_handler(
-                wrap_stream(handler.stream_stream),
-                request_deserializer=handler.request_deserializer,
+                wrap_stream(handler.stream_stream, True),
+                request_deserializer=deserializer,
                 response_serializer=handler.response_serializer,
             )
         return handler

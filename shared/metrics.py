@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
+from shared.server import PortInUse
+
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _SMALL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
@@ -88,5 +90,8 @@ def start_metrics_server(port: int, addr: str = "0.0.0.0") -> int:
     """Serve /metrics on `port` (0 picks a free one; negative disables). Returns the bound port."""
     if port < 0:
         return -1
-    server, _thread = start_http_server(port, addr=addr)
+    try:
+        server, _thread = start_http_server(port, addr=addr)
+    except OSError as exc:
+        raise PortInUse(f"cannot serve metrics on {addr}:{port}: {exc.strerror or exc}") from None
     return int(server.server_port)

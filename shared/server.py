@@ -4,29 +4,86 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import signal
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, ParamSpec
 
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from shared import cluster_auth
 from shared.grpc_errors import ErrorMappingInterceptor
+from shared.server_streams import CloseStreamsInterceptor
 from shared.tls import TlsConfig
 
 log = structlog.get_logger(__name__)
+P = ParamSpec("P")
 
 # KV chunks and long prompts exceed gRPC's 4 MB default (bytes).
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
-CHANNEL_OPTIONS: list[tuple[str, Any]] = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-]
+# Clients ping an idle connection every KEEPALIVE_TIME_MS, calls or not, so that a dead peer (a
+# node gone, a NAT entry dropped) is noticed within KEEPALIVE_TIMEOUT_MS; servers must allow
+# exactly that, or they answer GOAWAY too_many_pings (ENHANCE_YOUR_CALM) and idle channels flap.
+KEEPALIVE_TIME_MS = 30_000
+KEEPALIVE_TIMEOUT_MS = 10_000
+
+
+def channel_options(keepalive_time_ms: int = KEEPALIVE_TIME_MS) -> list[tuple[str, Any]]:
+    """Client channel options: large messages, keepalive pings also without calls."""
+    return [
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.keepalive_time_ms", keepalive_time_ms),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),  # keep pinging a long idle stream
+    ]
+
+
+def server_options(keepalive_time_ms: int = KEEPALIVE_TIME_MS) -> list[tuple[str, Any]]:
+    """Server options matching `channel_options(keepalive_time_ms)` of the clients: pings without
+    calls allowed, at most one per half interval (slack for timer jitter); the server pings its
+    idle clients on the same interval. SO_REUSEPORT is off, so a port already in use fails
+    start-up instead of two servers silently sharing it."""
+    return [
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.so_reuseport", 0),
+        ("grpc.keepalive_time_ms", keepalive_time_ms),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", keepalive_time_ms // 2),
+        ("grpc.http2.min_ping_interval_without_data_ms", keepalive_time_ms // 2),
+        ("grpc.http2.max_ping_strikes", 0),  # never GOAWAY a client for pinging as agreed
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+CHANNEL_OPTIONS: list[tuple[str, Any]] = channel_options()
+SERVER_OPTIONS: list[tuple[str, Any]] = server_options()
+
+
+class PortInUse(RuntimeError):
+    """A listen address or metrics port could not be bound (another process holds it, or the
+    address is not local). A service ends with one log line and exit status 1."""
+
+
+def exit_on_port_in_use(main: Callable[P, None]) -> Callable[P, None]:
+    """Wraps a service's `main`: a PortInUse becomes one error line and exit status 1."""
+
+    @functools.wraps(main)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> None:
+        try:
+            main(*args, **kwargs)
+        except PortInUse as exc:
+            log.error("cannot_start", error=str(exc))
+            raise SystemExit(1) from None
+
+    return wrapper
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -41,23 +98,35 @@ class Server:
         service_names: Sequence[str],
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
         tls: TlsConfig | None = None,
+        options: Sequence[tuple[str, Any]] | None = None,
+        cluster_token: str = "",
     ) -> None:
+        """`cluster_token`: required on calls to pdserve's internal services (shared.cluster_auth);
+        checked before every other interceptor, so an unauthenticated call reaches nothing."""
         self.service_names = list(service_names)
         self.grpc = grpc.aio.server(
-            interceptors=[*interceptors, ErrorMappingInterceptor()],
-            options=CHANNEL_OPTIONS,
+            interceptors=[
+                CloseStreamsInterceptor(),
+                *cluster_auth.server_interceptors(cluster_token),
+                *interceptors,
+                ErrorMappingInterceptor(),
+            ],
+            options=list(SERVER_OPTIONS if options is None else options),
         )
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection(
             [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.grpc
         )
-        if tls is None:
-            self.port = self.grpc.add_insecure_port(address)
-        else:
-            self.port = self.grpc.add_secure_port(address, tls.server_credentials())
+        try:
+            if tls is None:
+                self.port = self.grpc.add_insecure_port(address)
+            else:
+                self.port = self.grpc.add_secure_port(address, tls.server_credentials())
+        except RuntimeError as exc:  # grpcio raises when the port cannot be bound
+            raise PortInUse(f"cannot listen on {address}: the address is in use or not local") from exc
         if self.port == 0:
-            raise RuntimeError(f"cannot bind {address}")
+            raise PortInUse(f"cannot listen on {address}: the address is in use or not local")
         host = address.rsplit(":", 1)[0]
         if host in ("0.0.0.0", "[::]", ""):
             host = "127.0.0.1"

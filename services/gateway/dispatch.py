@@ -1,20 +1,25 @@
 """The request life: schedule, admit on decode, prefill with a KV target, relay frames, finish;
 abort both workers on cancel/deadline/error; reschedule once when a worker is unavailable before
-any output reached the client (retry before handoff). No grpc here: workers and the scheduler are
-reached through the ports in `ports.py`."""
+any output reached the client (retry before handoff); after that, migrate: when the workers fail
+mid-stream, the prompt plus the tokens generated so far run on other workers and decoding
+resumes at the next output index, so the client's stream goes on with no token lost or repeated
+(up to `migration_limit` times). No grpc here: workers and the scheduler are reached through the
+ports in `ports.py`."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 import structlog
 
 from services.gateway.accounting import FrameSource
+from services.gateway.breaker import CircuitBreakers, backoff_s
 from services.gateway.ports import (
     DecodeEvent,
     DecodeEventKind,
@@ -41,6 +46,7 @@ log = structlog.get_logger(__name__)
 T = TypeVar("T")
 
 MAX_ATTEMPTS = 2  # the first try + one reschedule before handoff
+DEFAULT_MIGRATION_LIMIT = 3  # migrations of one request after handoff (gateway --migration-limit)
 
 
 @dataclass(frozen=True)
@@ -83,16 +89,21 @@ class Dispatcher:
         workers: WorkerClient,
         block_size: int,
         control_timeout_s: float = 10.0,
+        migration_limit: int = DEFAULT_MIGRATION_LIMIT,
+        breakers: CircuitBreakers | None = None,
     ) -> None:
+        """`breakers`: per-worker circuit breakers shared by every request (None: none)."""
         self._scheduler = scheduler
         self._workers = workers
         self._block_size = block_size
         self._control_timeout_s = control_timeout_s
+        self._migration_limit = migration_limit
+        self._breakers = breakers or CircuitBreakers(failure_threshold=0)
         self._abort_tasks: set[asyncio.Task[None]] = set()
 
     async def run(
         self, req: PreparedRequest, state: RequestState, deadline_s: float | None
-    ) -> AsyncIterator[OutputFrame]:
+    ) -> AsyncGenerator[OutputFrame, None]:
         """Frames for the client, the last one FINAL. Raises shared.errors on failure, after
         aborting whatever was started. deadline_s is on the time.monotonic() clock."""
         hashes = tuple(block_hashes(req.prompt_token_ids, self._block_size))
@@ -102,12 +113,32 @@ class Dispatcher:
             tries += 1
             attempt = _Attempt(attempt_request_id(req.request_id, tries))
             try:
-                async for frame in self._attempt(req, state, attempt, hashes, tuple(exclude), deadline_s):
-                    yield frame
+                avoid = tuple(dict.fromkeys([*exclude, *self._breakers.exclusions()]))
+                frames = self._attempt(req, state, attempt, hashes, avoid, deadline_s)
+                async with contextlib.aclosing(frames):
+                    async for frame in frames:
+                        yield frame
+                self._record_success(attempt)
                 return
             except (WorkerUnavailable, WorkerOutOfCapacity) as exc:
+                if isinstance(exc, WorkerUnavailable):
+                    self._breakers.record_failure(exc.worker_id)
                 await self._undo(attempt)
-                if state.handed_off or tries >= MAX_ATTEMPTS:
+                if state.handed_off:
+                    self._check_migratable(state, exc)  # raises (after state.fail) when not
+                    log.warning(
+                        "migrating",
+                        error=str(exc),
+                        exclude_worker_id=exc.worker_id or None,
+                        generated_tokens=len(state.resume_token_ids),
+                        migration=state.migrations + 1,
+                    )
+                    if exc.worker_id:
+                        exclude.append(exc.worker_id)
+                    state.begin_migration()
+                    await self._pause(state.migrations, deadline_s)
+                    continue
+                if tries >= MAX_ATTEMPTS:
                     state.fail()
                     raise
                 log.warning("retry_before_handoff", error=str(exc), exclude_worker_id=exc.worker_id or None)
@@ -115,15 +146,50 @@ class Dispatcher:
                     exclude.append(exc.worker_id)
                 if state.status is not RequestStatus.WAITING:
                     state.reset_for_retry()
-            except (asyncio.CancelledError, GeneratorExit):
-                await self._undo(attempt)
+                await self._pause(tries, deadline_s)
+            except (asyncio.CancelledError, GeneratorExit, DeadlineExceeded):
+                # The state ends first: a second cancellation while the aborts go out must not
+                # leave the request logged (and counted) as still running.
                 if not state.status.is_finished:
                     state.finish(FinishReason.ABORT)
+                await self._undo(attempt)
                 raise
             except BaseException:
-                await self._undo(attempt)
                 state.fail()
+                await self._undo(attempt)
                 raise
+
+    def _record_success(self, attempt: _Attempt) -> None:
+        placement = attempt.placement
+        if placement is not None:
+            self._breakers.record_success(placement.decode.worker_id)
+            if placement.prefill is not None:
+                self._breakers.record_success(placement.prefill.worker_id)
+
+    async def _pause(self, retry: int, deadline_s: float | None) -> None:
+        """Jittered exponential backoff before retry/migration number `retry`, within the deadline."""
+        pause_s = backoff_s(retry)
+        remaining = self._remaining(deadline_s)
+        await asyncio.sleep(pause_s if remaining is None else min(pause_s, remaining))
+
+    def _check_migratable(self, state: RequestState, exc: WorkerUnavailable | WorkerOutOfCapacity) -> None:
+        """Raise (the request failed) unless it may move on to other workers."""
+        why = ""
+        if state.migrations >= self._migration_limit:
+            why = (
+                f"gave up after {state.migrations} migration(s) (the gateway's --migration-limit)"
+                if self._migration_limit
+                else "migration is disabled (--migration-limit 0)"
+            )
+        elif not state.can_resume:
+            why = "the workers did not return the generated token ids needed to resume it"
+        if why:
+            state.fail()
+            raise WorkerUnavailable(
+                f"{exc}; the request failed after {state.num_completion_tokens} generated "
+                f"token(s): {why}",
+                exc.worker_id,
+            ) from exc
 
     async def _attempt(
         self,
@@ -133,13 +199,21 @@ class Dispatcher:
         hashes: tuple[int, ...],
         exclude: tuple[str, ...],
         deadline_s: float | None,
-    ) -> AsyncIterator[OutputFrame]:
+    ) -> AsyncGenerator[OutputFrame, None]:
+        generated = state.resume_token_ids if state.migrations else ()
+        prompt = req.prompt_token_ids + generated
+        if generated:  # a migrated run: the prompt holds the tokens generated so far
+            if len(generated) >= state.max_tokens:  # the worker died before its FINAL frame
+                state.finish()
+                yield self._frame(state, FrameKind.FINAL, "", ())
+                return
+            hashes = tuple(block_hashes(prompt, self._block_size))
         query = ScheduleQuery(
             request_id=attempt.request_id,
             model=req.model,
-            prompt_tokens=len(req.prompt_token_ids),
+            prompt_tokens=len(prompt),
             prefix_block_hashes=hashes,
-            max_tokens=req.sampling.max_tokens,
+            max_tokens=(state.max_tokens if generated else req.sampling.max_tokens) - len(generated),
             exclude_worker_ids=exclude,
         )
         with tracer().start_as_current_span("schedule") as span:
@@ -149,18 +223,28 @@ class Dispatcher:
             )
             span.set_attribute("pdserve.mode", placement.mode.value)
         attempt.placement = placement
-        max_tokens = resolve_max_tokens(
-            req.requested_max_tokens,
-            req.default_max_tokens,
-            len(req.prompt_token_ids),
-            placement.max_model_len,
-        )
+        if state.migrations:
+            max_tokens = state.max_tokens  # fixed when first scheduled
+        else:
+            max_tokens = resolve_max_tokens(
+                req.requested_max_tokens,
+                req.default_max_tokens,
+                len(req.prompt_token_ids),
+                placement.max_model_len,
+            )
         state.mark_scheduled(max_tokens)
         job = WorkerJob(
             request_id=attempt.request_id,
-            prompt_token_ids=req.prompt_token_ids,
-            sampling=dataclasses.replace(req.sampling, max_tokens=max_tokens),
-            return_token_ids=req.return_token_ids,
+            prompt_token_ids=prompt,
+            sampling=dataclasses.replace(
+                req.sampling,
+                max_tokens=max_tokens - len(generated),
+                first_output_index=len(generated),
+                unshown_tail_tokens=state.unshown_tail_tokens if generated else 0,
+            ),
+            # Always: the ids of the tokens generated so far are what a migration resumes from.
+            # The client gets them only when it asked (OutputFrame, from state.return_token_ids).
+            return_token_ids=True,
         )
         log.debug(
             "scheduled",
@@ -175,8 +259,9 @@ class Dispatcher:
             frames = self._disaggregated(state, attempt, placement.prefill, placement.decode, job, deadline_s)
         else:
             frames = self._aggregated(state, attempt, placement.decode, job, deadline_s)
-        async for frame in frames:
-            yield frame
+        async with contextlib.aclosing(frames):
+            async for frame in frames:
+                yield frame
 
     async def _disaggregated(
         self,
@@ -186,7 +271,7 @@ class Dispatcher:
         decode: WorkerTarget,
         job: WorkerJob,
         deadline_s: float | None,
-    ) -> AsyncIterator[OutputFrame]:
+    ) -> AsyncGenerator[OutputFrame, None]:
         # 1. The decode worker admits the request first: it reserves KV and issues a ticket.
         attempt.start(decode.address)
         stream = attempt.stream = self._workers.decode(
@@ -224,10 +309,13 @@ class Dispatcher:
             yield self._frame(state, FrameKind.FINAL, reply.text, reply.token_ids)
             return
         # 3. The first token goes to the client at once (TTFT); decode continues.
+        kind = FrameKind.CONTINUATION if state.handed_off else FrameKind.FIRST  # migrated: goes on
         state.advance(RequestStatus.DECODING)
-        yield self._frame(state, FrameKind.FIRST, reply.text, reply.token_ids)
-        async for frame in self._relay(state, stream, decode, deadline_s, prefilled_here=False):
-            yield frame
+        yield self._frame(state, kind, reply.text, reply.token_ids)
+        relayed = self._relay(state, stream, decode, deadline_s, prefilled_here=False)
+        async with contextlib.aclosing(relayed):
+            async for frame in relayed:
+                yield frame
 
     async def _aggregated(
         self,
@@ -236,14 +324,16 @@ class Dispatcher:
         target: WorkerTarget,
         job: WorkerJob,
         deadline_s: float | None,
-    ) -> AsyncIterator[OutputFrame]:
+    ) -> AsyncGenerator[OutputFrame, None]:
         attempt.start(target.address)
         state.advance(RequestStatus.PREFILLING)
         stream = attempt.stream = self._workers.decode(
             target, job, local_prefill=True, timeout_s=self._remaining(deadline_s)
         )
-        async for frame in self._relay(state, stream, target, deadline_s, prefilled_here=True):
-            yield frame
+        relayed = self._relay(state, stream, target, deadline_s, prefilled_here=True)
+        async with contextlib.aclosing(relayed):
+            async for frame in relayed:
+                yield frame
 
     async def _relay(
         self,
@@ -252,7 +342,7 @@ class Dispatcher:
         target: WorkerTarget,
         deadline_s: float | None,
         prefilled_here: bool,
-    ) -> AsyncIterator[OutputFrame]:
+    ) -> AsyncGenerator[OutputFrame, None]:
         """Relays decode frames. `prefilled_here`: the decode worker ran the prompt itself
         (aggregated / local prefill), so its prefix-cache hits are this request's local hits."""
         while True:

@@ -54,6 +54,8 @@ class Sampling:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     include_stop_in_output: bool = False
+    first_output_index: int = 0  # > 0 when a migrated request resumes after that many tokens
+    unshown_tail_tokens: int = 0  # of those, the last ones whose text was not shown (held back)
 
 
 def new_request_id() -> str:
@@ -62,7 +64,8 @@ def new_request_id() -> str:
 
 class RequestStatus(enum.IntEnum):
     """Life of a request in the gateway. Order means something: everything >= FINISHED_STOPPED is
-    finished; everything >= DECODING has sent output to the client (no retry possible)."""
+    finished. Back to WAITING: a retry before any output reached the client, or a migration after
+    its decode worker failed mid-stream (the request then continues on other workers)."""
 
     WAITING = 0  # validated and tokenized, not (or no longer) scheduled
     SCHEDULED = 1  # workers chosen
@@ -93,7 +96,7 @@ ALLOWED_TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
     ),
     RequestStatus.ADMITTED: frozenset({RequestStatus.PREFILLING, RequestStatus.WAITING} | _FINISHED),
     RequestStatus.PREFILLING: frozenset({RequestStatus.DECODING, RequestStatus.WAITING} | _FINISHED),
-    RequestStatus.DECODING: frozenset(_FINISHED),
+    RequestStatus.DECODING: frozenset({RequestStatus.WAITING} | _FINISHED),  # WAITING: migration
     **{s: frozenset() for s in _FINISHED},
 }
 
@@ -149,6 +152,7 @@ class _Piece:
     text: str
     token_ids: tuple[int, ...]
     fallback_tokens: int  # what this piece stands for when no worker reports counts
+    leg: int = 0  # which run of the request made it (0, then one more per migration)
 
 
 @dataclass
@@ -163,8 +167,10 @@ class RequestState:
     status: RequestStatus = RequestStatus.WAITING
     max_tokens: int = 0  # set when scheduled (depends on the chosen workers' max_model_len)
     attempts: int = 0  # Schedule calls made
+    migrations: int = 0  # times the request moved on after its decode worker failed mid-stream
     _pieces: list[_Piece] = field(default_factory=list)
-    _reported_counts: dict[Segment, int] = field(default_factory=dict)  # present generated_tokens
+    # present generated_tokens per (leg, worker segment); a leg is one run of the request
+    _reported_counts: dict[tuple[int, Segment], int] = field(default_factory=dict)
     _worker_finish: FinishReason | None = None
     _local_cached: int | None = None
     _transferred_cached: int | None = None
@@ -198,6 +204,43 @@ class RequestState:
         self._local_cached = None
         self._transferred_cached = None
 
+    def begin_migration(self) -> None:
+        """The workers running the request failed after output reached the client: the tokens
+        relayed so far stay (their count: the workers' reports where they sent one, else the
+        token ids relayed, which the gateway always asks workers for) and a new leg starts, which
+        continues after them (`resume_token_ids`). Cache figures stay those of the first run."""
+        if self.status.is_finished:
+            raise InvalidTransition(f"request {self.request_id}: migration after it finished")
+        self.advance(RequestStatus.WAITING)
+        self.migrations += 1
+        self._worker_finish = None
+
+    @property
+    def _leg(self) -> int:
+        return self.migrations
+
+    @property
+    def resume_token_ids(self) -> tuple[int, ...]:
+        """The tokens generated so far, in order (what a migrated request's new prompt appends)."""
+        return self.output_token_ids
+
+    @property
+    def unshown_tail_tokens(self) -> int:
+        """Generated tokens at the end whose text was never relayed: the worker held it back (an
+        incomplete character). Counted from the trailing pieces that carried ids but no text."""
+        count = 0
+        for piece in reversed(self._pieces):
+            if piece.text:
+                break
+            count += len(piece.token_ids)
+        return count
+
+    @property
+    def can_resume(self) -> bool:
+        """True when the relayed token ids account for every generated token (a worker that
+        returns no ids, e.g. a v1.0 one, makes the request impossible to continue exactly)."""
+        return len(self.output_token_ids) == self.num_completion_tokens
+
     # --- recording worker output ---
     def record_output(
         self,
@@ -210,20 +253,22 @@ class RequestState:
         """One prefill reply or decode TOKENS/FINAL frame. `generated_tokens` is None when the field
         was absent (never confuse absent with 0: an immediate EOS reports 0)."""
         stopped = finish_reason is FinishReason.STOP
-        self._pieces.append(
-            _Piece(source, text, token_ids, accounting.fallback_tokens(source, text, len(token_ids), stopped))
-        )
+        fallback = accounting.fallback_tokens(source, text, len(token_ids), stopped)
+        self._pieces.append(_Piece(source, text, token_ids, fallback, self._leg))
         if generated_tokens is not None:
-            segment = source.segment
-            self._reported_counts[segment] = accounting.saturating_sum(
-                (self._reported_counts.get(segment, 0), generated_tokens)
+            key = (self._leg, source.segment)
+            self._reported_counts[key] = accounting.saturating_sum(
+                (self._reported_counts.get(key, 0), generated_tokens)
             )
         if finish_reason is not None:
             self._worker_finish = finish_reason
 
     def record_cache(self, local_tokens: int, transferred_tokens: int) -> None:
         """Cache figures from a worker frame. Each is fixed by the first frame that reports it
-        (non-zero); later frames cannot rewrite it (preemption/reschedule on the worker)."""
+        (non-zero); later frames cannot rewrite it (preemption/reschedule on the worker), nor can
+        a migrated run (its prompt holds generated tokens: not this request's prompt)."""
+        if self._leg > 0:
+            return
         if self._local_cached is None and local_tokens > 0:
             self._local_cached = local_tokens
         if self._transferred_cached is None and transferred_tokens > 0:
@@ -261,13 +306,16 @@ class RequestState:
 
     @property
     def worker_counts(self) -> list[WorkerCount]:
-        """Per worker (prefill, decode): its reported count, or None, and its frame count."""
+        """Per worker of each leg (prefill, decode): its reported count, or None, and its frame
+        count."""
         counts = []
-        for segment in Segment:
-            pieces = [p for p in self._pieces if p.source.segment is segment]
-            if pieces or segment in self._reported_counts:
-                frame_tokens = accounting.saturating_sum(p.fallback_tokens for p in pieces)
-                counts.append(WorkerCount(self._reported_counts.get(segment), frame_tokens))
+        for leg in range(self._leg + 1):
+            for segment in Segment:
+                pieces = [p for p in self._pieces if p.leg == leg and p.source.segment is segment]
+                key = (leg, segment)
+                if pieces or key in self._reported_counts:
+                    frame_tokens = accounting.saturating_sum(p.fallback_tokens for p in pieces)
+                    counts.append(WorkerCount(self._reported_counts.get(key), frame_tokens))
         return counts
 
     @property

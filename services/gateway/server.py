@@ -20,12 +20,13 @@ from services.gateway.settings import GatewaySettings, load_settings
 from services.gateway.tokenization import PromptTokenizer
 from shared.auth import load_api_keys
 from shared.channels import ChannelCache
+from shared.cluster_auth import token_metadata
 from shared.grpc_auth import ApiKeyInterceptor
 from shared.logs import configure_logging
 from shared.metrics import start_metrics_server
 from shared.model_store import resolve_model
 from shared.proto import gateway_pb2, gateway_pb2_grpc
-from shared.server import Server, serve_until_stopped
+from shared.server import Server, exit_on_port_in_use, serve_until_stopped
 from shared.settings import otel_env
 from shared.tracing import configure_tracing, server_interceptors
 
@@ -90,7 +91,8 @@ class GatewayApp:
 
 def build_app(settings: GatewaySettings) -> GatewayApp:
     tls = settings.tls_config()
-    channels = ChannelCache(tls=tls)  # scheduler and worker channels use the same TLS settings
+    # scheduler and worker channels use the same TLS settings; internal calls carry the token
+    channels = ChannelCache(tls=tls, call_metadata=token_metadata(settings.cluster_token))
     service = GatewayService(
         settings,
         GrpcScheduler(channels, settings.scheduler_address, settings.worker_rpc_timeout_s),
@@ -145,6 +147,7 @@ async def serve(settings: GatewaySettings) -> None:
         await app.channels.close()
 
 
+@exit_on_port_in_use
 def main(argv: Sequence[str] | None = None) -> None:
     """`pdserve gateway [flags]` / `python -m services.gateway [flags]` (argv None: sys.argv)."""
     settings = load_settings(sys.argv[1:] if argv is None else argv)

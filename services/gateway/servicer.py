@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
@@ -33,10 +34,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         try:
-            async for frame in self._service.generate(
-                convert.generate_input(request), _client_timeout_s(context)
-            ):
-                yield convert.generate_response(frame)
+            frames = self._service.generate(convert.generate_input(request), _client_timeout_s(context))
+            async with contextlib.aclosing(frames):  # closed here, in this task, when cancelled
+                async for frame in frames:
+                    yield convert.generate_response(frame)
         except BaseException as exc:
             _count_error(exc)
             raise

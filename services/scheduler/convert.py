@@ -8,10 +8,19 @@ from shared.cluster_convert import rank_load_to_pb, serving_mode_to_pb, worker_i
 from shared.errors import InvalidArgument
 from shared.proto import scheduler_pb2
 
+# No model accepts more tokens than max_model_len (a uint32), so a larger prompt is a bad call.
+# Bounding it keeps reservation sums far from the uint64 range of the state the scheduler reports.
+MAX_PROMPT_TOKENS = 2**32 - 1
+UINT64_MAX = 2**64 - 1
+
 
 def features_from_pb(pb: scheduler_pb2.ScheduleRequest) -> RequestFeatures:
     if not pb.request_id:
         raise InvalidArgument("request_id is required")
+    if pb.prompt_tokens > MAX_PROMPT_TOKENS:
+        raise InvalidArgument(
+            f"prompt_tokens {pb.prompt_tokens} is larger than any model accepts (at most {MAX_PROMPT_TOKENS})"
+        )
     return RequestFeatures(
         request_id=pb.request_id,
         prompt_tokens=pb.prompt_tokens,
@@ -46,7 +55,7 @@ def state_to_pb(s: RouterState) -> scheduler_pb2.GetStateResponse:
             scheduler_pb2.SchedulerWorker(
                 info=worker_info_to_pb(w.info),
                 ranks=[rank_load_to_pb(r) for r in w.ranks],
-                reserved_tokens=list(w.reserved_tokens),
+                reserved_tokens=[min(max(t, 0), UINT64_MAX) for t in w.reserved_tokens],
             )
             for w in s.workers
         ],

@@ -43,6 +43,8 @@ def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingConfig:
         stop_token_ids=tuple(pb.stop_token_ids),
         ignore_eos=pb.ignore_eos,
         include_stop_in_output=pb.include_stop_in_output,
+        first_output_index=pb.first_output_index,
+        unshown_tail_tokens=pb.unshown_tail_tokens,
     )
 
 

@@ -24,13 +24,14 @@ from services.worker.servicer import WorkerServicer
 from services.worker.settings import WorkerSettings
 from shared.channels import ChannelCache
 from shared.cluster import Role, WorkerInfo
+from shared.cluster_auth import token_metadata
 from shared.cluster_convert import worker_info_to_pb
 from shared.errors import PdserveError
 from shared.logs import configure_logging
 from shared.metrics import start_metrics_server
 from shared.model_store import model_id_for, resolve_model
 from shared.proto import worker_pb2_grpc
-from shared.server import Server, serve_until_stopped
+from shared.server import Server, exit_on_port_in_use, serve_until_stopped
 from shared.settings import otel_env, parse_settings
 from shared.tracing import configure_tracing, server_interceptors
 
@@ -84,12 +85,22 @@ class WorkerApp:
         self._engine_factory = engine_factory
         self.servicer = WorkerServicer()
         tls = settings.tls_config()
-        self.server = Server(settings.listen, [SERVICE_NAME], interceptors=server_interceptors(), tls=tls)
+        self.server = Server(
+            settings.listen,
+            [SERVICE_NAME],
+            interceptors=server_interceptors(),
+            tls=tls,
+            cluster_token=settings.cluster_token,
+        )
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server.grpc)
         self.address = settings.advertise_address or self.server.address
         self.worker_id = settings.worker_id or new_worker_id(settings.role)
         # KV pushes and registration dial peers with the same TLS settings as the server.
-        self.channels = ChannelCache(tls=tls, max_channels=_MAX_CACHED_CHANNELS)
+        self.channels = ChannelCache(
+            tls=tls,
+            call_metadata=token_metadata(settings.cluster_token),
+            max_channels=_MAX_CACHED_CHANNELS,
+        )
         self.pusher = GrpcKvPusher(self.channels, timeout_s=settings.kv_push_timeout_s)
         self.engine: Engine | None = None
         self.core: WorkerCore | None = None
@@ -249,6 +260,7 @@ async def serve(settings: WorkerSettings) -> None:
         await app.stop()
 
 
+@exit_on_port_in_use
 def main(argv: Sequence[str] | None = None, prog: str = "pdserve worker") -> None:
     settings = parse_settings(WorkerSettings, sys.argv[1:] if argv is None else argv, prog=prog)
     configure_logging(settings.service_name, settings.log_level, settings.log_format)

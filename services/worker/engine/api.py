@@ -49,6 +49,10 @@ class SamplingConfig:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     include_stop_in_output: bool = False
+    # output index of this request's first generated token (a migrated request continues there)
+    first_output_index: int = 0
+    # trailing prompt tokens whose text was never shown (a migrated request's incomplete character)
+    unshown_tail_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -128,7 +132,7 @@ class EngineConfig:
     spec_ngram_min: int = 2  # shortest suffix n-gram looked up (tokens)
     spec_ngram_max: int = 4  # longest suffix n-gram looked up (tokens)
     # per-step back-off: proposals are verified only while a step has at most this many tokens
-    # in all (beyond it verification is no longer free); 0 = by device (CPU 64, CUDA 512)
+    # in all (beyond it verification is no longer free); 0 = by device (CPU 32, CUDA 512)
     spec_max_batch_tokens: int = 0
     extra: dict[str, str] = field(default_factory=dict)
 

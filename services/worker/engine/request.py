@@ -236,7 +236,8 @@ class Request:
         speculative run draws what plain decoding would have drawn there."""
         if self.generator is None or self.sampling.seed is None:
             return None
-        return _mix_seed(self.sampling.seed, self.num_output_tokens + offset)
+        index = self.sampling.first_output_index + self.num_output_tokens + offset
+        return _mix_seed(self.sampling.seed, index)
 
     # ---- derived counts ------------------------------------------------------------------
     @property

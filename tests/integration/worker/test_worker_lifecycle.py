@@ -105,8 +105,9 @@ async def test_registers_heartbeats_reregisters_and_deregisters(tiny_model: Path
             assert info.kv_layout.block_size == settings.block_size
             assert info.kv_layout.dtype == "float32"
             assert list(info.capabilities) == ["generated_tokens", "kv_block_skip",
-                                               "local_prefill", "draft_token_ids"]
-            assert info.proto_version == "1.2"
+                                               "local_prefill", "draft_token_ids",
+                                               "first_output_index"]
+            assert info.proto_version == "1.3"
             assert info.max_model_len == settings.max_model_len
             assert info.device == "cpu"
             assert set(lm.heartbeats) == {w.app.worker_id}

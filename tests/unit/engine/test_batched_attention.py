@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -125,8 +126,7 @@ def _compare_backends(block_size: int, scenario: str, device: torch.device, dtyp
         # both backends pack the sequences in their own order: feed each the same per-token
         # q/k/v by position of the token in the caller's sequence list
         order = torch.tensor(_packed_order(seqs, positions[0].tolist()), device=device)
-        layer = torch.nn.Module()
-        layer.layer_idx = 1  # type: ignore[assignment]
+        layer: Any = SimpleNamespace(layer_idx=1)  # only its layer index is read
         out, _ = paged_attention_forward(layer, q[:, :, order],
                                          k[:, :, order], v[:, :, order], None,
                                          scaling=HEAD_DIM**-0.5, paged_meta=meta)

@@ -70,6 +70,7 @@ class FakeWorkers:
     streams: dict[str, list[FakeStream]] = field(default_factory=dict)
     prefills: dict[str, list[PrefillResult | Exception]] = field(default_factory=dict)
     decode_calls: list[tuple[str, bool, int]] = field(default_factory=list)
+    jobs: list[WorkerJob] = field(default_factory=list)  # every decode and prefill call's job
     prefill_calls: list[tuple[str, KvDestination | None]] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
     prefill_delay_s: float = 0.0
@@ -78,12 +79,14 @@ class FakeWorkers:
         self, target: WorkerTarget, job: WorkerJob, local_prefill: bool, timeout_s: float | None
     ) -> FakeStream:
         self.decode_calls.append((target.address, local_prefill, job.sampling.max_tokens))
+        self.jobs.append(job)
         return self.streams[target.address].pop(0)
 
     async def prefill(
         self, target: WorkerTarget, job: WorkerJob, kv: KvDestination | None, timeout_s: float | None
     ) -> PrefillResult:
         self.prefill_calls.append((target.address, kv))
+        self.jobs.append(job)
         if self.prefill_delay_s:
             await asyncio.sleep(self.prefill_delay_s)
         item = self.prefills[target.address].pop(0)
@@ -235,7 +238,7 @@ async def test_only_one_retry() -> None:
     assert len(sched.queries) == 2
 
 
-async def test_no_retry_after_handoff() -> None:
+async def test_no_retry_after_handoff_with_migration_disabled() -> None:
     workers = FakeWorkers(
         streams={DECODE.address: [FakeStream([ADMITTED, tokens("b"), WorkerUnavailable("died", "d1")])]},
         prefills={PREFILL.address: [PrefillResult("a", (), 1, None)]},
@@ -245,7 +248,7 @@ async def test_no_retry_after_handoff() -> None:
     req = prepared()
     state = RequestState(req.request_id, req.prompt_token_ids, True, "m")
     with pytest.raises(WorkerUnavailable):
-        async for f in Dispatcher(sched, workers, 4).run(req, state, None):
+        async for f in Dispatcher(sched, workers, 4, migration_limit=0).run(req, state, None):
             got.append(f)
     assert len(got) == 2
     assert len(sched.queries) == 1
@@ -296,3 +299,142 @@ async def test_cancel_during_prefill_aborts_both_workers() -> None:
         await task
     assert stream.cancelled
     assert sorted(workers.aborts) == sorted([DECODE.address, PREFILL.address])
+
+
+async def test_deadline_during_prefill_ends_aborted_with_a_finish_reason() -> None:
+    """Logged and counted as finished (abort), not left in `prefilling` with no finish reason."""
+    workers = FakeWorkers(
+        streams={DECODE.address: [FakeStream([ADMITTED], hang=True)]},
+        prefills={PREFILL.address: [PrefillResult("a", (), 1, None)]},
+        prefill_delay_s=10,
+    )
+    req = prepared()
+    state = RequestState(req.request_id, req.prompt_token_ids, True, "m")
+    with pytest.raises(DeadlineExceeded):
+        async for _ in Dispatcher(FakeScheduler([disagg()]), workers, 4).run(
+            req, state, time.monotonic() + 0.2
+        ):
+            pass
+    assert state.status is RequestStatus.FINISHED_ABORTED
+    assert state.finish_reason is FinishReason.ABORT
+
+
+class SlowAbortWorkers(FakeWorkers):
+    async def abort(self, address: str, request_id: str) -> bool:
+        await asyncio.sleep(0.2)
+        return await super().abort(address, request_id)
+
+
+async def test_second_cancel_while_aborting_still_ends_the_state() -> None:
+    workers = SlowAbortWorkers(
+        streams={DECODE.address: [FakeStream([ADMITTED], hang=True)]},
+        prefills={PREFILL.address: [PrefillResult("a", (), 1, None)]},
+        prefill_delay_s=10,
+    )
+    req = prepared()
+    state = RequestState(req.request_id, req.prompt_token_ids, True, "m")
+
+    async def consume() -> None:
+        async for _ in Dispatcher(FakeScheduler([disagg()]), workers, 4).run(req, state, None):
+            pass
+
+    task = asyncio.ensure_future(consume())
+    while not workers.prefill_calls:
+        await asyncio.sleep(0.01)
+    task.cancel()
+    await asyncio.sleep(0.05)  # now inside the aborts
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert state.status is RequestStatus.FINISHED_ABORTED
+    await asyncio.sleep(0.3)
+    assert sorted(workers.aborts) == sorted([DECODE.address, PREFILL.address])
+
+
+# --- migration after handoff ---
+
+
+async def test_decode_failure_mid_stream_migrates_and_continues_exactly() -> None:
+    """d1 dies after 3 tokens (ids 1, 2, 3); the request goes on at d2 with prompt + those ids,
+    the remaining max_tokens and the next output index; the client sees each token once."""
+    workers = FakeWorkers(
+        streams={
+            DECODE.address: [
+                FakeStream([ADMITTED, tokens("b", 2), tokens("c", 3), WorkerUnavailable("died", "d1")])
+            ],
+            DECODE2.address: [FakeStream([ADMITTED, tokens("e", 5), final("f", 3, FinishReason.LENGTH)])],
+        },
+        prefills={PREFILL.address: [PrefillResult("a", (1,), 1, None), PrefillResult("d", (4,), 1, None)]},
+    )
+    sched = FakeScheduler([disagg(DECODE), disagg(DECODE2)])
+    req = prepared(max_tokens=7, prompt_len=20)
+    state = RequestState(req.request_id, req.prompt_token_ids, False, "m")
+    frames = [f async for f in Dispatcher(sched, workers, 4).run(req, state, None)]
+    assert "".join(f.text for f in frames) == "abcdef"
+    assert [f.kind for f in frames] == [FrameKind.FIRST] + [FrameKind.CONTINUATION] * 4 + [FrameKind.FINAL]
+    assert all(f.token_ids == () for f in frames), "ids only when the client asked"
+    assert sched.queries[1].exclude_worker_ids == ("d1",)
+    assert sched.queries[1].prompt_tokens == 23 and sched.queries[1].max_tokens == 4
+    resumed = [j for j in workers.jobs if j.request_id != "req-1"]
+    assert {j.prompt_token_ids for j in resumed} == {(*range(20), 1, 2, 3)}
+    assert {(j.sampling.max_tokens, j.sampling.first_output_index) for j in resumed} == {(4, 3)}
+    assert all(j.return_token_ids for j in workers.jobs), "workers always return ids to the gateway"
+    usage = frames[-1].usage
+    assert usage is not None and usage.completion_tokens == 7  # 3 before + 1 (prefill) + 3 (decode)
+    assert frames[-1].finish_reason is FinishReason.LENGTH
+    assert usage.prompt_tokens == 20
+    assert state.migrations == 1 and state.status is RequestStatus.FINISHED_LENGTH
+    assert DECODE.address in workers.aborts
+
+
+async def test_migration_limit_ends_with_unavailable_naming_the_failure() -> None:
+    def dying(worker: str) -> FakeStream:
+        return FakeStream([ADMITTED, tokens("x", 9), WorkerUnavailable(f"{worker} died", worker)])
+
+    workers = FakeWorkers(
+        streams={DECODE.address: [dying("d1"), dying("d1")], DECODE2.address: [dying("d2")]},
+        prefills={PREFILL.address: [PrefillResult("a", (1,), 1, None)] * 3},
+    )
+    sched = FakeScheduler([disagg(DECODE), disagg(DECODE2), disagg(DECODE)])
+    req = prepared(max_tokens=50)
+    state = RequestState(req.request_id, req.prompt_token_ids, True, "m")
+    got: list[OutputFrame] = []
+    with pytest.raises(WorkerUnavailable, match=r"d1 died.*gave up after 2 migration\(s\)"):
+        async for f in Dispatcher(sched, workers, 4, migration_limit=2).run(req, state, None):
+            got.append(f)
+    assert "".join(f.text for f in got) == "axaxax"
+    assert state.status is RequestStatus.FAILED and len(sched.queries) == 3
+
+
+async def test_worker_death_after_the_last_token_finishes_without_a_new_run() -> None:
+    workers = FakeWorkers(
+        streams={DECODE.address: [FakeStream([ADMITTED, tokens("b", 2), WorkerUnavailable("died", "d1")])]},
+        prefills={PREFILL.address: [PrefillResult("a", (1,), 1, None)]},
+    )
+    sched = FakeScheduler([disagg()])
+    frames, _state = await run(sched, workers, prepared(max_tokens=2))
+    assert frames[-1].kind is FrameKind.FINAL and frames[-1].finish_reason is FinishReason.LENGTH
+    assert frames[-1].usage is not None and frames[-1].usage.completion_tokens == 2
+    assert len(sched.queries) == 1
+
+
+async def test_open_breaker_keeps_a_failing_worker_out_of_the_next_requests() -> None:
+    from services.gateway.breaker import CircuitBreakers
+
+    breakers = CircuitBreakers(failure_threshold=1, cooldown_s=60)
+    workers = FakeWorkers(
+        streams={
+            DECODE.address: [FakeStream([WorkerUnavailable("down", "d1")])],
+            DECODE2.address: [FakeStream([ADMITTED, final("z", 1)]), FakeStream([ADMITTED, final("y", 1)])],
+        },
+        prefills={PREFILL.address: [PrefillResult("x", (5,), 1, None)] * 2},
+    )
+    sched = FakeScheduler([disagg(DECODE), disagg(DECODE2), disagg(DECODE2)])
+    dispatcher = Dispatcher(sched, workers, 4, breakers=breakers)
+    for _ in range(2):
+        req = prepared()
+        state = RequestState(req.request_id, req.prompt_token_ids, True, "m")
+        [f async for f in dispatcher.run(req, state, None)]
+    assert sched.queries[1].exclude_worker_ids == ("d1",)  # the retry of the first request
+    assert sched.queries[2].exclude_worker_ids == ("d1",)  # the next request: breaker open
+    assert breakers.is_open("d1") and not breakers.is_open("d2")

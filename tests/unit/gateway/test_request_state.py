@@ -47,7 +47,7 @@ def test_invalid_transitions_raise() -> None:
     state.advance(RequestStatus.PREFILLING)
     state.advance(RequestStatus.DECODING)
     with pytest.raises(InvalidTransition):
-        state.advance(RequestStatus.WAITING)  # no retry after handoff
+        state.advance(RequestStatus.PREFILLING)
 
 
 def test_retry_only_before_handoff() -> None:

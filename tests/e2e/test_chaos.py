@@ -1,0 +1,254 @@
+"""Chaos over real processes (tiny models, few requests): the stack's processes and KV survive,
+or go away, as an operator expects when something is killed with SIGKILL."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from shared.proto import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tests.support.stack import ROOT, Stack, free_port_base, running_processes
+
+pytestmark = pytest.mark.e2e
+
+
+def _children_of(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == pid:
+            out.append(int(entry.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+
+
+def test_sigkill_of_pdserve_up_takes_every_service_down(tiny_bpe_model: Path, tmp_path: Path) -> None:
+    base = free_port_base()
+    up = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "up", "--model", str(tiny_bpe_model), "--port-base",
+         str(base), "--log-dir", str(tmp_path), "--torch-threads", "1", "--ready-timeout-s", "300"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    children: list[int] = []
+    try:
+        assert up.stdout is not None
+        seen = []
+        for line in up.stdout:
+            seen.append(line)
+            if line.startswith("pdserve is up"):
+                break
+        else:
+            pytest.fail(f"pdserve up exited ({up.wait()}) before it was up:\n{''.join(seen)}")
+        children = _children_of(up.pid)
+        assert len(children) == 5, children
+        up.send_signal(signal.SIGKILL)
+        up.wait()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and any(_alive(p) for p in children):
+            time.sleep(0.2)
+        alive = [p for p in children if _alive(p)]
+        assert not alive, f"services outlived a SIGKILLed pdserve up: {alive}"
+    finally:
+        for pid in children:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+
+
+def _pid_listening_on(address: str) -> int:
+    """The pid of the stack's process started with `--listen address`."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"--listen" in argv and address.encode() in argv:
+            return int(entry.name)
+    raise LookupError(f"no process listens on {address}")
+
+
+@pytest.fixture(scope="module")
+def two_decode_stack(tiny_bpe_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with running_processes(
+        str(tiny_bpe_model),
+        tmp_path_factory.mktemp("logs-chaos"),
+        up_args=["--prefill-workers", "2", "--decode-workers", "2"],
+    ) as stack:
+        yield stack
+
+
+PROMPTS = ["The cache keeps", "Disaggregated serving moves", "A worker died while", "Tokens flow from"]
+
+
+def _request(i: int) -> gateway_pb2.GenerateRequest:
+    sampling: dict[str, Any] = dict(temperature=0) if i % 2 == 0 else dict(temperature=1.0, seed=1234 + i)
+    return gateway_pb2.GenerateRequest(
+        prompt=PROMPTS[i], max_tokens=160, ignore_eos=True, return_token_ids=True, **sampling
+    )
+
+
+async def _stream(
+    stub: gateway_pb2_grpc.GatewayStub, i: int, started: asyncio.Event | None = None
+) -> list[gateway_pb2.GenerateResponse]:
+    frames = []
+    async for frame in stub.Generate(_request(i), timeout=120):
+        frames.append(frame)
+        if started is not None and len(frames) == 2:
+            started.set()
+    return frames
+
+
+async def test_kill9_of_a_decode_worker_mid_stream_migrates_every_stream(two_decode_stack: Stack) -> None:
+    """Streams on a decode worker killed with SIGKILL complete on the other one: the same text
+    and token ids as an undisturbed run (greedy and seeded), exact usage."""
+    stack = two_decode_stack
+    base = stack.port_base
+    async with grpc.aio.insecure_channel(stack.gateway) as ch:
+        stub = gateway_pb2_grpc.GatewayStub(ch)
+        undisturbed = [await _stream(stub, i) for i in range(len(PROMPTS))]
+        started = [asyncio.Event() for _ in PROMPTS]
+        tasks = [asyncio.ensure_future(_stream(stub, i, started[i])) for i in range(len(PROMPTS))]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+        os.kill(_pid_listening_on(f"127.0.0.1:{base + 20}"), signal.SIGKILL)
+        disturbed = await asyncio.gather(*tasks)
+    gateway_log = (stack.log_dir / "gateway.log").read_text()
+    assert gateway_log.count('"event": "migrating"') >= 1, "no stream was on the killed worker"
+    for i, (want, got) in enumerate(zip(undisturbed, disturbed, strict=True)):
+        assert [t for f in got for t in f.token_ids] == [t for f in want for t in f.token_ids], i
+        assert "".join(f.text for f in got) == "".join(f.text for f in want), i
+        assert got[-1].usage.completion_tokens == 160
+        assert got[-1].usage.prompt_tokens == want[-1].usage.prompt_tokens
+        assert got[-1].finish_reason == want[-1].finish_reason
+        assert got[0].kind == gateway_pb2.FRAME_KIND_FIRST
+        assert gateway_pb2.FRAME_KIND_FIRST not in [f.kind for f in got][1:]
+
+
+async def _used_tokens(addresses: list[str]) -> dict[str, int]:
+    """KV tokens in use per reachable worker (GetLoad)."""
+    out = {}
+    for address in addresses:
+        async with grpc.aio.insecure_channel(address) as ch:
+            try:
+                load = await worker_pb2_grpc.WorkerStub(ch).GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
+            except grpc.aio.AioRpcError:
+                continue  # a killed worker
+        out[address] = sum(r.num_used_tokens for r in load.ranks)
+    return out
+
+
+async def _all_freed(addresses: list[str], within_s: float) -> dict[str, int]:
+    deadline = time.monotonic() + within_s
+    used = await _used_tokens(addresses)
+    while any(used.values()) and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+        used = await _used_tokens(addresses)
+    return used
+
+
+def _workers(stack: Stack) -> list[str]:
+    base = stack.port_base
+    return [f"127.0.0.1:{base + o}" for o in (10, 11, 20, 21)]
+
+
+async def test_kill9_of_a_prefill_worker_during_prefill_and_push(two_decode_stack: Stack) -> None:
+    """Long prompts in flight when a prefill worker dies: every request completes (retried before
+    handoff on the other prefill worker) and no decode worker keeps KV of a broken push."""
+    stack = two_decode_stack
+    victim = f"127.0.0.1:{stack.port_base + 11}"
+    long_prompt = " ".join(f"word{i}" for i in range(120))
+    async with grpc.aio.insecure_channel(stack.gateway) as ch:
+        stub = gateway_pb2_grpc.GatewayStub(ch)
+        req = gateway_pb2.GenerateRequest(prompt=long_prompt, max_tokens=8, ignore_eos=True, temperature=0)
+        calls = [asyncio.ensure_future(stub.Complete(req, timeout=120)) for _ in range(12)]
+        await asyncio.sleep(0.05)
+        os.kill(_pid_listening_on(victim), signal.SIGKILL)
+        replies = await asyncio.gather(*calls, return_exceptions=True)
+    failed = [r for r in replies if isinstance(r, BaseException)]
+    assert not failed, failed
+    assert {r.usage.completion_tokens for r in replies if not isinstance(r, BaseException)} == {8}
+    used = await _all_freed([w for w in _workers(stack) if w != victim], within_s=15)
+    assert not any(used.values()), f"KV still held after every request ended: {used}"
+
+
+async def test_cancel_storm_leaves_every_pool_free(two_decode_stack: Stack) -> None:
+    """40 streams: 30 % cancelled mid-stream, 10 % past a short deadline, the rest complete; then
+    every worker's KV pool is free again and the stack still serves."""
+    stack = two_decode_stack
+    async with grpc.aio.insecure_channel(stack.gateway) as ch:
+        stub = gateway_pb2_grpc.GatewayStub(ch)
+
+        async def one(i: int) -> str:
+            req = gateway_pb2.GenerateRequest(
+                prompt=f"storm {i} " * 6, max_tokens=60 if i % 10 < 6 else 400, ignore_eos=True
+            )
+            timeout = 0.3 if i % 10 == 9 else 120
+            call = stub.Generate(req, timeout=timeout)
+            n = 0
+            try:
+                async for _ in call:
+                    n += 1
+                    if i % 10 in (6, 7, 8) and n == 3:
+                        call.cancel()
+                        return "cancelled"
+            except grpc.aio.AioRpcError as exc:
+                return exc.code().name
+            return "ok"
+
+        outcomes = await asyncio.gather(*(one(i) for i in range(40)))
+        assert outcomes.count("ok") >= 24, outcomes
+        assert set(outcomes) <= {"ok", "cancelled", "DEADLINE_EXCEEDED"}, outcomes
+        used = await _all_freed(_workers(stack), within_s=15)
+        assert not any(used.values()), f"KV still held after the storm: {used}"
+        reply = await stub.Complete(
+            gateway_pb2.GenerateRequest(prompt="after the storm", max_tokens=4, ignore_eos=True), timeout=60
+        )
+        assert reply.usage.completion_tokens == 4
+
+
+def test_kill9_of_the_gateway_frees_every_workers_kv(tiny_bpe_model: Path, tmp_path: Path) -> None:
+    """Streams in flight when the gateway dies: the workers see their calls end and free the KV."""
+    with running_processes(str(tiny_bpe_model), tmp_path) as stack:
+        workers = [stack.prefill or "", stack.decode or ""]
+
+        async def run() -> dict[str, int]:
+            ch = grpc.aio.insecure_channel(stack.gateway)
+            stub = gateway_pb2_grpc.GatewayStub(ch)
+            req = gateway_pb2.GenerateRequest(prompt="hold the kv " * 8, max_tokens=1500, ignore_eos=True)
+            calls = [stub.Generate(req, timeout=120) for _ in range(4)]
+            for call in calls:
+                await call.read()  # each stream is running
+            assert any((await _used_tokens(workers)).values()), "no KV held while streams run"
+            os.kill(_pid_listening_on(stack.gateway), signal.SIGKILL)
+            used = await _all_freed(workers, within_s=10)
+            await ch.close(grace=0)
+            return used
+
+        used = asyncio.run(run())
+    assert not any(used.values()), f"KV held after the gateway died: {used}"
