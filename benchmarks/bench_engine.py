@@ -304,7 +304,12 @@ def _child(args: argparse.Namespace, contender: str, argv: list[str]) -> dict[st
                "--child-out", str(out), "--model-path", args.model_path]
         print(f"-- {contender} ...", flush=True)
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.child_timeout_s)
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True,
+                                  timeout=args.child_timeout_s)
+        except subprocess.TimeoutExpired:  # a loaded machine: report it, run the others
+            print(f"   {contender} timed out after {args.child_timeout_s:.0f} s")
+            return None
         if proc.returncode != 0 or not out.exists():
             print(f"   {contender} failed (rc {proc.returncode}): "
                   f"{proc.stderr.strip().splitlines()[-1:] or ''}")
