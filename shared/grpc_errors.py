@@ -131,13 +131,20 @@ async def _checked_stream(requests: AsyncIterator[Any], method: str) -> AsyncIte
         yield _check_decoded(request, method)
 
 
+RETRY_AFTER_MS_KEY = "retry-after-ms"  # trailing metadata of a refusal that names when to retry
+
+
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
     code, message = status_for(exc)
     if code == grpc.StatusCode.INTERNAL:
         log.error("unhandled_error", method=method, exc_info=exc)
     else:
         log.info("request_error", method=method, code=code.name, error=message)
-    await context.abort(code, message)
+    retry_after_s = getattr(exc, "retry_after_s", None)
+    trailing: tuple[tuple[str, str], ...] = ()
+    if isinstance(retry_after_s, int | float) and retry_after_s >= 0:
+        trailing = ((RETRY_AFTER_MS_KEY, str(round(retry_after_s * 1000))),)
+    await context.abort(code, message, trailing_metadata=trailing)
 
 
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):

@@ -14,6 +14,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from shared import cluster_auth
 from shared.grpc_errors import ErrorMappingInterceptor
 from shared.server_streams import CloseStreamsInterceptor
 from shared.tls import TlsConfig
@@ -98,10 +99,18 @@ class Server:
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
         tls: TlsConfig | None = None,
         options: Sequence[tuple[str, Any]] | None = None,
+        cluster_token: str = "",
     ) -> None:
+        """`cluster_token`: required on calls to pdserve's internal services (shared.cluster_auth);
+        checked before every other interceptor, so an unauthenticated call reaches nothing."""
         self.service_names = list(service_names)
         self.grpc = grpc.aio.server(
-            interceptors=[CloseStreamsInterceptor(), *interceptors, ErrorMappingInterceptor()],
+            interceptors=[
+                CloseStreamsInterceptor(),
+                *cluster_auth.server_interceptors(cluster_token),
+                *interceptors,
+                ErrorMappingInterceptor(),
+            ],
             options=list(SERVER_OPTIONS if options is None else options),
         )
         self.health = health.aio.HealthServicer()

@@ -26,6 +26,13 @@ class TlsSettings:
     tls_ca_file: str = field("", "PEM CA bundle that peers' certificates are checked against")
     tls_client_auth: bool = field(False, "require and present client certificates (mutual TLS)")
     tls_server_name: str = field("", "name expected in peers' certificates (default: the host dialed)")
+    cluster_token: str = field(
+        "",
+        "shared secret every internal RPC must carry (x-pdserve-cluster-token metadata); the same "
+        "on every service of the cluster; empty = no check (with mutual TLS the certificate is "
+        "the identity)",
+        secret=True,
+    )
 
     @property
     def tls_enabled(self) -> bool:

@@ -151,6 +151,8 @@ def sampling_to_pb(s: Sampling) -> common_pb2.SamplingParams:
         msg.seed = s.seed
     if s.first_output_index:
         msg.first_output_index = s.first_output_index
+    if s.unshown_tail_tokens:
+        msg.unshown_tail_tokens = s.unshown_tail_tokens
     return msg
 
 

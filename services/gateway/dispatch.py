@@ -19,6 +19,7 @@ from typing import TypeVar
 import structlog
 
 from services.gateway.accounting import FrameSource
+from services.gateway.breaker import CircuitBreakers, backoff_s
 from services.gateway.ports import (
     DecodeEvent,
     DecodeEventKind,
@@ -89,12 +90,15 @@ class Dispatcher:
         block_size: int,
         control_timeout_s: float = 10.0,
         migration_limit: int = DEFAULT_MIGRATION_LIMIT,
+        breakers: CircuitBreakers | None = None,
     ) -> None:
+        """`breakers`: per-worker circuit breakers shared by every request (None: none)."""
         self._scheduler = scheduler
         self._workers = workers
         self._block_size = block_size
         self._control_timeout_s = control_timeout_s
         self._migration_limit = migration_limit
+        self._breakers = breakers or CircuitBreakers(failure_threshold=0)
         self._abort_tasks: set[asyncio.Task[None]] = set()
 
     async def run(
@@ -109,12 +113,16 @@ class Dispatcher:
             tries += 1
             attempt = _Attempt(attempt_request_id(req.request_id, tries))
             try:
-                frames = self._attempt(req, state, attempt, hashes, tuple(exclude), deadline_s)
+                avoid = tuple(dict.fromkeys([*exclude, *self._breakers.exclusions()]))
+                frames = self._attempt(req, state, attempt, hashes, avoid, deadline_s)
                 async with contextlib.aclosing(frames):
                     async for frame in frames:
                         yield frame
+                self._record_success(attempt)
                 return
             except (WorkerUnavailable, WorkerOutOfCapacity) as exc:
+                if isinstance(exc, WorkerUnavailable):
+                    self._breakers.record_failure(exc.worker_id)
                 await self._undo(attempt)
                 if state.handed_off:
                     self._check_migratable(state, exc)  # raises (after state.fail) when not
@@ -128,6 +136,7 @@ class Dispatcher:
                     if exc.worker_id:
                         exclude.append(exc.worker_id)
                     state.begin_migration()
+                    await self._pause(state.migrations, deadline_s)
                     continue
                 if tries >= MAX_ATTEMPTS:
                     state.fail()
@@ -137,6 +146,7 @@ class Dispatcher:
                     exclude.append(exc.worker_id)
                 if state.status is not RequestStatus.WAITING:
                     state.reset_for_retry()
+                await self._pause(tries, deadline_s)
             except (asyncio.CancelledError, GeneratorExit, DeadlineExceeded):
                 # The state ends first: a second cancellation while the aborts go out must not
                 # leave the request logged (and counted) as still running.
@@ -148,6 +158,19 @@ class Dispatcher:
                 state.fail()
                 await self._undo(attempt)
                 raise
+
+    def _record_success(self, attempt: _Attempt) -> None:
+        placement = attempt.placement
+        if placement is not None:
+            self._breakers.record_success(placement.decode.worker_id)
+            if placement.prefill is not None:
+                self._breakers.record_success(placement.prefill.worker_id)
+
+    async def _pause(self, retry: int, deadline_s: float | None) -> None:
+        """Jittered exponential backoff before retry/migration number `retry`, within the deadline."""
+        pause_s = backoff_s(retry)
+        remaining = self._remaining(deadline_s)
+        await asyncio.sleep(pause_s if remaining is None else min(pause_s, remaining))
 
     def _check_migratable(self, state: RequestState, exc: WorkerUnavailable | WorkerOutOfCapacity) -> None:
         """Raise (the request failed) unless it may move on to other workers."""
@@ -214,7 +237,10 @@ class Dispatcher:
             request_id=attempt.request_id,
             prompt_token_ids=prompt,
             sampling=dataclasses.replace(
-                req.sampling, max_tokens=max_tokens - len(generated), first_output_index=len(generated)
+                req.sampling,
+                max_tokens=max_tokens - len(generated),
+                first_output_index=len(generated),
+                unshown_tail_tokens=state.unshown_tail_tokens if generated else 0,
             ),
             # Always: the ids of the tokens generated so far are what a migration resumes from.
             # The client gets them only when it asked (OutputFrame, from state.return_token_ids).

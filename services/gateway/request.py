@@ -55,6 +55,7 @@ class Sampling:
     ignore_eos: bool = False
     include_stop_in_output: bool = False
     first_output_index: int = 0  # > 0 when a migrated request resumes after that many tokens
+    unshown_tail_tokens: int = 0  # of those, the last ones whose text was not shown (held back)
 
 
 def new_request_id() -> str:
@@ -222,6 +223,17 @@ class RequestState:
     def resume_token_ids(self) -> tuple[int, ...]:
         """The tokens generated so far, in order (what a migrated request's new prompt appends)."""
         return self.output_token_ids
+
+    @property
+    def unshown_tail_tokens(self) -> int:
+        """Generated tokens at the end whose text was never relayed: the worker held it back (an
+        incomplete character). Counted from the trailing pieces that carried ids but no text."""
+        count = 0
+        for piece in reversed(self._pieces):
+            if piece.text:
+                break
+            count += len(piece.token_ids)
+        return count
 
     @property
     def can_resume(self) -> bool:

@@ -20,6 +20,7 @@ from services.gateway.settings import GatewaySettings, load_settings
 from services.gateway.tokenization import PromptTokenizer
 from shared.auth import load_api_keys
 from shared.channels import ChannelCache
+from shared.cluster_auth import token_metadata
 from shared.grpc_auth import ApiKeyInterceptor
 from shared.logs import configure_logging
 from shared.metrics import start_metrics_server
@@ -90,7 +91,8 @@ class GatewayApp:
 
 def build_app(settings: GatewaySettings) -> GatewayApp:
     tls = settings.tls_config()
-    channels = ChannelCache(tls=tls)  # scheduler and worker channels use the same TLS settings
+    # scheduler and worker channels use the same TLS settings; internal calls carry the token
+    channels = ChannelCache(tls=tls, call_metadata=token_metadata(settings.cluster_token))
     service = GatewayService(
         settings,
         GrpcScheduler(channels, settings.scheduler_address, settings.worker_rpc_timeout_s),

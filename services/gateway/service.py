@@ -12,6 +12,8 @@ import structlog
 from opentelemetry import trace
 
 from services.gateway import observe
+from services.gateway.admission import Admission
+from services.gateway.breaker import CircuitBreakers
 from services.gateway.dispatch import Dispatcher, PreparedRequest
 from services.gateway.ports import ModelCard, SchedulerClient, WorkerClient
 from services.gateway.request import (
@@ -51,6 +53,10 @@ class GatewayService:
             settings.block_size,
             settings.worker_rpc_timeout_s,
             migration_limit=settings.migration_limit,
+            breakers=CircuitBreakers(settings.breaker_failures, settings.breaker_cooldown_s),
+        )
+        self.admission = Admission(
+            settings.max_inflight_requests, settings.max_queued_requests, settings.max_queue_wait_s
         )
         self._in_flight: dict[str, asyncio.Task[object]] = {}  # request_id -> the RPC's task
         self._idle = asyncio.Event()
@@ -128,58 +134,62 @@ class GatewayService:
         if self._draining:
             raise Unavailable("the gateway is shutting down; retry on another replica")
         prepared = self.prepare(inp)
-        if prepared.request_id in self._in_flight:
-            raise AlreadyExists(
-                f"request_id {prepared.request_id!r} is already in flight; use a unique id or leave it empty"
-            )
-        timeout_s = self._settings.request_timeout_s
-        if client_timeout_s is not None:
-            timeout_s = min(timeout_s, client_timeout_s)
-        state = RequestState(
-            request_id=prepared.request_id,
-            prompt_token_ids=prepared.prompt_token_ids,
-            return_token_ids=prepared.return_token_ids,
-            model=self._require_tokenizer().model_id,
-            arrival_s=arrival_s,
-        )
-        task = asyncio.current_task()
-        assert task is not None
-        self._in_flight[prepared.request_id] = task
-        self._idle.clear()
-        try:
-            with (
-                structlog.contextvars.bound_contextvars(request_id=prepared.request_id),
-                tracer().start_as_current_span("generate") as span,
-            ):
-                span.set_attribute("pdserve.request_id", prepared.request_id)
-                span.set_attribute("pdserve.prompt_tokens", state.num_prompt_tokens)
-                log.info(
-                    "request_start",
-                    prompt_tokens=state.num_prompt_tokens,
-                    max_tokens=prepared.requested_max_tokens,
-                    **(self._prompt_fields(inp) if self._settings.log_prompts else {}),
+        # Admission: a slot, or a short FIFO wait for one, or RESOURCE_EXHAUSTED at once. The
+        # deadline clock starts at arrival, so time spent queued counts against it.
+        async with self.admission.slot():
+            if prepared.request_id in self._in_flight:
+                raise AlreadyExists(
+                    f"request_id {prepared.request_id!r} is already in flight; use a unique id or "
+                    "leave it empty"
                 )
-                try:
-                    frames = self.dispatcher.run(prepared, state, arrival_s + timeout_s)
-                    async with contextlib.aclosing(frames):
-                        async for frame in frames:
-                            yield frame
-                except asyncio.CancelledError:
-                    if task not in self._cancelled_by_drain:
-                        raise  # the client went away
-                    # We cancelled it (drain grace expired; workers got Abort): tell the client.
-                    task.uncancel()
-                    raise Unavailable(
-                        "the gateway shut down before this request finished; retry it"
-                    ) from None
-                finally:
-                    self._log_end(state, span)
-        finally:
-            del self._in_flight[prepared.request_id]
-            self._cancelled_by_drain.discard(task)
-            if not self._in_flight:
-                self._idle.set()
-            observe.record_finished(state)
+            timeout_s = self._settings.request_timeout_s
+            if client_timeout_s is not None:
+                timeout_s = min(timeout_s, client_timeout_s)
+            state = RequestState(
+                request_id=prepared.request_id,
+                prompt_token_ids=prepared.prompt_token_ids,
+                return_token_ids=prepared.return_token_ids,
+                model=self._require_tokenizer().model_id,
+                arrival_s=arrival_s,
+            )
+            task = asyncio.current_task()
+            assert task is not None
+            self._in_flight[prepared.request_id] = task
+            self._idle.clear()
+            try:
+                with (
+                    structlog.contextvars.bound_contextvars(request_id=prepared.request_id),
+                    tracer().start_as_current_span("generate") as span,
+                ):
+                    span.set_attribute("pdserve.request_id", prepared.request_id)
+                    span.set_attribute("pdserve.prompt_tokens", state.num_prompt_tokens)
+                    log.info(
+                        "request_start",
+                        prompt_tokens=state.num_prompt_tokens,
+                        max_tokens=prepared.requested_max_tokens,
+                        **(self._prompt_fields(inp) if self._settings.log_prompts else {}),
+                    )
+                    try:
+                        frames = self.dispatcher.run(prepared, state, arrival_s + timeout_s)
+                        async with contextlib.aclosing(frames):
+                            async for frame in frames:
+                                yield frame
+                    except asyncio.CancelledError:
+                        if task not in self._cancelled_by_drain:
+                            raise  # the client went away
+                        # We cancelled it (drain grace expired; workers got Abort): tell the client.
+                        task.uncancel()
+                        raise Unavailable(
+                            "the gateway shut down before this request finished; retry it"
+                        ) from None
+                    finally:
+                        self._log_end(state, span)
+            finally:
+                del self._in_flight[prepared.request_id]
+                self._cancelled_by_drain.discard(task)
+                if not self._in_flight:
+                    self._idle.set()
+                observe.record_finished(state)
 
     async def complete(self, inp: GenerateInput, client_timeout_s: float | None = None) -> Completion:
         """The same request life as generate, gathered into one response."""

@@ -57,6 +57,23 @@ class GatewaySettings(TlsSettings):
     )
     worker_rpc_timeout_s: float = field(10.0, "timeout of short control RPCs (Schedule, Abort, GetState) (s)")
     log_prompts: bool = field(False, "log prompt and completion text (off by default: privacy)")
+    max_inflight_requests: int = field(
+        512,
+        "requests served at once; more wait in a queue (--max-queued-requests) or are refused "
+        "with RESOURCE_EXHAUSTED / HTTP 429 + Retry-After; 0 = no bound (count)",
+    )
+    max_queued_requests: int = field(
+        512, "requests that may wait for a slot beyond --max-inflight-requests (count)"
+    )
+    max_queue_wait_s: float = field(
+        10.0, "longest a request waits for a slot before RESOURCE_EXHAUSTED (s)"
+    )
+    breaker_failures: int = field(
+        3,
+        "consecutive failures (unavailable) after which a worker gets no traffic from this gateway "
+        "for --breaker-cooldown-s, then one probe request; 0 disables the breakers (count)",
+    )
+    breaker_cooldown_s: float = field(5.0, "how long an open circuit breaker keeps a worker out (s)")
     migration_limit: int = field(
         3,
         "times one request may be moved to another worker after its decode worker failed "
@@ -77,6 +94,10 @@ class GatewaySettings(TlsSettings):
             raise ValueError(f"http_port must be -1 (off), 0 (any free port) or a port, got {self.http_port}")
         if self.http_max_body_bytes < 1024:
             raise ValueError(f"http_max_body_bytes must be >= 1024, got {self.http_max_body_bytes}")
+        if self.max_inflight_requests < 0 or self.max_queued_requests < 0:
+            raise ValueError("max_inflight_requests and max_queued_requests must be >= 0")
+        if self.max_queue_wait_s <= 0 or self.breaker_cooldown_s <= 0 or self.breaker_failures < 0:
+            raise ValueError("max_queue_wait_s and breaker_cooldown_s must be > 0, breaker_failures >= 0")
         if self.migration_limit < 0:
             raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")
         if self.drain_grace_s < 0:

@@ -1,5 +1,6 @@
-"""The load-monitor's behaviour: membership calls, the load poll loop, lease expiry and the stream
-of snapshots to watchers. Worker calls go through an injected `LoadFetcher` (no grpc here)."""
+"""The load-monitor's behaviour: membership calls (a registration is admitted only when the worker
+at the registered address confirms the identity), the load poll loop, lease expiry and the stream
+of snapshots to watchers. Worker calls go through injected functions (no grpc here)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import structlog
 
 from services.load_monitor.registry import PollTarget, Registry
 from shared.cluster import LoadSnapshot, RankLoad, WorkerInfo
+from shared.errors import FailedPrecondition, Unavailable
 from shared.metrics import REGISTERED_WORKERS
 
 log = structlog.get_logger(__name__)
@@ -29,6 +31,21 @@ class LoadReport:
 LoadFetcher = Callable[[str, float], Awaitable[LoadReport]]
 # Called with the address of a worker that left, so its client can be closed.
 Forget = Callable[[str], Awaitable[None]]
+# (address, timeout_s) -> the identity the worker there reports (its Info); raises on failure.
+InfoFetcher = Callable[[str, float], Awaitable[WorkerInfo]]
+
+
+def identity_mismatch(registered: WorkerInfo, reported: WorkerInfo) -> str | None:
+    """What differs between a registration and what the worker at its address says it is (None:
+    nothing). Routing trusts these fields: a fake model id, max_model_len or address would send
+    real requests to a wrong or dead place."""
+    fields = ("worker_id", "address", "role", "model_id", "max_model_len", "dp_size", "kv_layout")
+    diffs = [
+        f"{name} {getattr(reported, name)!r} (registered: {getattr(registered, name)!r})"
+        for name in fields
+        if getattr(registered, name) != getattr(reported, name)
+    ]
+    return "; ".join(diffs) or None
 
 
 @dataclass(frozen=True)
@@ -55,10 +72,13 @@ class LoadMonitor:
         load_interval_s: float,
         load_timeout_s: float,
         forget: Forget | None = None,
+        info: InfoFetcher | None = None,
     ) -> None:
+        """`info`: when given, `admit` checks each registration against the worker's own Info."""
         self.registry = registry
         self._fetch = fetch
         self._forget = forget
+        self._info = info
         self.load_interval_s = load_interval_s
         # A poll round waits for its slowest answer: never longer than one interval.
         self.load_timeout_s = min(load_timeout_s, load_interval_s)
@@ -69,6 +89,30 @@ class LoadMonitor:
         self._update_gauge()
 
     # --- membership ---
+
+    async def admit(self, info: WorkerInfo) -> Registration:
+        """Register `info` once the worker at `info.address` confirmed it is that worker.
+        Raises Unavailable when it cannot be asked (the worker retries), FailedPrecondition when
+        it reports another identity (a fabricated or misconfigured registration)."""
+        if self._info is not None:
+            try:
+                reported = await self._info(info.address, self.load_timeout_s)
+            except Exception as exc:
+                log.warning("registration_unverified", worker_id=info.worker_id, address=info.address,
+                            error=str(exc) or type(exc).__name__)
+                raise Unavailable(
+                    f"cannot verify the registration of {info.worker_id!r}: Info at {info.address} "
+                    f"failed ({exc}); the worker must serve Info there (with the cluster token) "
+                    "before it registers"
+                ) from None
+            problem = identity_mismatch(info, reported)
+            if problem is not None:
+                log.warning("registration_refused", worker_id=info.worker_id, address=info.address,
+                            mismatch=problem)
+                raise FailedPrecondition(
+                    f"registration refused: the worker at {info.address} reports {problem}"
+                )
+        return self.register(info)
 
     def register(self, info: WorkerInfo) -> Registration:
         previous = {m.address for m in self._addresses()}

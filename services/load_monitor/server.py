@@ -15,6 +15,7 @@ from services.load_monitor.servicer import LoadMonitorServicer
 from services.load_monitor.settings import Settings
 from services.load_monitor.worker_client import WorkerLoadClient
 from shared.channels import ChannelCache
+from shared.cluster_auth import token_metadata
 from shared.logs import configure_logging
 from shared.metrics import start_metrics_server
 from shared.proto import load_monitor_pb2, load_monitor_pb2_grpc
@@ -49,7 +50,8 @@ class LoadMonitorApp:
 
 def build(settings: Settings, interceptors: Sequence[object] = ()) -> LoadMonitorApp:
     tls = settings.tls_config()
-    client = WorkerLoadClient(ChannelCache(tls=tls))  # the same TLS settings as the server
+    # the same TLS settings as the server; its calls to workers carry the cluster token
+    client = WorkerLoadClient(ChannelCache(tls=tls, call_metadata=token_metadata(settings.cluster_token)))
     registry = Registry(lease_ttl_s=settings.lease_ttl_s, stale_after_s=settings.stale_after_s)
     monitor = LoadMonitor(
         registry,
@@ -57,8 +59,15 @@ def build(settings: Settings, interceptors: Sequence[object] = ()) -> LoadMonito
         load_interval_s=settings.load_interval_s,
         load_timeout_s=settings.load_timeout_s,
         forget=client.forget,
+        info=client.info,
     )
-    server = Server(settings.listen, [SERVICE_NAME], interceptors=list(interceptors), tls=tls)
+    server = Server(
+        settings.listen,
+        [SERVICE_NAME],
+        interceptors=list(interceptors),
+        tls=tls,
+        cluster_token=settings.cluster_token,
+    )
     load_monitor_pb2_grpc.add_LoadMonitorServicer_to_server(LoadMonitorServicer(monitor), server.grpc)
     return LoadMonitorApp(server, monitor, client)
 

@@ -23,7 +23,7 @@ class LoadMonitorServicer(load_monitor_pb2_grpc.LoadMonitorServicer):
         if not request.HasField("worker"):
             raise InvalidArgument("worker is required")
         info = cluster_convert.worker_info_from_pb(request.worker)
-        return convert.registration_to_pb(self._monitor.register(info))
+        return convert.registration_to_pb(await self._monitor.admit(info))
 
     async def Heartbeat(
         self, request: load_monitor_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext

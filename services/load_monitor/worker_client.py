@@ -7,6 +7,8 @@ import grpc
 from services.load_monitor import convert
 from services.load_monitor.monitor import LoadReport
 from shared.channels import ChannelCache
+from shared.cluster import WorkerInfo
+from shared.cluster_convert import worker_info_from_pb
 from shared.grpc_errors import error_from_rpc
 from shared.proto import worker_pb2, worker_pb2_grpc
 
@@ -25,6 +27,15 @@ class WorkerLoadClient:
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc, f"worker {address}") from None
         return convert.load_report_from_pb(reply)
+
+    async def info(self, address: str, timeout_s: float) -> WorkerInfo:
+        """The identity the worker at `address` reports (Worker/Info)."""
+        stub = worker_pb2_grpc.WorkerStub(self._channels.get(address))
+        try:
+            reply = await stub.Info(worker_pb2.InfoRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc, f"worker {address}") from None
+        return worker_info_from_pb(reply)
 
     async def forget(self, address: str) -> None:
         await self._channels.forget(address)

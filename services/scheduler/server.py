@@ -15,6 +15,7 @@ from services.scheduler.servicer import SchedulerServicer
 from services.scheduler.settings import Settings
 from services.scheduler.watcher import LoadWatcher
 from shared.channels import ChannelCache
+from shared.cluster_auth import token_metadata
 from shared.logs import configure_logging
 from shared.metrics import start_metrics_server
 from shared.proto import scheduler_pb2, scheduler_pb2_grpc
@@ -69,11 +70,18 @@ class SchedulerApp:
 def build(settings: Settings, interceptors: Sequence[object] = ()) -> SchedulerApp:
     router = make_router(settings)
     tls = settings.tls_config()
-    channels = ChannelCache(tls=tls)  # the same TLS settings for the channels this service dials
+    # the same TLS settings for the channels this service dials; internal calls carry the token
+    channels = ChannelCache(tls=tls, call_metadata=token_metadata(settings.cluster_token))
     watcher = LoadWatcher(
         channels, settings.load_monitor_address, router, backoff_max_s=settings.watch_backoff_max_s
     )
-    server = Server(settings.listen, [SERVICE_NAME], interceptors=list(interceptors), tls=tls)
+    server = Server(
+        settings.listen,
+        [SERVICE_NAME],
+        interceptors=list(interceptors),
+        tls=tls,
+        cluster_token=settings.cluster_token,
+    )
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(router), server.grpc)
     return SchedulerApp(server, router, watcher, channels)
 

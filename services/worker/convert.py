@@ -44,6 +44,7 @@ def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingConfig:
         ignore_eos=pb.ignore_eos,
         include_stop_in_output=pb.include_stop_in_output,
         first_output_index=pb.first_output_index,
+        unshown_tail_tokens=pb.unshown_tail_tokens,
     )
 
 

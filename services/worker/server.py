@@ -24,6 +24,7 @@ from services.worker.servicer import WorkerServicer
 from services.worker.settings import WorkerSettings
 from shared.channels import ChannelCache
 from shared.cluster import Role, WorkerInfo
+from shared.cluster_auth import token_metadata
 from shared.cluster_convert import worker_info_to_pb
 from shared.errors import PdserveError
 from shared.logs import configure_logging
@@ -84,12 +85,22 @@ class WorkerApp:
         self._engine_factory = engine_factory
         self.servicer = WorkerServicer()
         tls = settings.tls_config()
-        self.server = Server(settings.listen, [SERVICE_NAME], interceptors=server_interceptors(), tls=tls)
+        self.server = Server(
+            settings.listen,
+            [SERVICE_NAME],
+            interceptors=server_interceptors(),
+            tls=tls,
+            cluster_token=settings.cluster_token,
+        )
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server.grpc)
         self.address = settings.advertise_address or self.server.address
         self.worker_id = settings.worker_id or new_worker_id(settings.role)
         # KV pushes and registration dial peers with the same TLS settings as the server.
-        self.channels = ChannelCache(tls=tls, max_channels=_MAX_CACHED_CHANNELS)
+        self.channels = ChannelCache(
+            tls=tls,
+            call_metadata=token_metadata(settings.cluster_token),
+            max_channels=_MAX_CACHED_CHANNELS,
+        )
         self.pusher = GrpcKvPusher(self.channels, timeout_s=settings.kv_push_timeout_s)
         self.engine: Engine | None = None
         self.core: WorkerCore | None = None

@@ -16,8 +16,8 @@ from typing import Any
 import grpc
 import pytest
 
-from shared.proto import gateway_pb2, gateway_pb2_grpc
-from tests.support.stack import ROOT, Stack, free_port_base, running_stack
+from shared.proto import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tests.support.stack import ROOT, Stack, free_port_base, running_processes
 
 pytestmark = pytest.mark.e2e
 
@@ -49,17 +49,19 @@ def test_sigkill_of_pdserve_up_takes_every_service_down(tiny_bpe_model: Path, tm
     base = free_port_base()
     up = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "up", "--model", str(tiny_bpe_model), "--port-base",
-         str(base), "--log-dir", str(tmp_path), "--torch-threads", "1"],
+         str(base), "--log-dir", str(tmp_path), "--torch-threads", "1", "--ready-timeout-s", "300"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     children: list[int] = []
     try:
         assert up.stdout is not None
+        seen = []
         for line in up.stdout:
+            seen.append(line)
             if line.startswith("pdserve is up"):
                 break
         else:
-            pytest.fail(f"pdserve up exited ({up.wait()}) before it was up")
+            pytest.fail(f"pdserve up exited ({up.wait()}) before it was up:\n{''.join(seen)}")
         children = _children_of(up.pid)
         assert len(children) == 5, children
         up.send_signal(signal.SIGKILL)
@@ -94,8 +96,10 @@ def _pid_listening_on(address: str) -> int:
 
 @pytest.fixture(scope="module")
 def two_decode_stack(tiny_bpe_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    with running_stack(
-        str(tiny_bpe_model), tmp_path_factory.mktemp("logs-chaos"), up_args=["--decode-workers", "2"]
+    with running_processes(
+        str(tiny_bpe_model),
+        tmp_path_factory.mktemp("logs-chaos"),
+        up_args=["--prefill-workers", "2", "--decode-workers", "2"],
     ) as stack:
         yield stack
 
@@ -144,3 +148,107 @@ async def test_kill9_of_a_decode_worker_mid_stream_migrates_every_stream(two_dec
         assert got[-1].finish_reason == want[-1].finish_reason
         assert got[0].kind == gateway_pb2.FRAME_KIND_FIRST
         assert gateway_pb2.FRAME_KIND_FIRST not in [f.kind for f in got][1:]
+
+
+async def _used_tokens(addresses: list[str]) -> dict[str, int]:
+    """KV tokens in use per reachable worker (GetLoad)."""
+    out = {}
+    for address in addresses:
+        async with grpc.aio.insecure_channel(address) as ch:
+            try:
+                load = await worker_pb2_grpc.WorkerStub(ch).GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
+            except grpc.aio.AioRpcError:
+                continue  # a killed worker
+        out[address] = sum(r.num_used_tokens for r in load.ranks)
+    return out
+
+
+async def _all_freed(addresses: list[str], within_s: float) -> dict[str, int]:
+    deadline = time.monotonic() + within_s
+    used = await _used_tokens(addresses)
+    while any(used.values()) and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+        used = await _used_tokens(addresses)
+    return used
+
+
+def _workers(stack: Stack) -> list[str]:
+    base = stack.port_base
+    return [f"127.0.0.1:{base + o}" for o in (10, 11, 20, 21)]
+
+
+async def test_kill9_of_a_prefill_worker_during_prefill_and_push(two_decode_stack: Stack) -> None:
+    """Long prompts in flight when a prefill worker dies: every request completes (retried before
+    handoff on the other prefill worker) and no decode worker keeps KV of a broken push."""
+    stack = two_decode_stack
+    victim = f"127.0.0.1:{stack.port_base + 11}"
+    long_prompt = " ".join(f"word{i}" for i in range(120))
+    async with grpc.aio.insecure_channel(stack.gateway) as ch:
+        stub = gateway_pb2_grpc.GatewayStub(ch)
+        req = gateway_pb2.GenerateRequest(prompt=long_prompt, max_tokens=8, ignore_eos=True, temperature=0)
+        calls = [asyncio.ensure_future(stub.Complete(req, timeout=120)) for _ in range(12)]
+        await asyncio.sleep(0.05)
+        os.kill(_pid_listening_on(victim), signal.SIGKILL)
+        replies = await asyncio.gather(*calls, return_exceptions=True)
+    failed = [r for r in replies if isinstance(r, BaseException)]
+    assert not failed, failed
+    assert {r.usage.completion_tokens for r in replies if not isinstance(r, BaseException)} == {8}
+    used = await _all_freed([w for w in _workers(stack) if w != victim], within_s=15)
+    assert not any(used.values()), f"KV still held after every request ended: {used}"
+
+
+async def test_cancel_storm_leaves_every_pool_free(two_decode_stack: Stack) -> None:
+    """40 streams: 30 % cancelled mid-stream, 10 % past a short deadline, the rest complete; then
+    every worker's KV pool is free again and the stack still serves."""
+    stack = two_decode_stack
+    async with grpc.aio.insecure_channel(stack.gateway) as ch:
+        stub = gateway_pb2_grpc.GatewayStub(ch)
+
+        async def one(i: int) -> str:
+            req = gateway_pb2.GenerateRequest(
+                prompt=f"storm {i} " * 6, max_tokens=60 if i % 10 < 6 else 400, ignore_eos=True
+            )
+            timeout = 0.3 if i % 10 == 9 else 120
+            call = stub.Generate(req, timeout=timeout)
+            n = 0
+            try:
+                async for _ in call:
+                    n += 1
+                    if i % 10 in (6, 7, 8) and n == 3:
+                        call.cancel()
+                        return "cancelled"
+            except grpc.aio.AioRpcError as exc:
+                return exc.code().name
+            return "ok"
+
+        outcomes = await asyncio.gather(*(one(i) for i in range(40)))
+        assert outcomes.count("ok") >= 24, outcomes
+        assert set(outcomes) <= {"ok", "cancelled", "DEADLINE_EXCEEDED"}, outcomes
+        used = await _all_freed(_workers(stack), within_s=15)
+        assert not any(used.values()), f"KV still held after the storm: {used}"
+        reply = await stub.Complete(
+            gateway_pb2.GenerateRequest(prompt="after the storm", max_tokens=4, ignore_eos=True), timeout=60
+        )
+        assert reply.usage.completion_tokens == 4
+
+
+def test_kill9_of_the_gateway_frees_every_workers_kv(tiny_bpe_model: Path, tmp_path: Path) -> None:
+    """Streams in flight when the gateway dies: the workers see their calls end and free the KV."""
+    with running_processes(str(tiny_bpe_model), tmp_path) as stack:
+        workers = [stack.prefill or "", stack.decode or ""]
+
+        async def run() -> dict[str, int]:
+            ch = grpc.aio.insecure_channel(stack.gateway)
+            stub = gateway_pb2_grpc.GatewayStub(ch)
+            req = gateway_pb2.GenerateRequest(prompt="hold the kv " * 8, max_tokens=1500, ignore_eos=True)
+            calls = [stub.Generate(req, timeout=120) for _ in range(4)]
+            for call in calls:
+                await call.read()  # each stream is running
+            assert any((await _used_tokens(workers)).values()), "no KV held while streams run"
+            os.kill(_pid_listening_on(stack.gateway), signal.SIGKILL)
+            used = await _all_freed(workers, within_s=10)
+            await ch.close(grace=0)
+            return used
+
+        used = asyncio.run(run())
+    assert not any(used.values()), f"KV held after the gateway died: {used}"

@@ -359,6 +359,16 @@ def test_tls_secret_mounted_and_probes_use_tls() -> None:
         assert f"127.0.0.1:{PORTS[name]}" in script and HEALTH_SERVICES[name] in script
 
 
+def test_cluster_token_comes_from_a_secret(default_objs: list[Obj]) -> None:
+    for dep in deployments(default_objs).values():
+        assert "PDSERVE_CLUSTER_TOKEN" not in env_of(dep)  # off unless a secret is named
+    objs = render("--set", "clusterToken.secretName=pdserve-cluster")
+    for name, dep in deployments(objs).items():
+        (entry,) = [e for e in container(dep)["env"] if e["name"] == "PDSERVE_CLUSTER_TOKEN"]
+        assert entry["valueFrom"]["secretKeyRef"] == {"name": "pdserve-cluster", "key": "token"}, name
+        assert "value" not in entry  # never a literal in the manifest
+
+
 def test_hardened_pods(default_objs: list[Obj]) -> None:
     for dep in deployments(default_objs).values():
         spec = dep["spec"]["template"]["spec"]

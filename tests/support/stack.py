@@ -154,3 +154,45 @@ def running_stack(
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+@contextlib.contextmanager
+def running_processes(
+    model: str,
+    log_dir: Path,
+    *,
+    up_args: Sequence[str] = (),
+    ready_timeout_s: float = 300.0,
+) -> Iterator[Stack]:
+    """The stack `pdserve up` would start (same flags, ports and arguments), but started by this
+    process directly: no supervisor stops everything when one service dies, so chaos tests can
+    kill services one by one. Stopped with SIGTERM (SIGKILL after 30 s) at the end."""
+    from services import up
+
+    base = free_port_base()
+    args = up._parse(
+        ["--model", model, "--port-base", str(base), "--log-dir", str(log_dir), "--torch-threads", "1",
+         *up_args]
+    )
+    children = up._children(args, model)
+    for child in children:
+        up._start(child, str(log_dir))
+    try:
+        num_workers = sum(args.worker_counts.values())
+        problem = up._wait_ready(children, num_workers, ready_timeout_s, threading.Event(), None)
+        stack = Stack(
+            gateway=f"127.0.0.1:{base}",
+            scheduler=f"127.0.0.1:{base + 1}",
+            load_monitor=f"127.0.0.1:{base + 2}",
+            prefill=f"127.0.0.1:{base + 10}",
+            decode=f"127.0.0.1:{base + 20}",
+            unified=None,
+            port_base=base,
+            log_dir=log_dir,
+            output=[],
+        )
+        if problem is not None:
+            raise RuntimeError(f"the stack did not come up: {problem}\n{stack.logs()}")
+        yield stack
+    finally:
+        up._stop_all(children, grace_s=30.0)

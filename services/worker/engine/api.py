@@ -51,6 +51,8 @@ class SamplingConfig:
     include_stop_in_output: bool = False
     # output index of this request's first generated token (a migrated request continues there)
     first_output_index: int = 0
+    # trailing prompt tokens whose text was never shown (a migrated request's incomplete character)
+    unshown_tail_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -34,13 +34,19 @@ def hidden_token_ids(tokenizer: Any) -> frozenset[int]:
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: tuple[int, ...] | list[int],
-                 hidden_ids: frozenset[int] = frozenset()) -> None:
+                 hidden_ids: frozenset[int] = frozenset(), unshown_tail: int = 0) -> None:
+        """`unshown_tail`: the last prompt tokens are output whose text was never shown (a
+        migrated request resumed after an incomplete character): their text comes out with the
+        first new token's."""
         self._tokenizer = tokenizer
         self._hidden_ids = hidden_ids
-        prompt = [t for t in prompt_token_ids[-_PREFIX_WINDOW:] if t not in hidden_ids]
-        self._ids: list[int] = prompt
+        tail = max(0, min(unshown_tail, len(prompt_token_ids)))
+        window = prompt_token_ids[-(_PREFIX_WINDOW + tail):] if prompt_token_ids else ()
+        context = [t for t in window[: len(window) - tail] if t not in hidden_ids]
+        unshown = [t for t in window[len(window) - tail:] if t not in hidden_ids]
+        self._ids: list[int] = context + unshown
         self._prefix_offset = 0  # ids[prefix_offset:read_offset] is already-emitted context
-        self._read_offset = len(self._ids)
+        self._read_offset = len(context)
 
     def _decode(self, ids: list[int]) -> str:
         return str(self._tokenizer.decode(ids, skip_special_tokens=False))

@@ -246,7 +246,8 @@ class PagedEngine:
             # seeded per draw from (seed, output index): Request.draw_seed
             generator = torch.Generator(device=rank.runner.device)
         text = DetokenizedText(
-            IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, self._hidden_ids),
+            IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, self._hidden_ids,
+                                   unshown_tail=sp.unshown_tail_tokens),
             OutputText(sp.stop, sp.include_stop_in_output))
         req = Request.from_engine_request(request, text, generator)
         return req, OutputHandle(request.request_id, asyncio.get_running_loop())

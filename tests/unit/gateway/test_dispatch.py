@@ -416,3 +416,25 @@ async def test_worker_death_after_the_last_token_finishes_without_a_new_run() ->
     assert frames[-1].kind is FrameKind.FINAL and frames[-1].finish_reason is FinishReason.LENGTH
     assert frames[-1].usage is not None and frames[-1].usage.completion_tokens == 2
     assert len(sched.queries) == 1
+
+
+async def test_open_breaker_keeps_a_failing_worker_out_of_the_next_requests() -> None:
+    from services.gateway.breaker import CircuitBreakers
+
+    breakers = CircuitBreakers(failure_threshold=1, cooldown_s=60)
+    workers = FakeWorkers(
+        streams={
+            DECODE.address: [FakeStream([WorkerUnavailable("down", "d1")])],
+            DECODE2.address: [FakeStream([ADMITTED, final("z", 1)]), FakeStream([ADMITTED, final("y", 1)])],
+        },
+        prefills={PREFILL.address: [PrefillResult("x", (5,), 1, None)] * 2},
+    )
+    sched = FakeScheduler([disagg(DECODE), disagg(DECODE2), disagg(DECODE2)])
+    dispatcher = Dispatcher(sched, workers, 4, breakers=breakers)
+    for _ in range(2):
+        req = prepared()
+        state = RequestState(req.request_id, req.prompt_token_ids, True, "m")
+        [f async for f in dispatcher.run(req, state, None)]
+    assert sched.queries[1].exclude_worker_ids == ("d1",)  # the retry of the first request
+    assert sched.queries[2].exclude_worker_ids == ("d1",)  # the next request: breaker open
+    assert breakers.is_open("d1") and not breakers.is_open("d2")

@@ -1,0 +1,156 @@
+"""Soak: N minutes of mixed load with cancels against the whole stack (processes, as `pdserve up`
+starts them), printing every service's RSS series and a pass/fail line: RSS flat within
+--tolerance (default 3 %) from minute --settle-min (default 2) on. Not part of CI (`make soak`).
+
+python -m benchmarks.soak --minutes 30 [--model default] [--concurrency 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import random
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import torch
+
+from services import up
+from shared.model_store import resolve_model
+from shared.proto import gateway_pb2, gateway_pb2_grpc
+
+WORDS = (
+    "the", "cache", "keeps", "blocks", "of", "keys", "and", "values", "for", "every", "token", "a",
+    "model", "has", "seen",
+)
+
+
+def rss_mib(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024.0
+    except OSError:
+        return None
+    return None
+
+
+async def client(
+    stub: gateway_pb2_grpc.GatewayStub, rng: random.Random, stop_at: float, counts: dict[str, int]
+) -> None:
+    words = WORDS
+    while time.monotonic() < stop_at:
+        n_words = rng.choice([4, 16, 64, 200])
+        prompt = " ".join(rng.choice(words) for _ in range(n_words))
+        req = gateway_pb2.GenerateRequest(
+            prompt=prompt,
+            max_tokens=rng.choice([8, 32, 96]),
+            ignore_eos=True,
+            temperature=rng.choice([0.0, 0.8]),
+        )
+        cancel_after = rng.randint(1, 6) if rng.random() < 0.2 else None
+        call = stub.Generate(req, timeout=120)
+        frames = 0
+        try:
+            async for _ in call:
+                frames += 1
+                if cancel_after is not None and frames >= cancel_after:
+                    call.cancel()
+                    counts["cancelled"] += 1
+                    break
+            else:
+                counts["ok"] += 1
+        except grpc.aio.AioRpcError as exc:
+            counts[exc.code().name] = counts.get(exc.code().name, 0) + 1
+
+
+async def load(
+    gateway: str, minutes: float, concurrency: int, sample: Callable[[], None], every_s: float
+) -> dict[str, int]:
+    counts = {"ok": 0, "cancelled": 0}
+    stop_at = time.monotonic() + minutes * 60
+    async with grpc.aio.insecure_channel(gateway) as ch:
+        stub = gateway_pb2_grpc.GatewayStub(ch)
+        tasks = [
+            asyncio.ensure_future(client(stub, random.Random(i), stop_at, counts)) for i in range(concurrency)
+        ]
+        while time.monotonic() < stop_at:
+            sample()
+            await asyncio.sleep(every_s)
+        await asyncio.gather(*tasks)
+        sample()
+    return counts
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--minutes", type=float, default=30.0)
+    p.add_argument("--model", default="default")
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--sample-s", type=float, default=15.0, help="seconds between RSS samples")
+    p.add_argument("--settle-min", type=float, default=2.0, help="minute from which RSS must be flat")
+    p.add_argument("--tolerance", type=float, default=0.03, help="allowed growth after settling (fraction)")
+    p.add_argument("--port-base", type=int, default=0)
+    a = p.parse_args()
+
+    from tests.support.stack import free_port_base  # the same free-port search the e2e tests use
+
+    model = str(resolve_model(a.model, None))
+    base = a.port_base or free_port_base()
+    log_dir = Path(tempfile.mkdtemp(prefix="pdserve-soak-"))
+    args = up._parse(
+        ["--model", model, "--port-base", str(base), "--log-dir", str(log_dir), "--torch-threads", "1"]
+    )
+    children = up._children(args, model)
+    print(f"soak: {a.minutes} min, concurrency {a.concurrency}, model {Path(model).name}; "
+          f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+          f"torch {torch.__version__}; logs {log_dir}", flush=True)
+    for child in children:
+        up._start(child, str(log_dir))
+    try:
+        problem = up._wait_ready(children, 2, 600, threading.Event(), None)
+        if problem:
+            raise SystemExit(f"soak: the stack did not come up: {problem}")
+        t0 = time.monotonic()
+        series: dict[str, list[tuple[float, float]]] = {c.name: [] for c in children}
+
+        def sample() -> None:
+            t_min = (time.monotonic() - t0) / 60
+            for c in children:
+                assert c.proc is not None
+                rss = rss_mib(c.proc.pid)
+                if rss is not None:
+                    series[c.name].append((t_min, rss))
+
+        counts = asyncio.run(load(f"127.0.0.1:{base}", a.minutes, a.concurrency, sample, a.sample_s))
+    finally:
+        up._stop_all(children, grace_s=30)
+    print(f"requests: {counts}")
+    ok_all = True
+    for name, points in series.items():
+        settled = [rss for t, rss in points if t >= a.settle_min]
+        line = " ".join(f"{t:.1f}m:{rss:.0f}" for t, rss in points)
+        if len(settled) >= 2:
+            growth = (max(settled) - settled[0]) / settled[0]
+            ok = growth <= a.tolerance
+            ok_all &= ok
+            verdict = f"growth from minute {a.settle_min:g}: {growth * 100:+.1f}% {'ok' if ok else 'FAIL'}"
+        else:
+            verdict = "too short to judge"
+            ok_all = False
+        print(f"{name:16s} RSS MiB  {line}\n{'':16s} {verdict}")
+    print(f"soak: {'PASS' if ok_all else 'FAIL'} (RSS flat within {a.tolerance * 100:g}% from minute "
+          f"{a.settle_min:g}; shared, loaded machine: timings are noisy, RSS is not)")
+    raise SystemExit(0 if ok_all else 1)
+
+
+if __name__ == "__main__":
+    main()
