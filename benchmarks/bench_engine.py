@@ -15,8 +15,13 @@ first token) and TPOT (mean gap between a request's later tokens) p50/p99, peak 
 Then a prefix-heavy run on the engine: N requests sharing a 448-token prefix (+ 64 own tokens),
 one token each, after one warm-up request; prefill wall time with vs without the prefix cache.
 
+Then the floor probe (benchmarks/engine_floor.py): memory read bandwidth (one core, all cores),
+the CPU capability torch reports, and one rank's pure decode step for 1, 8 and 16 sequences next
+to its floor (weights + KV bytes read per step / single-core bandwidth).
+
 Writes benchmarks/results/engine.json: tokens_per_s (per contender), ratio_vs_hf_sequential,
-ratio_vs_hf_padded, ratio_vs_hf_continuous (null when that contender did not run), details.
+ratio_vs_hf_padded, ratio_vs_hf_continuous (null when that contender did not run), cpu (what
+torch reports), decode_step_vs_floor (8 sequences per rank), floor (the probe), details.
 """
 
 from __future__ import annotations
@@ -213,12 +218,16 @@ async def _engine_round(engine: Any, prompts: list[list[int]], new_tokens: int,
 
 
 def run_pdserve(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
+    t_start = time.perf_counter()
     engine = _engine(args, enable_prefix_caching=False)
+    start_s = time.perf_counter() - t_start
     try:
         async def go() -> dict[str, Any]:
             await _engine_round(engine, [prompts[0][:16]], 2, "warm")
             t0, times, _ = await _engine_round(engine, prompts, args.new_tokens, "r")
-            return summarize(t0, times, max(t[-1] for t in times) - t0)
+            result = summarize(t0, times, max(t[-1] for t in times) - t0)
+            result["engine_start_s"] = round(start_s, 2)  # load + warm-up of every rank
+            return result
 
         return asyncio.run(go())
     finally:
@@ -256,9 +265,19 @@ def run_prefix(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, 
     return out
 
 
+def run_floor(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
+    from benchmarks import engine_floor
+
+    # the workload's mean context in the middle of decoding: mean prompt + half the new tokens
+    context = sum(len(p) for p in prompts) // len(prompts) + args.new_tokens // 2
+    return engine_floor.measure(args.model_path, args.device, args.dtype,
+                                max(1, args.engine_threads), (1, 8, 16), context)
+
+
 RUNNERS = {
     "hf_sequential": run_hf_sequential, "hf_padded": run_hf_padded,
     "hf_continuous": run_hf_continuous, "pdserve": run_pdserve, "prefix": run_prefix,
+    "floor": run_floor,
 }
 
 
@@ -323,6 +342,8 @@ def main(argv: list[str] | None = None) -> None:
                         "0 = the engine's device default (512 on CPU), 2048 for generate_batch")
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
     parser.add_argument("--no-prefix-run", action="store_true")
+    parser.add_argument("--no-floor-run", action="store_true",
+                        help="skip the bandwidth probe and decode-step-vs-floor measurement")
     parser.add_argument("--output", default="",
                         help=f"default {RESULTS} ({RESULTS.stem}-quick.json with --quick)")
     parser.add_argument("--child-timeout-s", type=float, default=900)
@@ -362,6 +383,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.contenders.split(","):
         results[name] = _child(args, name, child_argv)
     prefix = None if args.no_prefix_run else _child(args, "prefix", child_argv)
+    floor = None if args.no_floor_run else _child(args, "floor", child_argv)
 
     print(f"\n{'contender':<15}{'tok/s':>8}{'TTFT p50':>10}{'p99':>9}{'TPOT p50':>10}{'p99':>8}"
           f"{'RSS MiB':>9}")
@@ -391,8 +413,18 @@ def main(argv: list[str] | None = None) -> None:
               f"prefix + 64): prefill {wo['prefill_wall_s']:.2f} s without cache, "
               f"{w['prefill_wall_s']:.2f} s with (hit rate {w['hit_rate']:.1%}): "
               f"{prefix['speedup']:.2f}x")
+    if (pdserve := results.get("pdserve")) is not None:
+        print(f"pdserve engine start (load + warm-up, {args.engine_dp_size} rank(s)): "
+              f"{pdserve['engine_start_s']:.1f} s")
+    if floor is not None:
+        from benchmarks.engine_floor import format_report
+
+        print("\n".join(format_report(floor)))
     report = {
         "tokens_per_s": tps, **ratios,
+        "cpu": floor["cpu"] if floor else None,
+        "decode_step_vs_floor": floor["decode_step_vs_floor"] if floor else None,
+        "floor": floor,
         "prefix_heavy": prefix,
         "config": {"model": args.model, "device": args.device, "dtype": args.dtype,
                    "num_requests": args.num_requests,

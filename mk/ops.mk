@@ -11,7 +11,8 @@ OPS_KUBE_VERSION ?= 1.31.0
 OPS_HELM_AUTOSCALING := --set prefillWorker.autoscaling.enabled=true \
   --set decodeWorker.autoscaling.enabled=true
 OPS_HELM_ALL_ON := --set metrics.serviceMonitor.enabled=true --set tls.enabled=true \
-  --set tls.secretName=pdserve-tls $(OPS_HELM_AUTOSCALING)
+  --set tls.secretName=pdserve-tls --set gateway.apiKeys.enabled=true \
+  --set gateway.apiKeys.secretName=pdserve-api-keys $(OPS_HELM_AUTOSCALING)
 
 TEST_DEPS += tools
 CHECKS += proto-lint helm-check protoc-check

@@ -6,6 +6,7 @@
 //   cd examples/node && npm ci
 //   node client.js --address 127.0.0.1:50051 --prompt "Why is the sky blue?" --max-tokens 32
 //   node client.js --message "Tell me a joke" --rpc generate
+//   node client.js --api-key "$PDSERVE_API_KEY"     # when the gateway has API keys
 //
 // Output (stdout): the streamed text, then a line {"rpc":"Generate",...}; then the Complete text and
 // a line {"rpc":"Complete",...}. Errors go to stderr as "error: <rpc>: <STATUS>: <details>" (exit 1).
@@ -27,7 +28,8 @@ const USAGE = `usage: node client.js [options]
   --rpc generate|complete|both   which calls to make (default both)
   --timeout-s S         deadline per call in seconds (default 120)
   --protos DIR          folder holding pdserve/v1/*.proto (default: the repository's protos/)
-  --tls                 use TLS (system roots) instead of plaintext`;
+  --tls                 use TLS (system roots) instead of plaintext
+  --api-key KEY         send 'authorization: Bearer KEY' metadata (gateways started with --api-key)`;
 
 function parseArgs(argv) {
   const opts = {
@@ -43,11 +45,13 @@ function parseArgs(argv) {
     timeoutS: 120,
     protos: path.resolve(__dirname, '..', '..', 'protos'),
     tls: false,
+    apiKey: '',
   };
   const takes = {
     '--address': 'address', '--prompt': 'prompt', '--message': 'message', '--system': 'system',
     '--max-tokens': 'maxTokens', '--temperature': 'temperature', '--seed': 'seed',
     '--model': 'model', '--rpc': 'rpc', '--timeout-s': 'timeoutS', '--protos': 'protos',
+    '--api-key': 'apiKey',
   };
   for (let i = 0; i < argv.length; i++) {
     let arg = argv[i];
@@ -122,6 +126,12 @@ function buildRequest(opts) {
   return req;
 }
 
+function metadata(opts) {
+  const md = new grpc.Metadata();
+  if (opts.apiKey) md.set('authorization', `Bearer ${opts.apiKey}`);
+  return md;
+}
+
 function deadline(opts) {
   return new Date(Date.now() + opts.timeoutS * 1000);
 }
@@ -142,7 +152,7 @@ function rpcError(rpc, err) {
 
 function generate(client, opts) {
   return new Promise((resolve, reject) => {
-    const call = client.Generate(buildRequest(opts), { deadline: deadline(opts) });
+    const call = client.Generate(buildRequest(opts), metadata(opts), { deadline: deadline(opts) });
     const started = Date.now();
     let text = '';
     let frames = 0;
@@ -188,7 +198,7 @@ function generate(client, opts) {
 function complete(client, opts) {
   return new Promise((resolve, reject) => {
     const started = Date.now();
-    client.Complete(buildRequest(opts), { deadline: deadline(opts) }, (err, resp) => {
+    client.Complete(buildRequest(opts), metadata(opts), { deadline: deadline(opts) }, (err, resp) => {
       if (err) {
         reject(rpcError('Complete', err));
         return;

@@ -108,10 +108,6 @@ class HttpApi:
         self._tasks: set[asyncio.Task[None]] = set()  # choices still running (cancelled ones too)
         self.app = self._build()
 
-    @property
-    def num_running_choices(self) -> int:
-        return len(self._tasks)
-
     def _build(self) -> FastAPI:
         app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
         app.add_exception_handler(_Refusal, self._on_refusal)  # type: ignore[arg-type]

@@ -63,7 +63,7 @@ class WorkerSettings(TlsSettings):
     spec_ngram_max: int = field(4, "Longest suffix n-gram looked up by ngram speculation (tokens)")
     spec_max_batch_tokens: int = field(
         0, "Proposals are verified only while a step has at most this many tokens (the per-step "
-        "back-off); 0 = 64 on CPU, 512 on CUDA")
+        "back-off); 0 = 32 on CPU, 512 on CUDA")
     load_monitor_address: str = field("", "host:port of the load-monitor; empty = don't register")
     advertise_address: str = field(
         "", "host:port others use to reach this worker; empty = the bound address "

@@ -3,8 +3,10 @@ to the gateway in its environment), `pdserve generate --api-key` and the openai 
 
 from __future__ import annotations
 
+import shlex
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,8 +40,12 @@ def generate(stack: Stack, *extra: str) -> subprocess.CompletedProcess[str]:
 def test_banner_keys_and_both_faces(keyed_stack: Stack) -> None:
     banner = next(line for line in keyed_stack.output if line.startswith("pdserve is up"))
     assert f"HTTP {keyed_stack.http_base_url}" in banner
-    assert KEY not in "\n".join(keyed_stack.output)  # never printed
-    assert "Bearer <key>" in "\n".join(keyed_stack.output)
+    deadline = time.monotonic() + 10  # the commands are printed right after the banner
+    while "Ctrl-C" not in "\n".join(keyed_stack.output) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    printed = "\n".join(keyed_stack.output)
+    assert "Bearer <key>" in printed and f"curl -s {keyed_stack.http_base_url}/chat/completions" in printed
+    assert KEY not in printed  # never printed
     denied = generate(keyed_stack)
     assert denied.returncode == 1 and "UNAUTHENTICATED" in denied.stderr
     ok = generate(keyed_stack, "--api-key", KEY)
@@ -55,3 +61,35 @@ def test_banner_keys_and_both_faces(keyed_stack: Stack) -> None:
     assert health.status_code == 200
     logs = keyed_stack.logs()
     assert KEY not in logs
+
+
+README = ROOT / "README.md"
+README_BASE = "http://127.0.0.1:50091/v1"
+
+
+def readme_http_blocks() -> tuple[list[str], str]:
+    """The curl commands and the Python example of the README's HTTP API section."""
+    text = README.read_text(encoding="utf-8")
+    section = text[text.index("### OpenAI-compatible HTTP API") :]
+    section = section[: section.index("\n## ")]
+    sh = section.split("```sh\n", 1)[1].split("```", 1)[0]
+    curls = [c.strip() for c in sh.replace("\\\n", " ").splitlines() if c.strip().startswith("curl")]
+    python = section.split("```python\n", 1)[1].split("```", 1)[0]
+    return curls, python
+
+
+def test_readme_curl_and_openai_examples_run(keyed_stack: Stack) -> None:
+    curls, python = readme_http_blocks()
+    assert len(curls) == 2 and README_BASE in python
+    for command in curls:
+        argv = shlex.split(command.replace(README_BASE, keyed_stack.http_base_url))
+        argv += ["-H", f"Authorization: Bearer {KEY}", "--fail-with-body", "--max-time", "120"]
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=150)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert '"finish_reason"' in out.stdout
+    script = python.replace(README_BASE, keyed_stack.http_base_url).replace(
+        'api_key="none"', f'api_key="{KEY}"'
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=150)
+    assert out.returncode == 0, out.stderr
+    assert "completion_tokens=" in out.stdout

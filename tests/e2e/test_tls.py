@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import shutil
+import ssl
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 
 from shared.proto import gateway_pb2, gateway_pb2_grpc
@@ -40,3 +42,14 @@ async def test_stack_over_tls(tiny_bpe_model: Path, tmp_path: Path) -> None:
                 await gateway_pb2_grpc.GatewayStub(plain).Complete(req, timeout=10)
         assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
         assert any("-cacert" in line for line in stack.output)  # the printed grpcurl line uses TLS
+        # the HTTP API is HTTPS with the same certificate (checked against the CA; the certificate
+        # names SERVER_NAME, not 127.0.0.1, hence no host name check); plain HTTP is refused
+        https = stack.http_base_url.replace("http://", "https://")
+        context = ssl.create_default_context(cafile=str(pki / "ca.crt"))
+        context.check_hostname = False
+        async with httpx.AsyncClient(verify=context, timeout=60) as client:
+            r = await client.post(https + "/completions", json={"prompt": "Hello", "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        async with httpx.AsyncClient(timeout=10) as client:
+            with pytest.raises(httpx.HTTPError):
+                await client.get(stack.http_base_url + "/models")

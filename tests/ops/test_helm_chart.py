@@ -38,6 +38,7 @@ PORTS = {
     "prefill-worker": 50061,
     "decode-worker": 50071,
 }
+HTTP_PORT = 8000
 METRICS_PORTS = {
     "gateway": 9100,
     "scheduler": 9101,
@@ -76,9 +77,10 @@ def test_one_deployment_and_service_per_service(objs: list[Obj]) -> None:
         c = container(dep)
         assert c["command"] == ["pdserve", name]
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-        assert ports == {"grpc": PORTS[name], "metrics": METRICS_PORTS[name]}
+        http = {"http": HTTP_PORT} if name == "gateway" else {}  # the OpenAI-compatible API
+        assert ports == {"grpc": PORTS[name], "metrics": METRICS_PORTS[name], **http}
         svc_ports = {p["name"]: p["port"] for p in services[name]["spec"]["ports"]}
-        assert svc_ports == {"grpc": PORTS[name], "metrics": METRICS_PORTS[name]}
+        assert svc_ports == {"grpc": PORTS[name], "metrics": METRICS_PORTS[name], **http}
         # The Service selects exactly this Deployment's pods.
         assert services[name]["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
         pod_labels = dep["spec"]["template"]["metadata"]["labels"]
@@ -274,8 +276,10 @@ def test_network_policy_exposes_only_the_gateway(objs: list[Obj]) -> None:
     assert internal["ingress"] == [{"from": [{"podSelector": {"matchLabels": release}}]}]
     gateway = policies["pdserve-gateway"]["spec"]
     assert gateway["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "gateway"
-    # Only the gateway's gRPC port is open to clients outside the release.
-    assert gateway["ingress"] == [{"ports": [{"protocol": "TCP", "port": 50051}]}]
+    # Only the gateway's gRPC and HTTP ports are open to clients outside the release.
+    assert gateway["ingress"] == [
+        {"ports": [{"protocol": "TCP", "port": 50051}, {"protocol": "TCP", "port": HTTP_PORT}]}
+    ]
 
 
 def test_network_policy_metrics_and_client_peers() -> None:
@@ -292,15 +296,50 @@ def test_network_policy_metrics_and_client_peers() -> None:
     assert of_kind(render("--set", "networkPolicy.enabled=false"), "NetworkPolicy") == []
 
 
+def test_gateway_http_port_and_api_keys_from_a_secret(default_objs: list[Obj]) -> None:
+    gw = deployments(default_objs)["gateway"]
+    assert env_of(gw)["PDSERVE_HTTP_PORT"] == str(HTTP_PORT)
+    assert "PDSERVE_API_KEY_FILE" not in env_of(gw)  # keys are off by default
+    for name, dep in deployments(default_objs).items():
+        assert ("PDSERVE_HTTP_PORT" in env_of(dep)) == (name == "gateway")
+    # httpPort 0: no HTTP port anywhere, the gateway is told -1 (off)
+    off = render("--set", "gateway.httpPort=0")
+    gw = deployments(off)["gateway"]
+    assert env_of(gw)["PDSERVE_HTTP_PORT"] == "-1"
+    assert "http" not in {p["name"] for p in container(gw)["ports"]}
+    svc = {component(s): s for s in of_kind(off, "Service")}["gateway"]
+    assert "http" not in {p["name"] for p in svc["spec"]["ports"]}
+    policy = {p["metadata"]["name"]: p["spec"] for p in of_kind(off, "NetworkPolicy")}["pdserve-gateway"]
+    assert policy["ingress"] == [{"ports": [{"protocol": "TCP", "port": 50051}]}]
+    # API keys: an existing Secret, mounted read-only; the gateway reads the file
+    keyed = render("--set", "gateway.apiKeys.enabled=true", "--set", "gateway.apiKeys.secretName=my-keys")
+    gw = deployments(keyed)["gateway"]
+    assert env_of(gw)["PDSERVE_API_KEY_FILE"] == "/etc/pdserve/api-keys/api-keys"
+    assert "PDSERVE_API_KEYS" not in env_of(gw)  # never a plain env value
+    mount = next(m for m in container(gw)["volumeMounts"] if m["name"] == "api-keys")
+    assert mount == {"name": "api-keys", "mountPath": "/etc/pdserve/api-keys", "readOnly": True}
+    volume = next(v for v in gw["spec"]["template"]["spec"]["volumes"] if v["name"] == "api-keys")
+    assert volume["secret"]["secretName"] == "my-keys"
+    assert volume["secret"]["items"] == [{"key": "api-keys", "path": "api-keys"}]
+    for name, dep in deployments(keyed).items():
+        if name != "gateway":
+            assert "api-keys" not in {v["name"] for v in dep["spec"]["template"]["spec"]["volumes"]}
+    with pytest.raises(RenderError, match="secretName is required"):
+        render("--set", "gateway.apiKeys.enabled=true")
+    with pytest.raises(RenderError):
+        render("--set", "gateway.httpPort=70000")  # values.schema.json
+
+
 def test_service_monitor_is_optional(default_objs: list[Obj]) -> None:
     assert of_kind(default_objs, "ServiceMonitor") == []
     (sm,) = of_kind(render("--set", "metrics.serviceMonitor.enabled=true"), "ServiceMonitor")
     assert sm["spec"]["endpoints"][0]["port"] == "metrics"
     no_metrics = render("--set", "metrics.enabled=false", "--set", "metrics.serviceMonitor.enabled=true")
     assert of_kind(no_metrics, "ServiceMonitor") == []
-    for dep in deployments(no_metrics).values():
+    for name, dep in deployments(no_metrics).items():
         assert env_of(dep)["PDSERVE_METRICS_PORT"] == "-1"
-        assert [p["name"] for p in container(dep)["ports"]] == ["grpc"]
+        http = ["http"] if name == "gateway" else []
+        assert [p["name"] for p in container(dep)["ports"]] == ["grpc", *http]
 
 
 def test_tls_secret_mounted_and_probes_use_tls() -> None:

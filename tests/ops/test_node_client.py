@@ -36,11 +36,13 @@ def _usage(completion: int) -> common_pb2.Usage:
 class FakeGateway(gateway_pb2_grpc.GatewayServicer):
     def __init__(self) -> None:
         self.requests: list[tuple[str, gateway_pb2.GenerateRequest]] = []
+        self.authorization: list[str | None] = []  # the metadata each call carried
         self.lock = threading.Lock()
 
     def _record(self, rpc: str, request: gateway_pb2.GenerateRequest, context: grpc.ServicerContext) -> None:
         with self.lock:
             self.requests.append((rpc, request))
+            self.authorization.append(dict(context.invocation_metadata()).get("authorization"))
         if request.prompt == "bad":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt is bad")
 
@@ -159,3 +161,14 @@ def test_bad_arguments_exit_2() -> None:
     run = run_node_client("127.0.0.1:1", "--rpc", "nope")
     assert run.returncode == 2
     assert "--rpc must be" in run.stderr
+
+
+def test_api_key_goes_in_the_authorization_metadata(fake_gateway: tuple[str, FakeGateway]) -> None:
+    address, servicer = fake_gateway
+    servicer.authorization.clear()
+    run = run_node_client(address, "--prompt", "hi", "--api-key", "k-123")
+    assert run.returncode == 0, run.stderr
+    assert servicer.authorization == ["Bearer k-123", "Bearer k-123"]
+    servicer.authorization.clear()
+    assert run_node_client(address, "--prompt", "hi", "--rpc", "complete").returncode == 0
+    assert servicer.authorization == [None]

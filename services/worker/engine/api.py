@@ -132,7 +132,7 @@ class EngineConfig:
     spec_ngram_min: int = 2  # shortest suffix n-gram looked up (tokens)
     spec_ngram_max: int = 4  # longest suffix n-gram looked up (tokens)
     # per-step back-off: proposals are verified only while a step has at most this many tokens
-    # in all (beyond it verification is no longer free); 0 = by device (CPU 64, CUDA 512)
+    # in all (beyond it verification is no longer free); 0 = by device (CPU 32, CUDA 512)
     spec_max_batch_tokens: int = 0
     extra: dict[str, str] = field(default_factory=dict)
 

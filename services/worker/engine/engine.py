@@ -67,9 +67,10 @@ _GIL_SWITCH_INTERVAL_S = 0.0005
 # ~1.6 s); GPUs want big chunks to fill their cores.
 _DEFAULT_BATCH_TOKENS = {"cpu": 512, "cuda": 2048}
 # Default per-step cap on tokens while proposals are verified (the per-step back-off of
-# speculation). A CPU core's linear layers cost about the same per step up to a few dozen rows
-# and then grow with them (see above); a GPU stays memory-bound much longer.
-_DEFAULT_SPEC_BATCH_TOKENS = {"cpu": 64, "cuda": 512}
+# speculation). On CPU every extra row costs compute (a verify of 6 rows took ~1.4x a 1-row
+# decode step on a loaded 2-core AVX2 machine, SmolLM2 fp32), and at 8 sequences a 64-token cap
+# gave ~1.0x where 48 rows gave ~1.5x (`make bench-spec`); a GPU stays memory-bound much longer.
+_DEFAULT_SPEC_BATCH_TOKENS = {"cpu": 32, "cuda": 512}
 _SPECULATIVE_METHODS = ("off", "ngram")
 
 

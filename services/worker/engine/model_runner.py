@@ -13,9 +13,15 @@ import torch
 
 from services.worker.engine import attention, cpu_linear
 from services.worker.engine.api import KvLayout, SamplingConfig
+from services.worker.engine.attention import AttentionBackend
 from services.worker.engine.sampler import sample
 
 log = logging.getLogger(__name__)
+
+# BATCHED backend: sequences with at most this many new tokens (decode, speculative verify,
+# short chunks) share one padded call; longer prefill chunks share a second one, so a decode
+# row is never padded to a prefill chunk's length.
+_SHORT_QUERY = 32
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -77,12 +83,17 @@ def kv_layout_of(model_config: Any, block_size: int, dtype: torch.dtype) -> KvLa
 
 class ModelRunner:
     def __init__(self, model: Any, layout: KvLayout, num_blocks: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype,
+                 attention_backend: AttentionBackend | None = None) -> None:
         self.model = model
         self.layout = layout
         self.device = device
         self.dtype = dtype
         self.num_blocks = num_blocks
+        self.attention_backend = attention_backend or AttentionBackend.default_for(device)
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
+            else model.config
+        self.q_per_kv = int(cfg.num_attention_heads) // layout.num_kv_heads
         # zeros, not empty: stale rows of reused blocks are never read, but keep them finite
         self.kv_cache = torch.zeros(
             layout.num_layers, 2, layout.num_kv_heads, num_blocks * layout.block_size,
@@ -98,6 +109,8 @@ class ModelRunner:
     def _build_metadata(self, seqs: list[ScheduledSeq]) -> tuple[
         torch.Tensor, torch.Tensor, attention.PagedAttentionMetadata, torch.Tensor
     ]:
+        if self.attention_backend is AttentionBackend.BATCHED:
+            return self._build_batched_metadata(seqs)
         bs = self.layout.block_size
         dev = self.device
         input_ids: list[int] = []
@@ -141,6 +154,41 @@ class ModelRunner:
             slots=torch.tensor(slots, device=dev), seqs=attn,
             decode_idx=torch.tensor(decode_idx, device=dev) if decode_idx else None,
             num_decode=len(decode_idx),
+        )
+        return (torch.tensor([input_ids], device=dev), torch.tensor([positions], device=dev),
+                meta, torch.tensor(logits_idx, device=dev))
+
+    def _build_batched_metadata(self, seqs: list[ScheduledSeq]) -> tuple[
+        torch.Tensor, torch.Tensor, attention.PagedAttentionMetadata, torch.Tensor
+    ]:
+        bs = self.layout.block_size
+        dev = self.device
+        # short queries first, then long chunks; each part is one attention call per layer
+        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].token_ids) > _SHORT_QUERY)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        parts: tuple[list[tuple[int, int, int, list[int]]], ...] = ([], [])
+        last_pos: dict[int, int] = {}
+        for i in order:
+            s = seqs[i]
+            q_start = len(input_ids)
+            n = len(s.token_ids)
+            input_ids.extend(s.token_ids)
+            pos = range(s.start_pos, s.start_pos + n)
+            positions.extend(pos)
+            blocks = s.block_ids
+            slots.extend(blocks[p // bs] * bs + p % bs for p in pos)
+            parts[n > _SHORT_QUERY].append((q_start, n, s.start_pos, blocks))
+            last_pos[i] = q_start + n - 1
+        nonempty = [p for p in parts if p]
+        groups = [attention.build_batched_group(p, bs, self.q_per_kv, self.dtype, dev,
+                                                covers_all=len(nonempty) == 1)
+                  for p in nonempty]
+        logits_idx = [last_pos[i] for i, s in enumerate(seqs) if s.sample]
+        meta = attention.PagedAttentionMetadata(
+            kv_cache=self.kv_cache, block_size=bs, slots=torch.tensor(slots, device=dev),
+            seqs=[], decode_idx=None, num_decode=0, groups=groups,
         )
         return (torch.tensor([input_ids], device=dev), torch.tensor([positions], device=dev),
                 meta, torch.tensor(logits_idx, device=dev))

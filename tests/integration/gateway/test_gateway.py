@@ -109,8 +109,8 @@ async def test_disaggregated_stream(cluster: Cluster, tokenizer: PromptTokenizer
 async def test_token_ids_only_when_asked(cluster: Cluster) -> None:
     script_disaggregated(cluster)
     frames = await generate(cluster, prompt="hello", max_tokens=10)
-    assert all(not f.token_ids for f in frames)
-    # The workers always return ids to the gateway: a migration resumes from them.
+    assert all(not f.token_ids for f in frames)  # the client gets ids only when it asks ...
+    # ... while the gateway always asks the worker: migration resumes from the generated ids
     assert cluster.decode.decode_requests[0].return_token_ids
 
 

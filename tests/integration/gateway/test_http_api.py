@@ -403,4 +403,17 @@ async def test_error_after_the_stream_started_ends_it_with_an_error_event(bpe: H
         client = openai.AsyncOpenAI(base_url=(gw.http_url or "") + "/v1", api_key="x", max_retries=0)
         with pytest.raises(openai.InternalServerError):
             await client.completions.create(model="", prompt="hi", max_tokens=2)  # draining: 503
+    # the official client raises the error event as an APIError
+    async with gateway_on(bpe) as gw:
+        client = openai.AsyncOpenAI(base_url=(gw.http_url or "") + "/v1", api_key="x", max_retries=0)
+        stream = await client.completions.create(
+            model="", prompt=LONG_PROMPT, max_tokens=1500, stream=True, extra_body={"ignore_eos": True}
+        )
+        seen = 0
+        with pytest.raises(openai.APIError, match="retry"):
+            async for _ in stream:
+                seen += 1
+                if seen == 2:
+                    drain = asyncio.ensure_future(gw.service.drain(0.0))
+        await drain
     await bpe.wait_idle()

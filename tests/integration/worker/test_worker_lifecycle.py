@@ -105,7 +105,8 @@ async def test_registers_heartbeats_reregisters_and_deregisters(tiny_model: Path
             assert info.kv_layout.block_size == settings.block_size
             assert info.kv_layout.dtype == "float32"
             assert list(info.capabilities) == ["generated_tokens", "kv_block_skip",
-                                               "local_prefill", "draft_token_ids", "first_output_index"]
+                                               "local_prefill", "draft_token_ids",
+                                               "first_output_index"]
             assert info.proto_version == "1.3"
             assert info.max_model_len == settings.max_model_len
             assert info.device == "cpu"

@@ -409,3 +409,34 @@ async def test_a_large_batch_verifies_no_proposals(make_engine: EngineFactory) -
     assert busy.spec_stats(0).num_draft_tokens == 0
     await _run_all(busy, reqs[:1])
     assert busy.spec_stats(0).num_draft_tokens > 0
+
+
+@pytest.mark.slow
+async def test_smollm2_grounded_rewrite_is_identical_and_accepts(make_engine: EngineFactory) -> None:
+    """The default model copying from its prompt: speculation accepts long runs, and the greedy
+    output (fp32) is token-identical to plain decoding, in a mixed batch with a small pool
+    (preemption) and a second round that hits the prefix cache."""
+    from transformers import AutoTokenizer
+
+    from shared.model_store import resolve_model
+
+    path = resolve_model("default")
+    tok = AutoTokenizer.from_pretrained(str(path))
+    passage = ("The Meridian Bridge opened in 1932 after six years of construction. It spans "
+               "1,240 metres across the Alder River and carries four lanes of traffic.")
+    texts = [f"Copy this passage exactly:\n\n{passage}", "Write a haiku about rivers.",
+             f"Replace 1932 with 1933 and output the passage:\n\n{passage}"]
+    prompts = [tuple(tok.encode(tok.apply_chat_template([{"role": "user", "content": t}],
+                                                         add_generation_prompt=True,
+                                                         tokenize=False),
+                                add_special_tokens=False)) for t in texts]
+    settings: dict[str, Any] = {"model_path": path, "kv_cache_tokens": 256,
+                                "max_batch_tokens": 128}
+    off, on = make_engine(**settings), make_engine(**settings, **SPEC)
+    reqs = [request(f"m{i}", p, greedy(48)) for i, p in enumerate(prompts)]
+    for _ in range(2):
+        for a, b in zip(await _run_all(off, reqs), await _run_all(on, reqs), strict=True):
+            _same_outputs(a, b)
+    stats = on.spec_stats(0)
+    assert stats.acceptance_rate > 0.5
+    assert on.num_free_blocks(0) == on.num_total_blocks(0)

@@ -1,0 +1,305 @@
+"""Speculative decoding benchmark (`make bench-spec`): the pdserve engine in process with
+speculation off vs `ngram` (prompt lookup), on the default model (CPU fp32), in one run.
+
+Workloads (chat template applied, greedy, so both modes produce the same tokens; checked):
+- grounded: the answer is largely in the prompt (rewrite or extract from a given passage, edit
+  given code), where n-gram lookup finds long runs;
+- open: open-ended questions, where it finds little (speculation should cost nothing there).
+Each at concurrency 1 (requests one after another) and 8 (8 requests arriving together).
+
+Reported per (workload, concurrency, mode): aggregate tokens/s (generated tokens / wall time,
+prefill included; `speedup` is its ratio), decode tokens/s (after each first token),
+TPOT p50/p90 (per request: (last token - first token) / (tokens - 1)), TTFT p50, the acceptance
+rate (accepted / proposed tokens) and the ratios ngram / off. Writes benchmarks/results/spec.json
+(`speedup` = {"grounded": {"c1", "c8"}, "open": {"c1", "c8"}}, tokens/s ngram / off) and
+benchmarks/results/spec.png, and records the machine (CPU capability, cores, torch version, load
+average): numbers taken on a shared, loaded machine are noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results" / "spec.json"
+
+PASSAGE = (
+    "The Meridian Bridge opened in 1932 after six years of construction. It spans 1,240 metres "
+    "across the Alder River and carries four lanes of traffic and two railway tracks. Its chief "
+    "engineer, Clara Voss, insisted on a suspension design because the riverbed could not hold "
+    "the piers a cantilever bridge would need. During the flood of 1954 the bridge was closed "
+    "for eleven days while divers inspected the anchorages. A pedestrian walkway was added in "
+    "1987, and in 2011 the original steel cables were replaced with galvanized ones. Today about "
+    "62,000 vehicles cross the bridge every day, and the city plans to add a protected bicycle "
+    "lane by 2027."
+)
+
+CODE = '''def total_price(items, tax_rate):
+    total = 0
+    for item in items:
+        price = item["price"] * item["quantity"]
+        if item.get("discount"):
+            price = price - price * item["discount"]
+        total = total + price
+    total = total + total * tax_rate
+    return round(total, 2)
+
+
+def cheapest(items):
+    best = None
+    for item in items:
+        if best is None or item["price"] < best["price"]:
+            best = item
+    return best
+'''
+
+GROUNDED = [
+    f"Rewrite the following passage in the past perfect tense where possible, keeping every "
+    f"fact:\n\n{PASSAGE}",
+    f"Copy the following passage exactly, but replace the name Clara Voss with Maria Lind:"
+    f"\n\n{PASSAGE}",
+    f"Extract every sentence of the passage that contains a year, one per line, word for word:"
+    f"\n\n{PASSAGE}",
+    f"Rename the function total_price to compute_total and the variable items to cart in this "
+    f"code. Output the whole code.\n\n{CODE}",
+    f"Add a docstring to each function in this code and output the whole code:\n\n{CODE}",
+    f"Repeat the passage below, then add one sentence summarizing it.\n\n{PASSAGE}",
+    f"Rewrite this code so that total uses += instead of total = total + ...; output all of "
+    f"it.\n\n{CODE}",
+    f"Correct any mistakes and output the corrected passage in full:\n\n"
+    f"{PASSAGE.replace('construction', 'constructoin').replace('traffic', 'trafic')}",
+]
+
+OPEN = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain why the sky is blue to a ten-year-old.",
+    "What are three good habits for staying healthy? Explain each.",
+    "Describe a day in the life of a honeybee.",
+    "Give me some ideas for a birthday party for my grandmother.",
+    "Why do people enjoy music? Write a few paragraphs.",
+    "Write a poem about the autumn wind.",
+    "What would you pack for a week-long hiking trip, and why?",
+]
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    try:
+        load = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        load = []
+    return {
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "load_average_1_5_15": load,
+        "note": "shared, loaded machine (other jobs use the same cores): noisy timings",
+    }
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
+
+
+def prompts_of(tokenizer: Any, texts: list[str]) -> list[tuple[int, ...]]:
+    out = []
+    for text in texts:
+        chat = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                             add_generation_prompt=True, tokenize=False)
+        out.append(tuple(int(t) for t in tokenizer.encode(chat, add_special_tokens=False)))
+    return out
+
+
+async def _one(engine: Any, rid: str, prompt: tuple[int, ...], max_tokens: int
+               ) -> tuple[list[float], list[int]]:
+    from services.worker.engine.api import EngineRequest, SamplingConfig
+
+    sp = SamplingConfig(max_tokens=max_tokens, temperature=0.0)
+    times: list[float] = []
+    tokens: list[int] = []
+    async for out in engine.add_request(EngineRequest(rid, prompt, sp)):
+        now = time.perf_counter()
+        times.extend([now] * len(out.new_token_ids))
+        tokens.extend(out.new_token_ids)
+    return times, tokens
+
+
+async def run_case(engine: Any, tag: str, prompts: list[tuple[int, ...]], concurrency: int,
+                   max_tokens: int) -> dict[str, Any]:
+    before = engine.spec_stats(0)
+    t0 = time.perf_counter()
+    results: list[tuple[list[float], list[int]]] = []
+    starts: list[float] = []
+    for i in range(0, len(prompts), concurrency):
+        group = prompts[i : i + concurrency]
+        start = time.perf_counter()
+        starts += [start] * len(group)
+        results += await asyncio.gather(*(
+            _one(engine, f"{tag}-{i + j}", p, max_tokens) for j, p in enumerate(group)))
+    wall = time.perf_counter() - t0
+    after = engine.spec_stats(0)
+    n_tokens = sum(len(toks) for _, toks in results)
+    tpot = [(t[-1] - t[0]) / (len(t) - 1) * 1e3 for t, _ in results if len(t) > 1]
+    ttft = [(t[0] - s) * 1e3 for (t, _), s in zip(results, starts, strict=True) if t]
+    drafted = after.num_draft_tokens - before.num_draft_tokens
+    accepted = after.num_accepted_tokens - before.num_accepted_tokens
+    per_pos = [a - (before.accepted_per_position[i] if i < len(before.accepted_per_position)
+                    else 0) for i, a in enumerate(after.accepted_per_position)]
+    decode_s = sum(t[-1] - t[0] for t, _ in results if len(t) > 1)
+    decode_tokens = sum(len(t) - 1 for t, _ in results if len(t) > 1)
+    return {
+        "requests": len(prompts), "tokens": n_tokens, "wall_s": round(wall, 3),
+        "tokens_per_s": round(n_tokens / wall, 2),
+        # after each request's first token (prefill excluded), summed over requests
+        "decode_tokens_per_s_per_request": round(decode_tokens / decode_s, 2) if decode_s else None,
+        "tpot_ms_p50": _r(percentile(tpot, 50)), "tpot_ms_p90": _r(percentile(tpot, 90)),
+        "ttft_ms_p50": _r(percentile(ttft, 50)),
+        "draft_tokens": drafted, "accepted_tokens": accepted,
+        "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
+        "drafts": after.num_drafts - before.num_drafts,
+        "accepted_per_position": per_pos,
+        "output_tokens": [toks for _, toks in results],
+    }
+
+
+def _r(v: float | None) -> float | None:
+    return None if v is None else round(v, 1)
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = [(w, c) for w in ("grounded", "open") for c in ("c1", "c8")]
+    labels = [f"{w}\n{c}" for w, c in cases]
+    off = [report["results"][w][c]["off"]["tokens_per_s"] for w, c in cases]
+    ngram = [report["results"][w][c]["ngram"]["tokens_per_s"] for w, c in cases]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    x = range(len(cases))
+    ax.bar([i - 0.2 for i in x], off, 0.4, label="speculation off")
+    ax.bar([i + 0.2 for i in x], ngram, 0.4, label="ngram")
+    for i, (a, b) in enumerate(zip(off, ngram, strict=True)):
+        ax.text(i + 0.2, b, f"{b / a:.2f}x", ha="center", va="bottom", fontsize=9)
+    ax.set_xticks(list(x), labels)
+    ax.set_ylabel("generated tokens/s")
+    m = report["machine"]
+    ax.set_title(f"pdserve speculative decoding, {report['config']['model_id']} CPU fp32\n"
+                 f"{m['cpu_capability']}, {m['cpu_count']} cores (shared, loaded machine)",
+                 fontsize=10)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--requests-c1", type=int, default=4,
+                        help="requests per workload at concurrency 1")
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--num-speculative-tokens", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads per engine; 0 = torch default (on a shared, "
+                        "oversubscribed machine one thread is far steadier)")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: few short requests")
+    parser.add_argument("--output", default=str(RESULTS))
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.max_tokens, args.requests_c1, args.concurrency = 24, 1, 2
+
+    from transformers import AutoTokenizer
+
+    from services.worker.engine import create_engine
+    from services.worker.engine.api import EngineConfig
+    from shared.model_store import resolve_model
+
+    path = str(resolve_model(args.model))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    workloads = {"grounded": prompts_of(tokenizer, GROUNDED),
+                 "open": prompts_of(tokenizer, OPEN)}
+    engines = {}
+    for mode in ("off", "ngram"):
+        cfg = EngineConfig(model_path=path, device="cpu", dtype="float32",
+                           torch_threads=args.threads, speculative=mode,
+                           num_speculative_tokens=args.num_speculative_tokens,
+                           kv_cache_tokens=16384)
+        engines[mode] = create_engine(cfg)
+        engines[mode].start()
+    print(f"model {path}, CPU fp32, k={args.num_speculative_tokens}, max_tokens "
+          f"{args.max_tokens}; machine: {machine()}")
+
+    async def go() -> dict[str, Any]:
+        for mode, engine in engines.items():  # first-step costs out of the measurement
+            await run_case(engine, f"warm-{mode}", [workloads["open"][0]], 1, 4)
+        results: dict[str, Any] = {}
+        for wname, prompts in workloads.items():
+            results[wname] = {}
+            for conc in (1, args.concurrency):
+                group = prompts[: args.requests_c1] if conc == 1 else prompts[:conc]
+                key = f"c{conc}" if not args.quick else ("c1" if conc == 1 else "c8")
+                case: dict[str, Any] = {}
+                for mode in ("off", "ngram"):  # interleaved per case: same machine state
+                    case[mode] = await run_case(engines[mode], f"{wname}-{conc}-{mode}", group,
+                                                conc, args.max_tokens)
+                case["identical_outputs"] = (case["off"].pop("output_tokens")
+                                             == case["ngram"].pop("output_tokens"))
+                case["speedup"] = round(case["ngram"]["tokens_per_s"]
+                                        / case["off"]["tokens_per_s"], 2)
+                off_d = case["off"]["decode_tokens_per_s_per_request"]
+                on_d = case["ngram"]["decode_tokens_per_s_per_request"]
+                case["decode_speedup"] = round(on_d / off_d, 2) if off_d and on_d else None
+                results[wname][key] = case
+                off, on = case["off"], case["ngram"]
+                print(f"{wname:>9} {key}: off {off['tokens_per_s']:7.1f} tok/s (TPOT p50 "
+                      f"{off['tpot_ms_p50']} p90 {off['tpot_ms_p90']} ms) | ngram "
+                      f"{on['tokens_per_s']:7.1f} tok/s (TPOT p50 {on['tpot_ms_p50']} p90 "
+                      f"{on['tpot_ms_p90']} ms, acceptance {on['acceptance_rate']}) | "
+                      f"{case['speedup']:.2f}x (decode only {case['decode_speedup']}x), "
+                      f"identical: {case['identical_outputs']}")
+        return results
+
+    try:
+        results = asyncio.run(go())
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
+    report = {
+        "speedup": {w: {c: results[w][c]["speedup"] for c in results[w]} for w in results},
+        "targets": {"grounded": {"c1": 2.0, "c8": 1.3}, "open": {"c1": 0.95, "c8": 0.95}},
+        "results": results,
+        "config": {"model": args.model, "model_id": Path(path).name, "device": "cpu",
+                   "dtype": "float32", "max_tokens": args.max_tokens,
+                   "num_speculative_tokens": args.num_speculative_tokens,
+                   "requests_c1": args.requests_c1, "concurrency": args.concurrency,
+                   "quick": args.quick, "sampling": "greedy",
+                   "command": "make bench-spec"},
+        "machine": machine(),
+    }
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    png = out.with_suffix(".png")
+    plot(report, png)
+    print(f"speedup (ngram / off tokens/s): {report['speedup']}")
+    print(f"wrote {out} and {png}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,261 @@
+"""The decode step against its memory-bandwidth floor (part of `make bench-engine`).
+
+A decode step has to read every weight the step multiplies by (all linear layers and the LM
+head; the embedding table only for the looked-up rows) and the cached K/V of every sequence in
+the batch, once. Its floor is those bytes over the machine's memory read bandwidth:
+    floor_s = (weight_bytes + batch_kv_bytes) / bandwidth
+This module measures the bandwidth (a large tensor sum, one thread and all threads), reports
+the CPU features torch sees (capability string, AVX-512, AMX), and times pure decode steps of
+one engine rank (`ModelRunner`, one torch thread on CPU like a DP rank) for a few batch sizes,
+each sequence holding `context` cached tokens; its step time is compared with the floor at the
+single-core bandwidth (one rank alone streams from one core).
+
+Memory is not the only floor: a step also does 2 x batch x weights FLOPs (plus attention), and
+on a core with AVX2 FMA only (16 fp32 FLOPs per instruction) 8-16 rows of SmolLM2 already take
+about as long to multiply as to stream. So the probe also measures the core's fp32 GEMM rate (a
+large single-thread matmul) and reports the roofline floor = max(memory floor, compute floor);
+`vs_roofline` is the step over that.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_SUM_BYTES = 512 * 1024 * 1024  # far past any cache
+
+
+def cpu_features() -> dict[str, Any]:
+    """What torch and the kernel report about the CPU (flags from /proc/cpuinfo on Linux)."""
+    flags: set[str] = set()
+    cpuinfo = Path("/proc/cpuinfo")
+    model = platform.processor() or platform.machine()
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "flags" and not flags:
+                flags = set(value.split())
+            elif key.strip() == "model name":
+                model = value.strip()
+    return {
+        "model": model,
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "avx2": "avx2" in flags,
+        "avx512f": "avx512f" in flags,
+        "avx512_bf16": "avx512_bf16" in flags,
+        "amx": bool({"amx_tile", "amx_bf16"} & flags),
+        "onednn_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+        "isa_env": {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
+                                               "MKL_ENABLE_INSTRUCTIONS") if k in os.environ},
+    }
+
+
+def read_bandwidth(threads: int, nbytes: int = _SUM_BYTES, repeats: int = 5) -> float:
+    """Memory read bandwidth in bytes/s: best of `repeats` sums of an `nbytes` fp32 tensor
+    with `threads` torch threads (the best run is the one least disturbed by neighbours)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x = torch.ones(nbytes // 4, dtype=torch.float32)
+        x.sum()  # first touch is done by ones(); one pass warms the code path
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            x.sum()
+            best = min(best, time.perf_counter() - t0)
+        return nbytes / best
+    finally:
+        torch.set_num_threads(before)
+
+
+def cuda_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 10) -> float:
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    x.sum()
+    torch.cuda.synchronize(device)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
+
+
+def gemm_flops(device: torch.device, size: int = 1024, repeats: int = 3) -> float:
+    """fp32 matmul FLOP/s of one thread (CPU) or the device: best of `repeats`."""
+    a = torch.randn(size, size, device=device)
+    b = torch.randn(size, size, device=device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * size**3 / best
+
+
+def flops_per_step(model: Any, batch: int, context: int) -> int:
+    """Multiply-adds x 2 of one decode step: every linear over `batch` rows plus attention
+    (scores and weighted values over `context` keys, every head and layer)."""
+    from services.worker.engine.cpu_linear import PackedLinear
+
+    cfg = model.config.get_text_config()
+    linear = sum(m.in_features * m.out_features for m in model.modules()
+                 if isinstance(m, torch.nn.Linear | PackedLinear))
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    attn = 2 * context * cfg.num_attention_heads * head_dim * cfg.num_hidden_layers
+    return 2 * batch * (linear + attn)
+
+
+def weight_bytes_per_step(model: Any, batch: int) -> int:
+    """Bytes of weights one forward over `batch` tokens reads: every linear weight (prepacked
+    or not; a tied LM head counts once as the head), 1-D weights (norms), and `batch` rows of
+    the input embedding."""
+    from services.worker.engine.cpu_linear import PackedLinear
+
+    embed = model.get_input_embeddings().weight
+    seen: set[int] = set()
+    total = 0
+    for mod in model.modules():
+        tensors: list[torch.Tensor] = []
+        if isinstance(mod, torch.nn.Linear):
+            tensors = [mod.weight] + ([mod.bias] if mod.bias is not None else [])
+        elif isinstance(mod, PackedLinear):
+            packed = mod.packed_weight
+            assert isinstance(packed, torch.Tensor)  # a registered buffer
+            bias = mod.bias
+            tensors = [packed] + ([bias] if isinstance(bias, torch.Tensor) else [])
+        else:
+            tensors = [p for p in mod.parameters(recurse=False) if p.dim() == 1]
+        for t in tensors:  # by identity: a tied head is the embedding's own Parameter
+            if id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+    if id(embed) not in seen:  # untied (or prepacked) head: the table is only indexed
+        total += batch * embed.shape[1] * embed.element_size()
+    return total
+
+
+def time_decode_steps(runner: Any, batch: int, context: int,
+                      steps: int = 8) -> tuple[float, float]:
+    """Median wall seconds and median process CPU seconds of a pure decode step: `batch`
+    sequences, each with `context` cached tokens (zeros in the pool; attention reads them all
+    the same). On a shared machine CPU time is the less disturbed of the two (it still
+    includes stalls on memory the neighbours compete for)."""
+    from services.worker.engine.api import SamplingConfig
+    from services.worker.engine.model_runner import ScheduledSeq
+
+    bs = runner.layout.block_size
+    per_seq = -(-(context + 1) // bs)
+    if batch * per_seq > runner.num_blocks:
+        raise ValueError(f"{batch} x {context} tokens do not fit {runner.num_blocks} blocks")
+    greedy = SamplingConfig(max_tokens=1, temperature=0.0)
+    seqs = [ScheduledSeq([100 + i], context, list(range(i * per_seq, (i + 1) * per_seq)),
+                         True, greedy, None) for i in range(batch)]
+    sync = (lambda: torch.cuda.synchronize(runner.device)) if runner.device.type == "cuda" \
+        else (lambda: None)
+    for _ in range(2):
+        runner.execute(seqs)
+    times, cpu_times = [], []
+    for _ in range(steps):
+        sync()
+        t0, c0 = time.perf_counter(), time.process_time()
+        runner.execute(seqs)
+        sync()
+        times.append(time.perf_counter() - t0)
+        cpu_times.append(time.process_time() - c0)
+    return statistics.median(times), statistics.median(cpu_times)
+
+
+def measure(model_path: str, device_name: str, dtype_name: str, threads: int,
+            batches: tuple[int, ...] = (1, 8, 16), context: int = 320,
+            block_size: int = 16) -> dict[str, Any]:
+    """The whole probe (run in its own process: it sets torch's thread count)."""
+    from services.worker.engine.model_runner import (
+        ModelRunner,
+        kv_layout_of,
+        load_model,
+        resolve_dtype,
+    )
+
+    device = torch.device(device_name)
+    dtype = resolve_dtype(dtype_name, device)
+    out: dict[str, Any] = {"cpu": cpu_features(), "context_tokens": context,
+                           "device": str(device), "dtype": str(dtype).removeprefix("torch.")}
+    all_threads = torch.get_num_threads()
+    single = read_bandwidth(1)
+    out["bandwidth_gb_s"] = {"single_core": round(single / 1e9, 2),
+                             "all_cores": round(read_bandwidth(all_threads) / 1e9, 2),
+                             "all_core_threads": all_threads}
+    if device.type == "cuda":
+        bandwidth = cuda_bandwidth(device)
+        out["bandwidth_gb_s"]["device"] = round(bandwidth / 1e9, 2)
+    else:
+        bandwidth = single
+    torch.set_num_threads(threads if threads > 0 else 1)
+    out["step_threads"] = torch.get_num_threads()
+    flops = gemm_flops(device)
+    out["gemm_gflop_s"] = round(flops / 1e9, 1)
+    t0 = time.perf_counter()
+    model = load_model(model_path, device, dtype)
+    layout = kv_layout_of(model.config, block_size, dtype)
+    per_seq_blocks = -(-(context + 1) // block_size)
+    runner = ModelRunner(model, layout, max(batches) * per_seq_blocks + 1, device, dtype)
+    runner.warm_up()
+    out["runner_start_s"] = round(time.perf_counter() - t0, 2)
+    kv_per_token = runner.bytes_per_block // block_size
+    rows = []
+    for batch in batches:
+        step, step_cpu = time_decode_steps(runner, batch, context)
+        w = weight_bytes_per_step(model, batch)
+        kv = batch * (context + 1) * kv_per_token
+        floor = (w + kv) / bandwidth
+        roofline = max(floor, flops_per_step(model, batch, context) / flops)
+        rows.append({"seqs": batch, "step_ms": round(step * 1e3, 2),
+                     "step_cpu_ms": round(step_cpu * 1e3, 2),
+                     "floor_ms": round(floor * 1e3, 2), "vs_floor": round(step / floor, 2),
+                     "cpu_vs_floor": round(step_cpu / floor, 2),
+                "roofline_ms": round(roofline * 1e3, 2),
+                "vs_roofline": round(step / roofline, 2),
+                     "weight_mb": round(w / 1e6, 1), "kv_mb": round(kv / 1e6, 1)})
+    out["steps"] = rows
+    eight = next((r for r in rows if r["seqs"] == 8), None)
+    out["decode_step_vs_floor"] = eight["vs_floor"] if eight else None
+    out["decode_step_vs_roofline"] = eight["vs_roofline"] if eight else None
+    return out
+
+
+def format_report(probe: dict[str, Any]) -> list[str]:
+    cpu = probe["cpu"]
+    bw = probe["bandwidth_gb_s"]
+    isa = ", ".join(k for k in ("avx2", "avx512f", "avx512_bf16", "amx") if cpu.get(k))
+    lines = [
+        f"machine: {cpu['model']}, {cpu['cpus']} CPUs, torch {cpu['torch']} capability "
+        f"{cpu['torch_cpu_capability']} (flags: {isa or 'none'}; oneDNN bf16 "
+        f"{'yes' if cpu['onednn_bf16'] else 'no'})"
+        + (f", emulated by {cpu['isa_env']}" if cpu["isa_env"] else ""),
+        f"memory read bandwidth: {bw['single_core']:.1f} GB/s one core, {bw['all_cores']:.1f} "
+        f"GB/s with {bw['all_core_threads']} threads"
+        + (f", {bw['device']:.0f} GB/s device" if "device" in bw else ""),
+        f"fp32 GEMM: {probe['gemm_gflop_s']:.0f} GFLOP/s with {probe['step_threads']} thread(s)",
+        f"decode step of one rank ({probe['step_threads']} thread(s), {probe['context_tokens']} "
+        f"cached tokens per sequence) vs its floor (weights + KV read once) and roofline "
+        f"(max of that and FLOPs / GEMM rate):",
+    ]
+    for r in probe["steps"]:
+        lines.append(f"  {r['seqs']:>3} seqs: {r['step_ms']:7.1f} ms wall ({r['step_cpu_ms']:.1f} "
+                     f"ms CPU), floor {r['floor_ms']:5.1f} ms ({r['weight_mb']:.0f} MB weights"
+                     f" + {r['kv_mb']:.0f} MB KV): {r['vs_floor']:.2f}x "
+                     f"({r['cpu_vs_floor']:.2f}x by CPU time)")
+    return lines

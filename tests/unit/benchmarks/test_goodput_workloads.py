@@ -1,0 +1,117 @@
+"""Workloads and configurations of the goodput benchmark: seeded, cut to the drawn lengths,
+shared prefix only where the workload says so; the pdserve up lines of each configuration."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from benchmarks.goodput import configs
+from benchmarks.goodput.workloads import WORKLOADS, load_corpus, make_requests
+
+
+class WordTokenizer:
+    """One token per whitespace-separated word (ids assigned on first sight)."""
+
+    def __init__(self) -> None:
+        self.ids: dict[str, int] = {}
+        self.words: list[str] = []
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        out = []
+        for word in text.split():
+            if word not in self.ids:
+                self.ids[word] = len(self.words)
+                self.words.append(word)
+            out.append(self.ids[word])
+        return out
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return " ".join(self.words[i] for i in ids)
+
+
+def test_corpus_has_many_varied_passages() -> None:
+    corpus = load_corpus()
+    assert len(corpus) >= 20
+    assert all(len(p) >= 3 for p in corpus)  # sentences per passage
+    assert not any(s.startswith("#") for p in corpus for s in p)
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_requests_follow_the_workload_ranges(name: str) -> None:
+    w, tok = WORKLOADS[name], WordTokenizer()
+    requests = make_requests(w, tok, 12, seed=1, run="r")
+    for r in requests:
+        assert w.prompt_tokens[0] <= r.message_tokens <= w.prompt_tokens[1]
+        assert w.output_tokens[0] <= r.max_tokens <= w.output_tokens[1]
+        user = r.messages[-1]
+        assert user["role"] == "user"
+        _instruction, body = user["content"].split("\n\n", 1)
+        assert len(tok.encode(body)) == r.message_tokens
+    assert len({r.messages[-1]["content"] for r in requests}) == len(requests)
+
+
+def test_same_seed_and_run_give_the_same_requests_and_others_differ() -> None:
+    w = WORKLOADS["chat"]
+    a = make_requests(w, WordTokenizer(), 5, seed=3, run="rate-1")
+    assert a == make_requests(w, WordTokenizer(), 5, seed=3, run="rate-1")
+    assert a != make_requests(w, WordTokenizer(), 5, seed=3, run="rate-2")
+    assert a != make_requests(w, WordTokenizer(), 5, seed=4, run="rate-1")
+
+
+def test_only_shared_prefix_shares_a_system_prompt() -> None:
+    tok = WordTokenizer()
+    shared = make_requests(WORKLOADS["shared_prefix"], tok, 4, seed=0, run="a")
+    systems = {r.messages[0]["content"] for r in shared}
+    assert len(systems) == 1 and all(r.messages[0]["role"] == "system" for r in shared)
+    assert len(tok.encode(systems.pop())) >= WORKLOADS["shared_prefix"].system_tokens
+    # another run of the same seed keeps the same system prompt (the cache can hold it)
+    assert (
+        make_requests(WORKLOADS["shared_prefix"], tok, 1, seed=0, run="b")[0].messages[0]
+        == shared[0].messages[0]
+    )
+    chat = make_requests(WORKLOADS["chat"], tok, 4, seed=0, run="a")
+    assert all(len(r.messages) == 1 for r in chat)
+
+
+def test_quick_caps_outputs_only() -> None:
+    q = WORKLOADS["long_output"].quick(16)
+    assert q.output_tokens == (16, 16)
+    assert q.prompt_tokens == WORKLOADS["long_output"].prompt_tokens
+    assert WORKLOADS["chat"].quick(64).output_tokens == (32, 64)
+
+
+def test_configurations_are_pdserve_up_lines_on_two_single_thread_processes() -> None:
+    assert configs.config_args("disaggregated") == [
+        "--prefill-workers", "1", "--decode-workers", "1", "--torch-threads", "1"
+    ]  # fmt: skip
+    assert configs.config_args("unified_dp2") == ["--unified", "--dp-size", "2", "--torch-threads", "1"]
+    assert configs.config_args("unified_2workers") == ["--unified-workers", "2", "--torch-threads", "1"]
+    cond = configs.config_args("conditional", local_prefill_threshold=128)
+    assert cond[: len(configs.config_args("disaggregated"))] == configs.config_args("disaggregated")
+    assert cond[-1] == "--scheduler-arg=--local-prefill-threshold=128"
+    assert configs.config_args("conditional@64")[-1] == "--scheduler-arg=--local-prefill-threshold=64"
+    assert configs.is_config("conditional@0") and not configs.is_config("conditional@x")
+    with pytest.raises(ValueError, match="unknown configuration"):
+        configs.config_args("colocated")
+
+
+def test_up_command_is_printable_and_pins_cpus_when_asked() -> None:
+    cmd = configs.up_command(
+        "unified_dp2", model="m", port_base=57100, cpus="0,1", extra=["--log-level=debug"]
+    )
+    assert cmd[:3] == ["taskset", "-c", "0,1"]
+    assert cmd[cmd.index("up") - 2 :][:3] == ["-m", "services.cli", "up"]
+    assert "--port-base" in cmd and "57100" in cmd and cmd[-1] == "--log-level=debug"
+    assert "services.cli up --model m" in configs.printable(cmd)
+    assert configs.up_command("disaggregated", model="m", port_base=1)[0] != "taskset"
+
+
+def test_http_base_url_is_found_in_the_ready_output() -> None:
+    line = "pdserve is up: gateway 127.0.0.1:57000, HTTP http://127.0.0.1:57003/v1 (model x)"
+    assert configs.http_base_url(line) == "http://127.0.0.1:57003/v1"
+    assert (
+        configs.http_base_url("  OpenAI-compatible API: http://0.0.0.0:8000/v1") == "http://0.0.0.0:8000/v1"
+    )
+    assert configs.http_base_url("pdserve is up: gateway 127.0.0.1:57000") is None
