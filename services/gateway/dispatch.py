@@ -1,5 +1,5 @@
 """The request life: schedule, admit on decode, prefill with a KV target, relay frames, finish;
-abort both workers on cancel/deadline/error; reschedule once when a worker is unavailable before
+abort both workers on cancel/deadline/error; reschedule (at most twice) when a worker is unavailable before
 any output reached the client (retry before handoff); after that, migrate: when the workers fail
 mid-stream, the prompt plus the tokens generated so far run on other workers and decoding
 resumes at the next output index, so the client's stream goes on with no token lost or repeated
@@ -45,7 +45,10 @@ log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
 
-MAX_ATTEMPTS = 2  # the first try + one reschedule before handoff
+# The first try + two reschedules before handoff, each excluding the workers that failed (two
+# workers may be down at once, e.g. a dead decode worker whose lease has not expired yet and a
+# prefill worker that died meanwhile).
+MAX_ATTEMPTS = 3
 DEFAULT_MIGRATION_LIMIT = 3  # migrations of one request after handoff (gateway --migration-limit)
 
 

@@ -16,7 +16,7 @@ CAPABILITIES = (
 )
 # Contract version implemented: 1.0 = compat/v1.0; 1.1 added the optional generated_tokens fields;
 # 1.2 added KvChunk.draft_token_ids and RankLoad's speculative-decoding counts.
-# 1.3 added SamplingParams.first_output_index (request migration).
+# 1.3 added SamplingParams.first_output_index and unshown_tail_tokens (request migration).
 PROTO_VERSION = "1.3"
 
 

@@ -136,7 +136,11 @@ async def test_kill9_of_a_decode_worker_mid_stream_migrates_every_stream(two_dec
         started = [asyncio.Event() for _ in PROMPTS]
         tasks = [asyncio.ensure_future(_stream(stub, i, started[i])) for i in range(len(PROMPTS))]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
-        os.kill(_pid_listening_on(f"127.0.0.1:{base + 20}"), signal.SIGKILL)
+        decode_workers = [f"127.0.0.1:{base + 20}", f"127.0.0.1:{base + 21}"]
+        running = await _running(decode_workers)
+        victim = max(decode_workers, key=lambda a: running.get(a, 0))  # the one carrying streams
+        assert running.get(victim, 0) > 0, running
+        os.kill(_pid_listening_on(victim), signal.SIGKILL)
         disturbed = await asyncio.gather(*tasks)
     gateway_log = (stack.log_dir / "gateway.log").read_text()
     assert gateway_log.count('"event": "migrating"') >= 1, "no stream was on the killed worker"
@@ -160,6 +164,19 @@ async def _used_tokens(addresses: list[str]) -> dict[str, int]:
             except grpc.aio.AioRpcError:
                 continue  # a killed worker
         out[address] = sum(r.num_used_tokens for r in load.ranks)
+    return out
+
+
+async def _running(addresses: list[str]) -> dict[str, int]:
+    """Requests running per reachable worker (GetLoad)."""
+    out = {}
+    for address in addresses:
+        async with grpc.aio.insecure_channel(address) as ch:
+            try:
+                load = await worker_pb2_grpc.WorkerStub(ch).GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
+            except grpc.aio.AioRpcError:
+                continue
+        out[address] = sum(r.num_running for r in load.ranks)
     return out
 
 

@@ -231,11 +231,11 @@ async def test_retry_after_prefill_unavailable_aborts_admitted_decode() -> None:
     assert frames[-1].usage is not None and frames[-1].usage.completion_tokens == 2
 
 
-async def test_only_one_retry() -> None:
-    sched = FakeScheduler([WorkerUnavailable("no workers"), WorkerUnavailable("no workers")])
+async def test_retries_before_handoff_are_bounded() -> None:
+    sched = FakeScheduler([WorkerUnavailable("no workers")] * 3)
     with pytest.raises(WorkerUnavailable):
         await run(sched, FakeWorkers())
-    assert len(sched.queries) == 2
+    assert len(sched.queries) == 3
 
 
 async def test_no_retry_after_handoff_with_migration_disabled() -> None:
