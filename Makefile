@@ -75,6 +75,7 @@ check-gen: install
 
 lint: install
 	$(VENV)/bin/ruff check shared services tests benchmarks
+	$(VENV)/bin/ruff format --check shared services tests benchmarks
 
 typecheck: install gen
 	$(VENV)/bin/mypy
@@ -85,6 +86,7 @@ test-fast: install gen
 	@set -u; log=$$(mktemp); trap 'rm -f "$$log"' EXIT; \
 	echo "ruff check shared services tests benchmarks"; \
 	$(VENV)/bin/ruff check shared services tests benchmarks || exit 1; \
+	$(VENV)/bin/ruff format --check shared services tests benchmarks || exit 1; \
 	echo "mypy (in the background) + pytest -m 'not slow' tests/unit"; \
 	$(VENV)/bin/mypy > "$$log" 2>&1 & mypy_pid=$$!; \
 	$(PY) -m pytest -q -ra -m "not slow" tests/unit; rc=$$?; \

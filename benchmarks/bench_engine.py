@@ -67,8 +67,10 @@ def summarize(t0: float, token_times: list[list[float]], wall_s: float) -> dict[
         "tokens": n_tokens,
         "wall_s": round(wall_s, 3),
         "tokens_per_s": round(n_tokens / wall_s, 2),
-        "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p99": percentile(ttft, 99),
-        "tpot_ms_p50": percentile(tpot, 50), "tpot_ms_p99": percentile(tpot, 99),
+        "ttft_ms_p50": percentile(ttft, 50),
+        "ttft_ms_p99": percentile(ttft, 99),
+        "tpot_ms_p50": percentile(tpot, 50),
+        "tpot_ms_p99": percentile(tpot, 99),
     }
 
 
@@ -94,9 +96,12 @@ def _gen_config(model: Any, new_tokens: int) -> Any:
     from transformers import GenerationConfig
 
     # an id outside the vocabulary as EOS: every request generates exactly new_tokens
-    return GenerationConfig(max_new_tokens=new_tokens, do_sample=False,
-                            eos_token_id=model.config.vocab_size + 1,
-                            pad_token_id=model.config.pad_token_id or 0)
+    return GenerationConfig(
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        eos_token_id=model.config.vocab_size + 1,
+        pad_token_id=model.config.pad_token_id or 0,
+    )
 
 
 class _TimingStreamer:
@@ -129,8 +134,7 @@ def run_hf_sequential(args: argparse.Namespace, prompts: list[list[int]]) -> dic
         for p in prompts:
             streamer = _TimingStreamer()
             ids = torch.tensor([p], device=args.device)
-            model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg,
-                           streamer=streamer)
+            model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg, streamer=streamer)
             times.append(streamer.times)
     return summarize(t0, times, time.perf_counter() - t0)
 
@@ -143,8 +147,7 @@ def run_hf_padded(args: argparse.Namespace, prompts: list[list[int]]) -> dict[st
     pad = cfg.pad_token_id
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=args.device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
-                        device=args.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=args.device)
     with torch.inference_mode():
         model.generate(ids[:2, -16:], attention_mask=mask[:2, -16:], generation_config=cfg)
     streamer = _TimingStreamer()
@@ -162,18 +165,24 @@ def run_hf_continuous(args: argparse.Namespace, prompts: list[list[int]]) -> dic
     cfg = _gen_config(model, args.new_tokens)
     # a small explicit KV budget: by default it reserves most of free RAM on CPU
     need_tokens = sum(len(p) + args.new_tokens for p in prompts)
-    cb = ContinuousBatchingConfig(page_size=256, num_blocks=need_tokens // 256 + len(prompts) + 4,
-                                  max_batch_tokens=args.max_batch_tokens or 2048)
+    cb = ContinuousBatchingConfig(
+        page_size=256,
+        num_blocks=need_tokens // 256 + len(prompts) + 4,
+        max_batch_tokens=args.max_batch_tokens or 2048,
+    )
     t0 = time.perf_counter()
     # no inference_mode here: generate_batch runs its own thread and updates tensors in place
-    results = model.generate_batch(prompts, generation_config=cfg,
-                                   continuous_batching_config=cb, record_timestamps=True)
+    results = model.generate_batch(
+        prompts, generation_config=cfg, continuous_batching_config=cb, record_timestamps=True
+    )
     wall = time.perf_counter() - t0
     times = [list(r.timestamps or []) for r in results.values()]
     got = sorted(len(r.generated_tokens) for r in results.values())
     if got != [args.new_tokens] * len(prompts):
-        raise RuntimeError(f"generate_batch returned {got} tokens per request, "
-                           f"{[r.error for r in results.values() if r.error][:1]}")
+        raise RuntimeError(
+            f"generate_batch returned {got} tokens per request, "
+            f"{[r.error for r in results.values() if r.error][:1]}"
+        )
     if not any(times):  # no timestamps: count tokens, no latencies
         times = [[t0 + wall] * len(r.generated_tokens) for r in results.values()]
     return summarize(t0, times, wall)
@@ -184,8 +193,11 @@ def _engine(args: argparse.Namespace, **overrides: Any) -> Any:
     from services.worker.engine.api import EngineConfig
 
     settings: dict[str, Any] = {
-        "model_path": args.model_path, "device": args.device, "dtype": args.dtype,
-        "kv_cache_tokens": args.kv_cache_tokens, "max_batch_tokens": args.max_batch_tokens,
+        "model_path": args.model_path,
+        "device": args.device,
+        "dtype": args.dtype,
+        "kv_cache_tokens": args.kv_cache_tokens,
+        "max_batch_tokens": args.max_batch_tokens,
         "torch_threads": args.engine_threads,
         "dp_size": args.engine_dp_size,
     }
@@ -195,8 +207,9 @@ def _engine(args: argparse.Namespace, **overrides: Any) -> Any:
     return engine
 
 
-async def _engine_round(engine: Any, prompts: list[list[int]], new_tokens: int,
-                        tag: str) -> tuple[float, list[list[float]], list[Any]]:
+async def _engine_round(
+    engine: Any, prompts: list[list[int]], new_tokens: int, tag: str
+) -> tuple[float, list[list[float]], list[Any]]:
     from services.worker.engine.api import EngineRequest, SamplingConfig
 
     sampling = SamplingConfig(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
@@ -211,8 +224,10 @@ async def _engine_round(engine: Any, prompts: list[list[int]], new_tokens: int,
 
     t0 = time.perf_counter()
     dp = engine.config.dp_size
-    handles = [engine.add_request(EngineRequest(f"{tag}{i}", tuple(p), sampling, dp_rank=i % dp))
-               for i, p in enumerate(prompts)]
+    handles = [
+        engine.add_request(EngineRequest(f"{tag}{i}", tuple(p), sampling, dp_rank=i % dp))
+        for i, p in enumerate(prompts)
+    ]
     await asyncio.gather(*(one(i, h) for i, h in enumerate(handles)))
     return t0, times, last
 
@@ -222,6 +237,7 @@ def run_pdserve(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str,
     engine = _engine(args, enable_prefix_caching=False)
     start_s = time.perf_counter() - t_start
     try:
+
         async def go() -> dict[str, Any]:
             await _engine_round(engine, [prompts[0][:16]], 2, "warm")
             t0, times, _ = await _engine_round(engine, prompts, args.new_tokens, "r")
@@ -239,12 +255,12 @@ def run_prefix(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, 
     rng = random.Random(1)
     vocab = args.vocab_size
     prefix = [rng.randrange(100, vocab - 100) for _ in range(args.prefix_tokens)]
-    batch = [prefix + [rng.randrange(100, vocab - 100) for _ in range(64)]
-             for _ in range(args.num_requests)]
+    batch = [prefix + [rng.randrange(100, vocab - 100) for _ in range(64)] for _ in range(args.num_requests)]
     out: dict[str, Any] = {"prefix_tokens": args.prefix_tokens, "requests": len(batch)}
     for label, caching in (("with_cache", True), ("without_cache", False)):
         engine = _engine(args, enable_prefix_caching=caching, dp_size=1)
         try:
+
             async def go(engine: Any = engine) -> tuple[float, list[Any]]:
                 await _engine_round(engine, [prefix + [7] * 8], 1, "w")  # populates the cache
                 t0, times, last = await _engine_round(engine, batch, 1, "p")
@@ -260,8 +276,7 @@ def run_prefix(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, 
             "prompt_tokens": sum(o.num_prompt_tokens for o in last),
             "hit_rate": round(load.prefix_cache_hit_rate, 4),
         }
-    out["speedup"] = round(out["without_cache"]["prefill_wall_s"]
-                           / out["with_cache"]["prefill_wall_s"], 2)
+    out["speedup"] = round(out["without_cache"]["prefill_wall_s"] / out["with_cache"]["prefill_wall_s"], 2)
     return out
 
 
@@ -270,13 +285,17 @@ def run_floor(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, A
 
     # the workload's mean context in the middle of decoding: mean prompt + half the new tokens
     context = sum(len(p) for p in prompts) // len(prompts) + args.new_tokens // 2
-    return engine_floor.measure(args.model_path, args.device, args.dtype,
-                                max(1, args.engine_threads), (1, 8, 16), context)
+    return engine_floor.measure(
+        args.model_path, args.device, args.dtype, max(1, args.engine_threads), (1, 8, 16), context
+    )
 
 
 RUNNERS = {
-    "hf_sequential": run_hf_sequential, "hf_padded": run_hf_padded,
-    "hf_continuous": run_hf_continuous, "pdserve": run_pdserve, "prefix": run_prefix,
+    "hf_sequential": run_hf_sequential,
+    "hf_padded": run_hf_padded,
+    "hf_continuous": run_hf_continuous,
+    "pdserve": run_pdserve,
+    "prefix": run_prefix,
     "floor": run_floor,
 }
 
@@ -300,19 +319,29 @@ def run_one(args: argparse.Namespace) -> None:
 def _child(args: argparse.Namespace, contender: str, argv: list[str]) -> dict[str, Any] | None:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"
-        cmd = [sys.executable, "-m", "benchmarks.bench_engine", *argv, "--contender", contender,
-               "--child-out", str(out), "--model-path", args.model_path]
+        cmd = [
+            sys.executable,
+            "-m",
+            "benchmarks.bench_engine",
+            *argv,
+            "--contender",
+            contender,
+            "--child-out",
+            str(out),
+            "--model-path",
+            args.model_path,
+        ]
         print(f"-- {contender} ...", flush=True)
         t0 = time.perf_counter()
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True,
-                                  timeout=args.child_timeout_s)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.child_timeout_s)
         except subprocess.TimeoutExpired:  # a loaded machine: report it, run the others
             print(f"   {contender} timed out after {args.child_timeout_s:.0f} s")
             return None
         if proc.returncode != 0 or not out.exists():
-            print(f"   {contender} failed (rc {proc.returncode}): "
-                  f"{proc.stderr.strip().splitlines()[-1:] or ''}")
+            print(
+                f"   {contender} failed (rc {proc.returncode}): {proc.stderr.strip().splitlines()[-1:] or ''}"
+            )
             return None
         print(f"   done in {time.perf_counter() - t0:.1f} s", flush=True)
         return dict(json.loads(out.read_text()))
@@ -333,24 +362,43 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-prompt", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prefix-tokens", type=int, default=448)
-    parser.add_argument("--threads", type=int, default=0,
-                        help="torch threads of the transformers contenders (0 = torch default)")
-    parser.add_argument("--engine-dp-size", type=int, default=0,
-                        help="pdserve DP ranks, requests alternate ranks (0 = auto: on CPU one "
-                        "rank per core up to 2, each with 1 thread; on CUDA 1)")
-    parser.add_argument("--engine-threads", type=int, default=-1,
-                        help="pdserve torch threads (-1 = auto: 1 with several CPU ranks, "
-                        "else --threads)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads of the transformers contenders (0 = torch default)",
+    )
+    parser.add_argument(
+        "--engine-dp-size",
+        type=int,
+        default=0,
+        help="pdserve DP ranks, requests alternate ranks (0 = auto: on CPU one "
+        "rank per core up to 2, each with 1 thread; on CUDA 1)",
+    )
+    parser.add_argument(
+        "--engine-threads",
+        type=int,
+        default=-1,
+        help="pdserve torch threads (-1 = auto: 1 with several CPU ranks, else --threads)",
+    )
     parser.add_argument("--kv-cache-tokens", type=int, default=10240)
-    parser.add_argument("--max-batch-tokens", type=int, default=0,
-                        help="per-step token budget of the engine and generate_batch; "
-                        "0 = the engine's device default (512 on CPU), 2048 for generate_batch")
+    parser.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=0,
+        help="per-step token budget of the engine and generate_batch; "
+        "0 = the engine's device default (512 on CPU), 2048 for generate_batch",
+    )
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
     parser.add_argument("--no-prefix-run", action="store_true")
-    parser.add_argument("--no-floor-run", action="store_true",
-                        help="skip the bandwidth probe and decode-step-vs-floor measurement")
-    parser.add_argument("--output", default="",
-                        help=f"default {RESULTS} ({RESULTS.stem}-quick.json with --quick)")
+    parser.add_argument(
+        "--no-floor-run",
+        action="store_true",
+        help="skip the bandwidth probe and decode-step-vs-floor measurement",
+    )
+    parser.add_argument(
+        "--output", default="", help=f"default {RESULTS} ({RESULTS.stem}-quick.json with --quick)"
+    )
     parser.add_argument("--child-timeout-s", type=float, default=900)
     parser.add_argument("--contender", help=argparse.SUPPRESS)
     parser.add_argument("--child-out", help=argparse.SUPPRESS)
@@ -374,31 +422,54 @@ def main(argv: list[str] | None = None) -> None:
 
     args.model_path = str(resolve_model(args.model))
     child_argv = [
-        "--dtype", args.dtype, "--device", args.device, "--num-requests", str(args.num_requests),
-        "--min-prompt", str(args.min_prompt), "--max-prompt", str(args.max_prompt),
-        "--new-tokens", str(args.new_tokens), "--prefix-tokens", str(args.prefix_tokens),
-        "--threads", str(args.threads), "--kv-cache-tokens", str(args.kv_cache_tokens),
-        "--max-batch-tokens", str(args.max_batch_tokens),
-        "--engine-dp-size", str(args.engine_dp_size), "--engine-threads", str(args.engine_threads),
+        "--dtype",
+        args.dtype,
+        "--device",
+        args.device,
+        "--num-requests",
+        str(args.num_requests),
+        "--min-prompt",
+        str(args.min_prompt),
+        "--max-prompt",
+        str(args.max_prompt),
+        "--new-tokens",
+        str(args.new_tokens),
+        "--prefix-tokens",
+        str(args.prefix_tokens),
+        "--threads",
+        str(args.threads),
+        "--kv-cache-tokens",
+        str(args.kv_cache_tokens),
+        "--max-batch-tokens",
+        str(args.max_batch_tokens),
+        "--engine-dp-size",
+        str(args.engine_dp_size),
+        "--engine-threads",
+        str(args.engine_threads),
     ]
-    print(f"model {args.model_path}, {args.device} {args.dtype}, {args.num_requests} requests, "
-          f"prompts {args.min_prompt}-{args.max_prompt}, {args.new_tokens} new tokens, "
-          f"{os.cpu_count()} CPUs")
+    print(
+        f"model {args.model_path}, {args.device} {args.dtype}, {args.num_requests} requests, "
+        f"prompts {args.min_prompt}-{args.max_prompt}, {args.new_tokens} new tokens, "
+        f"{os.cpu_count()} CPUs"
+    )
     results: dict[str, dict[str, Any] | None] = {}
     for name in args.contenders.split(","):
         results[name] = _child(args, name, child_argv)
     prefix = None if args.no_prefix_run else _child(args, "prefix", child_argv)
     floor = None if args.no_floor_run else _child(args, "floor", child_argv)
 
-    print(f"\n{'contender':<15}{'tok/s':>8}{'TTFT p50':>10}{'p99':>9}{'TPOT p50':>10}{'p99':>8}"
-          f"{'RSS MiB':>9}")
+    print(
+        f"\n{'contender':<15}{'tok/s':>8}{'TTFT p50':>10}{'p99':>9}{'TPOT p50':>10}{'p99':>8}{'RSS MiB':>9}"
+    )
     for name, r in results.items():
         if r is None:
             print(f"{name:<15}{'(not run)':>8}")
             continue
-        print(f"{name:<15}{r['tokens_per_s']:>8.1f}{_fmt(r['ttft_ms_p50'], 0):>10}"
-              f"{_fmt(r['ttft_ms_p99'], 0):>9}{_fmt(r['tpot_ms_p50']):>10}"
-              f"{_fmt(r['tpot_ms_p99']):>8}{r['peak_rss_mib']:>9.0f}")
+        print(
+            f"{name:<15}{r['tokens_per_s']:>8.1f}{_fmt(r['ttft_ms_p50'], 0):>10}"
+            f"{_fmt(r['ttft_ms_p99'], 0):>9}{_fmt(r['tpot_ms_p50']):>10}"
+            f"{_fmt(r['tpot_ms_p99']):>8}{r['peak_rss_mib']:>9.0f}"
+        )
     tps = {k: (v["tokens_per_s"] if v else None) for k, v in results.items()}
     ours = tps.get("pdserve")
 
@@ -414,29 +485,40 @@ def main(argv: list[str] | None = None) -> None:
     print("\n" + "  ".join(f"{k} {_fmt(v, 2)}" for k, v in ratios.items()))
     if prefix is not None:
         w, wo = prefix["with_cache"], prefix["without_cache"]
-        print(f"prefix-heavy ({prefix['requests']} x {prefix['prefix_tokens']}-token shared "
-              f"prefix + 64): prefill {wo['prefill_wall_s']:.2f} s without cache, "
-              f"{w['prefill_wall_s']:.2f} s with (hit rate {w['hit_rate']:.1%}): "
-              f"{prefix['speedup']:.2f}x")
+        print(
+            f"prefix-heavy ({prefix['requests']} x {prefix['prefix_tokens']}-token shared "
+            f"prefix + 64): prefill {wo['prefill_wall_s']:.2f} s without cache, "
+            f"{w['prefill_wall_s']:.2f} s with (hit rate {w['hit_rate']:.1%}): "
+            f"{prefix['speedup']:.2f}x"
+        )
     if (pdserve := results.get("pdserve")) is not None:
-        print(f"pdserve engine start (load + warm-up, {args.engine_dp_size} rank(s)): "
-              f"{pdserve['engine_start_s']:.1f} s")
+        print(
+            f"pdserve engine start (load + warm-up, {args.engine_dp_size} rank(s)): "
+            f"{pdserve['engine_start_s']:.1f} s"
+        )
     if floor is not None:
         from benchmarks.engine_floor import format_report
 
         print("\n".join(format_report(floor)))
     report = {
-        "tokens_per_s": tps, **ratios,
+        "tokens_per_s": tps,
+        **ratios,
         "cpu": floor["cpu"] if floor else None,
         "decode_step_vs_floor": floor["decode_step_vs_floor"] if floor else None,
         "floor": floor,
         "prefix_heavy": prefix,
-        "config": {"model": args.model, "device": args.device, "dtype": args.dtype,
-                   "num_requests": args.num_requests,
-                   "prompt_tokens": [args.min_prompt, args.max_prompt],
-                   "new_tokens": args.new_tokens, "quick": args.quick, "threads": args.threads,
-                   "engine_dp_size": args.engine_dp_size,
-                   "engine_threads": args.engine_threads},
+        "config": {
+            "model": args.model,
+            "device": args.device,
+            "dtype": args.dtype,
+            "num_requests": args.num_requests,
+            "prompt_tokens": [args.min_prompt, args.max_prompt],
+            "new_tokens": args.new_tokens,
+            "quick": args.quick,
+            "threads": args.threads,
+            "engine_dp_size": args.engine_dp_size,
+            "engine_threads": args.engine_threads,
+        },
         "details": results,
     }
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)

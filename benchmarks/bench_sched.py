@@ -382,10 +382,14 @@ def run_load_sweep(cfg: SimConfig, utilizations: tuple[float, ...]) -> list[dict
             f"{util:>12.0%} {rr.max_mean_ratio:>12.3f} {mt.max_mean_ratio:>12.3f} "
             f"{rr.p50_ttft_s * 1000:>10.0f}ms {mt.p50_ttft_s * 1000:>10.0f}ms {-gain * 100:>+8.1f}%"
         )
-        rows.append({
-            "prefill_utilization": util, "round_robin_max_mean": round(rr.max_mean_ratio, 4),
-            "min_tokens_max_mean": round(mt.max_mean_ratio, 4), "p50_ttft_gain": round(gain, 4),
-        })
+        rows.append(
+            {
+                "prefill_utilization": util,
+                "round_robin_max_mean": round(rr.max_mean_ratio, 4),
+                "min_tokens_max_mean": round(mt.max_mean_ratio, 4),
+                "p50_ttft_gain": round(gain, 4),
+            }
+        )
     return rows
 
 
@@ -426,16 +430,16 @@ def make_features(n: int, rng: random.Random) -> list[RequestFeatures]:
         hashes = prefix + [rng.getrandbits(64) for _ in range(blocks - len(prefix))]
         out.append(
             RequestFeatures(
-                request_id=f"bench-{i}", prompt_tokens=tokens, prefix_block_hashes=tuple(hashes),
+                request_id=f"bench-{i}",
+                prompt_tokens=tokens,
+                prefix_block_hashes=tuple(hashes),
                 max_tokens=256,
             )
         )
     return out
 
 
-def bench_decisions(
-    num_workers: int, dp_size: int, num_decisions: int, rounds: int = 5
-) -> dict[str, float]:
+def bench_decisions(num_workers: int, dp_size: int, num_decisions: int, rounds: int = 5) -> dict[str, float]:
     """p50/p99 of `Router.schedule`, per round of `num_decisions // rounds` decisions; the
     median round is reported (this machine is shared: single rounds catch other people's
     processes). Wall time and this thread's CPU time are both measured."""
@@ -485,8 +489,10 @@ async def _bench_grpc(num_workers: int, dp_size: int, num_calls: int) -> dict[st
     await server.start()
     requests = [
         scheduler_pb2.ScheduleRequest(
-            request_id=f.request_id, prompt_tokens=f.prompt_tokens,
-            prefix_block_hashes=f.prefix_block_hashes, max_tokens=f.max_tokens,
+            request_id=f.request_id,
+            prompt_tokens=f.prompt_tokens,
+            prefix_block_hashes=f.prefix_block_hashes,
+            max_tokens=f.max_tokens,
         )
         for f in make_features(num_calls, rng)
     ]
@@ -542,18 +548,33 @@ async def _e2e_policy(policy: str, model: Path, cfg: E2EConfig) -> dict[str, flo
     await lm.start()
     sched = build_scheduler(
         SchedulerSettings(
-            listen="127.0.0.1:0", metrics_port=-1, load_monitor_address=lm.server.address,
-            prefill_policy="round_robin", dp_rank_policy=policy, seed=1, drain_grace_s=0,
+            listen="127.0.0.1:0",
+            metrics_port=-1,
+            load_monitor_address=lm.server.address,
+            prefill_policy="round_robin",
+            dp_rank_policy=policy,
+            seed=1,
+            drain_grace_s=0,
         )
     )
     await sched.start()
     workers = [
         WorkerApp(
             WorkerSettings(
-                role=Role.UNIFIED, listen="127.0.0.1:0", metrics_port=-1, model=str(model),
-                device="cpu", dtype="float32", dp_size=2, block_size=BLOCK_SIZE,
-                kv_cache_tokens=16384, max_model_len=2048, torch_threads=1, drain_grace_s=0,
-                load_monitor_address=lm.server.address, heartbeat_interval_s=0.5,
+                role=Role.UNIFIED,
+                listen="127.0.0.1:0",
+                metrics_port=-1,
+                model=str(model),
+                device="cpu",
+                dtype="float32",
+                dp_size=2,
+                block_size=BLOCK_SIZE,
+                kv_cache_tokens=16384,
+                max_model_len=2048,
+                torch_threads=1,
+                drain_grace_s=0,
+                load_monitor_address=lm.server.address,
+                heartbeat_interval_s=0.5,
             )
         )
         for _ in range(2)
@@ -562,8 +583,12 @@ async def _e2e_policy(policy: str, model: Path, cfg: E2EConfig) -> dict[str, flo
         await w.start()
     gateway = build_gateway(
         GatewaySettings(
-            listen="127.0.0.1:0", metrics_port=-1, scheduler_address=sched.server.address,
-            model=str(model), block_size=BLOCK_SIZE, drain_grace_s=0,
+            listen="127.0.0.1:0",
+            metrics_port=-1,
+            scheduler_address=sched.server.address,
+            model=str(model),
+            block_size=BLOCK_SIZE,
+            drain_grace_s=0,
         )
     )
     await gateway.start()
@@ -606,9 +631,10 @@ async def _e2e_policy(policy: str, model: Path, cfg: E2EConfig) -> dict[str, flo
         prompt = [rng.randrange(3, 400) for _ in range(n)]
         jobs.append((t, prompt, rng.randint(cfg.output_min_tokens, cfg.output_max_tokens)))
     try:
-        async with grpc.aio.insecure_channel(gateway.server.address) as gch, grpc.aio.insecure_channel(
-            lm.server.address
-        ) as lch:
+        async with (
+            grpc.aio.insecure_channel(gateway.server.address) as gch,
+            grpc.aio.insecure_channel(lm.server.address) as lch,
+        ):
             sampler = asyncio.create_task(sample(load_monitor_pb2_grpc.LoadMonitorStub(lch)))
             gstub = gateway_pb2_grpc.GatewayStub(gch)
             await asyncio.gather(*(one(gstub, d, p, o) for d, p, o in jobs))
@@ -662,8 +688,7 @@ def run_e2e(cfg: E2EConfig | None = None) -> dict[str, dict[str, float]] | None:
     )
     for policy, r in out.items():
         print(
-            f"{policy:<12} {r['max_mean_ratio']:>9.3f} {r['mean_ttft_ms']:>8.1f}ms "
-            f"{r['p50_ttft_ms']:>7.1f}ms"
+            f"{policy:<12} {r['max_mean_ratio']:>9.3f} {r['mean_ttft_ms']:>8.1f}ms {r['p50_ttft_ms']:>7.1f}ms"
         )
     return out
 

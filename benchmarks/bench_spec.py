@@ -40,7 +40,7 @@ PASSAGE = (
     "lane by 2027."
 )
 
-CODE = '''def total_price(items, tax_rate):
+CODE = """def total_price(items, tax_rate):
     total = 0
     for item in items:
         price = item["price"] * item["quantity"]
@@ -57,21 +57,18 @@ def cheapest(items):
         if best is None or item["price"] < best["price"]:
             best = item
     return best
-'''
+"""
 
 GROUNDED = [
     f"Rewrite the following passage in the past perfect tense where possible, keeping every "
     f"fact:\n\n{PASSAGE}",
-    f"Copy the following passage exactly, but replace the name Clara Voss with Maria Lind:"
-    f"\n\n{PASSAGE}",
-    f"Extract every sentence of the passage that contains a year, one per line, word for word:"
-    f"\n\n{PASSAGE}",
+    f"Copy the following passage exactly, but replace the name Clara Voss with Maria Lind:\n\n{PASSAGE}",
+    f"Extract every sentence of the passage that contains a year, one per line, word for word:\n\n{PASSAGE}",
     f"Rename the function total_price to compute_total and the variable items to cart in this "
     f"code. Output the whole code.\n\n{CODE}",
     f"Add a docstring to each function in this code and output the whole code:\n\n{CODE}",
     f"Repeat the passage below, then add one sentence summarizing it.\n\n{PASSAGE}",
-    f"Rewrite this code so that total uses += instead of total = total + ...; output all of "
-    f"it.\n\n{CODE}",
+    f"Rewrite this code so that total uses += instead of total = total + ...; output all of it.\n\n{CODE}",
     f"Correct any mistakes and output the corrected passage in full:\n\n"
     f"{PASSAGE.replace('construction', 'constructoin').replace('traffic', 'trafic')}",
 ]
@@ -117,14 +114,16 @@ def percentile(values: list[float], q: float) -> float | None:
 def prompts_of(tokenizer: Any, texts: list[str]) -> list[tuple[int, ...]]:
     out = []
     for text in texts:
-        chat = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                             add_generation_prompt=True, tokenize=False)
+        chat = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
         out.append(tuple(int(t) for t in tokenizer.encode(chat, add_special_tokens=False)))
     return out
 
 
-async def _one(engine: Any, rid: str, prompt: tuple[int, ...], max_tokens: int
-               ) -> tuple[list[float], list[int]]:
+async def _one(
+    engine: Any, rid: str, prompt: tuple[int, ...], max_tokens: int
+) -> tuple[list[float], list[int]]:
     from services.worker.engine.api import EngineRequest, SamplingConfig
 
     sp = SamplingConfig(max_tokens=max_tokens, temperature=0.0)
@@ -137,8 +136,9 @@ async def _one(engine: Any, rid: str, prompt: tuple[int, ...], max_tokens: int
     return times, tokens
 
 
-async def run_case(engine: Any, tag: str, prompts: list[tuple[int, ...]], concurrency: int,
-                   max_tokens: int) -> dict[str, Any]:
+async def run_case(
+    engine: Any, tag: str, prompts: list[tuple[int, ...]], concurrency: int, max_tokens: int
+) -> dict[str, Any]:
     before = engine.spec_stats(0)
     t0 = time.perf_counter()
     results: list[tuple[list[float], list[int]]] = []
@@ -147,8 +147,9 @@ async def run_case(engine: Any, tag: str, prompts: list[tuple[int, ...]], concur
         group = prompts[i : i + concurrency]
         start = time.perf_counter()
         starts += [start] * len(group)
-        results += await asyncio.gather(*(
-            _one(engine, f"{tag}-{i + j}", p, max_tokens) for j, p in enumerate(group)))
+        results += await asyncio.gather(
+            *(_one(engine, f"{tag}-{i + j}", p, max_tokens) for j, p in enumerate(group))
+        )
     wall = time.perf_counter() - t0
     after = engine.spec_stats(0)
     n_tokens = sum(len(toks) for _, toks in results)
@@ -156,18 +157,24 @@ async def run_case(engine: Any, tag: str, prompts: list[tuple[int, ...]], concur
     ttft = [(t[0] - s) * 1e3 for (t, _), s in zip(results, starts, strict=True) if t]
     drafted = after.num_draft_tokens - before.num_draft_tokens
     accepted = after.num_accepted_tokens - before.num_accepted_tokens
-    per_pos = [a - (before.accepted_per_position[i] if i < len(before.accepted_per_position)
-                    else 0) for i, a in enumerate(after.accepted_per_position)]
+    per_pos = [
+        a - (before.accepted_per_position[i] if i < len(before.accepted_per_position) else 0)
+        for i, a in enumerate(after.accepted_per_position)
+    ]
     decode_s = sum(t[-1] - t[0] for t, _ in results if len(t) > 1)
     decode_tokens = sum(len(t) - 1 for t, _ in results if len(t) > 1)
     return {
-        "requests": len(prompts), "tokens": n_tokens, "wall_s": round(wall, 3),
+        "requests": len(prompts),
+        "tokens": n_tokens,
+        "wall_s": round(wall, 3),
         "tokens_per_s": round(n_tokens / wall, 2),
         # after each request's first token (prefill excluded), summed over requests
         "decode_tokens_per_s_per_request": round(decode_tokens / decode_s, 2) if decode_s else None,
-        "tpot_ms_p50": _r(percentile(tpot, 50)), "tpot_ms_p90": _r(percentile(tpot, 90)),
+        "tpot_ms_p50": _r(percentile(tpot, 50)),
+        "tpot_ms_p90": _r(percentile(tpot, 90)),
         "ttft_ms_p50": _r(percentile(ttft, 50)),
-        "draft_tokens": drafted, "accepted_tokens": accepted,
+        "draft_tokens": drafted,
+        "accepted_tokens": accepted,
         "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
         "drafts": after.num_drafts - before.num_drafts,
         "accepted_per_position": per_pos,
@@ -198,9 +205,11 @@ def plot(report: dict[str, Any], path: Path) -> None:
     ax.set_xticks(list(x), labels)
     ax.set_ylabel("generated tokens/s")
     m = report["machine"]
-    ax.set_title(f"pdserve speculative decoding, {report['config']['model_id']} CPU fp32\n"
-                 f"{m['cpu_capability']}, {m['cpu_count']} cores (shared, loaded machine)",
-                 fontsize=10)
+    ax.set_title(
+        f"pdserve speculative decoding, {report['config']['model_id']} CPU fp32\n"
+        f"{m['cpu_capability']}, {m['cpu_count']} cores (shared, loaded machine)",
+        fontsize=10,
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -211,13 +220,16 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
     parser.add_argument("--max-tokens", type=int, default=160)
-    parser.add_argument("--requests-c1", type=int, default=4,
-                        help="requests per workload at concurrency 1")
+    parser.add_argument("--requests-c1", type=int, default=4, help="requests per workload at concurrency 1")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--num-speculative-tokens", type=int, default=8)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads per engine; 0 = torch default (on a shared, "
-                        "oversubscribed machine one thread is far steadier)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads per engine; 0 = torch default (on a shared, "
+        "oversubscribed machine one thread is far steadier)",
+    )
     parser.add_argument("--quick", action="store_true", help="a smoke run: few short requests")
     parser.add_argument("--output", default=str(RESULTS))
     args = parser.parse_args(argv)
@@ -232,18 +244,24 @@ def main(argv: list[str] | None = None) -> None:
 
     path = str(resolve_model(args.model))
     tokenizer = AutoTokenizer.from_pretrained(path)
-    workloads = {"grounded": prompts_of(tokenizer, GROUNDED),
-                 "open": prompts_of(tokenizer, OPEN)}
+    workloads = {"grounded": prompts_of(tokenizer, GROUNDED), "open": prompts_of(tokenizer, OPEN)}
     engines = {}
     for mode in ("off", "ngram"):
-        cfg = EngineConfig(model_path=path, device="cpu", dtype="float32",
-                           torch_threads=args.threads, speculative=mode,
-                           num_speculative_tokens=args.num_speculative_tokens,
-                           kv_cache_tokens=16384)
+        cfg = EngineConfig(
+            model_path=path,
+            device="cpu",
+            dtype="float32",
+            torch_threads=args.threads,
+            speculative=mode,
+            num_speculative_tokens=args.num_speculative_tokens,
+            kv_cache_tokens=16384,
+        )
         engines[mode] = create_engine(cfg)
         engines[mode].start()
-    print(f"model {path}, CPU fp32, k={args.num_speculative_tokens}, max_tokens "
-          f"{args.max_tokens}; machine: {machine()}")
+    print(
+        f"model {path}, CPU fp32, k={args.num_speculative_tokens}, max_tokens "
+        f"{args.max_tokens}; machine: {machine()}"
+    )
 
     async def go() -> dict[str, Any]:
         for mode, engine in engines.items():  # first-step costs out of the measurement
@@ -256,23 +274,26 @@ def main(argv: list[str] | None = None) -> None:
                 key = f"c{conc}" if not args.quick else ("c1" if conc == 1 else "c8")
                 case: dict[str, Any] = {}
                 for mode in ("off", "ngram"):  # interleaved per case: same machine state
-                    case[mode] = await run_case(engines[mode], f"{wname}-{conc}-{mode}", group,
-                                                conc, args.max_tokens)
-                case["identical_outputs"] = (case["off"].pop("output_tokens")
-                                             == case["ngram"].pop("output_tokens"))
-                case["speedup"] = round(case["ngram"]["tokens_per_s"]
-                                        / case["off"]["tokens_per_s"], 2)
+                    case[mode] = await run_case(
+                        engines[mode], f"{wname}-{conc}-{mode}", group, conc, args.max_tokens
+                    )
+                case["identical_outputs"] = case["off"].pop("output_tokens") == case["ngram"].pop(
+                    "output_tokens"
+                )
+                case["speedup"] = round(case["ngram"]["tokens_per_s"] / case["off"]["tokens_per_s"], 2)
                 off_d = case["off"]["decode_tokens_per_s_per_request"]
                 on_d = case["ngram"]["decode_tokens_per_s_per_request"]
                 case["decode_speedup"] = round(on_d / off_d, 2) if off_d and on_d else None
                 results[wname][key] = case
                 off, on = case["off"], case["ngram"]
-                print(f"{wname:>9} {key}: off {off['tokens_per_s']:7.1f} tok/s (TPOT p50 "
-                      f"{off['tpot_ms_p50']} p90 {off['tpot_ms_p90']} ms) | ngram "
-                      f"{on['tokens_per_s']:7.1f} tok/s (TPOT p50 {on['tpot_ms_p50']} p90 "
-                      f"{on['tpot_ms_p90']} ms, acceptance {on['acceptance_rate']}) | "
-                      f"{case['speedup']:.2f}x (decode only {case['decode_speedup']}x), "
-                      f"identical: {case['identical_outputs']}")
+                print(
+                    f"{wname:>9} {key}: off {off['tokens_per_s']:7.1f} tok/s (TPOT p50 "
+                    f"{off['tpot_ms_p50']} p90 {off['tpot_ms_p90']} ms) | ngram "
+                    f"{on['tokens_per_s']:7.1f} tok/s (TPOT p50 {on['tpot_ms_p50']} p90 "
+                    f"{on['tpot_ms_p90']} ms, acceptance {on['acceptance_rate']}) | "
+                    f"{case['speedup']:.2f}x (decode only {case['decode_speedup']}x), "
+                    f"identical: {case['identical_outputs']}"
+                )
         return results
 
     try:
@@ -284,12 +305,19 @@ def main(argv: list[str] | None = None) -> None:
         "speedup": {w: {c: results[w][c]["speedup"] for c in results[w]} for w in results},
         "targets": {"grounded": {"c1": 2.0, "c8": 1.3}, "open": {"c1": 0.95, "c8": 0.95}},
         "results": results,
-        "config": {"model": args.model, "model_id": Path(path).name, "device": "cpu",
-                   "dtype": "float32", "max_tokens": args.max_tokens,
-                   "num_speculative_tokens": args.num_speculative_tokens,
-                   "requests_c1": args.requests_c1, "concurrency": args.concurrency,
-                   "quick": args.quick, "sampling": "greedy",
-                   "command": "make bench-spec"},
+        "config": {
+            "model": args.model,
+            "model_id": Path(path).name,
+            "device": "cpu",
+            "dtype": "float32",
+            "max_tokens": args.max_tokens,
+            "num_speculative_tokens": args.num_speculative_tokens,
+            "requests_c1": args.requests_c1,
+            "concurrency": args.concurrency,
+            "quick": args.quick,
+            "sampling": "greedy",
+            "command": "make bench-spec",
+        },
         "machine": machine(),
     }
     out = Path(args.output)

@@ -53,8 +53,11 @@ def cpu_features() -> dict[str, Any]:
         "avx512_bf16": "avx512_bf16" in flags,
         "amx": bool({"amx_tile", "amx_bf16"} & flags),
         "onednn_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
-        "isa_env": {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
-                                               "MKL_ENABLE_INSTRUCTIONS") if k in os.environ},
+        "isa_env": {
+            k: os.environ[k]
+            for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+            if k in os.environ
+        },
     }
 
 
@@ -111,8 +114,11 @@ def flops_per_step(model: Any, batch: int, context: int) -> int:
     from services.worker.engine.cpu_linear import PackedLinear
 
     cfg = model.config.get_text_config()
-    linear = sum(m.in_features * m.out_features for m in model.modules()
-                 if isinstance(m, torch.nn.Linear | PackedLinear))
+    linear = sum(
+        m.in_features * m.out_features
+        for m in model.modules()
+        if isinstance(m, torch.nn.Linear | PackedLinear)
+    )
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     attn = 2 * context * cfg.num_attention_heads * head_dim * cfg.num_hidden_layers
     return 2 * batch * (linear + attn)
@@ -147,8 +153,7 @@ def weight_bytes_per_step(model: Any, batch: int) -> int:
     return total
 
 
-def time_decode_steps(runner: Any, batch: int, context: int,
-                      steps: int = 8) -> tuple[float, float]:
+def time_decode_steps(runner: Any, batch: int, context: int, steps: int = 8) -> tuple[float, float]:
     """Median wall seconds and median process CPU seconds of a pure decode step: `batch`
     sequences, each with `context` cached tokens (zeros in the pool; attention reads them all
     the same). On a shared machine CPU time is the less disturbed of the two (it still
@@ -161,10 +166,11 @@ def time_decode_steps(runner: Any, batch: int, context: int,
     if batch * per_seq > runner.num_blocks:
         raise ValueError(f"{batch} x {context} tokens do not fit {runner.num_blocks} blocks")
     greedy = SamplingConfig(max_tokens=1, temperature=0.0)
-    seqs = [ScheduledSeq([100 + i], context, list(range(i * per_seq, (i + 1) * per_seq)),
-                         True, greedy, None) for i in range(batch)]
-    sync = (lambda: torch.cuda.synchronize(runner.device)) if runner.device.type == "cuda" \
-        else (lambda: None)
+    seqs = [
+        ScheduledSeq([100 + i], context, list(range(i * per_seq, (i + 1) * per_seq)), True, greedy, None)
+        for i in range(batch)
+    ]
+    sync = (lambda: torch.cuda.synchronize(runner.device)) if runner.device.type == "cuda" else (lambda: None)
     for _ in range(2):
         runner.execute(seqs)
     times, cpu_times = [], []
@@ -178,9 +184,15 @@ def time_decode_steps(runner: Any, batch: int, context: int,
     return statistics.median(times), statistics.median(cpu_times)
 
 
-def measure(model_path: str, device_name: str, dtype_name: str, threads: int,
-            batches: tuple[int, ...] = (1, 8, 16), context: int = 320,
-            block_size: int = 16) -> dict[str, Any]:
+def measure(
+    model_path: str,
+    device_name: str,
+    dtype_name: str,
+    threads: int,
+    batches: tuple[int, ...] = (1, 8, 16),
+    context: int = 320,
+    block_size: int = 16,
+) -> dict[str, Any]:
     """The whole probe (run in its own process: it sets torch's thread count)."""
     from services.worker.engine.model_runner import (
         ModelRunner,
@@ -191,13 +203,19 @@ def measure(model_path: str, device_name: str, dtype_name: str, threads: int,
 
     device = torch.device(device_name)
     dtype = resolve_dtype(dtype_name, device)
-    out: dict[str, Any] = {"cpu": cpu_features(), "context_tokens": context,
-                           "device": str(device), "dtype": str(dtype).removeprefix("torch.")}
+    out: dict[str, Any] = {
+        "cpu": cpu_features(),
+        "context_tokens": context,
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+    }
     all_threads = torch.get_num_threads()
     single = read_bandwidth(1)
-    out["bandwidth_gb_s"] = {"single_core": round(single / 1e9, 2),
-                             "all_cores": round(read_bandwidth(all_threads) / 1e9, 2),
-                             "all_core_threads": all_threads}
+    out["bandwidth_gb_s"] = {
+        "single_core": round(single / 1e9, 2),
+        "all_cores": round(read_bandwidth(all_threads) / 1e9, 2),
+        "all_core_threads": all_threads,
+    }
     if device.type == "cuda":
         bandwidth = cuda_bandwidth(device)
         out["bandwidth_gb_s"]["device"] = round(bandwidth / 1e9, 2)
@@ -222,13 +240,20 @@ def measure(model_path: str, device_name: str, dtype_name: str, threads: int,
         kv = batch * (context + 1) * kv_per_token
         floor = (w + kv) / bandwidth
         roofline = max(floor, flops_per_step(model, batch, context) / flops)
-        rows.append({"seqs": batch, "step_ms": round(step * 1e3, 2),
-                     "step_cpu_ms": round(step_cpu * 1e3, 2),
-                     "floor_ms": round(floor * 1e3, 2), "vs_floor": round(step / floor, 2),
-                     "cpu_vs_floor": round(step_cpu / floor, 2),
+        rows.append(
+            {
+                "seqs": batch,
+                "step_ms": round(step * 1e3, 2),
+                "step_cpu_ms": round(step_cpu * 1e3, 2),
+                "floor_ms": round(floor * 1e3, 2),
+                "vs_floor": round(step / floor, 2),
+                "cpu_vs_floor": round(step_cpu / floor, 2),
                 "roofline_ms": round(roofline * 1e3, 2),
                 "vs_roofline": round(step / roofline, 2),
-                     "weight_mb": round(w / 1e6, 1), "kv_mb": round(kv / 1e6, 1)})
+                "weight_mb": round(w / 1e6, 1),
+                "kv_mb": round(kv / 1e6, 1),
+            }
+        )
     out["steps"] = rows
     eight = next((r for r in rows if r["seqs"] == 8), None)
     out["decode_step_vs_floor"] = eight["vs_floor"] if eight else None
@@ -254,8 +279,10 @@ def format_report(probe: dict[str, Any]) -> list[str]:
         f"(max of that and FLOPs / GEMM rate):",
     ]
     for r in probe["steps"]:
-        lines.append(f"  {r['seqs']:>3} seqs: {r['step_ms']:7.1f} ms wall ({r['step_cpu_ms']:.1f} "
-                     f"ms CPU), floor {r['floor_ms']:5.1f} ms ({r['weight_mb']:.0f} MB weights"
-                     f" + {r['kv_mb']:.0f} MB KV): {r['vs_floor']:.2f}x "
-                     f"({r['cpu_vs_floor']:.2f}x by CPU time)")
+        lines.append(
+            f"  {r['seqs']:>3} seqs: {r['step_ms']:7.1f} ms wall ({r['step_cpu_ms']:.1f} "
+            f"ms CPU), floor {r['floor_ms']:5.1f} ms ({r['weight_mb']:.0f} MB weights"
+            f" + {r['kv_mb']:.0f} MB KV): {r['vs_floor']:.2f}x "
+            f"({r['cpu_vs_floor']:.2f}x by CPU time)"
+        )
     return lines

@@ -26,8 +26,21 @@ from shared.model_store import resolve_model
 from shared.proto import gateway_pb2, gateway_pb2_grpc
 
 WORDS = (
-    "the", "cache", "keeps", "blocks", "of", "keys", "and", "values", "for", "every", "token", "a",
-    "model", "has", "seen",
+    "the",
+    "cache",
+    "keeps",
+    "blocks",
+    "of",
+    "keys",
+    "and",
+    "values",
+    "for",
+    "every",
+    "token",
+    "a",
+    "model",
+    "has",
+    "seen",
 )
 
 
@@ -89,9 +102,7 @@ async def load(
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--minutes", type=float, default=30.0)
     p.add_argument("--model", default="default")
     p.add_argument("--concurrency", type=int, default=8)
@@ -110,9 +121,12 @@ def main() -> None:
         ["--model", model, "--port-base", str(base), "--log-dir", str(log_dir), "--torch-threads", "1"]
     )
     children = up._children(args, model)
-    print(f"soak: {a.minutes} min, concurrency {a.concurrency}, model {Path(model).name}; "
-          f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-          f"torch {torch.__version__}; logs {log_dir}", flush=True)
+    print(
+        f"soak: {a.minutes} min, concurrency {a.concurrency}, model {Path(model).name}; "
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"torch {torch.__version__}; logs {log_dir}",
+        flush=True,
+    )
     for child in children:
         up._start(child, str(log_dir))
     try:
@@ -147,8 +161,10 @@ def main() -> None:
             verdict = "too short to judge"
             ok_all = False
         print(f"{name:16s} RSS MiB  {line}\n{'':16s} {verdict}")
-    print(f"soak: {'PASS' if ok_all else 'FAIL'} (RSS flat within {a.tolerance * 100:g}% from minute "
-          f"{a.settle_min:g}; shared, loaded machine: timings are noisy, RSS is not)")
+    print(
+        f"soak: {'PASS' if ok_all else 'FAIL'} (RSS flat within {a.tolerance * 100:g}% from minute "
+        f"{a.settle_min:g}; shared, loaded machine: timings are noisy, RSS is not)"
+    )
     raise SystemExit(0 if ok_all else 1)
 
 

@@ -61,15 +61,20 @@ PREEMPTIONS = Counter("pdserve_preemptions_total", "Requests preempted by recomp
 # accepted / draft tokens; mean accepted run = accepted / drafts.
 SPEC_DRAFTS = Counter(
     "pdserve_spec_decode_num_drafts_total",
-    "Verifications of a proposed run (sequences with at least one proposal in a step)", ["dp_rank"])
+    "Verifications of a proposed run (sequences with at least one proposal in a step)",
+    ["dp_rank"],
+)
 SPEC_DRAFT_TOKENS = Counter(
-    "pdserve_spec_decode_num_draft_tokens_total", "Proposed tokens verified", ["dp_rank"])
+    "pdserve_spec_decode_num_draft_tokens_total", "Proposed tokens verified", ["dp_rank"]
+)
 SPEC_ACCEPTED_TOKENS = Counter(
-    "pdserve_spec_decode_num_accepted_tokens_total", "Proposed tokens accepted", ["dp_rank"])
+    "pdserve_spec_decode_num_accepted_tokens_total", "Proposed tokens accepted", ["dp_rank"]
+)
 SPEC_ACCEPTED_PER_POSITION = Counter(
     "pdserve_spec_decode_num_accepted_tokens_per_pos_total",
     "Proposed tokens accepted, by position in their run (0 = first proposal)",
-    ["dp_rank", "position"])
+    ["dp_rank", "position"],
+)
 
 # --- scheduler ---
 SCHEDULE_DECISIONS = Counter("pdserve_schedule_decisions_total", "Routing decisions", ["role", "policy"])

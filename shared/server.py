@@ -85,6 +85,7 @@ def exit_on_port_in_use(main: Callable[P, None]) -> Callable[P, None]:
 
     return wrapper
 
+
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 

@@ -189,8 +189,7 @@ class Dispatcher:
         if why:
             state.fail()
             raise WorkerUnavailable(
-                f"{exc}; the request failed after {state.num_completion_tokens} generated "
-                f"token(s): {why}",
+                f"{exc}; the request failed after {state.num_completion_tokens} generated token(s): {why}",
                 exc.worker_id,
             ) from exc
 

@@ -65,9 +65,7 @@ class GatewaySettings(TlsSettings):
     max_queued_requests: int = field(
         512, "requests that may wait for a slot beyond --max-inflight-requests (count)"
     )
-    max_queue_wait_s: float = field(
-        10.0, "longest a request waits for a slot before RESOURCE_EXHAUSTED (s)"
-    )
+    max_queue_wait_s: float = field(10.0, "longest a request waits for a slot before RESOURCE_EXHAUSTED (s)")
     breaker_failures: int = field(
         3,
         "consecutive failures (unavailable) after which a worker gets no traffic from this gateway "

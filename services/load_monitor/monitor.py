@@ -98,8 +98,12 @@ class LoadMonitor:
             try:
                 reported = await self._info(info.address, self.load_timeout_s)
             except Exception as exc:
-                log.warning("registration_unverified", worker_id=info.worker_id, address=info.address,
-                            error=str(exc) or type(exc).__name__)
+                log.warning(
+                    "registration_unverified",
+                    worker_id=info.worker_id,
+                    address=info.address,
+                    error=str(exc) or type(exc).__name__,
+                )
                 raise Unavailable(
                     f"cannot verify the registration of {info.worker_id!r}: Info at {info.address} "
                     f"failed ({exc}); the worker must serve Info there (with the cluster token) "
@@ -107,8 +111,9 @@ class LoadMonitor:
                 ) from None
             problem = identity_mismatch(info, reported)
             if problem is not None:
-                log.warning("registration_refused", worker_id=info.worker_id, address=info.address,
-                            mismatch=problem)
+                log.warning(
+                    "registration_refused", worker_id=info.worker_id, address=info.address, mismatch=problem
+                )
                 raise FailedPrecondition(
                     f"registration refused: the worker at {info.address} reports {problem}"
                 )
@@ -174,9 +179,7 @@ class LoadMonitor:
         if not self.registry.is_current(target):
             return  # left or re-registered while polled (its channel may have been closed)
         if isinstance(result, LoadReport) and result.worker_id not in ("", target.worker_id):
-            result = RuntimeError(
-                f"address now serves worker {result.worker_id!r}, not {target.worker_id!r}"
-            )
+            result = RuntimeError(f"address now serves worker {result.worker_id!r}, not {target.worker_id!r}")
         if isinstance(result, BaseException):
             if target.worker_id not in self._failing:
                 self._failing.add(target.worker_id)

@@ -21,9 +21,7 @@ class Settings(TlsSettings):
         "slow worker cannot delay everyone's reports",
     )
     lease_ttl_s: float = field(10.0, "a worker not heard from (Heartbeat) for this long is removed")
-    stale_after_s: float = field(
-        2.0, "a worker whose loads are older than this (seconds) is flagged stale"
-    )
+    stale_after_s: float = field(2.0, "a worker whose loads are older than this (seconds) is flagged stale")
     log_level: str = field("info", "log level", choices=("debug", "info", "warning", "error"))
     log_format: str = field("auto", "log format", choices=("auto", "json", "console"))
     drain_grace_s: float = field(30.0, "seconds to finish in-flight calls on SIGTERM")

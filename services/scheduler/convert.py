@@ -64,4 +64,3 @@ def state_to_pb(s: RouterState) -> scheduler_pb2.GetStateResponse:
         decode_policy=s.decode_policy,
         dp_rank_policy=s.dp_rank_policy,
     )
-

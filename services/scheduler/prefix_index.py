@@ -42,9 +42,7 @@ class PrefixIndex:
         self._holders: dict[int, str | set[str]] = {}
         self._recent: dict[str, dict[int, None]] = {}  # worker -> prefix hashes, oldest first
 
-    def longest_match(
-        self, hashes: Sequence[int], candidates: Container[str]
-    ) -> tuple[list[str], int]:
+    def longest_match(self, hashes: Sequence[int], candidates: Container[str]) -> tuple[list[str], int]:
         """(candidates holding the longest stored prefix of `hashes`, its depth in blocks);
         ([], 0) when none holds any."""
         holders_of = self._holders

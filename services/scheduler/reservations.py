@@ -40,9 +40,7 @@ class Reservations:
         w.totals[rank] += tokens
         w.entries[rank].append((now_s, tokens))
 
-    def cover(
-        self, worker_id: str, reported_at_s: float, num_waiting: Sequence[int] = ()
-    ) -> None:
+    def cover(self, worker_id: str, reported_at_s: float, num_waiting: Sequence[int] = ()) -> None:
         """A load report polled at `reported_at_s` replaces the reservations made until then,
         except the newest `num_waiting[rank]` of them on each rank (still waiting there)."""
         w = self._workers.get(worker_id)

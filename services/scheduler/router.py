@@ -243,9 +243,7 @@ class Router:
             self._reservations.retain(set(workers))
             self._workers = workers
             self._pools = _build_pools(workers.values(), mirror=True)
-            self._default_model = max(
-                self._pools, key=lambda m: (self._pools[m].num_workers, m), default=""
-            )
+            self._default_model = max(self._pools, key=lambda m: (self._pools[m].num_workers, m), default="")
             self._stale = False
             self._has_snapshot = True
 
@@ -385,9 +383,7 @@ class Router:
                 WorkerView(
                     info=w.info,
                     ranks=w.ranks,
-                    reserved_tokens=tuple(
-                        self._reservations.totals(w.info.worker_id, w.info.dp_size)
-                    ),
+                    reserved_tokens=tuple(self._reservations.totals(w.info.worker_id, w.info.dp_size)),
                     stale=w.stale,
                 )
                 for w in self._workers.values()

@@ -49,7 +49,10 @@ def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingConfig:
 
 
 def _engine_request(
-    request_id: str, prompt: Iterable[int], sampling: common_pb2.SamplingParams, dp_rank: int,
+    request_id: str,
+    prompt: Iterable[int],
+    sampling: common_pb2.SamplingParams,
+    dp_rank: int,
     kind: RequestKind,
 ) -> EngineRequest:
     return EngineRequest(
@@ -66,12 +69,15 @@ def prefill_call_from_pb(pb: worker_pb2.PrefillRequest) -> PrefillCall:
     if pb.HasField("kv_target"):
         t = pb.kv_target
         target = KvTargetSpec(
-            address=t.address, dp_rank=t.dp_rank, transfer_ticket=t.transfer_ticket,
+            address=t.address,
+            dp_rank=t.dp_rank,
+            transfer_ticket=t.transfer_ticket,
             skip_blocks=t.skip_blocks,
         )
     return PrefillCall(
-        request=_engine_request(pb.request_id, pb.prompt_token_ids, pb.sampling, pb.dp_rank,
-                                RequestKind.PREFILL_ONLY),
+        request=_engine_request(
+            pb.request_id, pb.prompt_token_ids, pb.sampling, pb.dp_rank, RequestKind.PREFILL_ONLY
+        ),
         kv_target=target,
         return_token_ids=pb.return_token_ids,
     )
@@ -167,13 +173,8 @@ def kv_chunk_to_pb(
 
 
 def kv_receipt_to_pb(r: KvReceipt) -> worker_pb2.PushKvResponse:
-    return worker_pb2.PushKvResponse(
-        bytes_received=r.bytes_received, blocks_received=r.blocks_received
-    )
+    return worker_pb2.PushKvResponse(bytes_received=r.bytes_received, blocks_received=r.blocks_received)
 
 
 def get_load_to_pb(worker_id: str, loads: Iterable[RankLoad]) -> worker_pb2.GetLoadResponse:
-    return worker_pb2.GetLoadResponse(
-        worker_id=worker_id, ranks=[rank_load_to_pb(load) for load in loads]
-    )
-
+    return worker_pb2.GetLoadResponse(worker_id=worker_id, ranks=[rank_load_to_pb(load) for load in loads])

@@ -80,8 +80,7 @@ class WorkerCore:
 
     def _require(self, serves: bool, what: str) -> None:
         if not serves:
-            raise errors.FailedPrecondition(
-                f"{what} is not served by a {self.identity.role.value} worker")
+            raise errors.FailedPrecondition(f"{what} is not served by a {self.identity.role.value} worker")
 
     @contextlib.contextmanager
     def _track(self, request_id: str, phase: Phase) -> Iterator[None]:
@@ -114,8 +113,7 @@ class WorkerCore:
 
     async def prefill(self, call: PrefillCall) -> PrefillResult:
         """Run the prompt, sample the first token, push the KV to call.kv_target, free the KV."""
-        self._require(self.identity.role.prefills,
-                      "Prefill (roles that serve it: prefill, unified)")
+        self._require(self.identity.role.prefills, "Prefill (roles that serve it: prefill, unified)")
         request = dataclasses.replace(call.request, kind=RequestKind.PREFILL_ONLY)
         rid = request.request_id
         with self._track(rid, Phase.PREFILL), tracer().start_as_current_span("prefill") as span:
@@ -153,11 +151,14 @@ class WorkerCore:
             finally:
                 self._release(rid)
             if self._log_prompts:
-                log.info("prefill_done", prompt_token_ids=list(request.prompt_token_ids),
-                         text="".join(text))
-            log.debug("prefill_done", prompt_tokens=last.num_prompt_tokens,
-                      generated_tokens=last.num_generated_tokens,
-                      num_chunks=last.num_prefill_chunks, kv_bytes_sent=kv_bytes)
+                log.info("prefill_done", prompt_token_ids=list(request.prompt_token_ids), text="".join(text))
+            log.debug(
+                "prefill_done",
+                prompt_tokens=last.num_prompt_tokens,
+                generated_tokens=last.num_generated_tokens,
+                num_chunks=last.num_prefill_chunks,
+                kv_bytes_sent=kv_bytes,
+            )
             return PrefillResult(
                 request_id=rid,
                 text="".join(text),
@@ -198,8 +199,13 @@ class WorkerCore:
             span.set_attribute("pdserve.num_chunks", result.num_chunks)
         metrics.KV_TRANSFER_BYTES.labels(direction="sent").inc(result.bytes_sent)
         metrics.KV_TRANSFER_SECONDS.observe(result.seconds)
-        log.debug("kv_pushed", target=target.address, bytes=result.bytes_sent,
-                  chunks=result.num_chunks, seconds=round(result.seconds, 6))
+        log.debug(
+            "kv_pushed",
+            target=target.address,
+            bytes=result.bytes_sent,
+            chunks=result.num_chunks,
+            seconds=round(result.seconds, 6),
+        )
         return result.bytes_sent, int(result.seconds * 1e9)
 
     def _release(self, request_id: str) -> None:
@@ -238,10 +244,13 @@ class WorkerCore:
                     ticket, cached_blocks = admission.transfer_ticket, admission.num_cached_blocks
                     local_cached = admission.num_local_cached_tokens
                 yield DecodeEvent(
-                    request_id=rid, kind=FrameKind.ADMITTED,
+                    request_id=rid,
+                    kind=FrameKind.ADMITTED,
                     prompt_tokens=len(request.prompt_token_ids),
-                    local_cached_tokens=local_cached, transferred_cached_tokens=0,
-                    transfer_ticket=ticket, cached_blocks=cached_blocks,
+                    local_cached_tokens=local_cached,
+                    transferred_cached_tokens=0,
+                    transfer_ticket=ticket,
+                    cached_blocks=cached_blocks,
                 )
                 async for out in handle:
                     if last is None:
@@ -263,8 +272,11 @@ class WorkerCore:
                 span.end()
                 log.debug("decode_done", generated_tokens=generated, finished=done)
                 if completion is not None:
-                    log.info("decode_done", prompt_token_ids=list(request.prompt_token_ids),
-                             text="".join(completion))
+                    log.info(
+                        "decode_done",
+                        prompt_token_ids=list(request.prompt_token_ids),
+                        text="".join(completion),
+                    )
 
     # ----- PushKv (receiving side) -----
 
@@ -307,7 +319,10 @@ class WorkerCore:
                     prefill_generated = 1 if c.generated_tokens is None else c.generated_tokens
                     started = True
                     self.engine.finish_import(
-                        ticket, c.num_tokens, c.first_token_id, prefill_generated,
+                        ticket,
+                        c.num_tokens,
+                        c.first_token_id,
+                        prefill_generated,
                         c.draft_token_ids,
                     )
                     done = True
@@ -320,8 +335,7 @@ class WorkerCore:
                 self.engine.abort(request_id)
             raise
         metrics.KV_TRANSFER_BYTES.labels(direction="received").inc(bytes_received)
-        log.debug("kv_received", request_id=request_id, bytes=bytes_received,
-                  blocks=blocks_received)
+        log.debug("kv_received", request_id=request_id, bytes=bytes_received, blocks=blocks_received)
         return KvReceipt(bytes_received=bytes_received, blocks_received=blocks_received)
 
     # ----- Abort, loads -----
@@ -347,7 +361,8 @@ class WorkerCore:
             metrics.RANK_RUNNING.labels(dp_rank=rank).set(load.num_running)
             metrics.RANK_WAITING.labels(dp_rank=rank).set(load.num_waiting)
             metrics.RANK_WAITING_PROMPT_TOKENS.labels(dp_rank=rank).set(
-                self.engine.num_waiting_prompt_tokens(dp_rank))
+                self.engine.num_waiting_prompt_tokens(dp_rank)
+            )
             preempted = self.engine.num_preemptions(dp_rank)
             seen = self._preemptions_seen.get(dp_rank, 0)
             if preempted > seen:
@@ -367,11 +382,9 @@ class WorkerCore:
             if new > old:
                 counter.labels(dp_rank=rank).inc(new - old)
         for pos, count in enumerate(now.accepted_per_position):
-            before = (seen.accepted_per_position[pos]
-                      if pos < len(seen.accepted_per_position) else 0)
+            before = seen.accepted_per_position[pos] if pos < len(seen.accepted_per_position) else 0
             if count > before:
-                metrics.SPEC_ACCEPTED_PER_POSITION.labels(dp_rank=rank, position=str(pos)).inc(
-                    count - before)
+                metrics.SPEC_ACCEPTED_PER_POSITION.labels(dp_rank=rank, position=str(pos)).inc(count - before)
         self._spec_seen[dp_rank] = now
 
     # ----- drain -----
@@ -402,31 +415,44 @@ class WorkerCore:
         return aborted
 
 
-def _decode_event(request_id: str, kind: FrameKind, out: RequestOutput,
-                  return_token_ids: bool) -> DecodeEvent:
+def _decode_event(
+    request_id: str, kind: FrameKind, out: RequestOutput, return_token_ids: bool
+) -> DecodeEvent:
     """A TOKENS or FINAL frame from an engine output (FINAL carries the count and reason)."""
     final = kind is FrameKind.FINAL
     return DecodeEvent(
-        request_id=request_id, kind=kind, prompt_tokens=out.num_prompt_tokens,
+        request_id=request_id,
+        kind=kind,
+        prompt_tokens=out.num_prompt_tokens,
         local_cached_tokens=out.num_local_cached_tokens,
-        transferred_cached_tokens=out.num_transferred_tokens, text=out.text_delta,
+        transferred_cached_tokens=out.num_transferred_tokens,
+        text=out.text_delta,
         token_ids=out.new_token_ids if return_token_ids else (),
         generated_tokens=out.num_generated_tokens if final else None,
         finish_reason=(out.finish_reason or FinishReason.ABORT) if final else None,
     )
 
 
-def _final_event(request_id: str, last: RequestOutput | None, return_token_ids: bool,
-                 prompt_tokens: int) -> DecodeEvent:
+def _final_event(
+    request_id: str, last: RequestOutput | None, return_token_ids: bool, prompt_tokens: int
+) -> DecodeEvent:
     """The one builder of the FINAL frame: from the terminal output, or (a handle that ended
     without one) an ABORT that keeps the last figures seen."""
     if last is not None and last.finished:
         return _decode_event(request_id, FrameKind.FINAL, last, return_token_ids)
     if last is None:
-        return DecodeEvent(request_id=request_id, kind=FrameKind.FINAL,
-                           prompt_tokens=prompt_tokens, local_cached_tokens=0,
-                           transferred_cached_tokens=0, generated_tokens=0,
-                           finish_reason=FinishReason.ABORT)
+        return DecodeEvent(
+            request_id=request_id,
+            kind=FrameKind.FINAL,
+            prompt_tokens=prompt_tokens,
+            local_cached_tokens=0,
+            transferred_cached_tokens=0,
+            generated_tokens=0,
+            finish_reason=FinishReason.ABORT,
+        )
     return dataclasses.replace(
         _decode_event(request_id, FrameKind.FINAL, last, return_token_ids),
-        text="", token_ids=(), finish_reason=FinishReason.ABORT)
+        text="",
+        token_ids=(),
+        finish_reason=FinishReason.ABORT,
+    )

@@ -67,17 +67,21 @@ class GrpcKvPusher:
             try:
                 for chunk in chunks:
                     if pending is not None:
-                        yield self._count(sent, convert.kv_chunk_to_pb(
-                            request_id, target, layout_pb, pending))
+                        yield self._count(
+                            sent, convert.kv_chunk_to_pb(request_id, target, layout_pb, pending)
+                        )
                     pending = chunk
             except Exception as exc:  # grpc would swallow it: end the stream unfinished, re-raise
                 export_error.append(exc)
                 return
             if pending is None:  # everything was skipped: an empty last chunk closes the import
                 pending = KvBlocksChunk(first_block=target.skip_blocks, num_blocks=0, data=b"")
-            yield self._count(sent, convert.kv_chunk_to_pb(
-                request_id, target, layout_pb, pending, last=last_fields,
-                draft_token_ids=draft_token_ids))
+            yield self._count(
+                sent,
+                convert.kv_chunk_to_pb(
+                    request_id, target, layout_pb, pending, last=last_fields, draft_token_ids=draft_token_ids
+                ),
+            )
 
         start = time.perf_counter()
         try:
@@ -90,7 +94,8 @@ class GrpcKvPusher:
         if export_error:
             raise export_error[0]
         return KvPushResult(
-            bytes_sent=sent["bytes"], num_chunks=sent["chunks"],
+            bytes_sent=sent["bytes"],
+            num_chunks=sent["chunks"],
             seconds=time.perf_counter() - start,
         )
 

@@ -59,8 +59,13 @@ class Registration:
         interval_s = self._heartbeat_override_s or (resp.heartbeat_interval_ms / 1000.0)
         if interval_s <= 0:
             interval_s = _DEFAULT_HEARTBEAT_S
-        log.info("registered", load_monitor=self._address, worker_id=self.worker_id,
-                 lease_ttl_ms=resp.lease_ttl_ms, heartbeat_interval_s=interval_s)
+        log.info(
+            "registered",
+            load_monitor=self._address,
+            worker_id=self.worker_id,
+            lease_ttl_ms=resp.lease_ttl_ms,
+            heartbeat_interval_s=interval_s,
+        )
         return interval_s
 
     async def _run(self) -> None:
@@ -89,12 +94,17 @@ class Registration:
                 # Log the first failure and then every 10th, not a line per retry.
                 if failures == 1 or failures % 10 == 0:
                     if isinstance(exc, grpc.aio.AioRpcError):
-                        log.warning("load_monitor_unreachable", load_monitor=self._address,
-                                    code=exc.code().name, details=exc.details(),
-                                    attempts=failures)
+                        log.warning(
+                            "load_monitor_unreachable",
+                            load_monitor=self._address,
+                            code=exc.code().name,
+                            details=exc.details(),
+                            attempts=failures,
+                        )
                     else:
-                        log.exception("load_monitor_call_failed", load_monitor=self._address,
-                                      attempts=failures)
+                        log.exception(
+                            "load_monitor_call_failed", load_monitor=self._address, attempts=failures
+                        )
                 await asyncio.sleep(self._retry_s if self.worker_id is None else interval_s)
 
     async def deregister(self) -> None:

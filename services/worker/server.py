@@ -51,7 +51,7 @@ EngineFactory = Callable[[EngineConfig], Engine]
 
 
 def resolve_device(device: str) -> str:
-    """"auto" -> "cuda" when a GPU is visible, else "cpu"."""
+    """ "auto" -> "cuda" when a GPU is visible, else "cpu"."""
     if device != "auto":
         return device
     import torch
@@ -60,7 +60,7 @@ def resolve_device(device: str) -> str:
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
-    """"auto" -> float32 on CPU (exact, token-identical), bfloat16 on CUDA."""
+    """ "auto" -> float32 on CPU (exact, token-identical), bfloat16 on CUDA."""
     if dtype != "auto":
         return dtype
     return "bfloat16" if device == "cuda" else "float32"
@@ -122,8 +122,13 @@ class WorkerApp:
         log.info("serving", address=self.address)
 
     def _log_identity(self) -> None:
-        log.info("worker_starting", address=self.server.address, advertise_address=self.address,
-                 role=self.settings.role.value, worker_id=self.worker_id)
+        log.info(
+            "worker_starting",
+            address=self.server.address,
+            advertise_address=self.address,
+            role=self.settings.role.value,
+            worker_id=self.worker_id,
+        )
 
     async def ready(self) -> None:
         """Load and warm up the model, start the load gauges, register with the load-monitor."""
@@ -182,14 +187,21 @@ class WorkerApp:
             device=device,
         )
         self.core = WorkerCore(
-            engine, identity, self.pusher, kv_chunk_bytes=s.kv_chunk_bytes,
+            engine,
+            identity,
+            self.pusher,
+            kv_chunk_bytes=s.kv_chunk_bytes,
             log_prompts=s.log_prompts,
         )
         self.core.refresh_metrics()
         self.servicer.core = self.core
-        log.info("model_ready", model_id=identity.model_id, kv_layout=str(identity.kv_layout),
-                 max_model_len=identity.max_model_len,
-                 seconds=round(time.perf_counter() - started, 3))
+        log.info(
+            "model_ready",
+            model_id=identity.model_id,
+            kv_layout=str(identity.kv_layout),
+            max_model_len=identity.max_model_len,
+            seconds=round(time.perf_counter() - started, 3),
+        )
 
     def _create_engine(self, config: EngineConfig) -> Engine:
         engine = self._engine_factory(config)

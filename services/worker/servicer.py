@@ -45,7 +45,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await events.aclose()  # a cancelled client aborts the request and frees its KV
 
     async def PushKv(
-        self, request_iterator: AsyncIterator[worker_pb2.KvChunk],
+        self,
+        request_iterator: AsyncIterator[worker_pb2.KvChunk],
         context: grpc.aio.ServicerContext,
     ) -> worker_pb2.PushKvResponse:
         async def chunks() -> AsyncIterator[IncomingKvChunk]:

@@ -38,10 +38,14 @@ class WorkerSettings(TlsSettings):
     )
     model: str = field("default", "A local model folder, or 'default' (bundled SmolLM2)")
     model_cache_dir: str = field("", "Where the default model is converted; empty = ~/.cache")
-    device: str = field("auto", "Where the model runs; auto = cuda if available",
-                        choices=("auto", "cpu", "cuda"))
-    dtype: str = field("auto", "Model and KV dtype; auto = float32 on CPU, bfloat16 on CUDA",
-                       choices=("auto", "float32", "bfloat16", "float16"))
+    device: str = field(
+        "auto", "Where the model runs; auto = cuda if available", choices=("auto", "cpu", "cuda")
+    )
+    dtype: str = field(
+        "auto",
+        "Model and KV dtype; auto = float32 on CPU, bfloat16 on CUDA",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    )
     dp_size: int = field(1, "Data-parallel ranks (model replicas) in this process")
     block_size: int = field(16, "Tokens per KV block")
     kv_cache_tokens: int = field(0, "KV pool size per rank (tokens); 0 = from free memory")
@@ -52,27 +56,31 @@ class WorkerSettings(TlsSettings):
     max_model_len: int = field(0, "Longest prompt + generation (tokens); 0 = the model's limit")
     torch_threads: int = field(0, "torch intra-op threads; 0 = torch default")
     cpu_prepack: bool = field(
-        True, "On CPU, pack linear-layer weights once for oneDNN (faster at every batch size; "
-        "--no-cpu-prepack = torch's default matmul)"
+        True,
+        "On CPU, pack linear-layer weights once for oneDNN (faster at every batch size; "
+        "--no-cpu-prepack = torch's default matmul)",
     )
     speculative: str = field(
-        "off", "Speculative decoding: off, or ngram (prompt lookup over the prompt and output)",
-        choices=("off", "ngram"))
+        "off",
+        "Speculative decoding: off, or ngram (prompt lookup over the prompt and output)",
+        choices=("off", "ngram"),
+    )
     num_speculative_tokens: int = field(5, "Tokens proposed per sequence per step (k)")
     spec_ngram_min: int = field(2, "Shortest suffix n-gram looked up by ngram speculation (tokens)")
     spec_ngram_max: int = field(4, "Longest suffix n-gram looked up by ngram speculation (tokens)")
     spec_max_batch_tokens: int = field(
-        0, "Proposals are verified only while a step has at most this many tokens (the per-step "
-        "back-off); 0 = 32 on CPU, 512 on CUDA")
+        0,
+        "Proposals are verified only while a step has at most this many tokens (the per-step "
+        "back-off); 0 = 32 on CPU, 512 on CUDA",
+    )
     load_monitor_address: str = field("", "host:port of the load-monitor; empty = don't register")
     advertise_address: str = field(
-        "", "host:port others use to reach this worker; empty = the bound address "
-        "(set it, e.g. to the pod IP, when peers run on other hosts)"
+        "",
+        "host:port others use to reach this worker; empty = the bound address "
+        "(set it, e.g. to the pod IP, when peers run on other hosts)",
     )
     worker_id: str = field("", "Stable id of this worker; empty = generated per process")
-    heartbeat_interval_s: float = field(
-        0.0, "Heartbeat period (seconds); 0 = the load-monitor's suggestion"
-    )
+    heartbeat_interval_s: float = field(0.0, "Heartbeat period (seconds); 0 = the load-monitor's suggestion")
     register_retry_s: float = field(
         2.0, "Seconds between registration attempts while the load-monitor is unreachable"
     )
@@ -91,8 +99,7 @@ class WorkerSettings(TlsSettings):
         if ":" not in self.listen:
             raise ValueError(f"listen must be host:port, got {self.listen!r}")
         if self.advertise_address:  # peers dial it: an IPv6 pod IP needs brackets
-            object.__setattr__(self, "advertise_address",
-                               normalize_address(self.advertise_address))
+            object.__setattr__(self, "advertise_address", normalize_address(self.advertise_address))
         if self.dp_size < 1:
             raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
         if self.block_size < 1:
@@ -106,10 +113,16 @@ class WorkerSettings(TlsSettings):
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
         if not 1 <= self.spec_ngram_min <= self.spec_ngram_max:
-            raise ValueError(f"need 1 <= spec_ngram_min ({self.spec_ngram_min}) <= "
-                             f"spec_ngram_max ({self.spec_ngram_max})")
-        for name in ("kv_cache_tokens", "max_batch_tokens", "max_model_len", "torch_threads",
-                     "spec_max_batch_tokens"):
+            raise ValueError(
+                f"need 1 <= spec_ngram_min ({self.spec_ngram_min}) <= spec_ngram_max ({self.spec_ngram_max})"
+            )
+        for name in (
+            "kv_cache_tokens",
+            "max_batch_tokens",
+            "max_model_len",
+            "torch_threads",
+            "spec_max_batch_tokens",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 

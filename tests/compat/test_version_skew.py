@@ -236,13 +236,23 @@ def test_an_old_decode_worker_ignores_draft_token_ids(v1_0_stubs: Path) -> None:
     field it knows reads the same, the proposals are an unknown field it skips (and keeps when it
     re-serializes); GetLoad's new per-rank speculation counts likewise."""
     chunk = worker_pb2.KvChunk(
-        request_id="r", transfer_ticket="t", num_blocks=1, data=b"\x01", last=True,
-        num_tokens=48, first_token_id=5, generated_tokens=1, draft_token_ids=[7, 8, 9],
+        request_id="r",
+        transfer_ticket="t",
+        num_blocks=1,
+        data=b"\x01",
+        last=True,
+        num_tokens=48,
+        first_token_id=5,
+        generated_tokens=1,
+        draft_token_ids=[7, 8, 9],
     )
-    load = worker_pb2.GetLoadResponse(worker_id="w", ranks=[common_pb2.RankLoad(
-        dp_rank=0, num_running=2, spec_draft_tokens=40, spec_accepted_tokens=30)])
-    payload = json.dumps({"KvChunk": chunk.SerializeToString().hex(),
-                          "GetLoadResponse": load.SerializeToString().hex()})
+    load = worker_pb2.GetLoadResponse(
+        worker_id="w",
+        ranks=[common_pb2.RankLoad(dp_rank=0, num_running=2, spec_draft_tokens=40, spec_accepted_tokens=30)],
+    )
+    payload = json.dumps(
+        {"KvChunk": chunk.SerializeToString().hex(), "GetLoadResponse": load.SerializeToString().hex()}
+    )
     parsed = json.loads(run_old_peer(v1_0_stubs, "parse", stdin=payload))
     old = parsed["KvChunk"]
     assert "draft_token_ids" not in old["fields"]

@@ -48,9 +48,26 @@ def _alive(pid: int) -> bool:
 def test_sigkill_of_pdserve_up_takes_every_service_down(tiny_bpe_model: Path, tmp_path: Path) -> None:
     base = free_port_base()
     up = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "up", "--model", str(tiny_bpe_model), "--port-base",
-         str(base), "--log-dir", str(tmp_path), "--torch-threads", "1", "--ready-timeout-s", "300"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "up",
+            "--model",
+            str(tiny_bpe_model),
+            "--port-base",
+            str(base),
+            "--log-dir",
+            str(tmp_path),
+            "--torch-threads",
+            "1",
+            "--ready-timeout-s",
+            "300",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     children: list[int] = []
     try:

@@ -37,10 +37,29 @@ def free_port() -> int:
 def start_worker(model: Path, log_path: Path, grace_s: float) -> tuple[subprocess.Popen[bytes], str]:
     address = f"127.0.0.1:{free_port()}"
     cmd = [
-        sys.executable, "-m", "services.worker", "--role", "unified", "--model", str(model),
-        "--listen", address, "--metrics-port", "-1", "--device", "cpu", "--dtype", "float32",
-        "--kv-cache-tokens", "4096", "--torch-threads", "1", "--drain-grace-s", str(grace_s),
-        "--log-format", "json",
+        sys.executable,
+        "-m",
+        "services.worker",
+        "--role",
+        "unified",
+        "--model",
+        str(model),
+        "--listen",
+        address,
+        "--metrics-port",
+        "-1",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--kv-cache-tokens",
+        "4096",
+        "--torch-threads",
+        "1",
+        "--drain-grace-s",
+        str(grace_s),
+        "--log-format",
+        "json",
     ]
     log = open(log_path, "wb")  # noqa: SIM115 - closed by the fixture
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
@@ -101,10 +120,15 @@ def worker_factory(drain_model: Path, tmp_path: Path) -> Iterator[object]:
 def long_decode(address: str, request_id: str) -> tuple[grpc.Channel, Iterator[worker_pb2.DecodeFrame]]:
     channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     stub = worker_pb2_grpc.WorkerStub(channel)
-    stream = stub.Decode(worker_pb2.DecodeRequest(
-        request_id=request_id, prompt_token_ids=PROMPT_IDS, local_prefill=True,
-        sampling=common_pb2.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
-    ), timeout=300)
+    stream = stub.Decode(
+        worker_pb2.DecodeRequest(
+            request_id=request_id,
+            prompt_token_ids=PROMPT_IDS,
+            local_prefill=True,
+            sampling=common_pb2.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
+        ),
+        timeout=300,
+    )
     return channel, stream
 
 
@@ -119,9 +143,17 @@ def test_sigterm_mid_stream_finishes_the_stream_and_exits_0(worker_factory: Call
         # Draining: new work is refused with a clear status while the stream goes on.
         stub = worker_pb2_grpc.WorkerStub(channel)
         with pytest.raises(grpc.RpcError) as err:
-            list(stub.Decode(worker_pb2.DecodeRequest(
-                request_id="late", prompt_token_ids=PROMPT_IDS, local_prefill=True,
-                sampling=common_pb2.SamplingParams(max_tokens=4)), timeout=10))
+            list(
+                stub.Decode(
+                    worker_pb2.DecodeRequest(
+                        request_id="late",
+                        prompt_token_ids=PROMPT_IDS,
+                        local_prefill=True,
+                        sampling=common_pb2.SamplingParams(max_tokens=4),
+                    ),
+                    timeout=10,
+                )
+            )
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "draining" in (err.value.details() or "")
         frames.extend(stream)  # the stream still completes
@@ -132,8 +164,7 @@ def test_sigterm_mid_stream_finishes_the_stream_and_exits_0(worker_factory: Call
     assert final.finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert final.generated_tokens == MAX_TOKENS
     assert proc.wait(timeout=60) == 0
-    lines = [json.loads(line) for line in log_path.read_text().splitlines()
-             if line.startswith("{")]
+    lines = [json.loads(line) for line in log_path.read_text().splitlines() if line.startswith("{")]
     events = [line.get("event") for line in lines]
     assert "draining" in events and "stopped" in events
     assert all(line.get("service") == "unified-worker" for line in lines)

@@ -56,8 +56,11 @@ def test_one_hpa_per_worker_role_on_pdserve_metrics(values: tuple[str, ...]) -> 
     for name, hpa in found.items():
         assert hpa["apiVersion"] == "autoscaling/v2"
         target = hpa["spec"]["scaleTargetRef"]
-        assert target == {"apiVersion": "apps/v1", "kind": "Deployment",
-                          "name": deps[name]["metadata"]["name"]}
+        assert target == {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "name": deps[name]["metadata"]["name"],
+        }
         assert 1 <= hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
         # The HPA owns the replica count: a `helm upgrade` must not reset what it scaled to.
         assert "replicas" not in deps[name]["spec"]
@@ -66,9 +69,11 @@ def test_one_hpa_per_worker_role_on_pdserve_metrics(values: tuple[str, ...]) -> 
         assert metric["pods"]["metric"]["name"] in exported, "the chart scales on a metric pdserve exports"
     # Prefill scales on its backlog, decode on KV memory.
     assert found["prefill-worker"]["spec"]["metrics"][0]["pods"]["metric"]["name"] == (
-        "pdserve_rank_waiting_prompt_tokens")
+        "pdserve_rank_waiting_prompt_tokens"
+    )
     assert found["decode-worker"]["spec"]["metrics"][0]["pods"]["metric"]["name"] == (
-        "pdserve_kv_cache_usage_ratio")
+        "pdserve_kv_cache_usage_ratio"
+    )
     # Only the workers are autoscaled.
     for name in ("gateway", "scheduler", "load-monitor"):
         assert isinstance(deps[name]["spec"]["replicas"], int)
@@ -76,14 +81,22 @@ def test_one_hpa_per_worker_role_on_pdserve_metrics(values: tuple[str, ...]) -> 
 
 def test_roles_scale_independently_with_their_own_bounds_and_behavior() -> None:
     objs = render(
-        "--set", "decodeWorker.autoscaling.enabled=true",
-        "--set", "decodeWorker.autoscaling.minReplicas=2",
-        "--set", "decodeWorker.autoscaling.maxReplicas=16",
-        "--set", "decodeWorker.autoscaling.metrics[0].type=Pods",
-        "--set", "decodeWorker.autoscaling.metrics[0].pods.metric.name=pdserve_rank_running_requests",
-        "--set", "decodeWorker.autoscaling.metrics[0].pods.target.type=AverageValue",
-        "--set-string", "decodeWorker.autoscaling.metrics[0].pods.target.averageValue=48",
-        "--set", "decodeWorker.autoscaling.behavior.scaleDown.stabilizationWindowSeconds=600",
+        "--set",
+        "decodeWorker.autoscaling.enabled=true",
+        "--set",
+        "decodeWorker.autoscaling.minReplicas=2",
+        "--set",
+        "decodeWorker.autoscaling.maxReplicas=16",
+        "--set",
+        "decodeWorker.autoscaling.metrics[0].type=Pods",
+        "--set",
+        "decodeWorker.autoscaling.metrics[0].pods.metric.name=pdserve_rank_running_requests",
+        "--set",
+        "decodeWorker.autoscaling.metrics[0].pods.target.type=AverageValue",
+        "--set-string",
+        "decodeWorker.autoscaling.metrics[0].pods.target.averageValue=48",
+        "--set",
+        "decodeWorker.autoscaling.behavior.scaleDown.stabilizationWindowSeconds=600",
     )
     found = hpas(objs)
     assert sorted(found) == ["decode-worker"]

@@ -141,10 +141,11 @@ def test_image_installs_through_the_script_make_install_runs(dockerfile: Dockerf
         ["make", "-n", "-B", "install"], capture_output=True, text=True, cwd=ROOT, timeout=60
     )
     assert make.returncode == 0, make.stderr
-    assert re.search(r"^PYTHON=\S+ \./scripts/install\.sh --editable requirements/dev\.txt$",
-                     make.stdout, re.MULTILINE), make.stdout
+    assert re.search(
+        r"^PYTHON=\S+ \./scripts/install\.sh --editable requirements/dev\.txt$", make.stdout, re.MULTILINE
+    ), make.stdout
     script = (ROOT / "scripts" / "install.sh").read_text()
-    m = re.search(r'INSTALL_STEPS:-([a-z ]+)\}', script)
+    m = re.search(r"INSTALL_STEPS:-([a-z ]+)\}", script)
     assert m
     all_steps = m.group(1).split()
     runs = [r for r in dockerfile.stages["build"].all("RUN") if "scripts/install.sh" in r]
@@ -182,9 +183,7 @@ def fake_builder(folder: Path, name: str, info_ok: bool) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     tool = folder / name
     tool.write_text(
-        "#!/bin/sh\n"
-        f'[ "$1" = info ] && exit {0 if info_ok else 1}\n'
-        f'echo "$@" > "{folder}/called"\n'
+        f'#!/bin/sh\n[ "$1" = info ] && exit {0 if info_ok else 1}\necho "$@" > "{folder}/called"\n'
     )
     tool.chmod(0o755)
     return tool
@@ -275,7 +274,7 @@ def test_default_model_converts_with_a_read_only_root(tmp_path: Path) -> None:
     # read-only (for this process tree only).
     setup = (
         f"mount --bind {cache} {cache} && mount -t tmpfs -o size=512m tmpfs {home} "
-        "&& mount -o remount,bind,ro / && exec \"$@\""
+        '&& mount -o remount,bind,ro / && exec "$@"'
     )
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith(("HF_", "PDSERVE_"))},
@@ -286,8 +285,21 @@ def test_default_model_converts_with_a_read_only_root(tmp_path: Path) -> None:
         "PYTHONPATH": str(ROOT),
     }
     proc = subprocess.run(
-        ["unshare", "--mount", "--propagation", "private", "sh", "-c", setup, "sh",
-         sys.executable, "-c", CONVERT, str(cache), str(ROOT)],
+        [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            setup,
+            "sh",
+            sys.executable,
+            "-c",
+            CONVERT,
+            str(cache),
+            str(ROOT),
+        ],
         capture_output=True,
         text=True,
         timeout=300,

@@ -51,7 +51,10 @@ class FakeGateway(gateway_pb2_grpc.GatewayServicer):
     ) -> Iterator[gateway_pb2.GenerateResponse]:
         self._record("Generate", request, context)
         common: dict[str, Any] = {
-            "request_id": "req-1", "prompt_tokens": 11, "cached_tokens": 4, "model": "fake-model"
+            "request_id": "req-1",
+            "prompt_tokens": 11,
+            "cached_tokens": 4,
+            "model": "fake-model",
         }
         for i, piece in enumerate(PIECES):
             kind = gateway_pb2.FRAME_KIND_FIRST if i == 0 else gateway_pb2.FRAME_KIND_CONTINUATION
@@ -93,8 +96,9 @@ def fake_gateway() -> Iterator[tuple[str, FakeGateway]]:
 def test_generate_streams_text_and_complete_returns_usage(fake_gateway: tuple[str, FakeGateway]) -> None:
     address, servicer = fake_gateway
     servicer.requests.clear()
-    run = run_node_client(address, "--message", "Why is the sky blue?", "--max-tokens", "5",
-                          "--temperature", "0", "--seed", "7")
+    run = run_node_client(
+        address, "--message", "Why is the sky blue?", "--max-tokens", "5", "--temperature", "0", "--seed", "7"
+    )
     assert run.returncode == 0, run.stderr
     assert STREAM_TEXT in run.stdout
     assert "Hi there." in run.stdout

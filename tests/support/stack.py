@@ -171,8 +171,17 @@ def running_processes(
 
     base = free_port_base()
     args = up._parse(
-        ["--model", model, "--port-base", str(base), "--log-dir", str(log_dir), "--torch-threads", "1",
-         *up_args]
+        [
+            "--model",
+            model,
+            "--port-base",
+            str(base),
+            "--log-dir",
+            str(log_dir),
+            "--torch-threads",
+            "1",
+            *up_args,
+        ]
     )
     children = up._children(args, model)
     for child in children:

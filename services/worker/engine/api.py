@@ -167,15 +167,17 @@ class Engine(Protocol):
         """Write received blocks into the reserved blocks. NotFound for an unknown ticket."""
 
     def finish_import(
-        self, transfer_ticket: str, num_tokens: int, first_token_id: int | None,
-        prefill_generated_tokens: int, draft_token_ids: tuple[int, ...] = (),
+        self,
+        transfer_ticket: str,
+        num_tokens: int,
+        first_token_id: int | None,
+        prefill_generated_tokens: int,
+        draft_token_ids: tuple[int, ...] = (),
     ) -> None:
         """All KV arrived: the request joins the decode batch after the first token; with
         speculation on, its first step verifies the prefill worker's `draft_token_ids`."""
 
-    def export_kv(
-        self, request_id: str, skip_blocks: int, max_chunk_bytes: int
-    ) -> Iterator[KvBlocksChunk]:
+    def export_kv(self, request_id: str, skip_blocks: int, max_chunk_bytes: int) -> Iterator[KvBlocksChunk]:
         """Serialized KV of a finished PREFILL_ONLY request's prompt blocks from skip_blocks on
         (the last block may be partial: it carries num_prompt_tokens % block_size valid rows)."""
 

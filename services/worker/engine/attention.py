@@ -121,24 +121,36 @@ def paged_attention_forward(
 
 
 # ---- BATCHED ---------------------------------------------------------------------------------
-def _batched(query: torch.Tensor, layer_kv: torch.Tensor, meta: PagedAttentionMetadata,
-             groups: list[BatchedGroup], scaling: float | None) -> torch.Tensor:
+def _batched(
+    query: torch.Tensor,
+    layer_kv: torch.Tensor,
+    meta: PagedAttentionMetadata,
+    groups: list[BatchedGroup],
+    scaling: float | None,
+) -> torch.Tensor:
     _, num_heads, num_tokens, head_dim = query.shape
     kv_heads = layer_kv.shape[1]
     if len(groups) == 1 and groups[0].out_positions is None:
-        return _group_attention(query[0], layer_kv, meta.block_size, groups[0], kv_heads,
-                                scaling).unsqueeze(0)
+        return _group_attention(query[0], layer_kv, meta.block_size, groups[0], kv_heads, scaling).unsqueeze(
+            0
+        )
     out = query.new_empty(num_tokens, num_heads, head_dim)
     for g in groups:
         assert g.out_positions is not None
-        out.index_copy_(0, g.out_positions,
-                        _group_attention(query[0], layer_kv, meta.block_size, g, kv_heads,
-                                         scaling))
+        out.index_copy_(
+            0, g.out_positions, _group_attention(query[0], layer_kv, meta.block_size, g, kv_heads, scaling)
+        )
     return out.unsqueeze(0)
 
 
-def _group_attention(query: torch.Tensor, layer_kv: torch.Tensor, block_size: int,
-                     g: BatchedGroup, kv_heads: int, scaling: float | None) -> torch.Tensor:
+def _group_attention(
+    query: torch.Tensor,
+    layer_kv: torch.Tensor,
+    block_size: int,
+    g: BatchedGroup,
+    kv_heads: int,
+    scaling: float | None,
+) -> torch.Tensor:
     """query [heads, T, D] -> [n, heads, D] for the group's packed tokens (in packed order)."""
     num_heads, _, head_dim = query.shape
     rep = num_heads // kv_heads
@@ -154,14 +166,18 @@ def _group_attention(query: torch.Tensor, layer_kv: torch.Tensor, block_size: in
     kv = kv.view(2, kv_heads, b, g.num_blocks_max * block_size, head_dim).transpose(1, 2)
     o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=g.mask, scale=scaling)
     # [B, kv_heads, q_max, rep, D] -> [B * q_max, heads, D]
-    o = o.view(b, kv_heads, q_max, rep, head_dim).transpose(1, 2).reshape(b * q_max, num_heads,
-                                                                          head_dim)
+    o = o.view(b, kv_heads, q_max, rep, head_dim).transpose(1, 2).reshape(b * q_max, num_heads, head_dim)
     return o if g.out_rows is None else o.index_select(0, g.out_rows)
 
 
-def build_batched_group(seqs: list[tuple[int, int, int, list[int]]], block_size: int,
-                        q_per_kv: int, dtype: torch.dtype, device: torch.device,
-                        covers_all: bool) -> BatchedGroup:
+def build_batched_group(
+    seqs: list[tuple[int, int, int, list[int]]],
+    block_size: int,
+    q_per_kv: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    covers_all: bool,
+) -> BatchedGroup:
     """One group from (q_start, q_len, start_pos, block_ids) per sequence, block_ids covering
     start_pos + q_len tokens. `covers_all`: the group holds every packed token, in this order
     (its output then needs no scatter)."""
@@ -196,14 +212,21 @@ def build_batched_group(seqs: list[tuple[int, int, int, list[int]]], block_size:
         mask=mask.unsqueeze(1),
         out_rows=None if identity_rows else torch.tensor(rows, device=device),
         out_positions=None if covers_all else torch.tensor(positions, device=device),
-        num_seqs=b, q_max=q_max, num_blocks_max=nb_max,
+        num_seqs=b,
+        q_max=q_max,
+        num_blocks_max=nb_max,
     )
 
 
 # ---- PER_SEQ ---------------------------------------------------------------------------------
-def _per_seq(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             layer_kv: torch.Tensor, meta: PagedAttentionMetadata,
-             scaling: float | None) -> torch.Tensor:
+def _per_seq(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer_kv: torch.Tensor,
+    meta: PagedAttentionMetadata,
+    scaling: float | None,
+) -> torch.Tensor:
     bs = meta.block_size
     k_pool = layer_kv[0:1]  # [1, kv_heads, slots, head_dim]
     v_pool = layer_kv[1:2]
@@ -223,20 +246,24 @@ def _per_seq(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         if s.fresh:
             k = key[:, :, s.q_start : s.q_start + s.q_len]
             v = value[:, :, s.q_start : s.q_start + s.q_len]
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling,
-                                               enable_gqa=rep > 1)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=rep > 1)
         else:
             k = _context(k_pool, s, bs)
             v = _context(v_pool, s, bs)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=s.mask, scale=scaling,
-                                               enable_gqa=rep > 1)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=s.mask, scale=scaling, enable_gqa=rep > 1)
         out[s.q_start : s.q_start + s.q_len] = o[0].transpose(0, 1)
     return out.unsqueeze(0)
 
 
-def _decode(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-            meta: PagedAttentionMetadata, scaling: float | None, num_kv_heads: int,
-            rep: int) -> torch.Tensor:
+def _decode(
+    query: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    meta: PagedAttentionMetadata,
+    scaling: float | None,
+    num_kv_heads: int,
+    rep: int,
+) -> torch.Tensor:
     """Single-query sequences -> [B, heads, head_dim]. The `rep` query heads sharing a KV head
     become `rep` query rows, so there is no GQA expansion and no mask (a lone query attends to
     every cached token)."""

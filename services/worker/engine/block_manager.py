@@ -77,8 +77,7 @@ class BlockManager:
                 del self._free[b]
             self._ref_counts[b] += 1
 
-    def allocate(self, num_blocks: int, after: int | None = None,
-                 want_blocks: int = 0) -> list[int]:
+    def allocate(self, num_blocks: int, after: int | None = None, want_blocks: int = 0) -> list[int]:
         """Fresh blocks (ref_count 1), preferring consecutive ids (attention then reads a
         request's K/V as a zero-copy view). Growing a request (`after` = its last block): the
         blocks right after it when free, else any. A new request: a free run of `want_blocks`

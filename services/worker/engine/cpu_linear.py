@@ -30,9 +30,13 @@ _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 def prepack_available(device: torch.device, dtype: torch.dtype) -> bool:
     ops = torch.ops.mkldnn
-    if not (device.type == "cpu" and dtype in _PACKABLE_DTYPES
-            and torch.backends.mkldnn.is_available()
-            and hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")):
+    if not (
+        device.type == "cpu"
+        and dtype in _PACKABLE_DTYPES
+        and torch.backends.mkldnn.is_available()
+        and hasattr(ops, "_reorder_linear_weight")
+        and hasattr(ops, "_linear_pointwise")
+    ):
         return False
     # oneDNN's bf16 kernels need CPU support (AVX-512 BF16/BW or AVX-NE-CONVERT)
     return dtype != torch.bfloat16 or bool(ops._is_mkldnn_bf16_supported())
@@ -48,16 +52,17 @@ class PackedLinear(torch.nn.Module):
         weight = linear.weight.detach()
         # a buffer, not a parameter: never trained, and state_dict tools must not mistake it
         # for the checkpoint's weight
-        self.register_buffer("packed_weight",
-                             torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT),
-                             persistent=False)
+        self.register_buffer(
+            "packed_weight",
+            torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT),
+            persistent=False,
+        )
         bias = linear.bias.detach() if linear.bias is not None else None
         self.register_buffer("bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).contiguous()
-        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias,
-                                                 "none", [], "")
+        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

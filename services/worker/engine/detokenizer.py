@@ -22,8 +22,7 @@ def hidden_token_ids(tokenizer: Any) -> frozenset[int]:
     """Special tokens whose text is never shown (like skip_special_tokens), except byte-fallback
     tokens `<0xXX>`, which some tokenizers register as special but which carry text."""
     ids = set()
-    for token, token_id in zip(tokenizer.all_special_tokens, tokenizer.all_special_ids,
-                               strict=False):
+    for token, token_id in zip(tokenizer.all_special_tokens, tokenizer.all_special_ids, strict=False):
         if not _BYTE_TOKEN.match(str(token)):
             ids.add(int(token_id))
     for token_id, added in getattr(tokenizer, "added_tokens_decoder", {}).items():
@@ -33,17 +32,22 @@ def hidden_token_ids(tokenizer: Any) -> frozenset[int]:
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, prompt_token_ids: tuple[int, ...] | list[int],
-                 hidden_ids: frozenset[int] = frozenset(), unshown_tail: int = 0) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: tuple[int, ...] | list[int],
+        hidden_ids: frozenset[int] = frozenset(),
+        unshown_tail: int = 0,
+    ) -> None:
         """`unshown_tail`: the last prompt tokens are output whose text was never shown (a
         migrated request resumed after an incomplete character): their text comes out with the
         first new token's."""
         self._tokenizer = tokenizer
         self._hidden_ids = hidden_ids
         tail = max(0, min(unshown_tail, len(prompt_token_ids)))
-        window = prompt_token_ids[-(_PREFIX_WINDOW + tail):] if prompt_token_ids else ()
+        window = prompt_token_ids[-(_PREFIX_WINDOW + tail) :] if prompt_token_ids else ()
         context = [t for t in window[: len(window) - tail] if t not in hidden_ids]
-        unshown = [t for t in window[len(window) - tail:] if t not in hidden_ids]
+        unshown = [t for t in window[len(window) - tail :] if t not in hidden_ids]
         self._ids: list[int] = context + unshown
         self._prefix_offset = 0  # ids[prefix_offset:read_offset] is already-emitted context
         self._read_offset = len(context)

@@ -110,8 +110,9 @@ class PagedEngine:
         if config.block_size < 1:
             raise InvalidArgument("block_size must be >= 1")
         if config.speculative not in _SPECULATIVE_METHODS:
-            raise InvalidArgument(f"speculative must be one of {', '.join(_SPECULATIVE_METHODS)}, "
-                                  f"got {config.speculative!r}")
+            raise InvalidArgument(
+                f"speculative must be one of {', '.join(_SPECULATIVE_METHODS)}, got {config.speculative!r}"
+            )
         if config.num_speculative_tokens < 1:
             raise InvalidArgument("num_speculative_tokens must be >= 1")
         if not 1 <= config.spec_ngram_min <= config.spec_ngram_max:
@@ -146,8 +147,13 @@ class PagedEngine:
         cfg = self.config
         if cfg.kv_cache_tokens > 0:
             return -(-cfg.kv_cache_tokens // cfg.block_size)
-        per_token = (layout.num_layers * 2 * layout.num_kv_heads * layout.head_dim
-                     * torch.tensor([], dtype=dtype).element_size())
+        per_token = (
+            layout.num_layers
+            * 2
+            * layout.num_kv_heads
+            * layout.head_dim
+            * torch.tensor([], dtype=dtype).element_size()
+        )
         budget = int(_available_bytes(device) * cfg.kv_memory_fraction)
         if device.type == "cpu":
             budget = min(budget // cfg.dp_size, _CPU_POOL_CAP_BYTES)
@@ -184,15 +190,30 @@ class PagedEngine:
             spec_tokens = 0
             if cfg.speculative == "ngram":
                 speculation = Speculation(
-                    NgramProposer(cfg.spec_ngram_min, cfg.spec_ngram_max),
-                    cfg.num_speculative_tokens)
-                spec_tokens = (cfg.spec_max_batch_tokens
-                               or _DEFAULT_SPEC_BATCH_TOKENS.get(device.type, 512))
+                    NgramProposer(cfg.spec_ngram_min, cfg.spec_ngram_max), cfg.num_speculative_tokens
+                )
+                spec_tokens = cfg.spec_max_batch_tokens or _DEFAULT_SPEC_BATCH_TOKENS.get(device.type, 512)
             scheduler = Scheduler(blocks, budget, cfg.max_num_seqs, spec_tokens)
-            self._ranks.append(Rank(dp_rank, runner, blocks, scheduler, self.eos_token_ids,
-                                    self.max_model_len, self.vocab_size, speculation))
-            log.info("rank %d ready: %s %s, %d KV blocks of %d tokens", dp_rank, device,
-                     dtype, num_blocks, cfg.block_size)
+            self._ranks.append(
+                Rank(
+                    dp_rank,
+                    runner,
+                    blocks,
+                    scheduler,
+                    self.eos_token_ids,
+                    self.max_model_len,
+                    self.vocab_size,
+                    speculation,
+                )
+            )
+            log.info(
+                "rank %d ready: %s %s, %d KV blocks of %d tokens",
+                dp_rank,
+                device,
+                dtype,
+                num_blocks,
+                cfg.block_size,
+            )
         for rank in self._ranks:
             rank.start()
         self._started = True
@@ -207,22 +228,23 @@ class PagedEngine:
         """Everything the engine must never see is refused here, with a message that says what
         to change (the worker's servicer does not validate again)."""
         if not self._started or self._stopped:
-            raise FailedPrecondition("engine not started" if not self._started
-                                     else "engine is shut down")
+            raise FailedPrecondition("engine not started" if not self._started else "engine is shut down")
         if not request.request_id:
             raise InvalidArgument("request_id is required")
         num_ranks = len(self._ranks)
         if not 0 <= request.dp_rank < num_ranks:
             raise InvalidArgument(
                 f"dp_rank {request.dp_rank} is out of range: this worker has {num_ranks} "
-                f"rank(s), 0..{num_ranks - 1}")
+                f"rank(s), 0..{num_ranks - 1}"
+            )
         n = len(request.prompt_token_ids)
         if n == 0:
             raise InvalidArgument("prompt_token_ids is empty")
         if n >= self.max_model_len:
             raise InvalidArgument(
                 f"prompt has {n} tokens; this worker's max_model_len is {self.max_model_len}, "
-                f"so prompts may have at most {self.max_model_len - 1}")
+                f"so prompts may have at most {self.max_model_len - 1}"
+            )
         if any(not 0 <= t < self.vocab_size for t in request.prompt_token_ids):
             raise InvalidArgument(f"prompt token ids must be in [0, {self.vocab_size})")
         sp = request.sampling
@@ -246,9 +268,14 @@ class PagedEngine:
             # seeded per draw from (seed, output index): Request.draw_seed
             generator = torch.Generator(device=rank.runner.device)
         text = DetokenizedText(
-            IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, self._hidden_ids,
-                                   unshown_tail=sp.unshown_tail_tokens),
-            OutputText(sp.stop, sp.include_stop_in_output))
+            IncrementalDetokenizer(
+                self.tokenizer,
+                request.prompt_token_ids,
+                self._hidden_ids,
+                unshown_tail=sp.unshown_tail_tokens,
+            ),
+            OutputText(sp.stop, sp.include_stop_in_output),
+        )
         req = Request.from_engine_request(request, text, generator)
         return req, OutputHandle(request.request_id, asyncio.get_running_loop())
 
@@ -276,12 +303,17 @@ class PagedEngine:
     def import_kv(self, transfer_ticket: str, chunk: KvBlocksChunk) -> None:
         self._rank_of_ticket(transfer_ticket).import_kv(transfer_ticket, chunk)
 
-    def finish_import(self, transfer_ticket: str, num_tokens: int, first_token_id: int | None,
-                      prefill_generated_tokens: int,
-                      draft_token_ids: tuple[int, ...] = ()) -> None:
+    def finish_import(
+        self,
+        transfer_ticket: str,
+        num_tokens: int,
+        first_token_id: int | None,
+        prefill_generated_tokens: int,
+        draft_token_ids: tuple[int, ...] = (),
+    ) -> None:
         self._rank_of_ticket(transfer_ticket).finish_import(
-            transfer_ticket, num_tokens, first_token_id, prefill_generated_tokens,
-            draft_token_ids)
+            transfer_ticket, num_tokens, first_token_id, prefill_generated_tokens, draft_token_ids
+        )
 
     def _rank_of_request(self, request_id: str) -> Rank | None:
         for rank in self._ranks:
@@ -289,8 +321,7 @@ class PagedEngine:
                 return rank
         return None
 
-    def export_kv(self, request_id: str, skip_blocks: int,
-                  max_chunk_bytes: int) -> Iterator[KvBlocksChunk]:
+    def export_kv(self, request_id: str, skip_blocks: int, max_chunk_bytes: int) -> Iterator[KvBlocksChunk]:
         rank = self._rank_of_request(request_id)
         if rank is None:
             raise NotFound(f"unknown request {request_id!r}")

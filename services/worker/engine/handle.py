@@ -41,9 +41,7 @@ def _put_all(items: Sequence[tuple[OutputHandle, RequestOutput]]) -> None:
 
 def deliver_batch(items: Sequence[tuple[OutputHandle, RequestOutput]]) -> None:
     """Queue outputs on their loops: one call_soon_threadsafe per loop per step."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[OutputHandle, RequestOutput]]] = (
-        defaultdict(list)
-    )
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[OutputHandle, RequestOutput]]] = defaultdict(list)
     for handle, out in items:
         by_loop[handle.loop].append((handle, out))
     for loop, batch in by_loop.items():

@@ -51,8 +51,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-def load_model(model_path: str, device: torch.device, dtype: torch.dtype,
-               prepack: bool = True) -> Any:
+def load_model(model_path: str, device: torch.device, dtype: torch.dtype, prepack: bool = True) -> Any:
     """transformers' own model class with our attention; on CPU its linear layers prepacked
     for oneDNN unless `prepack` is False (see cpu_linear)."""
     from transformers import AutoModelForCausalLM
@@ -82,33 +81,49 @@ def kv_layout_of(model_config: Any, block_size: int, dtype: torch.dtype) -> KvLa
 
 
 class ModelRunner:
-    def __init__(self, model: Any, layout: KvLayout, num_blocks: int,
-                 device: torch.device, dtype: torch.dtype,
-                 attention_backend: AttentionBackend | None = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        layout: KvLayout,
+        num_blocks: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        attention_backend: AttentionBackend | None = None,
+    ) -> None:
         self.model = model
         self.layout = layout
         self.device = device
         self.dtype = dtype
         self.num_blocks = num_blocks
         self.attention_backend = attention_backend or AttentionBackend.default_for(device)
-        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
-            else model.config
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.q_per_kv = int(cfg.num_attention_heads) // layout.num_kv_heads
         # zeros, not empty: stale rows of reused blocks are never read, but keep them finite
         self.kv_cache = torch.zeros(
-            layout.num_layers, 2, layout.num_kv_heads, num_blocks * layout.block_size,
-            layout.head_dim, dtype=dtype, device=device,
+            layout.num_layers,
+            2,
+            layout.num_kv_heads,
+            num_blocks * layout.block_size,
+            layout.head_dim,
+            dtype=dtype,
+            device=device,
         )
 
     @property
     def bytes_per_block(self) -> int:
         lay = self.layout
-        return (lay.num_layers * 2 * lay.block_size * lay.num_kv_heads * lay.head_dim
-                * self.kv_cache.element_size())
+        return (
+            lay.num_layers
+            * 2
+            * lay.block_size
+            * lay.num_kv_heads
+            * lay.head_dim
+            * self.kv_cache.element_size()
+        )
 
-    def _build_metadata(self, seqs: list[ScheduledSeq]) -> tuple[
-        torch.Tensor, torch.Tensor, attention.PagedAttentionMetadata, torch.Tensor
-    ]:
+    def _build_metadata(
+        self, seqs: list[ScheduledSeq]
+    ) -> tuple[torch.Tensor, torch.Tensor, attention.PagedAttentionMetadata, torch.Tensor]:
         if self.attention_backend is AttentionBackend.BATCHED:
             return self._build_batched_metadata(seqs)
         bs = self.layout.block_size
@@ -144,23 +159,30 @@ class ModelRunner:
                 if n > 1:  # a later prefill chunk: query i sees keys 0..start_pos + i
                     q_pos = torch.arange(s.start_pos, ctx, device=dev)
                     mask = torch.arange(ctx, device=dev)[None, :] <= q_pos[:, None]
-            attn.append(attention.SeqAttention(q_start, n, ctx, fresh and n > 1, kv_start,
-                                               block_tensor, mask))
+            attn.append(
+                attention.SeqAttention(q_start, n, ctx, fresh and n > 1, kv_start, block_tensor, mask)
+            )
         # logits rows in the caller's order of the sampling sequences
         first_pos = {i: a.q_start + a.q_len - 1 for i, a in zip(order, attn, strict=True)}
         logits_idx = [first_pos[i] for i, s in enumerate(seqs) if s.sample]
         meta = attention.PagedAttentionMetadata(
-            kv_cache=self.kv_cache, block_size=bs,
-            slots=torch.tensor(slots, device=dev), seqs=attn,
+            kv_cache=self.kv_cache,
+            block_size=bs,
+            slots=torch.tensor(slots, device=dev),
+            seqs=attn,
             decode_idx=torch.tensor(decode_idx, device=dev) if decode_idx else None,
             num_decode=len(decode_idx),
         )
-        return (torch.tensor([input_ids], device=dev), torch.tensor([positions], device=dev),
-                meta, torch.tensor(logits_idx, device=dev))
+        return (
+            torch.tensor([input_ids], device=dev),
+            torch.tensor([positions], device=dev),
+            meta,
+            torch.tensor(logits_idx, device=dev),
+        )
 
-    def _build_batched_metadata(self, seqs: list[ScheduledSeq]) -> tuple[
-        torch.Tensor, torch.Tensor, attention.PagedAttentionMetadata, torch.Tensor
-    ]:
+    def _build_batched_metadata(
+        self, seqs: list[ScheduledSeq]
+    ) -> tuple[torch.Tensor, torch.Tensor, attention.PagedAttentionMetadata, torch.Tensor]:
         bs = self.layout.block_size
         dev = self.device
         # short queries first, then long chunks; each part is one attention call per layer
@@ -182,16 +204,28 @@ class ModelRunner:
             parts[n > _SHORT_QUERY].append((q_start, n, s.start_pos, blocks))
             last_pos[i] = q_start + n - 1
         nonempty = [p for p in parts if p]
-        groups = [attention.build_batched_group(p, bs, self.q_per_kv, self.dtype, dev,
-                                                covers_all=len(nonempty) == 1)
-                  for p in nonempty]
+        groups = [
+            attention.build_batched_group(
+                p, bs, self.q_per_kv, self.dtype, dev, covers_all=len(nonempty) == 1
+            )
+            for p in nonempty
+        ]
         logits_idx = [last_pos[i] for i, s in enumerate(seqs) if s.sample]
         meta = attention.PagedAttentionMetadata(
-            kv_cache=self.kv_cache, block_size=bs, slots=torch.tensor(slots, device=dev),
-            seqs=[], decode_idx=None, num_decode=0, groups=groups,
+            kv_cache=self.kv_cache,
+            block_size=bs,
+            slots=torch.tensor(slots, device=dev),
+            seqs=[],
+            decode_idx=None,
+            num_decode=0,
+            groups=groups,
         )
-        return (torch.tensor([input_ids], device=dev), torch.tensor([positions], device=dev),
-                meta, torch.tensor(logits_idx, device=dev))
+        return (
+            torch.tensor([input_ids], device=dev),
+            torch.tensor([positions], device=dev),
+            meta,
+            torch.tensor(logits_idx, device=dev),
+        )
 
     @torch.inference_mode()
     def execute(self, seqs: list[ScheduledSeq]) -> list[list[int]]:
@@ -200,24 +234,34 @@ class ModelRunner:
         input_ids, positions, meta, logits_idx = self._build_metadata(seqs)
         if len(logits_idx) == 0:
             # nothing to sample (only non-final prefill chunks): skip the LM head entirely
-            self.model.model(input_ids=input_ids, position_ids=positions, paged_meta=meta,
-                             use_cache=False)
+            self.model.model(input_ids=input_ids, position_ids=positions, paged_meta=meta, use_cache=False)
             return []
         # --- speculative decoding: logits selection and sampling (request-life side) ---
         sampled_seqs = [s for s in seqs if s.sample]
         counts = [s.num_logits for s in sampled_seqs]
         if any(c != 1 for c in counts):
             # a seq's tokens are packed contiguously: its trailing rows end at its last row
-            logits_idx = torch.cat([torch.arange(int(last) - c + 1, int(last) + 1)
-                                    for last, c in zip(logits_idx.tolist(), counts, strict=True)]
-                                   ).to(logits_idx.device)
-        out = self.model(input_ids=input_ids, position_ids=positions, paged_meta=meta,
-                         use_cache=False, logits_to_keep=logits_idx)
+            logits_idx = torch.cat(
+                [
+                    torch.arange(int(last) - c + 1, int(last) + 1)
+                    for last, c in zip(logits_idx.tolist(), counts, strict=True)
+                ]
+            ).to(logits_idx.device)
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=positions,
+            paged_meta=meta,
+            use_cache=False,
+            logits_to_keep=logits_idx,
+        )
         logits = out.logits[0]  # [sum(counts), vocab]
         params = [s.sampling for s in sampled_seqs for _ in range(s.num_logits)]
         gens = [s.generator for s in sampled_seqs for _ in range(s.num_logits)]
-        seeds = [(s.draw_seeds[j] if j < len(s.draw_seeds) else None)
-                 for s in sampled_seqs for j in range(s.num_logits)]
+        seeds = [
+            (s.draw_seeds[j] if j < len(s.draw_seeds) else None)
+            for s in sampled_seqs
+            for j in range(s.num_logits)
+        ]
         flat = [int(t) for t in sample(logits, params, gens, seeds).tolist()]
         tokens: list[list[int]] = []
         pos = 0
@@ -229,17 +273,23 @@ class ModelRunner:
     def warm_up(self) -> None:
         """One tiny forward (writes block 0, which holds no request yet)."""
         t0 = time.perf_counter()
-        seq = ScheduledSeq(token_ids=[0] * min(4, self.layout.block_size), start_pos=0,
-                           block_ids=[0], sample=True,
-                           sampling=SamplingConfig(max_tokens=1, temperature=0.0), generator=None)
+        seq = ScheduledSeq(
+            token_ids=[0] * min(4, self.layout.block_size),
+            start_pos=0,
+            block_ids=[0],
+            sample=True,
+            sampling=SamplingConfig(max_tokens=1, temperature=0.0),
+            generator=None,
+        )
         self.execute([seq])
         log.debug("warm-up step took %.3f s", time.perf_counter() - t0)
 
     # ---- KV transfer ---------------------------------------------------------------------
     def _by_block(self) -> torch.Tensor:
         lay = self.layout
-        return self.kv_cache.view(lay.num_layers, 2, lay.num_kv_heads, self.num_blocks,
-                                  lay.block_size, lay.head_dim)
+        return self.kv_cache.view(
+            lay.num_layers, 2, lay.num_kv_heads, self.num_blocks, lay.block_size, lay.head_dim
+        )
 
     def read_blocks(self, block_ids: list[int]) -> bytes:
         """Blocks in the wire layout: per block, per layer, K then V [kv_heads, block_size, D]."""
@@ -252,8 +302,7 @@ class ModelRunner:
         lay = self.layout
         n = len(block_ids)
         raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        arr = raw.view(self.dtype).view(n, lay.num_layers, 2, lay.num_kv_heads,
-                                        lay.block_size, lay.head_dim)
+        arr = raw.view(self.dtype).view(n, lay.num_layers, 2, lay.num_kv_heads, lay.block_size, lay.head_dim)
         arr = arr.permute(1, 2, 3, 0, 4, 5).to(self.device)  # [L, 2, H, n, bs, D]
         idx = torch.tensor(block_ids, device=self.device)
         self._by_block().index_copy_(3, idx, arr)

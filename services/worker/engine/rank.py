@@ -50,9 +50,17 @@ class Speculation:
 
 
 class Rank:
-    def __init__(self, dp_rank: int, runner: ModelRunner, block_manager: BlockManager,
-                 scheduler: Scheduler, eos_token_ids: tuple[int, ...], max_model_len: int,
-                 vocab_size: int = 0, speculation: Speculation | None = None) -> None:
+    def __init__(
+        self,
+        dp_rank: int,
+        runner: ModelRunner,
+        block_manager: BlockManager,
+        scheduler: Scheduler,
+        eos_token_ids: tuple[int, ...],
+        max_model_len: int,
+        vocab_size: int = 0,
+        speculation: Speculation | None = None,
+    ) -> None:
         self.dp_rank = dp_rank
         self.runner = runner
         self.blocks = block_manager
@@ -74,8 +82,7 @@ class Rank:
 
     # ---- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name=f"pdserve-rank-{self.dp_rank}",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._loop, name=f"pdserve-rank-{self.dp_rank}", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
@@ -93,7 +100,8 @@ class Rank:
         if self.blocks.blocks_needed(n + 1) > self.blocks.num_blocks:
             raise ResourceExhausted(
                 f"prompt of {n} tokens exceeds the KV pool of rank {self.dp_rank} "
-                f"({self.blocks.num_blocks * self.blocks.block_size} tokens)")
+                f"({self.blocks.num_blocks * self.blocks.block_size} tokens)"
+            )
 
     def _register(self, req: Request, handle: OutputHandle) -> None:
         if req.request_id in self._requests:
@@ -128,7 +136,8 @@ class Rank:
             self._register(req, handle)
             self._tickets[ticket] = req
             return Admission(
-                request_id=req.request_id, transfer_ticket=ticket,
+                request_id=req.request_id,
+                transfer_ticket=ticket,
                 num_cached_blocks=num_cached_blocks,
                 num_local_cached_tokens=req.num_local_cached_tokens,
             )
@@ -192,14 +201,19 @@ class Rank:
         drafts = r.spec_token_ids[: s.num_draft_tokens]
         num_logits = 1 + len(drafts) if s.samples else 0
         return ScheduledSeq(
-            token_ids=r.token_ids[start : start + s.num_new_tokens] + drafts, start_pos=start,
-            block_ids=list(r.block_ids), sample=s.samples, sampling=r.sampling,
-            generator=r.generator, num_logits=max(1, num_logits),
+            token_ids=r.token_ids[start : start + s.num_new_tokens] + drafts,
+            start_pos=start,
+            block_ids=list(r.block_ids),
+            sample=s.samples,
+            sampling=r.sampling,
+            generator=r.generator,
+            num_logits=max(1, num_logits),
             draw_seeds=tuple(r.draw_seed(j) for j in range(num_logits)),
         )
 
-    def _postprocess(self, scheduled: list[ScheduledRequest], sampled: list[list[int]],
-                     elapsed_ns: int, outputs: Outputs) -> None:
+    def _postprocess(
+        self, scheduled: list[ScheduledRequest], sampled: list[list[int]], elapsed_ns: int, outputs: Outputs
+    ) -> None:
         runs = iter(sampled)
         for s in scheduled:
             req = s.request
@@ -220,8 +234,7 @@ class Rank:
             _, reason = req.append_output_tokens(run, self.eos_token_ids, self.max_model_len)
             # K/V is valid for the step's tokens and the accepted proposals (the last token of
             # the run is new); a run cut short by a stop has every appended token computed
-            computed = min(req.num_computed_tokens + s.num_new_tokens + len(run) - 1,
-                           req.num_tokens)
+            computed = min(req.num_computed_tokens + s.num_new_tokens + len(run) - 1, req.num_tokens)
             self.scheduler.on_computed(req, computed - req.num_computed_tokens)
             if proposals:
                 self.scheduler.rollback(req)
@@ -245,16 +258,17 @@ class Rank:
         if spec is None:
             return []
         n = policy.proposal_budget(
-            req.spec, spec.num_tokens,
+            req.spec,
+            spec.num_tokens,
             tokens_left=req.sampling.max_tokens - req.num_counted_towards_max,
-            context_left=self.max_model_len - req.num_tokens)
+            context_left=self.max_model_len - req.num_tokens,
+        )
         if n == 0:
             req.spec = policy.after_skipped_step(req.spec)
             return []
         return spec.proposer.propose(req.token_ids, n)
 
-    def _output(self, req: Request, finished: bool,
-                drafts: list[int] | None = None) -> RequestOutput:
+    def _output(self, req: Request, finished: bool, drafts: list[int] | None = None) -> RequestOutput:
         first = req.num_prompt_tokens + req.num_handoff_tokens + req.num_reported_tokens
         new_ids = tuple(req.token_ids[first:])
         req.num_reported_tokens += len(new_ids)
@@ -277,8 +291,9 @@ class Rank:
 
     def _emit(self, req: Request, out: RequestOutput, outputs: Outputs) -> None:
         """Queue an output for the request's handle; the terminal one closes it."""
-        handle = (self._handles.pop(req.request_id, None) if out.finished
-                  else self._handles.get(req.request_id))
+        handle = (
+            self._handles.pop(req.request_id, None) if out.finished else self._handles.get(req.request_id)
+        )
         if handle is not None:
             outputs.append((handle, out))
 
@@ -353,8 +368,9 @@ class Rank:
             raise InvalidArgument(f"request {request_id!r} has no finished prefill to export")
         return req
 
-    def iter_export(self, request_id: str, indices: list[int],
-                    blocks_per_chunk: int) -> Iterator[KvBlocksChunk]:
+    def iter_export(
+        self, request_id: str, indices: list[int], blocks_per_chunk: int
+    ) -> Iterator[KvBlocksChunk]:
         for start in range(0, len(indices), blocks_per_chunk):
             part = indices[start : start + blocks_per_chunk]
             with self.lock:
@@ -376,12 +392,13 @@ class Rank:
             end = chunk.first_block + chunk.num_blocks
             if chunk.first_block < 0 or chunk.num_blocks < 0 or end > num_prompt_blocks:
                 raise InvalidArgument(
-                    f"blocks [{chunk.first_block}, {end}) outside the prompt's "
-                    f"{num_prompt_blocks} blocks")
+                    f"blocks [{chunk.first_block}, {end}) outside the prompt's {num_prompt_blocks} blocks"
+                )
             if len(chunk.data) != chunk.num_blocks * self.runner.bytes_per_block:
                 raise InvalidArgument(
                     f"chunk has {len(chunk.data)} bytes, expected "
-                    f"{chunk.num_blocks * self.runner.bytes_per_block}")
+                    f"{chunk.num_blocks * self.runner.bytes_per_block}"
+                )
             # leading blocks that came from our own prefix cache are shared: never overwrite
             skip = max(0, req.num_hashed_blocks - chunk.first_block)
             if skip >= chunk.num_blocks:
@@ -390,23 +407,31 @@ class Rank:
             targets = req.block_ids[chunk.first_block + skip : end]
             self.runner.write_blocks(targets, chunk.data[skip * bpb :])
 
-    def finish_import(self, ticket: str, num_tokens: int, first_token_id: int | None,
-                      prefill_generated_tokens: int,
-                      draft_token_ids: tuple[int, ...] = ()) -> None:
+    def finish_import(
+        self,
+        ticket: str,
+        num_tokens: int,
+        first_token_id: int | None,
+        prefill_generated_tokens: int,
+        draft_token_ids: tuple[int, ...] = (),
+    ) -> None:
         with self.lock:
             req = self._ticket(ticket)
             if num_tokens != req.num_prompt_tokens:
                 raise InvalidArgument(
-                    f"KV covers {num_tokens} tokens, the prompt has {req.num_prompt_tokens}")
+                    f"KV covers {num_tokens} tokens, the prompt has {req.num_prompt_tokens}"
+                )
             self._tickets.pop(ticket, None)
             req.transfer_ticket = None
             req.num_prior_generated_tokens = max(0, prefill_generated_tokens)
             req.num_transferred_tokens = req.num_prompt_tokens - req.num_local_cached_tokens
             outputs: Outputs = []
             ended = first_token_id is None or (
-                first_token_id in self.eos_token_ids and not req.sampling.ignore_eos)
-            reason = finish_rule(req.num_prior_generated_tokens, req.sampling.max_tokens,
-                                 FinishReason.STOP if ended else None)
+                first_token_id in self.eos_token_ids and not req.sampling.ignore_eos
+            )
+            reason = finish_rule(
+                req.num_prior_generated_tokens, req.sampling.max_tokens, FinishReason.STOP if ended else None
+            )
             if reason is None and first_token_id is not None:
                 reason = req.start_from_handoff(first_token_id)
             if reason is not None:
@@ -423,9 +448,11 @@ class Rank:
         if self.speculation is None or not draft_token_ids:
             return []
         n = policy.proposal_budget(
-            req.spec, self.speculation.num_tokens,
+            req.spec,
+            self.speculation.num_tokens,
             tokens_left=req.sampling.max_tokens - req.num_counted_towards_max,
-            context_left=self.max_model_len - req.num_tokens)
+            context_left=self.max_model_len - req.num_tokens,
+        )
         drafts = list(draft_token_ids[:n])
         if any(not 0 <= t < self.vocab_size for t in drafts):
             return []

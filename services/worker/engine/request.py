@@ -37,8 +37,7 @@ class RequestStatus(enum.IntEnum):
 ALLOWED_TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
     RequestStatus.WAITING: frozenset({RequestStatus.RUNNING, RequestStatus.FINISHED}),
     RequestStatus.WAITING_FOR_KV: frozenset({RequestStatus.WAITING, RequestStatus.FINISHED}),
-    RequestStatus.RUNNING: frozenset(
-        {RequestStatus.PREEMPTED, RequestStatus.HELD, RequestStatus.FINISHED}),
+    RequestStatus.RUNNING: frozenset({RequestStatus.PREEMPTED, RequestStatus.HELD, RequestStatus.FINISHED}),
     RequestStatus.PREEMPTED: frozenset({RequestStatus.RUNNING, RequestStatus.FINISHED}),
     RequestStatus.HELD: frozenset({RequestStatus.FINISHED}),
     RequestStatus.FINISHED: frozenset(),
@@ -49,8 +48,9 @@ class InvalidTransition(RuntimeError):
     """A bug: the request life tried a status change the table does not allow."""
 
 
-def finish_rule(num_counted_tokens: int, max_tokens: int,
-                stop_reason: FinishReason | None) -> FinishReason | None:
+def finish_rule(
+    num_counted_tokens: int, max_tokens: int, stop_reason: FinishReason | None
+) -> FinishReason | None:
     """The worker's one finish rule (docs/architecture.md "Token accounting"): a request whose
     count reached max_tokens finished by LENGTH, whatever else stopped it; else the stop reason
     (None: it goes on)."""
@@ -121,14 +121,21 @@ class Request:
     spec: SpecRecord = field(default_factory=lambda: SpecRecord())  # replaced, never mutated
 
     @classmethod
-    def from_engine_request(cls, req: EngineRequest, text: TextTracker | None = None,
-                            generator: torch.Generator | None = None) -> Request:
-        status = (RequestStatus.WAITING_FOR_KV if req.kind is RequestKind.DECODE_REMOTE
-                  else RequestStatus.WAITING)
+    def from_engine_request(
+        cls, req: EngineRequest, text: TextTracker | None = None, generator: torch.Generator | None = None
+    ) -> Request:
+        status = (
+            RequestStatus.WAITING_FOR_KV if req.kind is RequestKind.DECODE_REMOTE else RequestStatus.WAITING
+        )
         return cls(
-            request_id=req.request_id, kind=req.kind, sampling=req.sampling,
-            prompt_token_ids=req.prompt_token_ids, text=text or NoText(), generator=generator,
-            _status=status, token_ids=list(req.prompt_token_ids),
+            request_id=req.request_id,
+            kind=req.kind,
+            sampling=req.sampling,
+            prompt_token_ids=req.prompt_token_ids,
+            text=text or NoText(),
+            generator=generator,
+            _status=status,
+            token_ids=list(req.prompt_token_ids),
         )
 
     # ---- status: the only ways to change it ----------------------------------------------
@@ -143,7 +150,8 @@ class Request:
     def _transition(self, to: RequestStatus) -> None:
         if to not in ALLOWED_TRANSITIONS[self._status]:
             raise InvalidTransition(
-                f"request {self.request_id!r}: {self._status.name} -> {to.name} is not allowed")
+                f"request {self.request_id!r}: {self._status.name} -> {to.name} is not allowed"
+            )
         self._status = to
 
     def kv_arrived(self) -> None:
@@ -168,8 +176,7 @@ class Request:
     def finish(self, reason: FinishReason) -> None:
         """Done (any status but HELD, which ends through `release`): blocks are being freed."""
         if self._status is RequestStatus.HELD:
-            raise InvalidTransition(f"request {self.request_id!r}: a HELD request ends through "
-                                    "release")
+            raise InvalidTransition(f"request {self.request_id!r}: a HELD request ends through release")
         self._transition(RequestStatus.FINISHED)
         self._finish_reason = reason
         self.spec_token_ids = []
@@ -178,13 +185,13 @@ class Request:
         """A HELD request's KV was exported (or abandoned): it ends with the reason it was held
         with."""
         if self._status is not RequestStatus.HELD:
-            raise InvalidTransition(f"request {self.request_id!r}: release of a "
-                                    f"{self._status.name} request")
+            raise InvalidTransition(f"request {self.request_id!r}: release of a {self._status.name} request")
         self._transition(RequestStatus.FINISHED)
 
     # ---- tokens: the finish rule applied to each appended token --------------------------
-    def append_output_token(self, token: int, eos_token_ids: frozenset[int],
-                            max_model_len: int) -> FinishReason | None:
+    def append_output_token(
+        self, token: int, eos_token_ids: frozenset[int], max_model_len: int
+    ) -> FinishReason | None:
         """Apply the token-accounting and stop rules (api.py docstring) to one sampled token:
         a terminating EOS is neither appended nor counted; a stop token id is appended and
         counted (its text only when include_stop_in_output); a stop string cuts the text; a
@@ -203,8 +210,9 @@ class Request:
                 stop = FinishReason.LENGTH  # the model's context is full
         return finish_rule(self.num_counted_towards_max, sp.max_tokens, stop)
 
-    def append_output_tokens(self, tokens: list[int], eos_token_ids: frozenset[int],
-                             max_model_len: int) -> tuple[int, FinishReason | None]:
+    def append_output_tokens(
+        self, tokens: list[int], eos_token_ids: frozenset[int], max_model_len: int
+    ) -> tuple[int, FinishReason | None]:
         """A run of tokens (accepted proposals + the bonus token), one at a time through the
         same rule; the first that finishes the request ends the run exactly there. Returns
         (tokens consumed, finish reason)."""

@@ -17,7 +17,8 @@ from services.worker.engine.api import SamplingConfig
 
 
 def sample(
-    logits: torch.Tensor, params: Sequence[SamplingConfig],
+    logits: torch.Tensor,
+    params: Sequence[SamplingConfig],
     generators: Sequence[torch.Generator | None],
     seeds: Sequence[int | None] | None = None,
 ) -> torch.Tensor:
@@ -29,8 +30,7 @@ def sample(
     logits = logits.float()
     vocab = logits.shape[1]
     device = logits.device
-    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
-                         device=device)
+    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
     scaled = logits / temps[:, None]
     top_ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     if any(top_ks):

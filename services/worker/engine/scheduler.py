@@ -43,8 +43,13 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_batch_tokens: int,
-                 max_num_seqs: int, max_spec_batch_tokens: int = 0) -> None:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_batch_tokens: int,
+        max_num_seqs: int,
+        max_spec_batch_tokens: int = 0,
+    ) -> None:
         self.blocks = block_manager
         self.block_size = block_manager.block_size
         self.max_batch_tokens = max_batch_tokens
@@ -134,8 +139,7 @@ class Scheduler:
             scheduled.append(ScheduledRequest(req, n))
             budget -= n
             i += 1
-        while (self.waiting and budget > 0 and not preempted
-               and len(self.running) < self.max_num_seqs):
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             n = self._admit_waiting(req, budget)
             if n == 0:
@@ -153,8 +157,9 @@ class Scheduler:
         budget, capped per step by max_spec_batch_tokens, best recent acceptance first. Proposals
         never preempt anything and never delay a prefill: without room they are dropped."""
         room = min(budget, self.max_spec_batch_tokens - sum(s.num_new_tokens for s in scheduled))
-        candidates = [s for s in scheduled if s.request.spec_token_ids and s.samples
-                      and s.request.is_decoding]
+        candidates = [
+            s for s in scheduled if s.request.spec_token_ids and s.samples and s.request.is_decoding
+        ]
         candidates.sort(key=lambda s: -s.request.spec.recent_acceptance)
         for s in candidates:
             req = s.request
@@ -180,8 +185,7 @@ class Scheduler:
             return 0  # wait for blocks (add-time checks guarantee the prompt fits alone)
         self.blocks.take(cached)
         req.block_ids = list(cached)
-        req.block_ids += self.blocks.allocate(need, cached[-1] if cached else None,
-                                              self._want_blocks(req))
+        req.block_ids += self.blocks.allocate(need, cached[-1] if cached else None, self._want_blocks(req))
         req.num_computed_tokens = num_cached_tokens
         req.num_hashed_blocks = len(cached)
         req.last_block_hash = self.blocks.block_hash(cached[-1]) if cached else None
@@ -236,8 +240,7 @@ class Scheduler:
             raise ResourceExhausted("KV pool full: cannot reserve blocks for the request")
         self.blocks.take(cached)
         req.block_ids = list(cached)
-        req.block_ids += self.blocks.allocate(need, cached[-1] if cached else None,
-                                              self._want_blocks(req))
+        req.block_ids += self.blocks.allocate(need, cached[-1] if cached else None, self._want_blocks(req))
         req.num_hashed_blocks = len(cached)
         req.last_block_hash = self.blocks.block_hash(cached[-1]) if cached else None
         req.stats_fixed = True

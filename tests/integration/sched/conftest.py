@@ -24,8 +24,12 @@ LOAD_INTERVAL_S = 0.2
 
 def load_monitor_settings(**kw: Any) -> LoadMonitorSettings:
     values: dict[str, Any] = dict(
-        listen="127.0.0.1:0", metrics_port=-1, load_interval_s=LOAD_INTERVAL_S, lease_ttl_s=3.0,
-        stale_after_s=1.0, drain_grace_s=0.0,
+        listen="127.0.0.1:0",
+        metrics_port=-1,
+        load_interval_s=LOAD_INTERVAL_S,
+        lease_ttl_s=3.0,
+        stale_after_s=1.0,
+        drain_grace_s=0.0,
     )
     values.update(kw)
     return LoadMonitorSettings(**values)
@@ -71,16 +75,24 @@ async def cluster() -> AsyncIterator[Cluster]:
     await lm.start()
     sched = build_scheduler(
         SchedulerSettings(
-            listen="127.0.0.1:0", metrics_port=-1, load_monitor_address=lm.server.address, seed=1,
-            watch_backoff_max_s=0.2, drain_grace_s=0.0,
+            listen="127.0.0.1:0",
+            metrics_port=-1,
+            load_monitor_address=lm.server.address,
+            seed=1,
+            watch_backoff_max_s=0.2,
+            drain_grace_s=0.0,
         )
     )
     await sched.start()
     s_channel = grpc.aio.insecure_channel(sched.server.address)
     l_channel = grpc.aio.insecure_channel(lm.server.address)
     c = Cluster(
-        lm, sched, scheduler_pb2_grpc.SchedulerStub(s_channel),
-        load_monitor_pb2_grpc.LoadMonitorStub(l_channel), [], [s_channel, l_channel],
+        lm,
+        sched,
+        scheduler_pb2_grpc.SchedulerStub(s_channel),
+        load_monitor_pb2_grpc.LoadMonitorStub(l_channel),
+        [],
+        [s_channel, l_channel],
     )
     try:
         yield c

@@ -41,9 +41,7 @@ async def send_decode(address: str, request_id: str, dp_rank: int, prompt_tokens
 
 
 def used(state: scheduler_pb2.GetStateResponse) -> dict[tuple[str, int], int]:
-    return {
-        (w.info.worker_id, r.dp_rank): r.num_used_tokens for w in state.workers for r in w.ranks
-    }
+    return {(w.info.worker_id, r.dp_rank): r.num_used_tokens for w in state.workers for r in w.ranks}
 
 
 async def test_requests_land_on_the_ranks_the_policy_chose(cluster: Cluster) -> None:

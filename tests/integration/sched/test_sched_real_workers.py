@@ -50,10 +50,21 @@ class RealCluster:
 def real_worker(model: Path, role: str, load_monitor: str) -> WorkerApp:
     return WorkerApp(
         WorkerSettings(
-            role=Role(role), listen="127.0.0.1:0", metrics_port=-1, model=str(model), device="cpu",
-            dtype="float32", dp_size=2, block_size=BLOCK_SIZE, kv_cache_tokens=2048,
-            max_model_len=512, torch_threads=1, drain_grace_s=0.0,
-            load_monitor_address=load_monitor, heartbeat_interval_s=0.2, load_refresh_s=0.2,
+            role=Role(role),
+            listen="127.0.0.1:0",
+            metrics_port=-1,
+            model=str(model),
+            device="cpu",
+            dtype="float32",
+            dp_size=2,
+            block_size=BLOCK_SIZE,
+            kv_cache_tokens=2048,
+            max_model_len=512,
+            torch_threads=1,
+            drain_grace_s=0.0,
+            load_monitor_address=load_monitor,
+            heartbeat_interval_s=0.2,
+            load_refresh_s=0.2,
         )
     )
 
@@ -64,8 +75,12 @@ async def real_cluster(model: Path, roles: tuple[str, ...]) -> AsyncIterator[Rea
     await lm.start()
     sched = build_scheduler(
         SchedulerSettings(
-            listen="127.0.0.1:0", metrics_port=-1, load_monitor_address=lm.server.address,
-            prefill_policy="round_robin", dp_rank_policy="min_tokens", drain_grace_s=0.0,
+            listen="127.0.0.1:0",
+            metrics_port=-1,
+            load_monitor_address=lm.server.address,
+            prefill_policy="round_robin",
+            dp_rank_policy="min_tokens",
+            drain_grace_s=0.0,
         )
     )
     await sched.start()
@@ -163,8 +178,12 @@ async def test_disaggregated_through_the_gateway_uses_both_decode_ranks(sched_ti
         decode = next(w for w in c.workers if w.settings.role is Role.DECODE)
         gateway = build_app(
             GatewaySettings(
-                listen="127.0.0.1:0", metrics_port=-1, scheduler_address=c.scheduler_address,
-                model=str(sched_tiny_model), block_size=BLOCK_SIZE, drain_grace_s=0.0,
+                listen="127.0.0.1:0",
+                metrics_port=-1,
+                scheduler_address=c.scheduler_address,
+                model=str(sched_tiny_model),
+                block_size=BLOCK_SIZE,
+                drain_grace_s=0.0,
             )
         )
         await gateway.start()

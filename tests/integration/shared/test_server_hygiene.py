@@ -56,7 +56,10 @@ def test_service_on_a_busy_port_exits_1_with_one_line(which: str) -> None:
     args = [sys.executable, "-m", "services.load_monitor", "--log-format", "json"]
     first = subprocess.Popen(
         [*args, "--listen", f"127.0.0.1:{port}", "--metrics-port", str(metrics)],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         for _ in range(300):  # until it listens

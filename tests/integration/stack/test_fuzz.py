@@ -68,6 +68,7 @@ def stack(tiny: Path, loop: asyncio.AbstractEventLoop) -> Iterator[InProcessStac
 
 # --- message strategies ---
 
+
 def _sampling() -> st.SearchStrategy[common_pb2.SamplingParams]:
     return st.builds(
         common_pb2.SamplingParams,
@@ -149,6 +150,7 @@ def _internal_call() -> st.SearchStrategy[tuple[str, str, Any]]:
 
 
 # --- raw calls ---
+
 
 def _methods() -> list[tuple[str, str, bool, bool]]:
     """(service key, full method, client streaming, server streaming) of every RPC we serve."""

@@ -25,10 +25,19 @@ KV_CACHE_TOKENS = 1024
 
 def worker_settings(model: Path, role: str, **overrides: Any) -> WorkerSettings:
     values: dict[str, Any] = dict(
-        role=Role(role), listen="127.0.0.1:0", metrics_port=-1, model=str(model), device="cpu",
-        dtype="float32", block_size=BLOCK_SIZE, kv_cache_tokens=KV_CACHE_TOKENS,
-        max_model_len=MAX_MODEL_LEN, kv_chunk_bytes=KV_CHUNK_BYTES, torch_threads=1,
-        drain_grace_s=5.0, load_refresh_s=0.2,
+        role=Role(role),
+        listen="127.0.0.1:0",
+        metrics_port=-1,
+        model=str(model),
+        device="cpu",
+        dtype="float32",
+        block_size=BLOCK_SIZE,
+        kv_cache_tokens=KV_CACHE_TOKENS,
+        max_model_len=MAX_MODEL_LEN,
+        kv_chunk_bytes=KV_CHUNK_BYTES,
+        torch_threads=1,
+        drain_grace_s=5.0,
+        load_refresh_s=0.2,
     )
     values.update(overrides)
     return WorkerSettings(**values)

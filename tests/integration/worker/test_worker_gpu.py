@@ -24,8 +24,7 @@ def _needs_cuda() -> None:
 
 
 async def test_auto_device_and_dtype_on_cuda(tiny_model: Path) -> None:
-    async with running_worker(worker_settings(tiny_model, "unified", device="auto",
-                                              dtype="auto")) as w:
+    async with running_worker(worker_settings(tiny_model, "unified", device="auto", dtype="auto")) as w:
         info = await w.stub.Info(worker_pb2.InfoRequest())
         assert info.device == "cuda"
         assert info.kv_layout.dtype == "bfloat16"
@@ -34,12 +33,22 @@ async def test_auto_device_and_dtype_on_cuda(tiny_model: Path) -> None:
 async def test_disaggregated_equals_unified_on_cuda(tiny_model: Path) -> None:
     ids = prompt_ids(tiny_model)
     cuda = dict(device="cuda", dtype="float32")
-    async with running_worker(worker_settings(tiny_model, "prefill", **cuda)) as p, \
-            running_worker(worker_settings(tiny_model, "decode", **cuda)) as d, \
-            running_worker(worker_settings(tiny_model, "unified", **cuda)) as u:
+    async with (
+        running_worker(worker_settings(tiny_model, "prefill", **cuda)) as p,
+        running_worker(worker_settings(tiny_model, "decode", **cuda)) as d,
+        running_worker(worker_settings(tiny_model, "unified", **cuda)) as u,
+    ):
         reply, frames = await disaggregated(p, d, "g1", ids, 16)
-        unified = await collect(u.stub.Decode(worker_pb2.DecodeRequest(
-            request_id="g1", prompt_token_ids=ids, sampling=sampling(16), local_prefill=True,
-            return_token_ids=True)))
+        unified = await collect(
+            u.stub.Decode(
+                worker_pb2.DecodeRequest(
+                    request_id="g1",
+                    prompt_token_ids=ids,
+                    sampling=sampling(16),
+                    local_prefill=True,
+                    return_token_ids=True,
+                )
+            )
+        )
     assert list(reply.token_ids) + token_ids_of(frames) == token_ids_of(unified)
     assert reply.generated_tokens + frames[-1].generated_tokens == unified[-1].generated_tokens

@@ -78,16 +78,21 @@ def token_ids_of(frames: list[worker_pb2.DecodeFrame]) -> list[int]:
     return [t for f in frames for t in f.token_ids]
 
 
-async def test_unified_local_prefill_matches_hf_generate(
-    unified: RunningWorker, tiny_model: Path
-) -> None:
+async def test_unified_local_prefill_matches_hf_generate(unified: RunningWorker, tiny_model: Path) -> None:
     ids = prompt_ids(tiny_model)
     max_tokens = 24
     want = hf_greedy(tiny_model, ids, max_tokens)
-    frames = await collect(unified.stub.Decode(worker_pb2.DecodeRequest(
-        request_id="u1", prompt_token_ids=ids, sampling=sampling(max_tokens), local_prefill=True,
-        return_token_ids=True,
-    )))
+    frames = await collect(
+        unified.stub.Decode(
+            worker_pb2.DecodeRequest(
+                request_id="u1",
+                prompt_token_ids=ids,
+                sampling=sampling(max_tokens),
+                local_prefill=True,
+                return_token_ids=True,
+            )
+        )
+    )
     assert frames[0].kind == ADMITTED
     assert frames[-1].kind == FINAL
     assert all(f.kind == TOKENS for f in frames[1:-1])
@@ -95,8 +100,9 @@ async def test_unified_local_prefill_matches_hf_generate(
     final = frames[-1]
     assert final.HasField("generated_tokens")
     assert final.generated_tokens == len(want)
-    expected_reason = (common_pb2.FINISH_REASON_LENGTH if len(want) == max_tokens
-                       else common_pb2.FINISH_REASON_STOP)
+    expected_reason = (
+        common_pb2.FINISH_REASON_LENGTH if len(want) == max_tokens else common_pb2.FINISH_REASON_STOP
+    )
     assert final.finish_reason == expected_reason
     for f in frames[:-1]:
         assert not f.HasField("generated_tokens")
@@ -110,34 +116,54 @@ async def test_unified_local_prefill_matches_hf_generate(
 
 async def test_token_ids_only_when_asked(unified: RunningWorker, tiny_model: Path) -> None:
     ids = prompt_ids(tiny_model)
-    frames = await collect(unified.stub.Decode(worker_pb2.DecodeRequest(
-        request_id="u2", prompt_token_ids=ids, sampling=sampling(8), local_prefill=True,
-    )))
+    frames = await collect(
+        unified.stub.Decode(
+            worker_pb2.DecodeRequest(
+                request_id="u2",
+                prompt_token_ids=ids,
+                sampling=sampling(8),
+                local_prefill=True,
+            )
+        )
+    )
     assert token_ids_of(frames) == []
     assert frames[-1].generated_tokens == len(hf_greedy(tiny_model, ids, 8))
     assert "".join(f.text for f in frames)
 
 
 async def disaggregated(
-    prefill: RunningWorker, decode: RunningWorker, request_id: str, ids: list[int],
+    prefill: RunningWorker,
+    decode: RunningWorker,
+    request_id: str,
+    ids: list[int],
     max_tokens: int,
 ) -> tuple[worker_pb2.PrefillResponse, list[worker_pb2.DecodeFrame]]:
     """The gateway's sequence: Decode (admit) -> Prefill with kv_target -> the rest of Decode."""
-    stream = decode.stub.Decode(worker_pb2.DecodeRequest(
-        request_id=request_id, prompt_token_ids=ids, sampling=sampling(max_tokens),
-        return_token_ids=True,
-    ))
+    stream = decode.stub.Decode(
+        worker_pb2.DecodeRequest(
+            request_id=request_id,
+            prompt_token_ids=ids,
+            sampling=sampling(max_tokens),
+            return_token_ids=True,
+        )
+    )
     admitted = await stream.read()
     assert admitted.kind == ADMITTED
     assert admitted.transfer_ticket
-    reply = await prefill.stub.Prefill(worker_pb2.PrefillRequest(
-        request_id=request_id, prompt_token_ids=ids, sampling=sampling(max_tokens),
-        return_token_ids=True,
-        kv_target=worker_pb2.KvTarget(
-            address=decode.address, dp_rank=0, transfer_ticket=admitted.transfer_ticket,
-            skip_blocks=admitted.cached_blocks,
-        ),
-    ))
+    reply = await prefill.stub.Prefill(
+        worker_pb2.PrefillRequest(
+            request_id=request_id,
+            prompt_token_ids=ids,
+            sampling=sampling(max_tokens),
+            return_token_ids=True,
+            kv_target=worker_pb2.KvTarget(
+                address=decode.address,
+                dp_rank=0,
+                transfer_ticket=admitted.transfer_ticket,
+                skip_blocks=admitted.cached_blocks,
+            ),
+        )
+    )
     frames = [admitted, *await collect(stream)]
     return reply, frames
 
@@ -168,10 +194,17 @@ async def test_disaggregated_matches_unified_and_hf_generate(
     for f in frames:
         assert f.prompt_tokens == len(ids)
 
-    unified_frames = await collect(unified.stub.Decode(worker_pb2.DecodeRequest(
-        request_id="d1-unified", prompt_token_ids=ids, sampling=sampling(max_tokens),
-        local_prefill=True, return_token_ids=True,
-    )))
+    unified_frames = await collect(
+        unified.stub.Decode(
+            worker_pb2.DecodeRequest(
+                request_id="d1-unified",
+                prompt_token_ids=ids,
+                sampling=sampling(max_tokens),
+                local_prefill=True,
+                return_token_ids=True,
+            )
+        )
+    )
     assert disagg == token_ids_of(unified_frames)
     assert disagg == hf_greedy(tiny_model, ids, max_tokens)
     assert frames[-1].finish_reason == unified_frames[-1].finish_reason
@@ -192,17 +225,20 @@ async def test_kv_push_skips_blocks_cached_on_the_decode_worker(
     assert second[0].cached_blocks > 0  # the decode worker's prefix cache holds the prompt
     assert second_reply.kv_bytes_sent < first_reply.kv_bytes_sent
     assert second[-1].local_cached_tokens >= second[0].cached_blocks * BLOCK_SIZE
-    assert (list(second_reply.token_ids) + token_ids_of(second)
-            == list(first_reply.token_ids) + token_ids_of(first))
+    assert list(second_reply.token_ids) + token_ids_of(second) == list(first_reply.token_ids) + token_ids_of(
+        first
+    )
 
 
-async def test_prefill_without_kv_target_frees_its_blocks(
-    prefill: RunningWorker, tiny_model: Path
-) -> None:
+async def test_prefill_without_kv_target_frees_its_blocks(prefill: RunningWorker, tiny_model: Path) -> None:
     ids = prompt_ids(tiny_model)
-    reply = await prefill.stub.Prefill(worker_pb2.PrefillRequest(
-        request_id="p1", prompt_token_ids=ids, sampling=sampling(1),
-    ))
+    reply = await prefill.stub.Prefill(
+        worker_pb2.PrefillRequest(
+            request_id="p1",
+            prompt_token_ids=ids,
+            sampling=sampling(1),
+        )
+    )
     assert reply.generated_tokens == 1
     assert list(reply.token_ids) == []  # not asked for
     assert reply.finish_reason == common_pb2.FINISH_REASON_LENGTH  # max_tokens = 1
@@ -213,9 +249,13 @@ async def test_prefill_without_kv_target_frees_its_blocks(
 
 async def test_abort_frees_admitted_blocks(decode: RunningWorker, tiny_model: Path) -> None:
     ids = prompt_ids(tiny_model)
-    stream = decode.stub.Decode(worker_pb2.DecodeRequest(
-        request_id="a1", prompt_token_ids=ids, sampling=sampling(16),
-    ))
+    stream = decode.stub.Decode(
+        worker_pb2.DecodeRequest(
+            request_id="a1",
+            prompt_token_ids=ids,
+            sampling=sampling(16),
+        )
+    )
     admitted = await stream.read()
     assert admitted.kind == ADMITTED
     assert not all_blocks_free(decode)  # blocks reserved for the incoming KV
@@ -232,10 +272,14 @@ async def test_abort_frees_admitted_blocks(decode: RunningWorker, tiny_model: Pa
 
 async def test_client_cancel_frees_blocks(unified: RunningWorker, tiny_model: Path) -> None:
     ids = prompt_ids(tiny_model)
-    stream = unified.stub.Decode(worker_pb2.DecodeRequest(
-        request_id="x1", prompt_token_ids=ids,
-        sampling=sampling(MAX_MODEL_LEN - len(ids), ignore_eos=True), local_prefill=True,
-    ))
+    stream = unified.stub.Decode(
+        worker_pb2.DecodeRequest(
+            request_id="x1",
+            prompt_token_ids=ids,
+            sampling=sampling(MAX_MODEL_LEN - len(ids), ignore_eos=True),
+            local_prefill=True,
+        )
+    )
     assert (await stream.read()).kind == ADMITTED
     await stream.read()
     stream.cancel()
@@ -258,20 +302,23 @@ async def test_invalid_inputs_are_invalid_argument(
             if rpc == "Prefill":
                 await prefill.stub.Prefill(worker_pb2.PrefillRequest(request_id=f"b{i}", **fields))
             else:
-                await collect(decode.stub.Decode(
-                    worker_pb2.DecodeRequest(request_id=f"b{i}", **fields)))
+                await collect(decode.stub.Decode(worker_pb2.DecodeRequest(request_id=f"b{i}", **fields)))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, fields
         assert info.value.details()
     await wait_blocks_free(decode)
 
 
-async def test_role_mismatch_is_failed_precondition(
-    prefill: RunningWorker, tiny_model: Path
-) -> None:
+async def test_role_mismatch_is_failed_precondition(prefill: RunningWorker, tiny_model: Path) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        await collect(prefill.stub.Decode(worker_pb2.DecodeRequest(
-            request_id="r1", prompt_token_ids=prompt_ids(tiny_model), sampling=sampling(4),
-        )))
+        await collect(
+            prefill.stub.Decode(
+                worker_pb2.DecodeRequest(
+                    request_id="r1",
+                    prompt_token_ids=prompt_ids(tiny_model),
+                    sampling=sampling(4),
+                )
+            )
+        )
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
@@ -281,13 +328,15 @@ def kv_chunk(ticket: str, layout: common_pb2.KvLayout, **kw: Any) -> worker_pb2.
     return worker_pb2.KvChunk(request_id="k1", transfer_ticket=ticket, layout=layout, **fields)
 
 
-async def test_push_kv_layout_mismatch_and_unknown_ticket(
-    decode: RunningWorker, tiny_model: Path
-) -> None:
+async def test_push_kv_layout_mismatch_and_unknown_ticket(decode: RunningWorker, tiny_model: Path) -> None:
     info = await decode.stub.Info(worker_pb2.InfoRequest())
-    stream = decode.stub.Decode(worker_pb2.DecodeRequest(
-        request_id="k1", prompt_token_ids=prompt_ids(tiny_model), sampling=sampling(4),
-    ))
+    stream = decode.stub.Decode(
+        worker_pb2.DecodeRequest(
+            request_id="k1",
+            prompt_token_ids=prompt_ids(tiny_model),
+            sampling=sampling(4),
+        )
+    )
     ticket = (await stream.read()).transfer_ticket
     wrong = common_pb2.KvLayout()
     wrong.CopyFrom(info.kv_layout)
@@ -297,15 +346,16 @@ async def test_push_kv_layout_mismatch_and_unknown_ticket(
         yield chunk
 
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await decode.stub.PushKv(one(kv_chunk(ticket, wrong, last=True, num_tokens=4,
-                                              first_token_id=5, generated_tokens=1)))
+        await decode.stub.PushKv(
+            one(kv_chunk(ticket, wrong, last=True, num_tokens=4, first_token_id=5, generated_tokens=1))
+        )
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "layout" in (err.value.details() or "")
 
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await decode.stub.PushKv(one(kv_chunk(
-            "no-such-ticket", info.kv_layout, num_blocks=1,
-            data=b"\0" * 4, last=False)))
+        await decode.stub.PushKv(
+            one(kv_chunk("no-such-ticket", info.kv_layout, num_blocks=1, data=b"\0" * 4, last=False))
+        )
     assert err.value.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT)
 
     # The admitted request is untouched by the bad pushes; the gateway's Abort frees it.
@@ -341,8 +391,9 @@ async def test_info_and_get_load(decode: RunningWorker, tiny_model: Path) -> Non
     assert rank.num_used_tokens == 0 and rank.num_running == 0 and rank.num_waiting == 0
 
     ids = prompt_ids(tiny_model)
-    stream = decode.stub.Decode(worker_pb2.DecodeRequest(
-        request_id="l1", prompt_token_ids=ids, sampling=sampling(4)))
+    stream = decode.stub.Decode(
+        worker_pb2.DecodeRequest(request_id="l1", prompt_token_ids=ids, sampling=sampling(4))
+    )
     await stream.read()
     busy = (await decode.stub.GetLoad(worker_pb2.GetLoadRequest())).ranks[0]
     assert busy.num_used_tokens >= len(ids)
@@ -357,9 +408,18 @@ async def test_dp_ranks(tiny_model: Path) -> None:
         ids = prompt_ids(tiny_model)
         outs = []
         for rank in (0, 1):
-            frames = await collect(w.stub.Decode(worker_pb2.DecodeRequest(
-                request_id=f"r{rank}", prompt_token_ids=ids, sampling=sampling(8),
-                dp_rank=rank, local_prefill=True, return_token_ids=True)))
+            frames = await collect(
+                w.stub.Decode(
+                    worker_pb2.DecodeRequest(
+                        request_id=f"r{rank}",
+                        prompt_token_ids=ids,
+                        sampling=sampling(8),
+                        dp_rank=rank,
+                        local_prefill=True,
+                        return_token_ids=True,
+                    )
+                )
+            )
             outs.append(token_ids_of(frames))
         assert outs[0] == outs[1] == hf_greedy(tiny_model, ids, 8)
 
@@ -402,16 +462,25 @@ async def test_byte_fallback_disaggregated_text_and_counts_match_unified(
     model = tiny_byte_fallback_model
     ids = tokenize(model, "日本語のテキスト 🙂🚀 ok, the quick brown fox")
     max_tokens = 24
-    async with running_worker(worker_settings(model, "prefill")) as p, \
-            running_worker(worker_settings(model, "decode")) as d, \
-            running_worker(worker_settings(model, "unified")) as u:
+    async with (
+        running_worker(worker_settings(model, "prefill")) as p,
+        running_worker(worker_settings(model, "decode")) as d,
+        running_worker(worker_settings(model, "unified")) as u,
+    ):
         reply, frames = await disaggregated(p, d, "bf1", ids, max_tokens)
-        unified_frames = await collect(u.stub.Decode(worker_pb2.DecodeRequest(
-            request_id="bf1", prompt_token_ids=ids, sampling=sampling(max_tokens),
-            local_prefill=True, return_token_ids=True)))
+        unified_frames = await collect(
+            u.stub.Decode(
+                worker_pb2.DecodeRequest(
+                    request_id="bf1",
+                    prompt_token_ids=ids,
+                    sampling=sampling(max_tokens),
+                    local_prefill=True,
+                    return_token_ids=True,
+                )
+            )
+        )
     disagg = list(reply.token_ids) + token_ids_of(frames)
     assert disagg == token_ids_of(unified_frames) == hf_greedy(model, ids, max_tokens)
     assert reply.text + "".join(f.text for f in frames) == "".join(f.text for f in unified_frames)
-    assert reply.generated_tokens + frames[-1].generated_tokens == (
-        unified_frames[-1].generated_tokens)
+    assert reply.generated_tokens + frames[-1].generated_tokens == (unified_frames[-1].generated_tokens)
     assert frames[-1].finish_reason == unified_frames[-1].finish_reason

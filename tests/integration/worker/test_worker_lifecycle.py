@@ -104,9 +104,13 @@ async def test_registers_heartbeats_reregisters_and_deregisters(tiny_model: Path
             assert info.dp_size == 1
             assert info.kv_layout.block_size == settings.block_size
             assert info.kv_layout.dtype == "float32"
-            assert list(info.capabilities) == ["generated_tokens", "kv_block_skip",
-                                               "local_prefill", "draft_token_ids",
-                                               "first_output_index"]
+            assert list(info.capabilities) == [
+                "generated_tokens",
+                "kv_block_skip",
+                "local_prefill",
+                "draft_token_ids",
+                "first_output_index",
+            ]
             assert info.proto_version == "1.3"
             assert info.max_model_len == settings.max_model_len
             assert info.device == "cpu"
@@ -129,13 +133,21 @@ async def test_registers_heartbeats_reregisters_and_deregisters(tiny_model: Path
 
 async def test_keeps_serving_while_load_monitor_is_down(tiny_model: Path) -> None:
     port = free_port()
-    settings = worker_settings(tiny_model, "unified", load_monitor_address=f"127.0.0.1:{port}",
-                               register_retry_s=0.05)
+    settings = worker_settings(
+        tiny_model, "unified", load_monitor_address=f"127.0.0.1:{port}", register_retry_s=0.05
+    )
     async with running_worker(settings) as w:
         # Nothing listens there yet: the worker serves anyway.
-        frames = await collect(w.stub.Decode(worker_pb2.DecodeRequest(
-            request_id="lm-down", prompt_token_ids=prompt_ids(tiny_model), sampling=sampling(3),
-            local_prefill=True)))
+        frames = await collect(
+            w.stub.Decode(
+                worker_pb2.DecodeRequest(
+                    request_id="lm-down",
+                    prompt_token_ids=prompt_ids(tiny_model),
+                    sampling=sampling(3),
+                    local_prefill=True,
+                )
+            )
+        )
         assert frames[-1].kind == FINAL
         lm_server, lm, _ = await start_load_monitor(f"127.0.0.1:{port}")
         try:
@@ -147,8 +159,10 @@ async def test_keeps_serving_while_load_monitor_is_down(tiny_model: Path) -> Non
 
 @pytest.fixture
 async def pair(tiny_model: Path) -> AsyncIterator[tuple[RunningWorker, RunningWorker]]:
-    async with running_worker(worker_settings(tiny_model, "prefill")) as p, \
-            running_worker(worker_settings(tiny_model, "decode")) as d:
+    async with (
+        running_worker(worker_settings(tiny_model, "prefill")) as p,
+        running_worker(worker_settings(tiny_model, "decode")) as d,
+    ):
         yield p, d
 
 
@@ -168,13 +182,20 @@ async def test_handoff_when_finished_at_first_token(
 
     # A stop token id as the first token: STOP, counted by the prefill worker.
     first = hf_greedy(tiny_model, ids, 1)[0]
-    stream = decode.stub.Decode(worker_pb2.DecodeRequest(
-        request_id="f2", prompt_token_ids=ids, sampling=sampling(8, stop_token_ids=[first])))
+    stream = decode.stub.Decode(
+        worker_pb2.DecodeRequest(
+            request_id="f2", prompt_token_ids=ids, sampling=sampling(8, stop_token_ids=[first])
+        )
+    )
     admitted = await stream.read()
-    reply = await prefill.stub.Prefill(worker_pb2.PrefillRequest(
-        request_id="f2", prompt_token_ids=ids, sampling=sampling(8, stop_token_ids=[first]),
-        kv_target=worker_pb2.KvTarget(address=decode.address,
-                                      transfer_ticket=admitted.transfer_ticket)))
+    reply = await prefill.stub.Prefill(
+        worker_pb2.PrefillRequest(
+            request_id="f2",
+            prompt_token_ids=ids,
+            sampling=sampling(8, stop_token_ids=[first]),
+            kv_target=worker_pb2.KvTarget(address=decode.address, transfer_ticket=admitted.transfer_ticket),
+        )
+    )
     assert reply.generated_tokens == 1
     assert reply.finish_reason == common_pb2.FINISH_REASON_STOP
     rest = await collect(stream)
@@ -191,17 +212,27 @@ async def test_failed_push_frees_prefill_blocks(
     ids = prompt_ids(tiny_model)
     # Nobody listens at the target.
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await prefill.stub.Prefill(worker_pb2.PrefillRequest(
-            request_id="e1", prompt_token_ids=ids, sampling=sampling(4),
-            kv_target=worker_pb2.KvTarget(address=f"127.0.0.1:{free_port()}",
-                                          transfer_ticket="t")), timeout=30)
+        await prefill.stub.Prefill(
+            worker_pb2.PrefillRequest(
+                request_id="e1",
+                prompt_token_ids=ids,
+                sampling=sampling(4),
+                kv_target=worker_pb2.KvTarget(address=f"127.0.0.1:{free_port()}", transfer_ticket="t"),
+            ),
+            timeout=30,
+        )
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     await wait_blocks_free(prefill)
     # The decode worker does not know the ticket (e.g. the request was aborted there).
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await prefill.stub.Prefill(worker_pb2.PrefillRequest(
-            request_id="e2", prompt_token_ids=ids, sampling=sampling(4),
-            kv_target=worker_pb2.KvTarget(address=decode.address, transfer_ticket="0-gone")))
+        await prefill.stub.Prefill(
+            worker_pb2.PrefillRequest(
+                request_id="e2",
+                prompt_token_ids=ids,
+                sampling=sampling(4),
+                kv_target=worker_pb2.KvTarget(address=decode.address, transfer_ticket="0-gone"),
+            )
+        )
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
     await wait_blocks_free(prefill)
     await wait_blocks_free(decode)
@@ -211,17 +242,26 @@ async def test_drain_finishes_in_flight_streams(tiny_model: Path) -> None:
     async with running_worker(worker_settings(tiny_model, "unified", drain_grace_s=60)) as w:
         ids = prompt_ids(tiny_model)
         max_tokens = 200
-        stream = w.stub.Decode(worker_pb2.DecodeRequest(
-            request_id="dr1", prompt_token_ids=ids,
-            sampling=sampling(max_tokens, ignore_eos=True), local_prefill=True,
-            return_token_ids=True))
+        stream = w.stub.Decode(
+            worker_pb2.DecodeRequest(
+                request_id="dr1",
+                prompt_token_ids=ids,
+                sampling=sampling(max_tokens, ignore_eos=True),
+                local_prefill=True,
+                return_token_ids=True,
+            )
+        )
         assert (await stream.read()).kind == ADMITTED
         drain = asyncio.create_task(w.app.drain())
         await wait_until(lambda: w.app.core is not None and w.app.core._draining)
         with pytest.raises(grpc.aio.AioRpcError) as err:  # no new work while draining
-            await collect(w.stub.Decode(worker_pb2.DecodeRequest(
-                request_id="dr2", prompt_token_ids=ids, sampling=sampling(4),
-                local_prefill=True)))
+            await collect(
+                w.stub.Decode(
+                    worker_pb2.DecodeRequest(
+                        request_id="dr2", prompt_token_ids=ids, sampling=sampling(4), local_prefill=True
+                    )
+                )
+            )
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         frames = await collect(stream)
         await drain
@@ -234,9 +274,14 @@ async def test_drain_aborts_what_outlives_the_grace(tiny_model: Path) -> None:
     async with running_worker(worker_settings(tiny_model, "unified", drain_grace_s=0)) as w:
         ids = prompt_ids(tiny_model)
         max_tokens = 512 - len(ids) - 1
-        stream = w.stub.Decode(worker_pb2.DecodeRequest(
-            request_id="ab1", prompt_token_ids=ids,
-            sampling=sampling(max_tokens, ignore_eos=True), local_prefill=True))
+        stream = w.stub.Decode(
+            worker_pb2.DecodeRequest(
+                request_id="ab1",
+                prompt_token_ids=ids,
+                sampling=sampling(max_tokens, ignore_eos=True),
+                local_prefill=True,
+            )
+        )
         assert (await stream.read()).kind == ADMITTED
         await w.app.drain()
         frames = await collect(stream)
@@ -255,24 +300,39 @@ async def test_push_from_an_old_prefill_worker_without_generated_tokens(
     prefill, decode = pair
     ids = prompt_ids(tiny_model)
     max_tokens = 8
-    stream = decode.stub.Decode(worker_pb2.DecodeRequest(
-        request_id="o1", prompt_token_ids=ids, sampling=sampling(max_tokens),
-        return_token_ids=True))
+    stream = decode.stub.Decode(
+        worker_pb2.DecodeRequest(
+            request_id="o1", prompt_token_ids=ids, sampling=sampling(max_tokens), return_token_ids=True
+        )
+    )
     admitted = await stream.read()
     # Run the prefill with the prefill worker's engine and send the chunks the old way.
     engine = prefill.app.engine
     assert engine is not None
-    handle = engine.add_request(EngineRequest(
-        request_id="o1", prompt_token_ids=tuple(ids), kind=RequestKind.PREFILL_ONLY,
-        sampling=SamplingConfig(max_tokens=max_tokens, temperature=0)))
+    handle = engine.add_request(
+        EngineRequest(
+            request_id="o1",
+            prompt_token_ids=tuple(ids),
+            kind=RequestKind.PREFILL_ONLY,
+            sampling=SamplingConfig(max_tokens=max_tokens, temperature=0),
+        )
+    )
     outs = [out async for out in handle]
     first_token = outs[-1].new_token_ids[-1]
     chunks = list(engine.export_kv("o1", admitted.cached_blocks, 4096))
     engine.release("o1")
     layout = kv_layout_to_pb(engine.kv_layout)
-    messages = [worker_pb2.KvChunk(
-        request_id="o1", transfer_ticket=admitted.transfer_ticket, first_block=c.first_block,
-        num_blocks=c.num_blocks, data=c.data, layout=layout) for c in chunks]
+    messages = [
+        worker_pb2.KvChunk(
+            request_id="o1",
+            transfer_ticket=admitted.transfer_ticket,
+            first_block=c.first_block,
+            num_blocks=c.num_blocks,
+            data=c.data,
+            layout=layout,
+        )
+        for c in chunks
+    ]
     messages[-1].num_tokens = len(ids)
     messages[-1].first_token_id = first_token
     messages[-1].last = True
@@ -300,8 +360,13 @@ async def test_prompt_and_completion_text_logged_only_with_log_prompts(
     settings = worker_settings(tiny_model, "unified", log_prompts=log_prompts)
     async with running_worker(settings) as w:
         with structlog.testing.capture_logs() as logs:
-            frames = await collect(w.stub.Decode(worker_pb2.DecodeRequest(
-                request_id="lp", prompt_token_ids=ids, sampling=sampling(6), local_prefill=True)))
+            frames = await collect(
+                w.stub.Decode(
+                    worker_pb2.DecodeRequest(
+                        request_id="lp", prompt_token_ids=ids, sampling=sampling(6), local_prefill=True
+                    )
+                )
+            )
     text = "".join(f.text for f in frames)
     assert text
     with_text = [entry for entry in logs if "text" in entry or "prompt_token_ids" in entry]

@@ -33,8 +33,10 @@ def spans() -> InMemorySpanExporter:
 
 @pytest.fixture
 async def pair(tiny_model: Path) -> AsyncIterator[tuple[RunningWorker, RunningWorker]]:
-    async with running_worker(worker_settings(tiny_model, "prefill")) as p, \
-            running_worker(worker_settings(tiny_model, "decode")) as d:
+    async with (
+        running_worker(worker_settings(tiny_model, "prefill")) as p,
+        running_worker(worker_settings(tiny_model, "decode")) as d,
+    ):
         yield p, d
 
 
@@ -53,14 +55,21 @@ async def test_one_trace_across_prefill_push_and_decode(
     try:
         p_stub, d_stub = worker_pb2_grpc.WorkerStub(p_channel), worker_pb2_grpc.WorkerStub(d_channel)
         with tracer().start_as_current_span("gateway-request") as root:
-            stream = d_stub.Decode(worker_pb2.DecodeRequest(
-                request_id="t1", prompt_token_ids=ids, sampling=sampling(6)))
+            stream = d_stub.Decode(
+                worker_pb2.DecodeRequest(request_id="t1", prompt_token_ids=ids, sampling=sampling(6))
+            )
             admitted = await stream.read()
             assert admitted.kind == ADMITTED
-            await p_stub.Prefill(worker_pb2.PrefillRequest(
-                request_id="t1", prompt_token_ids=ids, sampling=sampling(6),
-                kv_target=worker_pb2.KvTarget(address=decode.address,
-                                              transfer_ticket=admitted.transfer_ticket)))
+            await p_stub.Prefill(
+                worker_pb2.PrefillRequest(
+                    request_id="t1",
+                    prompt_token_ids=ids,
+                    sampling=sampling(6),
+                    kv_target=worker_pb2.KvTarget(
+                        address=decode.address, transfer_ticket=admitted.transfer_ticket
+                    ),
+                )
+            )
             await collect(stream)
         trace_id = root.get_span_context().trace_id
     finally:
@@ -70,16 +79,14 @@ async def test_one_trace_across_prefill_push_and_decode(
     by_name = {s.name: s for s in finished}
     for name in ("prefill", "kv_transfer", "decode"):
         assert name in by_name, sorted(by_name)
-    prefill_span, push_span, decode_span = (
-        by_name["prefill"], by_name["kv_transfer"], by_name["decode"])
+    prefill_span, push_span, decode_span = (by_name["prefill"], by_name["kv_transfer"], by_name["decode"])
     assert push_span.parent is not None
     assert push_span.parent.span_id == prefill_span.context.span_id
     assert _attr(prefill_span, "pdserve.num_chunks") >= 1
     assert _attr(push_span, "pdserve.bytes") > 0
     assert _attr(decode_span, "pdserve.tokens") == 5
     # The decode worker's PushKv server span continues the same trace under kv_transfer.
-    push_server = [s for s in finished if s.name.endswith("/PushKv")
-                   and s.kind.name == "SERVER"]
+    push_server = [s for s in finished if s.name.endswith("/PushKv") and s.kind.name == "SERVER"]
     assert push_server
 
 
@@ -93,10 +100,10 @@ async def test_kv_transfer_and_load_metrics_add_up(
     pushes0 = sample("pdserve_kv_transfer_seconds_count")
     queries0 = sample("pdserve_prefix_cache_queries_tokens_total")
     reply, _frames = await disaggregated(prefill, decode, "m1", ids, 4)
-    assert sample("pdserve_kv_transfer_bytes_total", direction="sent") - sent0 == (
-        reply.kv_bytes_sent)
+    assert sample("pdserve_kv_transfer_bytes_total", direction="sent") - sent0 == (reply.kv_bytes_sent)
     assert sample("pdserve_kv_transfer_bytes_total", direction="received") - received0 == (
-        reply.kv_bytes_sent)
+        reply.kv_bytes_sent
+    )
     assert sample("pdserve_kv_transfer_seconds_count") - pushes0 == 1
     # Both workers looked the prompt up once each.
     assert sample("pdserve_prefix_cache_queries_tokens_total") - queries0 == 2 * len(ids)

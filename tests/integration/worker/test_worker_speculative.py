@@ -42,19 +42,29 @@ def _counter(name: str, rank: str = "0") -> float:
 
 
 async def test_handoff_proposals_are_verified_and_output_is_unchanged(
-    spec_prefill: RunningWorker, spec_decode: RunningWorker, plain_unified: RunningWorker,
+    spec_prefill: RunningWorker,
+    spec_decode: RunningWorker,
+    plain_unified: RunningWorker,
 ) -> None:
     engine = spec_decode.app.engine
     assert engine is not None
     # every token id once: the prefill worker's 1-gram lookup finds any first token
     ids = list(range(3, int(engine.vocab_size)))  # type: ignore[attr-defined]
     random.Random(3).shuffle(ids)
-    ids = ids[: 400]
+    ids = ids[:400]
     before = _counter("pdserve_spec_decode_num_draft_tokens_total")
     reply, frames = await disaggregated(spec_prefill, spec_decode, "s1", ids, 40)
-    ref = await collect(plain_unified.stub.Decode(worker_pb2.DecodeRequest(
-        request_id="s1-ref", prompt_token_ids=ids, sampling=sampling(40), local_prefill=True,
-        return_token_ids=True)))
+    ref = await collect(
+        plain_unified.stub.Decode(
+            worker_pb2.DecodeRequest(
+                request_id="s1-ref",
+                prompt_token_ids=ids,
+                sampling=sampling(40),
+                local_prefill=True,
+                return_token_ids=True,
+            )
+        )
+    )
     assert list(reply.token_ids) + token_ids_of(frames) == token_ids_of(ref)
     assert frames[-1].generated_tokens == 39 or frames[-1].finish_reason == ref[-1].finish_reason
     assert reply.text + "".join(f.text for f in frames) == "".join(f.text for f in ref)

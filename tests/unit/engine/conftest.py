@@ -56,8 +56,13 @@ def greedy(max_tokens: int, **kw: Any) -> SamplingConfig:
     return SamplingConfig(max_tokens=max_tokens, temperature=0.0, **kw)
 
 
-def request(request_id: str, prompt: tuple[int, ...] | list[int], sampling: SamplingConfig,
-            kind: RequestKind = RequestKind.FULL, dp_rank: int = 0) -> EngineRequest:
+def request(
+    request_id: str,
+    prompt: tuple[int, ...] | list[int],
+    sampling: SamplingConfig,
+    kind: RequestKind = RequestKind.FULL,
+    dp_rank: int = 0,
+) -> EngineRequest:
     return EngineRequest(request_id, tuple(prompt), sampling, dp_rank=dp_rank, kind=kind)
 
 
@@ -84,11 +89,12 @@ def hf_greedy(model: Any, prompt: tuple[int, ...] | list[int], max_new_tokens: i
     from transformers import GenerationConfig
 
     # no EOS: the engine side runs with ignore_eos, so EOS is an ordinary token on both sides
-    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False,
-                              eos_token_id=model.config.vocab_size + 1,
-                              pad_token_id=0)
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=model.config.vocab_size + 1,
+        pad_token_id=0,
+    )
     ids = torch.tensor([list(prompt)])
     out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
-    return [int(t) for t in out[0, len(prompt):].tolist()]
-
-
+    return [int(t) for t in out[0, len(prompt) :].tolist()]

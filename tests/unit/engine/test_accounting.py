@@ -32,8 +32,9 @@ def script(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     """Tokens the sampler returns, in order (one request at a time in these tests)."""
     tokens: list[int] = []
 
-    def scripted(logits: torch.Tensor, params: Sequence[Any], generators: Sequence[Any],
-                 seeds: Any = None) -> torch.Tensor:
+    def scripted(
+        logits: torch.Tensor, params: Sequence[Any], generators: Sequence[Any], seeds: Any = None
+    ) -> torch.Tensor:
         # engine warm-ups sample too: they get token 0
         return torch.tensor([tokens.pop(0) if tokens else 0 for _ in params])
 

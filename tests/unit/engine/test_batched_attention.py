@@ -27,11 +27,20 @@ HEADS, KV_HEADS, HEAD_DIM, LAYERS = 6, 2, 8, 2
 CPU = torch.device("cpu")
 
 
-def _runner(backend: AttentionBackend, block_size: int, num_blocks: int,
-            device: torch.device = CPU,
-            dtype: torch.dtype = torch.float32) -> ModelRunner:
-    layout = KvLayout(num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
-                      block_size=block_size, dtype=str(dtype).removeprefix("torch."))
+def _runner(
+    backend: AttentionBackend,
+    block_size: int,
+    num_blocks: int,
+    device: torch.device = CPU,
+    dtype: torch.dtype = torch.float32,
+) -> ModelRunner:
+    layout = KvLayout(
+        num_layers=LAYERS,
+        num_kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        block_size=block_size,
+        dtype=str(dtype).removeprefix("torch."),
+    )
     model = SimpleNamespace(config=SimpleNamespace(num_attention_heads=HEADS))
     return ModelRunner(model, layout, num_blocks, device, dtype, backend)
 
@@ -104,8 +113,9 @@ def test_batched_equals_per_sequence_on_cuda(scenario: str) -> None:
     _compare_backends(16, scenario, torch.device("cuda"), torch.float32, 1e-4)
 
 
-def _compare_backends(block_size: int, scenario: str, device: torch.device, dtype: torch.dtype,
-                      tol: float) -> None:
+def _compare_backends(
+    block_size: int, scenario: str, device: torch.device, dtype: torch.dtype, tol: float
+) -> None:
     seqs = _scenarios(block_size)[scenario]
     num_blocks = max(max(s.block_ids) for s in seqs) + 1
     gen = torch.Generator().manual_seed(block_size)
@@ -127,9 +137,15 @@ def _compare_backends(block_size: int, scenario: str, device: torch.device, dtyp
         # q/k/v by position of the token in the caller's sequence list
         order = torch.tensor(_packed_order(seqs, positions[0].tolist()), device=device)
         layer: Any = SimpleNamespace(layer_idx=1)  # only its layer index is read
-        out, _ = paged_attention_forward(layer, q[:, :, order],
-                                         k[:, :, order], v[:, :, order], None,
-                                         scaling=HEAD_DIM**-0.5, paged_meta=meta)
+        out, _ = paged_attention_forward(
+            layer,
+            q[:, :, order],
+            k[:, :, order],
+            v[:, :, order],
+            None,
+            scaling=HEAD_DIM**-0.5,
+            paged_meta=meta,
+        )
         unpacked = torch.empty_like(out)
         unpacked[:, order] = out
         results[backend] = (unpacked, runner.kv_cache.clone())
@@ -150,8 +166,7 @@ def _packed_order(seqs: list[ScheduledSeq], packed_positions: list[int]) -> list
     j = 0
     while j < len(packed_positions):
         start = packed_positions[j]
-        seq = next(i for i, s in enumerate(seqs)
-                   if s.start_pos == start and (i, start) in remaining)
+        seq = next(i for i, s in enumerate(seqs) if s.start_pos == start and (i, start) in remaining)
         for t in range(len(seqs[seq].token_ids)):
             order.append(remaining.pop((seq, start + t)))
         j += len(seqs[seq].token_ids)
@@ -163,31 +178,37 @@ def test_batched_runner_matches_transformers_greedy(tiny_bpe: Path) -> None:
     (the second attends to the first through the pool), scattered block tables."""
     model = load_model(str(tiny_bpe), torch.device("cpu"), torch.float32)
     layout = kv_layout_of(model.config, 4, torch.float32)
-    runner = ModelRunner(model, layout, 64, torch.device("cpu"), torch.float32,
-                         AttentionBackend.BATCHED)
+    runner = ModelRunner(model, layout, 64, torch.device("cpu"), torch.float32, AttentionBackend.BATCHED)
     prompts = [[5, 17, 99, 23, 41, 7, 8, 120, 33, 64], [300, 12, 9], [44] * 6 + [45, 46]]
     tables = [[3, 1, 8, 20, 21, 22], [40, 10, 11, 12, 13], [30, 31, 32, 2, 5, 6]]
     steps = 10
     outs: list[list[int]] = [[] for _ in prompts]
-    first = runner.execute([
-        ScheduledSeq(prompts[0][:6], 0, tables[0], False, GREEDY, None),
-        ScheduledSeq(prompts[1], 0, tables[1], True, GREEDY, None),
-        ScheduledSeq(prompts[2], 0, tables[2], True, GREEDY, None),
-    ])
+    first = runner.execute(
+        [
+            ScheduledSeq(prompts[0][:6], 0, tables[0], False, GREEDY, None),
+            ScheduledSeq(prompts[1], 0, tables[1], True, GREEDY, None),
+            ScheduledSeq(prompts[2], 0, tables[2], True, GREEDY, None),
+        ]
+    )
     outs[1].extend(first[0])
     outs[2].extend(first[1])
-    mixed = runner.execute([
-        ScheduledSeq(prompts[0][6:], 6, tables[0], True, GREEDY, None),
-        ScheduledSeq([outs[1][-1]], len(prompts[1]), tables[1], True, GREEDY, None),
-        ScheduledSeq([outs[2][-1]], len(prompts[2]), tables[2], True, GREEDY, None),
-    ])
+    mixed = runner.execute(
+        [
+            ScheduledSeq(prompts[0][6:], 6, tables[0], True, GREEDY, None),
+            ScheduledSeq([outs[1][-1]], len(prompts[1]), tables[1], True, GREEDY, None),
+            ScheduledSeq([outs[2][-1]], len(prompts[2]), tables[2], True, GREEDY, None),
+        ]
+    )
     for i, t in enumerate(mixed):
         outs[i].extend(t)
     while min(len(o) for o in outs) < steps:
         live = [i for i in range(3) if len(outs[i]) < steps]
-        got = runner.execute([
-            ScheduledSeq([outs[i][-1]], len(prompts[i]) + len(outs[i]) - 1, tables[i], True,
-                         GREEDY, None) for i in live])
+        got = runner.execute(
+            [
+                ScheduledSeq([outs[i][-1]], len(prompts[i]) + len(outs[i]) - 1, tables[i], True, GREEDY, None)
+                for i in live
+            ]
+        )
         for i, t in zip(live, got, strict=True):
             outs[i].extend(t)
     from transformers import AutoModelForCausalLM
@@ -205,13 +226,17 @@ def test_verify_pass_samples_the_same_tokens_on_both_paths(tiny_bpe: Path) -> No
     got = {}
     for backend in AttentionBackend:
         runner = ModelRunner(model, layout, 32, torch.device("cpu"), torch.float32, backend)
-        runner.execute([ScheduledSeq([5, 17, 99, 23, 41, 7, 8], 0, [9, 2, 4, 11], False,
-                                     GREEDY, None),
-                        ScheduledSeq([300, 12, 9, 40, 41], 0, [20, 21, 22], False, GREEDY,
-                                     None)])
-        got[backend] = runner.execute([
-            ScheduledSeq([120, 33, 64, 7], 7, [9, 2, 4, 11], True, GREEDY, None, num_logits=4),
-            ScheduledSeq([42], 5, [20, 21, 22], True, GREEDY, None),
-        ])
+        runner.execute(
+            [
+                ScheduledSeq([5, 17, 99, 23, 41, 7, 8], 0, [9, 2, 4, 11], False, GREEDY, None),
+                ScheduledSeq([300, 12, 9, 40, 41], 0, [20, 21, 22], False, GREEDY, None),
+            ]
+        )
+        got[backend] = runner.execute(
+            [
+                ScheduledSeq([120, 33, 64, 7], 7, [9, 2, 4, 11], True, GREEDY, None, num_logits=4),
+                ScheduledSeq([42], 5, [20, 21, 22], True, GREEDY, None),
+            ]
+        )
     assert [len(t) for t in got[AttentionBackend.BATCHED]] == [4, 1]
     assert got[AttentionBackend.BATCHED] == got[AttentionBackend.PER_SEQ]

@@ -59,8 +59,9 @@ async def test_smollm2_matches_generate(make_engine: EngineFactory) -> None:
     path = resolve_model("default")
     engine = make_engine(model_path=path, kv_cache_tokens=2048, max_batch_tokens=256)
     prompts = _prompts(4, 20, 150, 49000, seed=1)
-    handles = [engine.add_request(request(f"s{i}", p, greedy(12, ignore_eos=True)))
-               for i, p in enumerate(prompts)]
+    handles = [
+        engine.add_request(request(f"s{i}", p, greedy(12, ignore_eos=True))) for i, p in enumerate(prompts)
+    ]
     results = await drain(handles)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     for p, outs in zip(prompts, results, strict=True):

@@ -33,8 +33,10 @@ def test_packed_linear_matches_nn_linear(rows: int, bias: bool) -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not cpu_linear.prepack_available(torch.device("cpu"), torch.bfloat16),
-                    reason="no oneDNN bf16 support on this CPU")
+@pytest.mark.skipif(
+    not cpu_linear.prepack_available(torch.device("cpu"), torch.bfloat16),
+    reason="no oneDNN bf16 support on this CPU",
+)
 def test_packed_linear_in_bfloat16() -> None:
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 48).to(torch.bfloat16)
@@ -67,8 +69,7 @@ def test_every_linear_of_a_model_is_packed(tiny_bpe: Path) -> None:
     with torch.inference_mode():
         hidden = plain.model.embed_tokens(prompt)
         torch.testing.assert_close(packed.model.embed_tokens(prompt), hidden)
-        torch.testing.assert_close(packed.lm_head(hidden), plain.lm_head(hidden),
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(packed.lm_head(hidden), plain.lm_head(hidden), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(("device", "dtype"), [("meta", torch.float32), ("cpu", torch.float16)])

@@ -17,22 +17,26 @@ def _prompt(n: int, seed: int) -> tuple[int, ...]:
     return tuple(rng.randrange(3, 450) for _ in range(n))
 
 
-async def _disaggregated(prefill: Engine, decode: Engine, rid: str, prompt: tuple[int, ...],
-                         max_tokens: int, sampling: SamplingConfig | None = None,
-                         ) -> tuple[RequestOutput, list[RequestOutput], int]:
+async def _disaggregated(
+    prefill: Engine,
+    decode: Engine,
+    rid: str,
+    prompt: tuple[int, ...],
+    max_tokens: int,
+    sampling: SamplingConfig | None = None,
+) -> tuple[RequestOutput, list[RequestOutput], int]:
     sampling = sampling or greedy(max_tokens, ignore_eos=True)
-    first = await collect(prefill.add_request(
-        request(rid, prompt, sampling, kind=RequestKind.PREFILL_ONLY)))
+    first = await collect(prefill.add_request(request(rid, prompt, sampling, kind=RequestKind.PREFILL_ONLY)))
     assert len(first) == 1 and first[0].finished
-    admission, handle = decode.admit_remote(
-        request(rid, prompt, sampling, kind=RequestKind.DECODE_REMOTE))
+    admission, handle = decode.admit_remote(request(rid, prompt, sampling, kind=RequestKind.DECODE_REMOTE))
     sent_bytes = 0
     for chunk in prefill.export_kv(rid, admission.num_cached_blocks, max_chunk_bytes=20_000):
         sent_bytes += len(chunk.data)
         decode.import_kv(admission.transfer_ticket, chunk)
     prefill.release(rid)
-    decode.finish_import(admission.transfer_ticket, len(prompt), first[0].new_token_ids[0],
-                         first[0].num_generated_tokens)
+    decode.finish_import(
+        admission.transfer_ticket, len(prompt), first[0].new_token_ids[0], first[0].num_generated_tokens
+    )
     return first[0], await collect(handle), sent_bytes
 
 
@@ -43,8 +47,7 @@ async def test_prefill_decode_handoff_matches_unified(make_engine: EngineFactory
     first, rest, sent = await _disaggregated(prefill, decode, "d", prompt, 10)
     assert first.num_generated_tokens == 1 and first.finish_reason is None
     assert list(first.new_token_ids) + tokens_of(rest) == tokens_of(cold)
-    assert "".join([first.text_delta] + [o.text_delta for o in rest]) == "".join(
-        o.text_delta for o in cold)
+    assert "".join([first.text_delta] + [o.text_delta for o in rest]) == "".join(o.text_delta for o in cold)
     last = rest[-1]
     assert last.num_generated_tokens == 9  # post-handoff tokens only
     assert last.finish_reason is not None and last.finish_reason.value == "length"
@@ -81,8 +84,9 @@ async def test_decode_side_skips_cached_blocks(make_engine: EngineFactory) -> No
 
 async def test_prefill_only_immediate_finish_and_errors(make_engine: EngineFactory) -> None:
     engine = make_engine()
-    out = await collect(engine.add_request(
-        request("p", _prompt(20, 5), greedy(1), kind=RequestKind.PREFILL_ONLY)))
+    out = await collect(
+        engine.add_request(request("p", _prompt(20, 5), greedy(1), kind=RequestKind.PREFILL_ONLY))
+    )
     assert out[-1].finish_reason is not None and out[-1].finish_reason.value == "length"
     with pytest.raises(InvalidArgument):
         list(engine.export_kv("p", 99, 1 << 20))
@@ -98,7 +102,8 @@ async def test_prefill_only_immediate_finish_and_errors(make_engine: EngineFacto
 async def test_abort_waiting_for_kv(make_engine: EngineFactory) -> None:
     engine = make_engine()
     admission, handle = engine.admit_remote(
-        request("x", _prompt(40, 6), greedy(5), kind=RequestKind.DECODE_REMOTE))
+        request("x", _prompt(40, 6), greedy(5), kind=RequestKind.DECODE_REMOTE)
+    )
     assert engine.num_free_blocks(0) < engine.num_total_blocks(0)
     assert engine.abort("x")
     outs = await collect(handle)

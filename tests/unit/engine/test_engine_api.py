@@ -43,12 +43,16 @@ async def test_invalid_requests_are_rejected(make_engine: EngineFactory) -> None
 
 @pytest.mark.parametrize(
     ("fields", "message"),
-    [({"dp_rank": 1}, "dp_rank 1 is out of range"), ({"prompt": ()}, "prompt_token_ids is empty"),
-     ({"prompt": (1,) * 2048}, "max_model_len is 2048"), ({"request_id": ""}, "request_id"),
-     ({"sampling": SamplingConfig(max_tokens=0)}, "max_tokens must be >= 1"),
-     ({"sampling": SamplingConfig(max_tokens=1, top_p=1.5)}, "top_p must be in"),
-     ({"sampling": SamplingConfig(max_tokens=1, top_k=-1)}, "top_k must be >= 0"),
-     ({"sampling": SamplingConfig(max_tokens=1, temperature=-1)}, "temperature must be >= 0")],
+    [
+        ({"dp_rank": 1}, "dp_rank 1 is out of range"),
+        ({"prompt": ()}, "prompt_token_ids is empty"),
+        ({"prompt": (1,) * 2048}, "max_model_len is 2048"),
+        ({"request_id": ""}, "request_id"),
+        ({"sampling": SamplingConfig(max_tokens=0)}, "max_tokens must be >= 1"),
+        ({"sampling": SamplingConfig(max_tokens=1, top_p=1.5)}, "top_p must be in"),
+        ({"sampling": SamplingConfig(max_tokens=1, top_k=-1)}, "top_k must be >= 0"),
+        ({"sampling": SamplingConfig(max_tokens=1, temperature=-1)}, "temperature must be >= 0"),
+    ],
 )
 async def test_validation_messages_say_what_to_change(
     make_engine: EngineFactory, fields: dict[str, object], message: str
@@ -58,8 +62,14 @@ async def test_validation_messages_say_what_to_change(
     args: dict[str, object] = {"request_id": "v", "prompt": (5, 6), "sampling": greedy(2)}
     args.update(fields)
     with pytest.raises(InvalidArgument, match=message):
-        engine.add_request(request(args.pop("request_id"), args.pop("prompt"),  # type: ignore[arg-type]
-                                   args.pop("sampling"), **args))  # type: ignore[arg-type]
+        engine.add_request(
+            request(
+                args.pop("request_id"),
+                args.pop("prompt"),  # type: ignore[arg-type]
+                args.pop("sampling"),
+                **args,
+            )
+        )  # type: ignore[arg-type]
 
 
 async def test_dp_ranks_run_independently(make_engine: EngineFactory) -> None:
@@ -77,8 +87,7 @@ async def test_dp_ranks_run_independently(make_engine: EngineFactory) -> None:
 
 async def test_abort_running_request(make_engine: EngineFactory) -> None:
     engine = make_engine()
-    handle = engine.add_request(request("long", tuple(range(5, 50)),
-                                        greedy(1000, ignore_eos=True)))
+    handle = engine.add_request(request("long", tuple(range(5, 50)), greedy(1000, ignore_eos=True)))
     outs = []
     async for out in handle:
         outs.append(out)
@@ -107,16 +116,19 @@ async def test_cuda_engine_matches_cpu(make_engine: EngineFactory) -> None:
     cpu = make_engine()
     gpu = make_engine(device="cuda")
     prompts = [tuple(range(5 + i, 60 + 7 * i)) for i in range(4)]
-    cpu_out = await drain([cpu.add_request(request(f"c{i}", p, greedy(10, ignore_eos=True)))
-                           for i, p in enumerate(prompts)])
-    gpu_out = await drain([gpu.add_request(request(f"g{i}", p, greedy(10, ignore_eos=True)))
-                           for i, p in enumerate(prompts)])
+    cpu_out = await drain(
+        [cpu.add_request(request(f"c{i}", p, greedy(10, ignore_eos=True))) for i, p in enumerate(prompts)]
+    )
+    gpu_out = await drain(
+        [gpu.add_request(request(f"g{i}", p, greedy(10, ignore_eos=True))) for i, p in enumerate(prompts)]
+    )
     assert [tokens_of(o) for o in gpu_out] == [tokens_of(o) for o in cpu_out]
     assert gpu.num_free_blocks(0) == gpu.num_total_blocks(0)
 
 
-async def test_failed_forward_aborts_its_batch(make_engine: EngineFactory,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_failed_forward_aborts_its_batch(
+    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
     engine = make_engine()
     runner = engine._ranks[0].runner  # type: ignore[attr-defined]
 

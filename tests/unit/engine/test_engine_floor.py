@@ -12,8 +12,7 @@ from services.worker.engine.model_runner import ModelRunner, kv_layout_of, load_
 
 
 def _linear_weight_bytes(model: torch.nn.Module) -> int:
-    return sum(m.in_features * m.out_features * 4 for m in model.modules()
-               if isinstance(m, torch.nn.Linear))
+    return sum(m.in_features * m.out_features * 4 for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
 def test_weight_bytes_count_a_tied_head_once(tiny_bpe: Path) -> None:
@@ -22,8 +21,7 @@ def test_weight_bytes_count_a_tied_head_once(tiny_bpe: Path) -> None:
     norms = sum(p.numel() * 4 for p in model.parameters() if p.dim() == 1)
     rows = 8 * embed.shape[1] * 4
     # untied: every linear (the head included) plus the 8 looked-up rows of the table
-    assert engine_floor.weight_bytes_per_step(model, 8) == _linear_weight_bytes(model) + norms \
-        + rows
+    assert engine_floor.weight_bytes_per_step(model, 8) == _linear_weight_bytes(model) + norms + rows
     model.get_output_embeddings().weight = embed  # tied: the head reads the table, once
     assert engine_floor.weight_bytes_per_step(model, 8) == _linear_weight_bytes(model) + norms
 
@@ -41,8 +39,10 @@ def test_weight_bytes_of_a_prepacked_model(tiny_bpe: Path) -> None:
 def test_flops_grow_with_batch_and_context(tiny_bpe: Path) -> None:
     model = load_model(str(tiny_bpe), torch.device("cpu"), torch.float32)
     cfg = model.config
-    linear = _linear_weight_bytes(load_model(str(tiny_bpe), torch.device("cpu"), torch.float32,
-                                             prepack=False)) // 4
+    linear = (
+        _linear_weight_bytes(load_model(str(tiny_bpe), torch.device("cpu"), torch.float32, prepack=False))
+        // 4
+    )
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     attn = 2 * 100 * cfg.num_attention_heads * head_dim * cfg.num_hidden_layers
     assert engine_floor.flops_per_step(model, 4, 100) == 2 * 4 * (linear + attn)
@@ -63,12 +63,25 @@ def test_decode_step_timing_and_report(tiny_bpe: Path) -> None:
     wall, cpu = engine_floor.time_decode_steps(runner, batch=3, context=20, steps=2)
     assert wall > 0 and cpu > 0
     probe = {
-        "cpu": engine_floor.cpu_features(), "context_tokens": 20, "step_threads": 1,
+        "cpu": engine_floor.cpu_features(),
+        "context_tokens": 20,
+        "step_threads": 1,
         "bandwidth_gb_s": {"single_core": 10.0, "all_cores": 15.0, "all_core_threads": 2},
         "gemm_gflop_s": 50.0,
-        "steps": [{"seqs": 3, "step_ms": wall * 1e3, "step_cpu_ms": cpu * 1e3, "floor_ms": 1.0,
-                   "vs_floor": 2.0, "cpu_vs_floor": 1.5, "roofline_ms": 1.0, "vs_roofline": 2.0,
-                   "weight_mb": 1.0, "kv_mb": 0.1}],
+        "steps": [
+            {
+                "seqs": 3,
+                "step_ms": wall * 1e3,
+                "step_cpu_ms": cpu * 1e3,
+                "floor_ms": 1.0,
+                "vs_floor": 2.0,
+                "cpu_vs_floor": 1.5,
+                "roofline_ms": 1.0,
+                "vs_roofline": 2.0,
+                "weight_mb": 1.0,
+                "kv_mb": 0.1,
+            }
+        ],
     }
     lines = engine_floor.format_report(probe)
     assert any("3 seqs" in line and "2.00x" in line for line in lines)

@@ -157,8 +157,14 @@ async def test_preemption_counter_moves_and_reaches_prometheus(make_engine: Engi
     from shared.cluster import Role, WorkerInfo
 
     engine = make_engine(kv_cache_tokens=128, max_batch_tokens=64)
-    identity = WorkerInfo(worker_id="w", address="a:1", role=Role.UNIFIED, model_id="tiny",
-                          dp_size=1, kv_layout=engine.kv_layout)
+    identity = WorkerInfo(
+        worker_id="w",
+        address="a:1",
+        role=Role.UNIFIED,
+        model_id="tiny",
+        dp_size=1,
+        kv_layout=engine.kv_layout,
+    )
     core = WorkerCore(engine, identity, pusher=None)  # type: ignore[arg-type]
 
     def exported() -> float:
@@ -167,8 +173,12 @@ async def test_preemption_counter_moves_and_reaches_prometheus(make_engine: Engi
     core.refresh_metrics()
     before = exported()
     assert engine.num_preemptions(0) == 0
-    await drain([engine.add_request(request(f"p{i}", _prompt(30, 10 + i),
-                                            greedy(40, ignore_eos=True))) for i in range(3)])
+    await drain(
+        [
+            engine.add_request(request(f"p{i}", _prompt(30, 10 + i), greedy(40, ignore_eos=True)))
+            for i in range(3)
+        ]
+    )
     preempted = engine.num_preemptions(0)
     assert preempted > 0
     core.refresh_metrics()

@@ -35,7 +35,7 @@ def _generate(runner: ModelRunner, blocks: list[int], prompt: list[int], steps: 
         pos = len(tokens) - 1
         out = runner.execute([ScheduledSeq([tokens[-1]], pos, blocks, True, GREEDY, None)])
         tokens.append(out[0][0])
-    return tokens[len(prompt):]
+    return tokens[len(prompt) :]
 
 
 def test_consecutive_and_scattered_blocks_agree(tiny_bpe: Path) -> None:
@@ -57,6 +57,7 @@ def test_kv_wire_round_trip(tiny_bpe: Path) -> None:
     lay = runner.layout
     # wire layout: block, layer, K/V, head, row, dim
     wire = torch.frombuffer(bytearray(data), dtype=torch.float32).view(
-        2, lay.num_layers, 2, lay.num_kv_heads, lay.block_size, lay.head_dim)
+        2, lay.num_layers, 2, lay.num_kv_heads, lay.block_size, lay.head_dim
+    )
     pool = runner.kv_cache  # [L, 2, H, slots, D]
     assert torch.equal(wire[1, 0, 1, :, 2], pool[0, 1, :, 8 * lay.block_size + 2])

@@ -17,8 +17,7 @@ from services.worker.engine.request import (
 EOS = frozenset({2})
 
 
-def make(max_tokens: int = 4, kind: RequestKind = RequestKind.FULL, **sampling: object
-         ) -> Request:
+def make(max_tokens: int = 4, kind: RequestKind = RequestKind.FULL, **sampling: object) -> Request:
     sp = SamplingConfig(max_tokens=max_tokens, temperature=0.0, **sampling)  # type: ignore[arg-type]
     return Request.from_engine_request(EngineRequest("r", (5, 6, 7), sp, kind=kind))
 
@@ -26,8 +25,11 @@ def make(max_tokens: int = 4, kind: RequestKind = RequestKind.FULL, **sampling: 
 def test_every_status_has_a_row_and_finished_is_final() -> None:
     assert set(ALLOWED_TRANSITIONS) == set(RequestStatus)
     assert ALLOWED_TRANSITIONS[RequestStatus.FINISHED] == frozenset()
-    assert all(RequestStatus.FINISHED in to for s, to in ALLOWED_TRANSITIONS.items()
-               if s is not RequestStatus.FINISHED)
+    assert all(
+        RequestStatus.FINISHED in to
+        for s, to in ALLOWED_TRANSITIONS.items()
+        if s is not RequestStatus.FINISHED
+    )
     assert [s.is_finished for s in RequestStatus] == [False] * 5 + [True]
 
 
@@ -101,11 +103,13 @@ def test_full_context_is_length() -> None:
 
 @pytest.mark.parametrize(
     ("run", "max_tokens", "consumed", "reason", "appended"),
-    [([9, 9, 9], 10, 3, None, 3),
-     ([9, 9, 9, 9], 2, 2, FinishReason.LENGTH, 2),  # max_tokens inside the run
-     ([9, 2, 9], 10, 2, FinishReason.STOP, 1),  # EOS inside the run: not appended
-     ([9, 8, 9], 10, 2, FinishReason.STOP, 2),  # a stop token inside the run: appended
-     ([9, 2, 9], 1, 1, FinishReason.LENGTH, 1)],
+    [
+        ([9, 9, 9], 10, 3, None, 3),
+        ([9, 9, 9, 9], 2, 2, FinishReason.LENGTH, 2),  # max_tokens inside the run
+        ([9, 2, 9], 10, 2, FinishReason.STOP, 1),  # EOS inside the run: not appended
+        ([9, 8, 9], 10, 2, FinishReason.STOP, 2),  # a stop token inside the run: appended
+        ([9, 2, 9], 1, 1, FinishReason.LENGTH, 1),
+    ],
 )
 def test_a_run_ends_exactly_where_one_token_at_a_time_would(
     run: list[int], max_tokens: int, consumed: int, reason: FinishReason | None, appended: int

@@ -21,8 +21,7 @@ def _seeded(seed: int, **kw: Any) -> SamplingConfig:
 async def test_seeded_sampling_is_reproducible_across_batches(make_engine: EngineFactory) -> None:
     engine = make_engine()
     alone = await drain([engine.add_request(request("a", PROMPT, _seeded(7)))])
-    crowd = [engine.add_request(request(f"n{i}", PROMPT[i:], _seeded(100 + i)))
-             for i in range(5)]
+    crowd = [engine.add_request(request(f"n{i}", PROMPT[i:], _seeded(100 + i))) for i in range(5)]
     crowd.insert(2, engine.add_request(request("b", PROMPT, _seeded(7))))
     results = await drain(crowd)
     assert tokens_of(results[2]) == tokens_of(alone[0])
@@ -62,8 +61,12 @@ def test_sampler_rows_follow_their_parameters() -> None:
         if mass >= 0.5:
             break
     for trial in range(50):
-        gens: list[torch.Generator | None] = [None, torch.Generator().manual_seed(trial),
-                                              torch.Generator().manual_seed(trial), None]
+        gens: list[torch.Generator | None] = [
+            None,
+            torch.Generator().manual_seed(trial),
+            torch.Generator().manual_seed(trial),
+            None,
+        ]
         out = sample(logits, params, gens).tolist()
         assert out[0] == int(logits[0].argmax())
         assert out[1] in top3

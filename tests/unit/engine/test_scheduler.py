@@ -16,8 +16,7 @@ def make_request(rid: str, prompt_len: int, max_tokens: int = 8, first: int = 0)
     global _seq
     _seq += 1
     prompt = tuple(range(first, first + prompt_len))
-    req = Request.from_engine_request(
-        EngineRequest(rid, prompt, SamplingConfig(max_tokens=max_tokens)))
+    req = Request.from_engine_request(EngineRequest(rid, prompt, SamplingConfig(max_tokens=max_tokens)))
     req.arrival_seq = _seq
     return req
 

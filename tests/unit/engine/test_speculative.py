@@ -107,7 +107,8 @@ def test_spec_stats_count_per_position() -> None:
 
 def _running(sched: Scheduler, prompt_len: int) -> Request:
     req = Request.from_engine_request(
-        EngineRequest("r", tuple(range(prompt_len)), SamplingConfig(max_tokens=50)))
+        EngineRequest("r", tuple(range(prompt_len)), SamplingConfig(max_tokens=50))
+    )
     sched.add(req)
     (s,) = sched.schedule().scheduled  # the prompt, sampling the first token
     sched.on_computed(req, s.num_new_tokens)
@@ -177,7 +178,9 @@ async def test_greedy_mixed_batch_is_token_identical(make_engine: EngineFactory)
     assert off.spec_stats(0).num_draft_tokens == 0
     load = on.rank_loads()[0]
     assert (load.spec_draft_tokens, load.spec_accepted_tokens) == (
-        stats.num_draft_tokens, stats.num_accepted_tokens)
+        stats.num_draft_tokens,
+        stats.num_accepted_tokens,
+    )
     for engine in (off, on):
         assert engine.num_free_blocks(0) == engine.num_total_blocks(0)
 
@@ -185,9 +188,14 @@ async def test_greedy_mixed_batch_is_token_identical(make_engine: EngineFactory)
 @pytest.mark.parametrize("seed", [3, 2**63 + 11])
 async def test_seeded_sampling_is_token_identical(make_engine: EngineFactory, seed: int) -> None:
     off, on = _pair(make_engine)
-    reqs = [request(f"s{i}", _repetitive(40, 20 + i),
-                    SamplingConfig(max_tokens=40, temperature=0.05, top_k=3, seed=seed + i,
-                                   ignore_eos=True)) for i in range(4)]
+    reqs = [
+        request(
+            f"s{i}",
+            _repetitive(40, 20 + i),
+            SamplingConfig(max_tokens=40, temperature=0.05, top_k=3, seed=seed + i, ignore_eos=True),
+        )
+        for i in range(4)
+    ]
     for a, b in zip(await _run_all(off, reqs), await _run_all(on, reqs), strict=True):
         _same_outputs(a, b)
     assert on.spec_stats(0).num_accepted_tokens > 0
@@ -210,8 +218,7 @@ async def test_prefix_hits_and_generated_blocks_stay_exact(make_engine: EngineFa
 
 async def test_preemption_and_resume_are_token_identical(make_engine: EngineFactory) -> None:
     off, on = _pair(make_engine, kv_cache_tokens=160, max_batch_tokens=64)
-    reqs = [request(f"p{i}", _repetitive(30, 40 + i), greedy(45, ignore_eos=True))
-            for i in range(3)]
+    reqs = [request(f"p{i}", _repetitive(30, 40 + i), greedy(45, ignore_eos=True)) for i in range(3)]
     for a, b in zip(await _run_all(off, reqs), await _run_all(on, reqs), strict=True):
         _same_outputs(a, b)
     assert on.num_preemptions(0) > 0
@@ -219,17 +226,23 @@ async def test_preemption_and_resume_are_token_identical(make_engine: EngineFact
     assert on.num_free_blocks(0) == on.num_total_blocks(0)
 
 
-async def _disaggregated(prefill: Engine, decode: Engine, rid: str, prompt: tuple[int, ...],
-                         sampling: SamplingConfig) -> tuple[RequestOutput, list[RequestOutput]]:
-    (first,) = await collect(prefill.add_request(
-        request(rid, prompt, sampling, kind=RequestKind.PREFILL_ONLY)))
-    admission, handle = decode.admit_remote(
-        request(rid, prompt, sampling, kind=RequestKind.DECODE_REMOTE))
+async def _disaggregated(
+    prefill: Engine, decode: Engine, rid: str, prompt: tuple[int, ...], sampling: SamplingConfig
+) -> tuple[RequestOutput, list[RequestOutput]]:
+    (first,) = await collect(
+        prefill.add_request(request(rid, prompt, sampling, kind=RequestKind.PREFILL_ONLY))
+    )
+    admission, handle = decode.admit_remote(request(rid, prompt, sampling, kind=RequestKind.DECODE_REMOTE))
     for chunk in prefill.export_kv(rid, admission.num_cached_blocks, max_chunk_bytes=20_000):
         decode.import_kv(admission.transfer_ticket, chunk)
     prefill.release(rid)
-    decode.finish_import(admission.transfer_ticket, len(prompt), first.new_token_ids[0],
-                         first.num_generated_tokens, first.draft_token_ids)
+    decode.finish_import(
+        admission.transfer_ticket,
+        len(prompt),
+        first.new_token_ids[0],
+        first.num_generated_tokens,
+        first.draft_token_ids,
+    )
     return first, await collect(handle)
 
 
@@ -245,8 +258,11 @@ async def test_disaggregated_with_handoff_proposals_matches_unified(
     vocab = list(range(3, int(unified.vocab_size)))  # type: ignore[attr-defined]
     random.Random(8).shuffle(vocab)
     prompt = tuple(vocab)
-    sampling = (SamplingConfig(max_tokens=30, temperature=0.8, seed=5, ignore_eos=True)
-                if sampled else greedy(30, ignore_eos=True))
+    sampling = (
+        SamplingConfig(max_tokens=30, temperature=0.8, seed=5, ignore_eos=True)
+        if sampled
+        else greedy(30, ignore_eos=True)
+    )
     ref = await collect(unified.add_request(request("u", prompt, sampling)))
     first, rest = await _disaggregated(prefill, decode, "d", prompt, sampling)
     assert first.draft_token_ids  # the prefill worker proposed from the prompt
@@ -267,8 +283,9 @@ async def test_runs_end_exactly_where_plain_decoding_ends(make_engine: EngineFac
     request at exactly the token, text, count and finish_reason of plain decoding."""
     off, on = _pair(make_engine)
     rng = random.Random(4)
-    bases = [request(f"b{i}", _prompt(rng.randint(5, 40), 60 + i), greedy(40, ignore_eos=True))
-             for i in range(8)]
+    bases = [
+        request(f"b{i}", _prompt(rng.randint(5, 40), 60 + i), greedy(40, ignore_eos=True)) for i in range(8)
+    ]
     reqs: list[EngineRequest] = []
     for i, (req, out) in enumerate(zip(bases, await _run_all(off, bases), strict=True)):
         toks = tokens_of(out)
@@ -276,14 +293,14 @@ async def test_runs_end_exactly_where_plain_decoding_ends(make_engine: EngineFac
         j = rng.randrange(5, len(toks))
         variants = [
             greedy(rng.randint(2, 39), ignore_eos=True),
-            greedy(40, ignore_eos=True, stop_token_ids=(toks[j],),
-                   include_stop_in_output=i % 2 == 0),
+            greedy(40, ignore_eos=True, stop_token_ids=(toks[j],), include_stop_in_output=i % 2 == 0),
             greedy(40, ignore_eos=False),  # EOS may end it
         ]
         if len(text) > 12:
             k = rng.randrange(6, len(text) - 3)
-            variants.append(greedy(40, ignore_eos=True, stop=(text[k : k + 3],),
-                                   include_stop_in_output=i % 2 == 1))
+            variants.append(
+                greedy(40, ignore_eos=True, stop=(text[k : k + 3],), include_stop_in_output=i % 2 == 1)
+            )
         reqs += [request(f"v{i}-{n}", req.prompt_token_ids, v) for n, v in enumerate(variants)]
     for a, b in zip(await _run_all(off, reqs), await _run_all(on, reqs), strict=True):
         _same_outputs(a, b)
@@ -323,13 +340,25 @@ def scripted_by_index(monkeypatch: pytest.MonkeyPatch) -> dict[int, list[int]]:
 
 @pytest.mark.parametrize(
     ("max_tokens", "stop", "stop_token_ids", "include", "eos_at"),
-    [(5, (), (), False, None), (13, (), (), False, None), (40, ("llo🙂",), (), False, None),
-     (40, ("🙂he",), (), True, None), (40, (), (SMILE[2],), False, None),
-     (40, (), (SMILE[1],), True, None), (40, (), (), False, 16), (17, (), (), False, 16)],
+    [
+        (5, (), (), False, None),
+        (13, (), (), False, None),
+        (40, ("llo🙂",), (), False, None),
+        (40, ("🙂he",), (), True, None),
+        (40, (), (SMILE[2],), False, None),
+        (40, (), (SMILE[1],), True, None),
+        (40, (), (), False, 16),
+        (17, (), (), False, 16),
+    ],
 )
 async def test_byte_fallback_runs_are_exact(
-    make_engine: EngineFactory, tiny_byte_fallback: Path, scripted_by_index: dict[int, list[int]],
-    max_tokens: int, stop: tuple[str, ...], stop_token_ids: tuple[int, ...], include: bool,
+    make_engine: EngineFactory,
+    tiny_byte_fallback: Path,
+    scripted_by_index: dict[int, list[int]],
+    max_tokens: int,
+    stop: tuple[str, ...],
+    stop_token_ids: tuple[int, ...],
+    include: bool,
     eos_at: int | None,
 ) -> None:
     """Characters spanning several byte tokens, stop strings across them, stop tokens, EOS and
@@ -339,9 +368,15 @@ async def test_byte_fallback_runs_are_exact(
     if eos_at is not None:
         script[eos_at] = 2  # <|im_end|>
     scripted_by_index[7] = script
-    sp = SamplingConfig(max_tokens=max_tokens, temperature=1.0, seed=7, stop=stop,
-                        stop_token_ids=stop_token_ids, include_stop_in_output=include,
-                        ignore_eos=eos_at is None)
+    sp = SamplingConfig(
+        max_tokens=max_tokens,
+        temperature=1.0,
+        seed=7,
+        stop=stop,
+        stop_token_ids=stop_token_ids,
+        include_stop_in_output=include,
+        ignore_eos=eos_at is None,
+    )
     prompt = (316, 482, *PATTERN, *PATTERN)
     ref = await collect(off.add_request(request("off", prompt, sp)))
     got = await collect(on.add_request(request("on", prompt, sp)))
@@ -354,17 +389,18 @@ async def test_byte_fallback_runs_are_exact(
 async def test_500_random_requests_with_cancels_and_speculation_leave_every_pool_full(
     make_engine: EngineFactory,
 ) -> None:
-    engine = make_engine(kv_cache_tokens=512, max_batch_tokens=96, max_num_seqs=16, dp_size=2,
-                         **SPEC)
+    engine = make_engine(kv_cache_tokens=512, max_batch_tokens=96, max_num_seqs=16, dp_size=2, **SPEC)
     rng = random.Random(3)
     tasks: list[asyncio.Task[list[RequestOutput]]] = []
     handles: list[str] = []
     for i in range(500):
         make = _repetitive if rng.random() < 0.6 else _prompt
         prompt = make(rng.randint(2, 100), 2000 + rng.randrange(20))  # repeats: cache hits
-        sp = (greedy(rng.randint(1, 24), ignore_eos=rng.random() < 0.5) if rng.random() < 0.7
-              else SamplingConfig(max_tokens=rng.randint(1, 24), temperature=1.0,
-                                  seed=rng.randrange(1000)))
+        sp = (
+            greedy(rng.randint(1, 24), ignore_eos=rng.random() < 0.5)
+            if rng.random() < 0.7
+            else SamplingConfig(max_tokens=rng.randint(1, 24), temperature=1.0, seed=rng.randrange(1000))
+        )
         handle: RequestHandle = engine.add_request(request(f"r{i}", prompt, sp, dp_rank=i % 2))
         handles.append(f"r{i}")
         tasks.append(asyncio.ensure_future(collect(handle)))
@@ -374,8 +410,7 @@ async def test_500_random_requests_with_cancels_and_speculation_leave_every_pool
             await asyncio.sleep(0.01)
     results = await asyncio.gather(*tasks)
     assert all(r[-1].finished for r in results)
-    assert any(r[-1].finish_reason is not None and r[-1].finish_reason.value == "abort"
-               for r in results)
+    assert any(r[-1].finish_reason is not None and r[-1].finish_reason.value == "abort" for r in results)
     for rank in range(2):
         assert engine.num_free_blocks(rank) == engine.num_total_blocks(rank)
         assert engine.spec_stats(rank).num_accepted_tokens > 0
@@ -403,8 +438,7 @@ async def test_a_large_batch_verifies_no_proposals(make_engine: EngineFactory) -
     """Per-step back-off: with more decoding sequences than spec_max_batch_tokens, verification
     is no longer free and no proposal is scheduled; a lone request still speculates."""
     busy = make_engine(**SPEC, spec_max_batch_tokens=6)
-    reqs = [request(f"r{i}", _repetitive(30, 70 + i), greedy(30, ignore_eos=True))
-            for i in range(8)]
+    reqs = [request(f"r{i}", _repetitive(30, 70 + i), greedy(30, ignore_eos=True)) for i in range(8)]
     await _run_all(busy, reqs)
     assert busy.spec_stats(0).num_draft_tokens == 0
     await _run_all(busy, reqs[:1])
@@ -422,16 +456,27 @@ async def test_smollm2_grounded_rewrite_is_identical_and_accepts(make_engine: En
 
     path = resolve_model("default")
     tok = AutoTokenizer.from_pretrained(str(path))
-    passage = ("The Meridian Bridge opened in 1932 after six years of construction. It spans "
-               "1,240 metres across the Alder River and carries four lanes of traffic.")
-    texts = [f"Copy this passage exactly:\n\n{passage}", "Write a haiku about rivers.",
-             f"Replace 1932 with 1933 and output the passage:\n\n{passage}"]
-    prompts = [tuple(tok.encode(tok.apply_chat_template([{"role": "user", "content": t}],
-                                                         add_generation_prompt=True,
-                                                         tokenize=False),
-                                add_special_tokens=False)) for t in texts]
-    settings: dict[str, Any] = {"model_path": path, "kv_cache_tokens": 256,
-                                "max_batch_tokens": 128}
+    passage = (
+        "The Meridian Bridge opened in 1932 after six years of construction. It spans "
+        "1,240 metres across the Alder River and carries four lanes of traffic."
+    )
+    texts = [
+        f"Copy this passage exactly:\n\n{passage}",
+        "Write a haiku about rivers.",
+        f"Replace 1932 with 1933 and output the passage:\n\n{passage}",
+    ]
+    prompts = [
+        tuple(
+            tok.encode(
+                tok.apply_chat_template(
+                    [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False
+                ),
+                add_special_tokens=False,
+            )
+        )
+        for t in texts
+    ]
+    settings: dict[str, Any] = {"model_path": path, "kv_cache_tokens": 256, "max_batch_tokens": 128}
     off, on = make_engine(**settings), make_engine(**settings, **SPEC)
     reqs = [request(f"m{i}", p, greedy(48)) for i, p in enumerate(prompts)]
     for _ in range(2):

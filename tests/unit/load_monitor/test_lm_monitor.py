@@ -110,6 +110,7 @@ async def test_lease_expiry_evicts_and_publishes() -> None:
     await anext(stream)
     mon.start()
     try:
+
         async def until_gone() -> LoadSnapshot:
             while True:
                 mon.heartbeat("w2")

@@ -89,10 +89,23 @@ def test_several_reports_for_a_rank_are_summed(reg: Registry) -> None:
     reg.record_loads(
         target,
         [
-            RankLoad(0, num_used_tokens=100, num_running=1, kv_capacity_tokens=1000,
-                     prefix_cache_queries_tokens=10, prefix_cache_hits_tokens=5),
-            RankLoad(0, num_used_tokens=50, num_running=2, num_waiting=3, kv_capacity_tokens=1000,
-                     prefix_cache_queries_tokens=30, prefix_cache_hits_tokens=5),
+            RankLoad(
+                0,
+                num_used_tokens=100,
+                num_running=1,
+                kv_capacity_tokens=1000,
+                prefix_cache_queries_tokens=10,
+                prefix_cache_hits_tokens=5,
+            ),
+            RankLoad(
+                0,
+                num_used_tokens=50,
+                num_running=2,
+                num_waiting=3,
+                kv_capacity_tokens=1000,
+                prefix_cache_queries_tokens=30,
+                prefix_cache_hits_tokens=5,
+            ),
             RankLoad(1, num_used_tokens=7),
             RankLoad(5, num_used_tokens=10_000),  # no such rank: dropped
         ],

@@ -28,6 +28,7 @@ def test_state_saturates_reserved_tokens_at_uint64() -> None:
         kv_layout=KvLayout(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4, dtype="float32"),
     )
     view = WorkerView(info=info, ranks=(), reserved_tokens=(2**65, -3), stale=False)
-    pb = state_to_pb(RouterState(workers=(view,), stale=False, prefill_policy="a", decode_policy="b",
-                                 dp_rank_policy="c"))
+    pb = state_to_pb(
+        RouterState(workers=(view,), stale=False, prefill_policy="a", decode_policy="b", dp_rank_policy="c")
+    )
     assert list(pb.workers[0].reserved_tokens) == [2**64 - 1, 0]

@@ -76,9 +76,7 @@ async def test_tasks_spread_evenly() -> None:
 async def test_tasks_in_threads_with_mixed_sizes_balance_tokens(fast_switching: None) -> None:
     r = unified_router()
     sizes = [100 + (i * 37) % 900 for i in range(200)]
-    await asyncio.gather(
-        *(asyncio.to_thread(r.schedule, request(f"r{i}", s)) for i, s in enumerate(sizes))
-    )
+    await asyncio.gather(*(asyncio.to_thread(r.schedule, request(f"r{i}", s)) for i, s in enumerate(sizes)))
     reserved = r.state().workers[0].reserved_tokens
     assert sum(reserved) == sum(sizes)
     # Greedy least-tokens assignment keeps every rank within one request of the others.

@@ -28,9 +28,7 @@ def router(clock: FakeClock | None = None, **policy: Any) -> Router:
 
 def test_disaggregated_pair_and_min_tokens_ranks() -> None:
     r = router()
-    r.apply_snapshot(
-        snapshot(worker("p1", Role.PREFILL, [500, 100]), worker("d1", Role.DECODE, [0, 40]))
-    )
+    r.apply_snapshot(snapshot(worker("p1", Role.PREFILL, [500, 100]), worker("d1", Role.DECODE, [0, 40])))
     d = r.schedule(request(prompt_tokens=300))
     assert d.mode is ServingMode.DISAGGREGATED
     assert d.prefill is not None
@@ -95,9 +93,7 @@ def test_other_rank_policies(policy: str) -> None:
 
 def test_worker_round_robin_survives_snapshots() -> None:
     r = router(decode="round_robin", prefill="round_robin")
-    snap = snapshot(
-        worker("p1", Role.PREFILL), worker("d1", Role.DECODE), worker("d2", Role.DECODE)
-    )
+    snap = snapshot(worker("p1", Role.PREFILL), worker("d1", Role.DECODE), worker("d2", Role.DECODE))
     picks = []
     for i in range(4):
         r.apply_snapshot(snap)  # a new snapshot does not restart the turn
@@ -159,7 +155,10 @@ def test_unified_only_is_aggregated() -> None:
     r.apply_snapshot(snapshot(worker("u1", Role.UNIFIED, [5, 0])))
     d = r.schedule(request())
     assert (d.mode, d.prefill, d.decode.worker_id, d.decode.dp_rank) == (
-        ServingMode.AGGREGATED, None, "u1", 1,
+        ServingMode.AGGREGATED,
+        None,
+        "u1",
+        1,
     )
 
 
@@ -172,9 +171,7 @@ def test_decode_without_any_prefill_worker_is_aggregated() -> None:
 
 def test_incompatible_pair_is_unavailable_naming_the_layouts() -> None:
     r = router()
-    r.apply_snapshot(
-        snapshot(worker("p1", Role.PREFILL, layout=BF16), worker("d1", Role.DECODE))
-    )
+    r.apply_snapshot(snapshot(worker("p1", Role.PREFILL, layout=BF16), worker("d1", Role.DECODE)))
     with pytest.raises(Unavailable, match=r"no compatible prefill/decode pair.*bfloat16.*float32"):
         r.schedule(request())
 
@@ -257,9 +254,7 @@ def test_excluded_path_still_reserves_on_the_real_worker() -> None:
 
 def test_stale_workers_used_only_without_fresh_ones() -> None:
     r = router(prefill="round_robin")
-    r.apply_snapshot(
-        snapshot(worker("u-stale", Role.UNIFIED, stale=True), worker("u-fresh", Role.UNIFIED))
-    )
+    r.apply_snapshot(snapshot(worker("u-stale", Role.UNIFIED, stale=True), worker("u-fresh", Role.UNIFIED)))
     assert {r.schedule(request(f"r{i}")).decode.worker_id for i in range(4)} == {"u-fresh"}
     r.apply_snapshot(snapshot(worker("u-stale", Role.UNIFIED, stale=True)))
     assert r.schedule(request()).decode.worker_id == "u-stale"
@@ -304,8 +299,11 @@ def test_local_prefill_when_uncached_part_is_short() -> None:
 def test_default_model_and_metrics() -> None:
     r = router()
     r.apply_snapshot(
-        snapshot(worker("a1", Role.UNIFIED, model="a"), worker("b1", Role.UNIFIED, model="b"),
-                 worker("b2", Role.UNIFIED, model="b"))
+        snapshot(
+            worker("a1", Role.UNIFIED, model="a"),
+            worker("b1", Role.UNIFIED, model="b"),
+            worker("b2", Role.UNIFIED, model="b"),
+        )
     )
     before = SCHEDULE_DECISIONS.labels(role="dp_rank", policy="min_tokens")._value.get()
     assert r.schedule(request()).model == "b"  # the model with the most workers
@@ -329,8 +327,11 @@ def test_least_loaded_tracking_matches_a_scan() -> None:
     r.apply_snapshot(snapshot(*workers, worker("d", Role.DECODE)))
     sizes = [(i * 7919) % 3000 + 1 for i in range(200)]
     for i, size in enumerate(sizes):
-        state = {w.info.worker_id: sum(x.num_used_tokens for x in w.ranks) + sum(w.reserved_tokens)
-                 for w in r.state().workers if w.info.role is Role.PREFILL}
+        state = {
+            w.info.worker_id: sum(x.num_used_tokens for x in w.ranks) + sum(w.reserved_tokens)
+            for w in r.state().workers
+            if w.info.role is Role.PREFILL
+        }
         expected = min(sorted(state), key=lambda wid: (state[wid], int(wid[1:])))
         d = r.schedule(request(f"r{i}", size))  # no prefix hashes: least loaded
         assert d.prefill is not None and d.prefill.worker_id == expected

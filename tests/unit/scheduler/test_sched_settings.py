@@ -15,7 +15,9 @@ def test_scheduler_defaults() -> None:
     assert s.listen == "0.0.0.0:50052" and s.metrics_port == 9101
     assert s.load_monitor_address == "127.0.0.1:50053"
     assert (s.prefill_policy, s.decode_policy, s.dp_rank_policy) == (
-        "cache_aware", "power_of_two", "min_tokens",
+        "cache_aware",
+        "power_of_two",
+        "min_tokens",
     )
     assert s.local_prefill_threshold == 0
     r = make_router(s)

@@ -44,14 +44,19 @@ async def _stream_stream(
 async def echo_address() -> AsyncIterator[str]:
     """A server whose methods answer with the KEY metadata they received (bytes in, bytes out)."""
     server = grpc.aio.server()
-    server.add_generic_rpc_handlers([
-        grpc.method_handlers_generic_handler("test.Echo", {
-            "Unary": grpc.unary_unary_rpc_method_handler(_unary),
-            "UnaryStream": grpc.unary_stream_rpc_method_handler(_unary_stream),
-            "StreamUnary": grpc.stream_unary_rpc_method_handler(_stream_unary),
-            "StreamStream": grpc.stream_stream_rpc_method_handler(_stream_stream),
-        })
-    ])
+    server.add_generic_rpc_handlers(
+        [
+            grpc.method_handlers_generic_handler(
+                "test.Echo",
+                {
+                    "Unary": grpc.unary_unary_rpc_method_handler(_unary),
+                    "UnaryStream": grpc.unary_stream_rpc_method_handler(_unary_stream),
+                    "StreamUnary": grpc.stream_unary_rpc_method_handler(_stream_unary),
+                    "StreamStream": grpc.stream_stream_rpc_method_handler(_stream_stream),
+                },
+            )
+        ]
+    )
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     yield f"127.0.0.1:{port}"

@@ -34,16 +34,30 @@ LAYOUTS = [
 INFOS = [
     WorkerInfo("p-1", "10.0.0.1:50061", Role.PREFILL, "m", 2, LAYOUTS[0]),
     WorkerInfo(
-        worker_id="d-2", address="[fd00::7]:50071", role=Role.DECODE, model_id="SmolLM2", dp_size=4,
-        kv_layout=LAYOUTS[1], capabilities=("generated_tokens", "kv_block_skip"),
-        proto_version="1.1", max_model_len=8192, device="cuda",
+        worker_id="d-2",
+        address="[fd00::7]:50071",
+        role=Role.DECODE,
+        model_id="SmolLM2",
+        dp_size=4,
+        kv_layout=LAYOUTS[1],
+        capabilities=("generated_tokens", "kv_block_skip"),
+        proto_version="1.1",
+        max_model_len=8192,
+        device="cuda",
     ),
     WorkerInfo("u", "h:1", Role.UNIFIED, "", 1, LAYOUTS[0], device="cpu"),
 ]
 LOADS = [
     RankLoad(0),
-    RankLoad(3, num_used_tokens=BIG, num_running=7, num_waiting=2, kv_capacity_tokens=BIG + 1,
-             prefix_cache_queries_tokens=BIG, prefix_cache_hits_tokens=12),
+    RankLoad(
+        3,
+        num_used_tokens=BIG,
+        num_running=7,
+        num_waiting=2,
+        kv_capacity_tokens=BIG + 1,
+        prefix_cache_queries_tokens=BIG,
+        prefix_cache_hits_tokens=12,
+    ),
 ]
 
 
@@ -129,7 +143,11 @@ def test_snapshot_skips_unusable_workers_and_sums_ranks() -> None:
     def entry(worker_id: str, role: int) -> load_monitor_pb2.WorkerLoad:
         return load_monitor_pb2.WorkerLoad(
             info=common_pb2.WorkerInfo(
-                worker_id=worker_id, address="h:1", role=role, model_id="m", dp_size=2,  # type: ignore[arg-type]
+                worker_id=worker_id,
+                address="h:1",
+                role=role,
+                model_id="m",
+                dp_size=2,  # type: ignore[arg-type]
                 kv_layout=common_pb2.KvLayout(block_size=16, dtype="float32"),
             ),
             ranks=[
@@ -154,24 +172,41 @@ U32 = st.integers(0, 2**32 - 1)
 U64 = st.integers(0, 2**64 - 1)
 
 layouts = st.builds(
-    KvLayout, num_layers=U32, num_kv_heads=U32, head_dim=U32, block_size=U32,
+    KvLayout,
+    num_layers=U32,
+    num_kv_heads=U32,
+    head_dim=U32,
+    block_size=U32,
     dtype=st.sampled_from(["float32", "bfloat16", "float16"]),
 )
 
 
 def infos(dp_size: st.SearchStrategy[int] = U32) -> st.SearchStrategy[WorkerInfo]:
     return st.builds(
-        WorkerInfo, worker_id=st.text(), address=st.text(), role=st.sampled_from(list(Role)),
-        model_id=st.text(), dp_size=dp_size, kv_layout=layouts,
-        capabilities=st.lists(st.text(), max_size=4).map(tuple), proto_version=st.text(max_size=8),
-        max_model_len=U32, device=st.sampled_from(["", "cpu", "cuda"]),
+        WorkerInfo,
+        worker_id=st.text(),
+        address=st.text(),
+        role=st.sampled_from(list(Role)),
+        model_id=st.text(),
+        dp_size=dp_size,
+        kv_layout=layouts,
+        capabilities=st.lists(st.text(), max_size=4).map(tuple),
+        proto_version=st.text(max_size=8),
+        max_model_len=U32,
+        device=st.sampled_from(["", "cpu", "cuda"]),
     )
 
 
 def rank_loads(dp_rank: st.SearchStrategy[int] = U32) -> st.SearchStrategy[RankLoad]:
     return st.builds(
-        RankLoad, dp_rank=dp_rank, num_used_tokens=U64, num_running=U32, num_waiting=U32,
-        kv_capacity_tokens=U64, prefix_cache_queries_tokens=U64, prefix_cache_hits_tokens=U64,
+        RankLoad,
+        dp_rank=dp_rank,
+        num_used_tokens=U64,
+        num_running=U32,
+        num_waiting=U32,
+        kv_capacity_tokens=U64,
+        prefix_cache_queries_tokens=U64,
+        prefix_cache_hits_tokens=U64,
     )
 
 

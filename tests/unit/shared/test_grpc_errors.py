@@ -147,8 +147,11 @@ def test_every_status_of_a_domain_class_maps_back() -> None:
         (grpc.StatusCode.RESOURCE_EXHAUSTED, errors.ResourceExhausted, "d1 is out of capacity (draining)"),
         (grpc.StatusCode.INVALID_ARGUMENT, errors.InvalidArgument, "rejected by d1: draining"),
         (grpc.StatusCode.NOT_FOUND, errors.NotFound, "d1: draining"),
-        (grpc.StatusCode.DEADLINE_EXCEEDED, errors.DeadlineExceeded,
-         "the request ran past its deadline at d1"),
+        (
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            errors.DeadlineExceeded,
+            "the request ran past its deadline at d1",
+        ),
         (grpc.StatusCode.CANCELLED, errors.Cancelled, "d1 cancelled the request"),
         (grpc.StatusCode.DATA_LOSS, errors.PdserveError, "d1 failed with DATA_LOSS: draining"),
     ],

@@ -20,16 +20,20 @@ def test_sampling_defaults_mean_unset() -> None:
     assert s.temperature == 0.0  # greedy
     assert s.top_p == 1.0  # 0 on the wire = disabled
     assert s.seed is None
-    s = convert.sampling_from_pb(common_pb2.SamplingParams(
-        max_tokens=5, seed=0, top_p=0.5, stop=["x"], stop_token_ids=[7], ignore_eos=True))
+    s = convert.sampling_from_pb(
+        common_pb2.SamplingParams(
+            max_tokens=5, seed=0, top_p=0.5, stop=["x"], stop_token_ids=[7], ignore_eos=True
+        )
+    )
     assert s.seed == 0  # presence, not value
     assert s.top_p == 0.5
     assert s.stop == ("x",) and s.stop_token_ids == (7,) and s.ignore_eos
 
 
 def test_prefill_request_and_kv_target() -> None:
-    pb = worker_pb2.PrefillRequest(request_id="r", prompt_token_ids=[1, 2], dp_rank=1,
-                                   sampling=common_pb2.SamplingParams(max_tokens=3))
+    pb = worker_pb2.PrefillRequest(
+        request_id="r", prompt_token_ids=[1, 2], dp_rank=1, sampling=common_pb2.SamplingParams(max_tokens=3)
+    )
     call = convert.prefill_call_from_pb(pb)
     assert call.kv_target is None
     assert call.request.prompt_token_ids == (1, 2) and call.request.dp_rank == 1
@@ -37,29 +41,39 @@ def test_prefill_request_and_kv_target() -> None:
     pb.kv_target.transfer_ticket = "t"
     pb.kv_target.skip_blocks = 2
     call = convert.prefill_call_from_pb(pb)
-    assert call.kv_target == KvTargetSpec(address="d:1", dp_rank=0, transfer_ticket="t",
-                                          skip_blocks=2)
+    assert call.kv_target == KvTargetSpec(address="d:1", dp_rank=0, transfer_ticket="t", skip_blocks=2)
 
 
 def test_prefill_reply_always_carries_generated_tokens() -> None:
     result = PrefillResult(
-        request_id="r", text="", token_ids=(), generated_tokens=0,
-        finish_reason=FinishReason.STOP, prompt_tokens=4, local_cached_tokens=0,
-        kv_bytes_sent=0, num_chunks=1, prefill_ns=10, kv_transfer_ns=0)
+        request_id="r",
+        text="",
+        token_ids=(),
+        generated_tokens=0,
+        finish_reason=FinishReason.STOP,
+        prompt_tokens=4,
+        local_cached_tokens=0,
+        kv_bytes_sent=0,
+        num_chunks=1,
+        prefill_ns=10,
+        kv_transfer_ns=0,
+    )
     pb = convert.prefill_result_to_pb(result)
     assert pb.HasField("generated_tokens") and pb.generated_tokens == 0  # immediate EOS
     assert pb.finish_reason == common_pb2.FINISH_REASON_STOP
 
 
 def test_generated_tokens_only_on_final_frames() -> None:
-    base: dict[str, Any] = dict(request_id="r", prompt_tokens=4, local_cached_tokens=0,
-                                transferred_cached_tokens=4)
+    base: dict[str, Any] = dict(
+        request_id="r", prompt_tokens=4, local_cached_tokens=0, transferred_cached_tokens=4
+    )
     tokens = convert.decode_event_to_pb(DecodeEvent(kind=FrameKind.TOKENS, text="a", **base))
     assert not tokens.HasField("generated_tokens")
     assert tokens.kind == worker_pb2.DECODE_FRAME_KIND_TOKENS
     assert tokens.transferred_cached_tokens == 4
-    final = convert.decode_event_to_pb(DecodeEvent(
-        kind=FrameKind.FINAL, generated_tokens=0, finish_reason=FinishReason.LENGTH, **base))
+    final = convert.decode_event_to_pb(
+        DecodeEvent(kind=FrameKind.FINAL, generated_tokens=0, finish_reason=FinishReason.LENGTH, **base)
+    )
     assert final.HasField("generated_tokens") and final.generated_tokens == 0
     assert final.finish_reason == common_pb2.FINISH_REASON_LENGTH
 
@@ -71,26 +85,22 @@ def test_kv_chunk_round_trip_and_old_sender() -> None:
     middle = convert.kv_chunk_from_pb(convert.kv_chunk_to_pb("r", target, layout_pb, chunk))
     assert middle.chunk == chunk and middle.layout == LAYOUT and not middle.last
     assert middle.generated_tokens is None and middle.first_token_id is None
-    last = convert.kv_chunk_from_pb(
-        convert.kv_chunk_to_pb("r", target, layout_pb, chunk, last=(9, 42, 1)))
+    last = convert.kv_chunk_from_pb(convert.kv_chunk_to_pb("r", target, layout_pb, chunk, last=(9, 42, 1)))
     assert last.last and last.num_tokens == 9 and last.first_token_id == 42
     assert last.generated_tokens == 1 and last.dp_rank == 1
     finished = convert.kv_chunk_to_pb("r", target, layout_pb, chunk, last=(9, None, 0))
     assert not finished.HasField("first_token_id")
     assert finished.HasField("generated_tokens") and finished.generated_tokens == 0
     # A v1.0 prefill worker never sets generated_tokens: presence, not the zero value.
-    old = worker_pb2.KvChunk(request_id="r", transfer_ticket="t", last=True, num_tokens=9,
-                             first_token_id=42)
+    old = worker_pb2.KvChunk(request_id="r", transfer_ticket="t", last=True, num_tokens=9, first_token_id=42)
     assert convert.kv_chunk_from_pb(old).generated_tokens is None
-
 
 
 def test_kv_chunk_carries_proposals_on_the_last_chunk_only() -> None:
     target = KvTargetSpec(address="d:1", dp_rank=0, transfer_ticket="t", skip_blocks=0)
     chunk = KvBlocksChunk(first_block=0, num_blocks=1, data=b"\1")
     layout_pb = kv_layout_to_pb(LAYOUT)
-    pb = convert.kv_chunk_to_pb("r", target, layout_pb, chunk, last=(9, 42, 1),
-                                draft_token_ids=(7, 8, 9))
+    pb = convert.kv_chunk_to_pb("r", target, layout_pb, chunk, last=(9, 42, 1), draft_token_ids=(7, 8, 9))
     assert list(pb.draft_token_ids) == [7, 8, 9]
     assert convert.kv_chunk_from_pb(pb).draft_token_ids == (7, 8, 9)
     middle = convert.kv_chunk_to_pb("r", target, layout_pb, chunk, draft_token_ids=(7,))

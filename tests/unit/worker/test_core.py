@@ -54,14 +54,25 @@ class FakeEngine:
 
     def add_request(self, request: EngineRequest) -> FakeHandle:
         self.calls.append(("add", request.request_id, request.kind))
-        return FakeHandle([RequestOutput(
-            request_id=request.request_id, new_token_ids=(7,), text_delta="x", finished=True,
-            finish_reason=None, num_generated_tokens=1,
-            num_prompt_tokens=len(request.prompt_token_ids), num_local_cached_tokens=0,
-            num_transferred_tokens=0, num_prefill_chunks=1, prefill_ns=5)])
+        return FakeHandle(
+            [
+                RequestOutput(
+                    request_id=request.request_id,
+                    new_token_ids=(7,),
+                    text_delta="x",
+                    finished=True,
+                    finish_reason=None,
+                    num_generated_tokens=1,
+                    num_prompt_tokens=len(request.prompt_token_ids),
+                    num_local_cached_tokens=0,
+                    num_transferred_tokens=0,
+                    num_prefill_chunks=1,
+                    prefill_ns=5,
+                )
+            ]
+        )
 
-    def export_kv(self, request_id: str, skip_blocks: int, max_chunk_bytes: int
-                  ) -> Iterator[KvBlocksChunk]:
+    def export_kv(self, request_id: str, skip_blocks: int, max_chunk_bytes: int) -> Iterator[KvBlocksChunk]:
         self.calls.append(("export", request_id, skip_blocks))
         yield KvBlocksChunk(first_block=skip_blocks, num_blocks=1, data=b"\0" * 8)
 
@@ -71,11 +82,15 @@ class FakeEngine:
         if self.fail_import_at == n:
             raise errors.InvalidArgument("bad chunk")
 
-    def finish_import(self, ticket: str, num_tokens: int, first_token_id: int | None,
-                      prefill_generated_tokens: int, draft_token_ids: tuple[int, ...] = ()
-                      ) -> None:
-        call: tuple[Any, ...] = ("finish", ticket, num_tokens, first_token_id,
-                                 prefill_generated_tokens)
+    def finish_import(
+        self,
+        ticket: str,
+        num_tokens: int,
+        first_token_id: int | None,
+        prefill_generated_tokens: int,
+        draft_token_ids: tuple[int, ...] = (),
+    ) -> None:
+        call: tuple[Any, ...] = ("finish", ticket, num_tokens, first_token_id, prefill_generated_tokens)
         self.calls.append(call + ((draft_token_ids,) if draft_token_ids else ()))
 
     def release(self, request_id: str) -> None:
@@ -108,25 +123,47 @@ class FailingPusher:
 def make_core(role: Role = Role.UNIFIED, pusher: Any = None) -> tuple[WorkerCore, FakeEngine]:
     engine = FakeEngine()
     identity = WorkerInfo(
-        worker_id="w", address="a:1", role=role, model_id="fake", dp_size=1, kv_layout=LAYOUT,
-        capabilities=CAPABILITIES, proto_version=PROTO_VERSION, max_model_len=64, device="cpu")
+        worker_id="w",
+        address="a:1",
+        role=role,
+        model_id="fake",
+        dp_size=1,
+        kv_layout=LAYOUT,
+        capabilities=CAPABILITIES,
+        proto_version=PROTO_VERSION,
+        max_model_len=64,
+        device="cpu",
+    )
     return WorkerCore(engine, identity, pusher or FailingPusher()), engine  # type: ignore[arg-type]
 
 
 def request(**kw: Any) -> EngineRequest:
-    fields: dict[str, Any] = dict(request_id="r", prompt_token_ids=(1, 2, 3, 4, 5),
-                                  sampling=SamplingConfig(max_tokens=4, temperature=0))
+    fields: dict[str, Any] = dict(
+        request_id="r", prompt_token_ids=(1, 2, 3, 4, 5), sampling=SamplingConfig(max_tokens=4, temperature=0)
+    )
     fields.update(kw)
     return EngineRequest(**fields)
 
 
-def chunk(first: int, n: int = 1, last: bool = False, layout: KvLayout | None = LAYOUT,
-          generated: int | None = None, ticket: str = "t") -> IncomingKvChunk:
+def chunk(
+    first: int,
+    n: int = 1,
+    last: bool = False,
+    layout: KvLayout | None = LAYOUT,
+    generated: int | None = None,
+    ticket: str = "t",
+) -> IncomingKvChunk:
     return IncomingKvChunk(
-        request_id="r", transfer_ticket=ticket, dp_rank=0, layout=layout,
-        chunk=KvBlocksChunk(first_block=first, num_blocks=n, data=b"\0" * 8 * n), last=last,
-        num_tokens=5 if last else 0, first_token_id=7 if last else None,
-        generated_tokens=generated)
+        request_id="r",
+        transfer_ticket=ticket,
+        dp_rank=0,
+        layout=layout,
+        chunk=KvBlocksChunk(first_block=first, num_blocks=n, data=b"\0" * 8 * n),
+        last=last,
+        num_tokens=5 if last else 0,
+        first_token_id=7 if last else None,
+        generated_tokens=generated,
+    )
 
 
 async def stream(*chunks: IncomingKvChunk) -> AsyncIterator[IncomingKvChunk]:
@@ -158,8 +195,7 @@ async def test_broken_transfer_aborts_the_request() -> None:
 
 async def test_layout_mismatch_leaves_the_request_alone() -> None:
     core, engine = make_core()
-    other = KvLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=8,
-                         dtype="float32")
+    other = KvLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=8, dtype="float32")
     with pytest.raises(errors.FailedPrecondition, match="layout"):
         await core.receive_kv(stream(chunk(0, layout=other, last=True)))
     assert not [c for c in engine.calls if c[0] in ("abort", "import", "finish")]
@@ -181,8 +217,7 @@ async def test_failed_push_releases_the_prefill_blocks() -> None:
     core, engine = make_core(Role.PREFILL)
     target = KvTargetSpec(address="d:1", dp_rank=0, transfer_ticket="t", skip_blocks=1)
     with pytest.raises(errors.Unavailable):
-        await core.prefill(PrefillCall(request=request(), kv_target=target,
-                                       return_token_ids=False))
+        await core.prefill(PrefillCall(request=request(), kv_target=target, return_token_ids=False))
     assert ("export", "r", 1) in engine.calls
     assert engine.calls[-1] == ("release", "r")
     assert core.num_active == 0
@@ -198,8 +233,7 @@ async def test_role_gating_and_drain() -> None:
     core, _ = make_core(Role.UNIFIED)
     core.begin_drain()
     with pytest.raises(errors.Unavailable, match="draining"):
-        await core.prefill(PrefillCall(request=request(), kv_target=None,
-                                       return_token_ids=False))
+        await core.prefill(PrefillCall(request=request(), kv_target=None, return_token_ids=False))
     assert await core.wait_idle(0)
 
 
@@ -210,8 +244,7 @@ async def test_proposals_travel_from_prefill_to_the_decode_engine() -> None:
 
     def with_drafts(request: EngineRequest) -> FakeHandle:
         handle = original(request)
-        handle._outputs = [dataclasses.replace(o, draft_token_ids=(8, 9))
-                           for o in handle._outputs]
+        handle._outputs = [dataclasses.replace(o, draft_token_ids=(8, 9)) for o in handle._outputs]
         return handle
 
     engine.add_request = with_drafts  # type: ignore[method-assign]

@@ -11,8 +11,11 @@ from shared.settings import parse_settings
 
 @pytest.mark.parametrize(
     ("role", "listen", "metrics_port"),
-    [("prefill", "0.0.0.0:50061", 9103), ("decode", "0.0.0.0:50071", 9104),
-     ("unified", "0.0.0.0:50081", 9105)],
+    [
+        ("prefill", "0.0.0.0:50061", 9103),
+        ("decode", "0.0.0.0:50071", 9104),
+        ("unified", "0.0.0.0:50081", 9105),
+    ],
 )
 def test_role_default_ports(role: str, listen: str, metrics_port: int) -> None:
     s = parse_settings(WorkerSettings, ["--role", role], env={})
@@ -48,8 +51,13 @@ def test_ipv6_pod_ip_is_advertised_in_brackets() -> None:
 
 
 def test_env_and_flags() -> None:
-    env = {"PDSERVE_ROLE": "decode", "PDSERVE_DP_SIZE": "2", "PDSERVE_LISTEN": "127.0.0.1:7000",
-           "PDSERVE_LOAD_MONITOR_ADDRESS": "lm:50053", "PDSERVE_LOG_PROMPTS": "true"}
+    env = {
+        "PDSERVE_ROLE": "decode",
+        "PDSERVE_DP_SIZE": "2",
+        "PDSERVE_LISTEN": "127.0.0.1:7000",
+        "PDSERVE_LOAD_MONITOR_ADDRESS": "lm:50053",
+        "PDSERVE_LOG_PROMPTS": "true",
+    }
     s = parse_settings(WorkerSettings, ["--dp-size", "3", "--metrics-port", "-1"], env=env)
     assert s.role is Role.DECODE  # the enum, parsed from its value
     assert s.dp_size == 3  # flag beats env
@@ -61,9 +69,17 @@ def test_env_and_flags() -> None:
 
 @pytest.mark.parametrize(
     "argv",
-    [["--role", "router"], ["--dp-size", "0"], ["--device", "tpu"], ["--listen", "nohost"],
-     ["--kv-chunk-bytes", "0"], ["--drain-grace-s", "-1"], ["--max-batch-tokens", "-1"],
-     ["--max-num-seqs", "0"], ["--advertise-address", "10.0.0.7"]],
+    [
+        ["--role", "router"],
+        ["--dp-size", "0"],
+        ["--device", "tpu"],
+        ["--listen", "nohost"],
+        ["--kv-chunk-bytes", "0"],
+        ["--drain-grace-s", "-1"],
+        ["--max-batch-tokens", "-1"],
+        ["--max-num-seqs", "0"],
+        ["--advertise-address", "10.0.0.7"],
+    ],
 )
 def test_invalid_values_exit_with_a_message(argv: list[str]) -> None:
     with pytest.raises(SystemExit):

@@ -44,15 +44,19 @@ def after_verify(record: SpecRecord, proposed: int, accepted: int) -> SpecRecord
     rate = accepted / proposed
     ema = (1 - EMA_WEIGHT) * record.recent_acceptance + EMA_WEIGHT * rate
     drafts = record.num_draft_tokens + proposed
-    rec = dataclasses.replace(record, num_draft_tokens=drafts,
-                              num_accepted_tokens=record.num_accepted_tokens + accepted,
-                              recent_acceptance=ema)
+    rec = dataclasses.replace(
+        record,
+        num_draft_tokens=drafts,
+        num_accepted_tokens=record.num_accepted_tokens + accepted,
+        recent_acceptance=ema,
+    )
     if ema < LOW_ACCEPTANCE and drafts >= MIN_DRAFTS_BEFORE_BACKOFF:
         backoff = min(MAX_BACKOFF_STEPS, max(FIRST_BACKOFF_STEPS, 2 * record.backoff_steps))
         # after the back-off one probe decides: restart the average just above the threshold,
         # where a probe with nothing accepted falls below it again
-        return dataclasses.replace(rec, skip_steps=backoff, backoff_steps=backoff,
-                                   recent_acceptance=PROBE_ACCEPTANCE)
+        return dataclasses.replace(
+            rec, skip_steps=backoff, backoff_steps=backoff, recent_acceptance=PROBE_ACCEPTANCE
+        )
     if rate >= 0.5:
         rec = dataclasses.replace(rec, backoff_steps=0)
     return rec

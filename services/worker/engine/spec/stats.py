@@ -26,8 +26,9 @@ class SpecStats:
             self.accepted_per_position[i] += 1
 
     def copy(self) -> SpecStats:
-        return SpecStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
-                         list(self.accepted_per_position))
+        return SpecStats(
+            self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, list(self.accepted_per_position)
+        )
 
     @property
     def acceptance_rate(self) -> float:

@@ -21,8 +21,9 @@ def accept_run(proposals: Sequence[int], targets: Sequence[int]) -> list[int]:
     """targets[i] is the target's token at the position of proposals[i] (len(targets) =
     len(proposals) + 1): returns the accepted proposals + the target's token after them."""
     if len(targets) != len(proposals) + 1:
-        raise ValueError(f"{len(proposals)} proposals need {len(proposals) + 1} target tokens, "
-                         f"got {len(targets)}")
+        raise ValueError(
+            f"{len(proposals)} proposals need {len(proposals) + 1} target tokens, got {len(targets)}"
+        )
     accepted = 0
     while accepted < len(proposals) and proposals[accepted] == targets[accepted]:
         accepted += 1
