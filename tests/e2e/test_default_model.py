@@ -38,9 +38,9 @@ async def test_smollm2_disaggregated_unified_and_hf_agree(tmp_path_factory: pyte
             client = openai.AsyncOpenAI(base_url=stack.http_base_url, api_key="none", max_retries=0)
             http = await client.chat.completions.create(
                 model="",
-                messages=MESSAGES,
+                messages=MESSAGES,  # type: ignore[arg-type]
                 max_tokens=24,
-                temperature=0,  # type: ignore[arg-type]
+                temperature=0,
             )
         results[unified] = frames
         # the OpenAI-compatible HTTP API answers the same, with the same usage

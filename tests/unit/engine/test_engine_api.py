@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 import torch
@@ -59,17 +60,10 @@ async def test_validation_messages_say_what_to_change(
 ) -> None:
     """The engine is the one validator (the worker core does not check again)."""
     engine = make_engine()
-    args: dict[str, object] = {"request_id": "v", "prompt": (5, 6), "sampling": greedy(2)}
-    args.update(fields)
+    args: dict[str, Any] = {"request_id": "v", "prompt": (5, 6), "sampling": greedy(2)}
+    args.update(fields)  # deliberately invalid values: the engine must refuse them
     with pytest.raises(InvalidArgument, match=message):
-        engine.add_request(
-            request(
-                args.pop("request_id"),
-                args.pop("prompt"),  # type: ignore[arg-type]
-                args.pop("sampling"),
-                **args,
-            )
-        )  # type: ignore[arg-type]
+        engine.add_request(request(args.pop("request_id"), args.pop("prompt"), args.pop("sampling"), **args))
 
 
 async def test_dp_ranks_run_independently(make_engine: EngineFactory) -> None:

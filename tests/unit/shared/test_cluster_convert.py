@@ -145,9 +145,9 @@ def test_snapshot_skips_unusable_workers_and_sums_ranks() -> None:
             info=common_pb2.WorkerInfo(
                 worker_id=worker_id,
                 address="h:1",
-                role=role,
+                role=role,  # type: ignore[arg-type]
                 model_id="m",
-                dp_size=2,  # type: ignore[arg-type]
+                dp_size=2,
                 kv_layout=common_pb2.KvLayout(block_size=16, dtype="float32"),
             ),
             ranks=[
