@@ -290,14 +290,26 @@ def _scheduler_worker_count(address: str, tls: TlsConfig | None) -> int:
 
 
 def _stop_all(children: Sequence[Child], grace_s: float = 30.0) -> None:
+    """Gateway first (it drains the streams), then every worker at once (each drains its own
+    requests; stopping them one by one only added their shutdown times up), then the scheduler,
+    the load-monitor last. A child still running `grace_s` after its SIGTERM is killed."""
+    stages: list[list[Child]] = []
     for child in reversed(children):  # gateway first, load-monitor last
-        if child.proc and child.proc.poll() is None:
-            child.proc.send_signal(signal.SIGTERM)
+        if "worker" in child.name and stages and "worker" in stages[-1][0].name:
+            stages[-1].append(child)
+        else:
+            stages.append([child])
+    for stage in stages:
+        running = [c.proc for c in stage if c.proc and c.proc.poll() is None]
+        for proc in running:
+            proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for proc in running:
             try:
-                child.proc.wait(timeout=grace_s)
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                child.proc.kill()
-                child.proc.wait()
+                proc.kill()
+                proc.wait()
 
 
 def _wait_ready(

@@ -69,3 +69,41 @@ def test_pass_through_flags_reach_only_their_service() -> None:
 def test_impossible_shapes_exit_with_one_line(argv: list[str]) -> None:
     with pytest.raises(SystemExit, match="must be between 1 and 10"):
         up._parse(argv)
+
+
+class _Proc:
+    """Stands in for a child process: records SIGTERMs in a shared log, exits when waited on."""
+
+    def __init__(self, name: str, log: list[tuple[str, str]]) -> None:
+        self.name, self.log = name, log
+        self.code: int | None = None
+
+    def poll(self) -> int | None:
+        return self.code
+
+    def send_signal(self, sig: int) -> None:
+        self.log.append(("term", self.name))
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.log.append(("exited", self.name))
+        self.code = 0
+        return 0
+
+
+def test_stop_order_gateway_then_all_workers_at_once_then_scheduler_and_load_monitor() -> None:
+    children = _children("--prefill-workers", "2", "--decode-workers", "2")
+    log: list[tuple[str, str]] = []
+    for child in children:
+        child.proc = _Proc(child.name, log)  # type: ignore[assignment]
+    up._stop_all(children, grace_s=1.0)
+    workers = {c.name for c in children if "worker" in c.name}
+    assert log[:2] == [("term", "gateway"), ("exited", "gateway")]
+    # every worker is signalled before any of them is waited for
+    assert {name for _, name in log[2:6]} == workers and all(kind == "term" for kind, _ in log[2:6])
+    assert {name for _, name in log[6:10]} == workers and all(kind == "exited" for kind, _ in log[6:10])
+    assert log[10:] == [
+        ("term", "scheduler"),
+        ("exited", "scheduler"),
+        ("term", "load-monitor"),
+        ("exited", "load-monitor"),
+    ]
