@@ -13,11 +13,12 @@ constant time and never logged. An empty token turns the check off (development 
 from __future__ import annotations
 
 import hmac
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Collection, Sequence
 
 import grpc
 import structlog
+
+from shared.grpc_auth import metadata_value, refusal
 
 log = structlog.get_logger(__name__)
 
@@ -45,14 +46,6 @@ def token_metadata(token: str) -> Callable[[], Sequence[tuple[str, str]]] | None
     return lambda: pairs
 
 
-def _presented(details: grpc.HandlerCallDetails) -> bytes | None:
-    for item in details.invocation_metadata or ():
-        if item[0] == TOKEN_HEADER:
-            value = item[1]
-            return value if isinstance(value, bytes) else str(value).encode("latin-1", "replace")
-    return None
-
-
 class ClusterTokenInterceptor(grpc.aio.ServerInterceptor):
     """Refuses calls to `protected_services` without the cluster token (UNAUTHENTICATED)."""
 
@@ -69,33 +62,11 @@ class ClusterTokenInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         if handler is None or not self._token or not method.startswith(self._prefixes):
             return handler
-        presented = _presented(handler_call_details)
-        if presented is not None and hmac.compare_digest(presented, self._token):
+        presented = metadata_value(handler_call_details, TOKEN_HEADER)
+        if presented is not None and hmac.compare_digest(presented.encode("latin-1", "replace"), self._token):
             return handler
         log.warning("internal_rpc_refused", method=method, token_present=presented is not None)
-        return _refusal(handler)
-
-
-def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as `handler` that ends the call with UNAUTHENTICATED."""
-
-    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
-
-    async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
-        yield  # pragma: no cover - abort raises
-
-    kw: dict[str, Any] = dict(
-        request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
-    )
-    if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(unary, **kw)
-    if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(unary, **kw)
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(stream, **kw)
-    return grpc.stream_stream_rpc_method_handler(stream, **kw)
+        return refusal(handler, UNAUTHENTICATED_MESSAGE)
 
 
 def server_interceptors(token: str) -> list[grpc.aio.ServerInterceptor]:

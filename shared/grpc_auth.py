@@ -1,5 +1,7 @@
 """gRPC server interceptor that requires an API key (`authorization: Bearer <key>` metadata) on the
-services it protects; every other service (health, reflection) stays open."""
+services it protects; every other service (health, reflection) stays open. Also the pieces every
+credential interceptor shares (shared.cluster_auth uses them): reading one metadata value and a
+refusal handler of the refused method's shape."""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ from shared.auth import AUTH_HEADER, UNAUTHENTICATED_MESSAGE, ApiKeys
 log = structlog.get_logger(__name__)
 
 
-def _metadata_value(details: grpc.HandlerCallDetails, key: str) -> str | None:
+def metadata_value(details: grpc.HandlerCallDetails, key: str) -> str | None:
+    """The first value of metadata `key` on the call (bytes read as latin-1), None without one."""
     for item in details.invocation_metadata or ():
         k, v = item[0], item[1]
         if k == key:
@@ -39,23 +42,23 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         if handler is None or not self._keys.enabled or not method.startswith(self._prefixes):
             return handler
-        if self._keys.accepts(_metadata_value(handler_call_details, AUTH_HEADER)):
+        if self._keys.accepts(metadata_value(handler_call_details, AUTH_HEADER)):
             return handler
         log.info("unauthenticated", method=method)  # never the key itself
-        return _refusal(handler)
+        return refusal(handler, UNAUTHENTICATED_MESSAGE)
 
 
-def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as `handler` that ends the call with UNAUTHENTICATED."""
+def refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that ends the call with UNAUTHENTICATED, `message`."""
 
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
     async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
         yield  # pragma: no cover - abort raises
 
-    kw = dict(
+    kw: dict[str, Any] = dict(
         request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
     )
     if handler.unary_unary:
