@@ -4,8 +4,6 @@ gateway -> scheduler -> prefill worker -> KV push -> decode worker, with an in-m
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -14,17 +12,9 @@ import pytest
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from services.gateway.server import GatewayApp, build_app
-from services.gateway.settings import GatewaySettings
-from services.load_monitor.server import build as build_load_monitor
-from services.load_monitor.settings import Settings as LoadMonitorSettings
-from services.scheduler.server import build as build_scheduler
-from services.scheduler.settings import Settings as SchedulerSettings
-from services.worker.server import WorkerApp
-from services.worker.settings import WorkerSettings
-from shared.cluster import Role
-from shared.proto import gateway_pb2, gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-from shared.tracing import configure_tracing, server_interceptors
+from shared.proto import gateway_pb2, gateway_pb2_grpc
+from shared.tracing import configure_tracing
+from tests.support.inproc import five_services
 from tests.support.tiny_models import build_tiny_model
 
 
@@ -40,67 +30,6 @@ def exporter() -> InMemorySpanExporter:
     return exp
 
 
-@contextlib.asynccontextmanager
-async def five_services(model: Path) -> AsyncIterator[GatewayApp]:
-    lm = build_load_monitor(
-        LoadMonitorSettings(listen="127.0.0.1:0", metrics_port=-1, load_interval_s=0.1, drain_grace_s=0.0)
-    )
-    await lm.start()
-    sched = build_scheduler(
-        SchedulerSettings(
-            listen="127.0.0.1:0", metrics_port=-1, drain_grace_s=0.0, load_monitor_address=lm.server.address
-        ),
-        server_interceptors(),  # as its main() does
-    )
-    await sched.start()
-    workers = [
-        WorkerApp(
-            WorkerSettings(
-                role=Role(role),
-                listen="127.0.0.1:0",
-                metrics_port=-1,
-                model=str(model),
-                device="cpu",
-                dtype="float32",
-                kv_cache_tokens=2048,
-                torch_threads=1,
-                drain_grace_s=0.0,
-                load_monitor_address=lm.server.address,
-                heartbeat_interval_s=0.2,
-                load_refresh_s=0.2,
-            )
-        )
-        for role in ("prefill", "decode")
-    ]
-    gateway = build_app(
-        GatewaySettings(
-            listen="127.0.0.1:0",
-            http_port=-1,
-            metrics_port=-1,
-            model=str(model),
-            scheduler_address=sched.server.address,
-            drain_grace_s=0.0,
-        )
-    )
-    try:
-        for w in workers:
-            await w.start()
-        await gateway.start()
-        async with grpc.aio.insecure_channel(sched.server.address) as ch:
-            for _ in range(500):
-                state = await scheduler_pb2_grpc.SchedulerStub(ch).GetState(scheduler_pb2.GetStateRequest())
-                if len(state.workers) == 2:
-                    break
-                await asyncio.sleep(0.02)
-        yield gateway
-    finally:
-        await gateway.stop(0)
-        for w in workers:
-            await w.stop()
-        await sched.stop(0)
-        await lm.stop(0)
-
-
 def _ancestors(span: ReadableSpan, by_id: dict[int, ReadableSpan]) -> list[str]:
     names = []
     parent = span.parent
@@ -114,7 +43,8 @@ async def test_one_trace_with_every_hop_in_parent_order(
     exporter: InMemorySpanExporter, tmp_path: Path
 ) -> None:
     model = build_tiny_model(tmp_path / "tiny", "bpe")
-    async with five_services(model) as gateway:
+    async with five_services(model) as stack:
+        gateway = stack.gateway
         exporter.clear()
         async with grpc.aio.insecure_channel(gateway.server.address) as ch:
             req = gateway_pb2.GenerateRequest(
