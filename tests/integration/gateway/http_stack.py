@@ -31,6 +31,7 @@ class Router(scheduler_pb2_grpc.SchedulerServicer):
     model_id: str = ""
     mode: str = "disaggregated"
     refuse: grpc.StatusCode | None = None  # every Schedule fails with this code while set
+    max_model_len: int = MAX_MODEL_LEN  # what Schedule and GetState report
 
     async def Schedule(
         self, request: scheduler_pb2.ScheduleRequest, context: grpc.aio.ServicerContext
@@ -42,12 +43,12 @@ class Router(scheduler_pb2_grpc.SchedulerServicer):
                 mode=scheduler_pb2.SERVING_MODE_DISAGGREGATED,
                 prefill=self.targets["prefill"],
                 decode=self.targets["decode"],
-                max_model_len=MAX_MODEL_LEN,
+                max_model_len=self.max_model_len,
             )
         return scheduler_pb2.ScheduleResponse(
             mode=scheduler_pb2.SERVING_MODE_AGGREGATED,
             decode=self.targets["unified"],
-            max_model_len=MAX_MODEL_LEN,
+            max_model_len=self.max_model_len,
         )
 
     async def GetState(
@@ -60,7 +61,7 @@ class Router(scheduler_pb2_grpc.SchedulerServicer):
                         worker_id=t.worker_id,
                         address=t.address,
                         model_id=self.model_id,
-                        max_model_len=MAX_MODEL_LEN,
+                        max_model_len=self.max_model_len,
                     )
                 )
                 for t in self.targets.values()

@@ -8,7 +8,7 @@ The scheduler is a stand-in that routes by the test's choice of mode."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,34 +25,13 @@ from shared.proto import common_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb
 from tests.support.tiny_models import build_tiny_model
 
 from .conftest import gateway_settings
+from .http_stack import Router
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 MAX_MODEL_LEN = 256
 LENGTH, STOP = common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_STOP
 PROMPTS = ["日本語のテキスト 🙂🚀 ok", "Hello world! 你好，世界", "The quick brown fox"]
-
-
-@dataclass
-class Router(scheduler_pb2_grpc.SchedulerServicer):
-    targets: dict[str, scheduler_pb2.WorkerTarget] = field(default_factory=dict)
-    mode: str = "disaggregated"
-
-    async def Schedule(
-        self, request: scheduler_pb2.ScheduleRequest, context: grpc.aio.ServicerContext
-    ) -> scheduler_pb2.ScheduleResponse:
-        if self.mode == "disaggregated":
-            return scheduler_pb2.ScheduleResponse(
-                mode=scheduler_pb2.SERVING_MODE_DISAGGREGATED,
-                prefill=self.targets["prefill"],
-                decode=self.targets["decode"],
-                max_model_len=MAX_MODEL_LEN,
-            )
-        return scheduler_pb2.ScheduleResponse(
-            mode=scheduler_pb2.SERVING_MODE_AGGREGATED,
-            decode=self.targets["unified"],
-            max_model_len=MAX_MODEL_LEN,
-        )
 
 
 @dataclass
@@ -77,7 +56,7 @@ async def stack(
 ) -> AsyncIterator[Stack]:
     model = build_tiny_model(tmp_path_factory.mktemp("real-workers") / f"tiny-{request.param}", request.param)
     workers: list[WorkerApp] = []
-    router = Router()
+    router = Router(max_model_len=MAX_MODEL_LEN)
     for role in ("prefill", "decode", "unified"):
         app = WorkerApp(
             WorkerSettings(
