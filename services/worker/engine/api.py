@@ -126,8 +126,12 @@ class EngineConfig:
     torch_threads: int = 0  # 0 = torch default
     cpu_prepack: bool = True  # CPU: oneDNN-prepacked linear weights (engine/cpu_linear.py)
     enable_prefix_caching: bool = True
-    # speculative decoding (engine/spec): "off" | "ngram"
+    # speculative decoding (engine/spec): "off" | "ngram" | "draft"
     speculative: str = "off"
+    # speculative "draft": the draft model's folder (same tokenizer as the target) and its own KV
+    # pool per rank (tokens; 0 = as many tokens as the target's pool)
+    draft_model_path: str = ""
+    draft_kv_cache_tokens: int = 0
     num_speculative_tokens: int = 5  # proposals per sequence per step (k)
     spec_ngram_min: int = 2  # shortest suffix n-gram looked up (tokens)
     spec_ngram_max: int = 4  # longest suffix n-gram looked up (tokens)
