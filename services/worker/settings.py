@@ -60,6 +60,11 @@ class WorkerSettings(TlsSettings):
         "On CPU, pack linear-layer weights once for oneDNN (faster at every batch size; "
         "--no-cpu-prepack = torch's default matmul)",
     )
+    cpu_kernel_cache_entries: int = field(
+        64,
+        "On CPU, oneDNN kernels kept per cache (one per input shape, ~0.3 MiB each); bounds the "
+        "memory that prompts of many lengths add over time",
+    )
     speculative: str = field(
         "off",
         "Speculative decoding: off, ngram (prompt lookup over the prompt and output), or draft "
@@ -133,6 +138,7 @@ class WorkerSettings(TlsSettings):
             "max_batch_tokens",
             "max_model_len",
             "torch_threads",
+            "cpu_kernel_cache_entries",
             "spec_max_batch_tokens",
         ):
             if getattr(self, name) < 0:

@@ -125,6 +125,9 @@ class EngineConfig:
     max_model_len: int = 0  # 0 = the model's max_position_embeddings
     torch_threads: int = 0  # 0 = torch default
     cpu_prepack: bool = True  # CPU: oneDNN-prepacked linear weights (engine/cpu_linear.py)
+    # CPU: entries in each of oneDNN's kernel caches (one per input shape, ~0.3 MiB each);
+    # bounds the memory that prompts of many lengths would otherwise add (cpu_linear)
+    cpu_kernel_cache_entries: int = 64
     enable_prefix_caching: bool = True
     # speculative decoding (engine/spec): "off" | "ngram" | "draft"
     speculative: str = "off"

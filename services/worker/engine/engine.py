@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from services.worker.engine import cpu_linear
 from services.worker.engine.api import (
     Admission,
     EngineConfig,
@@ -179,6 +180,8 @@ class PagedEngine:
         sys.setswitchinterval(min(sys.getswitchinterval(), _GIL_SWITCH_INTERVAL_S))
         if cfg.torch_threads > 0:
             torch.set_num_threads(cfg.torch_threads)
+        # before any model is loaded: packing the weights builds the first oneDNN kernels
+        cpu_linear.bound_kernel_caches(cfg.cpu_kernel_cache_entries)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
         self._hidden_ids = hidden_token_ids(self.tokenizer)
         if cfg.speculative == "draft":
