@@ -33,7 +33,7 @@ from services.worker.engine.model_runner import ModelRunner, ScheduledSeq
 from services.worker.engine.request import Request, RequestStatus, finish_rule
 from services.worker.engine.scheduler import ScheduledRequest, Scheduler
 from services.worker.engine.spec import policy
-from services.worker.engine.spec.draft import DraftJob, DraftProposer
+from services.worker.engine.spec.draft import DraftJob, DraftProposer, fit_to_room
 from services.worker.engine.spec.ngram import NgramProposer
 from services.worker.engine.spec.stats import SpecStats
 from services.worker.engine.spec.verify import accept_run
@@ -203,7 +203,13 @@ class Rank:
         with self.lock:
             outputs = []
             self._postprocess(scheduled, sampled, elapsed_ns, outputs)
-            jobs = self._draft.plan(self._draft_wants) if self._draft is not None else []
+            jobs: list[DraftJob] = []
+            if self._draft is not None and self._draft_wants:
+                # the next step verifies one token per running request plus proposals, at most
+                # max_spec_batch_tokens in all
+                room = self.scheduler.max_spec_batch_tokens - len(self.scheduler.running)
+                self._draft_wants = fit_to_room(self._draft_wants, room)
+                jobs = self._draft.plan([w for w in self._draft_wants if w[1] > 0])
         deliver_batch(outputs)
         if self._draft_wants:
             self._draft_round(jobs)

@@ -336,6 +336,28 @@ async def test_random_requests_with_cancels_leave_both_pools_full(
     assert [x.num_running + x.num_waiting for x in engine.rank_loads()] == [0, 0]
 
 
+async def test_a_large_batch_runs_no_draft_passes_for_proposals(
+    make_engine: EngineFactory, tiny_bpe: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Per-step back-off: with more running requests than spec_max_batch_tokens the next step
+    could verify no proposal, so the draft model does not propose any; a lone request does."""
+    wanted: list[int] = []
+    run = DraftProposer.run
+
+    def counting(self: DraftProposer, jobs: Any) -> None:
+        wanted.extend(j.num_proposals for j in jobs)
+        run(self, jobs)
+
+    monkeypatch.setattr(DraftProposer, "run", counting)
+    busy = make_engine(**_spec(tiny_bpe, spec_max_batch_tokens=6))
+    reqs = [request(f"r{i}", _prompt(30, 70 + i), greedy(30, ignore_eos=True)) for i in range(8)]
+    await _run_all(busy, reqs)
+    assert busy.spec_stats(0).num_draft_tokens == 0 and sum(wanted) == 0
+    await _run_all(busy, reqs[:1])
+    assert busy.spec_stats(0).num_draft_tokens > 0 and sum(wanted) > 0
+    assert _pools_full(busy)
+
+
 # ---- start-up refusals ------------------------------------------------------------------------
 def test_a_draft_with_another_tokenizer_is_refused(
     make_engine: EngineFactory, tiny_byte_fallback: Path

@@ -193,6 +193,22 @@ class DraftProposer:
                 j.proposals.append(toks[0])
 
 
+def fit_to_room(wants: Sequence[tuple[Request, int]], room: int) -> list[tuple[Request, int]]:
+    """Cut decoding requests' wanted proposals to `room` in all, best recent acceptance first
+    (the order in which the scheduler gives verification room): the draft's forward passes for
+    proposals the next step could not verify would be wasted. Handoffs (HELD, verified on the
+    decode worker) keep theirs."""
+    decoding = sorted(
+        (w for w in wants if w[0].status is RequestStatus.RUNNING),
+        key=lambda w: -w[0].spec.recent_acceptance,
+    )
+    granted: dict[Request, int] = {}
+    for req, n in decoding:
+        granted[req] = max(0, min(n, room))
+        room -= granted[req]
+    return [(req, granted.get(req, n)) for req, n in wants]
+
+
 # ---- start-up ------------------------------------------------------------------------------
 def check_same_tokenizer(target: Any, draft: Any, draft_name: str) -> None:
     """The draft must tokenize exactly like the target (same token -> id map): its proposals are
