@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from services.worker.engine.api import (
     Engine,
@@ -356,6 +357,53 @@ async def test_a_large_batch_runs_no_draft_passes_for_proposals(
     await _run_all(busy, reqs[:1])
     assert busy.spec_stats(0).num_draft_tokens > 0 and sum(wanted) > 0
     assert _pools_full(busy)
+
+
+async def test_a_failing_draft_model_proposes_nothing_and_fails_no_request(
+    make_engine: EngineFactory, tiny_bpe: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def boom(self: DraftProposer, jobs: Any) -> None:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(DraftProposer, "run", boom)
+    off, on = make_engine(), make_engine(**_spec(tiny_bpe))
+    sp = greedy(12, ignore_eos=True)
+    ref = await collect(off.add_request(request("a", _prompt(20, 1), sp)))
+    _same_outputs(ref, await collect(on.add_request(request("b", _prompt(20, 1), sp))))
+    (first,) = await collect(on.add_request(request("c", _prompt(20, 1), sp, kind=RequestKind.PREFILL_ONLY)))
+    assert first.finished and first.draft_token_ids == () and first.new_token_ids == tuple(tokens_of(ref)[:1])
+    on.release("c")
+    assert on.spec_stats(0).num_draft_tokens == 0
+    assert _pools_full(on)
+
+
+def test_the_default_pools_share_the_memory_budget(
+    make_engine: EngineFactory, tiny_bpe: Path, tiny_draft: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without kv_cache_tokens the target's pool takes its share of free memory; with a draft
+    whose pool follows it, that share covers both (token for token)."""
+    from services.worker.engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "_available_bytes", lambda device: 64 << 20)
+    settings: dict[str, Any] = {"kv_cache_tokens": 0, "max_num_seqs": 1000}
+    alone, paired = make_engine(**settings), make_engine(**settings, **_spec(tiny_draft))
+    sized = make_engine(**settings, **_spec(tiny_draft, draft_kv_cache_tokens=100))
+    # per token: target 2 layers x 2 x 2 heads x 16 x 4 B = 512 B; draft (1 layer) 256 B
+    assert paired.num_total_blocks(0) == alone.num_total_blocks(0) * 2 // 3
+    assert paired.draft_blocks(0)[1] == paired.num_total_blocks(0)  # type: ignore[attr-defined]
+    assert sized.num_total_blocks(0) == alone.num_total_blocks(0)
+    assert sized.draft_blocks(0)[1] == -(-100 // 16)  # type: ignore[attr-defined]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_cuda_draft_speculation_matches_cpu(make_engine: EngineFactory, tiny_draft: Path) -> None:
+    cpu, gpu = make_engine(), make_engine(device="cuda", **_spec(tiny_draft))
+    reqs = [request(f"c{i}", _prompt(20 + 13 * i, 80 + i), greedy(24, ignore_eos=True)) for i in range(4)]
+    for a, b in zip(await _run_all(cpu, reqs), await _run_all(gpu, reqs), strict=True):
+        assert tokens_of(b) == tokens_of(a)
+    assert gpu.spec_stats(0).num_accepted_tokens > 0
+    assert _pools_full(gpu)
 
 
 # ---- start-up refusals ------------------------------------------------------------------------
