@@ -276,7 +276,7 @@ class PagedEngine:
         )
         return DraftProposer(
             runner,
-            BlockManager(num_blocks, cfg.block_size, enable_prefix_caching=False),
+            BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching),
             max_catchup_tokens=max_batch_tokens,
             max_model_len=max_len,
             vocab_size=self.vocab_size,

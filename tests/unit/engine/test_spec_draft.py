@@ -115,7 +115,7 @@ def test_plan_catches_up_in_budgeted_chunks_and_never_takes_what_the_pool_lacks(
     assert blocks.num_free_blocks == 1
 
 
-def _proposer(model_path: Path, num_blocks: int = 32) -> DraftProposer:
+def _proposer(model_path: Path, num_blocks: int = 48, prefix_caching: bool = False) -> DraftProposer:
     import torch
 
     from services.worker.engine.model_runner import ModelRunner, kv_layout_of, load_model
@@ -123,7 +123,8 @@ def _proposer(model_path: Path, num_blocks: int = 32) -> DraftProposer:
     cpu = torch.device("cpu")
     model = load_model(str(model_path), cpu, torch.float32)
     runner = ModelRunner(model, kv_layout_of(model.config, 4, torch.float32), num_blocks, cpu, torch.float32)
-    return DraftProposer(runner, BlockManager(num_blocks, 4, False), 64, 2048, int(model.config.vocab_size))
+    blocks = BlockManager(num_blocks, 4, prefix_caching)
+    return DraftProposer(runner, blocks, 64, 2048, int(model.config.vocab_size))
 
 
 def _round(proposer: DraftProposer, req: Request, k: int) -> list[int]:
@@ -132,10 +133,15 @@ def _round(proposer: DraftProposer, req: Request, k: int) -> list[int]:
     return proposer.apply(jobs).get(req, [])
 
 
-def test_the_draft_kv_follows_the_accepted_tokens_exactly(tiny_draft: Path) -> None:
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_the_draft_kv_follows_the_accepted_tokens_exactly(tiny_draft: Path, prefix_caching: bool) -> None:
     """Rounds of proposals against random verdicts (a random number accepted, then a random
-    target token): every round proposes what a fresh draft, prefilling the same tokens, would."""
-    kept, fresh = _proposer(tiny_draft), _proposer(tiny_draft)
+    target token): every round proposes what a fresh draft, prefilling the same tokens, would
+    (with prefix caching, the fresh one starts from the blocks its earlier rounds cached)."""
+    kept, fresh = (
+        _proposer(tiny_draft, prefix_caching=prefix_caching),
+        _proposer(tiny_draft, prefix_caching=prefix_caching),
+    )
     rng = random.Random(2)
     req = Request.from_engine_request(EngineRequest("r", _prompt(11, 1), SamplingConfig(max_tokens=500)))
     for i in range(12):
@@ -148,6 +154,7 @@ def test_the_draft_kv_follows_the_accepted_tokens_exactly(tiny_draft: Path) -> N
         req.token_ids += [*props[: rng.randint(0, 3)], rng.randrange(3, 450)]
     kept.drop(req)
     assert kept.blocks.num_free_blocks == kept.blocks.num_blocks
+    assert fresh.blocks.num_free_blocks == fresh.blocks.num_blocks
 
 
 # ---- on tiny models ---------------------------------------------------------------------------
@@ -205,20 +212,32 @@ async def test_seeded_sampling_is_reproducible_and_identical(
     assert _pools_full(on)
 
 
-async def test_prefix_hits_on_the_target_still_fill_the_draft(
-    make_engine: EngineFactory, tiny_bpe: Path
+async def test_prefix_hits_on_both_pools_stay_exact(
+    make_engine: EngineFactory, tiny_bpe: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A follow-up hits the target's prefix cache (its output blocks included); the draft
-    prefills its own copy lazily and proposes as well as on a cold prompt."""
+    """A follow-up hits the target's prefix cache (its output blocks included) and the draft's
+    own: the draft computes only the new tail, proposes as well as on a cold prompt, and the
+    output equals a cold engine's."""
+    computed: list[int] = []
+    run = DraftProposer.run
+
+    def counting(self: DraftProposer, jobs: Any) -> None:
+        computed.extend(len(j.token_ids) for j in jobs)
+        run(self, jobs)
+
+    monkeypatch.setattr(DraftProposer, "run", counting)
     cold, on = make_engine(enable_prefix_caching=False), make_engine(**_spec(tiny_bpe))
     prompt = _prompt(50, 5)
     first = await collect(on.add_request(request("a", prompt, greedy(40, ignore_eos=True))))
     follow = prompt + tuple(tokens_of(first)) + _prompt(9, 6)
     drafted = on.spec_stats(0).num_draft_tokens
+    computed.clear()
     warm = await collect(on.add_request(request("b", follow, greedy(30, ignore_eos=True))))
     ref = await collect(cold.add_request(request("c", follow, greedy(30, ignore_eos=True))))
     assert warm[-1].num_local_cached_tokens >= 80
     _same_outputs(ref, warm)
+    assert computed[0] <= 9 + 16  # the draft's first catch-up: the new tail, not 99 tokens
+    assert sum(computed) < len(follow)
     stats = on.spec_stats(0)
     assert stats.num_draft_tokens - drafted >= 20 and stats.acceptance_rate >= 0.95
     assert _pools_full(on)

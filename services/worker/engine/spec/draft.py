@@ -9,7 +9,11 @@ back: their rows lie past num_computed_tokens and their tail blocks are freed), 
 draft has not computed yet (the prompt, on the first proposal; the bonus token, afterwards) is fed
 first. So the draft prefills its copy of the prompt lazily, whatever the target did (chunked
 prefill, prefix-cache hits, a KV import), at most `max_catchup_tokens` per round; a request still
-catching up proposes nothing that round.
+catching up proposes nothing that round. The draft's pool has its own prefix cache (same chained
+block hashes as the target's): full blocks of computed tokens are registered, so a shared prompt
+prefix or a resumed request is not recomputed. Only tokens of token_ids below
+num_computed_tokens are ever hashed, and writes start at num_computed_tokens, so a cached block
+is never written and never holds a rejected proposal.
 
 A round runs in three phases around the rank's lock: `plan` (locked: rollback, block allocation,
 snapshots), `run` (unlocked: one forward over every request's catch-up tokens, then one batched
@@ -34,6 +38,7 @@ from services.worker.engine.api import SamplingConfig
 from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.model_runner import ModelRunner, ScheduledSeq, load_model
 from services.worker.engine.request import Request, RequestStatus
+from shared.block_hash import chain_hash
 from shared.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
@@ -48,6 +53,8 @@ class DraftState:
     block_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # leading tokens of the request's token_ids in the draft's KV
     fed: list[int] = field(default_factory=list)  # proposals whose K/V follows them (unverified)
+    num_hashed_blocks: int = 0  # leading blocks registered in the draft's prefix cache
+    last_block_hash: int | None = None  # chain hash of block num_hashed_blocks - 1
 
 
 @dataclass
@@ -127,7 +134,7 @@ class DraftProposer:
         jobs: list[DraftJob] = []
         budget = self.max_catchup_tokens
         for req, wanted in wants:
-            st = self._states.setdefault(req, DraftState())
+            st = self._states.get(req) or self._new_state(req)
             tokens = req.token_ids
             valid = st.num_computed_tokens + _common_prefix(tokens[st.num_computed_tokens :], st.fed)
             st.num_computed_tokens, st.fed = valid, []
@@ -143,6 +150,30 @@ class DraftProposer:
             jobs.append(DraftJob(req, n, valid, list(tokens[valid : valid + chunk]), list(st.block_ids)))
         return jobs
 
+    def _new_state(self, req: Request) -> DraftState:
+        """A request's draft KV, starting from the longest cached prefix of its tokens (at least
+        its last token is left to compute)."""
+        bs = self.blocks.block_size
+        cached = self.blocks.lookup_prefix(req.token_ids, (req.num_tokens - 1) // bs)
+        self.blocks.take(cached)
+        st = DraftState(
+            block_ids=list(cached),
+            num_computed_tokens=len(cached) * bs,
+            num_hashed_blocks=len(cached),
+            last_block_hash=self.blocks.block_hash(cached[-1]) if cached else None,
+        )
+        self._states[req] = st
+        return st
+
+    def _hash_full_blocks(self, st: DraftState, tokens: Sequence[int]) -> None:
+        bs = self.blocks.block_size
+        while (st.num_hashed_blocks + 1) * bs <= st.num_computed_tokens:
+            k = st.num_hashed_blocks
+            h = chain_hash(st.last_block_hash, tokens[k * bs : (k + 1) * bs])
+            self.blocks.cache_block(st.block_ids[k], h)
+            st.last_block_hash = h
+            st.num_hashed_blocks = k + 1
+
     def apply(self, jobs: Sequence[DraftJob]) -> dict[Request, list[int]]:
         """Record what `run` computed; the proposals per request (only ids the target knows)."""
         out: dict[Request, list[int]] = {}
@@ -152,6 +183,7 @@ class DraftProposer:
                 continue
             st.num_computed_tokens = job.start_pos + len(job.token_ids)
             st.fed = job.proposals[:-1]  # the last proposal was never fed back
+            self._hash_full_blocks(st, job.request.token_ids)
             props = job.proposals
             bad = next((i for i, t in enumerate(props) if not 0 <= t < self.vocab_size), len(props))
             out[job.request] = props[:bad]
