@@ -19,6 +19,7 @@ from services.gateway.ports import (
     Placement,
     PrefillResult,
     ScheduleQuery,
+    WorkerGone,
     WorkerJob,
     WorkerTarget,
     WorkerUnavailable,
@@ -45,24 +46,42 @@ def final(text: str = "", count: int | None = None, reason: FinishReason = Finis
 
 
 class FakeStream:
-    def __init__(self, events: Sequence[DecodeEvent | Exception], hang: bool = False) -> None:
+    """Events in order; an Exception is raised, a float is a pause (seconds) before the next one.
+    `hang`: after the last event, wait until cancelled or abandoned (a stopped worker)."""
+
+    def __init__(self, events: Sequence[DecodeEvent | Exception | float], hang: bool = False) -> None:
         self._events = list(events)
         self._hang = hang
         self.cancelled = False
+        self.abandoned: str | None = None
+        self.worker_id = ""  # set by FakeWorkers.decode
+        self._woken = asyncio.Event()
 
     async def next(self) -> DecodeEvent | None:
         await asyncio.sleep(0)
+        while self._events and isinstance(pause := self._events[0], float):
+            self._events.pop(0)
+            await asyncio.sleep(pause)
+        if self.abandoned is not None:
+            raise WorkerGone(self.abandoned, self.worker_id)
         if not self._events:
             if self._hang:
-                await asyncio.Event().wait()
+                await self._woken.wait()
+                if self.abandoned is not None:
+                    raise WorkerGone(self.abandoned, self.worker_id)
             return None
         item = self._events.pop(0)
         if isinstance(item, Exception):
             raise item
+        assert isinstance(item, DecodeEvent)
         return item
 
     def cancel(self) -> None:
         self.cancelled = True
+
+    def abandon(self, reason: str) -> None:
+        self.abandoned = reason
+        self._woken.set()
 
 
 @dataclass
@@ -80,7 +99,9 @@ class FakeWorkers:
     ) -> FakeStream:
         self.decode_calls.append((target.address, local_prefill, job.sampling.max_tokens))
         self.jobs.append(job)
-        return self.streams[target.address].pop(0)
+        stream = self.streams[target.address].pop(0)
+        stream.worker_id = target.worker_id
+        return stream
 
     async def prefill(
         self, target: WorkerTarget, job: WorkerJob, kv: KvDestination | None, timeout_s: float | None
