@@ -117,7 +117,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
         default=[],
         help="extra flag passed to every worker (repeatable), e.g. --worker-arg=--kv-cache-tokens=4096",
     )
-    for kind in ("prefill-worker", "decode-worker", "scheduler", "gateway"):
+    for kind in ("prefill-worker", "decode-worker", "scheduler", "load-monitor", "gateway"):
         p.add_argument(
             f"--{kind}-arg",
             action="append",
@@ -185,7 +185,12 @@ def _children(a: argparse.Namespace, model_path: str) -> list[Child]:
         *a.worker_arg,
     ]
     children = [
-        Child("load-monitor", "services.load_monitor", addr("load-monitor"), common("load-monitor")),
+        Child(
+            "load-monitor",
+            "services.load_monitor",
+            addr("load-monitor"),
+            [*common("load-monitor"), *a.load_monitor_arg],
+        ),
         Child(
             "scheduler",
             "services.scheduler",
