@@ -180,7 +180,9 @@ async def test_a_stream_on_a_stopped_worker_that_left_membership_migrates_exactl
 async def test_a_slow_stream_on_a_member_is_not_migrated() -> None:
     """No frame for many polls, but d1 is still a member: the request stays on d1."""
     workers = FakeWorkers(
-        streams={DECODE.address: [FakeStream([ADMITTED, tokens("b", 2), 0.3, final("c", 2, FinishReason.LENGTH)])]},
+        streams={
+            DECODE.address: [FakeStream([ADMITTED, tokens("b", 2), 0.3, final("c", 2, FinishReason.LENGTH)])]
+        },
         prefills={PREFILL.address: [PrefillResult("a", (1,), 1, None)]},
     )
     sched = FakeScheduler([disagg(DECODE)])
