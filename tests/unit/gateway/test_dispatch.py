@@ -259,6 +259,56 @@ async def test_retries_before_handoff_are_bounded() -> None:
     assert len(sched.queries) == 3
 
 
+async def test_retries_and_migrations_pause_with_the_jittered_backoff(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each retry before handoff and each migration waits backoff_s(its number) first: two
+    retries (1, 2), then after the handoff two migrations (1, 2)."""
+    from services.gateway import dispatch
+
+    pauses: list[int] = []
+
+    def recorded(attempt: int) -> float:
+        pauses.append(attempt)
+        return 0.0
+
+    monkeypatch.setattr(dispatch, "backoff_s", recorded)
+    workers = FakeWorkers(
+        streams={
+            DECODE.address: [
+                FakeStream([WorkerUnavailable("down", "d1")]),
+                FakeStream([ADMITTED, tokens("b", 2), WorkerUnavailable("died", "d1")]),
+            ],
+            DECODE2.address: [
+                FakeStream([WorkerUnavailable("down", "d2")]),
+                FakeStream([ADMITTED, tokens("d", 4), WorkerUnavailable("died", "d2")]),
+                FakeStream([ADMITTED, final("f", 1, FinishReason.LENGTH)]),
+            ],
+        },
+        prefills={
+            PREFILL.address: [PrefillResult(t, (i,), 1, None) for i, t in ((1, "a"), (3, "c"), (5, "e"))]
+        },
+    )
+    sched = FakeScheduler([disagg(DECODE), disagg(DECODE2), disagg(DECODE), disagg(DECODE2), disagg(DECODE2)])
+    frames, state = await run(sched, workers, prepared(max_tokens=6))
+    assert "".join(f.text for f in frames) == "abcdef"
+    assert state.attempts == 5 and state.migrations == 2
+    assert pauses == [1, 2, 1, 2]
+
+
+async def test_a_backoff_longer_than_the_deadline_ends_at_the_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from services.gateway import dispatch
+
+    monkeypatch.setattr(dispatch, "backoff_s", lambda attempt: 3600.0)
+    workers = FakeWorkers(streams={DECODE.address: [FakeStream([WorkerUnavailable("down", "d1")])]})
+    sched = FakeScheduler([disagg(DECODE), disagg(DECODE2)])
+    with pytest.raises(DeadlineExceeded):
+        await asyncio.wait_for(run(sched, workers, deadline_s=time.monotonic() + 0.2), 30)
+    assert len(sched.queries) == 1  # the pause was cut to the deadline, then nothing was retried
+
+
 async def test_no_retry_after_handoff_with_migration_disabled() -> None:
     workers = FakeWorkers(
         streams={DECODE.address: [FakeStream([ADMITTED, tokens("b"), WorkerUnavailable("died", "d1")])]},
