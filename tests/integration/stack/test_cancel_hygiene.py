@@ -44,9 +44,14 @@ async def test_cancelled_and_expired_streams_end_cleanly(
                     if seen == 2:
                         call.cancel()
                         break
+            # Long enough that none can finish inside its deadline, however fast the machine is
+            # (200 tokens of the tiny model sometimes did, and the test failed).
+            long_req = gateway_pb2.GenerateRequest(
+                prompt="cancel me " * 4, max_tokens=1500, ignore_eos=True, temperature=0
+            )
             for i in range(expired):
                 with pytest.raises(grpc.aio.AioRpcError) as info:
-                    async for _frame in stub.Generate(req, timeout=0.1 + 0.1 * i):
+                    async for _frame in stub.Generate(long_req, timeout=0.1 + 0.1 * i):
                         pass
                 assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         for _ in range(200):  # aborts reach the workers just after the client's call ended
