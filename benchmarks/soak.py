@@ -1,6 +1,7 @@
 """Soak: N minutes of mixed load with cancels against the whole stack (processes, as `pdserve up`
 starts them), printing every service's RSS series and a pass/fail line: RSS flat within
---tolerance (default 3 %) or --tolerance-mib (default 4 MiB) from minute --settle-min (default 2) on. Not part of CI (`make soak`).
+--tolerance (default 3 %) or --tolerance-mib (default 4 MiB) from minute --settle-min (default 2)
+on. Not part of CI (`make soak`).
 
 python -m benchmarks.soak --minutes 30 [--model default] [--concurrency 8]
 """
@@ -131,7 +132,8 @@ def main() -> None:
     print(
         f"soak: {a.minutes} min, concurrency {a.concurrency}, model {Path(model).name}; "
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-        f"CPU capability {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}; logs {log_dir}",
+        f"CPU capability {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}; "
+        f"logs {log_dir}",
         flush=True,
     )
     for child in children:
@@ -174,7 +176,8 @@ def main() -> None:
         print(f"{name:16s} RSS MiB  {line}\n{'':16s} {verdict}")
     print(
         f"soak: {'PASS' if ok_all else 'FAIL'} (RSS flat within {a.tolerance * 100:g}% or "
-        f"{a.tolerance_mib:g} MiB from minute {a.settle_min:g}; shared, loaded machine: timings are noisy, RSS is not)"
+        f"{a.tolerance_mib:g} MiB from minute {a.settle_min:g}; "
+        "shared, loaded machine: timings are noisy, RSS is not)"
     )
     raise SystemExit(0 if ok_all else 1)
 
