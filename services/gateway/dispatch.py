@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -22,7 +22,7 @@ import structlog
 
 from services.gateway.accounting import FrameSource
 from services.gateway.breaker import CircuitBreakers, backoff_s
-from services.gateway.membership import MembershipWatch
+from services.gateway.membership import MembershipWatch, Watched
 from services.gateway.ports import (
     DecodeEvent,
     DecodeEventKind,
@@ -288,7 +288,7 @@ class Dispatcher:
         stream = attempt.stream = self._workers.decode(
             decode, job, local_prefill=False, timeout_s=self._remaining(deadline_s)
         )
-        with self._watching(decode, stream):  # from admission on: a gone worker ends the wait
+        with self._watching(decode, stream) as watched:  # from admission on: a gone worker ends it
             admitted = await self._within(stream.next(), deadline_s)
             if admitted is None or admitted.kind is not DecodeEventKind.ADMITTED:
                 got = "the end of the stream" if admitted is None else f"a {admitted.kind.value} frame"
@@ -306,7 +306,10 @@ class Dispatcher:
             state.advance(RequestStatus.PREFILLING)
             attempt.start(prefill.address)
             reply = await self._within(
-                self._workers.prefill(prefill, job, kv, self._remaining(deadline_s)), deadline_s
+                self._unless_gone(
+                    lambda: self._workers.prefill(prefill, job, kv, self._remaining(deadline_s)), watched
+                ),
+                deadline_s,
             )
             state.record_cache(local_tokens=0, transferred_tokens=reply.local_cached_tokens)
             state.record_output(
@@ -353,10 +356,29 @@ class Dispatcher:
 
     def _watching(
         self, target: WorkerTarget, stream: DecodeStream
-    ) -> contextlib.AbstractContextManager[None]:
+    ) -> contextlib.AbstractContextManager[Watched | None]:
         if self._membership is None:
             return contextlib.nullcontext()
         return self._membership.tracking(target, stream)
+
+    @staticmethod
+    async def _unless_gone(call: Callable[[], Awaitable[T]], watched: Watched | None) -> T:
+        """Await `call()` (the prefill, which pushes KV to the watched decode worker) unless that
+        worker is found gone first: then it is cancelled and WorkerGone raised (a retry before
+        the handoff, excluding it), instead of waiting for the prefill worker's push to time out."""
+        if watched is None:
+            return await call()
+        work = asyncio.ensure_future(call())
+        gone = asyncio.ensure_future(watched.gone.wait())
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():  # the worker is gone, or our caller was cancelled
+                work.cancel()
+        if work.done() and not work.cancelled():
+            return work.result()
+        raise WorkerGone(watched.reason, watched.target.worker_id)
 
     async def _relay(
         self,

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 
@@ -26,10 +26,15 @@ log = structlog.get_logger(__name__)
 
 
 @dataclass(eq=False)
-class _Tracked:
+class Watched:
+    """One tracked stream. `gone` is set (and `reason` says why) when its worker was found gone,
+    so that a wait that is not a read of the stream (the prefill before the handoff) can end too."""
+
     target: WorkerTarget
     stream: DecodeStream
     since_s: float  # when tracking began (the watch's clock)
+    gone: asyncio.Event = field(default_factory=asyncio.Event)
+    reason: str = ""
 
 
 class MembershipWatch:
@@ -47,7 +52,7 @@ class MembershipWatch:
         self._poll_s = poll_s
         self._probe_timeout_s = probe_timeout_s
         self._clock = clock
-        self._tracked: set[_Tracked] = set()
+        self._tracked: set[Watched] = set()
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -59,17 +64,18 @@ class MembershipWatch:
         return len(self._tracked)
 
     @contextlib.contextmanager
-    def tracking(self, target: WorkerTarget, stream: DecodeStream) -> Iterator[None]:
-        """Watch `target` for as long as `stream` is being read (polling runs while any is)."""
+    def tracking(self, target: WorkerTarget, stream: DecodeStream) -> Iterator[Watched | None]:
+        """Watch `target` for as long as `stream` is being read (polling runs while any is);
+        yields the entry (None when the watch is disabled)."""
         if not self.enabled:
-            yield
+            yield None
             return
-        entry = _Tracked(target, stream, self._clock())
+        entry = Watched(target, stream, self._clock())
         self._tracked.add(entry)
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._loop(), name="gateway-membership-watch")
         try:
-            yield
+            yield entry
         finally:
             self._tracked.discard(entry)
 
@@ -117,6 +123,8 @@ class MembershipWatch:
                 "worker_gone_abandoning_streams", worker_id=worker_id, worker=address, streams=len(streams)
             )
             for t in streams:
+                t.reason = reason
+                t.gone.set()
                 t.stream.abandon(reason)
         return gone
 

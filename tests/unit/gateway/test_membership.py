@@ -8,10 +8,10 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from services.gateway.dispatch import Dispatcher
+from services.gateway.dispatch import Dispatcher, PreparedRequest
 from services.gateway.membership import MembershipWatch
-from services.gateway.ports import PrefillResult, WorkerGone
-from services.gateway.request import FrameKind, RequestState, RequestStatus
+from services.gateway.ports import KvDestination, PrefillResult, WorkerGone, WorkerJob, WorkerTarget
+from services.gateway.request import FrameKind, OutputFrame, RequestState, RequestStatus
 from shared.cluster import FinishReason
 from tests.unit.gateway.test_dispatch import (
     ADMITTED,
@@ -108,7 +108,7 @@ async def test_a_stream_that_began_after_the_question_is_not_judged_by_its_answe
     source = Late()
     watch = MembershipWatch(source, poll_s=3600, clock=clock)
     stream = FakeStream([])
-    watch_entry: list[None] = []
+    watch_entry: list[object] = []
     assert await watch.check() == []
     assert stream.abandoned is None and source.probed == []
     await watch.close()
@@ -133,6 +133,15 @@ def test_poll_zero_disables_tracking() -> None:
 
 
 # --- through the request life ---
+
+
+async def _frames(dispatcher: Dispatcher, req: PreparedRequest, state: RequestState) -> list[OutputFrame]:
+    """The request's frames; a stream left waiting on a stopped worker fails the test (30 s)."""
+
+    async def collect() -> list[OutputFrame]:
+        return [f async for f in dispatcher.run(req, state, None)]
+
+    return await asyncio.wait_for(collect(), 30)
 
 
 class HangingAbortWorkers(FakeWorkers):
@@ -161,8 +170,7 @@ async def test_a_stream_on_a_stopped_worker_that_left_membership_migrates_exactl
     watch = MembershipWatch(source, poll_s=0.02, probe_timeout_s=0.01)
     req = prepared(max_tokens=7, prompt_len=20)
     state = RequestState(req.request_id, req.prompt_token_ids, True, "m")
-    dispatcher = Dispatcher(sched, workers, 4, membership=watch)
-    frames = [f async for f in dispatcher.run(req, state, None)]
+    frames = await _frames(Dispatcher(sched, workers, 4, membership=watch), req, state)
     assert "".join(f.text for f in frames) == "abcdef"
     assert [t for f in frames for t in f.token_ids] == [1, 2, 3, 4, 5]  # the FINAL carried none
     assert [f.kind for f in frames] == [FrameKind.FIRST] + [FrameKind.CONTINUATION] * 4 + [FrameKind.FINAL]
@@ -190,7 +198,7 @@ async def test_a_slow_stream_on_a_member_is_not_migrated() -> None:
     watch = MembershipWatch(source, poll_s=0.02, probe_timeout_s=0.01)
     req = prepared(max_tokens=3)
     state = RequestState(req.request_id, req.prompt_token_ids, True, "m")
-    frames = [f async for f in Dispatcher(sched, workers, 4, membership=watch).run(req, state, None)]
+    frames = await _frames(Dispatcher(sched, workers, 4, membership=watch), req, state)
     assert "".join(f.text for f in frames) == "abc"
     assert source.asked >= 5, "the watch polled during the pause"
     assert state.migrations == 0 and len(sched.queries) == 1 and source.probed == []
@@ -200,3 +208,48 @@ def test_worker_gone_is_unavailable_for_the_client() -> None:
     from shared.errors import Unavailable
 
     assert issubclass(WorkerGone, Unavailable)
+
+
+class StuckPushWorkers(HangingAbortWorkers):
+    """The first prefill never returns: its KV push goes to the stopped d1."""
+
+    def __init__(self, **kw: object) -> None:
+        super().__init__(**kw)  # type: ignore[arg-type]
+        self.stuck_cancelled = False
+
+    async def prefill(
+        self, target: WorkerTarget, job: WorkerJob, kv: KvDestination | None, timeout_s: float | None
+    ) -> PrefillResult:
+        if kv is not None and kv.address == DECODE.address:
+            self.prefill_calls.append((target.address, kv))
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                self.stuck_cancelled = True
+                raise
+        return await super().prefill(target, job, kv, timeout_s)
+
+
+async def test_a_decode_worker_gone_during_the_prefill_is_retried_before_the_handoff() -> None:
+    """d1 admitted the request and then stopped; the prefill pushing KV to it would wait for the
+    push's timeout. Once d1 is found gone the prefill is cancelled and the request retried on d2
+    (nothing reached the client yet): one clean run there, the stuck prefill aborted."""
+    workers = StuckPushWorkers(
+        streams={
+            DECODE.address: [FakeStream([ADMITTED], hang=True)],
+            DECODE2.address: [FakeStream([ADMITTED, tokens("b", 2), final("c", 3, FinishReason.LENGTH)])],
+        },
+        prefills={PREFILL.address: [PrefillResult("a", (1,), 1, None)]},
+    )
+    sched = FakeScheduler([disagg(DECODE), disagg(DECODE2)])
+    source = FakeMembership(members_now=frozenset({"d2", "p1"}))
+    watch = MembershipWatch(source, poll_s=0.02, probe_timeout_s=0.01)
+    req = prepared(max_tokens=4)
+    state = RequestState(req.request_id, req.prompt_token_ids, True, "m")
+    frames = await _frames(Dispatcher(sched, workers, 4, membership=watch), req, state)
+    assert "".join(f.text for f in frames) == "abc"
+    assert frames[0].kind is FrameKind.FIRST and state.migrations == 0 and state.attempts == 2
+    assert sched.queries[1].exclude_worker_ids == ("d1",)
+    assert workers.stuck_cancelled
+    assert PREFILL.address in workers.aborts and DECODE.address in workers.aborts
+    assert frames[-1].usage is not None and frames[-1].usage.completion_tokens == 4  # 1 + 3
