@@ -1,6 +1,7 @@
 """Soak: N minutes of mixed load with cancels against the whole stack (processes, as `pdserve up`
 starts them), printing every service's RSS series and a pass/fail line: RSS flat within
---tolerance (default 3 %) from minute --settle-min (default 2) on. Not part of CI (`make soak`).
+--tolerance (default 3 %) or --tolerance-mib (default 4 MiB) from minute --settle-min (default 2)
+on. Not part of CI (`make soak`).
 
 python -m benchmarks.soak --minutes 30 [--model default] [--concurrency 8]
 """
@@ -109,6 +110,13 @@ def main() -> None:
     p.add_argument("--sample-s", type=float, default=15.0, help="seconds between RSS samples")
     p.add_argument("--settle-min", type=float, default=2.0, help="minute from which RSS must be flat")
     p.add_argument("--tolerance", type=float, default=0.03, help="allowed growth after settling (fraction)")
+    p.add_argument(
+        "--tolerance-mib",
+        type=float,
+        default=4.0,
+        help="growth always allowed (MiB): 3 %% of a 55 MiB control-plane service is under 2 MiB, "
+        "less than its bounded caches fill in a soak (the scheduler's prefix index: <= 12 MiB per worker)",
+    )
     p.add_argument("--port-base", type=int, default=0)
     a = p.parse_args()
 
@@ -124,7 +132,8 @@ def main() -> None:
     print(
         f"soak: {a.minutes} min, concurrency {a.concurrency}, model {Path(model).name}; "
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-        f"torch {torch.__version__}; logs {log_dir}",
+        f"CPU capability {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}; "
+        f"logs {log_dir}",
         flush=True,
     )
     for child in children:
@@ -153,17 +162,22 @@ def main() -> None:
         settled = [rss for t, rss in points if t >= a.settle_min]
         line = " ".join(f"{t:.1f}m:{rss:.0f}" for t, rss in points)
         if len(settled) >= 2:
-            growth = (max(settled) - settled[0]) / settled[0]
-            ok = growth <= a.tolerance
+            growth_mib = max(settled) - settled[0]
+            growth = growth_mib / settled[0]
+            ok = growth <= a.tolerance or growth_mib <= a.tolerance_mib
             ok_all &= ok
-            verdict = f"growth from minute {a.settle_min:g}: {growth * 100:+.1f}% {'ok' if ok else 'FAIL'}"
+            verdict = (
+                f"growth from minute {a.settle_min:g}: {growth * 100:+.1f}% ({growth_mib:+.1f} MiB) "
+                f"{'ok' if ok else 'FAIL'}"
+            )
         else:
             verdict = "too short to judge"
             ok_all = False
         print(f"{name:16s} RSS MiB  {line}\n{'':16s} {verdict}")
     print(
-        f"soak: {'PASS' if ok_all else 'FAIL'} (RSS flat within {a.tolerance * 100:g}% from minute "
-        f"{a.settle_min:g}; shared, loaded machine: timings are noisy, RSS is not)"
+        f"soak: {'PASS' if ok_all else 'FAIL'} (RSS flat within {a.tolerance * 100:g}% or "
+        f"{a.tolerance_mib:g} MiB from minute {a.settle_min:g}; "
+        "shared, loaded machine: timings are noisy, RSS is not)"
     )
     raise SystemExit(0 if ok_all else 1)
 
