@@ -169,6 +169,7 @@ class WorkerApp:
             spec_ngram_min=s.spec_ngram_min,
             spec_ngram_max=s.spec_ngram_max,
             spec_max_batch_tokens=s.spec_max_batch_tokens,
+            spec_step_cost=s.spec_step_cost,
         )
         log.info("model_loading", path=str(path), device=device, dtype=dtype, dp_size=s.dp_size)
         # Off the event loop, so health checks are answered (NOT_SERVING) while loading.

@@ -31,6 +31,7 @@ from services.worker.engine.model_runner import ModelRunner, ScheduledSeq
 from services.worker.engine.request import Request, RequestStatus, finish_rule
 from services.worker.engine.scheduler import ScheduledRequest, Scheduler
 from services.worker.engine.spec import policy
+from services.worker.engine.spec.calibrate import step_clock
 from services.worker.engine.spec.ngram import NgramProposer
 from services.worker.engine.spec.stats import SpecStats
 from services.worker.engine.spec.verify import accept_run
@@ -178,6 +179,8 @@ class Rank:
                 return True
         deliver_batch(outputs)
         t0 = time.perf_counter_ns()
+        cost_clock, cost_sync = step_clock(self.runner.device)
+        c0 = cost_clock()
         try:
             sampled = self.runner.execute(seqs)
         except Exception:
@@ -189,11 +192,26 @@ class Rank:
             deliver_batch(outputs)
             return True
         elapsed_ns = time.perf_counter_ns() - t0
+        # on a CPU the step's own CPU time: what its tokens cost, without the time other
+        # processes took the cores (wall-clock on a shared machine is mostly their noise)
+        cost_sync()
+        cost_ns = cost_clock() - c0
         with self.lock:
             outputs = []
+            self._observe_step_cost(scheduled, cost_ns)
             self._postprocess(scheduled, sampled, elapsed_ns, outputs)
         deliver_batch(outputs)
         return True
+
+    def _observe_step_cost(self, scheduled: list[ScheduledRequest], cost_ns: int) -> None:
+        """Teach the step-cost model the time of a decode step (one new token per sequence,
+        with or without proposals); prefill chunks, whose attention grows with their length,
+        are left out."""
+        cost = self.scheduler.step_cost
+        if cost is None or any(s.num_new_tokens != 1 for s in scheduled):
+            return
+        num_tokens = sum(1 + s.num_draft_tokens for s in scheduled)
+        cost.observe(num_tokens, len(scheduled), cost_ns / 1e6)
 
     def _snapshot(self, s: ScheduledRequest) -> ScheduledSeq:
         r = s.request
