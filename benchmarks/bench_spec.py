@@ -85,6 +85,22 @@ OPEN = [
 ]
 
 
+# issue 13: ngram / off tokens/s at least this much
+TARGETS = {"grounded": {"c1": 2.0, "c8": 1.3}, "open": {"c1": 0.95, "c8": 0.95}}
+
+
+def target_lines(report: dict[str, Any]) -> list[str]:
+    """One line per case: the wall-clock ratio (and per CPU second) against its target."""
+    lines = []
+    for w, cases in TARGETS.items():
+        for c, target in cases.items():
+            got = report["speedup"].get(w, {}).get(c)
+            cpu = report["speedup_cpu"].get(w, {}).get(c)
+            verdict = "n/a" if got is None else ("ok" if got >= target else "BELOW")
+            lines.append(f"  {w:>8} {c}: {got}x (per CPU second {cpu}x) vs target >= {target}x: {verdict}")
+    return lines
+
+
 def machine() -> dict[str, Any]:
     import torch
 
@@ -140,6 +156,7 @@ async def run_case(
     engine: Any, tag: str, prompts: list[tuple[int, ...]], concurrency: int, max_tokens: int
 ) -> dict[str, Any]:
     before = engine.spec_stats(0)
+    cpu0 = time.process_time()
     t0 = time.perf_counter()
     results: list[tuple[list[float], list[int]]] = []
     starts: list[float] = []
@@ -151,6 +168,9 @@ async def run_case(
             *(_one(engine, f"{tag}-{i + j}", p, max_tokens) for j, p in enumerate(group))
         )
     wall = time.perf_counter() - t0
+    # CPU time of the whole process (the engine's step thread does nearly all of it): steadier
+    # than wall time on a shared machine, where other jobs take the cores
+    cpu = time.process_time() - cpu0
     after = engine.spec_stats(0)
     n_tokens = sum(len(toks) for _, toks in results)
     tpot = [(t[-1] - t[0]) / (len(t) - 1) * 1e3 for t, _ in results if len(t) > 1]
@@ -168,6 +188,8 @@ async def run_case(
         "tokens": n_tokens,
         "wall_s": round(wall, 3),
         "tokens_per_s": round(n_tokens / wall, 2),
+        "cpu_s": round(cpu, 3),
+        "tokens_per_cpu_s": round(n_tokens / cpu, 2) if cpu > 0 else None,
         # after each request's first token (prefill excluded), summed over requests
         "decode_tokens_per_s_per_request": round(decode_tokens / decode_s, 2) if decode_s else None,
         "tpot_ms_p50": _r(percentile(tpot, 50)),
@@ -178,6 +200,8 @@ async def run_case(
         "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
         "drafts": after.num_drafts - before.num_drafts,
         "accepted_per_position": per_pos,
+        # the rank's learned step cost after the case (ms: fixed, per sequence, per proposal)
+        "step_cost_ms": [round(x, 3) for x in after.step_cost_ms] if after.step_cost_ms else None,
         "output_tokens": [toks for _, toks in results],
     }
 
@@ -281,6 +305,9 @@ def main(argv: list[str] | None = None) -> None:
                     "output_tokens"
                 )
                 case["speedup"] = round(case["ngram"]["tokens_per_s"] / case["off"]["tokens_per_s"], 2)
+                off_c = case["off"]["tokens_per_cpu_s"]
+                on_c = case["ngram"]["tokens_per_cpu_s"]
+                case["speedup_cpu"] = round(on_c / off_c, 2) if off_c and on_c else None
                 off_d = case["off"]["decode_tokens_per_s_per_request"]
                 on_d = case["ngram"]["decode_tokens_per_s_per_request"]
                 case["decode_speedup"] = round(on_d / off_d, 2) if off_d and on_d else None
@@ -291,8 +318,9 @@ def main(argv: list[str] | None = None) -> None:
                     f"{off['tpot_ms_p50']} p90 {off['tpot_ms_p90']} ms) | ngram "
                     f"{on['tokens_per_s']:7.1f} tok/s (TPOT p50 {on['tpot_ms_p50']} p90 "
                     f"{on['tpot_ms_p90']} ms, acceptance {on['acceptance_rate']}) | "
-                    f"{case['speedup']:.2f}x (decode only {case['decode_speedup']}x), "
-                    f"identical: {case['identical_outputs']}"
+                    f"{case['speedup']:.2f}x (decode only {case['decode_speedup']}x, per CPU second "
+                    f"{case['speedup_cpu']}x), identical: {case['identical_outputs']}, step cost "
+                    f"{on['step_cost_ms']} ms, load {[round(x, 1) for x in os.getloadavg()]}"
                 )
         return results
 
@@ -303,7 +331,8 @@ def main(argv: list[str] | None = None) -> None:
             engine.shutdown()
     report = {
         "speedup": {w: {c: results[w][c]["speedup"] for c in results[w]} for w in results},
-        "targets": {"grounded": {"c1": 2.0, "c8": 1.3}, "open": {"c1": 0.95, "c8": 0.95}},
+        "speedup_cpu": {w: {c: results[w][c]["speedup_cpu"] for c in results[w]} for w in results},
+        "targets": TARGETS,
         "results": results,
         "config": {
             "model": args.model,
@@ -326,6 +355,8 @@ def main(argv: list[str] | None = None) -> None:
     png = out.with_suffix(".png")
     plot(report, png)
     print(f"speedup (ngram / off tokens/s): {report['speedup']}")
+    for line in target_lines(report):
+        print(line)
     print(f"wrote {out} and {png}")
 
 

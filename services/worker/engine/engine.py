@@ -74,7 +74,7 @@ _DEFAULT_BATCH_TOKENS = {"cpu": 512, "cuda": 2048}
 # a GPU stays memory-bound much longer.
 _DEFAULT_SPEC_BATCH_TOKENS = {"cpu": 32, "cuda": 512}
 # the start-up calibration counts as this many decode steps in the online step-cost fit
-_STEP_COST_PRIOR_WEIGHT = 50.0
+_STEP_COST_PRIOR_WEIGHT = 5.0
 _SPECULATIVE_METHODS = ("off", "ngram")
 
 

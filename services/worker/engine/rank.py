@@ -491,7 +491,12 @@ class Rank:
 
     def spec_stats(self) -> SpecStats:
         with self.lock:
-            return self._spec_stats.copy()
+            stats = self._spec_stats.copy()
+            cost = self.scheduler.step_cost
+            if cost is not None:
+                c = cost.cost
+                stats.step_cost_ms = (c.fixed_ms, c.per_seq_ms, c.per_token_ms)
+            return stats
 
     def load(self) -> RankLoad:
         with self.lock:
