@@ -78,6 +78,10 @@ class Rank:
         self._aborts: list[Request] = []
         self._next_seq = 0
         self._spec_stats = SpecStats()
+        # what a step's cost is measured with (spec/calibrate.py): on a CPU the step thread's
+        # CPU time, i.e. what its tokens cost without the time other processes took the cores
+        # (wall-clock on a shared machine is mostly their noise)
+        self._cost_clock = step_clock(runner.device)
         self._stopping = False
         self._thread: threading.Thread | None = None
 
@@ -179,7 +183,7 @@ class Rank:
                 return True
         deliver_batch(outputs)
         t0 = time.perf_counter_ns()
-        cost_clock, cost_sync = step_clock(self.runner.device)
+        cost_clock, cost_sync = self._cost_clock
         c0 = cost_clock()
         try:
             sampled = self.runner.execute(seqs)
@@ -192,9 +196,8 @@ class Rank:
             deliver_batch(outputs)
             return True
         elapsed_ns = time.perf_counter_ns() - t0
-        # on a CPU the step's own CPU time: what its tokens cost, without the time other
-        # processes took the cores (wall-clock on a shared machine is mostly their noise)
-        cost_sync()
+        if self.scheduler.step_cost is not None:
+            cost_sync()
         cost_ns = cost_clock() - c0
         with self.lock:
             outputs = []
