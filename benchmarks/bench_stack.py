@@ -21,6 +21,7 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
@@ -39,7 +40,10 @@ def _prompt(n: int, salt: int) -> list[int]:
     return [1000 + (salt * 7919 + i * 31) % 40000 for i in range(n)]
 
 
-async def kv_vs_prefill(prefill: str, decode: str, lengths: list[int], reps: int) -> list[dict[str, float]]:
+async def kv_vs_prefill(
+    prefill: str, decode: str, lengths: list[int], reps: int, metadata: Sequence[tuple[str, str]] = ()
+) -> list[dict[str, float]]:
+    """`metadata`: the cluster token the stack's internal RPCs require (Stack.internal_metadata)."""
     rows = []
     async with grpc.aio.insecure_channel(prefill) as pch, grpc.aio.insecure_channel(decode) as dch:
         p, d = worker_pb2_grpc.WorkerStub(pch), worker_pb2_grpc.WorkerStub(dch)
@@ -51,7 +55,8 @@ async def kv_vs_prefill(prefill: str, decode: str, lengths: list[int], reps: int
                 rid = f"bench-{n}-{r}"
                 ids = _prompt(n, n * 100 + r)
                 stream = d.Decode(
-                    worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling)
+                    worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling),
+                    metadata=metadata,
                 )
                 admitted = await stream.read()
                 target = worker_pb2.KvTarget(
@@ -62,10 +67,11 @@ async def kv_vs_prefill(prefill: str, decode: str, lengths: list[int], reps: int
                 reply = await p.Prefill(
                     worker_pb2.PrefillRequest(
                         request_id=rid, prompt_token_ids=ids, sampling=sampling, kv_target=target
-                    )
+                    ),
+                    metadata=metadata,
                 )
                 stream.cancel()
-                await d.Abort(worker_pb2.AbortRequest(request_id=rid))
+                await d.Abort(worker_pb2.AbortRequest(request_id=rid), metadata=metadata)
                 prefill_ms.append(reply.prefill_ns / 1e6)
                 transfer_ms.append(reply.kv_transfer_ns / 1e6)
                 mib = reply.kv_bytes_sent / 2**20
@@ -144,7 +150,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
     with tempfile.TemporaryDirectory() as logs, running_stack("default", Path(logs)) as stack:
         assert stack.prefill and stack.decode
         print("(a) KV transfer vs prefill (disaggregated workers, gRPC PushKv over loopback)", flush=True)
-        rows = await kv_vs_prefill(stack.prefill, stack.decode, lengths, reps)
+        rows = await kv_vs_prefill(stack.prefill, stack.decode, lengths, reps, stack.internal_metadata)
         print(f"(b) {n_requests} requests x {new_tokens} tokens, one at a time", flush=True)
         stack_s, stack_out = await through_stack(stack.gateway, prompts, new_tokens)
     engine_s, engine_out = await in_process(model, prompts, new_tokens)

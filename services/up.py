@@ -15,19 +15,21 @@ import contextlib
 import ctypes
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from shared.cluster_auth import TOKEN_HEADER, check_token
 from shared.tls import TlsConfig, TlsSettings
 
 PORT_OFFSETS = {
@@ -41,6 +43,7 @@ PORT_OFFSETS = {
 HTTP_OFFSET = 40  # the gateway's OpenAI-compatible HTTP API listens on base + HTTP_OFFSET
 METRICS_OFFSET = 50  # metrics port = base + METRICS_OFFSET + offset, when --metrics
 MAX_WORKERS_PER_KIND = 10  # worker i of a kind listens on base + offset + i (offsets 10 apart)
+CLUSTER_TOKEN_ENV = "PDSERVE_CLUSTER_TOKEN"
 WORKER_MODULES = {
     "prefill-worker": "services.prefill_worker",
     "decode-worker": "services.decode_worker",
@@ -105,6 +108,12 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
         default=[],
         help="API key the gateway requires on every public call (repeatable; passed in its environment)",
     )
+    p.add_argument(
+        "--cluster-token",
+        default="",
+        help="token every internal RPC must carry (passed to the services in their environment); "
+        f"default: ${CLUSTER_TOKEN_ENV}, else a random one for this run (never printed)",
+    )
     p.add_argument("--metrics", action="store_true", help="expose /metrics on port-base+50+offset")
     p.add_argument(
         "--log-dir", default="", help="write each service's log to DIR/<service>.log (default: this terminal)"
@@ -117,7 +126,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
         default=[],
         help="extra flag passed to every worker (repeatable), e.g. --worker-arg=--kv-cache-tokens=4096",
     )
-    for kind in ("prefill-worker", "decode-worker", "scheduler", "gateway"):
+    for kind in ("prefill-worker", "decode-worker", "scheduler", "load-monitor", "gateway"):
         p.add_argument(
             f"--{kind}-arg",
             action="append",
@@ -126,7 +135,19 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
         )
     a = p.parse_args(list(argv))
     a.worker_counts = worker_counts(a)
+    a.cluster_token_given = bool(a.cluster_token or os.environ.get(CLUSTER_TOKEN_ENV))
+    a.cluster_token = cluster_token(a.cluster_token, os.environ)
     return a
+
+
+def cluster_token(given: str, env: Mapping[str, str]) -> str:
+    """The stack's cluster token: the one given (flag, then environment), else a fresh random one,
+    so that a local stack's internal RPCs are authenticated by default."""
+    token = given or env.get(CLUSTER_TOKEN_ENV, "") or secrets.token_urlsafe(32)
+    try:
+        return check_token(token)
+    except ValueError as exc:
+        raise SystemExit(f"pdserve up: {exc}") from None
 
 
 def worker_counts(a: argparse.Namespace) -> dict[str, int]:
@@ -185,7 +206,12 @@ def _children(a: argparse.Namespace, model_path: str) -> list[Child]:
         *a.worker_arg,
     ]
     children = [
-        Child("load-monitor", "services.load_monitor", addr("load-monitor"), common("load-monitor")),
+        Child(
+            "load-monitor",
+            "services.load_monitor",
+            addr("load-monitor"),
+            [*common("load-monitor"), *a.load_monitor_arg],
+        ),
         Child(
             "scheduler",
             "services.scheduler",
@@ -228,6 +254,8 @@ def _children(a: argparse.Namespace, model_path: str) -> list[Child]:
             env={"PDSERVE_API_KEYS": ",".join(a.api_key)} if a.api_key else None,
         )
     )
+    for child in children:  # in the environment, not argv: /proc/<pid>/cmdline is world-readable
+        child.env = {**(child.env or {}), CLUSTER_TOKEN_ENV: a.cluster_token}
     return children
 
 
@@ -276,13 +304,14 @@ def _health(address: str, tls: TlsConfig | None, timeout_s: float = 2.0) -> int:
             return -1
 
 
-def _scheduler_worker_count(address: str, tls: TlsConfig | None) -> int:
+def _scheduler_worker_count(address: str, tls: TlsConfig | None, cluster_token: str = "") -> int:
     from shared.proto import scheduler_pb2, scheduler_pb2_grpc
 
+    metadata = [(TOKEN_HEADER, cluster_token)] if cluster_token else None
     with _dial(address, tls) as channel:
         try:
             state = scheduler_pb2_grpc.SchedulerStub(channel).GetState(
-                scheduler_pb2.GetStateRequest(), timeout=2.0
+                scheduler_pb2.GetStateRequest(), timeout=2.0, metadata=metadata
             )
         except grpc.RpcError:
             return -1
@@ -330,7 +359,8 @@ def _wait_ready(
         pending = [c for c in pending if _health(c.address, tls) != health_pb2.HealthCheckResponse.SERVING]
         if not pending:
             scheduler = next(c for c in children if c.name == "scheduler")
-            if _scheduler_worker_count(scheduler.address, tls) >= num_workers:
+            token = (scheduler.env or {}).get(CLUSTER_TOKEN_ENV, "")  # GetState is internal
+            if _scheduler_worker_count(scheduler.address, tls, token) >= num_workers:
                 return None
         time.sleep(0.25)
     if stop.is_set():
@@ -399,6 +429,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     keyed = bool(a.api_key)
     print("Try:\n  " + grpcurl_command(gateway, ca, a.tls_server_name, keyed), flush=True)
     print("  " + curl_command(http_base, keyed), flush=True)
+    token_from = "yours" if a.cluster_token_given else "a random one for this run"
+    print(
+        f"Internal RPCs (workers, scheduler, load-monitor) need the cluster token ({token_from}) as "
+        f"'{TOKEN_HEADER}' metadata; the gateway's public API does not.",
+        flush=True,
+    )
     print("Ctrl-C stops everything.", flush=True)
     exit_code = 0
     while not stop.is_set():

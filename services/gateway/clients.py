@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import grpc
 import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.gateway import convert
 from services.gateway.ports import (
@@ -18,6 +19,7 @@ from services.gateway.ports import (
     Placement,
     PrefillResult,
     ScheduleQuery,
+    WorkerGone,
     WorkerJob,
     WorkerOutOfCapacity,
     WorkerTarget,
@@ -87,11 +89,23 @@ class GrpcDecodeStream:
     def __init__(self, call: grpc.aio.UnaryStreamCall, target: WorkerTarget) -> None:
         self._call = call
         self._target = target
+        self._abandoned: str | None = None  # why, once abandon() was called
 
     async def next(self) -> DecodeEvent | None:
+        if self._abandoned is not None:
+            raise WorkerGone(self._abandoned, self._target.worker_id)
         try:
             frame = await self._call.read()
+        except asyncio.CancelledError:
+            # grpc.aio ends a read pending on a locally cancelled call with CancelledError; when
+            # abandon() did that (and not a cancellation of this task), it is the worker's failure.
+            task = asyncio.current_task()
+            if self._abandoned is not None and (task is None or not task.cancelling()):
+                raise WorkerGone(self._abandoned, self._target.worker_id) from None
+            raise
         except grpc.aio.AioRpcError as exc:
+            if self._abandoned is not None:
+                raise WorkerGone(self._abandoned, self._target.worker_id) from None
             raise map_rpc_error(
                 exc,
                 f"decode worker {self._target.worker_id} ({self._target.address})",
@@ -117,6 +131,40 @@ class GrpcDecodeStream:
 
     def cancel(self) -> None:
         self._call.cancel()
+
+    def abandon(self, reason: str) -> None:
+        if self._abandoned is None:
+            self._abandoned = reason
+            self._call.cancel()
+
+
+class GrpcMembership:
+    """Membership as the scheduler routes on it (Scheduler/GetState, so no new RPC and no address
+    of the load-monitor at the gateway), and health-check probes of workers."""
+
+    def __init__(self, channels: ChannelCache, scheduler_address: str) -> None:
+        self._channels = channels
+        self._scheduler_address = scheduler_address
+
+    async def members(self, timeout_s: float) -> frozenset[str] | None:
+        stub = scheduler_pb2_grpc.SchedulerStub(self._channels.get(self._scheduler_address))
+        try:
+            state = await stub.GetState(scheduler_pb2.GetStateRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            log.debug("membership_unknown", scheduler=self._scheduler_address, code=exc.code().name)
+            return None
+        if state.stale:  # the scheduler lost the load-monitor: its list may be out of date
+            return None
+        return frozenset(w.info.worker_id for w in state.workers)
+
+    async def responds(self, address: str, timeout_s: float) -> bool:
+        stub = health_pb2_grpc.HealthStub(self._channels.get(address))
+        try:
+            await stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            # No answer in time, or no connection: gone. Any other status is an answer.
+            return exc.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+        return True
 
 
 class GrpcWorkers:

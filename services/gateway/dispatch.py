@@ -3,8 +3,10 @@ abort both workers on cancel/deadline/error; reschedule (at most twice) when a w
 any output reached the client (retry before handoff); after that, migrate: when the workers fail
 mid-stream, the prompt plus the tokens generated so far run on other workers and decoding
 resumes at the next output index, so the client's stream goes on with no token lost or repeated
-(up to `migration_limit` times). No grpc here: workers and the scheduler are reached through the
-ports in `ports.py`."""
+(up to `migration_limit` times). A decode worker that leaves the cluster's membership while it
+carries a stream (lease expired, e.g. a SIGSTOPped process whose connection stays open) is found
+by `membership.MembershipWatch`, which abandons the stream: it migrates the same way. No grpc
+here: workers and the scheduler are reached through the ports in `ports.py`."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import structlog
 
 from services.gateway.accounting import FrameSource
 from services.gateway.breaker import CircuitBreakers, backoff_s
+from services.gateway.membership import MembershipWatch
 from services.gateway.ports import (
     DecodeEvent,
     DecodeEventKind,
@@ -29,6 +32,7 @@ from services.gateway.ports import (
     ScheduleQuery,
     SchedulerClient,
     WorkerClient,
+    WorkerGone,
     WorkerJob,
     WorkerOutOfCapacity,
     WorkerTarget,
@@ -94,14 +98,17 @@ class Dispatcher:
         control_timeout_s: float = 10.0,
         migration_limit: int = DEFAULT_MIGRATION_LIMIT,
         breakers: CircuitBreakers | None = None,
+        membership: MembershipWatch | None = None,
     ) -> None:
-        """`breakers`: per-worker circuit breakers shared by every request (None: none)."""
+        """`breakers`: per-worker circuit breakers shared by every request (None: none).
+        `membership`: watches the decode workers carrying streams (None: not watched)."""
         self._scheduler = scheduler
         self._workers = workers
         self._block_size = block_size
         self._control_timeout_s = control_timeout_s
         self._migration_limit = migration_limit
         self._breakers = breakers or CircuitBreakers(failure_threshold=0)
+        self._membership = membership
         self._abort_tasks: set[asyncio.Task[None]] = set()
 
     async def run(
@@ -126,7 +133,9 @@ class Dispatcher:
             except (WorkerUnavailable, WorkerOutOfCapacity) as exc:
                 if isinstance(exc, WorkerUnavailable):
                     self._breakers.record_failure(exc.worker_id)
-                await self._undo(attempt)
+                # A worker gone from membership is stopped or hung: its Abort would only time out
+                # (it still goes out, and frees the KV if the worker comes back), so move on now.
+                await self._undo(attempt, wait=not isinstance(exc, WorkerGone))
                 if state.handed_off:
                     self._check_migratable(state, exc)  # raises (after state.fail) when not
                     log.warning(
@@ -279,45 +288,49 @@ class Dispatcher:
         stream = attempt.stream = self._workers.decode(
             decode, job, local_prefill=False, timeout_s=self._remaining(deadline_s)
         )
-        admitted = await self._within(stream.next(), deadline_s)
-        if admitted is None or admitted.kind is not DecodeEventKind.ADMITTED:
-            got = "the end of the stream" if admitted is None else f"a {admitted.kind.value} frame"
-            raise WorkerUnavailable(
-                f"decode worker {decode.worker_id} did not admit the request (got {got})", decode.worker_id
+        with self._watching(decode, stream):  # from admission on: a gone worker ends the wait
+            admitted = await self._within(stream.next(), deadline_s)
+            if admitted is None or admitted.kind is not DecodeEventKind.ADMITTED:
+                got = "the end of the stream" if admitted is None else f"a {admitted.kind.value} frame"
+                raise WorkerUnavailable(
+                    f"decode worker {decode.worker_id} did not admit the request (got {got})",
+                    decode.worker_id,
+                )
+            # The decode worker's own cache hits and the KV it receives are not cache hits for this
+            # request: the prefill worker computes every prompt token it does not find in ITS cache.
+            state.advance(RequestStatus.ADMITTED)
+            # 2. The prefill worker runs the prompt and pushes KV straight to that decode rank.
+            kv = KvDestination(
+                decode.address, decode.dp_rank, admitted.transfer_ticket, admitted.cached_blocks
             )
-        # The decode worker's own cache hits and the KV it receives are not cache hits for this
-        # request: the prefill worker computes every prompt token it does not find in ITS cache.
-        state.advance(RequestStatus.ADMITTED)
-        # 2. The prefill worker runs the prompt and pushes KV straight to that decode rank.
-        kv = KvDestination(decode.address, decode.dp_rank, admitted.transfer_ticket, admitted.cached_blocks)
-        state.advance(RequestStatus.PREFILLING)
-        attempt.start(prefill.address)
-        reply = await self._within(
-            self._workers.prefill(prefill, job, kv, self._remaining(deadline_s)), deadline_s
-        )
-        state.record_cache(local_tokens=0, transferred_tokens=reply.local_cached_tokens)
-        state.record_output(
-            FrameSource.PREFILL_REPLY,
-            reply.text,
-            reply.token_ids,
-            reply.generated_tokens,
-            reply.finish_reason,
-        )
-        if reply.finish_reason is not None:
-            # Finished at the first token (EOS, stop, max_tokens=1): free the decode side's KV.
-            stream.cancel()
-            await self._abort_all([decode.address], job.request_id)
-            state.finish()
-            yield self._frame(state, FrameKind.FINAL, reply.text, reply.token_ids)
-            return
-        # 3. The first token goes to the client at once (TTFT); decode continues.
-        kind = FrameKind.CONTINUATION if state.handed_off else FrameKind.FIRST  # migrated: goes on
-        state.advance(RequestStatus.DECODING)
-        yield self._frame(state, kind, reply.text, reply.token_ids)
-        relayed = self._relay(state, stream, decode, deadline_s, prefilled_here=False)
-        async with contextlib.aclosing(relayed):
-            async for frame in relayed:
-                yield frame
+            state.advance(RequestStatus.PREFILLING)
+            attempt.start(prefill.address)
+            reply = await self._within(
+                self._workers.prefill(prefill, job, kv, self._remaining(deadline_s)), deadline_s
+            )
+            state.record_cache(local_tokens=0, transferred_tokens=reply.local_cached_tokens)
+            state.record_output(
+                FrameSource.PREFILL_REPLY,
+                reply.text,
+                reply.token_ids,
+                reply.generated_tokens,
+                reply.finish_reason,
+            )
+            if reply.finish_reason is not None:
+                # Finished at the first token (EOS, stop, max_tokens=1): free the decode side's KV.
+                stream.cancel()
+                await self._abort_all([decode.address], job.request_id)
+                state.finish()
+                yield self._frame(state, FrameKind.FINAL, reply.text, reply.token_ids)
+                return
+            # 3. The first token goes to the client at once (TTFT); decode continues.
+            kind = FrameKind.CONTINUATION if state.handed_off else FrameKind.FIRST  # migrated: goes on
+            state.advance(RequestStatus.DECODING)
+            yield self._frame(state, kind, reply.text, reply.token_ids)
+            relayed = self._relay(state, stream, decode, deadline_s, prefilled_here=False)
+            async with contextlib.aclosing(relayed):
+                async for frame in relayed:
+                    yield frame
 
     async def _aggregated(
         self,
@@ -332,10 +345,18 @@ class Dispatcher:
         stream = attempt.stream = self._workers.decode(
             target, job, local_prefill=True, timeout_s=self._remaining(deadline_s)
         )
-        relayed = self._relay(state, stream, target, deadline_s, prefilled_here=True)
-        async with contextlib.aclosing(relayed):
-            async for frame in relayed:
-                yield frame
+        with self._watching(target, stream):
+            relayed = self._relay(state, stream, target, deadline_s, prefilled_here=True)
+            async with contextlib.aclosing(relayed):
+                async for frame in relayed:
+                    yield frame
+
+    def _watching(
+        self, target: WorkerTarget, stream: DecodeStream
+    ) -> contextlib.AbstractContextManager[None]:
+        if self._membership is None:
+            return contextlib.nullcontext()
+        return self._membership.tracking(target, stream)
 
     async def _relay(
         self,
@@ -395,19 +416,22 @@ class Dispatcher:
         )
 
     # --- undo ---
-    async def _undo(self, attempt: _Attempt) -> None:
-        """Cancel the decode stream and abort the request on every worker this attempt reached."""
+    async def _undo(self, attempt: _Attempt, wait: bool = True) -> None:
+        """Cancel the decode stream and abort the request on every worker this attempt reached
+        (`wait`: until those Abort calls ended; else they go on in the background)."""
         if attempt.stream is not None:
             attempt.stream.cancel()
-        await self._abort_all(attempt.started, attempt.request_id)
+        await self._abort_all(attempt.started, attempt.request_id, wait)
 
-    async def _abort_all(self, addresses: list[str], request_id: str) -> None:
+    async def _abort_all(self, addresses: list[str], request_id: str, wait: bool = True) -> None:
         if not addresses:
             return
         tasks = [asyncio.ensure_future(self._abort_one(a, request_id)) for a in addresses]
         for task in tasks:  # keep them alive even if our caller is cancelled while waiting
             self._abort_tasks.add(task)
             task.add_done_callback(self._abort_tasks.discard)
+        if not wait:
+            return
         # If our caller is cancelled meanwhile, the aborts go on; wait_for_aborts() collects them.
         await asyncio.shield(asyncio.gather(*tasks))
 

@@ -31,6 +31,11 @@ class WorkerUnavailable(Unavailable, Retryable):
         self.worker_id = worker_id
 
 
+class WorkerGone(WorkerUnavailable):
+    """A decode worker left the cluster's membership (lease expired, deregistered) and did not
+    answer a health check: its stream was abandoned (the request migrates like on UNAVAILABLE)."""
+
+
 class WorkerOutOfCapacity(ResourceExhausted, Retryable):
     """A worker refused the request for capacity (KV pool or queue full)."""
 
@@ -129,6 +134,11 @@ class DecodeStream(Protocol):
 
     def cancel(self) -> None: ...
 
+    def abandon(self, reason: str) -> None:
+        """End the call at once because its worker is gone: the pending and every later next()
+        raise WorkerGone(reason) (never a cancellation of the caller)."""
+        ...
+
 
 class WorkerClient(Protocol):
     def decode(
@@ -140,6 +150,20 @@ class WorkerClient(Protocol):
     ) -> PrefillResult: ...
 
     async def abort(self, address: str, request_id: str) -> bool: ...
+
+
+class MembershipSource(Protocol):
+    """What the gateway needs to notice a decode worker that left the cluster (membership.py)."""
+
+    async def members(self, timeout_s: float) -> frozenset[str] | None:
+        """Ids of the workers the scheduler routes to now; None when it cannot tell (unreachable,
+        or its view of the load-monitor is stale)."""
+        ...
+
+    async def responds(self, address: str, timeout_s: float) -> bool:
+        """True when the worker at `address` answers a health check within `timeout_s`, whatever
+        its status (a draining worker answers NOT_SERVING: alive)."""
+        ...
 
 
 class SchedulerClient(Protocol):

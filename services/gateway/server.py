@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from services.gateway.clients import GrpcScheduler, GrpcWorkers
+from services.gateway.clients import GrpcMembership, GrpcScheduler, GrpcWorkers
 from services.gateway.http_api import HttpApi
 from services.gateway.http_server import HttpServer
 from services.gateway.service import GatewayService
@@ -85,7 +85,7 @@ class GatewayApp:
         if self.http is not None:
             await self.http.stop()
         await self.server.stop(grace_s)
-        await self.service.dispatcher.wait_for_aborts(timeout_s=5.0)
+        await self.service.close()
         await self.channels.close()
 
 
@@ -97,6 +97,7 @@ def build_app(settings: GatewaySettings) -> GatewayApp:
         settings,
         GrpcScheduler(channels, settings.scheduler_address, settings.worker_rpc_timeout_s),
         GrpcWorkers(channels, settings.worker_rpc_timeout_s),
+        membership=GrpcMembership(channels, settings.scheduler_address),
     )
     keys = load_api_keys(settings.api_keys, settings.api_key_file)
     # The API key check runs first: an unauthenticated call reaches nothing else.
@@ -143,7 +144,7 @@ async def serve(settings: GatewaySettings) -> None:
     finally:
         if app.http is not None:
             await app.http.stop()
-        await app.service.dispatcher.wait_for_aborts(timeout_s=5.0)
+        await app.service.close()
         await app.channels.close()
 
 

@@ -15,7 +15,8 @@ from services.gateway import observe
 from services.gateway.admission import Admission
 from services.gateway.breaker import CircuitBreakers
 from services.gateway.dispatch import Dispatcher, PreparedRequest
-from services.gateway.ports import ModelCard, SchedulerClient, WorkerClient
+from services.gateway.membership import MembershipWatch
+from services.gateway.ports import MembershipSource, ModelCard, SchedulerClient, WorkerClient
 from services.gateway.request import (
     Completion,
     FrameKind,
@@ -42,11 +43,19 @@ class GatewayService:
         scheduler: SchedulerClient,
         workers: WorkerClient,
         tokenizer: PromptTokenizer | None = None,
+        membership: MembershipSource | None = None,
     ) -> None:
+        """`membership`: where the membership of decode workers carrying streams is checked
+        (None: not checked)."""
         self._settings = settings
         self._scheduler = scheduler
         self._tokenizer = tokenizer
         self._limits = Limits(settings.max_stop_strings, settings.max_stop_string_chars)
+        self.membership = (
+            None
+            if membership is None
+            else MembershipWatch(membership, settings.membership_poll_s, settings.membership_probe_timeout_s)
+        )
         self.dispatcher = Dispatcher(
             scheduler,
             workers,
@@ -54,6 +63,7 @@ class GatewayService:
             settings.worker_rpc_timeout_s,
             migration_limit=settings.migration_limit,
             breakers=CircuitBreakers(settings.breaker_failures, settings.breaker_cooldown_s),
+            membership=self.membership,
         )
         self.admission = Admission(
             settings.max_inflight_requests, settings.max_queued_requests, settings.max_queue_wait_s
@@ -87,6 +97,12 @@ class GatewayService:
             if leftover:
                 await asyncio.wait(leftover, timeout=5.0)
         await self.dispatcher.wait_for_aborts(timeout_s=5.0)
+
+    async def close(self) -> None:
+        """After the server stopped: let pending Abort calls finish, stop the membership watch."""
+        await self.dispatcher.wait_for_aborts(timeout_s=5.0)
+        if self.membership is not None:
+            await self.membership.close()
 
     @property
     def num_in_flight(self) -> int:

@@ -78,6 +78,16 @@ class GatewaySettings(TlsSettings):
         "mid-stream (the prompt plus the tokens generated so far are prefilled elsewhere and "
         "decoding resumes); past it the client gets UNAVAILABLE; 0 disables migration (count)",
     )
+    membership_poll_s: float = field(
+        1.0,
+        "while streams are in flight, how often the scheduler's membership is checked: a decode "
+        "worker carrying a stream that left it (lease expired, deregistered) and does not answer a "
+        "health check within --membership-probe-timeout-s has its streams migrated; 0 disables "
+        "(such streams then wait for their deadline) (s)",
+    )
+    membership_probe_timeout_s: float = field(
+        2.0, "how long a worker that left membership gets to answer a health check (s)"
+    )
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -98,6 +108,8 @@ class GatewaySettings(TlsSettings):
             raise ValueError("max_queue_wait_s and breaker_cooldown_s must be > 0, breaker_failures >= 0")
         if self.migration_limit < 0:
             raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")
+        if self.membership_poll_s < 0 or self.membership_probe_timeout_s <= 0:
+            raise ValueError("membership_poll_s must be >= 0 and membership_probe_timeout_s > 0")
         if self.drain_grace_s < 0:
             raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
 

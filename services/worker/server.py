@@ -150,6 +150,13 @@ class WorkerApp:
         started = time.perf_counter()
         log.info("model_resolving", model=s.model)
         path = await asyncio.to_thread(resolve_model, s.model, s.model_cache_dir or None)
+        draft_path = ""
+        if s.speculative == "draft":
+            try:
+                resolved = await asyncio.to_thread(resolve_model, s.draft_model, s.model_cache_dir or None)
+            except FileNotFoundError as exc:
+                raise FileNotFoundError(f"--draft-model: {exc}") from None
+            draft_path = str(resolved)
         device = resolve_device(s.device)
         dtype = resolve_dtype(s.dtype, device)
         config = EngineConfig(
@@ -164,12 +171,15 @@ class WorkerApp:
             max_model_len=s.max_model_len,
             torch_threads=s.torch_threads,
             cpu_prepack=s.cpu_prepack,
+            cpu_kernel_cache_entries=s.cpu_kernel_cache_entries,
             speculative=s.speculative,
             num_speculative_tokens=s.num_speculative_tokens,
             spec_ngram_min=s.spec_ngram_min,
             spec_ngram_max=s.spec_ngram_max,
             spec_max_batch_tokens=s.spec_max_batch_tokens,
             spec_step_cost=s.spec_step_cost,
+            draft_model_path=draft_path,
+            draft_kv_cache_tokens=s.draft_kv_cache_tokens,
         )
         log.info("model_loading", path=str(path), device=device, dtype=dtype, dp_size=s.dp_size)
         # Off the event loop, so health checks are answered (NOT_SERVING) while loading.

@@ -60,10 +60,24 @@ class WorkerSettings(TlsSettings):
         "On CPU, pack linear-layer weights once for oneDNN (faster at every batch size; "
         "--no-cpu-prepack = torch's default matmul)",
     )
+    cpu_kernel_cache_entries: int = field(
+        64,
+        "On CPU, oneDNN kernels kept per cache (one per input shape, ~0.3 MiB each); bounds the "
+        "memory that prompts of many lengths add over time",
+    )
     speculative: str = field(
         "off",
-        "Speculative decoding: off, or ngram (prompt lookup over the prompt and output)",
-        choices=("off", "ngram"),
+        "Speculative decoding: off, ngram (prompt lookup over the prompt and output), or draft "
+        "(a smaller model with the same tokenizer proposes: --draft-model)",
+        choices=("off", "ngram", "draft"),
+    )
+    draft_model: str = field(
+        "",
+        "The draft model of --speculative draft: a local folder or 'default', resolved like "
+        "--model; it must share the target's tokenizer",
+    )
+    draft_kv_cache_tokens: int = field(
+        0, "The draft model's KV pool per rank (tokens); 0 = as many tokens as the target's pool"
     )
     num_speculative_tokens: int = field(5, "Tokens proposed per sequence per step (k)")
     spec_ngram_min: int = field(2, "Shortest suffix n-gram looked up by ngram speculation (tokens)")
@@ -122,11 +136,15 @@ class WorkerSettings(TlsSettings):
             raise ValueError(
                 f"need 1 <= spec_ngram_min ({self.spec_ngram_min}) <= spec_ngram_max ({self.spec_ngram_max})"
             )
+        if self.speculative == "draft" and not self.draft_model:
+            raise ValueError("--speculative draft needs --draft-model (a folder, or 'default')")
         for name in (
+            "draft_kv_cache_tokens",
             "kv_cache_tokens",
             "max_batch_tokens",
             "max_model_len",
             "torch_threads",
+            "cpu_kernel_cache_entries",
             "spec_max_batch_tokens",
         ):
             if getattr(self, name) < 0:

@@ -9,17 +9,26 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 
-from shared.proto import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
+from shared.proto import (
+    gateway_pb2,
+    gateway_pb2_grpc,
+    load_monitor_pb2,
+    load_monitor_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
 from tests.support.stack import ROOT, Stack, free_port_base, running_processes
 
 pytestmark = pytest.mark.e2e
+
+Metadata = Sequence[tuple[str, str]]  # internal calls carry the stack's cluster token
 
 
 def _children_of(pid: int) -> list[int]:
@@ -154,7 +163,7 @@ async def test_kill9_of_a_decode_worker_mid_stream_migrates_every_stream(two_dec
         tasks = [asyncio.ensure_future(_stream(stub, i, started[i])) for i in range(len(PROMPTS))]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
         decode_workers = [f"127.0.0.1:{base + 20}", f"127.0.0.1:{base + 21}"]
-        running = await _running(decode_workers)
+        running = await _running(decode_workers, stack.internal_metadata)
         victim = max(decode_workers, key=lambda a: running.get(a, 0))  # the one carrying streams
         assert running.get(victim, 0) > 0, running
         os.kill(_pid_listening_on(victim), signal.SIGKILL)
@@ -171,38 +180,42 @@ async def test_kill9_of_a_decode_worker_mid_stream_migrates_every_stream(two_dec
         assert gateway_pb2.FRAME_KIND_FIRST not in [f.kind for f in got][1:]
 
 
-async def _used_tokens(addresses: list[str]) -> dict[str, int]:
+async def _used_tokens(addresses: list[str], metadata: Metadata) -> dict[str, int]:
     """KV tokens in use per reachable worker (GetLoad)."""
     out = {}
     for address in addresses:
         async with grpc.aio.insecure_channel(address) as ch:
             try:
-                load = await worker_pb2_grpc.WorkerStub(ch).GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
+                load = await worker_pb2_grpc.WorkerStub(ch).GetLoad(
+                    worker_pb2.GetLoadRequest(), timeout=5, metadata=metadata
+                )
             except grpc.aio.AioRpcError:
                 continue  # a killed worker
         out[address] = sum(r.num_used_tokens for r in load.ranks)
     return out
 
 
-async def _running(addresses: list[str]) -> dict[str, int]:
+async def _running(addresses: list[str], metadata: Metadata) -> dict[str, int]:
     """Requests running per reachable worker (GetLoad)."""
     out = {}
     for address in addresses:
         async with grpc.aio.insecure_channel(address) as ch:
             try:
-                load = await worker_pb2_grpc.WorkerStub(ch).GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
+                load = await worker_pb2_grpc.WorkerStub(ch).GetLoad(
+                    worker_pb2.GetLoadRequest(), timeout=5, metadata=metadata
+                )
             except grpc.aio.AioRpcError:
                 continue
         out[address] = sum(r.num_running for r in load.ranks)
     return out
 
 
-async def _all_freed(addresses: list[str], within_s: float) -> dict[str, int]:
+async def _all_freed(addresses: list[str], within_s: float, metadata: Metadata) -> dict[str, int]:
     deadline = time.monotonic() + within_s
-    used = await _used_tokens(addresses)
+    used = await _used_tokens(addresses, metadata)
     while any(used.values()) and time.monotonic() < deadline:
         await asyncio.sleep(0.2)
-        used = await _used_tokens(addresses)
+        used = await _used_tokens(addresses, metadata)
     return used
 
 
@@ -227,7 +240,8 @@ async def test_kill9_of_a_prefill_worker_during_prefill_and_push(two_decode_stac
     failed = [r for r in replies if isinstance(r, BaseException)]
     assert not failed, failed
     assert {r.usage.completion_tokens for r in replies if not isinstance(r, BaseException)} == {8}
-    used = await _all_freed([w for w in _workers(stack) if w != victim], within_s=15)
+    survivors = [w for w in _workers(stack) if w != victim]
+    used = await _all_freed(survivors, within_s=15, metadata=stack.internal_metadata)
     assert not any(used.values()), f"KV still held after every request ended: {used}"
 
 
@@ -258,7 +272,7 @@ async def test_cancel_storm_leaves_every_pool_free(two_decode_stack: Stack) -> N
         outcomes = await asyncio.gather(*(one(i) for i in range(40)))
         assert outcomes.count("ok") >= 24, outcomes
         assert set(outcomes) <= {"ok", "cancelled", "DEADLINE_EXCEEDED"}, outcomes
-        used = await _all_freed(_workers(stack), within_s=15)
+        used = await _all_freed(_workers(stack), within_s=15, metadata=stack.internal_metadata)
         assert not any(used.values()), f"KV still held after the storm: {used}"
         reply = await stub.Complete(
             gateway_pb2.GenerateRequest(prompt="after the storm", max_tokens=4, ignore_eos=True), timeout=60
@@ -278,11 +292,90 @@ def test_kill9_of_the_gateway_frees_every_workers_kv(tiny_bpe_model: Path, tmp_p
             calls = [stub.Generate(req, timeout=120) for _ in range(4)]
             for call in calls:
                 await call.read()  # each stream is running
-            assert any((await _used_tokens(workers)).values()), "no KV held while streams run"
+            held = await _used_tokens(workers, stack.internal_metadata)
+            assert any(held.values()), "no KV held while streams run"
             os.kill(_pid_listening_on(stack.gateway), signal.SIGKILL)
-            used = await _all_freed(workers, within_s=10)
+            used = await _all_freed(workers, within_s=10, metadata=stack.internal_metadata)
             await ch.close(grace=0)
             return used
 
         used = asyncio.run(run())
     assert not any(used.values()), f"KV held after the gateway died: {used}"
+
+
+# Leases short enough that a stopped worker leaves membership in a few seconds.
+SHORT_LEASE_ARGS = [
+    "--prefill-workers",
+    "1",
+    "--decode-workers",
+    "2",
+    "--load-monitor-arg=--lease-ttl-s=3",
+    "--worker-arg=--heartbeat-interval-s=0.5",
+    "--gateway-arg=--membership-poll-s=0.5",
+    "--gateway-arg=--membership-probe-timeout-s=1",
+]
+
+
+async def _members(stack: Stack) -> set[str]:
+    """Addresses of the workers the load-monitor holds a live lease for."""
+    async with grpc.aio.insecure_channel(stack.load_monitor) as ch:
+        snapshot = await load_monitor_pb2_grpc.LoadMonitorStub(ch).GetLoads(
+            load_monitor_pb2.GetLoadsRequest(), timeout=5, metadata=stack.internal_metadata
+        )
+    return {w.info.address for w in snapshot.workers}
+
+
+def test_sigstop_of_a_decode_worker_migrates_its_streams_once_it_leaves_membership(
+    tiny_bpe_model: Path, tmp_path: Path
+) -> None:
+    """A decode worker carrying streams is stopped (SIGSTOP: alive, its connections open, silent).
+    Once its lease expires the gateway migrates its streams: the same text and token ids as an
+    undisturbed run (greedy and seeded), exact usage. After SIGCONT it finds its calls cancelled,
+    frees their KV and rejoins the cluster."""
+    with running_processes(str(tiny_bpe_model), tmp_path, up_args=SHORT_LEASE_ARGS) as stack:
+        base = stack.port_base
+        decode_workers = [f"127.0.0.1:{base + 20}", f"127.0.0.1:{base + 21}"]
+
+        async def run() -> tuple[list[Any], list[Any], dict[str, int]]:
+            async with grpc.aio.insecure_channel(stack.gateway) as ch:
+                stub = gateway_pb2_grpc.GatewayStub(ch)
+                undisturbed = [await _stream(stub, i) for i in range(len(PROMPTS))]
+                started = [asyncio.Event() for _ in PROMPTS]
+                tasks = [asyncio.ensure_future(_stream(stub, i, started[i])) for i in range(len(PROMPTS))]
+                await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+                running = await _running(decode_workers, stack.internal_metadata)
+                victim = max(decode_workers, key=lambda a: running.get(a, 0))
+                assert running.get(victim, 0) > 0, running
+                pid = _pid_listening_on(victim)
+                os.kill(pid, signal.SIGSTOP)
+                try:
+                    # before keepalive (30 s + its 10 s timeout) could end the silent calls
+                    disturbed = await asyncio.wait_for(asyncio.gather(*tasks), 35)
+                    assert victim not in await _members(stack)
+                finally:
+                    os.kill(pid, signal.SIGCONT)
+                # Back: its cancelled calls free their KV, and it registers again.
+                used = await _all_freed([victim], within_s=30, metadata=stack.internal_metadata)
+                deadline = time.monotonic() + 30
+                while victim not in await _members(stack) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.2)
+                assert victim in await _members(stack), "the resumed worker did not rejoin"
+                after = await stub.Complete(
+                    gateway_pb2.GenerateRequest(prompt="after the stop", max_tokens=4, ignore_eos=True),
+                    timeout=60,
+                )
+                assert after.usage.completion_tokens == 4
+            return undisturbed, disturbed, used
+
+        undisturbed, disturbed, used = asyncio.run(run())
+        gateway_log = (stack.log_dir / "gateway.log").read_text()
+    assert not any(used.values()), f"the resumed worker still holds KV: {used}"
+    assert '"event": "worker_gone_abandoning_streams"' in gateway_log
+    assert gateway_log.count('"event": "migrating"') >= 1
+    for i, (want, got) in enumerate(zip(undisturbed, disturbed, strict=True)):
+        assert [t for f in got for t in f.token_ids] == [t for f in want for t in f.token_ids], i
+        assert "".join(f.text for f in got) == "".join(f.text for f in want), i
+        assert got[-1].usage.completion_tokens == 160
+        assert got[-1].usage.prompt_tokens == want[-1].usage.prompt_tokens
+        assert got[-1].finish_reason == want[-1].finish_reason
+        assert [f.kind for f in got].count(gateway_pb2.FRAME_KIND_FIRST) == 1

@@ -48,6 +48,9 @@ def test_readme_grpcurl_recipes_run_verbatim(disagg_stack: Stack) -> None:
         f"127.0.0.1:{port}": f"127.0.0.1:{base + offset}"
         for port, offset in ((50051, 0), (50052, 1), (50053, 2), (50061, 10), (50071, 20))
     }
+    # the README's internal recipes name the token they tell the reader to start the stack with
+    header = "x-pdserve-cluster-token: "
+    addresses[header + "my-cluster-token"] = header + disagg_stack.cluster_token
     commands = recipes()
     assert len(commands) >= 10
     for command in commands:

@@ -124,9 +124,11 @@ async def test_bad_input_is_invalid_argument_and_stack_keeps_serving(disagg_stac
     assert frames[-1].kind == gateway_pb2.FRAME_KIND_FINAL
 
 
-async def _used_tokens(address: str) -> int:
+async def _used_tokens(stack: Stack, address: str) -> int:
     async with grpc.aio.insecure_channel(address) as channel:
-        load = await worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
+        load = await worker_pb2_grpc.WorkerStub(channel).GetLoad(
+            worker_pb2.GetLoadRequest(), timeout=10, metadata=stack.internal_metadata
+        )
     return sum(r.num_used_tokens + r.num_running + r.num_waiting for r in load.ranks)
 
 
@@ -142,7 +144,7 @@ async def test_cancel_mid_stream_frees_kv_on_both_workers(disagg_stack: Stack) -
                 call.cancel()
                 break
     for _ in range(100):
-        busy = [await _used_tokens(a) for a in disagg_stack.workers]
+        busy = [await _used_tokens(disagg_stack, a) for a in disagg_stack.workers]
         if not any(busy):
             break
         await asyncio.sleep(0.1)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
+import secrets
 import signal
 import socket
 import subprocess
@@ -13,6 +15,8 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from shared.cluster_auth import TOKEN_HEADER
 
 ROOT = Path(__file__).resolve().parents[2]
 # Offsets used by services/up.py (gateway +0, scheduler +1, load-monitor +2, prefill +10,
@@ -31,6 +35,12 @@ class Stack:
     port_base: int
     log_dir: Path
     output: list[str]
+    cluster_token: str = ""  # what internal RPCs (workers, scheduler, load-monitor) must carry
+
+    @property
+    def internal_metadata(self) -> tuple[tuple[str, str], ...]:
+        """Call metadata for an internal RPC, e.g. `stub.GetLoad(req, metadata=stack.internal_metadata)`."""
+        return ((TOKEN_HEADER, self.cluster_token),) if self.cluster_token else ()
 
     @property
     def http_base_url(self) -> str:
@@ -115,7 +125,17 @@ def running_stack(
         cmd.append("--metrics")
     cmd += [f"--worker-arg={a}" for a in worker_args]
     cmd += list(up_args)
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # pdserve up would make a random cluster token; the tests choose it so that they can call
+    # internal RPCs (pdserve up never prints it).
+    token = secrets.token_urlsafe(16)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PDSERVE_CLUSTER_TOKEN": token},
+    )
     output: list[str] = []
     lines: queue.Queue[str | None] = queue.Queue()
     threading.Thread(target=_pump, args=(proc.stdout, lines, output), daemon=True).start()
@@ -129,6 +149,7 @@ def running_stack(
         port_base=base,
         log_dir=log_dir,
         output=output,
+        cluster_token=token,
     )
     try:
         deadline = time.monotonic() + ready_timeout_s + 30
@@ -199,6 +220,7 @@ def running_processes(
             port_base=base,
             log_dir=log_dir,
             output=[],
+            cluster_token=args.cluster_token,
         )
         if problem is not None:
             raise RuntimeError(f"the stack did not come up: {problem}\n{stack.logs()}")

@@ -113,6 +113,34 @@ def build_tiny_model(folder: str | Path, kind: str = "bpe", seed: int = 0) -> Pa
     return folder
 
 
+def build_tiny_draft(target: str | Path, folder: str | Path, num_layers: int = 1, noise: float = 0.0) -> Path:
+    """A draft model for speculation tests (idempotent; returns `folder`): `target`'s tokenizer
+    and its first `num_layers` layers (embeddings, norm and LM head too), every weight plus
+    Gaussian `noise` (std) when given, so it agrees with the target often but not always."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    folder = Path(folder)
+    if (folder / "config.json").exists():
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in Path(target).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, folder / f.name)
+    config = AutoConfig.from_pretrained(str(target))
+    config.num_hidden_layers = num_layers
+    source = LlamaForCausalLM.from_pretrained(str(target)).state_dict()
+    draft = LlamaForCausalLM(config)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in draft.state_dict().items():
+            param.copy_(source[name] + noise * torch.randn(param.shape, generator=gen))
+    draft.save_pretrained(str(folder))
+    return folder
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("folder")

@@ -53,9 +53,11 @@ def test_pass_through_flags_reach_only_their_service() -> None:
             "--decode-worker-arg=--x-dec",
             "--prefill-worker-arg=--x-pre",
             "--worker-arg=--x-all",
+            "--load-monitor-arg=--x-lm",
         )
     }
     assert "--x-sched" in children["scheduler"].args
+    assert [n for n, c in children.items() if "--x-lm" in c.args] == ["load-monitor"]
     assert "--x-gw" in children["gateway"].args
     assert "--x-dec" in children["decode-worker"].args and "--x-pre" not in children["decode-worker"].args
     assert "--x-pre" in children["prefill-worker"].args
@@ -69,6 +71,38 @@ def test_pass_through_flags_reach_only_their_service() -> None:
 def test_impossible_shapes_exit_with_one_line(argv: list[str]) -> None:
     with pytest.raises(SystemExit, match="must be between 1 and 10"):
         up._parse(argv)
+
+
+# --- the cluster token ---
+
+
+def test_every_child_gets_one_random_cluster_token_in_its_environment_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("PDSERVE_CLUSTER_TOKEN", raising=False)
+    children = _children()
+    tokens = {c.env["PDSERVE_CLUSTER_TOKEN"] for c in children if c.env}
+    assert len(tokens) == 1 and len(children) == 5 and all(c.env for c in children)
+    (token,) = tokens
+    assert len(token) >= 40  # secrets.token_urlsafe(32)
+    assert all(token not in " ".join(c.args) for c in children), "a secret in argv is world-readable"
+    gateway = next(c for c in children if c.name == "gateway")
+    assert gateway.env is not None and "PDSERVE_API_KEYS" not in gateway.env
+    assert _children()[0].env != children[0].env, "a new token per run"
+
+
+def test_a_given_cluster_token_is_used_flag_first_then_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDSERVE_CLUSTER_TOKEN", "from-env")
+    assert {c.env["PDSERVE_CLUSTER_TOKEN"] for c in _children() if c.env} == {"from-env"}
+    given = _children("--cluster-token", "from-flag", "--api-key", "k1")
+    assert {c.env["PDSERVE_CLUSTER_TOKEN"] for c in given if c.env} == {"from-flag"}
+    gateway = next(c for c in given if c.name == "gateway")
+    assert gateway.env is not None and gateway.env["PDSERVE_API_KEYS"] == "k1"
+
+
+def test_a_cluster_token_that_cannot_travel_as_metadata_exits_with_one_line() -> None:
+    with pytest.raises(SystemExit, match="cluster_token has a space"):
+        up._parse(["--cluster-token", "two words"])
 
 
 class _Proc:

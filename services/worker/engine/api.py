@@ -125,9 +125,16 @@ class EngineConfig:
     max_model_len: int = 0  # 0 = the model's max_position_embeddings
     torch_threads: int = 0  # 0 = torch default
     cpu_prepack: bool = True  # CPU: oneDNN-prepacked linear weights (engine/cpu_linear.py)
+    # CPU: entries in each of oneDNN's kernel caches (one per input shape, ~0.3 MiB each);
+    # bounds the memory that prompts of many lengths would otherwise add (cpu_linear)
+    cpu_kernel_cache_entries: int = 64
     enable_prefix_caching: bool = True
-    # speculative decoding (engine/spec): "off" | "ngram"
+    # speculative decoding (engine/spec): "off" | "ngram" | "draft"
     speculative: str = "off"
+    # speculative "draft": the draft model's folder (same tokenizer as the target) and its own KV
+    # pool per rank (tokens; 0 = as many tokens as the target's pool)
+    draft_model_path: str = ""
+    draft_kv_cache_tokens: int = 0
     num_speculative_tokens: int = 5  # proposals per sequence per step (k)
     spec_ngram_min: int = 2  # shortest suffix n-gram looked up (tokens)
     spec_ngram_max: int = 4  # longest suffix n-gram looked up (tokens)

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from services.worker.engine import cpu_linear
 from services.worker.engine.api import (
     Admission,
     EngineConfig,
@@ -44,6 +45,7 @@ from services.worker.engine.rank import Rank, Speculation
 from services.worker.engine.request import Request
 from services.worker.engine.scheduler import Scheduler
 from services.worker.engine.spec.calibrate import calibrate
+from services.worker.engine.spec.draft import DraftProposer, check_same_tokenizer, load_draft_model
 from services.worker.engine.spec.ngram import NgramProposer
 from services.worker.engine.spec.policy import StepCostModel
 from services.worker.engine.spec.stats import SpecStats
@@ -75,7 +77,7 @@ _DEFAULT_BATCH_TOKENS = {"cpu": 512, "cuda": 2048}
 _DEFAULT_SPEC_BATCH_TOKENS = {"cpu": 32, "cuda": 512}
 # the start-up calibration counts as this many decode steps in the online step-cost fit
 _STEP_COST_PRIOR_WEIGHT = 5.0
-_SPECULATIVE_METHODS = ("off", "ngram")
+_SPECULATIVE_METHODS = ("off", "ngram", "draft")
 
 
 def _available_bytes(device: torch.device) -> int:
@@ -121,6 +123,10 @@ class PagedEngine:
             raise InvalidArgument("num_speculative_tokens must be >= 1")
         if not 1 <= config.spec_ngram_min <= config.spec_ngram_max:
             raise InvalidArgument("need 1 <= spec_ngram_min <= spec_ngram_max")
+        if config.speculative == "draft" and not config.draft_model_path:
+            raise InvalidArgument("speculative draft needs a draft model (--draft-model)")
+        if config.draft_kv_cache_tokens < 0:
+            raise InvalidArgument("draft_kv_cache_tokens must be >= 0")
         self.config = config
         self.model_id = Path(config.model_path).name
         self.kv_layout: KvLayout
@@ -144,19 +150,24 @@ class PagedEngine:
             return torch.device("cuda", dp_rank % torch.cuda.device_count())
         return torch.device(want)
 
-    def _num_blocks(self, layout: KvLayout, dtype: torch.dtype, device: torch.device) -> int:
+    def _num_blocks(
+        self, layout: KvLayout, dtype: torch.dtype, device: torch.device, draft: KvLayout | None = None
+    ) -> int:
         """Blocks per rank: kv_cache_tokens when set, else kv_memory_fraction of free memory,
         capped at what max_num_seqs full-length requests can use (and at 1 GiB on CPU, where
-        host RAM is shared with everything else)."""
+        host RAM is shared with everything else). A draft model's pool that follows the
+        target's size (`draft`: its layout) shares that memory token for token."""
         cfg = self.config
         if cfg.kv_cache_tokens > 0:
             return -(-cfg.kv_cache_tokens // cfg.block_size)
-        per_token = (
-            layout.num_layers
+        per_token = sum(
+            lay.num_layers
             * 2
-            * layout.num_kv_heads
-            * layout.head_dim
+            * lay.num_kv_heads
+            * lay.head_dim
             * torch.tensor([], dtype=dtype).element_size()
+            for lay in (layout, draft)
+            if lay is not None
         )
         budget = int(_available_bytes(device) * cfg.kv_memory_fraction)
         if device.type == "cpu":
@@ -173,8 +184,17 @@ class PagedEngine:
         sys.setswitchinterval(min(sys.getswitchinterval(), _GIL_SWITCH_INTERVAL_S))
         if cfg.torch_threads > 0:
             torch.set_num_threads(cfg.torch_threads)
+        # before any model is loaded: packing the weights builds the first oneDNN kernels
+        cpu_linear.bound_kernel_caches(cfg.cpu_kernel_cache_entries)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
         self._hidden_ids = hidden_token_ids(self.tokenizer)
+        if cfg.speculative == "draft":
+            try:
+                draft_tokenizer = AutoTokenizer.from_pretrained(cfg.draft_model_path)
+            except (OSError, ValueError) as exc:
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                raise InvalidArgument(f"cannot load draft model {cfg.draft_model_path}: {first}") from exc
+            check_same_tokenizer(self.tokenizer, draft_tokenizer, cfg.draft_model_path)
         for dp_rank in range(cfg.dp_size):
             device = self._device_for(dp_rank)
             dtype = resolve_dtype(cfg.dtype, device)
@@ -185,7 +205,16 @@ class PagedEngine:
                 self.max_model_len = cfg.max_model_len or int(text_cfg.max_position_embeddings)
                 self.eos_token_ids = _eos_ids(model, self.tokenizer)
                 self.vocab_size = int(text_cfg.vocab_size)
-            num_blocks = self._num_blocks(self.kv_layout, dtype, device)
+            draft_model: Any = None
+            draft_layout: KvLayout | None = None
+            if cfg.speculative == "draft":
+                draft_model = load_draft_model(
+                    cfg.draft_model_path, device, dtype, cfg.cpu_prepack, self.vocab_size
+                )
+                draft_layout = kv_layout_of(draft_model.config, cfg.block_size, dtype)
+            num_blocks = self._num_blocks(
+                self.kv_layout, dtype, device, draft_layout if cfg.draft_kv_cache_tokens == 0 else None
+            )
             runner = ModelRunner(model, self.kv_layout, num_blocks, device, dtype)
             runner.warm_up()
             blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
@@ -196,6 +225,12 @@ class PagedEngine:
                 speculation = Speculation(
                     NgramProposer(cfg.spec_ngram_min, cfg.spec_ngram_max), cfg.num_speculative_tokens
                 )
+            elif draft_model is not None and draft_layout is not None:
+                speculation = Speculation(
+                    self._draft_proposer(draft_model, draft_layout, num_blocks, device, dtype, budget),
+                    cfg.num_speculative_tokens,
+                )
+            if speculation is not None:
                 spec_tokens = cfg.spec_max_batch_tokens or _DEFAULT_SPEC_BATCH_TOKENS.get(device.type, 512)
             scheduler = Scheduler(blocks, budget, cfg.max_num_seqs, spec_tokens)
             if speculation is not None and cfg.spec_step_cost:
@@ -225,6 +260,35 @@ class PagedEngine:
         for rank in self._ranks:
             rank.start()
         self._started = True
+
+    def _draft_proposer(
+        self,
+        model: Any,
+        layout: KvLayout,
+        target_blocks: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_batch_tokens: int,
+    ) -> DraftProposer:
+        """The draft model's runner and its own KV pool: draft_kv_cache_tokens, else as many
+        tokens as the target's pool (every token the target holds, the draft can hold)."""
+        cfg = self.config
+        num_blocks = (
+            -(-cfg.draft_kv_cache_tokens // cfg.block_size) if cfg.draft_kv_cache_tokens else target_blocks
+        )
+        runner = ModelRunner(model, layout, num_blocks, device, dtype)
+        runner.warm_up()
+        max_len = min(self.max_model_len, int(model.config.get_text_config().max_position_embeddings))
+        log.info(
+            "draft model %s: %d KV blocks of %d tokens", cfg.draft_model_path, num_blocks, cfg.block_size
+        )
+        return DraftProposer(
+            runner,
+            BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching),
+            max_catchup_tokens=max_batch_tokens,
+            max_model_len=max_len,
+            vocab_size=self.vocab_size,
+        )
 
     def shutdown(self) -> None:
         self._stopped = True
@@ -361,6 +425,10 @@ class PagedEngine:
 
     def spec_stats(self, dp_rank: int) -> SpecStats:
         return self._ranks[dp_rank].spec_stats()
+
+    def draft_blocks(self, dp_rank: int) -> tuple[int, int]:
+        """(free, total) blocks of the rank's draft-model KV pool; (0, 0) without one."""
+        return self._ranks[dp_rank].draft_blocks()
 
     def num_total_blocks(self, dp_rank: int) -> int:
         return self._ranks[dp_rank].blocks.num_blocks

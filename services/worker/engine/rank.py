@@ -5,7 +5,9 @@ Threading: every Request/scheduler/block-manager field is guarded by `self.lock`
 this module. The step thread holds it while scheduling and post-processing, and releases it for
 the forward pass (torch releases the GIL), so API calls from the event loop wait at most for one
 post-processing phase. Aborts of scheduled requests are deferred to the step thread (their blocks
-may be in use by the forward pass in flight).
+may be in use by the forward pass in flight). With a draft model (spec/draft.py) a step has a
+second unlocked phase, the draft's forward passes for the next proposals; a PREFILL_ONLY request's
+terminal output waits for them (its handoff proposals), and an abort meanwhile is deferred too.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from services.worker.engine.request import Request, RequestStatus, finish_rule
 from services.worker.engine.scheduler import ScheduledRequest, Scheduler
 from services.worker.engine.spec import policy
 from services.worker.engine.spec.calibrate import step_clock
+from services.worker.engine.spec.draft import DraftJob, DraftProposer, fit_to_room
 from services.worker.engine.spec.ngram import NgramProposer
 from services.worker.engine.spec.stats import SpecStats
 from services.worker.engine.spec.verify import accept_run
@@ -46,7 +49,7 @@ Outputs = list[tuple[OutputHandle, RequestOutput]]
 class Speculation:
     """A rank's speculative decoding: the proposer and the proposals per step (k)."""
 
-    proposer: NgramProposer
+    proposer: NgramProposer | DraftProposer
     num_tokens: int  # k
 
 
@@ -76,6 +79,8 @@ class Rank:
         self._tickets: dict[str, Request] = {}  # DECODE_REMOTE requests waiting for KV
         self._handles: dict[str, OutputHandle] = {}  # requests whose terminal output is unsent
         self._aborts: list[Request] = []
+        # requests waiting for the draft model's proposals this step, with how many they want
+        self._draft_wants: list[tuple[Request, int]] = []
         self._next_seq = 0
         self._spec_stats = SpecStats()
         # what a step's cost is measured with (spec/calibrate.py): on a CPU the step thread's
@@ -159,6 +164,10 @@ class Rank:
                     outputs: Outputs = []
                     for req in [*self.scheduler.running, *self.scheduler.waiting]:
                         self._finish(req, FinishReason.ABORT, outputs)
+                    for req, _ in self._draft_wants:  # handoffs waiting for draft proposals
+                        if req.kind is RequestKind.PREFILL_ONLY:
+                            self._emit(req, self._output(req, finished=True), outputs)
+                    self._draft_wants = []
                 deliver_batch(outputs)
 
     def _step(self) -> bool:
@@ -170,6 +179,8 @@ class Rank:
                 deliver_batch(outputs)
                 return False
             sched = self.scheduler.schedule()
+            if self._draft is not None:
+                self._draft.drop_unless_running()  # preempted requests recompute their draft KV
             for req in sched.unfittable:
                 log.warning("request %s outgrew the KV pool; aborting it", req.request_id)
                 self._finish(req, FinishReason.ABORT, outputs)
@@ -203,7 +214,16 @@ class Rank:
             outputs = []
             self._observe_step_cost(scheduled, cost_ns)
             self._postprocess(scheduled, sampled, elapsed_ns, outputs)
+            jobs: list[DraftJob] = []
+            if self._draft is not None and self._draft_wants:
+                # the next step verifies one token per running request plus proposals, at most
+                # max_spec_batch_tokens in all
+                room = self.scheduler.max_spec_batch_tokens - len(self.scheduler.running)
+                self._draft_wants = fit_to_room(self._draft_wants, room)
+                jobs = self._draft.plan([w for w in self._draft_wants if w[1] > 0])
         deliver_batch(outputs)
+        if self._draft_wants:
+            self._draft_round(jobs)
         return True
 
     def _observe_step_cost(self, scheduled: list[ScheduledRequest], cost_ns: int) -> None:
@@ -215,6 +235,35 @@ class Rank:
             return
         num_tokens = sum(1 + s.num_draft_tokens for s in scheduled)
         cost.observe(num_tokens, len(scheduled), cost_ns / 1e6)
+
+    @property
+    def _draft(self) -> DraftProposer | None:
+        spec = self.speculation
+        return spec.proposer if spec is not None and isinstance(spec.proposer, DraftProposer) else None
+
+    def _draft_round(self, jobs: list[DraftJob]) -> None:
+        """The draft model's forward passes (unlocked), then the proposals handed out: decoding
+        requests verify them next step, PREFILL_ONLY requests send them with their output."""
+        draft = self._draft
+        assert draft is not None
+        try:
+            draft.run(jobs)
+        except Exception:  # proposals are an optimization: never fail a request over them
+            log.exception("draft model failed on rank %d; proposing nothing this step", self.dp_rank)
+            for job in jobs:
+                job.proposals = []
+        with self.lock:
+            outputs: Outputs = []
+            proposals = draft.apply(jobs)
+            for req, _ in self._draft_wants:
+                props = proposals.get(req, [])
+                if req.kind is RequestKind.PREFILL_ONLY:
+                    draft.drop(req)  # it decodes elsewhere
+                    self._emit(req, self._output(req, finished=True, drafts=props), outputs)
+                elif req.status is RequestStatus.RUNNING:
+                    req.spec_token_ids = props
+            self._draft_wants = []
+        deliver_batch(outputs)
 
     def _snapshot(self, s: ScheduledRequest) -> ScheduledSeq:
         r = s.request
@@ -263,18 +312,20 @@ class Rank:
                 self.scheduler.remove(req, keep_blocks=True)
                 req.hold(reason)
                 drafts = self._propose(req) if reason is None else []
+                if drafts is None:
+                    continue  # its output leaves with the draft model's proposals (_draft_round)
                 self._emit(req, self._output(req, finished=True, drafts=drafts), outputs)
             elif reason is not None:
                 self._finish(req, reason, outputs)
             else:
-                req.spec_token_ids = self._propose(req)
+                req.spec_token_ids = self._propose(req) or []
                 out = self._output(req, finished=False)
                 if out.new_token_ids or out.text_delta:
                     self._emit(req, out, outputs)
 
-    def _propose(self, req: Request) -> list[int]:
+    def _propose(self, req: Request) -> list[int] | None:
         """Proposals for the tokens after req.token_ids (none without speculation or while the
-        request backs off)."""
+        request backs off); None when the draft model proposes them after this phase."""
         spec = self.speculation
         if spec is None:
             return []
@@ -287,6 +338,9 @@ class Rank:
         if n == 0:
             req.spec = policy.after_skipped_step(req.spec)
             return []
+        if isinstance(spec.proposer, DraftProposer):
+            self._draft_wants.append((req, n))
+            return None
         return spec.proposer.propose(req.token_ids, n)
 
     def _output(self, req: Request, finished: bool, drafts: list[int] | None = None) -> RequestOutput:
@@ -321,6 +375,8 @@ class Rank:
     def _finish(self, req: Request, reason: FinishReason, outputs: Outputs) -> None:
         """End a request that is not HELD: free its blocks, send its terminal output."""
         self.scheduler.remove(req)
+        if self._draft is not None:
+            self._draft.drop(req)
         req.finish(reason)
         self._requests.pop(req.request_id, None)
         if req.transfer_ticket is not None:
@@ -330,7 +386,8 @@ class Rank:
 
     # ---- aborts and release --------------------------------------------------------------
     def _abort_locked(self, req: Request) -> None:
-        if req.status is RequestStatus.HELD:
+        # a HELD request whose output still waits for draft proposals is released after it
+        if req.status is RequestStatus.HELD and req.request_id not in self._handles:
             self._release_locked(req)
         elif req.status is RequestStatus.WAITING_FOR_KV:
             outputs: Outputs = []
@@ -359,6 +416,8 @@ class Rank:
 
     def _release_locked(self, req: Request) -> None:
         self.scheduler.remove(req)  # frees the blocks; they stay in the prefix cache
+        if self._draft is not None:
+            self._draft.drop(req)
         req.release()
         self._requests.pop(req.request_id, None)
         self._wake.notify_all()
@@ -491,6 +550,12 @@ class Rank:
     def num_preemptions(self) -> int:
         with self.lock:
             return self.scheduler.num_preemptions
+
+    def draft_blocks(self) -> tuple[int, int]:
+        """(free, total) blocks of the draft model's KV pool; (0, 0) without a draft model."""
+        with self.lock:
+            draft = self._draft
+            return (draft.blocks.num_free_blocks, draft.blocks.num_blocks) if draft is not None else (0, 0)
 
     def spec_stats(self) -> SpecStats:
         with self.lock:

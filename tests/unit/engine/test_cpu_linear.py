@@ -5,7 +5,9 @@ test_batching.py.)"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -77,3 +79,65 @@ def test_no_swap_where_prepacking_does_not_apply(device: str, dtype: torch.dtype
     model = torch.nn.Sequential(torch.nn.Linear(8, 8)).to(device=device, dtype=dtype)
     assert cpu_linear.prepack_linears(model) == 0
     assert type(model[0]) is torch.nn.Linear
+
+
+# Run in a fresh interpreter: oneDNN and ideep read their cache capacity once per process.
+_KERNEL_CACHE_CHILD = """
+import ctypes, sys, torch
+from services.worker.engine import cpu_linear
+cpu_linear.bound_kernel_caches(int(sys.argv[1]))
+torch.set_num_threads(1)
+libc = ctypes.CDLL("libc.so.6")
+def rss_mib():
+    libc.malloc_trim(0)
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+packed = cpu_linear.PackedLinear(torch.nn.Linear(64, 64))
+x = torch.randn(400, 64)
+with torch.inference_mode():
+    packed(x[:1])
+    before = rss_mib()
+    for rows in range(2, 202):  # 200 input shapes, as prompts of 200 lengths give a prefill worker
+        packed(x[:rows])
+    print(rss_mib() - before)
+"""
+
+
+def _kernel_cache_growth_mib(capacity: int) -> float:
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _KERNEL_CACHE_CHILD, str(capacity)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux /proc for RSS")
+def test_bounded_kernel_caches_keep_memory_flat_over_many_shapes() -> None:
+    """The soak's prefill-worker growth: every new row count leaves ~0.3 MiB in each of oneDNN's
+    two kernel caches. Bounded, 200 shapes add (almost) nothing; with the libraries' default
+    capacity (1,024) the same 200 shapes add tens of MiB."""
+    bounded = _kernel_cache_growth_mib(8)
+    unbounded = _kernel_cache_growth_mib(1024)
+    assert bounded < 16, f"bounded caches grew {bounded:.1f} MiB over 200 shapes"
+    assert unbounded > 3 * max(bounded, 8), f"unbounded {unbounded:.1f} MiB vs bounded {bounded:.1f}"
+
+
+def test_engine_bounds_kernel_caches_before_loading(
+    make_engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for var in cpu_linear._KERNEL_CACHE_VARS:
+        monkeypatch.setenv(var, "1024")  # restored after the test
+    make_engine(cpu_kernel_cache_entries=7)
+    for var in cpu_linear._KERNEL_CACHE_VARS:
+        assert os.environ[var] == "7"
+
+
+def test_kernel_cache_capacity_must_not_be_negative() -> None:
+    with pytest.raises(ValueError, match=">= 0"):
+        cpu_linear.bound_kernel_caches(-1)

@@ -1,7 +1,7 @@
 """The per-step back-off of speculation: the step-cost model (fed made-up step times, never a
 clock), the per-position acceptance estimate, what an accepted token saves, which proposals a
 step verifies, the scheduler applying the plan; then on a tiny model, greedy identity with the
-cost model on and its start-up calibration."""
+cost model on; the start-up calibration on a fake runner and clock."""
 
 from __future__ import annotations
 
@@ -9,11 +9,13 @@ import random
 
 import pytest
 
-from services.worker.engine.api import EngineRequest, SamplingConfig
+from services.worker.engine.api import EngineRequest, KvLayout, SamplingConfig
 from services.worker.engine.block_manager import BlockManager
+from services.worker.engine.model_runner import ScheduledSeq
 from services.worker.engine.request import Request, SpecRecord
 from services.worker.engine.scheduler import Scheduler
 from services.worker.engine.spec import policy
+from services.worker.engine.spec.calibrate import calibrate
 from services.worker.engine.spec.policy import StepCost, StepCostModel
 from tests.unit.engine.conftest import EngineFactory, drain, greedy, request, tokens_of
 
@@ -156,8 +158,7 @@ async def test_cost_model_on_keeps_greedy_identity_and_calibrates(make_engine: E
     on = make_engine(speculative="ngram", num_speculative_tokens=4, spec_ngram_min=1)
     rank = on._ranks[0]  # type: ignore[attr-defined]
     cost = rank.scheduler.step_cost
-    assert cost is not None  # calibrated at start-up: more sequences cost more
-    assert cost.prior.step_ms(8, 8) > cost.prior.step_ms(1, 1) > 0.0
+    assert cost is not None and cost.prior != StepCostModel().prior  # calibrated at start-up
     rng = random.Random(3)
     reqs = []
     for i in range(6):
@@ -167,3 +168,32 @@ async def test_cost_model_on_keeps_greedy_identity_and_calibrates(make_engine: E
     got = await drain([on.add_request(r) for r in reqs])
     assert [tokens_of(o) for o in got] == [tokens_of(o) for o in want]
     assert cost.num_observations > 0  # decode steps taught it
+
+
+class _FakeRunner:
+    """Executes nothing; each step advances a fake clock by CPU's cost of its shape."""
+
+    def __init__(self) -> None:
+        self.now_ns = 0
+        self.layout = KvLayout(num_layers=1, num_kv_heads=1, head_dim=4, block_size=16, dtype="float32")
+        self.shapes: list[tuple[int, int]] = []
+
+    def execute(self, seqs: list[ScheduledSeq]) -> list[list[int]]:
+        tokens = sum(len(s.token_ids) for s in seqs)
+        self.shapes.append((len(seqs), tokens))
+        self.now_ns += int(CPU.step_ms(tokens, len(seqs)) * 1e6)
+        return [[0] * s.num_logits for s in seqs]
+
+
+def test_calibration_fits_dummy_steps_of_several_shapes() -> None:
+    runner = _FakeRunner()
+    got = calibrate(runner, max_drafts=8, clock=(lambda: runner.now_ns, lambda: None))
+    assert got.fixed_ms == pytest.approx(CPU.fixed_ms, abs=0.05)
+    assert got.per_seq_ms == pytest.approx(CPU.per_seq_ms, abs=0.01)
+    assert got.per_token_ms == pytest.approx(CPU.per_token_ms, abs=0.01)
+    assert {n for n, _ in runner.shapes} == {1, 4, 8}  # batch sizes and proposal counts vary
+    assert len({t - n for n, t in runner.shapes}) > 2
+    # proposals beyond k are never timed
+    runner = _FakeRunner()
+    calibrate(runner, max_drafts=2, clock=(lambda: runner.now_ns, lambda: None))
+    assert max(t // n for n, t in runner.shapes) == 3

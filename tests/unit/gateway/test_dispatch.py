@@ -19,6 +19,7 @@ from services.gateway.ports import (
     Placement,
     PrefillResult,
     ScheduleQuery,
+    WorkerGone,
     WorkerJob,
     WorkerTarget,
     WorkerUnavailable,
@@ -45,24 +46,42 @@ def final(text: str = "", count: int | None = None, reason: FinishReason = Finis
 
 
 class FakeStream:
-    def __init__(self, events: Sequence[DecodeEvent | Exception], hang: bool = False) -> None:
+    """Events in order; an Exception is raised, a float is a pause (seconds) before the next one.
+    `hang`: after the last event, wait until cancelled or abandoned (a stopped worker)."""
+
+    def __init__(self, events: Sequence[DecodeEvent | Exception | float], hang: bool = False) -> None:
         self._events = list(events)
         self._hang = hang
         self.cancelled = False
+        self.abandoned: str | None = None
+        self.worker_id = ""  # set by FakeWorkers.decode
+        self._woken = asyncio.Event()
 
     async def next(self) -> DecodeEvent | None:
         await asyncio.sleep(0)
+        while self._events and isinstance(pause := self._events[0], float):
+            self._events.pop(0)
+            await asyncio.sleep(pause)
+        if self.abandoned is not None:
+            raise WorkerGone(self.abandoned, self.worker_id)
         if not self._events:
             if self._hang:
-                await asyncio.Event().wait()
+                await self._woken.wait()
+                if self.abandoned is not None:
+                    raise WorkerGone(self.abandoned, self.worker_id)
             return None
         item = self._events.pop(0)
         if isinstance(item, Exception):
             raise item
+        assert isinstance(item, DecodeEvent)
         return item
 
     def cancel(self) -> None:
         self.cancelled = True
+
+    def abandon(self, reason: str) -> None:
+        self.abandoned = reason
+        self._woken.set()
 
 
 @dataclass
@@ -80,7 +99,9 @@ class FakeWorkers:
     ) -> FakeStream:
         self.decode_calls.append((target.address, local_prefill, job.sampling.max_tokens))
         self.jobs.append(job)
-        return self.streams[target.address].pop(0)
+        stream = self.streams[target.address].pop(0)
+        stream.worker_id = target.worker_id
+        return stream
 
     async def prefill(
         self, target: WorkerTarget, job: WorkerJob, kv: KvDestination | None, timeout_s: float | None
@@ -236,6 +257,56 @@ async def test_retries_before_handoff_are_bounded() -> None:
     with pytest.raises(WorkerUnavailable):
         await run(sched, FakeWorkers())
     assert len(sched.queries) == 3
+
+
+async def test_retries_and_migrations_pause_with_the_jittered_backoff(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each retry before handoff and each migration waits backoff_s(its number) first: two
+    retries (1, 2), then after the handoff two migrations (1, 2)."""
+    from services.gateway import dispatch
+
+    pauses: list[int] = []
+
+    def recorded(attempt: int) -> float:
+        pauses.append(attempt)
+        return 0.0
+
+    monkeypatch.setattr(dispatch, "backoff_s", recorded)
+    workers = FakeWorkers(
+        streams={
+            DECODE.address: [
+                FakeStream([WorkerUnavailable("down", "d1")]),
+                FakeStream([ADMITTED, tokens("b", 2), WorkerUnavailable("died", "d1")]),
+            ],
+            DECODE2.address: [
+                FakeStream([WorkerUnavailable("down", "d2")]),
+                FakeStream([ADMITTED, tokens("d", 4), WorkerUnavailable("died", "d2")]),
+                FakeStream([ADMITTED, final("f", 1, FinishReason.LENGTH)]),
+            ],
+        },
+        prefills={
+            PREFILL.address: [PrefillResult(t, (i,), 1, None) for i, t in ((1, "a"), (3, "c"), (5, "e"))]
+        },
+    )
+    sched = FakeScheduler([disagg(DECODE), disagg(DECODE2), disagg(DECODE), disagg(DECODE2), disagg(DECODE2)])
+    frames, state = await run(sched, workers, prepared(max_tokens=6))
+    assert "".join(f.text for f in frames) == "abcdef"
+    assert state.attempts == 5 and state.migrations == 2
+    assert pauses == [1, 2, 1, 2]
+
+
+async def test_a_backoff_longer_than_the_deadline_ends_at_the_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from services.gateway import dispatch
+
+    monkeypatch.setattr(dispatch, "backoff_s", lambda attempt: 3600.0)
+    workers = FakeWorkers(streams={DECODE.address: [FakeStream([WorkerUnavailable("down", "d1")])]})
+    sched = FakeScheduler([disagg(DECODE), disagg(DECODE2)])
+    with pytest.raises(DeadlineExceeded):
+        await asyncio.wait_for(run(sched, workers, deadline_s=time.monotonic() + 0.2), 30)
+    assert len(sched.queries) == 1  # the pause was cut to the deadline, then nothing was retried
 
 
 async def test_no_retry_after_handoff_with_migration_disabled() -> None:

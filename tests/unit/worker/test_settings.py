@@ -79,6 +79,9 @@ def test_env_and_flags() -> None:
         ["--max-batch-tokens", "-1"],
         ["--max-num-seqs", "0"],
         ["--advertise-address", "10.0.0.7"],
+        ["--speculative", "draft"],  # without --draft-model
+        ["--speculative", "eagle"],
+        ["--draft-kv-cache-tokens", "-1"],
     ],
 )
 def test_invalid_values_exit_with_a_message(argv: list[str]) -> None:
@@ -96,3 +99,15 @@ def test_help_shows_the_role_by_value(capsys: pytest.CaptureFixture[str]) -> Non
     with pytest.raises(SystemExit):
         parse_settings(WorkerSettings, ["--help"], env={})
     assert "default 'unified'" in " ".join(capsys.readouterr().out.split())
+
+
+def test_draft_speculation_settings() -> None:
+    s = parse_settings(WorkerSettings, ["--speculative", "draft", "--draft-model", "default"], env={})
+    assert (s.speculative, s.draft_model, s.draft_kv_cache_tokens) == ("draft", "default", 0)
+    env = {
+        "PDSERVE_SPECULATIVE": "draft",
+        "PDSERVE_DRAFT_MODEL": "/m/d",
+        "PDSERVE_DRAFT_KV_CACHE_TOKENS": "4096",
+    }
+    s = parse_settings(WorkerSettings, [], env=env)
+    assert (s.speculative, s.draft_model, s.draft_kv_cache_tokens) == ("draft", "/m/d", 4096)

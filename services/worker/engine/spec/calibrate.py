@@ -53,9 +53,10 @@ def _dummy_step(num_seqs: int, num_drafts: int, block_size: int) -> list[Schedul
     ]
 
 
-def calibrate(runner: Any, max_drafts: int) -> StepCost:
-    """The step cost fitted to dummy steps of up to 8 sequences and max_drafts proposals each."""
-    read, sync = step_clock(runner.device)
+def calibrate(runner: Any, max_drafts: int, clock: tuple[Any, Any] | None = None) -> StepCost:
+    """The step cost fitted to dummy steps of up to 8 sequences and max_drafts proposals each;
+    `clock` = (read ns, synchronize), by default step_clock(runner.device)."""
+    read, sync = clock or step_clock(runner.device)
     model = StepCostModel(decay=1.0)
     bs = runner.layout.block_size
     for num_seqs, drafts in _SHAPES:

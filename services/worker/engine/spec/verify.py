@@ -5,11 +5,13 @@ sampled: the exponential race with the request's (seed, output index) noise, sam
 proposal is accepted iff it equals the target's sample there; the first mismatch is replaced by the
 target's token, and a fully accepted run gains the target's token after it (the bonus token).
 
-For a deterministic proposer (n-gram: the draft distribution is a point mass q = 1 on x) this is
-exactly speculative rejection sampling: x is accepted with probability p(x) = min(1, p(x)/q(x)),
-and on rejection the token comes from p without x, renormalized = norm(max(0, p - q)). So the
-output follows the target distribution, and with a seed it is token-identical to decoding without
-speculation, disaggregated or unified.
+For a deterministic proposer (n-gram, or a draft model's greedy argmax, spec/draft.py: the draft
+distribution is a point mass q = 1 on x) this is exactly speculative rejection sampling: x is
+accepted with probability p(x) = min(1, p(x)/q(x)), and on rejection the token comes from p without
+x, renormalized = norm(max(0, p - q)). So the output follows the target distribution, and with a
+seed it is token-identical to decoding without speculation, disaggregated or unified. (A sampled
+draft, q not a point mass, would need the general rule: accept with min(1, p/q), resample from
+norm(max(0, p - q)).)
 """
 
 from __future__ import annotations
