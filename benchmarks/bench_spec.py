@@ -254,6 +254,12 @@ def main(argv: list[str] | None = None) -> None:
         help="torch threads per engine; 0 = torch default (on a shared, "
         "oversubscribed machine one thread is far steadier)",
     )
+    parser.add_argument(
+        "--no-step-cost",
+        action="store_true",
+        help="ngram without the step-cost model: every proposal verified up to the per-step cap "
+        "(the behaviour before the cost model, for comparison)",
+    )
     parser.add_argument("--quick", action="store_true", help="a smoke run: few short requests")
     parser.add_argument("--output", default=str(RESULTS))
     args = parser.parse_args(argv)
@@ -279,6 +285,7 @@ def main(argv: list[str] | None = None) -> None:
             speculative=mode,
             num_speculative_tokens=args.num_speculative_tokens,
             kv_cache_tokens=16384,
+            spec_step_cost=not args.no_step_cost,
         )
         engines[mode] = create_engine(cfg)
         engines[mode].start()
@@ -341,6 +348,7 @@ def main(argv: list[str] | None = None) -> None:
             "dtype": "float32",
             "max_tokens": args.max_tokens,
             "num_speculative_tokens": args.num_speculative_tokens,
+            "spec_step_cost": not args.no_step_cost,
             "requests_c1": args.requests_c1,
             "concurrency": args.concurrency,
             "quick": args.quick,

@@ -19,7 +19,7 @@ from services.worker.engine.spec.calibrate import calibrate
 from services.worker.engine.spec.policy import StepCost, StepCostModel
 from tests.unit.engine.conftest import EngineFactory, drain, greedy, request, tokens_of
 
-# what one 2-core AVX2 CPU measured for SmolLM2-135M fp32 (notes/spec-backoff.md)
+# SmolLM2-135M fp32 on one core of the project's 2-core CPU machines (docs/architecture.md)
 CPU = StepCost(fixed_ms=23.0, per_seq_ms=2.2, per_token_ms=1.35)
 
 

@@ -4,13 +4,14 @@ functions of the request's record and of a step-cost model; nothing here reads a
 Per request: a moving average of its acceptance; when it stays low the request proposes nothing
 for a while (doubling back-off up to MAX_BACKOFF_STEPS), then probes again.
 
-Per step: verification is not free once a step is compute-bound (on a CPU, each extra token in a
-step costs about as much as 1/20 of the step; measured in notes/spec-backoff). `StepCostModel`
-learns step time = fixed + per_token * tokens + per_seq * sequences online from the rank's decode
-steps; `plan_drafts` then verifies a proposal only while its expected yield (the probability that
-it and every proposal before it are accepted, from the request's acceptance history) pays for its
-extra verification time at the step's current tokens per millisecond. The scheduler also applies
-a hard cap (Scheduler.max_spec_batch_tokens).
+Per step: verification is not free once a step is compute-bound (SmolLM2 fp32 on one CPU core:
+a step costs ~23 ms + ~2.2 ms per sequence + ~1.35 ms per extra token, so 8 proposals add a
+third to a step of 8 sequences). `StepCostModel` learns fixed + per_seq * sequences + per_token *
+extra tokens (calibrated at start-up, spec/calibrate.py, then online from the rank's decode
+steps). `token_savings_ms` says what one more accepted token of each sequence saves, and
+`plan_drafts` verifies proposal j of a request only when a**j (a: the request's per-position
+acceptance, `position_acceptance`) times that saving exceeds per_token. The scheduler also
+applies a hard cap (Scheduler.max_spec_batch_tokens).
 """
 
 from __future__ import annotations
