@@ -13,7 +13,9 @@ TPOT p50/p90 (per request: (last token - first token) / (tokens - 1)), TTFT p50,
 rate (accepted / proposed tokens) and the ratios ngram / off. Writes benchmarks/results/spec.json
 (`speedup` = {"grounded": {"c1", "c8"}, "open": {"c1", "c8"}}, tokens/s ngram / off) and
 benchmarks/results/spec.png, and records the machine (CPU capability, cores, torch version, load
-average): numbers taken on a shared, loaded machine are noisy.
+average): numbers taken on a shared, loaded machine are noisy. `speedup_cpu` is the same ratio per
+CPU second of the process (steadier there); `--repeat N` runs each case N times, off and ngram
+alternating, and reports the totals; ends with each ratio against its target (issue 13).
 """
 
 from __future__ import annotations
@@ -206,6 +208,32 @@ async def run_case(
     }
 
 
+def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Repetitions of one case as one: totals summed, rates recomputed from the totals, latency
+    percentiles the median of the repetitions', the outputs of the first."""
+    if len(runs) == 1:
+        return runs[0]
+    out = dict(runs[0])
+    for key in ("tokens", "wall_s", "cpu_s", "draft_tokens", "accepted_tokens", "drafts"):
+        out[key] = round(sum(r[key] for r in runs), 3)
+    out["requests"] = sum(r["requests"] for r in runs)
+    out["tokens_per_s"] = round(out["tokens"] / out["wall_s"], 2)
+    out["tokens_per_cpu_s"] = round(out["tokens"] / out["cpu_s"], 2) if out["cpu_s"] else None
+    out["tokens_per_s_each"] = [r["tokens_per_s"] for r in runs]
+    for key in ("decode_tokens_per_s_per_request", "tpot_ms_p50", "tpot_ms_p90", "ttft_ms_p50"):
+        vals = [r[key] for r in runs if r[key] is not None]
+        out[key] = percentile(vals, 50)
+    drafted = out["draft_tokens"]
+    out["acceptance_rate"] = round(out["accepted_tokens"] / drafted, 3) if drafted else None
+    positions = max(len(r["accepted_per_position"]) for r in runs)
+    out["accepted_per_position"] = [
+        sum(r["accepted_per_position"][i] for r in runs if i < len(r["accepted_per_position"]))
+        for i in range(positions)
+    ]
+    out["step_cost_ms"] = runs[-1]["step_cost_ms"]
+    return out
+
+
 def _r(v: float | None) -> float | None:
     return None if v is None else round(v, 1)
 
@@ -260,6 +288,13 @@ def main(argv: list[str] | None = None) -> None:
         help="ngram without the step-cost model: every proposal verified up to the per-step cap "
         "(the behaviour before the cost model, for comparison)",
     )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run each case this many times, off and ngram alternating, and report the totals "
+        "(steadier ratios on a shared machine)",
+    )
     parser.add_argument("--quick", action="store_true", help="a smoke run: few short requests")
     parser.add_argument("--output", default=str(RESULTS))
     args = parser.parse_args(argv)
@@ -303,11 +338,17 @@ def main(argv: list[str] | None = None) -> None:
             for conc in (1, args.concurrency):
                 group = prompts[: args.requests_c1] if conc == 1 else prompts[:conc]
                 key = f"c{conc}" if not args.quick else ("c1" if conc == 1 else "c8")
-                case: dict[str, Any] = {}
-                for mode in ("off", "ngram"):  # interleaved per case: same machine state
-                    case[mode] = await run_case(
-                        engines[mode], f"{wname}-{conc}-{mode}", group, conc, args.max_tokens
-                    )
+                reps: dict[str, list[dict[str, Any]]] = {"off": [], "ngram": []}
+                for rep in range(args.repeat):
+                    # interleaved per case, alternating which goes first: same machine state
+                    order = ("off", "ngram") if rep % 2 == 0 else ("ngram", "off")
+                    for mode in order:
+                        reps[mode].append(
+                            await run_case(
+                                engines[mode], f"{wname}-{conc}-{mode}-{rep}", group, conc, args.max_tokens
+                            )
+                        )
+                case: dict[str, Any] = {mode: combine(runs) for mode, runs in reps.items()}
                 case["identical_outputs"] = case["off"].pop("output_tokens") == case["ngram"].pop(
                     "output_tokens"
                 )
@@ -352,6 +393,7 @@ def main(argv: list[str] | None = None) -> None:
             "requests_c1": args.requests_c1,
             "concurrency": args.concurrency,
             "quick": args.quick,
+            "repeat": args.repeat,
             "sampling": "greedy",
             "command": "make bench-spec",
         },
