@@ -13,7 +13,9 @@ TPOT p50/p90 (per request: (last token - first token) / (tokens - 1)), TTFT p50,
 rate (accepted / proposed tokens) and the ratios ngram / off. Writes benchmarks/results/spec.json
 (`speedup` = {"grounded": {"c1", "c8"}, "open": {"c1", "c8"}}, tokens/s ngram / off) and
 benchmarks/results/spec.png, and records the machine (CPU capability, cores, torch version, load
-average): numbers taken on a shared, loaded machine are noisy.
+average): numbers taken on a shared, loaded machine are noisy. `speedup_cpu` is the same ratio per
+CPU second of the process (steadier there); `--repeat N` runs each case N times, off and ngram
+alternating, and reports the totals; ends with each ratio against its target (issue 13).
 """
 
 from __future__ import annotations
@@ -85,6 +87,22 @@ OPEN = [
 ]
 
 
+# issue 13: ngram / off tokens/s at least this much
+TARGETS = {"grounded": {"c1": 2.0, "c8": 1.3}, "open": {"c1": 0.95, "c8": 0.95}}
+
+
+def target_lines(report: dict[str, Any]) -> list[str]:
+    """One line per case: the wall-clock ratio (and per CPU second) against its target."""
+    lines = []
+    for w, cases in TARGETS.items():
+        for c, target in cases.items():
+            got = report["speedup"].get(w, {}).get(c)
+            cpu = report["speedup_cpu"].get(w, {}).get(c)
+            verdict = "n/a" if got is None else ("ok" if got >= target else "BELOW")
+            lines.append(f"  {w:>8} {c}: {got}x (per CPU second {cpu}x) vs target >= {target}x: {verdict}")
+    return lines
+
+
 def machine() -> dict[str, Any]:
     import torch
 
@@ -140,6 +158,7 @@ async def run_case(
     engine: Any, tag: str, prompts: list[tuple[int, ...]], concurrency: int, max_tokens: int
 ) -> dict[str, Any]:
     before = engine.spec_stats(0)
+    cpu0 = time.process_time()
     t0 = time.perf_counter()
     results: list[tuple[list[float], list[int]]] = []
     starts: list[float] = []
@@ -151,6 +170,9 @@ async def run_case(
             *(_one(engine, f"{tag}-{i + j}", p, max_tokens) for j, p in enumerate(group))
         )
     wall = time.perf_counter() - t0
+    # CPU time of the whole process (the engine's step thread does nearly all of it): steadier
+    # than wall time on a shared machine, where other jobs take the cores
+    cpu = time.process_time() - cpu0
     after = engine.spec_stats(0)
     n_tokens = sum(len(toks) for _, toks in results)
     tpot = [(t[-1] - t[0]) / (len(t) - 1) * 1e3 for t, _ in results if len(t) > 1]
@@ -168,6 +190,8 @@ async def run_case(
         "tokens": n_tokens,
         "wall_s": round(wall, 3),
         "tokens_per_s": round(n_tokens / wall, 2),
+        "cpu_s": round(cpu, 3),
+        "tokens_per_cpu_s": round(n_tokens / cpu, 2) if cpu > 0 else None,
         # after each request's first token (prefill excluded), summed over requests
         "decode_tokens_per_s_per_request": round(decode_tokens / decode_s, 2) if decode_s else None,
         "tpot_ms_p50": _r(percentile(tpot, 50)),
@@ -178,8 +202,36 @@ async def run_case(
         "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
         "drafts": after.num_drafts - before.num_drafts,
         "accepted_per_position": per_pos,
+        # the rank's learned step cost after the case (ms: fixed, per sequence, per proposal)
+        "step_cost_ms": [round(x, 3) for x in after.step_cost_ms] if after.step_cost_ms else None,
         "output_tokens": [toks for _, toks in results],
     }
+
+
+def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Repetitions of one case as one: totals summed, rates recomputed from the totals, latency
+    percentiles the median of the repetitions', the outputs of the first."""
+    if len(runs) == 1:
+        return runs[0]
+    out = dict(runs[0])
+    for key in ("tokens", "wall_s", "cpu_s", "draft_tokens", "accepted_tokens", "drafts"):
+        out[key] = round(sum(r[key] for r in runs), 3)
+    out["requests"] = sum(r["requests"] for r in runs)
+    out["tokens_per_s"] = round(out["tokens"] / out["wall_s"], 2)
+    out["tokens_per_cpu_s"] = round(out["tokens"] / out["cpu_s"], 2) if out["cpu_s"] else None
+    out["tokens_per_s_each"] = [r["tokens_per_s"] for r in runs]
+    for key in ("decode_tokens_per_s_per_request", "tpot_ms_p50", "tpot_ms_p90", "ttft_ms_p50"):
+        vals = [r[key] for r in runs if r[key] is not None]
+        out[key] = percentile(vals, 50)
+    drafted = out["draft_tokens"]
+    out["acceptance_rate"] = round(out["accepted_tokens"] / drafted, 3) if drafted else None
+    positions = max(len(r["accepted_per_position"]) for r in runs)
+    out["accepted_per_position"] = [
+        sum(r["accepted_per_position"][i] for r in runs if i < len(r["accepted_per_position"]))
+        for i in range(positions)
+    ]
+    out["step_cost_ms"] = runs[-1]["step_cost_ms"]
+    return out
 
 
 def _r(v: float | None) -> float | None:
@@ -230,6 +282,19 @@ def main(argv: list[str] | None = None) -> None:
         help="torch threads per engine; 0 = torch default (on a shared, "
         "oversubscribed machine one thread is far steadier)",
     )
+    parser.add_argument(
+        "--no-step-cost",
+        action="store_true",
+        help="ngram without the step-cost model: every proposal verified up to the per-step cap "
+        "(the behaviour before the cost model, for comparison)",
+    )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run each case this many times, off and ngram alternating, and report the totals "
+        "(steadier ratios on a shared machine)",
+    )
     parser.add_argument("--quick", action="store_true", help="a smoke run: few short requests")
     parser.add_argument("--output", default=str(RESULTS))
     args = parser.parse_args(argv)
@@ -255,6 +320,7 @@ def main(argv: list[str] | None = None) -> None:
             speculative=mode,
             num_speculative_tokens=args.num_speculative_tokens,
             kv_cache_tokens=16384,
+            spec_step_cost=not args.no_step_cost,
         )
         engines[mode] = create_engine(cfg)
         engines[mode].start()
@@ -272,15 +338,24 @@ def main(argv: list[str] | None = None) -> None:
             for conc in (1, args.concurrency):
                 group = prompts[: args.requests_c1] if conc == 1 else prompts[:conc]
                 key = f"c{conc}" if not args.quick else ("c1" if conc == 1 else "c8")
-                case: dict[str, Any] = {}
-                for mode in ("off", "ngram"):  # interleaved per case: same machine state
-                    case[mode] = await run_case(
-                        engines[mode], f"{wname}-{conc}-{mode}", group, conc, args.max_tokens
-                    )
+                reps: dict[str, list[dict[str, Any]]] = {"off": [], "ngram": []}
+                for rep in range(args.repeat):
+                    # interleaved per case, alternating which goes first: same machine state
+                    order = ("off", "ngram") if rep % 2 == 0 else ("ngram", "off")
+                    for mode in order:
+                        reps[mode].append(
+                            await run_case(
+                                engines[mode], f"{wname}-{conc}-{mode}-{rep}", group, conc, args.max_tokens
+                            )
+                        )
+                case: dict[str, Any] = {mode: combine(runs) for mode, runs in reps.items()}
                 case["identical_outputs"] = case["off"].pop("output_tokens") == case["ngram"].pop(
                     "output_tokens"
                 )
                 case["speedup"] = round(case["ngram"]["tokens_per_s"] / case["off"]["tokens_per_s"], 2)
+                off_c = case["off"]["tokens_per_cpu_s"]
+                on_c = case["ngram"]["tokens_per_cpu_s"]
+                case["speedup_cpu"] = round(on_c / off_c, 2) if off_c and on_c else None
                 off_d = case["off"]["decode_tokens_per_s_per_request"]
                 on_d = case["ngram"]["decode_tokens_per_s_per_request"]
                 case["decode_speedup"] = round(on_d / off_d, 2) if off_d and on_d else None
@@ -291,8 +366,9 @@ def main(argv: list[str] | None = None) -> None:
                     f"{off['tpot_ms_p50']} p90 {off['tpot_ms_p90']} ms) | ngram "
                     f"{on['tokens_per_s']:7.1f} tok/s (TPOT p50 {on['tpot_ms_p50']} p90 "
                     f"{on['tpot_ms_p90']} ms, acceptance {on['acceptance_rate']}) | "
-                    f"{case['speedup']:.2f}x (decode only {case['decode_speedup']}x), "
-                    f"identical: {case['identical_outputs']}"
+                    f"{case['speedup']:.2f}x (decode only {case['decode_speedup']}x, per CPU second "
+                    f"{case['speedup_cpu']}x), identical: {case['identical_outputs']}, step cost "
+                    f"{on['step_cost_ms']} ms, load {[round(x, 1) for x in os.getloadavg()]}"
                 )
         return results
 
@@ -303,7 +379,8 @@ def main(argv: list[str] | None = None) -> None:
             engine.shutdown()
     report = {
         "speedup": {w: {c: results[w][c]["speedup"] for c in results[w]} for w in results},
-        "targets": {"grounded": {"c1": 2.0, "c8": 1.3}, "open": {"c1": 0.95, "c8": 0.95}},
+        "speedup_cpu": {w: {c: results[w][c]["speedup_cpu"] for c in results[w]} for w in results},
+        "targets": TARGETS,
         "results": results,
         "config": {
             "model": args.model,
@@ -312,9 +389,11 @@ def main(argv: list[str] | None = None) -> None:
             "dtype": "float32",
             "max_tokens": args.max_tokens,
             "num_speculative_tokens": args.num_speculative_tokens,
+            "spec_step_cost": not args.no_step_cost,
             "requests_c1": args.requests_c1,
             "concurrency": args.concurrency,
             "quick": args.quick,
+            "repeat": args.repeat,
             "sampling": "greedy",
             "command": "make bench-spec",
         },
@@ -326,6 +405,8 @@ def main(argv: list[str] | None = None) -> None:
     png = out.with_suffix(".png")
     plot(report, png)
     print(f"speedup (ngram / off tokens/s): {report['speedup']}")
+    for line in target_lines(report):
+        print(line)
     print(f"wrote {out} and {png}")
 
 

@@ -2,6 +2,8 @@
 # concurrency 1 and 8, on the default model (CPU fp32); writes benchmarks/results/spec.json + .png.
 #   make bench-spec                       full run (several minutes on 2 cores)
 #   make bench-spec SPEC_BENCH_ARGS=--quick
+#   make bench-spec SPEC_BENCH_ARGS="--repeat 3"     steadier ratios on a shared machine
+#   make bench-spec SPEC_BENCH_ARGS=--no-step-cost   every proposal verified (no cost model)
 SPEC_BENCH_ARGS ?=
 BENCH_TARGETS += bench-spec
 

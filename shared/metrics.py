@@ -75,6 +75,13 @@ SPEC_ACCEPTED_PER_POSITION = Counter(
     "Proposed tokens accepted, by position in their run (0 = first proposal)",
     ["dp_rank", "position"],
 )
+SPEC_STEP_COST_MS = Gauge(
+    "pdserve_spec_decode_step_cost_ms",
+    "The rank's learned step time: term=fixed (per step), per_seq (per sequence), per_token (per "
+    "token beyond each sequence's first, i.e. per proposal verified); proposals are verified "
+    "only where their expected acceptance pays for per_token",
+    ["dp_rank", "term"],
+)
 
 # --- scheduler ---
 SCHEDULE_DECISIONS = Counter("pdserve_schedule_decisions_total", "Routing decisions", ["role", "policy"])

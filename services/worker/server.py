@@ -177,6 +177,7 @@ class WorkerApp:
             spec_ngram_min=s.spec_ngram_min,
             spec_ngram_max=s.spec_ngram_max,
             spec_max_batch_tokens=s.spec_max_batch_tokens,
+            spec_step_cost=s.spec_step_cost,
             draft_model_path=draft_path,
             draft_kv_cache_tokens=s.draft_kv_cache_tokens,
         )

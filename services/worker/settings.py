@@ -87,6 +87,12 @@ class WorkerSettings(TlsSettings):
         "Proposals are verified only while a step has at most this many tokens (the per-step "
         "back-off); 0 = 32 on CPU, 512 on CUDA",
     )
+    spec_step_cost: bool = field(
+        True,
+        "Learn the step time per token (at start-up, then online) and verify only the proposals "
+        "whose expected acceptance pays for their verification; off = every proposal up to "
+        "--spec-max-batch-tokens",
+    )
     load_monitor_address: str = field("", "host:port of the load-monitor; empty = don't register")
     advertise_address: str = field(
         "",

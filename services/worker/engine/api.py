@@ -141,6 +141,10 @@ class EngineConfig:
     # per-step back-off: proposals are verified only while a step has at most this many tokens
     # in all (beyond it verification is no longer free); 0 = by device (CPU 32, CUDA 512)
     spec_max_batch_tokens: int = 0
+    # per-step cost model (spec/policy.py): learn the step time at start-up and online, and
+    # verify only the proposals whose expected yield pays for their verification; False =
+    # every proposal up to spec_max_batch_tokens
+    spec_step_cost: bool = True
     extra: dict[str, str] = field(default_factory=dict)
 
 

@@ -44,8 +44,10 @@ from services.worker.engine.model_runner import (
 from services.worker.engine.rank import Rank, Speculation
 from services.worker.engine.request import Request
 from services.worker.engine.scheduler import Scheduler
+from services.worker.engine.spec.calibrate import calibrate
 from services.worker.engine.spec.draft import DraftProposer, check_same_tokenizer, load_draft_model
 from services.worker.engine.spec.ngram import NgramProposer
+from services.worker.engine.spec.policy import StepCostModel
 from services.worker.engine.spec.stats import SpecStats
 from shared.errors import (
     AlreadyExists,
@@ -73,6 +75,8 @@ _DEFAULT_BATCH_TOKENS = {"cpu": 512, "cuda": 2048}
 # loaded 2-core AVX2 machine, `make bench-spec`) a 64-token cap gave 1.03x and 32 gave 1.30x;
 # a GPU stays memory-bound much longer.
 _DEFAULT_SPEC_BATCH_TOKENS = {"cpu": 32, "cuda": 512}
+# the start-up calibration counts as this many decode steps in the online step-cost fit
+_STEP_COST_PRIOR_WEIGHT = 5.0
 _SPECULATIVE_METHODS = ("off", "ngram", "draft")
 
 
@@ -229,6 +233,10 @@ class PagedEngine:
             if speculation is not None:
                 spec_tokens = cfg.spec_max_batch_tokens or _DEFAULT_SPEC_BATCH_TOKENS.get(device.type, 512)
             scheduler = Scheduler(blocks, budget, cfg.max_num_seqs, spec_tokens)
+            if speculation is not None and cfg.spec_step_cost:
+                prior = calibrate(runner, cfg.num_speculative_tokens)
+                log.info("rank %d step cost (calibrated): %s", dp_rank, prior)
+                scheduler.step_cost = StepCostModel(prior, prior_weight=_STEP_COST_PRIOR_WEIGHT)
             self._ranks.append(
                 Rank(
                     dp_rank,

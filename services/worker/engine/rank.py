@@ -33,6 +33,7 @@ from services.worker.engine.model_runner import ModelRunner, ScheduledSeq
 from services.worker.engine.request import Request, RequestStatus, finish_rule
 from services.worker.engine.scheduler import ScheduledRequest, Scheduler
 from services.worker.engine.spec import policy
+from services.worker.engine.spec.calibrate import step_clock
 from services.worker.engine.spec.draft import DraftJob, DraftProposer, fit_to_room
 from services.worker.engine.spec.ngram import NgramProposer
 from services.worker.engine.spec.stats import SpecStats
@@ -82,6 +83,10 @@ class Rank:
         self._draft_wants: list[tuple[Request, int]] = []
         self._next_seq = 0
         self._spec_stats = SpecStats()
+        # what a step's cost is measured with (spec/calibrate.py): on a CPU the step thread's
+        # CPU time, i.e. what its tokens cost without the time other processes took the cores
+        # (wall-clock on a shared machine is mostly their noise)
+        self._cost_clock = step_clock(runner.device)
         self._stopping = False
         self._thread: threading.Thread | None = None
 
@@ -189,6 +194,8 @@ class Rank:
                 return True
         deliver_batch(outputs)
         t0 = time.perf_counter_ns()
+        cost_clock, cost_sync = self._cost_clock
+        c0 = cost_clock()
         try:
             sampled = self.runner.execute(seqs)
         except Exception:
@@ -200,8 +207,12 @@ class Rank:
             deliver_batch(outputs)
             return True
         elapsed_ns = time.perf_counter_ns() - t0
+        if self.scheduler.step_cost is not None:
+            cost_sync()
+        cost_ns = cost_clock() - c0
         with self.lock:
             outputs = []
+            self._observe_step_cost(scheduled, cost_ns)
             self._postprocess(scheduled, sampled, elapsed_ns, outputs)
             jobs: list[DraftJob] = []
             if self._draft is not None and self._draft_wants:
@@ -214,6 +225,16 @@ class Rank:
         if self._draft_wants:
             self._draft_round(jobs)
         return True
+
+    def _observe_step_cost(self, scheduled: list[ScheduledRequest], cost_ns: int) -> None:
+        """Teach the step-cost model the time of a decode step (one new token per sequence,
+        with or without proposals); prefill chunks, whose attention grows with their length,
+        are left out."""
+        cost = self.scheduler.step_cost
+        if cost is None or any(s.num_new_tokens != 1 for s in scheduled):
+            return
+        num_tokens = sum(1 + s.num_draft_tokens for s in scheduled)
+        cost.observe(num_tokens, len(scheduled), cost_ns / 1e6)
 
     @property
     def _draft(self) -> DraftProposer | None:
@@ -538,7 +559,12 @@ class Rank:
 
     def spec_stats(self) -> SpecStats:
         with self.lock:
-            return self._spec_stats.copy()
+            stats = self._spec_stats.copy()
+            cost = self.scheduler.step_cost
+            if cost is not None:
+                c = cost.cost
+                stats.step_cost_ms = (c.fixed_ms, c.per_seq_ms, c.per_token_ms)
+            return stats
 
     def load(self) -> RankLoad:
         with self.lock:

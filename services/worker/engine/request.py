@@ -288,6 +288,9 @@ class SpecRecord:
     recent_acceptance: float = 1.0  # moving average of accepted / proposed per verify (ratio)
     skip_steps: int = 0  # steps left without proposals (back-off)
     backoff_steps: int = 0  # length of the last back-off (steps; doubles while acceptance stays low)
+    # decayed counts of accepted and of tried proposal positions (policy.position_acceptance)
+    accept_weight: float = 0.0
+    trial_weight: float = 0.0
 
 
 def _mix_seed(seed: int, index: int) -> int:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.request import Request, RequestStatus
+from services.worker.engine.spec import policy
 from shared.block_hash import chain_hash
 from shared.errors import ResourceExhausted
 
@@ -57,6 +58,9 @@ class Scheduler:
         # per-step back-off of speculation: proposals are verified only while the step has at
         # most this many tokens in all (beyond it verification is no longer free); 0 = never
         self.max_spec_batch_tokens = max_spec_batch_tokens
+        # the rank's learned step time (spec/policy.py); None = proposals fill the cap, best
+        # recent acceptance first
+        self.step_cost: policy.StepCostModel | None = None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0  # since start (count of preempt events)
@@ -153,20 +157,49 @@ class Scheduler:
         return SchedulerOutput(scheduled, unfittable)
 
     def _schedule_drafts(self, scheduled: list[ScheduledRequest], budget: int) -> None:
-        """Give decoding requests room to verify their proposals: what is left of the token
-        budget, capped per step by max_spec_batch_tokens, best recent acceptance first. Proposals
-        never preempt anything and never delay a prefill: without room they are dropped."""
-        room = min(budget, self.max_spec_batch_tokens - sum(s.num_new_tokens for s in scheduled))
+        """Give decoding requests room to verify their proposals: no more than what is left of
+        the token budget, capped per step by max_spec_batch_tokens, and with a step-cost model
+        only the proposals whose expected yield pays for their verification (policy.plan_drafts);
+        without one, best recent acceptance first. Proposals never preempt anything and never
+        delay a prefill: without room they are dropped."""
+        step_tokens = sum(s.num_new_tokens for s in scheduled)
+        room = min(budget, self.max_spec_batch_tokens - step_tokens)
         candidates = [
             s for s in scheduled if s.request.spec_token_ids and s.samples and s.request.is_decoding
         ]
-        candidates.sort(key=lambda s: -s.request.spec.recent_acceptance)
-        for s in candidates:
+        if self.step_cost is not None:
+            cost = self.step_cost.cost
+            sampling = [s for s in scheduled if s.samples]
+            savings = policy.token_savings_ms(
+                cost,
+                step_tokens,
+                [s.request.sampling.max_tokens - s.request.num_counted_towards_max for s in sampling],
+                saturated=bool(self.waiting),
+            )
+            saving_of = {id(s): v for s, v in zip(sampling, savings, strict=True)}
+            plan = policy.plan_drafts(
+                cost.per_token_ms,
+                [
+                    (
+                        len(s.request.spec_token_ids),
+                        policy.position_acceptance(s.request.spec),
+                        saving_of[id(s)],
+                    )
+                    for s in candidates
+                ],
+                room,
+            )
+        else:
+            candidates.sort(key=lambda s: -s.request.spec.recent_acceptance)
+            plan = []
+            for s in candidates:
+                d = min(len(s.request.spec_token_ids), max(room, 0))
+                plan.append(d)
+                room -= d
+        for s, d in zip(candidates, plan, strict=True):
             req = s.request
-            d = min(len(req.spec_token_ids), max(room, 0))
             if d > 0 and self._grow(req, req.num_computed_tokens + s.num_new_tokens + d):
                 s.num_draft_tokens = d
-                room -= d
             else:
                 req.spec_token_ids = []  # no room this step: proposed again after it
 

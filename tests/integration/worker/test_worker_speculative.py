@@ -16,7 +16,7 @@ from shared.proto import worker_pb2
 from .harness import RunningWorker, collect, running_worker, sampling, worker_settings
 from .test_worker_grpc import all_blocks_free, disaggregated, token_ids_of, wait_blocks_free
 
-SPEC = {"speculative": "ngram", "num_speculative_tokens": 4, "spec_ngram_min": 1}
+SPEC = {"speculative": "ngram", "num_speculative_tokens": 4, "spec_ngram_min": 1, "spec_step_cost": False}
 
 
 @pytest.fixture

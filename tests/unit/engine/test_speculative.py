@@ -29,7 +29,8 @@ from services.worker.engine.spec.stats import SpecStats
 from services.worker.engine.spec.verify import accept_run
 from tests.unit.engine.conftest import EngineFactory, collect, drain, greedy, request, tokens_of
 
-SPEC: dict[str, Any] = {"speculative": "ngram", "num_speculative_tokens": 4}
+# every proposal verified (no step-cost model): the identity tests exercise verification fully
+SPEC: dict[str, Any] = {"speculative": "ngram", "num_speculative_tokens": 4, "spec_step_cost": False}
 
 
 def _prompt(n: int, seed: int) -> tuple[int, ...]:

@@ -1,14 +1,25 @@
-"""How many tokens to propose for a request this step (pure functions of its record).
+"""How many tokens to propose for a request, and how many of them a step verifies (pure
+functions of the request's record and of a step-cost model; nothing here reads a clock).
 
 Per request: a moving average of its acceptance; when it stays low the request proposes nothing
-for a while (doubling back-off up to MAX_BACKOFF_STEPS), then probes again. Per step, the scheduler
-caps the step's tokens (Scheduler.max_spec_batch_tokens): beyond that verification is no longer
-free.
+for a while (doubling back-off up to MAX_BACKOFF_STEPS), then probes again.
+
+Per step: verification is not free once a step is compute-bound (SmolLM2 fp32 on one CPU core:
+a step costs ~23 ms + ~2.2 ms per sequence + ~1.35 ms per extra token, so 8 proposals add a
+third to a step of 8 sequences). `StepCostModel` learns fixed + per_seq * sequences + per_token *
+extra tokens (calibrated at start-up, spec/calibrate.py, then online from the rank's decode
+steps). `token_savings_ms` says what one more accepted token of each sequence saves, and
+`plan_drafts` verifies proposal j of a request only when a**j (a: the request's per-position
+acceptance, `position_acceptance`) times that saving exceeds per_token. The scheduler also
+applies a hard cap (Scheduler.max_spec_batch_tokens).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
 
 from services.worker.engine.request import SpecRecord
 
@@ -23,6 +34,15 @@ FIRST_BACKOFF_STEPS = 4
 # is below LOW_ACCEPTANCE)
 PROBE_ACCEPTANCE = 0.4
 MAX_BACKOFF_STEPS = 64
+# per-position acceptance estimate: decayed counts of accepted / tried positions, per verify
+# (ratio; about the last 1 / (1 - ACCEPT_DECAY) verifies count), starting from a prior of
+# PRIOR_ACCEPTANCE worth PRIOR_TRIALS positions
+ACCEPT_DECAY = 0.8
+PRIOR_ACCEPTANCE = 0.5
+PRIOR_TRIALS = 2.0
+# requests within this many tokens of the longest remaining one count as the ones that decide
+# when a draining batch ends (tokens)
+CRITICAL_SLACK_TOKENS = 8
 
 
 def proposal_budget(record: SpecRecord, k: int, tokens_left: int, context_left: int) -> int:
@@ -44,11 +64,16 @@ def after_verify(record: SpecRecord, proposed: int, accepted: int) -> SpecRecord
     rate = accepted / proposed
     ema = (1 - EMA_WEIGHT) * record.recent_acceptance + EMA_WEIGHT * rate
     drafts = record.num_draft_tokens + proposed
+    # the run is verified position by position until the first rejection: `accepted`
+    # successes out of accepted (+1 for the rejected one, unless all were accepted) trials
+    trials = accepted + (1 if accepted < proposed else 0)
     rec = dataclasses.replace(
         record,
         num_draft_tokens=drafts,
         num_accepted_tokens=record.num_accepted_tokens + accepted,
         recent_acceptance=ema,
+        accept_weight=ACCEPT_DECAY * record.accept_weight + accepted,
+        trial_weight=ACCEPT_DECAY * record.trial_weight + trials,
     )
     if ema < LOW_ACCEPTANCE and drafts >= MIN_DRAFTS_BEFORE_BACKOFF:
         backoff = min(MAX_BACKOFF_STEPS, max(FIRST_BACKOFF_STEPS, 2 * record.backoff_steps))
@@ -60,3 +85,108 @@ def after_verify(record: SpecRecord, proposed: int, accepted: int) -> SpecRecord
     if rate >= 0.5:
         rec = dataclasses.replace(rec, backoff_steps=0)
     return rec
+
+
+def position_acceptance(record: SpecRecord) -> float:
+    """Estimated probability that a proposal is accepted given the ones before it were (ratio)."""
+    return (record.accept_weight + PRIOR_ACCEPTANCE * PRIOR_TRIALS) / (record.trial_weight + PRIOR_TRIALS)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+    """Time of one forward pass (ms) = fixed_ms + per_seq_ms * sequences + per_token_ms * tokens
+    beyond each sequence's first (proposals verified, or the rest of a prefill chunk)."""
+
+    fixed_ms: float
+    per_seq_ms: float
+    per_token_ms: float
+
+    def step_ms(self, num_tokens: int, num_seqs: int) -> float:
+        return self.fixed_ms + self.per_seq_ms * num_seqs + self.per_token_ms * max(0, num_tokens - num_seqs)
+
+
+class StepCostModel:
+    """Online least squares of step time on (1, sequences, extra tokens), old steps fading by
+    `decay` per observation, with a weak ridge pull toward `prior`.
+
+    The extra tokens of a decode step are its proposals, so their cost is learned only from the
+    variation in proposals at a given batch size, never confused with the per-sequence cost; a
+    model that has seen little variation falls back on the prior, which says verification is free:
+    that lets proposals through, and their variation corrects it."""
+
+    def __init__(
+        self, prior: StepCost | None = None, decay: float = 0.99, prior_weight: float = 1e-3
+    ) -> None:
+        self.prior = prior or StepCost(fixed_ms=10.0, per_seq_ms=0.0, per_token_ms=0.0)
+        self.decay = decay
+        self.prior_weight = prior_weight
+        self._xtx = np.zeros((3, 3))
+        self._xty = np.zeros(3)
+        self.num_observations = 0
+        self._cost = self.prior
+
+    def observe(self, num_tokens: int, num_seqs: int, elapsed_ms: float) -> None:
+        """One decode step: num_tokens in all (one per sequence + proposals), elapsed_ms long."""
+        x = np.array([1.0, float(num_seqs), float(max(0, num_tokens - num_seqs))])
+        self._xtx = self.decay * self._xtx + np.outer(x, x)
+        self._xty = self.decay * self._xty + x * elapsed_ms
+        self.num_observations += 1
+        p = self.prior
+        theta0 = np.array([p.fixed_ms, p.per_seq_ms, p.per_token_ms])
+        # the prior counts as prior_weight observations of each of the three terms
+        reg = self.prior_weight * np.eye(3)
+        theta = np.linalg.solve(self._xtx + reg, self._xty + reg @ theta0)
+        # a cost is never negative (noise can tilt a fit of few points)
+        self._cost = StepCost(*(float(max(t, 0.0)) for t in theta))
+
+    @property
+    def cost(self) -> StepCost:
+        return self._cost
+
+
+def token_savings_ms(
+    cost: StepCost, num_step_tokens: int, tokens_left: Sequence[int], saturated: bool
+) -> list[float]:
+    """What one more token accepted now saves, per sequence that samples this step (ms).
+
+    tokens_left[i]: tokens sequence i may still generate (max_tokens - generated). A request
+    that finishes a step earlier frees its slot for the rest of the run:
+    - saturated (requests wait for a slot): the slot is taken at once, so a token is worth its
+      share of the step, step_ms / sequences;
+    - draining (nobody waits): the batch runs until its longest request ends, so only a token of
+      the requests with the most tokens left (within CRITICAL_SLACK_TOKENS; they share the step)
+      shortens the run; any other request's token only saves its own per-sequence cost later.
+    """
+    n = len(tokens_left)
+    if n == 0:
+        return []
+    step_ms = cost.step_ms(num_step_tokens, n)
+    if saturated:
+        return [step_ms / n] * n
+    longest = max(tokens_left)
+    critical = [left >= longest - CRITICAL_SLACK_TOKENS for left in tokens_left]
+    share = step_ms / sum(critical)
+    return [share if c else cost.per_seq_ms for c in critical]
+
+
+def plan_drafts(per_token_ms: float, offers: Sequence[tuple[int, float, float]], room: int) -> list[int]:
+    """How many proposals each offer verifies this step.
+
+    offers[i] = (proposals available, per-position acceptance a, what an accepted token saves in
+    ms); room: at most this many proposals in all. Proposal j (1-based) is accepted with
+    probability a**j (it and every one before it), so it is worth a**j * saving and costs
+    per_token_ms to verify: it is verified iff it is worth more, best first while there is room
+    (within an offer in order, as a**j falls with j)."""
+    counts = [0] * len(offers)
+    worth = sorted(
+        (
+            (a**j * saving, j, i)
+            for i, (n, a, saving) in enumerate(offers)
+            for j in range(1, n + 1)
+            if a**j * saving > per_token_ms
+        ),
+        key=lambda c: (-c[0], c[1]),
+    )
+    for _, _, i in worth[: max(room, 0)]:
+        counts[i] += 1
+    return counts

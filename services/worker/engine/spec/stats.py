@@ -13,6 +13,9 @@ class SpecStats:
     num_accepted_tokens: int = 0  # proposals accepted (count)
     # accepted proposals by position in their run (index 0 = first proposal; count)
     accepted_per_position: list[int] = field(default_factory=list)
+    # the rank's current step-cost model (ms; policy.StepCost: fixed_ms, per_seq_ms,
+    # per_token_ms), None without one
+    step_cost_ms: tuple[float, float, float] | None = None
 
     def record(self, proposed: int, accepted: int) -> None:
         if proposed <= 0:
@@ -27,7 +30,11 @@ class SpecStats:
 
     def copy(self) -> SpecStats:
         return SpecStats(
-            self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, list(self.accepted_per_position)
+            self.num_drafts,
+            self.num_draft_tokens,
+            self.num_accepted_tokens,
+            list(self.accepted_per_position),
+            self.step_cost_ms,
         )
 
     @property
