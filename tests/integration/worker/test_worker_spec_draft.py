@@ -29,14 +29,19 @@ def draft_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> P
 @pytest.fixture
 async def draft_prefill(tiny_model: Path) -> AsyncIterator[RunningWorker]:
     # the target as its own draft: the first run is exactly the target's continuation
-    settings = worker_settings(tiny_model, "prefill", speculative="draft", draft_model=str(tiny_model))
+    settings = worker_settings(
+        tiny_model, "prefill", speculative="draft", draft_model=str(tiny_model), spec_step_cost=False
+    )
     async with running_worker(settings) as w:
         yield w
 
 
 @pytest.fixture
 async def draft_decode(tiny_model: Path, draft_model: Path) -> AsyncIterator[RunningWorker]:
-    settings = worker_settings(tiny_model, "decode", speculative="draft", draft_model=str(draft_model))
+    # every proposal verified (no step-cost model): the test counts accepted positions
+    settings = worker_settings(
+        tiny_model, "decode", speculative="draft", draft_model=str(draft_model), spec_step_cost=False
+    )
     async with running_worker(settings) as w:
         yield w
 

@@ -38,7 +38,15 @@ def tiny_draft(tiny_bpe: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
 
 
 def _spec(draft: Path, **kw: Any) -> dict[str, Any]:
-    return {"speculative": "draft", "draft_model_path": str(draft), "num_speculative_tokens": 4, **kw}
+    # every proposal verified (no step-cost model, which on a tiny model may find verification
+    # too dear): these tests count proposals and acceptance
+    return {
+        "speculative": "draft",
+        "draft_model_path": str(draft),
+        "num_speculative_tokens": 4,
+        "spec_step_cost": False,
+        **kw,
+    }
 
 
 def _prompt(n: int, seed: int) -> tuple[int, ...]:
