@@ -295,6 +295,12 @@ def main(argv: list[str] | None = None) -> None:
         help="run each case this many times, off and ngram alternating, and report the totals "
         "(steadier ratios on a shared machine)",
     )
+    parser.add_argument(
+        "--draft-model",
+        default="",
+        help="also measure `draft` speculation with this draft model (same tokenizer). Not run by "
+        "default: SmolLM2-135M is the smallest model available offline, so no smaller draft exists",
+    )
     parser.add_argument("--quick", action="store_true", help="a smoke run: few short requests")
     parser.add_argument("--output", default=str(RESULTS))
     args = parser.parse_args(argv)
@@ -311,7 +317,9 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(path)
     workloads = {"grounded": prompts_of(tokenizer, GROUNDED), "open": prompts_of(tokenizer, OPEN)}
     engines = {}
-    for mode in ("off", "ngram"):
+    modes = ("off", "ngram", "draft") if args.draft_model else ("off", "ngram")
+    draft_path = str(resolve_model(args.draft_model)) if args.draft_model else ""
+    for mode in modes:
         cfg = EngineConfig(
             model_path=path,
             device="cpu",
@@ -321,6 +329,7 @@ def main(argv: list[str] | None = None) -> None:
             num_speculative_tokens=args.num_speculative_tokens,
             kv_cache_tokens=16384,
             spec_step_cost=not args.no_step_cost,
+            draft_model_path=draft_path if mode == "draft" else "",
         )
         engines[mode] = create_engine(cfg)
         engines[mode].start()
@@ -338,10 +347,10 @@ def main(argv: list[str] | None = None) -> None:
             for conc in (1, args.concurrency):
                 group = prompts[: args.requests_c1] if conc == 1 else prompts[:conc]
                 key = f"c{conc}" if not args.quick else ("c1" if conc == 1 else "c8")
-                reps: dict[str, list[dict[str, Any]]] = {"off": [], "ngram": []}
+                reps: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
                 for rep in range(args.repeat):
                     # interleaved per case, alternating which goes first: same machine state
-                    order = ("off", "ngram") if rep % 2 == 0 else ("ngram", "off")
+                    order = modes if rep % 2 == 0 else tuple(reversed(modes))
                     for mode in order:
                         reps[mode].append(
                             await run_case(
@@ -349,9 +358,12 @@ def main(argv: list[str] | None = None) -> None:
                             )
                         )
                 case: dict[str, Any] = {mode: combine(runs) for mode, runs in reps.items()}
-                case["identical_outputs"] = case["off"].pop("output_tokens") == case["ngram"].pop(
-                    "output_tokens"
-                )
+                off_tokens = case["off"].pop("output_tokens")
+                case["identical_outputs"] = off_tokens == case["ngram"].pop("output_tokens")
+                if "draft" in case:
+                    draft = case["draft"]
+                    draft["identical_outputs"] = off_tokens == draft.pop("output_tokens")
+                    draft["speedup"] = round(draft["tokens_per_s"] / case["off"]["tokens_per_s"], 2)
                 case["speedup"] = round(case["ngram"]["tokens_per_s"] / case["off"]["tokens_per_s"], 2)
                 off_c = case["off"]["tokens_per_cpu_s"]
                 on_c = case["ngram"]["tokens_per_cpu_s"]
@@ -370,6 +382,13 @@ def main(argv: list[str] | None = None) -> None:
                     f"{case['speedup_cpu']}x), identical: {case['identical_outputs']}, step cost "
                     f"{on['step_cost_ms']} ms, load {[round(x, 1) for x in os.getloadavg()]}"
                 )
+                if "draft" in case:
+                    d = case["draft"]
+                    print(
+                        f"{'':>9} {key}: draft {d['tokens_per_s']:7.1f} tok/s (acceptance "
+                        f"{d['acceptance_rate']}) | {d['speedup']:.2f}x vs off, identical: "
+                        f"{d['identical_outputs']}"
+                    )
         return results
 
     try:
@@ -381,6 +400,12 @@ def main(argv: list[str] | None = None) -> None:
         "speedup": {w: {c: results[w][c]["speedup"] for c in results[w]} for w in results},
         "speedup_cpu": {w: {c: results[w][c]["speedup_cpu"] for c in results[w]} for w in results},
         "targets": TARGETS,
+        "draft": (
+            {w: {c: results[w][c]["draft"]["speedup"] for c in results[w]} for w in results}
+            if args.draft_model
+            else "not measured: SmolLM2-135M is the smallest model available offline, so there is "
+            "no meaningful smaller draft (run with --draft-model to measure one)"
+        ),
         "results": results,
         "config": {
             "model": args.model,
@@ -390,6 +415,7 @@ def main(argv: list[str] | None = None) -> None:
             "max_tokens": args.max_tokens,
             "num_speculative_tokens": args.num_speculative_tokens,
             "spec_step_cost": not args.no_step_cost,
+            "draft_model": args.draft_model,
             "requests_c1": args.requests_c1,
             "concurrency": args.concurrency,
             "quick": args.quick,
