@@ -98,3 +98,45 @@ def hf_greedy(model: Any, prompt: tuple[int, ...] | list[int], max_new_tokens: i
     ids = torch.tensor([list(prompt)])
     out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
     return [int(t) for t in out[0, len(prompt) :].tolist()]
+
+
+def random_prompt(n: int, seed: int) -> tuple[int, ...]:
+    """n seeded random token ids of the tiny models' vocabulary (specials excluded)."""
+    import random
+
+    rng = random.Random(seed)
+    return tuple(rng.randrange(3, 450) for _ in range(n))
+
+
+async def run_all(engine: Engine, reqs: list[EngineRequest]) -> list[list[RequestOutput]]:
+    return await drain([engine.add_request(r) for r in reqs])
+
+
+def assert_same_outputs(off: list[RequestOutput], on: list[RequestOutput]) -> None:
+    """Same tokens, text, finish reason and generated count (speculation off vs on)."""
+    assert tokens_of(on) == tokens_of(off)
+    assert "".join(o.text_delta for o in on) == "".join(o.text_delta for o in off)
+    assert on[-1].finish_reason == off[-1].finish_reason
+    assert on[-1].num_generated_tokens == off[-1].num_generated_tokens
+
+
+async def handoff_run(
+    prefill: Engine, decode: Engine, rid: str, prompt: tuple[int, ...], sampling: SamplingConfig
+) -> tuple[RequestOutput, list[RequestOutput]]:
+    """One request prefilled on `prefill` and decoded on `decode`, its KV and proposals handed
+    over as the workers do: (the prefill's output, the decode's outputs)."""
+    (first,) = await collect(
+        prefill.add_request(request(rid, prompt, sampling, kind=RequestKind.PREFILL_ONLY))
+    )
+    admission, handle = decode.admit_remote(request(rid, prompt, sampling, kind=RequestKind.DECODE_REMOTE))
+    for chunk in prefill.export_kv(rid, admission.num_cached_blocks, max_chunk_bytes=20_000):
+        decode.import_kv(admission.transfer_ticket, chunk)
+    prefill.release(rid)
+    decode.finish_import(
+        admission.transfer_ticket,
+        len(prompt),
+        first.new_token_ids[0],
+        first.num_generated_tokens,
+        first.draft_token_ids,
+    )
+    return first, await collect(handle)

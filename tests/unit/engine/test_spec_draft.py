@@ -27,7 +27,17 @@ from services.worker.engine.request import Request
 from services.worker.engine.spec.draft import DraftProposer
 from shared.errors import InvalidArgument, NotFound
 from tests.support.tiny_models import build_tiny_draft
-from tests.unit.engine.conftest import EngineFactory, collect, drain, greedy, request, tokens_of
+from tests.unit.engine.conftest import (
+    EngineFactory,
+    assert_same_outputs,
+    collect,
+    greedy,
+    handoff_run,
+    random_prompt,
+    request,
+    run_all,
+    tokens_of,
+)
 
 
 @pytest.fixture(scope="session")
@@ -49,11 +59,6 @@ def _spec(draft: Path, **kw: Any) -> dict[str, Any]:
     }
 
 
-def _prompt(n: int, seed: int) -> tuple[int, ...]:
-    rng = random.Random(seed)
-    return tuple(rng.randrange(3, 450) for _ in range(n))
-
-
 def _draft_pool_full(engine: Engine, rank: int = 0) -> bool:
     free, total = engine.draft_blocks(rank)  # type: ignore[attr-defined]
     return bool(total) and free == total
@@ -61,17 +66,6 @@ def _draft_pool_full(engine: Engine, rank: int = 0) -> bool:
 
 def _pools_full(engine: Engine, rank: int = 0) -> bool:
     return engine.num_free_blocks(rank) == engine.num_total_blocks(rank) and _draft_pool_full(engine, rank)
-
-
-def _same_outputs(off: list[RequestOutput], on: list[RequestOutput]) -> None:
-    assert tokens_of(on) == tokens_of(off)
-    assert "".join(o.text_delta for o in on) == "".join(o.text_delta for o in off)
-    assert on[-1].finish_reason == off[-1].finish_reason
-    assert on[-1].num_generated_tokens == off[-1].num_generated_tokens
-
-
-async def _run_all(engine: Engine, reqs: list[EngineRequest]) -> list[list[RequestOutput]]:
-    return await drain([engine.add_request(r) for r in reqs])
 
 
 # ---- the draft's KV bookkeeping in isolation -------------------------------------------------
@@ -151,7 +145,9 @@ def test_the_draft_kv_follows_the_accepted_tokens_exactly(tiny_draft: Path, pref
         _proposer(tiny_draft, prefix_caching=prefix_caching),
     )
     rng = random.Random(2)
-    req = Request.from_engine_request(EngineRequest("r", _prompt(11, 1), SamplingConfig(max_tokens=500)))
+    req = Request.from_engine_request(
+        EngineRequest("r", random_prompt(11, 1), SamplingConfig(max_tokens=500))
+    )
     for i in range(12):
         props = _round(kept, req, 3)
         twin = Request.from_engine_request(
@@ -173,11 +169,13 @@ async def test_greedy_mixed_batch_with_chunked_prefill_is_token_identical(
     off, on = make_engine(**settings), make_engine(**settings, **_spec(tiny_draft))
     rng = random.Random(1)
     reqs = [
-        request(f"g{i}", _prompt(rng.randint(3, 150), i), greedy(rng.randint(1, 40), ignore_eos=i % 3 != 0))
+        request(
+            f"g{i}", random_prompt(rng.randint(3, 150), i), greedy(rng.randint(1, 40), ignore_eos=i % 3 != 0)
+        )
         for i in range(10)
     ]
-    for a, b in zip(await _run_all(off, reqs), await _run_all(on, reqs), strict=True):
-        _same_outputs(a, b)
+    for a, b in zip(await run_all(off, reqs), await run_all(on, reqs), strict=True):
+        assert_same_outputs(a, b)
     stats = on.spec_stats(0)
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # accepted and rejected runs
     assert on.rank_loads()[0].spec_accepted_tokens == stats.num_accepted_tokens
@@ -188,9 +186,11 @@ async def test_a_draft_equal_to_the_target_is_accepted(make_engine: EngineFactor
     """Same weights: every greedy proposal is what the target samples (so the draft really
     follows the accepted tokens: a draft KV one token off would propose garbage)."""
     off, on = make_engine(), make_engine(**_spec(tiny_bpe))
-    reqs = [request(f"e{i}", _prompt(20 + 9 * i, 30 + i), greedy(30, ignore_eos=True)) for i in range(4)]
-    for a, b in zip(await _run_all(off, reqs), await _run_all(on, reqs), strict=True):
-        _same_outputs(a, b)
+    reqs = [
+        request(f"e{i}", random_prompt(20 + 9 * i, 30 + i), greedy(30, ignore_eos=True)) for i in range(4)
+    ]
+    for a, b in zip(await run_all(off, reqs), await run_all(on, reqs), strict=True):
+        assert_same_outputs(a, b)
     stats = on.spec_stats(0)
     assert stats.num_draft_tokens >= 4 * 20  # ~ k per step
     assert stats.acceptance_rate >= 0.95
@@ -206,15 +206,15 @@ async def test_seeded_sampling_is_reproducible_and_identical(
     reqs = [
         request(
             f"s{i}",
-            _prompt(30, 50 + i),
+            random_prompt(30, 50 + i),
             SamplingConfig(max_tokens=40, temperature=0.3, top_k=5, seed=7 + i, ignore_eos=True),
         )
         for i in range(4)
     ]
-    ref = await _run_all(off, reqs)
+    ref = await run_all(off, reqs)
     for _ in range(2):
-        for a, b in zip(ref, await _run_all(on, reqs), strict=True):
-            _same_outputs(a, b)
+        for a, b in zip(ref, await run_all(on, reqs), strict=True):
+            assert_same_outputs(a, b)
     stats = on.spec_stats(0)
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     assert _pools_full(on)
@@ -235,15 +235,15 @@ async def test_prefix_hits_on_both_pools_stay_exact(
 
     monkeypatch.setattr(DraftProposer, "run", counting)
     cold, on = make_engine(enable_prefix_caching=False), make_engine(**_spec(tiny_bpe))
-    prompt = _prompt(50, 5)
+    prompt = random_prompt(50, 5)
     first = await collect(on.add_request(request("a", prompt, greedy(40, ignore_eos=True))))
-    follow = prompt + tuple(tokens_of(first)) + _prompt(9, 6)
+    follow = prompt + tuple(tokens_of(first)) + random_prompt(9, 6)
     drafted = on.spec_stats(0).num_draft_tokens
     computed.clear()
     warm = await collect(on.add_request(request("b", follow, greedy(30, ignore_eos=True))))
     ref = await collect(cold.add_request(request("c", follow, greedy(30, ignore_eos=True))))
     assert warm[-1].num_local_cached_tokens >= 80
-    _same_outputs(ref, warm)
+    assert_same_outputs(ref, warm)
     assert computed[0] <= 9 + 16  # the draft's first catch-up: the new tail, not 99 tokens
     assert sum(computed) < len(follow)
     stats = on.spec_stats(0)
@@ -256,32 +256,12 @@ async def test_preemption_and_resume_are_token_identical(
 ) -> None:
     settings: dict[str, Any] = {"kv_cache_tokens": 160, "max_batch_tokens": 64}
     off, on = make_engine(**settings), make_engine(**settings, **_spec(tiny_draft))
-    reqs = [request(f"p{i}", _prompt(30, 40 + i), greedy(45, ignore_eos=True)) for i in range(3)]
-    for a, b in zip(await _run_all(off, reqs), await _run_all(on, reqs), strict=True):
-        _same_outputs(a, b)
+    reqs = [request(f"p{i}", random_prompt(30, 40 + i), greedy(45, ignore_eos=True)) for i in range(3)]
+    for a, b in zip(await run_all(off, reqs), await run_all(on, reqs), strict=True):
+        assert_same_outputs(a, b)
     assert on.num_preemptions(0) > 0
     assert on.spec_stats(0).num_accepted_tokens > 0
     assert _pools_full(on)
-
-
-async def _disaggregated(
-    prefill: Engine, decode: Engine, rid: str, prompt: tuple[int, ...], sampling: SamplingConfig
-) -> tuple[RequestOutput, list[RequestOutput]]:
-    (first,) = await collect(
-        prefill.add_request(request(rid, prompt, sampling, kind=RequestKind.PREFILL_ONLY))
-    )
-    admission, handle = decode.admit_remote(request(rid, prompt, sampling, kind=RequestKind.DECODE_REMOTE))
-    for chunk in prefill.export_kv(rid, admission.num_cached_blocks, max_chunk_bytes=20_000):
-        decode.import_kv(admission.transfer_ticket, chunk)
-    prefill.release(rid)
-    decode.finish_import(
-        admission.transfer_ticket,
-        len(prompt),
-        first.new_token_ids[0],
-        first.num_generated_tokens,
-        first.draft_token_ids,
-    )
-    return first, await collect(handle)
 
 
 @pytest.mark.parametrize("sampled", [False, True])
@@ -293,14 +273,14 @@ async def test_disaggregated_with_draft_handoff_proposals_matches_unified(
     imported prompt lazily); a non-speculating decode worker ignores the proposals."""
     unified = make_engine()
     prefill, decode, plain = make_engine(**_spec(tiny_bpe)), make_engine(**_spec(tiny_draft)), make_engine()
-    prompt = _prompt(70, 8)
+    prompt = random_prompt(70, 8)
     sampling = (
         SamplingConfig(max_tokens=30, temperature=0.5, seed=5, ignore_eos=True)
         if sampled
         else greedy(30, ignore_eos=True)
     )
     ref = await collect(unified.add_request(request("u", prompt, sampling)))
-    first, rest = await _disaggregated(prefill, decode, "d", prompt, sampling)
+    first, rest = await handoff_run(prefill, decode, "d", prompt, sampling)
     assert len(first.draft_token_ids) == 4
     assert list(first.new_token_ids) + tokens_of(rest) == tokens_of(ref)
     assert rest[-1].num_generated_tokens == 29
@@ -309,7 +289,7 @@ async def test_disaggregated_with_draft_handoff_proposals_matches_unified(
         assert list(first.draft_token_ids) == tokens_of(ref)[1:5]
         accepted = decode.spec_stats(0).accepted_per_position
         assert len(accepted) >= 4 and min(accepted[:4]) >= 1
-    first2, rest2 = await _disaggregated(prefill, plain, "e", prompt, sampling)
+    first2, rest2 = await handoff_run(prefill, plain, "e", prompt, sampling)
     assert first2.draft_token_ids
     assert list(first2.new_token_ids) + tokens_of(rest2) == tokens_of(ref)
     assert plain.spec_stats(0).num_draft_tokens == 0
@@ -341,7 +321,7 @@ async def test_random_requests_with_cancels_leave_both_pools_full(
 
     for i in range(300):
         kind = RequestKind.PREFILL_ONLY if rng.random() < 0.1 else RequestKind.FULL
-        prompt = _prompt(rng.randint(2, 100), 2000 + rng.randrange(20))  # repeats: cache hits
+        prompt = random_prompt(rng.randint(2, 100), 2000 + rng.randrange(20))  # repeats: cache hits
         sp = (
             greedy(rng.randint(1, 24), ignore_eos=rng.random() < 0.5)
             if rng.random() < 0.7
@@ -378,10 +358,10 @@ async def test_a_large_batch_runs_no_draft_passes_for_proposals(
 
     monkeypatch.setattr(DraftProposer, "run", counting)
     busy = make_engine(**_spec(tiny_bpe, spec_max_batch_tokens=6))
-    reqs = [request(f"r{i}", _prompt(30, 70 + i), greedy(30, ignore_eos=True)) for i in range(8)]
-    await _run_all(busy, reqs)
+    reqs = [request(f"r{i}", random_prompt(30, 70 + i), greedy(30, ignore_eos=True)) for i in range(8)]
+    await run_all(busy, reqs)
     assert busy.spec_stats(0).num_draft_tokens == 0 and sum(wanted) == 0
-    await _run_all(busy, reqs[:1])
+    await run_all(busy, reqs[:1])
     assert busy.spec_stats(0).num_draft_tokens > 0 and sum(wanted) > 0
     assert _pools_full(busy)
 
@@ -395,9 +375,11 @@ async def test_a_failing_draft_model_proposes_nothing_and_fails_no_request(
     monkeypatch.setattr(DraftProposer, "run", boom)
     off, on = make_engine(), make_engine(**_spec(tiny_bpe))
     sp = greedy(12, ignore_eos=True)
-    ref = await collect(off.add_request(request("a", _prompt(20, 1), sp)))
-    _same_outputs(ref, await collect(on.add_request(request("b", _prompt(20, 1), sp))))
-    (first,) = await collect(on.add_request(request("c", _prompt(20, 1), sp, kind=RequestKind.PREFILL_ONLY)))
+    ref = await collect(off.add_request(request("a", random_prompt(20, 1), sp)))
+    assert_same_outputs(ref, await collect(on.add_request(request("b", random_prompt(20, 1), sp))))
+    (first,) = await collect(
+        on.add_request(request("c", random_prompt(20, 1), sp, kind=RequestKind.PREFILL_ONLY))
+    )
     assert first.finished and first.draft_token_ids == () and first.new_token_ids == tuple(tokens_of(ref)[:1])
     on.release("c")
     assert on.spec_stats(0).num_draft_tokens == 0
@@ -426,8 +408,10 @@ def test_the_default_pools_share_the_memory_budget(
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 async def test_cuda_draft_speculation_matches_cpu(make_engine: EngineFactory, tiny_draft: Path) -> None:
     cpu, gpu = make_engine(), make_engine(device="cuda", **_spec(tiny_draft))
-    reqs = [request(f"c{i}", _prompt(20 + 13 * i, 80 + i), greedy(24, ignore_eos=True)) for i in range(4)]
-    for a, b in zip(await _run_all(cpu, reqs), await _run_all(gpu, reqs), strict=True):
+    reqs = [
+        request(f"c{i}", random_prompt(20 + 13 * i, 80 + i), greedy(24, ignore_eos=True)) for i in range(4)
+    ]
+    for a, b in zip(await run_all(cpu, reqs), await run_all(gpu, reqs), strict=True):
         assert tokens_of(b) == tokens_of(a)
     assert gpu.spec_stats(0).num_accepted_tokens > 0
     assert _pools_full(gpu)
@@ -457,8 +441,8 @@ async def test_smollm2_as_its_own_draft_accepts_everything(make_engine: EngineFa
     path = resolve_model("default")
     settings: dict[str, Any] = {"model_path": path, "kv_cache_tokens": 256}
     off, on = make_engine(**settings), make_engine(**settings, **_spec(path))
-    reqs = [request(f"m{i}", _prompt(40, 90 + i), greedy(12)) for i in range(2)]
-    for a, b in zip(await _run_all(off, reqs), await _run_all(on, reqs), strict=True):
-        _same_outputs(a, b)
+    reqs = [request(f"m{i}", random_prompt(40, 90 + i), greedy(12)) for i in range(2)]
+    for a, b in zip(await run_all(off, reqs), await run_all(on, reqs), strict=True):
+        assert_same_outputs(a, b)
     assert on.spec_stats(0).acceptance_rate >= 0.9
     assert _pools_full(on)

@@ -16,7 +16,6 @@ from services.worker.engine.api import (
     Engine,
     EngineRequest,
     RequestHandle,
-    RequestKind,
     RequestOutput,
     SamplingConfig,
 )
@@ -27,20 +26,25 @@ from services.worker.engine.spec import policy
 from services.worker.engine.spec.ngram import NgramProposer
 from services.worker.engine.spec.stats import SpecStats
 from services.worker.engine.spec.verify import accept_run
-from tests.unit.engine.conftest import EngineFactory, collect, drain, greedy, request, tokens_of
+from tests.unit.engine.conftest import (
+    EngineFactory,
+    assert_same_outputs,
+    collect,
+    greedy,
+    handoff_run,
+    random_prompt,
+    request,
+    run_all,
+    tokens_of,
+)
 
 # every proposal verified (no step-cost model): the identity tests exercise verification fully
 SPEC: dict[str, Any] = {"speculative": "ngram", "num_speculative_tokens": 4, "spec_step_cost": False}
 
 
-def _prompt(n: int, seed: int) -> tuple[int, ...]:
-    rng = random.Random(seed)
-    return tuple(rng.randrange(3, 450) for _ in range(n))
-
-
 def _repetitive(n: int, seed: int) -> tuple[int, ...]:
     """A prompt that repeats a short phrase: n-gram lookup finds matches at once."""
-    phrase = _prompt(7, seed)
+    phrase = random_prompt(7, seed)
     return (phrase * (n // 7 + 1))[:n]
 
 
@@ -153,26 +157,15 @@ def _pair(make_engine: EngineFactory, model: Path | None = None, **kw: Any) -> t
     return make_engine(model, **kw), make_engine(model, **SPEC, **kw)
 
 
-async def _run_all(engine: Engine, reqs: list[EngineRequest]) -> list[list[RequestOutput]]:
-    return await drain([engine.add_request(r) for r in reqs])
-
-
-def _same_outputs(off: list[RequestOutput], on: list[RequestOutput]) -> None:
-    assert tokens_of(on) == tokens_of(off)
-    assert "".join(o.text_delta for o in on) == "".join(o.text_delta for o in off)
-    assert on[-1].finish_reason == off[-1].finish_reason
-    assert on[-1].num_generated_tokens == off[-1].num_generated_tokens
-
-
 async def test_greedy_mixed_batch_is_token_identical(make_engine: EngineFactory) -> None:
     off, on = _pair(make_engine)
     rng = random.Random(1)
     reqs = []
     for i in range(10):
-        prompt = _repetitive(rng.randint(10, 90), i) if i % 2 else _prompt(rng.randint(3, 90), i)
+        prompt = _repetitive(rng.randint(10, 90), i) if i % 2 else random_prompt(rng.randint(3, 90), i)
         reqs.append(request(f"g{i}", prompt, greedy(rng.randint(1, 48), ignore_eos=i % 3 != 0)))
-    for a, b in zip(await _run_all(off, reqs), await _run_all(on, reqs), strict=True):
-        _same_outputs(a, b)
+    for a, b in zip(await run_all(off, reqs), await run_all(on, reqs), strict=True):
+        assert_same_outputs(a, b)
     stats = on.spec_stats(0)
     assert stats.num_accepted_tokens > 0  # speculation really ran...
     assert stats.num_accepted_tokens < stats.num_draft_tokens  # ...and rejected some
@@ -197,8 +190,8 @@ async def test_seeded_sampling_is_token_identical(make_engine: EngineFactory, se
         )
         for i in range(4)
     ]
-    for a, b in zip(await _run_all(off, reqs), await _run_all(on, reqs), strict=True):
-        _same_outputs(a, b)
+    for a, b in zip(await run_all(off, reqs), await run_all(on, reqs), strict=True):
+        assert_same_outputs(a, b)
     assert on.spec_stats(0).num_accepted_tokens > 0
 
 
@@ -210,41 +203,21 @@ async def test_prefix_hits_and_generated_blocks_stay_exact(make_engine: EngineFa
     prompt = _repetitive(50, 5)
     first = await collect(on.add_request(request("a", prompt, greedy(60, ignore_eos=True))))
     assert on.spec_stats(0).num_draft_tokens > on.spec_stats(0).num_accepted_tokens > 0
-    follow = prompt + tuple(tokens_of(first)) + _prompt(9, 6)
+    follow = prompt + tuple(tokens_of(first)) + random_prompt(9, 6)
     warm = await collect(on.add_request(request("b", follow, greedy(30, ignore_eos=True))))
     ref = await collect(cold.add_request(request("c", follow, greedy(30, ignore_eos=True))))
     assert warm[-1].num_local_cached_tokens >= 96
-    _same_outputs(ref, warm)
+    assert_same_outputs(ref, warm)
 
 
 async def test_preemption_and_resume_are_token_identical(make_engine: EngineFactory) -> None:
     off, on = _pair(make_engine, kv_cache_tokens=160, max_batch_tokens=64)
     reqs = [request(f"p{i}", _repetitive(30, 40 + i), greedy(45, ignore_eos=True)) for i in range(3)]
-    for a, b in zip(await _run_all(off, reqs), await _run_all(on, reqs), strict=True):
-        _same_outputs(a, b)
+    for a, b in zip(await run_all(off, reqs), await run_all(on, reqs), strict=True):
+        assert_same_outputs(a, b)
     assert on.num_preemptions(0) > 0
     assert on.spec_stats(0).num_accepted_tokens > 0
     assert on.num_free_blocks(0) == on.num_total_blocks(0)
-
-
-async def _disaggregated(
-    prefill: Engine, decode: Engine, rid: str, prompt: tuple[int, ...], sampling: SamplingConfig
-) -> tuple[RequestOutput, list[RequestOutput]]:
-    (first,) = await collect(
-        prefill.add_request(request(rid, prompt, sampling, kind=RequestKind.PREFILL_ONLY))
-    )
-    admission, handle = decode.admit_remote(request(rid, prompt, sampling, kind=RequestKind.DECODE_REMOTE))
-    for chunk in prefill.export_kv(rid, admission.num_cached_blocks, max_chunk_bytes=20_000):
-        decode.import_kv(admission.transfer_ticket, chunk)
-    prefill.release(rid)
-    decode.finish_import(
-        admission.transfer_ticket,
-        len(prompt),
-        first.new_token_ids[0],
-        first.num_generated_tokens,
-        first.draft_token_ids,
-    )
-    return first, await collect(handle)
 
 
 @pytest.mark.parametrize("sampled", [False, True])
@@ -265,13 +238,13 @@ async def test_disaggregated_with_handoff_proposals_matches_unified(
         else greedy(30, ignore_eos=True)
     )
     ref = await collect(unified.add_request(request("u", prompt, sampling)))
-    first, rest = await _disaggregated(prefill, decode, "d", prompt, sampling)
+    first, rest = await handoff_run(prefill, decode, "d", prompt, sampling)
     assert first.draft_token_ids  # the prefill worker proposed from the prompt
     assert list(first.new_token_ids) + tokens_of(rest) == tokens_of(ref)
     assert rest[-1].num_generated_tokens == 29
     assert decode.spec_stats(0).num_draft_tokens > 0
     # a decode worker that does not speculate ignores the proposals
-    first2, rest2 = await _disaggregated(prefill, plain_decode, "e", prompt, sampling)
+    first2, rest2 = await handoff_run(prefill, plain_decode, "e", prompt, sampling)
     assert first2.draft_token_ids
     assert list(first2.new_token_ids) + tokens_of(rest2) == tokens_of(ref)
     assert plain_decode.spec_stats(0).num_draft_tokens == 0
@@ -285,10 +258,11 @@ async def test_runs_end_exactly_where_plain_decoding_ends(make_engine: EngineFac
     off, on = _pair(make_engine)
     rng = random.Random(4)
     bases = [
-        request(f"b{i}", _prompt(rng.randint(5, 40), 60 + i), greedy(40, ignore_eos=True)) for i in range(8)
+        request(f"b{i}", random_prompt(rng.randint(5, 40), 60 + i), greedy(40, ignore_eos=True))
+        for i in range(8)
     ]
     reqs: list[EngineRequest] = []
-    for i, (req, out) in enumerate(zip(bases, await _run_all(off, bases), strict=True)):
+    for i, (req, out) in enumerate(zip(bases, await run_all(off, bases), strict=True)):
         toks = tokens_of(out)
         text = "".join(o.text_delta for o in out)
         j = rng.randrange(5, len(toks))
@@ -303,8 +277,8 @@ async def test_runs_end_exactly_where_plain_decoding_ends(make_engine: EngineFac
                 greedy(40, ignore_eos=True, stop=(text[k : k + 3],), include_stop_in_output=i % 2 == 1)
             )
         reqs += [request(f"v{i}-{n}", req.prompt_token_ids, v) for n, v in enumerate(variants)]
-    for a, b in zip(await _run_all(off, reqs), await _run_all(on, reqs), strict=True):
-        _same_outputs(a, b)
+    for a, b in zip(await run_all(off, reqs), await run_all(on, reqs), strict=True):
+        assert_same_outputs(a, b)
     assert on.spec_stats(0).num_accepted_tokens > 0
     assert on.num_free_blocks(0) == on.num_total_blocks(0)
 
@@ -382,7 +356,7 @@ async def test_byte_fallback_runs_are_exact(
     ref = await collect(off.add_request(request("off", prompt, sp)))
     got = await collect(on.add_request(request("on", prompt, sp)))
     assert "🙂" in "".join(o.text_delta for o in ref) or stop or stop_token_ids or max_tokens < 7
-    _same_outputs(ref, got)
+    assert_same_outputs(ref, got)
     assert on.spec_stats(0).num_accepted_tokens > 0
     assert on.num_free_blocks(0) == on.num_total_blocks(0)
 
@@ -395,7 +369,7 @@ async def test_500_random_requests_with_cancels_and_speculation_leave_every_pool
     tasks: list[asyncio.Task[list[RequestOutput]]] = []
     handles: list[str] = []
     for i in range(500):
-        make = _repetitive if rng.random() < 0.6 else _prompt
+        make = _repetitive if rng.random() < 0.6 else random_prompt
         prompt = make(rng.randint(2, 100), 2000 + rng.randrange(20))  # repeats: cache hits
         sp = (
             greedy(rng.randint(1, 24), ignore_eos=rng.random() < 0.5)
@@ -428,7 +402,7 @@ async def test_a_request_whose_proposals_fail_backs_off(make_engine: EngineFacto
     sp = SamplingConfig(max_tokens=80, temperature=1.0, seed=1, ignore_eos=True)
     ref = await collect(off.add_request(request("a", tuple(vocab), sp)))
     got = await collect(on.add_request(request("b", tuple(vocab), sp)))
-    _same_outputs(ref, got)
+    assert_same_outputs(ref, got)
     stats = on.spec_stats(0)
     assert stats.num_draft_tokens > 0
     assert stats.acceptance_rate < policy.LOW_ACCEPTANCE
@@ -440,9 +414,9 @@ async def test_a_large_batch_verifies_no_proposals(make_engine: EngineFactory) -
     is no longer free and no proposal is scheduled; a lone request still speculates."""
     busy = make_engine(**SPEC, spec_max_batch_tokens=6)
     reqs = [request(f"r{i}", _repetitive(30, 70 + i), greedy(30, ignore_eos=True)) for i in range(8)]
-    await _run_all(busy, reqs)
+    await run_all(busy, reqs)
     assert busy.spec_stats(0).num_draft_tokens == 0
-    await _run_all(busy, reqs[:1])
+    await run_all(busy, reqs[:1])
     assert busy.spec_stats(0).num_draft_tokens > 0
 
 
@@ -481,8 +455,8 @@ async def test_smollm2_grounded_rewrite_is_identical_and_accepts(make_engine: En
     off, on = make_engine(**settings), make_engine(**settings, **SPEC)
     reqs = [request(f"m{i}", p, greedy(48)) for i, p in enumerate(prompts)]
     for _ in range(2):
-        for a, b in zip(await _run_all(off, reqs), await _run_all(on, reqs), strict=True):
-            _same_outputs(a, b)
+        for a, b in zip(await run_all(off, reqs), await run_all(on, reqs), strict=True):
+            assert_same_outputs(a, b)
     stats = on.spec_stats(0)
     assert stats.acceptance_rate > 0.5
     assert on.num_free_blocks(0) == on.num_total_blocks(0)
