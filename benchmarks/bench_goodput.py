@@ -306,47 +306,47 @@ class Harness:
     # --- summary ---
 
     def report(self) -> None:
-        gp: dict[str, dict[str, float]] = self.doc["goodput_rps"]
-        order = {c: i for i, c in enumerate(configs.CONFIG_NAMES)}
-        names = sorted({c for w in gp.values() for c in w}, key=lambda c: (order.get(c, len(order)), c))
-        print(
-            "\nGoodput (req/s at >= {:.0f} % SLO attainment){}".format(
-                100 * self.args.target, f"  {self.args.note}"
-            )
-        )
-        print(f"  {'workload':14s}" + "".join(f"{c:>18s}" for c in names))
-        lower = self.doc["goodput_lower_bound_only"]
-        for w, row in gp.items():
-            cells = [
-                (">=" if lower.get(w, {}).get(c) else "") + (f"{row[c]:.3g}" if c in row else "n/a")
-                for c in names
-            ]
-            print(f"  {w:14s}" + "".join(f"{x:>18s}" for x in cells))
-        if any(v for row in lower.values() for v in row.values()):
-            print(
-                "  (>=: no rate tried missed the target; raise --max-points or --start-rps to find the limit)"
-            )
-        checks = []
-        for w, row in gp.items():
-            unified = max((row[c] for c in UNIFIED if c in row), default=None)
-            if "disaggregated" in row and unified is not None:
-                ratio = row["disaggregated"] / unified if unified else math.inf
-                checks.append(
-                    f"  {w}: disaggregated / best unified = {ratio:.2f}x"
-                    + (" (target >= 1.5x on chat)" if w == "chat" else "")
-                )
-            if "conditional" in row:
-                others = [row[c] for c in row if not c.startswith("conditional")]
-                if others:
-                    ok = row["conditional"] >= max(others)
-                    checks.append(
-                        f"  {w}: conditional {'>=' if ok else '<'} the best other configuration "
-                        f"({row['conditional']:.3g} vs {max(others):.3g})"
-                    )
-        if checks:
-            print("Targets:\n" + "\n".join(checks))
-        self.doc["checks"] = [c.strip() for c in checks]
+        report(self.doc, self.args.target, self.args.note)
         self.save()
+
+
+def report(doc: dict[str, Any], target: float, note: str = "") -> None:
+    """Prints the goodput table and the target checks of result document `doc`; stores the
+    checks in it (`doc["checks"]`)."""
+    gp: dict[str, dict[str, float]] = doc["goodput_rps"]
+    order = {c: i for i, c in enumerate(configs.CONFIG_NAMES)}
+    names = sorted({c for w in gp.values() for c in w}, key=lambda c: (order.get(c, len(order)), c))
+    print("\nGoodput (req/s at >= {:.0f} % SLO attainment){}".format(100 * target, f"  {note}"))
+    print(f"  {'workload':14s}" + "".join(f"{c:>18s}" for c in names))
+    lower = doc["goodput_lower_bound_only"]
+    for w, row in gp.items():
+        cells = [
+            (">=" if lower.get(w, {}).get(c) else "") + (f"{row[c]:.3g}" if c in row else "n/a")
+            for c in names
+        ]
+        print(f"  {w:14s}" + "".join(f"{x:>18s}" for x in cells))
+    if any(v for row in lower.values() for v in row.values()):
+        print("  (>=: no rate tried missed the target; raise --max-points or --start-rps to find the limit)")
+    checks = []
+    for w, row in gp.items():
+        unified = max((row[c] for c in UNIFIED if c in row), default=None)
+        if "disaggregated" in row and unified is not None:
+            ratio = row["disaggregated"] / unified if unified else math.inf
+            checks.append(
+                f"  {w}: disaggregated / best unified = {ratio:.2f}x"
+                + (" (target >= 1.5x on chat)" if w == "chat" else "")
+            )
+        others = [row[c] for c in row if not c.startswith("conditional")]
+        for c in (c for c in names if c.startswith("conditional") and c in row):
+            if others:
+                ok = row[c] >= max(others)
+                checks.append(
+                    f"  {w}: {c} {'>=' if ok else '<'} the best other configuration "
+                    f"({row[c]:.3g} vs {max(others):.3g})"
+                )
+    if checks:
+        print("Targets:\n" + "\n".join(checks))
+    doc["checks"] = [c.strip() for c in checks]
 
 
 def _pct(x: object) -> str:
@@ -479,6 +479,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--out", default="", help="result file (default benchmarks/results/goodput[-cuda][-quick].json)"
     )
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        default=[],
+        metavar="JSON",
+        help="run nothing: merge these result files (one workload or configuration set each, "
+        "same machine, same SLOs per workload) into --out, with its report and plots",
+    )
     p.add_argument("--note", default="", help="a remark stored with the results and shown on the plots")
     a = p.parse_args(argv)
     q = a.quick
@@ -518,6 +526,8 @@ def default_out(a: argparse.Namespace) -> Path:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     a = parse_args(argv)
     out = Path(a.out) if a.out else default_out(a)
+    if a.merge:
+        return merge_files([Path(f) for f in a.merge], out, a.note, plots=not a.no_plots)
     tokenizer = load_tokenizer(a.tokenizer or a.model)
     h = Harness(a, tokenizer, out)
     print(f"machine: {h.doc['machine']}", flush=True)
@@ -533,6 +543,23 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             print(f"wrote {path}")
     print(f"wrote {out} ({h.doc['total_wall_s']} s)")
     return h.doc
+
+
+def merge_files(files: Sequence[Path], out: Path, note: str = "", plots: bool = True) -> dict[str, Any]:
+    """`--merge`: one result document (report, plots) from several runs' files."""
+    from benchmarks.goodput.merge import merge_docs
+
+    doc = merge_docs([(f.name, json.loads(f.read_text())) for f in files], note)
+    report(doc, doc["settings"]["attainment_target"], note)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    if plots:
+        from benchmarks.goodput.plots import plot_all
+
+        for path in plot_all(doc, out.parent, out.stem):
+            print(f"wrote {path}")
+    print(f"wrote {out} (from {', '.join(str(f) for f in files)})")
+    return doc
 
 
 if __name__ == "__main__":

@@ -1,0 +1,112 @@
+"""Merging goodput result documents: runs of one workload at a time (or of extra
+configurations such as `conditional@N` measured later under the same SLOs) become the one
+`goodput.json` that the README and the main plot come from.
+
+Rules (a merge never mixes figures measured under different SLOs or on different CPUs):
+- a workload's SLO comes from the first document that has the workload; a later document with
+  the same workload must carry the same TTFT and TPOT SLO (it was run with `--slo-ttft-ms` /
+  `--slo-tpot-ms` copied from the first), else the merge is refused;
+- a (workload, configuration) pair measured in two documents is refused (which one counts
+  would be a choice the file does not record);
+- every document must come from a machine with the same CPU model and capability;
+- the sources (file, note, wall time, load average at start) are listed in `sources`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+class MergeError(ValueError):
+    """Documents that cannot be merged without losing what their figures mean."""
+
+
+_PER_WORKLOAD = ("runs", "goodput_rps", "goodput_lower_bound_only", "itl_samples")
+
+
+def merge_docs(docs: Sequence[tuple[str, dict[str, Any]]], note: str = "") -> dict[str, Any]:
+    """One result document from `docs` ((source name, document) pairs, in order)."""
+    if not docs:
+        raise MergeError("nothing to merge")
+    first = docs[0][1]
+    out: dict[str, Any] = {
+        "note": note,
+        "machine": first["machine"],
+        "settings": first["settings"],
+        "workloads": {},
+        "commands": {},
+        "slo": {},
+        "runs": {},
+        "goodput_rps": {},
+        "goodput_lower_bound_only": {},
+        "itl_samples": {},
+        "sources": [],
+        "total_wall_s": 0.0,
+    }
+    target = first["settings"]["attainment_target"]
+    for source, doc in docs:
+        _same_machine(first["machine"], doc["machine"], source)
+        if doc["settings"]["attainment_target"] != target:
+            raise MergeError(
+                f"{source}: attainment target {doc['settings']['attainment_target']} != {target}"
+            )
+        for w, slo in doc["slo"].items():
+            have = out["slo"].get(w)
+            if have is None:
+                out["slo"][w] = slo
+                out["workloads"][w] = doc["workloads"][w]
+            elif (have["ttft_ms"], have["tpot_ms"]) != (slo["ttft_ms"], slo["tpot_ms"]):
+                raise MergeError(
+                    f"{source}: {w} was measured under SLOs TTFT {slo['ttft_ms']} ms / TPOT "
+                    f"{slo['tpot_ms']} ms, the earlier document under {have['ttft_ms']} / "
+                    f"{have['tpot_ms']} ms; re-run it with --slo-ttft-ms {have['ttft_ms']} "
+                    f"--slo-tpot-ms {have['tpot_ms']}"
+                )
+        for key in _PER_WORKLOAD:
+            for w, by_config in doc.get(key, {}).items():
+                if key == "itl_samples":
+                    _merge_itl(out[key], w, by_config)
+                    continue
+                into = out[key].setdefault(w, {})
+                for config, value in by_config.items():
+                    if key == "runs" and not value:
+                        continue
+                    if config in into and (key != "runs" or into[config]):
+                        raise MergeError(f"{source}: {w} / {config} is also in an earlier document")
+                    into[config] = value
+        for config, cmd in doc.get("commands", {}).items():
+            out["commands"].setdefault(config, cmd)
+        out["sources"].append(
+            {
+                "file": source,
+                "note": doc.get("note", ""),
+                "workloads": sorted(doc["slo"]),
+                "configs": sorted({c for row in doc.get("goodput_rps", {}).values() for c in row}),
+                "total_wall_s": doc.get("total_wall_s"),
+                "load_average_1m_at_start": doc["machine"].get("load_average_1m_at_start"),
+            }
+        )
+        out["total_wall_s"] = round(out["total_wall_s"] + float(doc.get("total_wall_s") or 0.0), 1)
+    return out
+
+
+def _same_machine(a: dict[str, Any], b: dict[str, Any], source: str) -> None:
+    for key in ("cpu_model", "cpu_capability", "cpu_count", "torch"):
+        if a.get(key) != b.get(key):
+            raise MergeError(
+                f"{source}: measured on another machine ({key} {b.get(key)!r} != {a.get(key)!r})"
+            )
+    if a.get("cuda_device") != b.get("cuda_device"):
+        raise MergeError(f"{source}: measured on another device ({b.get('cuda_device')!r})")
+
+
+def _merge_itl(into: dict[str, Any], workload: str, sample: dict[str, Any]) -> None:
+    """ITL samples are kept at one rate per workload: the first document's rate; a later
+    document adds the configurations it measured at that same rate."""
+    have = into.get(workload)
+    if have is None:
+        into[workload] = {"rate_rps": sample["rate_rps"], "by_config": dict(sample["by_config"])}
+    elif have["rate_rps"] == sample["rate_rps"]:
+        for config, itls in sample["by_config"].items():
+            have["by_config"].setdefault(config, itls)
