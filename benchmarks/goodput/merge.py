@@ -6,8 +6,9 @@ Rules (a merge never mixes figures measured under different SLOs or on different
 - a workload's SLO comes from the first document that has the workload; a later document with
   the same workload must carry the same TTFT and TPOT SLO (it was run with `--slo-ttft-ms` /
   `--slo-tpot-ms` copied from the first), else the merge is refused;
-- a (workload, configuration) pair measured in two documents is refused (which one counts
-  would be a choice the file does not record);
+- a (workload, configuration) pair measured in several documents (a refinement run at chosen
+  `--rates` under the same SLOs) keeps every measured rate, and its goodput is recomputed from
+  all of them (`stats.goodput`: the highest passing rate below every failing one);
 - every document must come from a machine with the same CPU model and capability;
 - the sources (file, note, wall time, load average at start) are listed in `sources`.
 """
@@ -17,12 +18,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from benchmarks.goodput import stats
+
 
 class MergeError(ValueError):
     """Documents that cannot be merged without losing what their figures mean."""
 
 
-_PER_WORKLOAD = ("runs", "goodput_rps", "goodput_lower_bound_only", "itl_samples")
+_PER_WORKLOAD = ("runs", "itl_samples")
 
 
 def merge_docs(docs: Sequence[tuple[str, dict[str, Any]]], note: str = "") -> dict[str, Any]:
@@ -69,12 +72,8 @@ def merge_docs(docs: Sequence[tuple[str, dict[str, Any]]], note: str = "") -> di
                     _merge_itl(out[key], w, by_config)
                     continue
                 into = out[key].setdefault(w, {})
-                for config, value in by_config.items():
-                    if key == "runs" and not value:
-                        continue
-                    if config in into and (key != "runs" or into[config]):
-                        raise MergeError(f"{source}: {w} / {config} is also in an earlier document")
-                    into[config] = value
+                for config, points in by_config.items():
+                    into.setdefault(config, []).extend(points)
         for config, cmd in doc.get("commands", {}).items():
             out["commands"].setdefault(config, cmd)
         out["sources"].append(
@@ -88,6 +87,13 @@ def merge_docs(docs: Sequence[tuple[str, dict[str, Any]]], note: str = "") -> di
             }
         )
         out["total_wall_s"] = round(out["total_wall_s"] + float(doc.get("total_wall_s") or 0.0), 1)
+    for w, by_config in out["runs"].items():
+        for config, points in by_config.items():
+            if not points:
+                continue
+            pairs = [(float(p["rate_rps"]), float(p["attainment"])) for p in points]
+            out["goodput_rps"].setdefault(w, {})[config] = stats.goodput(pairs, target)
+            out["goodput_lower_bound_only"].setdefault(w, {})[config] = all(a >= target for _, a in pairs)
     return out
 
 

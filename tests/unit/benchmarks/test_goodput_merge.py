@@ -63,9 +63,22 @@ def test_a_workload_measured_under_other_slos_is_refused_with_the_flags_to_rerun
         )
 
 
-def test_the_same_pair_twice_is_refused() -> None:
-    with pytest.raises(MergeError, match="chat / disaggregated"):
-        merge_docs([("a", doc("chat", {"disaggregated": 0.6})), ("b", doc("chat", {"disaggregated": 0.7}))])
+def test_a_refinement_run_adds_rates_and_the_goodput_is_recomputed_from_all() -> None:
+    first = doc("chat", {"disaggregated": 0.46})
+    first["runs"]["chat"]["disaggregated"] = [
+        {"rate_rps": 0.46, "attainment": 1.0},
+        {"rate_rps": 0.92, "attainment": 0.7},
+    ]
+    refine = doc("chat", {"disaggregated": 0.0})
+    refine["runs"]["chat"]["disaggregated"] = [
+        {"rate_rps": 0.6, "attainment": 0.95},
+        {"rate_rps": 0.75, "attainment": 0.8},
+        {"rate_rps": 0.85, "attainment": 0.95},  # a lucky pass above a failure does not count
+    ]
+    merged = merge_docs([("a", first), ("refine", refine)])
+    assert [p["rate_rps"] for p in merged["runs"]["chat"]["disaggregated"]] == [0.46, 0.92, 0.6, 0.75, 0.85]
+    assert merged["goodput_rps"]["chat"]["disaggregated"] == 0.6
+    assert merged["goodput_lower_bound_only"]["chat"]["disaggregated"] is False
 
 
 def test_another_machine_is_refused() -> None:
