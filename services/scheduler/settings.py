@@ -36,7 +36,8 @@ class Settings(TlsSettings):
     local_prefill_threshold: int = field(
         0,
         "prefill on the decode worker when the prompt's uncached part is below this many tokens "
-        "(0 = always disaggregate)",
+        "(0 = always disaggregate: the default, chosen from the goodput benchmark, where local "
+        "prefill on a CPU decode worker stalled its decode batch and lowered goodput)",
     )
     reservation_grace_s: float = field(
         0.05,
