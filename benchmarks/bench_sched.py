@@ -768,6 +768,9 @@ def main(argv: list[str] | None = None) -> None:
         "simulation": dict(cfg.__dict__),
         "targets_met": checks,
     }
+    from benchmarks.engine_floor import cpu_features
+
+    result["machine"] = cpu_features() | {"load_average_1m_at_end": round(os.getloadavg()[0], 2)}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwrote {a.out}")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -188,6 +189,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a small smoke run")
     args = parser.parse_args()
     result = asyncio.run(main_async(args))
+    from benchmarks.engine_floor import cpu_features
+
+    result["machine"] = cpu_features() | {"load_average_1m_at_end": round(os.getloadavg()[0], 2)}
     out = RESULTS.with_name("stack-quick.json") if args.quick else RESULTS
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
