@@ -25,9 +25,6 @@ class MergeError(ValueError):
     """Documents that cannot be merged without losing what their figures mean."""
 
 
-_PER_WORKLOAD = ("runs", "itl_samples")
-
-
 def merge_docs(docs: Sequence[tuple[str, dict[str, Any]]], note: str = "") -> dict[str, Any]:
     """One result document from `docs` ((source name, document) pairs, in order)."""
     if not docs:
@@ -66,14 +63,12 @@ def merge_docs(docs: Sequence[tuple[str, dict[str, Any]]], note: str = "") -> di
                     f"{have['tpot_ms']} ms; re-run it with --slo-ttft-ms {have['ttft_ms']} "
                     f"--slo-tpot-ms {have['tpot_ms']}"
                 )
-        for key in _PER_WORKLOAD:
-            for w, by_config in doc.get(key, {}).items():
-                if key == "itl_samples":
-                    _merge_itl(out[key], w, by_config)
-                    continue
-                into = out[key].setdefault(w, {})
-                for config, points in by_config.items():
-                    into.setdefault(config, []).extend(points)
+        for w, by_config in doc.get("runs", {}).items():
+            into = out["runs"].setdefault(w, {})
+            for config, points in by_config.items():
+                into.setdefault(config, []).extend(points)
+        for w, sample in doc.get("itl_samples", {}).items():
+            _merge_itl(out["itl_samples"], w, sample)
         for config, cmd in doc.get("commands", {}).items():
             out["commands"].setdefault(config, cmd)
         out["sources"].append(

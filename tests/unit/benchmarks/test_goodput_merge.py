@@ -1,6 +1,6 @@
 """Merging goodput result documents (benchmarks/goodput/merge.py): one workload per run, or extra
-configurations measured later under the same SLOs, become one document; figures measured under
-other SLOs, twice, or on another machine are refused."""
+configurations or refinement rates measured later under the same SLOs, become one document;
+figures measured under other SLOs or on another machine are refused."""
 
 from __future__ import annotations
 
