@@ -2,20 +2,25 @@
 
 For a few batch sizes (each sequence holding `context` cached tokens) this counts the aten ops
 one `ModelRunner.execute` dispatches (a TorchDispatchMode counter, so views and in-place ops
-count too) and the median process CPU time of a step with one torch thread. The op counts are
-deterministic and are what to compare across changes; CPU ms are noisy on a shared machine
-(compare only within one process, interleaved).
+count too) and the median process CPU time of a step with one torch thread, for both forwards
+of the same loaded model: engine/lean_llama.py's flat loop (the default) and transformers' own
+module tree (`--no-lean-forward`). The op counts are deterministic and are what to compare
+across changes; CPU ms are noisy on a shared machine, so the two paths run interleaved in one
+process.
 
-    python -m benchmarks.step_profile [--batches 1 8 16] [--context 300] [--top 15]
+    python -m benchmarks.step_profile [--batches 1 8 16] [--context 300] [--top 15] [--out F]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,23 +52,26 @@ def decode_seqs(runner: Any, batch: int, context: int) -> list[Any]:
     ]
 
 
-def profile(runner: Any, batch: int, context: int, reps: int) -> dict[str, Any]:
-    seqs = decode_seqs(runner, batch, context)
-    runner.execute(seqs)
-    counter = OpCounter()
-    with counter:
+def profile(runners: dict[str, Any], batch: int, context: int, reps: int) -> dict[str, Any]:
+    """Op counts per path, then CPU ms per path with the paths interleaved step by step (so
+    machine noise hits both alike)."""
+    any_runner = next(iter(runners.values()))
+    seqs = decode_seqs(any_runner, batch, context)
+    out: dict[str, Any] = {}
+    for name, runner in runners.items():
         runner.execute(seqs)
-    cpu = []
+        counter = OpCounter()
+        with counter:
+            runner.execute(seqs)
+        out[name] = {"aten_ops": sum(counter.counts.values()), "by_op": counter.counts, "cpu": []}
     for _ in range(reps):
-        c0 = time.process_time()
-        runner.execute(seqs)
-        cpu.append(time.process_time() - c0)
-    return {
-        "seqs": batch,
-        "aten_ops": sum(counter.counts.values()),
-        "by_op": counter.counts,
-        "cpu_ms_median": round(statistics.median(cpu) * 1e3, 2),
-    }
+        for name, runner in runners.items():
+            c0 = time.process_time()
+            runner.execute(seqs)
+            out[name]["cpu"].append(time.process_time() - c0)
+    for r in out.values():
+        r["cpu_ms_median"] = round(statistics.median(r.pop("cpu")) * 1e3, 2)
+    return out
 
 
 def main() -> None:
@@ -72,7 +80,9 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     args = ap.parse_args()
+    from benchmarks.engine_floor import cpu_features
     from services.worker.engine.model_runner import ModelRunner, kv_layout_of, load_model
     from shared.model_store import resolve_model
 
@@ -81,18 +91,48 @@ def main() -> None:
     model = load_model(str(resolve_model("default")), device, dtype)
     layout = kv_layout_of(model.config, 16, dtype)
     per_seq = -(-(args.context + 1) // 16)
-    runner = ModelRunner(model, layout, max(args.batches) * per_seq + 1, device, dtype)
-    runner.warm_up()
-    print(f"load average: {os.getloadavg()}, layers: {layout.num_layers}")
+    blocks = max(args.batches) * per_seq + 1
+    # the same model object under both forwards (each runner has its own KV pool)
+    runners = {
+        "lean": ModelRunner(model, layout, blocks, device, dtype, lean_forward=True),
+        "transformers": ModelRunner(model, layout, blocks, device, dtype, lean_forward=False),
+    }
+    for runner in runners.values():
+        runner.warm_up()
+    load_before = os.getloadavg()
+    print(f"load average: {load_before}, layers: {layout.num_layers}")
+    results = []
     for b in args.batches:
-        r = profile(runner, b, args.context, args.reps)
-        per_layer = r["aten_ops"] / layout.num_layers
+        r = profile(runners, b, args.context, args.reps)
+        for name, p in r.items():
+            per_layer = p["aten_ops"] / layout.num_layers
+            print(
+                f"{name:>12} seqs={b:3d} aten_ops/step={p['aten_ops']:6d} (~{per_layer:.1f}/layer) "
+                f"cpu_ms/step(median of {args.reps})={p['cpu_ms_median']}"
+            )
+            print("   ", ", ".join(f"{k}={v}" for k, v in p["by_op"].most_common(args.top)))
+        lean, hf = r["lean"], r["transformers"]
         print(
-            f"seqs={b:3d} aten_ops/step={r['aten_ops']:6d} (~{per_layer:.1f}/layer) "
-            f"cpu_ms/step(median of {args.reps})={r['cpu_ms_median']}"
+            f"   lean/transformers: ops {lean['aten_ops'] / hf['aten_ops']:.2f}x, "
+            f"cpu {lean['cpu_ms_median'] / hf['cpu_ms_median']:.2f}x"
         )
-        print("   ", ", ".join(f"{k}={v}" for k, v in r["by_op"].most_common(args.top)))
-    print(f"load average: {os.getloadavg()}")
+        results.append(
+            {
+                "seqs": b,
+                **{f"{n}_aten_ops": p["aten_ops"] for n, p in r.items()},
+                **{f"{n}_cpu_ms": p["cpu_ms_median"] for n, p in r.items()},
+            }
+        )
+    load_after = os.getloadavg()
+    print(f"load average: {load_after}")
+    if args.out:
+        doc = {
+            "command": "python -m benchmarks.step_profile " + " ".join(sys.argv[1:]),
+            "machine": {**cpu_features(), "load_average": [load_before, load_after]},
+            "context_tokens": args.context,
+            "results": results,
+        }
+        args.out.write_text(json.dumps(doc, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -171,6 +171,7 @@ class WorkerApp:
             max_model_len=s.max_model_len,
             torch_threads=s.torch_threads,
             cpu_prepack=s.cpu_prepack,
+            lean_forward=s.lean_forward,
             cpu_kernel_cache_entries=s.cpu_kernel_cache_entries,
             speculative=s.speculative,
             num_speculative_tokens=s.num_speculative_tokens,

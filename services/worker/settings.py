@@ -60,6 +60,12 @@ class WorkerSettings(TlsSettings):
         "On CPU, pack linear-layer weights once for oneDNN (faster at every batch size; "
         "--no-cpu-prepack = torch's default matmul)",
     )
+    lean_forward: bool = field(
+        True,
+        "Llama-architecture models: run the layers as one flat loop of kernel calls (same "
+        "numbers as transformers' modules, about half the ops per decode step); "
+        "--no-lean-forward = transformers' own forward",
+    )
     cpu_kernel_cache_entries: int = field(
         64,
         "On CPU, oneDNN kernels kept per cache (one per input shape, ~0.3 MiB each); bounds the "

@@ -125,6 +125,9 @@ class EngineConfig:
     max_model_len: int = 0  # 0 = the model's max_position_embeddings
     torch_threads: int = 0  # 0 = torch default
     cpu_prepack: bool = True  # CPU: oneDNN-prepacked linear weights (engine/cpu_linear.py)
+    # Llama-architecture models: the flat forward loop of engine/lean_llama.py instead of
+    # transformers' module tree (same numbers, ~half the ops per step)
+    lean_forward: bool = True
     # CPU: entries in each of oneDNN's kernel caches (one per input shape, ~0.3 MiB each);
     # bounds the memory that prompts of many lengths would otherwise add (cpu_linear)
     cpu_kernel_cache_entries: int = 64

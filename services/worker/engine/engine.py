@@ -215,7 +215,9 @@ class PagedEngine:
             num_blocks = self._num_blocks(
                 self.kv_layout, dtype, device, draft_layout if cfg.draft_kv_cache_tokens == 0 else None
             )
-            runner = ModelRunner(model, self.kv_layout, num_blocks, device, dtype)
+            runner = ModelRunner(
+                model, self.kv_layout, num_blocks, device, dtype, lean_forward=cfg.lean_forward
+            )
             runner.warm_up()
             blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
             budget = cfg.max_batch_tokens or _DEFAULT_BATCH_TOKENS.get(device.type, 2048)
@@ -276,7 +278,7 @@ class PagedEngine:
         num_blocks = (
             -(-cfg.draft_kv_cache_tokens // cfg.block_size) if cfg.draft_kv_cache_tokens else target_blocks
         )
-        runner = ModelRunner(model, layout, num_blocks, device, dtype)
+        runner = ModelRunner(model, layout, num_blocks, device, dtype, lean_forward=cfg.lean_forward)
         runner.warm_up()
         max_len = min(self.max_model_len, int(model.config.get_text_config().max_position_embeddings))
         log.info(

@@ -14,6 +14,7 @@ import torch
 from services.worker.engine import attention, cpu_linear
 from services.worker.engine.api import KvLayout, SamplingConfig
 from services.worker.engine.attention import AttentionBackend
+from services.worker.engine.lean_llama import LeanLlama
 from services.worker.engine.sampler import sample
 
 log = logging.getLogger(__name__)
@@ -89,8 +90,11 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         attention_backend: AttentionBackend | None = None,
+        lean_forward: bool = True,
     ) -> None:
         self.model = model
+        # transformers' module tree, or the same layers as one flat loop (lean_llama)
+        self.lean = LeanLlama(model) if lean_forward and LeanLlama.supports(model) else None
         self.layout = layout
         self.device = device
         self.dtype = dtype
@@ -232,6 +236,9 @@ class ModelRunner:
         """Run one step; for each seq with sample=True, in order, the tokens sampled at its
         num_logits trailing positions (one token without speculation)."""
         input_ids, positions, meta, logits_idx = self._build_metadata(seqs)
+        if self.lean is not None and len(logits_idx) == 0:
+            self.lean.forward(input_ids[0], positions[0], meta, None)
+            return []
         if len(logits_idx) == 0:
             # nothing to sample (only non-final prefill chunks): skip the LM head entirely
             self.model.model(input_ids=input_ids, position_ids=positions, paged_meta=meta, use_cache=False)
@@ -247,14 +254,18 @@ class ModelRunner:
                     for last, c in zip(logits_idx.tolist(), counts, strict=True)
                 ]
             ).to(logits_idx.device)
-        out = self.model(
-            input_ids=input_ids,
-            position_ids=positions,
-            paged_meta=meta,
-            use_cache=False,
-            logits_to_keep=logits_idx,
-        )
-        logits = out.logits[0]  # [sum(counts), vocab]
+        if self.lean is not None:
+            logits = self.lean.forward(input_ids[0], positions[0], meta, logits_idx)
+            assert logits is not None
+        else:
+            out = self.model(
+                input_ids=input_ids,
+                position_ids=positions,
+                paged_meta=meta,
+                use_cache=False,
+                logits_to_keep=logits_idx,
+            )
+            logits = out.logits[0]  # [sum(counts), vocab]
         params = [s.sampling for s in sampled_seqs for _ in range(s.num_logits)]
         gens = [s.generator for s in sampled_seqs for _ in range(s.num_logits)]
         seeds = [

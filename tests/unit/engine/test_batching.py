@@ -23,14 +23,18 @@ def _prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[tuple[
     return [tuple(rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))) for _ in range(n)]
 
 
-@pytest.mark.parametrize("cpu_prepack", [True, False], ids=["onednn", "torch-matmul"])
+@pytest.mark.parametrize(
+    ("cpu_prepack", "lean_forward"),
+    [(True, True), (False, True), (True, False)],
+    ids=["onednn-lean", "torch-matmul-lean", "onednn-transformers"],
+)
 async def test_16_concurrent_requests_match_generate(
-    make_engine: EngineFactory, tiny_bpe: Path, cpu_prepack: bool
+    make_engine: EngineFactory, tiny_bpe: Path, cpu_prepack: bool, lean_forward: bool
 ) -> None:
     from transformers import AutoModelForCausalLM
 
     # small batch budget so prefill chunks and decodes share steps
-    engine = make_engine(max_batch_tokens=128, cpu_prepack=cpu_prepack)
+    engine = make_engine(max_batch_tokens=128, cpu_prepack=cpu_prepack, lean_forward=lean_forward)
     prompts = _prompts(16, 3, 200, 450)
     max_tokens = [8 + 3 * i for i in range(16)]
     handles = [

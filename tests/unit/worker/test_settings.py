@@ -45,6 +45,13 @@ def test_cpu_prepack_can_be_turned_off() -> None:
     assert off.cpu_prepack is False
 
 
+def test_lean_forward_is_on_by_default_and_can_be_turned_off() -> None:
+    assert parse_settings(WorkerSettings, [], env={}).lean_forward is True
+    assert parse_settings(WorkerSettings, ["--no-lean-forward"], env={}).lean_forward is False
+    off = parse_settings(WorkerSettings, [], env={"PDSERVE_LEAN_FORWARD": "false"})
+    assert off.lean_forward is False
+
+
 def test_ipv6_pod_ip_is_advertised_in_brackets() -> None:
     s = parse_settings(WorkerSettings, [], env={"PDSERVE_ADVERTISE_ADDRESS": "fd00:10::7:50061"})
     assert s.advertise_address == "[fd00:10::7]:50061"

@@ -1,0 +1,198 @@
+"""A lean forward pass for Llama-architecture models over the paged KV pool (issue 15, item 3).
+
+Owns `LeanLlama`: the same layers, weights and float operations as transformers'
+`modeling_llama`, run as one flat loop of kernel calls instead of transformers' module tree.
+
+Why: a decode step is mostly dispatch on the CPUs this project serves on. transformers'
+`LlamaDecoderLayer` issues ~84 aten ops per layer (RMSNorm's dtype round trips, `rotate_half`'s
+slices, negation and concatenation, views and reshapes around every projection) plus Python module
+calls and decorators; with one sequence that is ~2,500 ops per step. This loop issues ~40 per
+layer: RoPE is `x * cos + roll(x) * sin_signed` (roll by half the head = `rotate_half` with its
+sign moved into a precomputed sin), the residual adds and the SwiGLU product ride on the linear
+kernel (oneDNN binary post-ops on CPU), and the 2-D hidden state needs no reshapes.
+
+Numerics: every value is computed by the same fp32 operation as in transformers, so outputs are
+bit-identical on CPU: the roll reorders elements exactly, `-x * sin == x * -sin` exactly, and a
+oneDNN post-op adds or multiplies the finished fp32 accumulator (one rounding, as the separate op
+does). `tests/unit/engine/test_lean_llama.py` checks logits for equality, not closeness.
+
+Supported: `LlamaForCausalLM` without projection biases, SiLU MLP, no tensor-parallel
+pretraining split. Anything else keeps transformers' forward (`LeanLlama.supports`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from services.worker.engine import attention
+from services.worker.engine.cpu_linear import PackedLinear
+
+
+class _Linear:
+    """One projection: oneDNN's packed kernel (with fused post-ops) or torch's matmul."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.packed = isinstance(module, PackedLinear)
+        weight = module.packed_weight if self.packed else module.weight
+        assert isinstance(weight, torch.Tensor)
+        self.weight: torch.Tensor = weight  # oneDNN's blocked layout when packed, else [out, in]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
+        return F.linear(x, self.weight)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + x W^T"""
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, None, "add")
+        return residual + F.linear(x, self.weight)
+
+    def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        """other * x W^T"""
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.weight, None, "mul")
+        return other * F.linear(x, self.weight)
+
+
+class _Layer:
+    def __init__(self, layer: Any) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.module = attn  # the attention function reads module.layer_idx
+        self.q, self.k, self.v, self.o = (
+            _Linear(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
+        )
+        self.gate, self.up, self.down = (_Linear(m) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+        self.norm_in = layer.input_layernorm.weight
+        self.norm_post = layer.post_attention_layernorm.weight
+        self.scaling = float(attn.scaling)
+
+
+class LeanLlama:
+    """Forward of a loaded (optionally prepacked) transformers Llama model, same weights."""
+
+    def __init__(self, model: Any) -> None:
+        cfg = model.config
+        self.model = model
+        self.embed = model.model.embed_tokens.weight
+        self.rotary = model.model.rotary_emb
+        self.layers = [_Layer(layer) for layer in model.model.layers[: cfg.num_hidden_layers]]
+        self.norm_final = model.model.norm.weight
+        self.lm_head = _Linear(model.lm_head)
+        self.eps = float(cfg.rms_norm_eps)
+        self.num_heads = int(cfg.num_attention_heads)
+        self.num_kv_heads = int(cfg.num_key_value_heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads)
+        # per-layer views of the rank's KV pool, built once per pool (see _pool_views)
+        self._pool: torch.Tensor | None = None
+        self._views: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    @staticmethod
+    def supports(model: Any) -> bool:
+        cfg = model.config
+        return (
+            type(model).__name__ == "LlamaForCausalLM"
+            and not getattr(cfg, "attention_bias", False)
+            and not getattr(cfg, "mlp_bias", False)
+            and getattr(cfg, "hidden_act", None) == "silu"
+            and getattr(cfg, "pretraining_tp", 1) == 1
+        )
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # transformers' LlamaRMSNorm, op for op (statistics in fp32)
+        if x.dtype == torch.float32:
+            return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * h.to(x.dtype)
+
+    def _pool_views(
+        self, pool: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per layer: K and V as [slots, kv_heads, D] (written by slot) and as
+        [1, kv_heads, slots, D] (read by a sequence's slot range). Views, so no copy."""
+        if pool is not self._pool:
+            self._pool = pool
+            self._views = [
+                (pool[i, 0].transpose(0, 1), pool[i, 1].transpose(0, 1), pool[i, 0:1], pool[i, 1:2])
+                for i in range(pool.shape[0])
+            ]
+        return self._views
+
+    def _decode_attention(
+        self,
+        q: torch.Tensor,  # [B, heads, D], one query per sequence
+        k: torch.Tensor,  # [B, kv_heads, D]
+        v: torch.Tensor,
+        views: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        meta: attention.PagedAttentionMetadata,
+        ranges: list[tuple[int, int] | None],
+        scaling: float,
+    ) -> torch.Tensor:
+        """A decode-only step: the same per-sequence SDPA calls as attention._decode (the `rep`
+        query heads of a KV head as query rows, no mask), without the [1, heads, T, D]
+        transposes transformers' attention interface needs."""
+        k_slots, v_slots, k_pool, v_pool = views
+        k_slots.index_copy_(0, meta.slots, k)
+        v_slots.index_copy_(0, meta.slots, v)
+        rep = self.num_heads // self.num_kv_heads
+        queries = q.view(-1, 1, self.num_kv_heads, rep, self.head_dim).unbind(0)
+        outs = []
+        for qi, r, s in zip(queries, ranges, meta.seqs, strict=True):
+            if r is not None:
+                kc, vc = k_pool[:, :, r[0] : r[1]], v_pool[:, :, r[0] : r[1]]
+            else:  # blocks not consecutive: gathered
+                kc = attention._context(k_pool, s, meta.block_size)
+                vc = attention._context(v_pool, s, meta.block_size)
+            outs.append(F.scaled_dot_product_attention(qi, kc, vc, scale=scaling))
+        return torch.cat(outs)  # [B * kv_heads, rep, D] = [B, heads, D] in memory
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] packed tokens of the step
+        positions: torch.Tensor,  # [T]
+        meta: attention.PagedAttentionMetadata,
+        logits_idx: torch.Tensor | None,  # packed rows to compute logits for; None = no LM head
+    ) -> torch.Tensor | None:
+        num_tokens = input_ids.shape[0]
+        h = F.embedding(input_ids, self.embed)  # [T, hidden]
+        cos, sin = self.rotary(h, positions[None])  # [1, T, D] each, exactly as transformers
+        half = self.head_dim // 2
+        cos = cos.view(num_tokens, 1, self.head_dim)
+        # rotate_half(x) * sin == roll(x, half) * [-sin_lo, sin_hi]: the sign moves onto sin
+        sin = sin.view(num_tokens, 1, self.head_dim).clone()
+        sin[..., :half].neg_()
+        q_shape = (num_tokens, self.num_heads, self.head_dim)
+        kv_shape = (num_tokens, self.num_kv_heads, self.head_dim)
+        views = self._pool_views(meta.kv_cache)
+        decode_only = meta.groups is None and meta.num_decode == num_tokens
+        ranges = [None if s.kv_start is None else (s.kv_start, s.kv_start + s.ctx_len) for s in meta.seqs]
+        for i, layer in enumerate(self.layers):
+            x = self._rms_norm(h, layer.norm_in)
+            q = layer.q(x).view(q_shape)
+            k = layer.k(x).view(kv_shape)
+            v = layer.v(x).view(kv_shape)
+            q = (q * cos).add_(q.roll(half, -1).mul_(sin))
+            k = (k * cos).add_(k.roll(half, -1).mul_(sin))
+            if decode_only:
+                o = self._decode_attention(q, k, v, views[i], meta, ranges, layer.scaling)
+            else:
+                o, _ = attention.paged_attention_forward(
+                    layer.module,
+                    q.transpose(0, 1).unsqueeze(0),
+                    k.transpose(0, 1).unsqueeze(0),
+                    v.transpose(0, 1).unsqueeze(0),
+                    None,
+                    scaling=layer.scaling,
+                    paged_meta=meta,
+                )
+            h = layer.o.add(o.reshape(num_tokens, -1), h)
+            x = self._rms_norm(h, layer.norm_post)
+            g = F.silu(layer.gate(x))
+            h = layer.down.add(layer.up.mul(x, g), h)
+        if logits_idx is None:
+            return None
+        return self.lm_head(self._rms_norm(h.index_select(0, logits_idx), self.norm_final))
