@@ -8,7 +8,9 @@ Every contender gets the whole machine: transformers with torch's default thread
 default on CPU) as one DP rank per core, up to 2, with one torch thread each (one thread per
 rank beats two threads in one on this 2-core CPU, see docs/architecture.md); `--threads 1
 --engine-dp-size 1` compares on one core instead. Each contender runs in its own subprocess so
-peak RSS is its own. Reported per contender:
+peak RSS is its own. `pdserve_transformers` is the same engine with transformers' own forward
+(`--no-lean-forward`), to show what the lean forward (engine/lean_llama.py) gains. Reported per
+contender:
 aggregate generated tokens/s (all tokens / wall time from the common arrival), TTFT (arrival to
 first token) and TPOT (mean gap between a request's later tokens) p50/p99, peak RSS.
 
@@ -20,7 +22,8 @@ the CPU capability torch reports, and one rank's pure decode step for 1, 8 and 1
 to its floor (weights + KV bytes read per step / single-core bandwidth).
 
 Writes benchmarks/results/engine.json: tokens_per_s (per contender), ratio_vs_hf_sequential,
-ratio_vs_hf_padded, ratio_vs_hf_continuous (null when that contender did not run), cpu (what
+ratio_vs_hf_padded, ratio_vs_hf_continuous, ratio_lean_vs_transformers_forward (null when that
+contender did not run), cpu (what
 torch reports), decode_step_vs_floor (8 sequences per rank), floor (the probe), details.
 """
 
@@ -40,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results" / "engine.json"
-CONTENDERS = ("hf_sequential", "hf_padded", "hf_continuous", "pdserve")
+CONTENDERS = ("hf_sequential", "hf_padded", "hf_continuous", "pdserve", "pdserve_transformers")
 
 
 # ---- workload ------------------------------------------------------------------------------
@@ -232,9 +235,11 @@ async def _engine_round(
     return t0, times, last
 
 
-def run_pdserve(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
+def run_pdserve(
+    args: argparse.Namespace, prompts: list[list[int]], lean_forward: bool = True
+) -> dict[str, Any]:
     t_start = time.perf_counter()
-    engine = _engine(args, enable_prefix_caching=False)
+    engine = _engine(args, enable_prefix_caching=False, lean_forward=lean_forward)
     start_s = time.perf_counter() - t_start
     try:
 
@@ -248,6 +253,11 @@ def run_pdserve(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str,
         return asyncio.run(go())
     finally:
         engine.shutdown()
+
+
+def run_pdserve_transformers(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
+    """pdserve with transformers' own forward (--no-lean-forward): what engine/lean_llama.py gains."""
+    return run_pdserve(args, prompts, lean_forward=False)
 
 
 def run_prefix(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
@@ -295,6 +305,7 @@ RUNNERS = {
     "hf_padded": run_hf_padded,
     "hf_continuous": run_hf_continuous,
     "pdserve": run_pdserve,
+    "pdserve_transformers": run_pdserve_transformers,
     "prefix": run_prefix,
     "floor": run_floor,
 }
@@ -481,6 +492,8 @@ def main(argv: list[str] | None = None) -> None:
         "ratio_vs_hf_sequential": ratio("hf_sequential"),
         "ratio_vs_hf_padded": ratio("hf_padded"),
         "ratio_vs_hf_continuous": ratio("hf_continuous"),
+        # the lean forward (default) over transformers' module tree, same engine otherwise
+        "ratio_lean_vs_transformers_forward": ratio("pdserve_transformers"),
     }
     print("\n" + "  ".join(f"{k} {_fmt(v, 2)}" for k, v in ratios.items()))
     if prefix is not None:
