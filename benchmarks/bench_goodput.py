@@ -404,7 +404,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--configs",
         type=_csv(str),
         default=list(configs.CONFIG_NAMES),
-        help="comma-separated; conditional@N: the conditional configuration at threshold N",
+        help="comma-separated; conditional@N / conditional_unified@N: that configuration at threshold N",
     )
     p.add_argument(
         "--base-url", default="", help="drive this OpenAI-compatible server (…/v1) instead of starting stacks"
@@ -428,7 +428,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--local-prefill-threshold",
         type=int,
         default=configs.DEFAULT_LOCAL_PREFILL_THRESHOLD,
-        help="the conditional configuration's threshold (tokens of uncached prompt)",
+        help="the conditional and conditional_unified configurations' threshold (tokens of uncached prompt)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -508,7 +508,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             p.error(f"unknown workload {w!r}; known: {', '.join(workloads.WORKLOADS)}")
     for c in a.configs:
         if not configs.is_config(c):
-            p.error(f"unknown configuration {c!r}; known: {', '.join(configs.CONFIG_NAMES)}, conditional@N")
+            p.error(
+                f"unknown configuration {c!r}; known: {', '.join(configs.CONFIG_NAMES)}, "
+                "conditional@N, conditional_unified@N"
+            )
     if a.base_url:
         a.configs = ["external"]
     if bool(a.slo_ttft_ms) != bool(a.slo_tpot_ms):

@@ -7,6 +7,10 @@ two cores (two model processes or ranks, one torch thread each), and starting/st
 - conditional:      disaggregated, prompts whose uncached part is below the threshold prefill
                     on the decode worker (scheduler `--local-prefill-threshold`);
                     `conditional@N` is the same with threshold N (several in one run tune it)
+- conditional_unified: 2 unified workers; prompts whose uncached part reaches the threshold
+                    prefill on one and decode on the other, shorter ones run aggregated
+                    (scheduler `--unified-disaggregate-threshold`); `conditional_unified@N`
+                    with threshold N. Roles follow the traffic instead of a fixed P/D split.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-CONFIG_NAMES = ("disaggregated", "unified_dp2", "unified_2workers", "conditional")
+CONFIG_NAMES = ("disaggregated", "unified_dp2", "unified_2workers", "conditional", "conditional_unified")
 DEFAULT_LOCAL_PREFILL_THRESHOLD = 256  # tokens; the conditional configuration's threshold
 
 _HTTP_URL = re.compile(r"(https?://[^\s,;)]+/v1)\b")
@@ -40,9 +44,9 @@ def is_config(name: str) -> bool:
 def config_args(name: str, local_prefill_threshold: int = DEFAULT_LOCAL_PREFILL_THRESHOLD) -> list[str]:
     """The `pdserve up` flags that make configuration `name` (threads included)."""
     base, _, threshold = name.partition("@")
-    if base == "conditional" and threshold:
+    if base in ("conditional", "conditional_unified") and threshold:
         if not threshold.isdigit():
-            raise ValueError(f"conditional@N needs a token count, got {name!r}")
+            raise ValueError(f"{base}@N needs a token count, got {name!r}")
         name, local_prefill_threshold = base, int(threshold)
     disaggregated = ["--prefill-workers", "1", "--decode-workers", "1", "--torch-threads", "1"]
     if name == "disaggregated":
@@ -53,7 +57,18 @@ def config_args(name: str, local_prefill_threshold: int = DEFAULT_LOCAL_PREFILL_
         return ["--unified-workers", "2", "--torch-threads", "1"]
     if name == "conditional":
         return [*disaggregated, f"--scheduler-arg=--local-prefill-threshold={local_prefill_threshold}"]
-    raise ValueError(f"unknown configuration {name!r}; known: {', '.join(CONFIG_NAMES)}, conditional@N")
+    if name == "conditional_unified":
+        return [
+            "--unified-workers",
+            "2",
+            "--torch-threads",
+            "1",
+            f"--scheduler-arg=--unified-disaggregate-threshold={local_prefill_threshold}",
+        ]
+    raise ValueError(
+        f"unknown configuration {name!r}; known: {', '.join(CONFIG_NAMES)}, "
+        "conditional@N, conditional_unified@N"
+    )
 
 
 def up_command(

@@ -19,10 +19,15 @@ RANK_POLICIES = ("min_tokens", "round_robin", "hash")
 @dataclass(frozen=True)
 class Balance:
     """When loads count as unbalanced for `cache_aware`: the spread exceeds `abs_tokens` AND the
-    largest load exceeds `rel` times the smallest."""
+    largest load exceeds `rel` times the smallest. And when a prefix match counts at all: it
+    covers at least `min_match_share` of the prompt's full blocks. A chat template's default
+    system prompt is one block shared by every request; without the share rule that one block
+    sent every request to the first worker that held it until the loads differed by
+    `abs_tokens` (measured: two unified workers, the second idle under a burst)."""
 
     abs_tokens: int = 8192
     rel: float = 1.5
+    min_match_share: float = 0.5
 
 
 # --- worker policies (index into the candidate list) ---
@@ -67,10 +72,13 @@ def cache_aware(
     balance: Balance,
     least: int | None = None,
     max_load: int | None = None,
+    match_share: float = 1.0,
 ) -> int:
-    """Prefer the candidates (indices in `matched`) that hold the longest prefix of the prompt,
-    least loaded among them; the least loaded candidate overall when nothing matches or when
-    loads are unbalanced beyond `balance` (so a hot prefix cannot pile everything on one worker).
+    """Prefer the candidates (indices in `matched`) that hold the longest prefix of the prompt
+    (`match_share` of its full blocks), least loaded among them; the least loaded candidate
+    overall when nothing matches, when the match is shorter than `balance.min_match_share`, or
+    when loads are unbalanced beyond `balance` (so a hot prefix cannot pile everything on one
+    worker).
 
     `least` (index of the least loaded candidate) and `max_load` may be passed when the caller
     tracks them (the router does, to stay O(log n) per decision); they are computed otherwise.
@@ -79,9 +87,27 @@ def cache_aware(
         least = least_loaded(loads)
     if max_load is None:
         max_load = max(loads)
-    if not matched or is_unbalanced(loads[least], max_load, balance):
+    if not matched or match_share < balance.min_match_share or is_unbalanced(loads[least], max_load, balance):
         return least
     return min(matched, key=lambda i: (loads[i], i))
+
+
+def unified_split(
+    loads: Sequence[int], least: int, uncached_tokens: int, threshold: int
+) -> tuple[int, int] | None:
+    """Conditional disaggregation over unified workers: (prefill index, decode index) when a
+    prompt's uncached part (`uncached_tokens`, on the would-be prefill worker) reaches
+    `threshold` and there are two candidates or more; None = serve it aggregated.
+
+    The least loaded candidate (`least`) prefills; the least loaded of the others decodes. Loads
+    are mostly running sequences' KV (a prefill's KV leaves with its push), so under long prompts
+    the workers settle into roles: the one with the fewest decodes takes the prefills, and long
+    prefills stall few running decodes; short prompts run aggregated and every worker decodes.
+    """
+    if threshold <= 0 or len(loads) < 2 or uncached_tokens < threshold:
+        return None
+    decode = min((i for i in range(len(loads)) if i != least), key=lambda i: (loads[i], i))
+    return least, decode
 
 
 # --- DP rank policies (rank index inside one worker) ---

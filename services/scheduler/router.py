@@ -48,6 +48,10 @@ class Policies:
     dp_rank: str = "min_tokens"
     # Prompts whose uncached part is below this many tokens prefill on the decode worker; 0 = off.
     local_prefill_threshold: int = 0
+    # With 2+ unified workers of a model: prompts whose uncached part is at least this many
+    # tokens prefill on one unified worker and decode on another (policies.unified_split);
+    # 0 = off (every request aggregated on one unified worker).
+    unified_disaggregate_threshold: int = 0
     # A load report polled at T covers the reservations made before T - grace: a request needs
     # a moment (gateway -> worker -> engine step) before its tokens show in the worker's report.
     reservation_grace_s: float = 0.05
@@ -63,6 +67,8 @@ class Policies:
                 raise ValueError(f"{name} {value!r} is not one of {list(allowed)}")
         if self.local_prefill_threshold < 0:
             raise ValueError("local_prefill_threshold must be >= 0")
+        if self.unified_disaggregate_threshold < 0:
+            raise ValueError("unified_disaggregate_threshold must be >= 0")
         if self.reservation_grace_s < 0:
             raise ValueError("reservation_grace_s must be >= 0")
 
@@ -301,6 +307,9 @@ class Router:
                 ServingMode.DISAGGREGATED, model, (prefill, prefill_rank), (decode, decode_rank)
             )
         if mp.unified.workers:
+            split = self._split_unified(f, model, mp.unified)
+            if split is not None:
+                return split
             worker = mp.unified.workers[self._pick_prefill(mp.unified, f)]
         elif mp.decode.workers and not mp.prefill_by_layout:
             worker = mp.decode.workers[self._pick_decode(mp.decode, f)]
@@ -309,6 +318,31 @@ class Router:
         rank = self._reserve_rank(worker, f)
         self._prefix.record(worker.info.worker_id, hashes)
         return self._decision(ServingMode.AGGREGATED, model, None, (worker, rank))
+
+    def _split_unified(self, f: RequestFeatures, model: str, pool: _Pool) -> Decision | None:
+        """A long prompt's prefill on one unified worker, its decode on another (or None)."""
+        threshold = self.policies.unified_disaggregate_threshold
+        if threshold <= 0 or len(pool.workers) < 2:
+            return None
+        least = pool.least_loaded()
+        prefill = pool.workers[least]
+        hashes = f.prefix_block_hashes
+        hit = self._prefix.matched_blocks(hashes, prefill.info.worker_id) * prefill.info.kv_layout.block_size
+        pair = policies.unified_split(
+            pool.loads, least, f.prompt_tokens - min(hit, f.prompt_tokens), threshold
+        )
+        if pair is None:
+            return None
+        decode = pool.workers[pair[1]]
+        if decode.info.kv_layout != prefill.info.kv_layout:
+            return None  # its KV could not be pushed there: serve it aggregated
+        prefill_rank = self._reserve_rank(prefill, f)
+        decode_rank = self._reserve_rank(decode, f)
+        self._prefix.record(prefill.info.worker_id, hashes)
+        self._prefix.record(decode.info.worker_id, hashes)
+        return self._decision(
+            ServingMode.DISAGGREGATED, model, (prefill, prefill_rank), (decode, decode_rank)
+        )
 
     def _reserve_rank(self, w: _Worker, f: RequestFeatures) -> int:
         """Pick the rank and add the prompt tokens to its reservation (caller holds the lock)."""
@@ -362,11 +396,13 @@ class Router:
 
     def _pick_cache_aware(self, pool: _Pool, f: RequestFeatures) -> int:
         matched: list[int] = []
+        share = 0.0
         if f.prefix_block_hashes:
-            ids, _ = self._prefix.longest_match(f.prefix_block_hashes, pool.index_of)
+            ids, depth = self._prefix.longest_match(f.prefix_block_hashes, pool.index_of)
             matched = policies.candidates_holding(ids, pool.index_of)
+            share = depth / len(f.prefix_block_hashes)
         return policies.cache_aware(
-            pool.loads, matched, self.policies.balance, pool.least_loaded(), pool.max_load
+            pool.loads, matched, self.policies.balance, pool.least_loaded(), pool.max_load, share
         )
 
     def _rank_round_robin(self, w: _Worker, f: RequestFeatures) -> int:

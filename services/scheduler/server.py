@@ -35,10 +35,12 @@ def make_router(settings: Settings) -> Router:
             decode=settings.decode_policy,
             dp_rank=settings.dp_rank_policy,
             local_prefill_threshold=settings.local_prefill_threshold,
+            unified_disaggregate_threshold=settings.unified_disaggregate_threshold,
             reservation_grace_s=settings.reservation_grace_s,
             balance=Balance(
                 abs_tokens=settings.cache_aware_balance_abs_tokens,
                 rel=settings.cache_aware_balance_rel,
+                min_match_share=settings.cache_aware_min_match_share,
             ),
         ),
         seed=None if settings.seed < 0 else settings.seed,
@@ -118,5 +120,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         decode_policy=settings.decode_policy,
         dp_rank_policy=settings.dp_rank_policy,
         local_prefill_threshold=settings.local_prefill_threshold,
+        unified_disaggregate_threshold=settings.unified_disaggregate_threshold,
     )
     asyncio.run(_serve(settings))

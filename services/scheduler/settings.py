@@ -39,6 +39,12 @@ class Settings(TlsSettings):
         "(0 = always disaggregate: the default, chosen from the goodput benchmark, where local "
         "prefill on a CPU decode worker stalled its decode batch and lowered goodput)",
     )
+    unified_disaggregate_threshold: int = field(
+        0,
+        "with two or more unified workers: a prompt whose uncached part is at least this many "
+        "tokens prefills on the least loaded unified worker and decodes on another (0 = off: "
+        "every request aggregated on one unified worker)",
+    )
     reservation_grace_s: float = field(
         0.05,
         "a load report polled at T replaces the reservations made before T minus this (seconds): "
@@ -49,6 +55,11 @@ class Settings(TlsSettings):
     )
     cache_aware_balance_rel: float = field(
         1.5, "... and the most loaded worker has more than this times the least loaded's tokens"
+    )
+    cache_aware_min_match_share: float = field(
+        0.5,
+        "cache_aware follows a prefix match only when it covers at least this share of the "
+        "prompt's full blocks (a chat template's one shared block must not pile requests up)",
     )
     prefix_entries_per_worker: int = field(
         65536, "prompt prefixes (sampled block-hash depths) remembered per worker for cache_aware (count)"
@@ -64,6 +75,10 @@ class Settings(TlsSettings):
     def __post_init__(self) -> None:
         if self.local_prefill_threshold < 0:
             raise ValueError("local_prefill_threshold must be >= 0")
+        if self.unified_disaggregate_threshold < 0:
+            raise ValueError("unified_disaggregate_threshold must be >= 0")
+        if not 0.0 <= self.cache_aware_min_match_share <= 1.0:
+            raise ValueError("cache_aware_min_match_share must be within [0, 1]")
         if self.reservation_grace_s < 0:
             raise ValueError("reservation_grace_s must be >= 0")
         if self.prefix_entries_per_worker < 1:

@@ -20,6 +20,7 @@ from services.scheduler.settings import Settings as SchedulerSettings
 from services.worker.server import WorkerApp
 from services.worker.settings import WorkerSettings
 from shared.cluster import Role
+from shared.metrics import PREFILL_MODE
 from shared.proto import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.integration.sched.conftest import load_monitor_settings
 from tests.support.tiny_models import build_tiny_model
@@ -70,7 +71,9 @@ def real_worker(model: Path, role: str, load_monitor: str) -> WorkerApp:
 
 
 @contextlib.asynccontextmanager
-async def real_cluster(model: Path, roles: tuple[str, ...]) -> AsyncIterator[RealCluster]:
+async def real_cluster(
+    model: Path, roles: tuple[str, ...], **scheduler: object
+) -> AsyncIterator[RealCluster]:
     lm = build_load_monitor(load_monitor_settings())
     await lm.start()
     sched = build_scheduler(
@@ -81,6 +84,7 @@ async def real_cluster(model: Path, roles: tuple[str, ...]) -> AsyncIterator[Rea
             prefill_policy="round_robin",
             dp_rank_policy="min_tokens",
             drain_grace_s=0.0,
+            **scheduler,  # type: ignore[arg-type]
         )
     )
     await sched.start()
@@ -206,5 +210,62 @@ async def test_disaggregated_through_the_gateway_uses_both_decode_ranks(sched_ti
                     while await call.read() is not grpc.aio.EOF:
                         pass
                     assert await call.code() == grpc.StatusCode.OK
+        finally:
+            await gateway.stop(0)
+
+
+@pytest.mark.timeout(300)
+async def test_unified_workers_disaggregate_long_prompts_through_the_gateway(sched_tiny_model: Path) -> None:
+    """Two unified workers, --unified-disaggregate-threshold 32: a 60-token prompt is prefilled on
+    one unified worker and decoded on the other (its KV pushed between them), a 10-token prompt
+    runs aggregated; both give transformers' greedy tokens."""
+    from services.gateway.server import build_app
+    from services.gateway.settings import GatewaySettings
+    from shared.proto import gateway_pb2, gateway_pb2_grpc
+    from tests.support.reference import hf_greedy
+
+    async with real_cluster(sched_tiny_model, ("unified", "unified"), unified_disaggregate_threshold=32) as c:
+        long_d = await c.scheduler.Schedule(
+            scheduler_pb2.ScheduleRequest(request_id="probe-long", prompt_tokens=60, max_tokens=1), timeout=5
+        )
+        assert long_d.mode == scheduler_pb2.SERVING_MODE_DISAGGREGATED
+        assert long_d.prefill.worker_id != long_d.decode.worker_id
+        assert {long_d.prefill.worker_id, long_d.decode.worker_id} == {w.worker_id for w in c.workers}
+        short_d = await c.scheduler.Schedule(
+            scheduler_pb2.ScheduleRequest(request_id="probe-short", prompt_tokens=10, max_tokens=1), timeout=5
+        )
+        assert short_d.mode == scheduler_pb2.SERVING_MODE_AGGREGATED
+        gateway = build_app(
+            GatewaySettings(
+                listen="127.0.0.1:0",
+                metrics_port=-1,
+                scheduler_address=c.scheduler_address,
+                model=str(sched_tiny_model),
+                block_size=BLOCK_SIZE,
+                drain_grace_s=0.0,
+            )
+        )
+        await gateway.start()
+        modes_before = {m: PREFILL_MODE.labels(mode=m)._value.get() for m in ("disaggregated", "aggregated")}
+        try:
+            async with grpc.aio.insecure_channel(gateway.server.address) as ch:
+                stub = gateway_pb2_grpc.GatewayStub(ch)
+                for size in (60, 10):
+                    ids = prompt(size, size)
+                    reply = await stub.Complete(
+                        gateway_pb2.GenerateRequest(
+                            prompt_token_ids=ids,
+                            max_tokens=12,
+                            temperature=0,
+                            ignore_eos=True,
+                            return_token_ids=True,
+                        ),
+                        timeout=120,
+                    )
+                    assert list(reply.token_ids) == hf_greedy(sched_tiny_model, ids, 12)[:12]
+                    # the scheduler (in this process) chose each mode once more for the real request
+                    mode = "disaggregated" if size == 60 else "aggregated"
+                    assert PREFILL_MODE.labels(mode=mode)._value.get() == modes_before[mode] + 1
+                    modes_before[mode] += 1
         finally:
             await gateway.stop(0)

@@ -93,6 +93,13 @@ def test_configurations_are_pdserve_up_lines_on_two_single_thread_processes() ->
     assert cond[-1] == "--scheduler-arg=--local-prefill-threshold=128"
     assert configs.config_args("conditional@64")[-1] == "--scheduler-arg=--local-prefill-threshold=64"
     assert configs.is_config("conditional@0") and not configs.is_config("conditional@x")
+    assert configs.config_args("conditional_unified@300") == [
+        "--unified-workers",
+        "2",
+        "--torch-threads",
+        "1",
+        "--scheduler-arg=--unified-disaggregate-threshold=300",
+    ]
     with pytest.raises(ValueError, match="unknown configuration"):
         configs.config_args("colocated")
 

@@ -72,3 +72,24 @@ def test_rank_round_robin_and_hash() -> None:
 
 def test_candidates_holding_maps_ids_to_indices() -> None:
     assert policies.candidates_holding(["b", "x", "a"], {"a": 0, "b": 1}) == [1, 0]
+
+
+def test_cache_aware_ignores_a_match_shorter_than_the_minimum_share() -> None:
+    balance = policies.Balance(min_match_share=0.5)
+    # worker 0 holds 1 of the prompt's 6 blocks (a chat template's system prompt): least loaded wins
+    assert policies.cache_aware([500, 300], matched=[0], balance=balance, match_share=1 / 6) == 1
+    # half the prompt or more: the match wins over a moderate load difference
+    assert policies.cache_aware([500, 300], matched=[0], balance=balance, match_share=0.5) == 0
+    assert policies.cache_aware([500, 300], matched=[0], balance=policies.Balance(min_match_share=0.0)) == 0
+
+
+def test_unified_split_prefills_on_the_least_loaded_and_decodes_on_the_next() -> None:
+    loads = [900, 100, 400]
+    assert policies.unified_split(loads, least=1, uncached_tokens=300, threshold=256) == (1, 2)
+    assert policies.unified_split(loads, least=1, uncached_tokens=255, threshold=256) is None
+    assert policies.unified_split(loads, least=1, uncached_tokens=10_000, threshold=0) is None  # off
+    assert policies.unified_split([100], least=0, uncached_tokens=300, threshold=256) is None
+    assert policies.unified_split([7, 7, 7], least=0, uncached_tokens=300, threshold=1) == (
+        0,
+        1,
+    )  # ties: lowest

@@ -349,3 +349,55 @@ def test_reservations_just_before_a_poll_survive_it() -> None:
     assert r.state().workers[0].reserved_tokens == (300, 0)
     r.apply_snapshot(snapshot(worker("u", Role.UNIFIED, [300, 0], age_ms=0)))  # polled at 1000.1
     assert r.state().workers[0].reserved_tokens == (0, 0)
+
+
+def test_a_one_block_template_prefix_does_not_pile_requests_on_one_unified_worker() -> None:
+    """Every chat request starts with the template's default system prompt (one shared block).
+    cache_aware once followed that block: a burst all went to the first worker that held it."""
+    r = router(prefill="cache_aware")
+    r.apply_snapshot(snapshot(worker("u1", Role.UNIFIED, [0]), worker("u2", Role.UNIFIED, [0])))
+    chosen = Counter(
+        r.schedule(request(f"r{i}", 16 * 8, hashes=(1, *range(100 * i, 100 * i + 7)))).decode.worker_id
+        for i in range(10)
+    )
+    assert chosen == {"u1": 5, "u2": 5}
+    # a real shared prefix (6 of 8 blocks) still follows the cache
+    r.schedule(request("s0", 16 * 8, hashes=(*range(900, 906), 1, 2)))
+    again = r.schedule(request("s1", 16 * 8, hashes=(*range(900, 906), 3, 4)))
+    first = r.schedule(request("s2", 16 * 8, hashes=(*range(900, 906), 5, 6)))
+    assert again.decode.worker_id == first.decode.worker_id
+
+
+def test_unified_workers_split_long_prompts_and_keep_short_ones_aggregated() -> None:
+    r = router(unified_disaggregate_threshold=256)
+    r.apply_snapshot(
+        snapshot(
+            worker("u1", Role.UNIFIED, [3000]),
+            worker("u2", Role.UNIFIED, [100]),
+            worker("u3", Role.UNIFIED, [900]),
+        )
+    )
+    long = r.schedule(request("long", 400))
+    assert long.mode is ServingMode.DISAGGREGATED
+    assert long.prefill is not None
+    # the least loaded prefills, the least loaded of the others decodes
+    assert (long.prefill.worker_id, long.decode.worker_id) == ("u2", "u3")
+    short = r.schedule(request("short", 100))
+    assert (short.mode, short.prefill) == (ServingMode.AGGREGATED, None)
+    # a prompt mostly cached on the would-be prefill worker is short enough to stay aggregated
+    r2 = router(unified_disaggregate_threshold=256)
+    r2.apply_snapshot(snapshot(worker("u1", Role.UNIFIED, [0]), worker("u2", Role.UNIFIED, [5000])))
+    hashes = tuple(range(20))
+    assert r2.schedule(request("a", 16 * 20 + 8, hashes=hashes)).mode is ServingMode.DISAGGREGATED
+    assert r2.schedule(request("b", 16 * 20 + 8, hashes=hashes)).mode is ServingMode.AGGREGATED
+
+
+def test_unified_split_is_off_by_default_and_needs_two_workers() -> None:
+    r = router()
+    r.apply_snapshot(snapshot(worker("u1", Role.UNIFIED), worker("u2", Role.UNIFIED)))
+    assert r.schedule(request("a", 4000)).mode is ServingMode.AGGREGATED
+    one = router(unified_disaggregate_threshold=1)
+    one.apply_snapshot(snapshot(worker("u1", Role.UNIFIED)))
+    assert one.schedule(request("a", 4000)).mode is ServingMode.AGGREGATED
+    with pytest.raises(ValueError, match="unified_disaggregate_threshold"):
+        Policies(unified_disaggregate_threshold=-1)
