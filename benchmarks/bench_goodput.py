@@ -487,6 +487,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="run nothing: merge these result files (one workload or configuration set each, "
         "same machine, same SLOs per workload) into --out, with its report and plots",
     )
+    p.add_argument(
+        "--replace-with-later",
+        type=_csv(str),
+        default=[],
+        metavar="PAIRS",
+        help="with --merge: CONFIG or WORKLOAD:CONFIG, comma-separated; a later file's rates of "
+        "those replace the earlier files' instead of joining them (the code they ran changed)",
+    )
     p.add_argument("--note", default="", help="a remark stored with the results and shown on the plots")
     a = p.parse_args(argv)
     q = a.quick
@@ -530,7 +538,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     a = parse_args(argv)
     out = Path(a.out) if a.out else default_out(a)
     if a.merge:
-        return merge_files([Path(f) for f in a.merge], out, a.note, plots=not a.no_plots)
+        return merge_files(
+            [Path(f) for f in a.merge], out, a.note, plots=not a.no_plots, replace=a.replace_with_later
+        )
     tokenizer = load_tokenizer(a.tokenizer or a.model)
     h = Harness(a, tokenizer, out)
     print(f"machine: {h.doc['machine']}", flush=True)
@@ -548,11 +558,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     return h.doc
 
 
-def merge_files(files: Sequence[Path], out: Path, note: str = "", plots: bool = True) -> dict[str, Any]:
+def merge_files(
+    files: Sequence[Path], out: Path, note: str = "", plots: bool = True, replace: Sequence[str] = ()
+) -> dict[str, Any]:
     """`--merge`: one result document (report, plots) from several runs' files."""
     from benchmarks.goodput.merge import merge_docs
 
-    doc = merge_docs([(f.name, json.loads(f.read_text())) for f in files], note)
+    doc = merge_docs([(f.name, json.loads(f.read_text())) for f in files], note, replace)
     report(doc, doc["settings"]["attainment_target"], note)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1) + "\n")

@@ -9,6 +9,10 @@ Rules (a merge never mixes figures measured under different SLOs or on different
 - a (workload, configuration) pair measured in several documents (a refinement run at chosen
   `--rates` under the same SLOs) keeps every measured rate, and its goodput is recomputed from
   all of them (`stats.goodput`: the highest passing rate below every failing one);
+- except for the pairs named in `replace` (`config` for every workload, or `workload:config`):
+  a later document that measured one replaces the earlier documents' rates (and ITL sample and
+  command) for it, because the code it ran changed in between in a way that matters for that
+  workload (e.g. a scheduler fix); the merged document lists them in `replaced_with_later`;
 - every document must come from a machine with the same CPU model and capability;
 - the sources (file, note, wall time, load average at start) are listed in `sources`.
 """
@@ -25,8 +29,11 @@ class MergeError(ValueError):
     """Documents that cannot be merged without losing what their figures mean."""
 
 
-def merge_docs(docs: Sequence[tuple[str, dict[str, Any]]], note: str = "") -> dict[str, Any]:
-    """One result document from `docs` ((source name, document) pairs, in order)."""
+def merge_docs(
+    docs: Sequence[tuple[str, dict[str, Any]]], note: str = "", replace: Sequence[str] = ()
+) -> dict[str, Any]:
+    """One result document from `docs` ((source name, document) pairs, in order); the pairs in
+    `replace` ("config" or "workload:config") keep only their latest document's rates."""
     if not docs:
         raise MergeError("nothing to merge")
     first = docs[0][1]
@@ -42,6 +49,7 @@ def merge_docs(docs: Sequence[tuple[str, dict[str, Any]]], note: str = "") -> di
         "goodput_lower_bound_only": {},
         "itl_samples": {},
         "sources": [],
+        "replaced_with_later": sorted(replace),
         "total_wall_s": 0.0,
     }
     target = first["settings"]["attainment_target"]
@@ -66,10 +74,15 @@ def merge_docs(docs: Sequence[tuple[str, dict[str, Any]]], note: str = "") -> di
         for w, by_config in doc.get("runs", {}).items():
             into = out["runs"].setdefault(w, {})
             for config, points in by_config.items():
+                if config in replace or f"{w}:{config}" in replace:
+                    into[config] = []
+                    out["itl_samples"].get(w, {}).get("by_config", {}).pop(config, None)
                 into.setdefault(config, []).extend(points)
         for w, sample in doc.get("itl_samples", {}).items():
             _merge_itl(out["itl_samples"], w, sample)
         for config, cmd in doc.get("commands", {}).items():
+            if config in replace or any(r.endswith(f":{config}") for r in replace):
+                out["commands"][config] = cmd  # the command of the code that replaced it
             out["commands"].setdefault(config, cmd)
         out["sources"].append(
             {

@@ -106,3 +106,34 @@ def test_merge_files_writes_the_document_its_checks_and_plots(tmp_path: Path) ->
     assert "chat: conditional@256 >= the best other configuration (0.75 vs 0.75)" in saved["checks"]
     assert (tmp_path / "goodput.png").stat().st_size > 0
     assert [json.loads(f.read_text()) for f in files] == before  # inputs untouched
+
+
+def test_configurations_named_to_replace_keep_only_the_later_run() -> None:
+    """A configuration re-measured after a code change (a scheduler fix) must not pool its new
+    passing rates with the old code's failing ones; other configurations still pool."""
+    old = doc("long_output", {"disaggregated": 0.48, "unified_2workers": 0.48})
+    old["runs"]["long_output"]["unified_2workers"].append({"rate_rps": 0.68, "attainment": 0.26})
+    old["runs"]["long_output"]["disaggregated"].append({"rate_rps": 0.68, "attainment": 0.45})
+    new = doc("long_output", {"unified_2workers": 1.36})
+    new["runs"]["long_output"]["unified_2workers"].insert(0, {"rate_rps": 0.96, "attainment": 1.0})
+    new["itl_samples"]["long_output"]["rate_rps"] = 0.96
+    new["commands"]["unified_2workers"] = "pdserve up --fixed"
+    pooled = merge_docs([("old.json", old), ("new.json", new)])
+    assert pooled["goodput_rps"]["long_output"]["unified_2workers"] == 0.48  # old failure caps it
+    merged = merge_docs([("old.json", old), ("new.json", new)], replace=["unified_2workers"])
+    assert merged["goodput_rps"]["long_output"] == {"disaggregated": 0.48, "unified_2workers": 1.36}
+    assert [p["rate_rps"] for p in merged["runs"]["long_output"]["unified_2workers"]] == [0.96, 1.36]
+    assert merged["commands"]["unified_2workers"] == "pdserve up --fixed"
+    # the old code's ITL sample is gone (the new run sampled another rate)
+    assert "unified_2workers" not in merged["itl_samples"]["long_output"]["by_config"]
+    assert merged["replaced_with_later"] == ["unified_2workers"]
+    # workload-qualified: only that workload's pair is replaced
+    sp_old = doc("shared_prefix", {"unified_2workers": 0.38}, slo=(5000.0, 180.0))
+    sp_new = doc("shared_prefix", {"unified_2workers": 0.48}, slo=(5000.0, 180.0))
+    sp_new["runs"]["shared_prefix"]["unified_2workers"][0]["attainment"] = 0.27
+    qualified = merge_docs(
+        [("old.json", old), ("sp_old.json", sp_old), ("new.json", new), ("sp_new.json", sp_new)],
+        replace=["long_output:unified_2workers"],
+    )
+    assert qualified["goodput_rps"]["long_output"]["unified_2workers"] == 1.36
+    assert qualified["goodput_rps"]["shared_prefix"]["unified_2workers"] == 0.38  # pooled
