@@ -28,6 +28,7 @@ attends in one of two ways, chosen per step by the runner (`AttentionBackend`):
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -274,17 +275,33 @@ def _decode(
         assert meta.decode_idx is not None
         qd = query[0].index_select(1, meta.decode_idx).transpose(0, 1)
     qd = qd.reshape(-1, 1, num_kv_heads, rep, head_dim)  # [B, 1, kv_heads, rep, D]
-    bs = meta.block_size
+    out = decode_attention(
+        qd.unbind(0), k_pool, v_pool, meta.seqs[: meta.num_decode], meta.block_size, scaling
+    )
+    return out.view(-1, num_kv_heads * rep, head_dim)
+
+
+def decode_attention(
+    queries: Sequence[torch.Tensor],  # per sequence [1, kv_heads, rep, D]: its one query token
+    k_pool: torch.Tensor,  # [1, kv_heads, slots, D] of one layer
+    v_pool: torch.Tensor,
+    seqs: Sequence[SeqAttention],  # the same sequences, in the same order
+    block_size: int,
+    scaling: float | None,
+) -> torch.Tensor:
+    """One SDPA call per single-query sequence over its slots (a view when its blocks are
+    consecutive, else gathered); -> [B * kv_heads, rep, D] (= [B, heads, D] in memory). Shared by
+    the PER_SEQ backend and the lean forward's decode steps (lean_llama)."""
     outs = []
-    for i, s in enumerate(meta.seqs[: meta.num_decode]):
+    for q, s in zip(queries, seqs, strict=True):
         if s.kv_start is not None:
             k = k_pool[:, :, s.kv_start : s.kv_start + s.ctx_len]
             v = v_pool[:, :, s.kv_start : s.kv_start + s.ctx_len]
         else:
-            k = _context(k_pool, s, bs)
-            v = _context(v_pool, s, bs)
-        outs.append(F.scaled_dot_product_attention(qd[i], k, v, scale=scaling))
-    return torch.cat(outs).view(-1, num_kv_heads * rep, head_dim)
+            k = _context(k_pool, s, block_size)
+            v = _context(v_pool, s, block_size)
+        outs.append(F.scaled_dot_product_attention(q, k, v, scale=scaling))
+    return torch.cat(outs)
 
 
 _registered = False

@@ -74,9 +74,8 @@ class _Layer:
 class LeanLlama:
     """Forward of a loaded (optionally prepacked) transformers Llama model, same weights."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, kv_pool: torch.Tensor) -> None:
         cfg = model.config
-        self.model = model
         self.embed = model.model.embed_tokens.weight
         self.rotary = model.model.rotary_emb
         self.layers = [_Layer(layer) for layer in model.model.layers[: cfg.num_hidden_layers]]
@@ -86,9 +85,13 @@ class LeanLlama:
         self.num_heads = int(cfg.num_attention_heads)
         self.num_kv_heads = int(cfg.num_key_value_heads)
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads)
-        # per-layer views of the rank's KV pool, built once per pool (see _pool_views)
-        self._pool: torch.Tensor | None = None
-        self._views: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        # Per layer, views of the rank's KV pool [layers, 2, kv_heads, slots, D] (no copies):
+        # K and V as [slots, kv_heads, D], written by slot, and as [1, kv_heads, slots, D], read
+        # by a sequence's slot range.
+        self.pool_views = [
+            (kv_pool[i, 0].transpose(0, 1), kv_pool[i, 1].transpose(0, 1), kv_pool[i, 0:1], kv_pool[i, 1:2])
+            for i in range(kv_pool.shape[0])
+        ]
 
     @staticmethod
     def supports(model: Any) -> bool:
@@ -109,19 +112,6 @@ class LeanLlama:
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return weight * h.to(x.dtype)
 
-    def _pool_views(
-        self, pool: torch.Tensor
-    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Per layer: K and V as [slots, kv_heads, D] (written by slot) and as
-        [1, kv_heads, slots, D] (read by a sequence's slot range). Views, so no copy."""
-        if pool is not self._pool:
-            self._pool = pool
-            self._views = [
-                (pool[i, 0].transpose(0, 1), pool[i, 1].transpose(0, 1), pool[i, 0:1], pool[i, 1:2])
-                for i in range(pool.shape[0])
-            ]
-        return self._views
-
     def _decode_attention(
         self,
         q: torch.Tensor,  # [B, heads, D], one query per sequence
@@ -129,26 +119,17 @@ class LeanLlama:
         v: torch.Tensor,
         views: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
         meta: attention.PagedAttentionMetadata,
-        ranges: list[tuple[int, int] | None],
         scaling: float,
     ) -> torch.Tensor:
-        """A decode-only step: the same per-sequence SDPA calls as attention._decode (the `rep`
-        query heads of a KV head as query rows, no mask), without the [1, heads, T, D]
-        transposes transformers' attention interface needs."""
+        """A decode-only step: the PER_SEQ backend's per-sequence SDPA calls
+        (attention.decode_attention), without the [1, heads, T, D] transposes transformers'
+        attention interface needs."""
         k_slots, v_slots, k_pool, v_pool = views
         k_slots.index_copy_(0, meta.slots, k)
         v_slots.index_copy_(0, meta.slots, v)
         rep = self.num_heads // self.num_kv_heads
         queries = q.view(-1, 1, self.num_kv_heads, rep, self.head_dim).unbind(0)
-        outs = []
-        for qi, r, s in zip(queries, ranges, meta.seqs, strict=True):
-            if r is not None:
-                kc, vc = k_pool[:, :, r[0] : r[1]], v_pool[:, :, r[0] : r[1]]
-            else:  # blocks not consecutive: gathered
-                kc = attention._context(k_pool, s, meta.block_size)
-                vc = attention._context(v_pool, s, meta.block_size)
-            outs.append(F.scaled_dot_product_attention(qi, kc, vc, scale=scaling))
-        return torch.cat(outs)  # [B * kv_heads, rep, D] = [B, heads, D] in memory
+        return attention.decode_attention(queries, k_pool, v_pool, meta.seqs, meta.block_size, scaling)
 
     def forward(
         self,
@@ -167,10 +148,8 @@ class LeanLlama:
         sin[..., :half].neg_()
         q_shape = (num_tokens, self.num_heads, self.head_dim)
         kv_shape = (num_tokens, self.num_kv_heads, self.head_dim)
-        views = self._pool_views(meta.kv_cache)
         decode_only = meta.groups is None and meta.num_decode == num_tokens
-        ranges = [None if s.kv_start is None else (s.kv_start, s.kv_start + s.ctx_len) for s in meta.seqs]
-        for i, layer in enumerate(self.layers):
+        for layer, views in zip(self.layers, self.pool_views, strict=True):
             x = self._rms_norm(h, layer.norm_in)
             q = layer.q(x).view(q_shape)
             k = layer.k(x).view(kv_shape)
@@ -178,7 +157,7 @@ class LeanLlama:
             q = (q * cos).add_(q.roll(half, -1).mul_(sin))
             k = (k * cos).add_(k.roll(half, -1).mul_(sin))
             if decode_only:
-                o = self._decode_attention(q, k, v, views[i], meta, ranges, layer.scaling)
+                o = self._decode_attention(q, k, v, views, meta, layer.scaling)
             else:
                 o, _ = attention.paged_attention_forward(
                     layer.module,

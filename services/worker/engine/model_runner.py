@@ -93,8 +93,6 @@ class ModelRunner:
         lean_forward: bool = True,
     ) -> None:
         self.model = model
-        # transformers' module tree, or the same layers as one flat loop (lean_llama)
-        self.lean = LeanLlama(model) if lean_forward and LeanLlama.supports(model) else None
         self.layout = layout
         self.device = device
         self.dtype = dtype
@@ -112,6 +110,8 @@ class ModelRunner:
             dtype=dtype,
             device=device,
         )
+        # transformers' module tree, or the same layers as one flat loop (lean_llama)
+        self.lean = LeanLlama(model, self.kv_cache) if lean_forward and LeanLlama.supports(model) else None
 
     @property
     def bytes_per_block(self) -> int:
@@ -236,12 +236,9 @@ class ModelRunner:
         """Run one step; for each seq with sample=True, in order, the tokens sampled at its
         num_logits trailing positions (one token without speculation)."""
         input_ids, positions, meta, logits_idx = self._build_metadata(seqs)
-        if self.lean is not None and len(logits_idx) == 0:
-            self.lean.forward(input_ids[0], positions[0], meta, None)
-            return []
         if len(logits_idx) == 0:
             # nothing to sample (only non-final prefill chunks): skip the LM head entirely
-            self.model.model(input_ids=input_ids, position_ids=positions, paged_meta=meta, use_cache=False)
+            self._forward(input_ids, positions, meta, None)
             return []
         # --- speculative decoding: logits selection and sampling (request-life side) ---
         sampled_seqs = [s for s in seqs if s.sample]
@@ -254,18 +251,8 @@ class ModelRunner:
                     for last, c in zip(logits_idx.tolist(), counts, strict=True)
                 ]
             ).to(logits_idx.device)
-        if self.lean is not None:
-            logits = self.lean.forward(input_ids[0], positions[0], meta, logits_idx)
-            assert logits is not None
-        else:
-            out = self.model(
-                input_ids=input_ids,
-                position_ids=positions,
-                paged_meta=meta,
-                use_cache=False,
-                logits_to_keep=logits_idx,
-            )
-            logits = out.logits[0]  # [sum(counts), vocab]
+        logits = self._forward(input_ids, positions, meta, logits_idx)
+        assert logits is not None  # [sum(counts), vocab]
         params = [s.sampling for s in sampled_seqs for _ in range(s.num_logits)]
         gens = [s.generator for s in sampled_seqs for _ in range(s.num_logits)]
         seeds = [
@@ -280,6 +267,29 @@ class ModelRunner:
             tokens.append(flat[pos : pos + c])
             pos += c
         return tokens
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,  # [1, T]
+        positions: torch.Tensor,  # [1, T]
+        meta: attention.PagedAttentionMetadata,
+        logits_idx: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """The model over the packed step: logits [len(logits_idx), vocab], or None (and no LM
+        head) when logits_idx is None."""
+        if self.lean is not None:
+            return self.lean.forward(input_ids[0], positions[0], meta, logits_idx)
+        if logits_idx is None:
+            self.model.model(input_ids=input_ids, position_ids=positions, paged_meta=meta, use_cache=False)
+            return None
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=positions,
+            paged_meta=meta,
+            use_cache=False,
+            logits_to_keep=logits_idx,
+        )
+        return out.logits[0]
 
     def warm_up(self) -> None:
         """One tiny forward (writes block 0, which holds no request yet)."""

@@ -14,6 +14,8 @@ from pathlib import Path
 import grpc
 import pytest
 
+from services.gateway.server import GatewayApp, build_app
+from services.gateway.settings import GatewaySettings
 from services.load_monitor.server import build as build_load_monitor
 from services.scheduler.server import build as build_scheduler
 from services.scheduler.settings import Settings as SchedulerSettings
@@ -104,6 +106,20 @@ async def real_cluster(
         await lm.stop()
 
 
+def gateway_app(cluster: RealCluster, model: Path) -> GatewayApp:
+    """A real gateway (not started) routing through the cluster's scheduler."""
+    return build_app(
+        GatewaySettings(
+            listen="127.0.0.1:0",
+            metrics_port=-1,
+            scheduler_address=cluster.scheduler_address,
+            model=str(model),
+            block_size=BLOCK_SIZE,
+            drain_grace_s=0.0,
+        )
+    )
+
+
 async def busy_ranks(address: str) -> set[int]:
     """Ranks of the worker at `address` that hold or run a request, from its own GetLoad."""
     async with grpc.aio.insecure_channel(address) as ch:
@@ -174,22 +190,11 @@ async def test_disaggregated_through_the_gateway_uses_both_decode_ranks(sched_ti
     """Gateway -> scheduler (min_tokens) -> prefill worker -> KV push -> decode worker, dp 2 each:
     two concurrent long generations occupy both decode ranks (a gateway or worker ignoring the
     chosen dp_rank would put both on rank 0)."""
-    from services.gateway.server import build_app
-    from services.gateway.settings import GatewaySettings
     from shared.proto import gateway_pb2, gateway_pb2_grpc
 
     async with real_cluster(sched_tiny_model, ("prefill", "decode")) as c:
         decode = next(w for w in c.workers if w.settings.role is Role.DECODE)
-        gateway = build_app(
-            GatewaySettings(
-                listen="127.0.0.1:0",
-                metrics_port=-1,
-                scheduler_address=c.scheduler_address,
-                model=str(sched_tiny_model),
-                block_size=BLOCK_SIZE,
-                drain_grace_s=0.0,
-            )
-        )
+        gateway = gateway_app(c, sched_tiny_model)
         await gateway.start()
         try:
             async with grpc.aio.insecure_channel(gateway.server.address) as ch:
@@ -219,8 +224,6 @@ async def test_unified_workers_disaggregate_long_prompts_through_the_gateway(sch
     """Two unified workers, --unified-disaggregate-threshold 32: a 60-token prompt is prefilled on
     one unified worker and decoded on the other (its KV pushed between them), a 10-token prompt
     runs aggregated; both give transformers' greedy tokens."""
-    from services.gateway.server import build_app
-    from services.gateway.settings import GatewaySettings
     from shared.proto import gateway_pb2, gateway_pb2_grpc
     from tests.support.reference import hf_greedy
 
@@ -235,16 +238,7 @@ async def test_unified_workers_disaggregate_long_prompts_through_the_gateway(sch
             scheduler_pb2.ScheduleRequest(request_id="probe-short", prompt_tokens=10, max_tokens=1), timeout=5
         )
         assert short_d.mode == scheduler_pb2.SERVING_MODE_AGGREGATED
-        gateway = build_app(
-            GatewaySettings(
-                listen="127.0.0.1:0",
-                metrics_port=-1,
-                scheduler_address=c.scheduler_address,
-                model=str(sched_tiny_model),
-                block_size=BLOCK_SIZE,
-                drain_grace_s=0.0,
-            )
-        )
+        gateway = gateway_app(c, sched_tiny_model)
         await gateway.start()
         modes_before = {m: PREFILL_MODE.labels(mode=m)._value.get() for m in ("disaggregated", "aggregated")}
         try:

@@ -92,6 +92,26 @@ def _assert_identical(a: list[Any], b: list[Any]) -> None:
     assert torch.equal(a[-1], b[-1])  # the same K/V in the same slots
 
 
+def _both_forwards(
+    model: Any,
+    block_size: int,
+    monkeypatch: pytest.MonkeyPatch,
+    backend: AttentionBackend | None = None,
+) -> tuple[list[Any], list[Any]]:
+    """`_steps(block_size)` run by a lean runner and by a transformers-forward runner over the same
+    model, each with its own pool; asserts each runner took the forward it was asked for."""
+    dtype = next(model.parameters()).dtype
+    layout = kv_layout_of(model.config, block_size, dtype)
+    steps = _steps(block_size)
+    blocks = max(b for step in steps for s in step for b in s.block_ids) + 1
+    runs = []
+    for lean in (True, False):
+        runner = ModelRunner(model, layout, blocks, CPU, dtype, backend, lean_forward=lean)
+        assert (runner.lean is not None) is lean
+        runs.append(_run(runner, steps, monkeypatch))
+    return runs[0], runs[1]
+
+
 @pytest.mark.parametrize("backend", list(AttentionBackend), ids=lambda b: b.value)
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("prepack", [True, False], ids=["onednn", "torch-matmul"])
@@ -99,16 +119,9 @@ def test_lean_forward_is_bit_identical_to_transformers(
     tiny_bpe: Path, monkeypatch: pytest.MonkeyPatch, backend: AttentionBackend, block_size: int, prepack: bool
 ) -> None:
     model = load_model(str(tiny_bpe), CPU, torch.float32, prepack=prepack)
-    layout = kv_layout_of(model.config, block_size, torch.float32)
-    steps = _steps(block_size)
-    blocks = max(b for step in steps for s in step for b in s.block_ids) + 1
-    runs = {}
-    for lean in (True, False):
-        runner = ModelRunner(model, layout, blocks, CPU, torch.float32, backend, lean_forward=lean)
-        assert (runner.lean is not None) is lean
-        runs[lean] = _run(runner, steps, monkeypatch)
-    _assert_identical(runs[True], runs[False])
-    assert [len(t) for t in runs[True][2][1]] == [4, 1, 1]  # the verify pass sampled 4 tokens
+    lean, hf = _both_forwards(model, block_size, monkeypatch, backend)
+    _assert_identical(lean, hf)
+    assert [len(t) for t in lean[2][1]] == [4, 1, 1]  # the verify pass sampled 4 tokens
 
 
 def test_lean_forward_in_bfloat16_matches_transformers(
@@ -116,14 +129,7 @@ def test_lean_forward_in_bfloat16_matches_transformers(
 ) -> None:
     """bf16 keeps transformers' casts (fp32 RMSNorm statistics); same ops, same numbers."""
     model = load_model(str(tiny_bpe), CPU, torch.bfloat16, prepack=False)
-    layout = kv_layout_of(model.config, 4, torch.bfloat16)
-    steps = _steps(4)
-    blocks = max(b for step in steps for s in step for b in s.block_ids) + 1
-    runs = [
-        _run(ModelRunner(model, layout, blocks, CPU, torch.bfloat16, lean_forward=lean), steps, monkeypatch)
-        for lean in (True, False)
-    ]
-    _assert_identical(runs[0], runs[1])
+    _assert_identical(*_both_forwards(model, 4, monkeypatch))
 
 
 def test_models_it_does_not_cover_keep_transformers_forward(tiny_bpe: Path) -> None:
@@ -156,11 +162,4 @@ def test_smollm2_lean_forward_is_bit_identical(monkeypatch: pytest.MonkeyPatch) 
     from shared.model_store import resolve_model
 
     model = load_model(str(resolve_model("default")), CPU, torch.float32)
-    layout = kv_layout_of(model.config, 16, torch.float32)
-    steps = _steps(16)
-    blocks = max(b for step in steps for s in step for b in s.block_ids) + 1
-    runs = [
-        _run(ModelRunner(model, layout, blocks, CPU, torch.float32, lean_forward=lean), steps, monkeypatch)
-        for lean in (True, False)
-    ]
-    _assert_identical(runs[0], runs[1])
+    _assert_identical(*_both_forwards(model, 16, monkeypatch))
