@@ -290,13 +290,9 @@ class Router:
             decode = mp.pairable_decode.workers[self._pick_decode(mp.pairable_decode, f)]
             decode_rank = self._reserve_rank(decode, f)
             threshold = self.policies.local_prefill_threshold
-            if threshold > 0:
-                hit_tokens = self._prefix.matched_blocks(hashes, decode.info.worker_id) * (
-                    decode.info.kv_layout.block_size
-                )
-                if f.prompt_tokens - min(hit_tokens, f.prompt_tokens) < threshold:
-                    self._prefix.record(decode.info.worker_id, hashes)
-                    return self._decision(ServingMode.LOCAL_PREFILL, model, None, (decode, decode_rank))
+            if threshold > 0 and self._uncached_tokens(f, decode) < threshold:
+                self._prefix.record(decode.info.worker_id, hashes)
+                return self._decision(ServingMode.LOCAL_PREFILL, model, None, (decode, decode_rank))
             pool = mp.prefill_by_layout[decode.info.kv_layout]
             prefill = pool.workers[self._pick_prefill(pool, f)]
             prefill_rank = self._reserve_rank(prefill, f)
@@ -319,6 +315,13 @@ class Router:
         self._prefix.record(worker.info.worker_id, hashes)
         return self._decision(ServingMode.AGGREGATED, model, None, (worker, rank))
 
+    def _uncached_tokens(self, f: RequestFeatures, w: _Worker) -> int:
+        """Prompt tokens not already cached on `w` (by the prefix index: sampled, recent)."""
+        hit = (
+            self._prefix.matched_blocks(f.prefix_block_hashes, w.info.worker_id) * w.info.kv_layout.block_size
+        )
+        return f.prompt_tokens - min(hit, f.prompt_tokens)
+
     def _split_unified(self, f: RequestFeatures, model: str, pool: _Pool) -> Decision | None:
         """A long prompt's prefill on one unified worker, its decode on another (or None)."""
         threshold = self.policies.unified_disaggregate_threshold
@@ -327,10 +330,7 @@ class Router:
         least = pool.least_loaded()
         prefill = pool.workers[least]
         hashes = f.prefix_block_hashes
-        hit = self._prefix.matched_blocks(hashes, prefill.info.worker_id) * prefill.info.kv_layout.block_size
-        pair = policies.unified_split(
-            pool.loads, least, f.prompt_tokens - min(hit, f.prompt_tokens), threshold
-        )
+        pair = policies.unified_split(pool.loads, least, self._uncached_tokens(f, prefill), threshold)
         if pair is None:
             return None
         decode = pool.workers[pair[1]]
