@@ -134,6 +134,7 @@ class Harness:
             dtype=args.dtype,
             log_dir=log_dir / config,
             local_prefill_threshold=args.local_prefill_threshold,
+            unified_threshold=args.unified_disaggregate_threshold,
             cpus=args.cpus,
             extra=args.up_arg,
         )
@@ -428,7 +429,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--local-prefill-threshold",
         type=int,
         default=configs.DEFAULT_LOCAL_PREFILL_THRESHOLD,
-        help="the conditional and conditional_unified configurations' threshold (tokens of uncached prompt)",
+        help="the conditional configuration's local-prefill threshold (tokens of uncached prompt)",
+    )
+    p.add_argument(
+        "--unified-disaggregate-threshold",
+        type=int,
+        default=configs.DEFAULT_UNIFIED_THRESHOLD,
+        help="the conditional_unified configuration's split threshold (tokens of uncached prompt; "
+        "default: the scheduler's)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(

@@ -3,14 +3,17 @@ two cores (two model processes or ranks, one torch thread each), and starting/st
 
 - disaggregated:    1 prefill + 1 decode worker
 - unified_dp2:      1 unified worker with 2 data-parallel ranks
-- unified_2workers: 2 unified workers with 1 rank each
+- unified_2workers: 2 unified workers with 1 rank each, every request aggregated (the
+                    scheduler's unified split pinned off)
 - conditional:      disaggregated, prompts whose uncached part is below the threshold prefill
                     on the decode worker (scheduler `--local-prefill-threshold`);
                     `conditional@N` is the same with threshold N (several in one run tune it)
 - conditional_unified: 2 unified workers; prompts whose uncached part reaches the threshold
-                    prefill on one and decode on the other, shorter ones run aggregated
-                    (scheduler `--unified-disaggregate-threshold`); `conditional_unified@N`
-                    with threshold N. Roles follow the traffic instead of a fixed P/D split.
+                    (128, the scheduler's default) prefill on one and decode on the other,
+                    shorter ones run aggregated (scheduler `--unified-disaggregate-threshold`);
+                    `conditional_unified@N` with threshold N. Roles follow the traffic instead
+                    of a fixed P/D split. Results before 2026-11-26 labelled the threshold 256
+                    run `conditional_unified`; they are relabelled `conditional_unified@256`.
 """
 
 from __future__ import annotations
@@ -27,8 +30,13 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from services.scheduler.policies import UNIFIED_DISAGGREGATE_THRESHOLD
+
 CONFIG_NAMES = ("disaggregated", "unified_dp2", "unified_2workers", "conditional", "conditional_unified")
 DEFAULT_LOCAL_PREFILL_THRESHOLD = 256  # tokens; the conditional configuration's threshold
+# tokens; conditional_unified's threshold: the scheduler's default, so the bare name measures
+# what `pdserve up --unified-workers 2` does (passed explicitly so the printed command says it)
+DEFAULT_UNIFIED_THRESHOLD = UNIFIED_DISAGGREGATE_THRESHOLD
 
 _HTTP_URL = re.compile(r"(https?://[^\s,;)]+/v1)\b")
 
@@ -41,20 +49,34 @@ def is_config(name: str) -> bool:
     return True
 
 
-def config_args(name: str, local_prefill_threshold: int = DEFAULT_LOCAL_PREFILL_THRESHOLD) -> list[str]:
+def config_args(
+    name: str,
+    local_prefill_threshold: int = DEFAULT_LOCAL_PREFILL_THRESHOLD,
+    unified_threshold: int = DEFAULT_UNIFIED_THRESHOLD,
+) -> list[str]:
     """The `pdserve up` flags that make configuration `name` (threads included)."""
     base, _, threshold = name.partition("@")
     if base in ("conditional", "conditional_unified") and threshold:
         if not threshold.isdigit():
             raise ValueError(f"{base}@N needs a token count, got {name!r}")
-        name, local_prefill_threshold = base, int(threshold)
+        name = base
+        if base == "conditional":
+            local_prefill_threshold = int(threshold)
+        else:
+            unified_threshold = int(threshold)
     disaggregated = ["--prefill-workers", "1", "--decode-workers", "1", "--torch-threads", "1"]
     if name == "disaggregated":
         return disaggregated
     if name == "unified_dp2":
         return ["--unified", "--dp-size", "2", "--torch-threads", "1"]
     if name == "unified_2workers":
-        return ["--unified-workers", "2", "--torch-threads", "1"]
+        return [
+            "--unified-workers",
+            "2",
+            "--torch-threads",
+            "1",
+            "--scheduler-arg=--unified-disaggregate-threshold=0",
+        ]
     if name == "conditional":
         return [*disaggregated, f"--scheduler-arg=--local-prefill-threshold={local_prefill_threshold}"]
     if name == "conditional_unified":
@@ -63,7 +85,7 @@ def config_args(name: str, local_prefill_threshold: int = DEFAULT_LOCAL_PREFILL_
             "2",
             "--torch-threads",
             "1",
-            f"--scheduler-arg=--unified-disaggregate-threshold={local_prefill_threshold}",
+            f"--scheduler-arg=--unified-disaggregate-threshold={unified_threshold}",
         ]
     raise ValueError(
         f"unknown configuration {name!r}; known: {', '.join(CONFIG_NAMES)}, "
@@ -80,6 +102,7 @@ def up_command(
     dtype: str = "float32",
     log_dir: Path | None = None,
     local_prefill_threshold: int = DEFAULT_LOCAL_PREFILL_THRESHOLD,
+    unified_threshold: int = DEFAULT_UNIFIED_THRESHOLD,
     cpus: str = "",
     extra: Sequence[str] = (),
 ) -> list[str]:
@@ -100,7 +123,7 @@ def up_command(
         "--port-base",
         str(port_base),
         *(["--log-dir", str(log_dir)] if log_dir else []),
-        *config_args(name, local_prefill_threshold),
+        *config_args(name, local_prefill_threshold, unified_threshold),
         *extra,
     ]
     return cmd

@@ -15,6 +15,13 @@ from dataclasses import dataclass
 WORKER_POLICIES = ("round_robin", "random", "power_of_two", "cache_aware")
 RANK_POLICIES = ("min_tokens", "round_robin", "hash")
 
+# Tokens of uncached prompt from which two or more unified workers split a request (prefill on
+# one, decode on another; `unified_split`). Chosen from `make bench-goodput` on 2-core CPUs
+# (README, "Goodput"): at 128 the split configuration was at or above the best other on chat,
+# long_prompt, long_output and shared_prefix; at 256 chat's 100-255-token prompts ran aggregated
+# beside the prefills and failed their TPOT SLO (0.55 req/s against 0.77).
+UNIFIED_DISAGGREGATE_THRESHOLD = 128
+
 
 @dataclass(frozen=True)
 class Balance:

@@ -10,7 +10,9 @@ Modes: DISAGGREGATED when a decode worker has a compatible prefill worker (same 
 layout: layers, heads, head dim, block size, dtype); LOCAL_PREFILL instead when the prompt's part
 not already cached on the chosen decode worker is below `local_prefill_threshold` tokens;
 AGGREGATED on a unified worker when no compatible pair exists, or on a decode worker when the
-model has no prefill worker at all. Unified workers are picked with the prefill policy (their
+model has no prefill worker at all; DISAGGREGATED between two unified workers when the prompt's
+uncached part reaches `unified_disaggregate_threshold` (conditional disaggregation over unified
+workers, `policies.unified_split`). Unified workers are picked with the prefill policy (their
 prefix cache matters most), decode workers with the decode policy.
 
 Workers flagged stale by the load-monitor are routed to only when no fresh worker of the same
@@ -51,7 +53,7 @@ class Policies:
     # With 2+ unified workers of a model: prompts whose uncached part is at least this many
     # tokens prefill on one unified worker and decode on another (policies.unified_split);
     # 0 = off (every request aggregated on one unified worker).
-    unified_disaggregate_threshold: int = 0
+    unified_disaggregate_threshold: int = policies.UNIFIED_DISAGGREGATE_THRESHOLD
     # A load report polled at T covers the reservations made before T - grace: a request needs
     # a moment (gateway -> worker -> engine step) before its tokens show in the worker's report.
     reservation_grace_s: float = 0.05

@@ -81,6 +81,8 @@ async def cluster() -> AsyncIterator[Cluster]:
             seed=1,
             watch_backoff_max_s=0.2,
             drain_grace_s=0.0,
+            # the fake workers are unified and cannot push KV: every request aggregated
+            unified_disaggregate_threshold=0,
         )
     )
     await sched.start()

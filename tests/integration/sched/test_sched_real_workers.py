@@ -133,7 +133,8 @@ def prompt(i: int, size: int) -> list[int]:
 
 @pytest.mark.timeout(300)
 async def test_unified_workers_run_requests_on_the_chosen_ranks(sched_tiny_model: Path) -> None:
-    async with real_cluster(sched_tiny_model, ("unified", "unified")) as c:
+    # every request aggregated (the unified split off), so each one runs on the rank chosen for it
+    async with real_cluster(sched_tiny_model, ("unified", "unified"), unified_disaggregate_threshold=0) as c:
         by_id = {w.worker_id: w for w in c.workers}
         sizes = [120, 40, 40, 40]
         calls = []

@@ -9,6 +9,7 @@ import pytest
 
 from benchmarks.goodput import configs
 from benchmarks.goodput.workloads import WORKLOADS, load_corpus, make_requests
+from services.scheduler.policies import UNIFIED_DISAGGREGATE_THRESHOLD
 
 
 class WordTokenizer:
@@ -87,7 +88,10 @@ def test_configurations_are_pdserve_up_lines_on_two_single_thread_processes() ->
         "--prefill-workers", "1", "--decode-workers", "1", "--torch-threads", "1"
     ]  # fmt: skip
     assert configs.config_args("unified_dp2") == ["--unified", "--dp-size", "2", "--torch-threads", "1"]
-    assert configs.config_args("unified_2workers") == ["--unified-workers", "2", "--torch-threads", "1"]
+    # unified_2workers aggregates every request: the scheduler's unified split is pinned off
+    assert configs.config_args("unified_2workers") == [
+        "--unified-workers", "2", "--torch-threads", "1", "--scheduler-arg=--unified-disaggregate-threshold=0"
+    ]  # fmt: skip
     cond = configs.config_args("conditional", local_prefill_threshold=128)
     assert cond[: len(configs.config_args("disaggregated"))] == configs.config_args("disaggregated")
     assert cond[-1] == "--scheduler-arg=--local-prefill-threshold=128"
@@ -100,6 +104,17 @@ def test_configurations_are_pdserve_up_lines_on_two_single_thread_processes() ->
         "1",
         "--scheduler-arg=--unified-disaggregate-threshold=300",
     ]
+    # the bare name measures the scheduler's default threshold, written out in the command
+    assert configs.config_args("conditional_unified")[-1] == (
+        f"--scheduler-arg=--unified-disaggregate-threshold={UNIFIED_DISAGGREGATE_THRESHOLD}"
+    )
+    # each threshold flag reaches only its own configuration
+    assert configs.config_args("conditional_unified", local_prefill_threshold=7, unified_threshold=9)[-1] == (
+        "--scheduler-arg=--unified-disaggregate-threshold=9"
+    )
+    assert configs.config_args("conditional", local_prefill_threshold=7, unified_threshold=9)[-1] == (
+        "--scheduler-arg=--local-prefill-threshold=7"
+    )
     with pytest.raises(ValueError, match="unknown configuration"):
         configs.config_args("colocated")
 

@@ -354,7 +354,8 @@ def test_reservations_just_before_a_poll_survive_it() -> None:
 def test_a_one_block_template_prefix_does_not_pile_requests_on_one_unified_worker() -> None:
     """Every chat request starts with the template's default system prompt (one shared block).
     cache_aware once followed that block: a burst all went to the first worker that held it."""
-    r = router(prefill="cache_aware")
+    # aggregated serving (the unified split off): this is about which worker runs the request
+    r = router(prefill="cache_aware", unified_disaggregate_threshold=0)
     r.apply_snapshot(snapshot(worker("u1", Role.UNIFIED, [0]), worker("u2", Role.UNIFIED, [0])))
     chosen = Counter(
         r.schedule(request(f"r{i}", 16 * 8, hashes=(1, *range(100 * i, 100 * i + 7)))).decode.worker_id
@@ -392,10 +393,14 @@ def test_unified_workers_split_long_prompts_and_keep_short_ones_aggregated() -> 
     assert r2.schedule(request("b", 16 * 20 + 8, hashes=hashes)).mode is ServingMode.AGGREGATED
 
 
-def test_unified_split_is_off_by_default_and_needs_two_workers() -> None:
+def test_unified_split_defaults_to_128_tokens_turns_off_at_0_and_needs_two_workers() -> None:
     r = router()
     r.apply_snapshot(snapshot(worker("u1", Role.UNIFIED), worker("u2", Role.UNIFIED)))
-    assert r.schedule(request("a", 4000)).mode is ServingMode.AGGREGATED
+    assert r.schedule(request("a", 128)).mode is ServingMode.DISAGGREGATED
+    assert r.schedule(request("b", 127)).mode is ServingMode.AGGREGATED
+    off = router(unified_disaggregate_threshold=0)
+    off.apply_snapshot(snapshot(worker("u1", Role.UNIFIED), worker("u2", Role.UNIFIED)))
+    assert off.schedule(request("a", 4000)).mode is ServingMode.AGGREGATED
     one = router(unified_disaggregate_threshold=1)
     one.apply_snapshot(snapshot(worker("u1", Role.UNIFIED)))
     assert one.schedule(request("a", 4000)).mode is ServingMode.AGGREGATED
