@@ -318,14 +318,15 @@ def report(doc: dict[str, Any], target: float, note: str = "") -> None:
     order = {c: i for i, c in enumerate(configs.CONFIG_NAMES)}
     names = sorted({c for w in gp.values() for c in w}, key=lambda c: (order.get(c, len(order)), c))
     print("\nGoodput (req/s at >= {:.0f} % SLO attainment){}".format(100 * target, f"  {note}"))
-    print(f"  {'workload':14s}" + "".join(f"{c:>18s}" for c in names))
+    widths = [max(18, len(c) + 2) for c in names]  # a column never runs into its neighbour
+    print(f"  {'workload':14s}" + "".join(f"{c:>{n}s}" for c, n in zip(names, widths, strict=True)))
     lower = doc["goodput_lower_bound_only"]
     for w, row in gp.items():
         cells = [
             (">=" if lower.get(w, {}).get(c) else "") + (f"{row[c]:.3g}" if c in row else "n/a")
             for c in names
         ]
-        print(f"  {w:14s}" + "".join(f"{x:>18s}" for x in cells))
+        print(f"  {w:14s}" + "".join(f"{x:>{n}s}" for x, n in zip(cells, widths, strict=True)))
     if any(v for row in lower.values() for v in row.values()):
         print("  (>=: no rate tried missed the target; raise --max-points or --start-rps to find the limit)")
     checks = []
