@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # GPU checks, for a machine with CUDA (CI has none): the CUDA tests, then the benchmarks with
 # --device cuda. Results go to their own files (*-cuda*.json) so CPU figures are never mixed in.
-#   scripts/gpu_checks.sh [tests|engine|all]     PYTHON=... RESULTS_DIR=... override defaults
+#   scripts/gpu_checks.sh [tests|engine|goodput|all]     PYTHON=... RESULTS_DIR=... override defaults
+# `all` is tests + engine (a few minutes); `goodput` is a reduced chat sweep of three serving
+# configurations on the GPU (about 10 minutes), run on its own.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -13,11 +15,18 @@ $PY -c 'import torch, transformers; print("torch", torch.__version__, "cuda", to
 "transformers", transformers.__version__, torch.cuda.get_device_name(0))'
 rc=0
 if [[ $what == tests || $what == all ]]; then
-  $PY -m pytest -q -ra -p no:cacheprovider tests/integration/worker/test_worker_gpu.py \
-    tests/unit/engine/test_engine_api.py -k cuda || rc=1
+  # every test marked gpu (they skip without CUDA, so on a GPU machine none may skip)
+  $PY -m pytest -q -ra -p no:cacheprovider -m gpu tests || rc=1
 fi
 if [[ $what == engine || $what == all ]]; then
   $PY -m benchmarks.bench_engine --device cuda --dtype bfloat16 \
     --output "$RES/engine-cuda.json" || rc=1
+fi
+if [[ $what == goodput ]]; then
+  $PY -m benchmarks.bench_goodput --device cuda --workloads chat \
+    --configs disaggregated,unified_dp2,conditional_unified \
+    --max-points 4 --duration-s 30 --min-requests 12 --max-requests 24 --max-send-s 60 \
+    --note "GPU: reduced chat sweep (scripts/gpu_checks.sh goodput)" \
+    --out "$RES/goodput-cuda.json" || rc=1
 fi
 exit $rc

@@ -97,6 +97,7 @@ def _both_forwards(
     block_size: int,
     monkeypatch: pytest.MonkeyPatch,
     backend: AttentionBackend | None = None,
+    device: torch.device = CPU,
 ) -> tuple[list[Any], list[Any]]:
     """`_steps(block_size)` run by a lean runner and by a transformers-forward runner over the same
     model, each with its own pool; asserts each runner took the forward it was asked for."""
@@ -106,7 +107,7 @@ def _both_forwards(
     blocks = max(b for step in steps for s in step for b in s.block_ids) + 1
     runs = []
     for lean in (True, False):
-        runner = ModelRunner(model, layout, blocks, CPU, dtype, backend, lean_forward=lean)
+        runner = ModelRunner(model, layout, blocks, device, dtype, backend, lean_forward=lean)
         assert (runner.lean is not None) is lean
         runs.append(_run(runner, steps, monkeypatch))
     return runs[0], runs[1]
@@ -130,6 +131,39 @@ def test_lean_forward_in_bfloat16_matches_transformers(
     """bf16 keeps transformers' casts (fp32 RMSNorm statistics); same ops, same numbers."""
     model = load_model(str(tiny_bpe), CPU, torch.bfloat16, prepack=False)
     _assert_identical(*_both_forwards(model, 4, monkeypatch))
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        pytest.param("cpu"),
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+            ],
+        ),
+    ],
+)
+def test_lean_forward_matches_transformers_on_each_device(
+    tiny_bpe: Path, monkeypatch: pytest.MonkeyPatch, device: str
+) -> None:
+    """The same request life on every device the engine runs on: greedy tokens equal, logits and
+    KV within fp32 rounding. On CUDA the lean path runs plain F.linear (no oneDNN) and SDPA may
+    pick another kernel for its layout than for transformers', so this is a tolerance, not the
+    CPU's bit-identity (asserted above)."""
+    dev = torch.device(device)
+    model = load_model(str(tiny_bpe), dev, torch.float32)
+    lean, hf = _both_forwards(model, 4, monkeypatch, device=dev)
+    assert len(lean) == len(hf)
+    for (la, ta), (lb, tb) in zip(lean[:-1], hf[:-1], strict=True):
+        assert ta == tb
+        assert (la is None) == (lb is None)
+        if la is not None:
+            assert la.device.type == device
+            torch.testing.assert_close(la, lb, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lean[-1], hf[-1], rtol=1e-4, atol=1e-4)
 
 
 def test_models_it_does_not_cover_keep_transformers_forward(tiny_bpe: Path) -> None:
