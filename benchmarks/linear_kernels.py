@@ -26,7 +26,7 @@ import shutil
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -56,22 +56,25 @@ class Stack(torch.nn.Module):
             torch.nn.Linear(k, n, bias=False) for _ in range(layers) for n, k in shapes
         )
         gen = torch.Generator().manual_seed(0)
-        for lin in self.lins:
+        for lin in self.linears():
             lin.weight.data = torch.randn(lin.weight.shape, generator=gen) * 0.02
         self.eval().requires_grad_(False)
 
+    def linears(self) -> list[torch.nn.Linear]:
+        return [cast(torch.nn.Linear, m) for m in self.lins]
+
     def weight_bytes(self) -> int:
-        return sum(lin.weight.numel() * lin.weight.element_size() for lin in self.lins)
+        return sum(lin.weight.numel() * lin.weight.element_size() for lin in self.linears())
 
     def forward(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        return torch.stack([lin(h if lin.in_features != x.shape[1] else x).sum() for lin in self.lins])
+        return torch.stack([lin(h if lin.in_features != x.shape[1] else x).sum() for lin in self.linears()])
 
 
 def onednn_packed(stack: Stack) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
     ops = torch.ops.mkldnn
     if not (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")):
         return None
-    packed = [(ops._reorder_linear_weight(lin.weight, 16), lin.in_features) for lin in stack.lins]
+    packed = [(ops._reorder_linear_weight(lin.weight, 16), lin.in_features) for lin in stack.linears()]
 
     def run(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         return torch.stack(
@@ -85,7 +88,7 @@ def onednn_packed(stack: Stack) -> Callable[[torch.Tensor, torch.Tensor], torch.
 
 
 def torch_linear(stack: Stack) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    weights = [lin.weight for lin in stack.lins]
+    weights = [lin.weight for lin in stack.linears()]
 
     def run(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         return torch.stack([F.linear(h if w.shape[1] != x.shape[1] else x, w).sum() for w in weights])
@@ -109,7 +112,7 @@ def inductor_cpp(stack: Stack) -> Callable[[torch.Tensor, torch.Tensor], torch.T
 
     def run(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         with settings:
-            return compiled(x, h)  # type: ignore[no-any-return]
+            return cast(torch.Tensor, compiled(x, h))
 
     return run
 
@@ -162,8 +165,8 @@ def _measure(
         fns = {name: CONTENDERS[name](stack) for name in contenders}
         gen = torch.Generator().manual_seed(1)
         for r in rows:
-            x = torch.randn(r, stack.lins[0].in_features, generator=gen)
-            h = torch.randn(r, stack.lins[-1].in_features, generator=gen)
+            x = torch.randn(r, stack.linears()[0].in_features, generator=gen)
+            h = torch.randn(r, stack.linears()[-1].in_features, generator=gen)
             ref_fn = fns.get("onednn_packed") or torch_linear(stack)
             ref = ref_fn(x, h)
             row: dict[str, Any] = {}

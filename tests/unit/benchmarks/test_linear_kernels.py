@@ -33,9 +33,9 @@ def test_the_stack_applies_each_linear_to_its_input_width() -> None:
     x, h = torch.randn(2, 32), torch.randn(2, 64)
     sums = stack(x, h)
     assert sums.shape == (len(stack.lins),) == (14,)
-    down = stack.lins[6]  # (out 32, in 64): the MLP's down projection reads h
+    down = stack.linears()[6]  # (out 32, in 64): the MLP's down projection reads h
     assert torch.allclose(sums[6], (h @ down.weight.T).sum())
-    assert torch.allclose(sums[0], (x @ stack.lins[0].weight.T).sum())
+    assert torch.allclose(sums[0], (x @ stack.linears()[0].weight.T).sum())
 
 
 @pytest.mark.skipif(
