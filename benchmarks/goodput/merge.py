@@ -29,6 +29,15 @@ class MergeError(ValueError):
     """Documents that cannot be merged without losing what their figures mean."""
 
 
+# SLOs (ms) count as the same when they agree to the 0.1 ms the benchmark prints them with: a
+# refinement run started with the printed SLOs (161.8) must join the run that derived 161.81.
+_SLO_TOLERANCE_MS = 0.05
+
+
+def _same_slo(a: float, b: float) -> bool:
+    return abs(a - b) <= _SLO_TOLERANCE_MS + 1e-9
+
+
 def merge_docs(
     docs: Sequence[tuple[str, dict[str, Any]]], note: str = "", replace: Sequence[str] = ()
 ) -> dict[str, Any]:
@@ -64,7 +73,9 @@ def merge_docs(
             if have is None:
                 out["slo"][w] = slo
                 out["workloads"][w] = doc["workloads"][w]
-            elif (have["ttft_ms"], have["tpot_ms"]) != (slo["ttft_ms"], slo["tpot_ms"]):
+            elif not (
+                _same_slo(have["ttft_ms"], slo["ttft_ms"]) and _same_slo(have["tpot_ms"], slo["tpot_ms"])
+            ):
                 raise MergeError(
                     f"{source}: {w} was measured under SLOs TTFT {slo['ttft_ms']} ms / TPOT "
                     f"{slo['tpot_ms']} ms, the earlier document under {have['ttft_ms']} / "

@@ -63,6 +63,18 @@ def test_a_workload_measured_under_other_slos_is_refused_with_the_flags_to_rerun
         )
 
 
+def test_slos_that_agree_to_the_printed_tenth_of_a_ms_are_the_same() -> None:
+    """The benchmark prints SLOs to 0.1 ms; a run started with the printed 80.0 joins one that
+    derived 80.04, one at 80.1 does not."""
+    derived = doc("chat", {"disaggregated": 0.6}, slo=(3000.0, 80.04))
+    printed = doc("chat", {"unified_dp2": 0.5}, slo=(3000.0, 80.0))
+    merged = merge_docs([("a", derived), ("b", printed)])
+    assert merged["slo"]["chat"]["tpot_ms"] == 80.04  # the first document's SLOs are kept
+    assert set(merged["goodput_rps"]["chat"]) == {"disaggregated", "unified_dp2"}
+    with pytest.raises(MergeError, match="SLOs"):
+        merge_docs([("a", derived), ("c", doc("chat", {"x": 1.0}, slo=(3000.0, 80.1)))])
+
+
 def test_a_refinement_run_adds_rates_and_the_goodput_is_recomputed_from_all() -> None:
     first = doc("chat", {"disaggregated": 0.46})
     first["runs"]["chat"]["disaggregated"] = [
