@@ -36,6 +36,12 @@ from benchmarks.engine_floor import cpu_features, read_bandwidth
 HIDDEN, MLP, KV = 576, 1536, 192  # SmolLM2-135M
 
 
+def _rows_for(in_features: int, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """The input a linear of `in_features` reads: `x` (hidden-wide rows) or `h` (the MLP's
+    down projection's intermediate-wide rows)."""
+    return x if in_features == x.shape[1] else h
+
+
 class Stack(torch.nn.Module):
     """Every linear of `layers` layers applied to its input width's rows; returns each output's
     sum (so nothing is dead code and the outputs stay small to compare)."""
@@ -67,7 +73,7 @@ class Stack(torch.nn.Module):
         return sum(lin.weight.numel() * lin.weight.element_size() for lin in self.linears())
 
     def forward(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        return torch.stack([lin(h if lin.in_features != x.shape[1] else x).sum() for lin in self.linears()])
+        return torch.stack([lin(_rows_for(lin.in_features, x, h)).sum() for lin in self.linears()])
 
 
 def onednn_packed(stack: Stack) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
@@ -78,10 +84,7 @@ def onednn_packed(stack: Stack) -> Callable[[torch.Tensor, torch.Tensor], torch.
 
     def run(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         return torch.stack(
-            [
-                ops._linear_pointwise(h if k != x.shape[1] else x, w, None, "none", [], "").sum()
-                for w, k in packed
-            ]
+            [ops._linear_pointwise(_rows_for(k, x, h), w, None, "none", [], "").sum() for w, k in packed]
         )
 
     return run
@@ -91,7 +94,7 @@ def torch_linear(stack: Stack) -> Callable[[torch.Tensor, torch.Tensor], torch.T
     weights = [lin.weight for lin in stack.linears()]
 
     def run(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        return torch.stack([F.linear(h if w.shape[1] != x.shape[1] else x, w).sum() for w in weights])
+        return torch.stack([F.linear(_rows_for(w.shape[1], x, h), w).sum() for w in weights])
 
     return run
 
@@ -163,11 +166,11 @@ def _measure(
     out: dict[str, Any] = {"weight_mb": round(nbytes / 1e6, 1), "layers": layers, "threads": 1, "rows": {}}
     with torch.no_grad():
         fns = {name: CONTENDERS[name](stack) for name in contenders}
+        ref_fn = fns.get("onednn_packed") or torch_linear(stack)
         gen = torch.Generator().manual_seed(1)
         for r in rows:
             x = torch.randn(r, stack.linears()[0].in_features, generator=gen)
             h = torch.randn(r, stack.linears()[-1].in_features, generator=gen)
-            ref_fn = fns.get("onednn_packed") or torch_linear(stack)
             ref = ref_fn(x, h)
             row: dict[str, Any] = {}
             for name, fn in fns.items():
