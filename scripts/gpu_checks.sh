@@ -16,7 +16,7 @@ $PY -c 'import torch, transformers; print("torch", torch.__version__, "cuda", to
 rc=0
 if [[ $what == tests || $what == all ]]; then
   # every test marked gpu (they skip without CUDA, so on a GPU machine none may skip)
-  $PY -m pytest -q -ra -p no:cacheprovider -m gpu tests || rc=1
+  $PY -m pytest -q -ra -p no:cacheprovider --continue-on-collection-errors -m gpu tests || rc=1
 fi
 if [[ $what == engine || $what == all ]]; then
   $PY -m benchmarks.bench_engine --device cuda --dtype bfloat16 \
