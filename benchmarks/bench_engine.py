@@ -43,7 +43,15 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results" / "engine.json"
-CONTENDERS = ("hf_sequential", "hf_padded", "hf_continuous", "pdserve", "pdserve_transformers")
+# pdserve_graphs: the engine with --cuda-graphs (CUDA only; left out on CPU)
+CONTENDERS = (
+    "hf_sequential",
+    "hf_padded",
+    "hf_continuous",
+    "pdserve",
+    "pdserve_transformers",
+    "pdserve_graphs",
+)
 
 
 # ---- workload ------------------------------------------------------------------------------
@@ -235,11 +243,9 @@ async def _engine_round(
     return t0, times, last
 
 
-def run_pdserve(
-    args: argparse.Namespace, prompts: list[list[int]], lean_forward: bool = True
-) -> dict[str, Any]:
+def run_pdserve(args: argparse.Namespace, prompts: list[list[int]], **overrides: Any) -> dict[str, Any]:
     t_start = time.perf_counter()
-    engine = _engine(args, enable_prefix_caching=False, lean_forward=lean_forward)
+    engine = _engine(args, enable_prefix_caching=False, **overrides)
     start_s = time.perf_counter() - t_start
     try:
 
@@ -258,6 +264,11 @@ def run_pdserve(
 def run_pdserve_transformers(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
     """pdserve with transformers' own forward (--no-lean-forward): what engine/lean_llama.py gains."""
     return run_pdserve(args, prompts, lean_forward=False)
+
+
+def run_pdserve_graphs(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
+    """pdserve with decode steps replayed as CUDA graphs (--cuda-graphs)."""
+    return run_pdserve(args, prompts, cuda_graphs=True)
 
 
 def run_prefix(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
@@ -306,6 +317,7 @@ RUNNERS = {
     "hf_continuous": run_hf_continuous,
     "pdserve": run_pdserve,
     "pdserve_transformers": run_pdserve_transformers,
+    "pdserve_graphs": run_pdserve_graphs,
     "prefix": run_prefix,
     "floor": run_floor,
 }
@@ -465,6 +477,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     results: dict[str, dict[str, Any] | None] = {}
     for name in args.contenders.split(","):
+        if name == "pdserve_graphs" and args.device != "cuda":
+            continue  # CUDA graphs need a GPU
         results[name] = _child(args, name, child_argv)
     prefix = None if args.no_prefix_run else _child(args, "prefix", child_argv)
     floor = None if args.no_floor_run else _child(args, "floor", child_argv)
@@ -495,6 +509,8 @@ def main(argv: list[str] | None = None) -> None:
         # the lean forward (default) over transformers' module tree, same engine otherwise
         "ratio_lean_vs_transformers_forward": ratio("pdserve_transformers"),
     }
+    if (graphs_tps := tps.get("pdserve_graphs")) and ours:
+        ratios["ratio_cuda_graphs_vs_eager"] = round(graphs_tps / ours, 2)
     print("\n" + "  ".join(f"{k} {_fmt(v, 2)}" for k, v in ratios.items()))
     if prefix is not None:
         w, wo = prefix["with_cache"], prefix["without_cache"]

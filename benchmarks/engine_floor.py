@@ -255,6 +255,18 @@ def measure(
             }
         )
     out["steps"] = rows
+    if device.type == "cuda":
+        # the same steps replayed as CUDA graphs (engine/decode_graphs.py), same pool size
+        graphs = ModelRunner(
+            model, layout, max(batches) * per_seq_blocks + 1, device, dtype, decode_graphs=True
+        )
+        out["steps_cuda_graphs"] = [
+            {"seqs": batch, "step_ms": round(t * 1e3, 2), "step_cpu_ms": round(c * 1e3, 2)}
+            for batch in batches
+            for t, c in [time_decode_steps(graphs, batch, context)]
+        ]
+        for r, g in zip(rows, out["steps_cuda_graphs"], strict=True):
+            g["vs_floor"] = round(g["step_ms"] / r["floor_ms"], 2)
     eight = next((r for r in rows if r["seqs"] == 8), None)
     out["decode_step_vs_floor"] = eight["vs_floor"] if eight else None
     out["decode_step_vs_roofline"] = eight["vs_roofline"] if eight else None
@@ -284,5 +296,10 @@ def format_report(probe: dict[str, Any]) -> list[str]:
             f"ms CPU), floor {r['floor_ms']:5.1f} ms ({r['weight_mb']:.0f} MB weights"
             f" + {r['kv_mb']:.0f} MB KV): {r['vs_floor']:.2f}x "
             f"({r['cpu_vs_floor']:.2f}x by CPU time)"
+        )
+    for g in probe.get("steps_cuda_graphs", []):
+        lines.append(
+            f"  {g['seqs']:>3} seqs as a CUDA graph: {g['step_ms']:7.2f} ms wall "
+            f"({g['step_cpu_ms']:.2f} ms CPU): {g['vs_floor']:.2f}x its floor"
         )
     return lines

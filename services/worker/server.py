@@ -172,6 +172,7 @@ class WorkerApp:
             torch_threads=s.torch_threads,
             cpu_prepack=s.cpu_prepack,
             lean_forward=s.lean_forward,
+            cuda_graphs=s.cuda_graphs,
             cpu_kernel_cache_entries=s.cpu_kernel_cache_entries,
             speculative=s.speculative,
             num_speculative_tokens=s.num_speculative_tokens,

@@ -66,6 +66,11 @@ class WorkerSettings(TlsSettings):
         "numbers as transformers' modules, about half the ops per decode step); "
         "--no-lean-forward = transformers' own forward",
     )
+    cuda_graphs: bool = field(
+        False,
+        "On CUDA, replay decode-only steps as CUDA graphs (one per batch and context bucket, "
+        "captured on first use; needs the lean forward); ignored on CPU",
+    )
     cpu_kernel_cache_entries: int = field(
         64,
         "On CPU, oneDNN kernels kept per cache (one per input shape, ~0.3 MiB each); bounds the "

@@ -128,6 +128,9 @@ class EngineConfig:
     # Llama-architecture models: the flat forward loop of engine/lean_llama.py instead of
     # transformers' module tree (same numbers, ~half the ops per step)
     lean_forward: bool = True
+    # CUDA: decode-only steps padded to a few static shapes and replayed as CUDA graphs
+    # (engine/decode_graphs.py); needs the lean forward; ignored on CPU
+    cuda_graphs: bool = False
     # CPU: entries in each of oneDNN's kernel caches (one per input shape, ~0.3 MiB each);
     # bounds the memory that prompts of many lengths would otherwise add (cpu_linear)
     cpu_kernel_cache_entries: int = 64

@@ -216,7 +216,13 @@ class PagedEngine:
                 self.kv_layout, dtype, device, draft_layout if cfg.draft_kv_cache_tokens == 0 else None
             )
             runner = ModelRunner(
-                model, self.kv_layout, num_blocks, device, dtype, lean_forward=cfg.lean_forward
+                model,
+                self.kv_layout,
+                num_blocks,
+                device,
+                dtype,
+                lean_forward=cfg.lean_forward,
+                decode_graphs=cfg.cuda_graphs and device.type == "cuda",
             )
             runner.warm_up()
             blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)

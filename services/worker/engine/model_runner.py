@@ -14,6 +14,7 @@ import torch
 from services.worker.engine import attention, cpu_linear
 from services.worker.engine.api import KvLayout, SamplingConfig
 from services.worker.engine.attention import AttentionBackend
+from services.worker.engine.decode_graphs import DecodeGraphs, DecodeSeq
 from services.worker.engine.lean_llama import LeanLlama
 from services.worker.engine.sampler import sample
 
@@ -91,7 +92,11 @@ class ModelRunner:
         dtype: torch.dtype,
         attention_backend: AttentionBackend | None = None,
         lean_forward: bool = True,
+        decode_graphs: bool = False,
     ) -> None:
+        """decode_graphs: decode-only steps run as static-shape steps (engine/decode_graphs.py),
+        captured as CUDA graphs on CUDA and run eagerly elsewhere (tests); needs the lean
+        forward, ignored without it."""
         self.model = model
         self.layout = layout
         self.device = device
@@ -100,18 +105,35 @@ class ModelRunner:
         self.attention_backend = attention_backend or AttentionBackend.default_for(device)
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.q_per_kv = int(cfg.num_attention_heads) // layout.num_kv_heads
-        # zeros, not empty: stale rows of reused blocks are never read, but keep them finite
+        lean = lean_forward and LeanLlama.supports(model)
+        use_graphs = decode_graphs and lean
+        # zeros, not empty: stale rows of reused blocks are never read, but keep them finite.
+        # Static decode steps get one more block (index num_blocks, never handed out): their
+        # padding sequences write and read it.
         self.kv_cache = torch.zeros(
             layout.num_layers,
             2,
             layout.num_kv_heads,
-            num_blocks * layout.block_size,
+            (num_blocks + int(use_graphs)) * layout.block_size,
             layout.head_dim,
             dtype=dtype,
             device=device,
         )
         # transformers' module tree, or the same layers as one flat loop (lean_llama)
-        self.lean = LeanLlama(model, self.kv_cache) if lean_forward and LeanLlama.supports(model) else None
+        self.lean = LeanLlama(model, self.kv_cache) if lean else None
+        self.graphs = (
+            DecodeGraphs(
+                self.lean,
+                self.kv_cache,
+                layout.block_size,
+                scratch_block=num_blocks,
+                dtype=dtype,
+                device=device,
+                capture=device.type == "cuda",
+            )
+            if use_graphs and self.lean is not None
+            else None
+        )
 
     @property
     def bytes_per_block(self) -> int:
@@ -235,6 +257,11 @@ class ModelRunner:
     def execute(self, seqs: list[ScheduledSeq]) -> list[list[int]]:
         """Run one step; for each seq with sample=True, in order, the tokens sampled at its
         num_logits trailing positions (one token without speculation)."""
+        if self.graphs is not None and seqs and all(_plain_decode(s) for s in seqs):
+            decoded = self.graphs.run([DecodeSeq(s.token_ids[0], s.start_pos, s.block_ids) for s in seqs])
+            seeds = [s.draw_seeds[0] if s.draw_seeds else None for s in seqs]
+            drawn = sample(decoded, [s.sampling for s in seqs], [s.generator for s in seqs], seeds)
+            return [[int(t)] for t in drawn.tolist()]
         input_ids, positions, meta, logits_idx = self._build_metadata(seqs)
         if len(logits_idx) == 0:
             # nothing to sample (only non-final prefill chunks): skip the LM head entirely
@@ -308,9 +335,8 @@ class ModelRunner:
     # ---- KV transfer ---------------------------------------------------------------------
     def _by_block(self) -> torch.Tensor:
         lay = self.layout
-        return self.kv_cache.view(
-            lay.num_layers, 2, lay.num_kv_heads, self.num_blocks, lay.block_size, lay.head_dim
-        )
+        # every block of the pool (the scratch block of static decode steps too)
+        return self.kv_cache.view(lay.num_layers, 2, lay.num_kv_heads, -1, lay.block_size, lay.head_dim)
 
     def read_blocks(self, block_ids: list[int]) -> bytes:
         """Blocks in the wire layout: per block, per layer, K then V [kv_heads, block_size, D]."""
@@ -327,6 +353,11 @@ class ModelRunner:
         arr = arr.permute(1, 2, 3, 0, 4, 5).to(self.device)  # [L, 2, H, n, bs, D]
         idx = torch.tensor(block_ids, device=self.device)
         self._by_block().index_copy_(3, idx, arr)
+
+
+def _plain_decode(s: ScheduledSeq) -> bool:
+    """One new token, its one logit sampled: what a static decode step serves."""
+    return len(s.token_ids) == 1 and s.sample and s.num_logits == 1
 
 
 def _consecutive(blocks: list[int]) -> bool:

@@ -1,0 +1,141 @@
+"""Static-shape decode steps (engine/decode_graphs.py): padded to buckets, they give the same
+logits and greedy tokens as the runner's own path, write K/V only to the requests' slots (padding
+goes to the scratch block), and move between buckets as batches and contexts grow. On CPU the
+static step runs eagerly; on CUDA it is captured and replayed as a CUDA graph (gpu tests)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.worker.engine.api import SamplingConfig
+from services.worker.engine.decode_graphs import DecodeSeq, bucket
+from services.worker.engine.model_runner import ModelRunner, ScheduledSeq, kv_layout_of, load_model
+from tests.unit.engine.conftest import EngineFactory, drain, greedy, request, tokens_of
+
+GREEDY = SamplingConfig(max_tokens=1, temperature=0.0)
+BLOCK = 4
+NUM_BLOCKS = 96
+
+
+def test_bucket_is_the_next_power_of_two() -> None:
+    assert [bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 33)] == [1, 2, 4, 4, 8, 8, 16, 64]
+    assert bucket(1, 4) == 4 and bucket(5, 4) == 8
+
+
+def _runners(model_path: Path, device: torch.device) -> tuple[ModelRunner, ModelRunner]:
+    model = load_model(str(model_path), device, torch.float32)
+    layout = kv_layout_of(model.config, BLOCK, torch.float32)
+    plain = ModelRunner(model, layout, NUM_BLOCKS, device, torch.float32)
+    static = ModelRunner(model, layout, NUM_BLOCKS, device, torch.float32, decode_graphs=True)
+    assert static.graphs is not None and plain.graphs is None
+    return plain, static
+
+
+def _decode_together(
+    runner: ModelRunner, prompts: list[list[int]], tables: list[list[int]], steps: int
+) -> list[list[int]]:
+    """Prefill every prompt (one step, the runner's own path), then `steps` decode steps of all
+    sequences, the first two sequences finishing early so the batch shrinks across buckets."""
+    outs = [
+        list(t)
+        for t in runner.execute(
+            [ScheduledSeq(p, 0, t, True, GREEDY, None) for p, t in zip(prompts, tables, strict=True)]
+        )
+    ]
+    live = list(range(len(prompts)))
+    for step in range(steps):
+        if step == steps // 2:
+            live = live[2:]
+        seqs = [
+            ScheduledSeq([outs[i][-1]], len(prompts[i]) + len(outs[i]) - 1, tables[i], True, GREEDY, None)
+            for i in live
+        ]
+        for i, new in zip(live, runner.execute(seqs), strict=True):
+            outs[i].extend(new)
+    return outs
+
+
+def _check_static_equals_plain(model_path: Path, device: torch.device) -> None:
+    plain, static = _runners(model_path, device)
+    # five prompts (bucket 8 of sequences: three padding rows), contexts from 3 to 41 tokens that
+    # grow past 16 and 32 (block buckets 4, 8, 16), scattered and consecutive block tables
+    prompts = [list(range(7, 7 + n)) for n in (3, 9, 14, 26, 41)]
+    tables = [
+        [90, 3, 51, 7, 22, 60],
+        list(range(10, 16)),
+        [1, 88, 40, 41, 2, 70, 71],
+        list(range(20, 30)),
+        [95, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 61, 62, 63],
+    ]
+    steps = 12
+    want = _decode_together(plain, prompts, tables, steps)
+    got = _decode_together(static, prompts, tables, steps)
+    assert got == want
+    graphs = static.graphs
+    assert graphs is not None
+    used = {key for key, e in graphs.buckets.items() if e.replays}
+    assert (8, 16) in used and (4, 16) in used  # the batch shrank from 5 to 3 sequences
+    # the same K/V in every request block; only the scratch block (index NUM_BLOCKS) differs
+    real = NUM_BLOCKS * BLOCK
+    torch.testing.assert_close(static.kv_cache[:, :, :, :real], plain.kv_cache, rtol=1e-5, atol=1e-5)
+    assert static.kv_cache[:, :, :, real:].abs().sum() > 0  # padding rows wrote there
+
+
+def test_static_decode_steps_equal_the_runner_on_cpu(tiny_bpe: Path) -> None:
+    _check_static_equals_plain(tiny_bpe, torch.device("cpu"))
+
+
+def test_static_decode_logits_match(tiny_bpe: Path) -> None:
+    """Logits, not just argmax: the padded batched step against the per-sequence one."""
+    plain, static = _runners(tiny_bpe, torch.device("cpu"))
+    tables = [[5, 6, 7], [40, 2, 9]]
+    prompts = [[11, 12, 13, 14, 15], [99, 98, 97, 96, 95, 94, 93, 92, 91]]
+    for r in (plain, static):
+        r.execute([ScheduledSeq(p, 0, t, False, GREEDY, None) for p, t in zip(prompts, tables, strict=True)])
+    seqs = [ScheduledSeq([3], len(p), t, True, GREEDY, None) for p, t in zip(prompts, tables, strict=True)]
+    assert static.graphs is not None
+    with torch.inference_mode():
+        input_ids, positions, meta, idx = plain._build_metadata(seqs)
+        want = plain._forward(input_ids[0][None], positions, meta, idx)
+        got = static.graphs.run([DecodeSeq(3, len(p), t) for p, t in zip(prompts, tables, strict=True)])
+    assert want is not None
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_mixed_steps_keep_the_runner_path(tiny_bpe: Path) -> None:
+    """A step with a prefill chunk or a verify pass is not a plain decode: no bucket is used."""
+    _, static = _runners(tiny_bpe, torch.device("cpu"))
+    static.execute(
+        [
+            ScheduledSeq([1, 2, 3], 0, [0], True, GREEDY, None),
+            ScheduledSeq([4], 3, [1], True, GREEDY, None),
+        ]
+    )
+    assert static.graphs is not None and not static.graphs.buckets
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_decode_equals_the_runner(tiny_bpe: Path) -> None:
+    _check_static_equals_plain(tiny_bpe, torch.device("cuda"))
+    _, static = _runners(tiny_bpe, torch.device("cuda"))
+    assert static.graphs is not None and static.graphs.capture
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_cuda_graph_engine_matches_cpu(make_engine: EngineFactory) -> None:
+    cpu = make_engine()
+    gpu = make_engine(device="cuda", dtype="float32", cuda_graphs=True)
+    prompts = [tuple(range(5 + i, 60 + 7 * i)) for i in range(4)]
+    cpu_out = await drain(
+        [cpu.add_request(request(f"c{i}", p, greedy(20, ignore_eos=True))) for i, p in enumerate(prompts)]
+    )
+    gpu_out = await drain(
+        [gpu.add_request(request(f"g{i}", p, greedy(20, ignore_eos=True))) for i, p in enumerate(prompts)]
+    )
+    assert [tokens_of(o) for o in gpu_out] == [tokens_of(o) for o in cpu_out]
+    assert gpu.num_free_blocks(0) == gpu.num_total_blocks(0)
