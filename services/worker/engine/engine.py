@@ -147,7 +147,17 @@ class PagedEngine:
         if want == "cuda":
             if not torch.cuda.is_available():
                 raise FailedPrecondition("device cuda requested but CUDA is not available")
-            return torch.device("cuda", dp_rank % torch.cuda.device_count())
+            gpus = torch.cuda.device_count()
+            if dp_rank == gpus:  # once, at the first rank that shares a GPU
+                # measured on one H200 (README, goodput on a GPU): two ranks of one process on one
+                # GPU share a Python thread's launches, and TTFT collapsed under load
+                log.warning(
+                    "%d DP ranks on %d GPU(s): ranks share a GPU and its launching process; "
+                    "prefer one rank per GPU, or more workers",
+                    self.config.dp_size,
+                    gpus,
+                )
+            return torch.device("cuda", dp_rank % gpus)
         return torch.device(want)
 
     def _num_blocks(
