@@ -88,6 +88,20 @@ def test_static_decode_steps_equal_the_runner_on_cpu(tiny_bpe: Path) -> None:
     _check_static_equals_plain(tiny_bpe, torch.device("cpu"))
 
 
+def test_contexts_grow_into_the_next_block_bucket(tiny_bpe: Path) -> None:
+    """Contexts cross 16 tokens (4 blocks of 4) mid-run and two of three sequences finish: the
+    steps move through the (4, 4), (4, 8) and (1, 8) buckets, each with its own buffers, and the
+    tokens stay the runner's."""
+    plain, static = _runners(tiny_bpe, torch.device("cpu"))
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8], [1, 4, 1, 4, 2, 1, 3, 5, 6, 2]]
+    tables = [list(range(30, 37)), [50, 8, 61, 9, 70, 11, 72], [0, 1, 2, 3, 4, 5, 6]]
+    want = _decode_together(plain, prompts, tables, 16)
+    assert _decode_together(static, prompts, tables, 16) == want
+    assert static.graphs is not None
+    used = {key for key, e in static.graphs.buckets.items() if e.replays}
+    assert used == {(4, 4), (4, 8), (1, 8)}
+
+
 def test_static_decode_logits_match(tiny_bpe: Path) -> None:
     """Logits, not just argmax: the padded batched step against the per-sequence one."""
     plain, static = _runners(tiny_bpe, torch.device("cpu"))
