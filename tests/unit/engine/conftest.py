@@ -84,6 +84,15 @@ async def drain(handles: list[RequestHandle]) -> list[list[RequestOutput]]:
     return list(await asyncio.gather(*(collect(h) for h in handles)))
 
 
+async def greedy_tokens(engine: Engine, prompts: list[tuple[int, ...]], max_tokens: int) -> list[list[int]]:
+    """Each prompt's greedy tokens (EOS ignored), all requests in flight together."""
+    handles = [
+        engine.add_request(request(f"p{i}", p, greedy(max_tokens, ignore_eos=True)))
+        for i, p in enumerate(prompts)
+    ]
+    return [tokens_of(o) for o in await drain(handles)]
+
+
 def hf_greedy(model: Any, prompt: tuple[int, ...] | list[int], max_new_tokens: int) -> list[int]:
     import torch
     from transformers import GenerationConfig

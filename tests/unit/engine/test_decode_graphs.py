@@ -13,7 +13,7 @@ import torch
 from services.worker.engine.api import SamplingConfig
 from services.worker.engine.decode_graphs import DecodeSeq, bucket
 from services.worker.engine.model_runner import ModelRunner, ScheduledSeq, kv_layout_of, load_model
-from tests.unit.engine.conftest import EngineFactory, drain, greedy, request, tokens_of
+from tests.unit.engine.conftest import EngineFactory, greedy_tokens
 
 GREEDY = SamplingConfig(max_tokens=1, temperature=0.0)
 BLOCK = 4
@@ -145,11 +145,5 @@ async def test_cuda_graph_engine_matches_cpu(make_engine: EngineFactory) -> None
     cpu = make_engine()
     gpu = make_engine(device="cuda", dtype="float32", cuda_graphs=True)
     prompts = [tuple(range(5 + i, 60 + 7 * i)) for i in range(4)]
-    cpu_out = await drain(
-        [cpu.add_request(request(f"c{i}", p, greedy(20, ignore_eos=True))) for i, p in enumerate(prompts)]
-    )
-    gpu_out = await drain(
-        [gpu.add_request(request(f"g{i}", p, greedy(20, ignore_eos=True))) for i, p in enumerate(prompts)]
-    )
-    assert [tokens_of(o) for o in gpu_out] == [tokens_of(o) for o in cpu_out]
+    assert await greedy_tokens(gpu, prompts, 20) == await greedy_tokens(cpu, prompts, 20)
     assert gpu.num_free_blocks(0) == gpu.num_total_blocks(0)

@@ -15,6 +15,7 @@ from tests.unit.engine.conftest import (
     collect,
     drain,
     greedy,
+    greedy_tokens,
     request,
     tokens_of,
 )
@@ -110,13 +111,7 @@ async def test_cuda_engine_matches_cpu(make_engine: EngineFactory) -> None:
     cpu = make_engine()
     gpu = make_engine(device="cuda")
     prompts = [tuple(range(5 + i, 60 + 7 * i)) for i in range(4)]
-    cpu_out = await drain(
-        [cpu.add_request(request(f"c{i}", p, greedy(10, ignore_eos=True))) for i, p in enumerate(prompts)]
-    )
-    gpu_out = await drain(
-        [gpu.add_request(request(f"g{i}", p, greedy(10, ignore_eos=True))) for i, p in enumerate(prompts)]
-    )
-    assert [tokens_of(o) for o in gpu_out] == [tokens_of(o) for o in cpu_out]
+    assert await greedy_tokens(gpu, prompts, 10) == await greedy_tokens(cpu, prompts, 10)
     assert gpu.num_free_blocks(0) == gpu.num_total_blocks(0)
 
 
