@@ -260,13 +260,18 @@ def measure(
         graphs = ModelRunner(
             model, layout, max(batches) * per_seq_blocks + 1, device, dtype, decode_graphs=True
         )
-        out["steps_cuda_graphs"] = [
-            {"seqs": batch, "step_ms": round(t * 1e3, 2), "step_cpu_ms": round(c * 1e3, 2)}
-            for batch in batches
-            for t, c in [time_decode_steps(graphs, batch, context)]
-        ]
-        for r, g in zip(rows, out["steps_cuda_graphs"], strict=True):
-            g["vs_floor"] = round(g["step_ms"] / r["floor_ms"], 2)
+        graph_rows = []
+        for batch, r in zip(batches, rows, strict=True):
+            step, step_cpu = time_decode_steps(graphs, batch, context)
+            graph_rows.append(
+                {
+                    "seqs": batch,
+                    "step_ms": round(step * 1e3, 2),
+                    "step_cpu_ms": round(step_cpu * 1e3, 2),
+                    "vs_floor": round(step * 1e3 / r["floor_ms"], 2),
+                }
+            )
+        out["steps_cuda_graphs"] = graph_rows
     eight = next((r for r in rows if r["seqs"] == 8), None)
     out["decode_step_vs_floor"] = eight["vs_floor"] if eight else None
     out["decode_step_vs_roofline"] = eight["vs_roofline"] if eight else None

@@ -26,7 +26,7 @@ the scratch block there, so only capture and replay need a GPU.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -59,7 +59,7 @@ class _Bucket:
     num_blocks: int  # NB
     logits: torch.Tensor | None = None  # [B, vocab] the graph's output buffer
     graph: Any = None  # torch.cuda.CUDAGraph once captured
-    replays: int = field(default=0)
+    replays: int = 0  # steps run on this bucket
 
 
 @dataclass(frozen=True)

@@ -259,9 +259,7 @@ class ModelRunner:
         num_logits trailing positions (one token without speculation)."""
         if self.graphs is not None and seqs and all(_plain_decode(s) for s in seqs):
             decoded = self.graphs.run([DecodeSeq(s.token_ids[0], s.start_pos, s.block_ids) for s in seqs])
-            seeds = [s.draw_seeds[0] if s.draw_seeds else None for s in seqs]
-            drawn = sample(decoded, [s.sampling for s in seqs], [s.generator for s in seqs], seeds)
-            return [[int(t)] for t in drawn.tolist()]
+            return _sample(decoded, seqs)
         input_ids, positions, meta, logits_idx = self._build_metadata(seqs)
         if len(logits_idx) == 0:
             # nothing to sample (only non-final prefill chunks): skip the LM head entirely
@@ -280,20 +278,7 @@ class ModelRunner:
             ).to(logits_idx.device)
         logits = self._forward(input_ids, positions, meta, logits_idx)
         assert logits is not None  # [sum(counts), vocab]
-        params = [s.sampling for s in sampled_seqs for _ in range(s.num_logits)]
-        gens = [s.generator for s in sampled_seqs for _ in range(s.num_logits)]
-        seeds = [
-            (s.draw_seeds[j] if j < len(s.draw_seeds) else None)
-            for s in sampled_seqs
-            for j in range(s.num_logits)
-        ]
-        flat = [int(t) for t in sample(logits, params, gens, seeds).tolist()]
-        tokens: list[list[int]] = []
-        pos = 0
-        for c in counts:
-            tokens.append(flat[pos : pos + c])
-            pos += c
-        return tokens
+        return _sample(logits, sampled_seqs)
 
     def _forward(
         self,
@@ -353,6 +338,24 @@ class ModelRunner:
         arr = arr.permute(1, 2, 3, 0, 4, 5).to(self.device)  # [L, 2, H, n, bs, D]
         idx = torch.tensor(block_ids, device=self.device)
         self._by_block().index_copy_(3, idx, arr)
+
+
+def _sample(logits: torch.Tensor, sampled_seqs: list[ScheduledSeq]) -> list[list[int]]:
+    """logits [sum of num_logits, vocab], each sequence's rows in order -> its drawn tokens."""
+    params = [s.sampling for s in sampled_seqs for _ in range(s.num_logits)]
+    gens = [s.generator for s in sampled_seqs for _ in range(s.num_logits)]
+    seeds = [
+        (s.draw_seeds[j] if j < len(s.draw_seeds) else None)
+        for s in sampled_seqs
+        for j in range(s.num_logits)
+    ]
+    flat = [int(t) for t in sample(logits, params, gens, seeds).tolist()]
+    tokens: list[list[int]] = []
+    pos = 0
+    for s in sampled_seqs:
+        tokens.append(flat[pos : pos + s.num_logits])
+        pos += s.num_logits
+    return tokens
 
 
 def _plain_decode(s: ScheduledSeq) -> bool:
