@@ -520,11 +520,9 @@ def main(argv: list[str] | None = None) -> None:
             f"{w['prefill_wall_s']:.2f} s with (hit rate {w['hit_rate']:.1%}): "
             f"{prefix['speedup']:.2f}x"
         )
-    if (pdserve := results.get("pdserve")) is not None:
-        print(
-            f"pdserve engine start (load + warm-up, {args.engine_dp_size} rank(s)): "
-            f"{pdserve['engine_start_s']:.1f} s"
-        )
+    for name, what in (("pdserve", "load + warm-up"), ("pdserve_graphs", "load + warm-up + graph capture")):
+        if (r := results.get(name)) is not None:
+            print(f"{name} engine start ({what}, {args.engine_dp_size} rank(s)): {r['engine_start_s']:.1f} s")
     if floor is not None:
         from benchmarks.engine_floor import format_report
 

@@ -173,6 +173,7 @@ class WorkerApp:
             cpu_prepack=s.cpu_prepack,
             lean_forward=s.lean_forward,
             cuda_graphs=s.cuda_graphs,
+            cuda_graph_warm_tokens=s.cuda_graph_warm_tokens,
             cpu_kernel_cache_entries=s.cpu_kernel_cache_entries,
             speculative=s.speculative,
             num_speculative_tokens=s.num_speculative_tokens,

@@ -71,6 +71,11 @@ class WorkerSettings(TlsSettings):
         "On CUDA, replay decode-only steps as CUDA graphs (one per batch and context bucket, "
         "captured on first use; needs the lean forward); ignored on CPU",
     )
+    cuda_graph_warm_tokens: int = field(
+        1024,
+        "With --cuda-graphs: capture at start the graphs of every batch size up to --max-num-seqs "
+        "and every context up to this many tokens (longer ones are captured on first use)",
+    )
     cpu_kernel_cache_entries: int = field(
         64,
         "On CPU, oneDNN kernels kept per cache (one per input shape, ~0.3 MiB each); bounds the "
@@ -150,6 +155,7 @@ class WorkerSettings(TlsSettings):
         if self.speculative == "draft" and not self.draft_model:
             raise ValueError("--speculative draft needs --draft-model (a folder, or 'default')")
         for name in (
+            "cuda_graph_warm_tokens",
             "draft_kv_cache_tokens",
             "kv_cache_tokens",
             "max_batch_tokens",

@@ -131,6 +131,9 @@ class EngineConfig:
     # CUDA: decode-only steps padded to a few static shapes and replayed as CUDA graphs
     # (engine/decode_graphs.py); needs the lean forward; ignored on CPU
     cuda_graphs: bool = False
+    # with cuda_graphs: graphs captured at start for every batch bucket up to max_num_seqs and
+    # every context bucket up to this many tokens per sequence (longer contexts: on first use)
+    cuda_graph_warm_tokens: int = 1024
     # CPU: entries in each of oneDNN's kernel caches (one per input shape, ~0.3 MiB each);
     # bounds the memory that prompts of many lengths would otherwise add (cpu_linear)
     cpu_kernel_cache_entries: int = 64

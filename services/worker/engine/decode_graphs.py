@@ -114,15 +114,37 @@ class DecodeGraphs:
         assert e.logits is not None
         return e.logits[:b]
 
+    def prepare(self, max_seqs: int, max_context_tokens: int) -> int:
+        """Capture every bucket up to `max_seqs` sequences x `max_context_tokens` tokens each now
+        (at start), so serving never stalls on a capture for those shapes; larger steps are
+        captured on first use. Largest first: later, smaller graphs reuse the shared pool's
+        memory. Returns the number of graphs captured (0 on CPU)."""
+        if not self.capture:
+            return 0
+        nb_max = bucket(-(-max_context_tokens // self.block_size), _MIN_BLOCK_BUCKET)
+        batch = [bucket(1) << i for i in range(bucket(max_seqs).bit_length())]
+        blocks = [_MIN_BLOCK_BUCKET << i for i in range((nb_max // _MIN_BLOCK_BUCKET).bit_length())]
+        n = 0
+        for b in reversed(batch):
+            for nb in reversed(blocks):
+                e = self.buckets.get((b, nb)) or self._new_bucket(b, nb)
+                if e.graph is None:
+                    self._capture(e)
+                    n += 1
+        torch.cuda.synchronize(self.device)
+        return n
+
     # ---- internals -----------------------------------------------------------------------
     def _new_bucket(self, b: int, nb: int) -> _Bucket:
         dev = self.device
         e = _Bucket(
             input_ids=torch.zeros(b, dtype=torch.long, device=dev),
             positions=torch.zeros(b, dtype=torch.long, device=dev),
-            slots=torch.zeros(b, dtype=torch.long, device=dev),
+            # a new bucket is all padding: its first run (a capture at start) writes only the
+            # scratch block
+            slots=torch.full((b,), self.scratch_block * self.block_size, dtype=torch.long, device=dev),
             ctx_lens=torch.ones(b, dtype=torch.long, device=dev),
-            block_table=torch.zeros(b * nb, dtype=torch.long, device=dev),
+            block_table=torch.full((b * nb,), self.scratch_block, dtype=torch.long, device=dev),
             key_index=torch.arange(nb * self.block_size, device=dev),
             logits_idx=torch.arange(b, device=dev),
             num_blocks=nb,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -235,6 +236,10 @@ class PagedEngine:
                 decode_graphs=cfg.cuda_graphs and device.type == "cuda",
             )
             runner.warm_up()
+            if runner.graphs is not None:
+                t0 = time.perf_counter()
+                n = runner.graphs.prepare(cfg.max_num_seqs, cfg.cuda_graph_warm_tokens)
+                log.info("rank %d: %d CUDA graphs captured in %.1f s", dp_rank, n, time.perf_counter() - t0)
             blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
             budget = cfg.max_batch_tokens or _DEFAULT_BATCH_TOKENS.get(device.type, 2048)
             speculation = None

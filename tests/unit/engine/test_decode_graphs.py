@@ -147,3 +147,29 @@ async def test_cuda_graph_engine_matches_cpu(make_engine: EngineFactory) -> None
     prompts = [tuple(range(5 + i, 60 + 7 * i)) for i in range(4)]
     assert await greedy_tokens(gpu, prompts, 20) == await greedy_tokens(cpu, prompts, 20)
     assert gpu.num_free_blocks(0) == gpu.num_total_blocks(0)
+
+
+def test_prepare_captures_nothing_on_cpu(tiny_bpe: Path) -> None:
+    _, static = _runners(tiny_bpe, torch.device("cpu"))
+    assert static.graphs is not None
+    assert static.graphs.prepare(8, 256) == 0 and not static.graphs.buckets
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_prepared_graphs_serve_without_new_captures(tiny_bpe: Path) -> None:
+    """Graphs captured at start (8 sequences x 64 tokens: batch buckets 1-8 x block buckets 4,
+    8, 16 of 4-token blocks) write only the scratch block, and the decode steps after them reuse
+    them (no capture while serving) with the runner's tokens and K/V."""
+    plain, static = _runners(tiny_bpe, torch.device("cuda"))
+    assert static.graphs is not None
+    before = static.kv_cache[:, :, :, : NUM_BLOCKS * BLOCK].clone()
+    assert static.graphs.prepare(8, 64) == 4 * 3
+    assert torch.equal(static.kv_cache[:, :, :, : NUM_BLOCKS * BLOCK], before)
+    prepared = {key: e.graph for key, e in static.graphs.buckets.items()}
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8], [1, 4, 1, 4, 2, 1, 3, 5, 6, 2]]
+    tables = [list(range(30, 37)), [50, 8, 61, 9, 70, 11, 72], [0, 1, 2, 3, 4, 5, 6]]
+    want = _decode_together(plain, prompts, tables, 16)
+    assert _decode_together(static, prompts, tables, 16) == want
+    assert {key: e.graph for key, e in static.graphs.buckets.items()} == prepared
+    assert {key for key, e in static.graphs.buckets.items() if e.replays} == {(4, 4), (4, 8), (1, 8)}
