@@ -163,6 +163,17 @@ def worker_counts(a: argparse.Namespace) -> dict[str, int]:
     return counts
 
 
+def _graphs_flag(a: argparse.Namespace) -> list[str]:
+    """`--no-cuda-graphs` when several worker processes share the GPU. Every worker of `up` runs
+    on the same device, and without MPS the GPU time-slices between processes: an eager prefill
+    worker's ~1,000 small kernels per step each wait behind the other process's graph replays.
+    Measured on an H200 (benchmarks/results/goodput-cuda-graphs-notes.md): disaggregated chat at
+    30 req/s met the TTFT SLO for 3.8 % of requests with graphs against 100 % without, while one
+    process with graphs did better than without (TTFT p90 1.14 s vs 1.94 s at 20 req/s)."""
+    several = sum(a.worker_counts.values()) > 1
+    return ["--no-cuda-graphs"] if several and a.device != "cpu" else []
+
+
 def worker_name(kind: str, index: int) -> str:
     """`decode-worker`, `decode-worker-1`, ...: the first keeps the plain name (and port)."""
     return kind if index == 0 else f"{kind}-{index}"
@@ -203,7 +214,8 @@ def _children(a: argparse.Namespace, model_path: str) -> list[Child]:
         str(a.block_size),
         "--torch-threads",
         str(a.torch_threads),
-        *a.worker_arg,
+        *_graphs_flag(a),
+        *a.worker_arg,  # after ours: a --worker-arg=--cuda-graphs wins
     ]
     children = [
         Child(

@@ -67,9 +67,10 @@ class WorkerSettings(TlsSettings):
         "--no-lean-forward = transformers' own forward",
     )
     cuda_graphs: bool = field(
-        False,
-        "On CUDA, replay decode-only steps as CUDA graphs (one per batch and context bucket, "
-        "captured on first use; needs the lean forward); ignored on CPU",
+        True,
+        "On CUDA, replay decode-only steps as CUDA graphs (one per batch and context bucket; "
+        "needs the lean forward); ignored on CPU. --no-cuda-graphs when other processes share "
+        "this GPU: without MPS their kernels then wait for time slices behind the graphs",
     )
     cuda_graph_warm_tokens: int = field(
         1024,

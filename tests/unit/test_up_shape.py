@@ -141,3 +141,25 @@ def test_stop_order_gateway_then_all_workers_at_once_then_scheduler_and_load_mon
         ("term", "load-monitor"),
         ("exited", "load-monitor"),
     ]
+
+
+def _graphs_flags(*argv: str) -> dict[str, list[str]]:
+    return {c.name: [a for a in c.args if "cuda-graphs" in a] for c in _children(*argv) if "worker" in c.name}
+
+
+def test_cuda_graphs_stay_on_only_for_a_worker_that_has_the_gpu_to_itself() -> None:
+    """Several worker processes on one GPU: up turns the graphs off (they starve the other
+    processes' kernels); one worker process (any number of DP ranks) keeps the worker's default;
+    on CPU the flag is left out; an explicit --worker-arg=--cuda-graphs comes last and wins."""
+    assert _graphs_flags("--device", "cuda") == {
+        "prefill-worker": ["--no-cuda-graphs"],
+        "decode-worker": ["--no-cuda-graphs"],
+    }
+    assert _graphs_flags("--device", "cuda", "--unified", "--dp-size", "2") == {"worker": []}
+    assert _graphs_flags("--device", "auto", "--unified-workers", "2") == {
+        "worker": ["--no-cuda-graphs"],
+        "worker-1": ["--no-cuda-graphs"],
+    }
+    assert _graphs_flags() == {"prefill-worker": [], "decode-worker": []}
+    forced = _graphs_flags("--device", "cuda", "--worker-arg=--cuda-graphs")
+    assert forced["decode-worker"] == ["--no-cuda-graphs", "--cuda-graphs"]

@@ -130,7 +130,7 @@ class EngineConfig:
     lean_forward: bool = True
     # CUDA: decode-only steps padded to a few static shapes and replayed as CUDA graphs
     # (engine/decode_graphs.py); needs the lean forward; ignored on CPU
-    cuda_graphs: bool = False
+    cuda_graphs: bool = True
     # with cuda_graphs: graphs captured at start for every batch bucket up to max_num_seqs and
     # every context bucket up to this many tokens per sequence (longer contexts: on first use)
     cuda_graph_warm_tokens: int = 1024

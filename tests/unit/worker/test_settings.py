@@ -52,11 +52,11 @@ def test_lean_forward_is_on_by_default_and_can_be_turned_off() -> None:
     assert off.lean_forward is False
 
 
-def test_cuda_graphs_are_off_by_default_and_can_be_turned_on() -> None:
-    assert parse_settings(WorkerSettings, [], env={}).cuda_graphs is False
-    assert parse_settings(WorkerSettings, ["--cuda-graphs"], env={}).cuda_graphs is True
-    on = parse_settings(WorkerSettings, [], env={"PDSERVE_CUDA_GRAPHS": "true"})
-    assert on.cuda_graphs is True
+def test_cuda_graphs_are_on_by_default_and_can_be_turned_off() -> None:
+    assert parse_settings(WorkerSettings, [], env={}).cuda_graphs is True
+    assert parse_settings(WorkerSettings, ["--no-cuda-graphs"], env={}).cuda_graphs is False
+    off = parse_settings(WorkerSettings, [], env={"PDSERVE_CUDA_GRAPHS": "false"})
+    assert off.cuda_graphs is False
 
 
 def test_ipv6_pod_ip_is_advertised_in_brackets() -> None:
