@@ -1,21 +1,22 @@
-"""Static-shape decode steps, replayed as CUDA graphs on a GPU (issue 15, item 3).
+"""Static-shape decode and verify steps, replayed as CUDA graphs on a GPU (issue 15, item 3).
 
-Owns `DecodeGraphs`: for a decode-only step (every sequence one new token and one sampled
-logit) it pads the step to a bucket (B sequences x NB blocks per sequence, both powers of two),
-copies the step's small index tensors into that bucket's static buffers and runs the lean forward
-on them; on CUDA the bucket's run is captured once as a CUDA graph and replayed after that.
+Owns `DecodeGraphs`: for a step where every sequence brings a few new tokens (one when decoding,
+k+1 when speculative decoding verifies k proposals, up to 8 or k+1) and samples its trailing
+logits, it pads the step to a bucket (B sequences x Q query rows x NB blocks per sequence), copies
+the step's small index tensors into that bucket's static buffers and runs the lean forward on
+them; on CUDA the bucket's run is captured once as a CUDA graph and replayed after that.
 
 Why: on a GPU a decode step of a small model is ~1,000 kernel launches issued by one Python
 thread. On an H200 (engine-cuda.json, 2026-11-26) SmolLM2's 8-sequence step took 15.4 ms, all of
-it CPU time, against 0.08 ms to read its weights and KV once. A graph replays the step's kernels
-from one launch.
+it CPU time, against 0.08 ms to read its weights and KV once; replayed as a graph, 3.5 ms.
 
 Invariants:
-- Padding sequences write their K/V to a scratch block past the block manager's blocks (the
-  runner allocates it) and attend to its first slot only, so they never touch a request's KV and
-  never produce a row with every key masked (no NaN).
-- The attention mask is computed inside the step from the context lengths, so one graph serves
-  every step that fits its bucket; nothing in the step reads a tensor's value on the host.
+- Padding rows (a sequence's rows past its tokens, and whole padding sequences) write their K/V
+  to a scratch block past the block manager's blocks (the runner allocates it) and attend to one
+  key only, so they never touch a request's KV and never produce a row with every key masked
+  (no NaN). Their logits are computed and dropped.
+- The attention mask is computed inside the step from each row's context length, so one graph
+  serves every step that fits its bucket; nothing in the step reads a tensor's value on the host.
 - Results equal the BATCHED attention backend's for the same sequences (same kernels, padded
   keys masked with -inf).
 
@@ -35,6 +36,8 @@ from services.worker.engine import attention
 from services.worker.engine.lean_llama import LeanLlama
 
 _MIN_BLOCK_BUCKET = 4  # blocks per sequence in the smallest bucket (64 tokens at block size 16)
+# query rows per sequence: decode (1), then powers of two; DecodeGraphs adds k+1 of speculation
+_Q_BUCKETS = (1, 2, 4, 8)
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -47,28 +50,31 @@ def bucket(n: int, minimum: int = 1) -> int:
 
 @dataclass
 class _Bucket:
-    """Static buffers of one (sequences, blocks per sequence) bucket, and its graph."""
+    """Static buffers of one (sequences, query rows, blocks per sequence) bucket, and its graph.
+    Row b * Q + i is query token i of sequence b."""
 
-    input_ids: torch.Tensor  # [B] token of each sequence (padding: 0)
-    positions: torch.Tensor  # [B] its position (padding: 0)
-    slots: torch.Tensor  # [B] the KV slot it writes (padding: the scratch block's first slot)
-    ctx_lens: torch.Tensor  # [B] keys it sees = position + 1 (padding: 1)
+    input_ids: torch.Tensor  # [B * Q] token of each row (padding: 0)
+    positions: torch.Tensor  # [B * Q] its position (padding: 0)
+    slots: torch.Tensor  # [B * Q] the KV slot it writes (padding: the scratch block's first slot)
+    ctx_lens: torch.Tensor  # [B * Q] keys it sees = position + 1 (padding: 1)
     block_table: torch.Tensor  # [B * NB] blocks per sequence (padding: the scratch block)
     key_index: torch.Tensor  # [NB * block_size] 0, 1, ... (constant)
-    logits_idx: torch.Tensor  # [B] 0, 1, ... (constant)
+    logits_idx: torch.Tensor  # [B * Q] 0, 1, ... (constant)
     num_blocks: int  # NB
-    logits: torch.Tensor | None = None  # [B, vocab] the graph's output buffer
+    q: int  # Q
+    logits: torch.Tensor | None = None  # [B * Q, vocab] the graph's output buffer
     graph: Any = None  # torch.cuda.CUDAGraph once captured
     replays: int = 0  # steps run on this bucket
 
 
 @dataclass(frozen=True)
 class DecodeSeq:
-    """What a decode step needs of one sequence."""
+    """What a static step needs of one sequence."""
 
-    token_id: int
-    position: int  # tokens already cached = the new token's position
-    block_ids: Sequence[int]  # covering position + 1 tokens
+    token_ids: Sequence[int]  # its new tokens (1 when decoding, 1 + k when verifying k drafts)
+    position: int  # tokens already cached = the first new token's position
+    block_ids: Sequence[int]  # covering position + len(token_ids) tokens
+    num_logits: int = 1  # trailing tokens whose logits are sampled
 
 
 class DecodeGraphs:
@@ -81,6 +87,7 @@ class DecodeGraphs:
         dtype: torch.dtype,
         device: torch.device,
         capture: bool,  # CUDA graphs (CUDA only); False = run the static step eagerly
+        spec_tokens: int = 0,  # k of speculative decoding: k + 1 rows get a bucket of their own
     ) -> None:
         if capture and device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
@@ -91,15 +98,25 @@ class DecodeGraphs:
         self.dtype = dtype
         self.device = device
         self.capture = capture
-        self.buckets: dict[tuple[int, int], _Bucket] = {}
+        self.q_buckets = tuple(sorted({*_Q_BUCKETS, spec_tokens + 1}))
+        self.max_q = self.q_buckets[-1]
+        self.spec_tokens = spec_tokens
+        self.buckets: dict[tuple[int, int, int], _Bucket] = {}
         self._pool: Any = torch.cuda.graph_pool_handle() if capture else None
 
+    def fits(self, num_tokens: int, num_logits: int) -> bool:
+        """Whether a sequence's part of a step can run here."""
+        return 1 <= num_logits <= num_tokens <= self.max_q
+
     def run(self, seqs: Sequence[DecodeSeq]) -> torch.Tensor:
-        """Logits [len(seqs), vocab] of one decode step, K/V of the new tokens written."""
+        """Logits [sum of num_logits, vocab] (each sequence's trailing rows, in order), K/V of
+        the new tokens written."""
         b = len(seqs)
         bs = self.block_size
-        need = max(-(-(s.position + 1) // bs) for s in seqs)
-        key = (bucket(b), bucket(need, _MIN_BLOCK_BUCKET))
+        need = max(-(-(s.position + len(s.token_ids)) // bs) for s in seqs)
+        q_max = max(len(s.token_ids) for s in seqs)
+        q = next(n for n in self.q_buckets if n >= q_max)
+        key = (bucket(b), q, bucket(need, _MIN_BLOCK_BUCKET))
         e = self.buckets.get(key) or self._new_bucket(*key)
         self._fill(e, seqs)
         if not self.capture:
@@ -112,11 +129,19 @@ class DecodeGraphs:
             e.graph.replay()
         e.replays += 1
         assert e.logits is not None
-        return e.logits[:b]
+        if q == 1:
+            return e.logits[:b]
+        rows = [
+            i * q + j
+            for i, s in enumerate(seqs)
+            for j in range(len(s.token_ids) - s.num_logits, len(s.token_ids))
+        ]
+        return e.logits.index_select(0, torch.tensor(rows, device=self.device))
 
     def prepare(self, max_seqs: int, max_context_tokens: int) -> int:
         """Capture every bucket up to `max_seqs` sequences x `max_context_tokens` tokens each now
-        (at start), so serving never stalls on a capture for those shapes; larger steps are
+        (at start), for decode steps (1 row per sequence) and, with speculation, verify steps
+        (k + 1 rows), so serving never stalls on a capture for those shapes; other shapes are
         captured on first use. Largest first: later, smaller graphs reuse the shared pool's
         memory. Returns the number of graphs captured (0 on CPU)."""
         if not self.capture:
@@ -124,49 +149,67 @@ class DecodeGraphs:
         nb_max = bucket(-(-max_context_tokens // self.block_size), _MIN_BLOCK_BUCKET)
         batch = [bucket(1) << i for i in range(bucket(max_seqs).bit_length())]
         blocks = [_MIN_BLOCK_BUCKET << i for i in range((nb_max // _MIN_BLOCK_BUCKET).bit_length())]
+        rows = [1, self.spec_tokens + 1] if self.spec_tokens else [1]
         n = 0
         for b in reversed(batch):
-            for nb in reversed(blocks):
-                e = self.buckets.get((b, nb)) or self._new_bucket(b, nb)
-                if e.graph is None:
-                    self._capture(e)
-                    n += 1
+            for q in reversed(rows):
+                for nb in reversed(blocks):
+                    e = self.buckets.get((b, q, nb)) or self._new_bucket(b, q, nb)
+                    if e.graph is None:
+                        self._capture(e)
+                        n += 1
         torch.cuda.synchronize(self.device)
         return n
 
     # ---- internals -----------------------------------------------------------------------
-    def _new_bucket(self, b: int, nb: int) -> _Bucket:
+    def _new_bucket(self, b: int, q: int, nb: int) -> _Bucket:
         dev = self.device
+        rows = b * q
         e = _Bucket(
-            input_ids=torch.zeros(b, dtype=torch.long, device=dev),
-            positions=torch.zeros(b, dtype=torch.long, device=dev),
+            input_ids=torch.zeros(rows, dtype=torch.long, device=dev),
+            positions=torch.zeros(rows, dtype=torch.long, device=dev),
             # a new bucket is all padding: its first run (a capture at start) writes only the
             # scratch block
-            slots=torch.full((b,), self.scratch_block * self.block_size, dtype=torch.long, device=dev),
-            ctx_lens=torch.ones(b, dtype=torch.long, device=dev),
+            slots=torch.full((rows,), self.scratch_block * self.block_size, dtype=torch.long, device=dev),
+            ctx_lens=torch.ones(rows, dtype=torch.long, device=dev),
             block_table=torch.full((b * nb,), self.scratch_block, dtype=torch.long, device=dev),
             key_index=torch.arange(nb * self.block_size, device=dev),
-            logits_idx=torch.arange(b, device=dev),
+            logits_idx=torch.arange(rows, device=dev),
             num_blocks=nb,
+            q=q,
         )
-        self.buckets[(b, nb)] = e
+        self.buckets[(b, q, nb)] = e
         return e
 
     def _fill(self, e: _Bucket, seqs: Sequence[DecodeSeq]) -> None:
         """Host-side values of the step into the bucket's buffers (one copy each)."""
-        bs, nb, scratch = self.block_size, e.num_blocks, self.scratch_block
-        b = e.input_ids.shape[0]
-        pad = b - len(seqs)
-        ids = [s.token_id for s in seqs] + [0] * pad
-        pos = [s.position for s in seqs] + [0] * pad
-        slots = [s.block_ids[s.position // bs] * bs + s.position % bs for s in seqs]
-        slots += [scratch * bs] * pad
-        ctx = [s.position + 1 for s in seqs] + [1] * pad
+        bs, nb, q, scratch = self.block_size, e.num_blocks, e.q, self.scratch_block
+        b = e.block_table.shape[0] // nb
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        ctx: list[int] = []
         table: list[int] = []
         for s in seqs:
-            used = list(s.block_ids[: -(-(s.position + 1) // bs)])
+            n = len(s.token_ids)
+            ids.extend(s.token_ids)
+            for p in range(s.position, s.position + n):
+                pos.append(p)
+                slots.append(s.block_ids[p // bs] * bs + p % bs)
+                ctx.append(p + 1)
+            pad = q - n
+            ids.extend([0] * pad)
+            pos.extend([0] * pad)
+            slots.extend([scratch * bs] * pad)
+            ctx.extend([1] * pad)
+            used = list(s.block_ids[: -(-(s.position + n) // bs)])
             table.extend(used + [scratch] * (nb - len(used)))
-        table.extend([scratch] * (nb * pad))
+        pad_rows = (b - len(seqs)) * q
+        ids.extend([0] * pad_rows)
+        pos.extend([0] * pad_rows)
+        slots.extend([scratch * bs] * pad_rows)
+        ctx.extend([1] * pad_rows)
+        table.extend([scratch] * (nb * (b - len(seqs))))
         for buf, values in (
             (e.input_ids, ids),
             (e.positions, pos),
@@ -178,18 +221,26 @@ class DecodeGraphs:
 
     def _step(self, e: _Bucket) -> torch.Tensor:
         """The lean forward on the bucket's buffers; only device ops (capturable)."""
-        b, nb = e.input_ids.shape[0], e.num_blocks
-        visible = e.key_index[None, :] < e.ctx_lens[:, None]  # [B, NB * block_size]
+        nb, q = e.num_blocks, e.q
+        b = e.block_table.shape[0] // nb
+        keys = nb * self.block_size
+        visible = e.key_index[None, :] < e.ctx_lens[:, None]  # [B * Q, keys]
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
         mask.masked_fill_(~visible, float("-inf"))
+        if q == 1:
+            mask4 = mask[:, None, None, :]  # [B, 1, 1, keys]: every head row of a sequence
+        else:
+            # attention.py orders a sequence's rows (query, head of its KV group)
+            rep = self.lean.num_heads // self.lean.num_kv_heads
+            mask4 = mask.view(b, 1, q, 1, keys).expand(b, 1, q, rep, keys).reshape(b, 1, q * rep, keys)
         group = attention.BatchedGroup(
             q_index=None,
             block_table=e.block_table,
-            mask=mask[:, None, None, :],  # [B, 1, 1, keys]: every query row of a sequence
+            mask=mask4,
             out_rows=None,
             out_positions=None,
             num_seqs=b,
-            q_max=1,
+            q_max=q,
             num_blocks_max=nb,
         )
         meta = attention.PagedAttentionMetadata(

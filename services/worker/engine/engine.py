@@ -234,12 +234,10 @@ class PagedEngine:
                 dtype,
                 lean_forward=cfg.lean_forward,
                 decode_graphs=cfg.cuda_graphs and device.type == "cuda",
+                spec_tokens=cfg.num_speculative_tokens if cfg.speculative != "off" else 0,
             )
             runner.warm_up()
-            if runner.graphs is not None:
-                t0 = time.perf_counter()
-                n = runner.graphs.prepare(cfg.max_num_seqs, cfg.cuda_graph_warm_tokens)
-                log.info("rank %d: %d CUDA graphs captured in %.1f s", dp_rank, n, time.perf_counter() - t0)
+            self._prepare_graphs(runner, f"rank {dp_rank}")
             blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
             budget = cfg.max_batch_tokens or _DEFAULT_BATCH_TOKENS.get(device.type, 2048)
             speculation = None
@@ -284,6 +282,14 @@ class PagedEngine:
             rank.start()
         self._started = True
 
+    def _prepare_graphs(self, runner: ModelRunner, what: str) -> None:
+        """Capture the runner's CUDA graphs now (decode_graphs.py), not while serving."""
+        if runner.graphs is None:
+            return
+        t0 = time.perf_counter()
+        n = runner.graphs.prepare(self.config.max_num_seqs, self.config.cuda_graph_warm_tokens)
+        log.info("%s: %d CUDA graphs captured in %.1f s", what, n, time.perf_counter() - t0)
+
     def _draft_proposer(
         self,
         model: Any,
@@ -299,8 +305,17 @@ class PagedEngine:
         num_blocks = (
             -(-cfg.draft_kv_cache_tokens // cfg.block_size) if cfg.draft_kv_cache_tokens else target_blocks
         )
-        runner = ModelRunner(model, layout, num_blocks, device, dtype, lean_forward=cfg.lean_forward)
+        runner = ModelRunner(
+            model,
+            layout,
+            num_blocks,
+            device,
+            dtype,
+            lean_forward=cfg.lean_forward,
+            decode_graphs=cfg.cuda_graphs and device.type == "cuda",  # its one-token proposal steps
+        )
         runner.warm_up()
+        self._prepare_graphs(runner, "draft model")
         max_len = min(self.max_model_len, int(model.config.get_text_config().max_position_embeddings))
         log.info(
             "draft model %s: %d KV blocks of %d tokens", cfg.draft_model_path, num_blocks, cfg.block_size

@@ -93,10 +93,12 @@ class ModelRunner:
         attention_backend: AttentionBackend | None = None,
         lean_forward: bool = True,
         decode_graphs: bool = False,
+        spec_tokens: int = 0,
     ) -> None:
-        """decode_graphs: decode-only steps run as static-shape steps (engine/decode_graphs.py),
-        captured as CUDA graphs on CUDA and run eagerly elsewhere (tests); needs the lean
-        forward, ignored without it."""
+        """decode_graphs: decode and verify steps run as static-shape steps
+        (engine/decode_graphs.py), captured as CUDA graphs on CUDA and run eagerly elsewhere
+        (tests); needs the lean forward, ignored without it. spec_tokens: k of speculative
+        decoding (its verify steps get buckets of k + 1 rows per sequence)."""
         self.model = model
         self.layout = layout
         self.device = device
@@ -130,6 +132,7 @@ class ModelRunner:
                 dtype=dtype,
                 device=device,
                 capture=device.type == "cuda",
+                spec_tokens=spec_tokens,
             )
             if use_graphs and self.lean is not None
             else None
@@ -257,8 +260,16 @@ class ModelRunner:
     def execute(self, seqs: list[ScheduledSeq]) -> list[list[int]]:
         """Run one step; for each seq with sample=True, in order, the tokens sampled at its
         num_logits trailing positions (one token without speculation)."""
-        if self.graphs is not None and seqs and all(_plain_decode(s) for s in seqs):
-            decoded = self.graphs.run([DecodeSeq(s.token_ids[0], s.start_pos, s.block_ids) for s in seqs])
+        graphs = self.graphs
+        if (
+            graphs is not None
+            and seqs
+            and all(s.sample and graphs.fits(len(s.token_ids), s.num_logits) for s in seqs)
+        ):
+            # decode steps, verify steps, short prompts: every sequence a few tokens, all sampled
+            decoded = graphs.run(
+                [DecodeSeq(s.token_ids, s.start_pos, s.block_ids, s.num_logits) for s in seqs]
+            )
             return _sample(decoded, seqs)
         input_ids, positions, meta, logits_idx = self._build_metadata(seqs)
         if len(logits_idx) == 0:
@@ -356,11 +367,6 @@ def _sample(logits: torch.Tensor, sampled_seqs: list[ScheduledSeq]) -> list[list
         tokens.append(flat[pos : pos + s.num_logits])
         pos += s.num_logits
     return tokens
-
-
-def _plain_decode(s: ScheduledSeq) -> bool:
-    """One new token, its one logit sampled: what a static decode step serves."""
-    return len(s.token_ids) == 1 and s.sample and s.num_logits == 1
 
 
 def _consecutive(blocks: list[int]) -> bool:

@@ -5,14 +5,18 @@ static step runs eagerly; on CUDA it is captured and replayed as a CUDA graph (g
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from services.worker.engine import engine as engine_module
 from services.worker.engine.api import SamplingConfig
 from services.worker.engine.decode_graphs import DecodeSeq, bucket
 from services.worker.engine.model_runner import ModelRunner, ScheduledSeq, kv_layout_of, load_model
+from tests.support.tiny_models import build_tiny_draft
 from tests.unit.engine.conftest import EngineFactory, greedy_tokens
 
 GREEDY = SamplingConfig(max_tokens=1, temperature=0.0)
@@ -25,11 +29,13 @@ def test_bucket_is_the_next_power_of_two() -> None:
     assert bucket(1, 4) == 4 and bucket(5, 4) == 8
 
 
-def _runners(model_path: Path, device: torch.device) -> tuple[ModelRunner, ModelRunner]:
+def _runners(model_path: Path, device: torch.device, spec_tokens: int = 0) -> tuple[ModelRunner, ModelRunner]:
     model = load_model(str(model_path), device, torch.float32)
     layout = kv_layout_of(model.config, BLOCK, torch.float32)
     plain = ModelRunner(model, layout, NUM_BLOCKS, device, torch.float32)
-    static = ModelRunner(model, layout, NUM_BLOCKS, device, torch.float32, decode_graphs=True)
+    static = ModelRunner(
+        model, layout, NUM_BLOCKS, device, torch.float32, decode_graphs=True, spec_tokens=spec_tokens
+    )
     assert static.graphs is not None and plain.graphs is None
     return plain, static
 
@@ -77,7 +83,7 @@ def _check_static_equals_plain(model_path: Path, device: torch.device) -> None:
     graphs = static.graphs
     assert graphs is not None
     used = {key for key, e in graphs.buckets.items() if e.replays}
-    assert (8, 16) in used and (4, 16) in used  # the batch shrank from 5 to 3 sequences
+    assert (8, 1, 16) in used and (4, 1, 16) in used  # the batch shrank from 5 to 3 sequences
     # the same K/V in every request block; only the scratch block (index NUM_BLOCKS) differs
     real = NUM_BLOCKS * BLOCK
     torch.testing.assert_close(static.kv_cache[:, :, :, :real], plain.kv_cache, rtol=1e-5, atol=1e-5)
@@ -90,8 +96,8 @@ def test_static_decode_steps_equal_the_runner_on_cpu(tiny_bpe: Path) -> None:
 
 def test_contexts_grow_into_the_next_block_bucket(tiny_bpe: Path) -> None:
     """Contexts cross 16 tokens (4 blocks of 4) mid-run and two of three sequences finish: the
-    steps move through the (4, 4), (4, 8) and (1, 8) buckets, each with its own buffers, and the
-    tokens stay the runner's."""
+    steps move through the (sequences, rows, blocks) buckets (4, 1, 4), (4, 1, 8) and (1, 1, 8),
+    each with its own buffers, and the tokens stay the runner's."""
     plain, static = _runners(tiny_bpe, torch.device("cpu"))
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8], [1, 4, 1, 4, 2, 1, 3, 5, 6, 2]]
     tables = [list(range(30, 37)), [50, 8, 61, 9, 70, 11, 72], [0, 1, 2, 3, 4, 5, 6]]
@@ -99,7 +105,7 @@ def test_contexts_grow_into_the_next_block_bucket(tiny_bpe: Path) -> None:
     assert _decode_together(static, prompts, tables, 16) == want
     assert static.graphs is not None
     used = {key for key, e in static.graphs.buckets.items() if e.replays}
-    assert used == {(4, 4), (4, 8), (1, 8)}
+    assert used == {(4, 1, 4), (4, 1, 8), (1, 1, 8)}
 
 
 def test_static_decode_logits_match(tiny_bpe: Path) -> None:
@@ -114,21 +120,91 @@ def test_static_decode_logits_match(tiny_bpe: Path) -> None:
     with torch.inference_mode():
         input_ids, positions, meta, idx = plain._build_metadata(seqs)
         want = plain._forward(input_ids[0][None], positions, meta, idx)
-        got = static.graphs.run([DecodeSeq(3, len(p), t) for p, t in zip(prompts, tables, strict=True)])
+        got = static.graphs.run([DecodeSeq([3], len(p), t) for p, t in zip(prompts, tables, strict=True)])
     assert want is not None
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_mixed_steps_keep_the_runner_path(tiny_bpe: Path) -> None:
-    """A step with a prefill chunk or a verify pass is not a plain decode: no bucket is used."""
+def test_long_or_unsampled_chunks_keep_the_runner_path(tiny_bpe: Path) -> None:
+    """A step with a prompt chunk longer than the largest row bucket (8), or a chunk that samples
+    nothing, is not a static step: no bucket is used."""
     _, static = _runners(tiny_bpe, torch.device("cpu"))
     static.execute(
         [
-            ScheduledSeq([1, 2, 3], 0, [0], True, GREEDY, None),
-            ScheduledSeq([4], 3, [1], True, GREEDY, None),
+            ScheduledSeq(list(range(1, 21)), 0, list(range(5)), True, GREEDY, None),
+            ScheduledSeq([4], 3, [6], True, GREEDY, None),
         ]
     )
+    static.execute(
+        [ScheduledSeq([5, 6], 0, [7], False, GREEDY, None), ScheduledSeq([4], 4, [6, 9], True, GREEDY, None)]
+    )
     assert static.graphs is not None and not static.graphs.buckets
+
+
+def _verify_step(seqs: list[ScheduledSeq]) -> list[ScheduledSeq]:
+    """Every sequence's tokens sampled, as speculative decoding's verify pass schedules them."""
+    return [
+        ScheduledSeq(s.token_ids, s.start_pos, s.block_ids, True, GREEDY, None, len(s.token_ids))
+        for s in seqs
+    ]
+
+
+def test_verify_steps_equal_the_runner(tiny_bpe: Path) -> None:
+    """Speculative decoding's verify pass on the static path: sequences with 1, 3 and 6 new
+    tokens (0, 2 and 5 drafts) in one step, every row's logits sampled. k = 5 gives the 6-row
+    bucket; a step of at most 3 rows takes the 4-row one. Tokens, logits and K/V equal the
+    runner's own path."""
+    plain, static = _runners(tiny_bpe, torch.device("cpu"), spec_tokens=5)
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], list(range(40, 59)), [2, 7, 1, 8]]
+    tables = [list(range(30, 37)), [50, 8, 61, 9, 70, 11, 72], [0, 1, 2, 3, 4, 5, 6]]
+    first = [ScheduledSeq(p, 0, t, False, GREEDY, None) for p, t in zip(prompts, tables, strict=True)]
+    for r in (plain, static):
+        r.execute(first)
+    drafts = [[], [17, 18], [9, 9, 9, 9, 9]]
+    step = _verify_step(
+        [
+            ScheduledSeq([5 + i, *d], len(p), t, True, GREEDY, None)
+            for i, (p, t, d) in enumerate(zip(prompts, tables, drafts, strict=True))
+        ]
+    )
+    want = plain.execute(step)
+    assert static.execute(step) == want
+    assert [len(t) for t in want] == [1, 3, 6]
+    graphs = static.graphs
+    assert graphs is not None and {k for k, e in graphs.buckets.items() if e.replays} == {(4, 6, 8)}
+    real = NUM_BLOCKS * BLOCK
+    torch.testing.assert_close(static.kv_cache[:, :, :, :real], plain.kv_cache, rtol=1e-5, atol=1e-5)
+    # logits, not just argmax, for a step of at most 3 rows (4-row bucket); nothing is written
+    # by the comparison's first pass that the second does not write again identically
+    pos = [len(p) + 1 + len(d) for p, d in zip(prompts, drafts, strict=True)]
+    nxt = [[7, 8], [3], [1, 2, 3]]
+    seqs = _verify_step(
+        [ScheduledSeq(n, q, t, True, GREEDY, None) for n, q, t in zip(nxt, pos, tables, strict=True)]
+    )
+    with torch.inference_mode():
+        input_ids, positions, meta, last = plain._build_metadata(seqs)
+        # the runner packs single-token sequences first: each sequence's rows end at `last`
+        rows = [
+            r
+            for end, s in zip(last.tolist(), seqs, strict=True)
+            for r in range(end - s.num_logits + 1, end + 1)
+        ]
+        expected = plain._forward(input_ids[0][None], positions, meta, torch.tensor(rows))
+        got = graphs.run([DecodeSeq(s.token_ids, s.start_pos, s.block_ids, s.num_logits) for s in seqs])
+    assert expected is not None and got.shape == expected.shape == (6, expected.shape[1])
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert graphs.buckets[(4, 4, 8)].replays == 1
+
+
+def test_a_few_sampled_tokens_of_a_longer_chunk(tiny_bpe: Path) -> None:
+    """A draft model's catch-up step: several tokens, only the last one's logit sampled."""
+    plain, static = _runners(tiny_bpe, torch.device("cpu"))
+    seqs = [
+        ScheduledSeq([11, 12, 13, 14, 15], 0, [3, 4], True, GREEDY, None),
+        ScheduledSeq([21, 22], 0, [8], True, GREEDY, None),
+    ]
+    assert static.execute(seqs) == plain.execute(seqs)
+    assert static.graphs is not None and set(static.graphs.buckets) == {(2, 8, 4)}
 
 
 @pytest.mark.gpu
@@ -172,4 +248,80 @@ def test_prepared_graphs_serve_without_new_captures(tiny_bpe: Path) -> None:
     want = _decode_together(plain, prompts, tables, 16)
     assert _decode_together(static, prompts, tables, 16) == want
     assert {key: e.graph for key, e in static.graphs.buckets.items()} == prepared
-    assert {key for key, e in static.graphs.buckets.items() if e.replays} == {(4, 4), (4, 8), (1, 8)}
+    assert {key for key, e in static.graphs.buckets.items() if e.replays} == {(4, 1, 4), (4, 1, 8), (1, 1, 8)}
+
+
+def _spec_prompts() -> list[tuple[int, ...]]:
+    """Repeating phrases (the n-gram proposer finds matches) and random tails, mixed lengths."""
+    rng = random.Random(5)
+    prompts = []
+    for i in range(5):
+        phrase = tuple(rng.randrange(3, 450) for _ in range(4 + i))
+        prompts.append((phrase * 10)[: 18 + 9 * i] + tuple(rng.randrange(3, 450) for _ in range(i)))
+    return prompts
+
+
+@pytest.mark.parametrize("speculative", ["off", "ngram", "draft"])
+async def test_engine_on_static_steps_keeps_greedy_identity(
+    make_engine: EngineFactory,
+    tiny_bpe: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
+    speculative: str,
+) -> None:
+    """The whole engine with every runner (the target's and the draft's) on the static-step path
+    that CUDA graphs replay, run eagerly on CPU: decode steps, verify steps of k + 1 rows and the
+    draft's proposal steps give the same greedy tokens as the engine without it, and every KV
+    block comes back."""
+    spec: dict[str, Any] = {}
+    if speculative == "ngram":
+        spec = {
+            "speculative": "ngram",
+            "num_speculative_tokens": 5,
+            "spec_ngram_min": 1,
+            "spec_step_cost": False,
+        }
+    elif speculative == "draft":
+        draft = build_tiny_draft(tiny_bpe, tmp_path_factory.mktemp("draft"), num_layers=1)
+        spec = {
+            "speculative": "draft",
+            "draft_model_path": str(draft),
+            "num_speculative_tokens": 3,
+            "spec_step_cost": False,
+        }
+    prompts = _spec_prompts()
+    want = await greedy_tokens(make_engine(), prompts, 24)
+    real = engine_module.ModelRunner
+    monkeypatch.setattr(
+        engine_module, "ModelRunner", lambda *a, **kw: real(*a, **{**kw, "decode_graphs": True})
+    )
+    on = make_engine(**spec)
+    assert await greedy_tokens(on, prompts, 24) == want
+    assert on.num_free_blocks(0) == on.num_total_blocks(0)
+    rank = on._ranks[0]  # type: ignore[attr-defined]
+    graphs = rank.runner.graphs
+    assert graphs is not None
+    used = {key for key, e in graphs.buckets.items() if e.replays}
+    assert any(q == 1 for _, q, _ in used)  # plain decode steps
+    if speculative != "off":
+        k = spec["num_speculative_tokens"]
+        assert any(q == k + 1 for _, q, _ in used)  # verify steps of k proposals
+    if speculative == "draft":
+        proposer = rank.speculation.proposer
+        assert proposer.runner.graphs is not None and proposer.runner.graphs.buckets
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_cuda_graph_verify_steps_match_cpu(make_engine: EngineFactory) -> None:
+    """n-gram speculation on CUDA with graphs (the default there): verify steps replayed as
+    graphs of k + 1 rows give the CPU engine's greedy tokens."""
+    spec = {"speculative": "ngram", "num_speculative_tokens": 5, "spec_ngram_min": 1, "spec_step_cost": False}
+    prompts = _spec_prompts()
+    want = await greedy_tokens(make_engine(**spec), prompts, 24)
+    gpu = make_engine(device="cuda", dtype="float32", **spec)
+    assert await greedy_tokens(gpu, prompts, 24) == want
+    graphs = gpu._ranks[0].runner.graphs  # type: ignore[attr-defined]
+    assert graphs is not None and graphs.capture
+    assert any(q == 6 and e.replays for (_, q, _), e in graphs.buckets.items())
+    assert gpu.num_free_blocks(0) == gpu.num_total_blocks(0)
