@@ -1,5 +1,6 @@
 """Speculative decoding benchmark (`make bench-spec`): the pdserve engine in process with
-speculation off vs `ngram` (prompt lookup), on the default model (CPU fp32), in one run.
+speculation off vs `ngram` (prompt lookup), on the default model (CPU fp32; `--device cuda`:
+bf16 with CUDA graphs), in one run.
 
 Workloads (chat template applied, greedy, so both modes produce the same tokens; checked):
 - grounded: the answer is largely in the prompt (rewrite or extract from a given passage, edit
@@ -118,6 +119,7 @@ def machine() -> dict[str, Any]:
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "load_average_1_5_15": load,
+        "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         # the load at the start; each case's line also prints the load while it ran
         "note": (
             "quiet machine (1-minute load average below 1.5)"
@@ -263,8 +265,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("generated tokens/s")
     m = report["machine"]
     ax.set_title(
-        f"pdserve speculative decoding, {report['config']['model_id']} CPU fp32\n"
-        f"{m['cpu_capability']}, {m['cpu_count']} cores (shared, loaded machine)",
+        f"pdserve speculative decoding, {report['config']['model_id']} "
+        f"{report['config']['device']} {report['config']['dtype']}\n"
+        f"{m.get('cuda_device') or m['cpu_capability']}, {m['cpu_count']} cores ({m['note']})",
         fontsize=10,
     )
     ax.legend()
@@ -276,6 +279,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (CUDA: decode graphs on)")
+    parser.add_argument("--dtype", default="", help="float32 (CPU default) or bfloat16 (CUDA default)")
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--requests-c1", type=int, default=4, help="requests per workload at concurrency 1")
     parser.add_argument("--concurrency", type=int, default=8)
@@ -318,6 +323,7 @@ def main(argv: list[str] | None = None) -> None:
     from services.worker.engine.api import EngineConfig
     from shared.model_store import resolve_model
 
+    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     path = str(resolve_model(args.model))
     tokenizer = AutoTokenizer.from_pretrained(path)
     workloads = {"grounded": prompts_of(tokenizer, GROUNDED), "open": prompts_of(tokenizer, OPEN)}
@@ -327,8 +333,8 @@ def main(argv: list[str] | None = None) -> None:
     for mode in modes:
         cfg = EngineConfig(
             model_path=path,
-            device="cpu",
-            dtype="float32",
+            device=args.device,
+            dtype=dtype,
             torch_threads=args.threads,
             speculative=mode,
             num_speculative_tokens=args.num_speculative_tokens,
@@ -339,7 +345,7 @@ def main(argv: list[str] | None = None) -> None:
         engines[mode] = create_engine(cfg)
         engines[mode].start()
     print(
-        f"model {path}, CPU fp32, k={args.num_speculative_tokens}, max_tokens "
+        f"model {path}, {args.device} {dtype}, k={args.num_speculative_tokens}, max_tokens "
         f"{args.max_tokens}; machine: {machine()}"
     )
 
@@ -415,8 +421,8 @@ def main(argv: list[str] | None = None) -> None:
         "config": {
             "model": args.model,
             "model_id": Path(path).name,
-            "device": "cpu",
-            "dtype": "float32",
+            "device": args.device,
+            "dtype": dtype,
             "max_tokens": args.max_tokens,
             "num_speculative_tokens": args.num_speculative_tokens,
             "spec_step_cost": not args.no_step_cost,

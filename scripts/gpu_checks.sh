@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # GPU checks, for a machine with CUDA (CI has none): the CUDA tests, then the benchmarks with
 # --device cuda. Results go to their own files (*-cuda*.json) so CPU figures are never mixed in.
-#   scripts/gpu_checks.sh [tests|engine|goodput|all]     PYTHON=... RESULTS_DIR=... override defaults
-# `all` is tests + engine (a few minutes); `goodput` is a reduced chat sweep of three serving
+#   scripts/gpu_checks.sh [tests|engine|spec|goodput|all]     PYTHON=... RESULTS_DIR=... override defaults
+# `all` is tests + engine + spec (a few minutes); `goodput` is a reduced chat sweep of three serving
 # configurations on the GPU (about 6 minutes on an H200), run on its own. A GPU serves chat at
 # 10-30 req/s, so the sweep starts at 2x the one-at-a-time rate and triples.
 set -uo pipefail
@@ -22,6 +22,11 @@ fi
 if [[ $what == engine || $what == all ]]; then
   $PY -m benchmarks.bench_engine --device cuda --dtype bfloat16 \
     --output "$RES/engine-cuda.json" || rc=1
+fi
+if [[ $what == spec || $what == all ]]; then
+  # n-gram speculation on CUDA: its verify steps (k + 1 rows) replay as CUDA graphs
+  $PY -m benchmarks.bench_spec --device cuda --max-tokens 96 --num-speculative-tokens 5 \
+    --output "$RES/spec-cuda.json" || rc=1
 fi
 if [[ $what == goodput ]]; then
   $PY -m benchmarks.bench_goodput --device cuda --workloads chat \
