@@ -173,7 +173,8 @@ class WorkerApp:
             cpu_prepack=s.cpu_prepack,
             lean_forward=s.lean_forward,
             cuda_graphs=s.cuda_graphs,
-            cuda_graph_warm_tokens=s.cuda_graph_warm_tokens,
+            # a prefill worker decodes nothing: its graphs (short prompts) only on first use
+            cuda_graph_warm_tokens=0 if s.role is Role.PREFILL else s.cuda_graph_warm_tokens,
             cpu_kernel_cache_entries=s.cpu_kernel_cache_entries,
             speculative=s.speculative,
             num_speculative_tokens=s.num_speculative_tokens,

@@ -75,7 +75,8 @@ class WorkerSettings(TlsSettings):
     cuda_graph_warm_tokens: int = field(
         1024,
         "With --cuda-graphs: capture at start the graphs of every batch size up to --max-num-seqs "
-        "and every context up to this many tokens (longer ones are captured on first use)",
+        "and every context up to this many tokens (longer ones, or all with 0, are captured on "
+        "first use; a prefill worker uses 0)",
     )
     cpu_kernel_cache_entries: int = field(
         64,

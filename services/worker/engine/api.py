@@ -132,7 +132,8 @@ class EngineConfig:
     # (engine/decode_graphs.py); needs the lean forward; ignored on CPU
     cuda_graphs: bool = True
     # with cuda_graphs: graphs captured at start for every batch bucket up to max_num_seqs and
-    # every context bucket up to this many tokens per sequence (longer contexts: on first use)
+    # every context bucket up to this many tokens per sequence (longer contexts, or all with 0:
+    # on first use)
     cuda_graph_warm_tokens: int = 1024
     # CPU: entries in each of oneDNN's kernel caches (one per input shape, ~0.3 MiB each);
     # bounds the memory that prompts of many lengths would otherwise add (cpu_linear)

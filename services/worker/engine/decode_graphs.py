@@ -143,8 +143,8 @@ class DecodeGraphs:
         (at start), for decode steps (1 row per sequence) and, with speculation, verify steps
         (k + 1 rows), so serving never stalls on a capture for those shapes; other shapes are
         captured on first use. Largest first: later, smaller graphs reuse the shared pool's
-        memory. Returns the number of graphs captured (0 on CPU)."""
-        if not self.capture:
+        memory. Returns the number of graphs captured (0 on CPU or with 0 tokens)."""
+        if not self.capture or max_context_tokens <= 0:
             return 0
         nb_max = bucket(-(-max_context_tokens // self.block_size), _MIN_BLOCK_BUCKET)
         batch = [bucket(1) << i for i in range(bucket(max_seqs).bit_length())]

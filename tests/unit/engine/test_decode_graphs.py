@@ -240,6 +240,7 @@ def test_prepared_graphs_serve_without_new_captures(tiny_bpe: Path) -> None:
     plain, static = _runners(tiny_bpe, torch.device("cuda"))
     assert static.graphs is not None
     before = static.kv_cache[:, :, :, : NUM_BLOCKS * BLOCK].clone()
+    assert static.graphs.prepare(8, 0) == 0 and not static.graphs.buckets  # a prefill worker's
     assert static.graphs.prepare(8, 64) == 4 * 3
     assert torch.equal(static.kv_cache[:, :, :, : NUM_BLOCKS * BLOCK], before)
     prepared = {key: e.graph for key, e in static.graphs.buckets.items()}
