@@ -1,8 +1,9 @@
 """Static-shape decode and verify steps, replayed as CUDA graphs on a GPU (issue 15, item 3).
 
-Owns `DecodeGraphs`: for a step where every sequence brings a few new tokens (one when decoding,
-k+1 when speculative decoding verifies k proposals, up to 8 or k+1) and samples its trailing
-logits, it pads the step to a bucket (B sequences x Q query rows x NB blocks per sequence), copies
+Owns `DecodeGraphs`: for a step where every sequence brings one new token (decoding) or, with
+speculative decoding, up to k+1 (a verify pass of k proposals, a draft model's catch-up) and
+samples its trailing logits, it pads the step to a bucket (B sequences x Q query rows, 1 or k+1,
+x NB blocks per sequence), copies
 the step's small index tensors into that bucket's static buffers and runs the lean forward on
 them; on CUDA the bucket's run is captured once as a CUDA graph and replayed after that.
 
@@ -36,8 +37,6 @@ from services.worker.engine import attention
 from services.worker.engine.lean_llama import LeanLlama
 
 _MIN_BLOCK_BUCKET = 4  # blocks per sequence in the smallest bucket (64 tokens at block size 16)
-# query rows per sequence: decode (1), then powers of two; DecodeGraphs adds k+1 of speculation
-_Q_BUCKETS = (1, 2, 4, 8)
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -87,7 +86,7 @@ class DecodeGraphs:
         dtype: torch.dtype,
         device: torch.device,
         capture: bool,  # CUDA graphs (CUDA only); False = run the static step eagerly
-        spec_tokens: int = 0,  # k of speculative decoding: k + 1 rows get a bucket of their own
+        spec_tokens: int = 0,  # k of speculative decoding: steps of up to k + 1 rows per sequence
     ) -> None:
         if capture and device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
@@ -98,9 +97,10 @@ class DecodeGraphs:
         self.dtype = dtype
         self.device = device
         self.capture = capture
-        self.q_buckets = tuple(sorted({*_Q_BUCKETS, spec_tokens + 1}))
+        # rows per sequence: 1, or k + 1 for every speculative step (verify passes of fewer
+        # proposals are padded), so `prepare` can capture every shape serving will meet
+        self.q_buckets = (1, spec_tokens + 1) if spec_tokens else (1,)
         self.max_q = self.q_buckets[-1]
-        self.spec_tokens = spec_tokens
         self.buckets: dict[tuple[int, int, int], _Bucket] = {}
         self._pool: Any = torch.cuda.graph_pool_handle() if capture else None
 
@@ -149,10 +149,9 @@ class DecodeGraphs:
         nb_max = bucket(-(-max_context_tokens // self.block_size), _MIN_BLOCK_BUCKET)
         batch = [bucket(1) << i for i in range(bucket(max_seqs).bit_length())]
         blocks = [_MIN_BLOCK_BUCKET << i for i in range((nb_max // _MIN_BLOCK_BUCKET).bit_length())]
-        rows = [1, self.spec_tokens + 1] if self.spec_tokens else [1]
         n = 0
         for b in reversed(batch):
-            for q in reversed(rows):
+            for q in reversed(self.q_buckets):
                 for nb in reversed(blocks):
                     e = self.buckets.get((b, q, nb)) or self._new_bucket(b, q, nb)
                     if e.graph is None:

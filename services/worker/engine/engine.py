@@ -312,7 +312,9 @@ class PagedEngine:
             device,
             dtype,
             lean_forward=cfg.lean_forward,
-            decode_graphs=cfg.cuda_graphs and device.type == "cuda",  # its one-token proposal steps
+            # its proposal steps (1 row) and catch-up steps (up to k + 1 rows)
+            decode_graphs=cfg.cuda_graphs and device.type == "cuda",
+            spec_tokens=cfg.num_speculative_tokens,
         )
         runner.warm_up()
         self._prepare_graphs(runner, "draft model")

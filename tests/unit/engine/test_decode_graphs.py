@@ -151,9 +151,9 @@ def _verify_step(seqs: list[ScheduledSeq]) -> list[ScheduledSeq]:
 
 def test_verify_steps_equal_the_runner(tiny_bpe: Path) -> None:
     """Speculative decoding's verify pass on the static path: sequences with 1, 3 and 6 new
-    tokens (0, 2 and 5 drafts) in one step, every row's logits sampled. k = 5 gives the 6-row
-    bucket; a step of at most 3 rows takes the 4-row one. Tokens, logits and K/V equal the
-    runner's own path."""
+    tokens (0, 2 and 5 drafts) in one step, every row's logits sampled, padded to k + 1 = 6 rows
+    per sequence (a step of at most 3 rows too). Tokens, logits and K/V equal the runner's own
+    path."""
     plain, static = _runners(tiny_bpe, torch.device("cpu"), spec_tokens=5)
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], list(range(40, 59)), [2, 7, 1, 8]]
     tables = [list(range(30, 37)), [50, 8, 61, 9, 70, 11, 72], [0, 1, 2, 3, 4, 5, 6]]
@@ -174,8 +174,8 @@ def test_verify_steps_equal_the_runner(tiny_bpe: Path) -> None:
     assert graphs is not None and {k for k, e in graphs.buckets.items() if e.replays} == {(4, 6, 8)}
     real = NUM_BLOCKS * BLOCK
     torch.testing.assert_close(static.kv_cache[:, :, :, :real], plain.kv_cache, rtol=1e-5, atol=1e-5)
-    # logits, not just argmax, for a step of at most 3 rows (4-row bucket); nothing is written
-    # by the comparison's first pass that the second does not write again identically
+    # logits, not just argmax, for a step of at most 3 rows (still the 6-row bucket); nothing is
+    # written by the comparison's first pass that the second does not write again identically
     pos = [len(p) + 1 + len(d) for p, d in zip(prompts, drafts, strict=True)]
     nxt = [[7, 8], [3], [1, 2, 3]]
     seqs = _verify_step(
@@ -193,18 +193,23 @@ def test_verify_steps_equal_the_runner(tiny_bpe: Path) -> None:
         got = graphs.run([DecodeSeq(s.token_ids, s.start_pos, s.block_ids, s.num_logits) for s in seqs])
     assert expected is not None and got.shape == expected.shape == (6, expected.shape[1])
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    assert graphs.buckets[(4, 4, 8)].replays == 1
+    assert graphs.buckets[(4, 6, 8)].replays == 2
 
 
 def test_a_few_sampled_tokens_of_a_longer_chunk(tiny_bpe: Path) -> None:
-    """A draft model's catch-up step: several tokens, only the last one's logit sampled."""
-    plain, static = _runners(tiny_bpe, torch.device("cpu"))
+    """A draft model's catch-up step: several tokens (up to k + 1), only the last one's logit
+    sampled. Without speculation (k = 0) the same step is not a static one."""
+    plain, static = _runners(tiny_bpe, torch.device("cpu"), spec_tokens=5)
     seqs = [
         ScheduledSeq([11, 12, 13, 14, 15], 0, [3, 4], True, GREEDY, None),
         ScheduledSeq([21, 22], 0, [8], True, GREEDY, None),
     ]
-    assert static.execute(seqs) == plain.execute(seqs)
-    assert static.graphs is not None and set(static.graphs.buckets) == {(2, 8, 4)}
+    want = plain.execute(seqs)
+    assert static.execute(seqs) == want
+    assert static.graphs is not None and set(static.graphs.buckets) == {(2, 6, 4)}
+    _, no_spec = _runners(tiny_bpe, torch.device("cpu"))
+    assert no_spec.execute(seqs) == want
+    assert no_spec.graphs is not None and not no_spec.graphs.buckets
 
 
 @pytest.mark.gpu
