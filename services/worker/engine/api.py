@@ -125,6 +125,9 @@ class EngineConfig:
     max_model_len: int = 0  # 0 = the model's max_position_embeddings
     torch_threads: int = 0  # 0 = torch default
     cpu_prepack: bool = True  # CPU: oneDNN-prepacked linear weights (engine/cpu_linear.py)
+    # CPU, fp32, with cpu_prepack: a second copy of every linear weight in the layout that
+    # streams fastest for steps of 1-2 rows (decoding one or two sequences ~2x faster)
+    cpu_row_copy: bool = True
     # Llama-architecture models: the flat forward loop of engine/lean_llama.py instead of
     # transformers' module tree (same numbers, ~half the ops per step)
     lean_forward: bool = True

@@ -209,7 +209,9 @@ class PagedEngine:
         for dp_rank in range(cfg.dp_size):
             device = self._device_for(dp_rank)
             dtype = resolve_dtype(cfg.dtype, device)
-            model = load_model(cfg.model_path, device, dtype, prepack=cfg.cpu_prepack)
+            model = load_model(
+                cfg.model_path, device, dtype, prepack=cfg.cpu_prepack, row_copy=cfg.cpu_row_copy
+            )
             if dp_rank == 0:
                 text_cfg = model.config.get_text_config()
                 self.kv_layout = kv_layout_of(model.config, cfg.block_size, dtype)
@@ -220,7 +222,7 @@ class PagedEngine:
             draft_layout: KvLayout | None = None
             if cfg.speculative == "draft":
                 draft_model = load_draft_model(
-                    cfg.draft_model_path, device, dtype, cfg.cpu_prepack, self.vocab_size
+                    cfg.draft_model_path, device, dtype, cfg.cpu_prepack, self.vocab_size, cfg.cpu_row_copy
                 )
                 draft_layout = kv_layout_of(draft_model.config, cfg.block_size, dtype)
             num_blocks = self._num_blocks(

@@ -27,34 +27,37 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from services.worker.engine import attention
+from services.worker.engine import attention, cpu_linear
 from services.worker.engine.cpu_linear import PackedLinear
 
 
 class _Linear:
-    """One projection: oneDNN's packed kernel (with fused post-ops) or torch's matmul."""
+    """One projection: the prepacked kernels of cpu_linear (oneDNN with fused post-ops, or the
+    row copy for steps of 1-2 rows, exactly as PackedLinear's forward) or torch's matmul."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.packed = isinstance(module, PackedLinear)
         weight = module.packed_weight if self.packed else module.weight
         assert isinstance(weight, torch.Tensor)
         self.weight: torch.Tensor = weight  # oneDNN's blocked layout when packed, else [out, in]
+        row = module.row_weight if self.packed else None
+        self.row_weight: torch.Tensor | None = row if isinstance(row, torch.Tensor) else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
+            return cpu_linear.linear(x, self.weight, self.row_weight)
         return F.linear(x, self.weight)
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + x W^T"""
         if self.packed:
-            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, None, "add")
+            return cpu_linear.linear_add(x, residual, self.weight, self.row_weight)
         return residual + F.linear(x, self.weight)
 
     def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """other * x W^T"""
         if self.packed:
-            return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.weight, None, "mul")
+            return cpu_linear.linear_mul(x, other, self.weight, self.row_weight)
         return other * F.linear(x, self.weight)
 
 

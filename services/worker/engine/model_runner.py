@@ -53,9 +53,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-def load_model(model_path: str, device: torch.device, dtype: torch.dtype, prepack: bool = True) -> Any:
+def load_model(
+    model_path: str, device: torch.device, dtype: torch.dtype, prepack: bool = True, row_copy: bool = False
+) -> Any:
     """transformers' own model class with our attention; on CPU its linear layers prepacked
-    for oneDNN unless `prepack` is False (see cpu_linear)."""
+    for oneDNN unless `prepack` is False, with `row_copy` also in the layout for steps of 1-2
+    rows (see cpu_linear)."""
     from transformers import AutoModelForCausalLM
 
     attention.register()
@@ -65,7 +68,7 @@ def load_model(model_path: str, device: torch.device, dtype: torch.dtype, prepac
     model.to(device)  # type: ignore[arg-type]
     model.eval()
     if prepack:
-        cpu_linear.prepack_linears(model)
+        cpu_linear.prepack_linears(model, row_copy)
     return model
 
 

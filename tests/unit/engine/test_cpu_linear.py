@@ -141,3 +141,53 @@ def test_engine_bounds_kernel_caches_before_loading(
 def test_kernel_cache_capacity_must_not_be_negative() -> None:
     with pytest.raises(ValueError, match=">= 0"):
         cpu_linear.bound_kernel_caches(-1)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 3, 16])
+def test_row_copy_matches_nn_linear_and_serves_only_few_rows(
+    rows: int, bias: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the row copy, steps of 1-2 rows take it (the [N/32, K, 32] layout through
+    torch.matmul) and larger ones oneDNN's kernel; both give nn.Linear's numbers."""
+    torch.manual_seed(rows)
+    linear = torch.nn.Linear(96, 224, bias=bias)
+    packed = cpu_linear.PackedLinear(linear, row_copy=True)
+    assert packed.row_weight is not None and packed.row_weight.shape == (7, 96, 32)
+    used: list[bool] = []
+    real = cpu_linear._by_rows
+
+    def spy(x: torch.Tensor, row_weight: torch.Tensor | None) -> torch.Tensor | None:
+        out = real(x, row_weight)
+        used.append(out is not None)
+        return out
+
+    monkeypatch.setattr(cpu_linear, "_by_rows", spy)
+    x = torch.randn(1, rows, 96)
+    with torch.inference_mode():
+        want = linear(x)
+        got = packed(x)
+    assert used == [rows <= cpu_linear.ROW_COPY_MAX_ROWS]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_fused_add_and_mul_equal_the_separate_ops(rows: int) -> None:
+    """linear_add / linear_mul (the lean forward's residual add and SwiGLU product) give exactly
+    the separate op on PackedLinear's output, on either kernel: the lean forward stays
+    bit-identical to transformers' modules."""
+    torch.manual_seed(rows)
+    packed = cpu_linear.PackedLinear(torch.nn.Linear(64, 96, bias=False), row_copy=True)
+    x, other = torch.randn(rows, 64), torch.randn(rows, 96)
+    w, r = packed.packed_weight, packed.row_weight
+    with torch.inference_mode():
+        y = packed(x)
+        assert torch.equal(cpu_linear.linear_add(x, other, w, r), other + y)
+        assert torch.equal(cpu_linear.linear_mul(x, other, w, r), other * y)
+
+
+def test_no_row_copy_where_it_does_not_apply() -> None:
+    """Output features not a multiple of 32, or bf16 weights: oneDNN's kernel only."""
+    assert cpu_linear.PackedLinear(torch.nn.Linear(64, 200), row_copy=True).row_weight is None
+    assert cpu_linear.row_copy_of(torch.zeros(64, 32, dtype=torch.bfloat16)) is None
+    assert cpu_linear.PackedLinear(torch.nn.Linear(64, 96)).row_weight is None  # not asked for

@@ -115,11 +115,23 @@ def _both_forwards(
 
 @pytest.mark.parametrize("backend", list(AttentionBackend), ids=lambda b: b.value)
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-@pytest.mark.parametrize("prepack", [True, False], ids=["onednn", "torch-matmul"])
+@pytest.mark.parametrize(
+    ("prepack", "row_copy"),
+    [(True, False), (True, True), (False, False)],
+    ids=["onednn", "rows", "torch-matmul"],
+)
 def test_lean_forward_is_bit_identical_to_transformers(
-    tiny_bpe: Path, monkeypatch: pytest.MonkeyPatch, backend: AttentionBackend, block_size: int, prepack: bool
+    tiny_bpe: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    backend: AttentionBackend,
+    block_size: int,
+    prepack: bool,
+    row_copy: bool,
 ) -> None:
-    model = load_model(str(tiny_bpe), CPU, torch.float32, prepack=prepack)
+    """Both forwards, with oneDNN's kernels, with the row copy for steps of 1-2 rows (the steps
+    include single-sequence decodes), and with torch's matmul."""
+    model = load_model(str(tiny_bpe), CPU, torch.float32, prepack=prepack, row_copy=row_copy)
+    assert any(getattr(m, "row_weight", None) is not None for m in model.modules()) is row_copy
     lean, hf = _both_forwards(model, block_size, monkeypatch, backend)
     _assert_identical(lean, hf)
     assert [len(t) for t in lean[2][1]] == [4, 1, 1]  # the verify pass sampled 4 tokens

@@ -258,12 +258,17 @@ def check_same_tokenizer(target: Any, draft: Any, draft_name: str) -> None:
 
 
 def load_draft_model(
-    path: str, device: torch.device, dtype: torch.dtype, prepack: bool, target_vocab_size: int
+    path: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    prepack: bool,
+    target_vocab_size: int,
+    row_copy: bool = False,
 ) -> Any:
     """The draft model (like the target: transformers' class with paged attention); a load
     failure or an embedding smaller than the target's vocabulary is an InvalidArgument."""
     try:
-        model = load_model(path, device, dtype, prepack=prepack)
+        model = load_model(path, device, dtype, prepack=prepack, row_copy=row_copy)
     except (OSError, ValueError, KeyError) as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise InvalidArgument(f"cannot load draft model {path}: {first}") from exc
