@@ -194,6 +194,7 @@ def measure(
     block_size: int = 16,
 ) -> dict[str, Any]:
     """The whole probe (run in its own process: it sets torch's thread count)."""
+    from services.worker.engine.api import EngineConfig
     from services.worker.engine.model_runner import (
         ModelRunner,
         kv_layout_of,
@@ -226,7 +227,9 @@ def measure(
     flops = gemm_flops(device)
     out["gemm_gflop_s"] = round(flops / 1e9, 1)
     t0 = time.perf_counter()
-    model = load_model(model_path, device, dtype)
+    # the engine's defaults: oneDNN-packed weights and, in fp32, their row copy for 1-2 rows
+    model = load_model(model_path, device, dtype, row_copy=EngineConfig.cpu_row_copy)
+    out["cpu_row_copy"] = any(getattr(m, "row_weight", None) is not None for m in model.modules())
     layout = kv_layout_of(model.config, block_size, dtype)
     per_seq_blocks = -(-(context + 1) // block_size)
     runner = ModelRunner(model, layout, max(batches) * per_seq_blocks + 1, device, dtype)

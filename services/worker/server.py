@@ -171,7 +171,7 @@ class WorkerApp:
             max_model_len=s.max_model_len,
             torch_threads=s.torch_threads,
             cpu_prepack=s.cpu_prepack,
-            cpu_row_copy=s.cpu_row_copy,
+            cpu_row_copy=s.cpu_row_copy and s.role is not Role.PREFILL,  # prefill: many rows
             lean_forward=s.lean_forward,
             cuda_graphs=s.cuda_graphs,
             # a prefill worker decodes nothing: its graphs (short prompts) only on first use

@@ -64,7 +64,7 @@ class WorkerSettings(TlsSettings):
         True,
         "On CPU in fp32, with --cpu-prepack: also keep every linear weight in the layout that "
         "streams fastest for steps of 1-2 rows (decoding one or two sequences about 2x faster; "
-        "costs a second copy of the weights in memory)",
+        "costs a second copy of the weights in memory; a prefill worker never keeps it)",
     )
     lean_forward: bool = field(
         True,
