@@ -258,6 +258,25 @@ def measure(
             }
         )
     out["steps"] = rows
+    if out["cpu_row_copy"]:
+        # the same 1- and 2-sequence steps on oneDNN's kernel alone (--no-cpu-row-copy), same run
+        for mod in model.modules():
+            if getattr(mod, "row_weight", None) is not None:
+                mod.row_weight = None
+        plain = ModelRunner(model, layout, max(batches) * per_seq_blocks + 1, device, dtype)
+        ab = []
+        for batch in (1, 2):
+            with_copy, _ = time_decode_steps(runner, batch, context)
+            without, _ = time_decode_steps(plain, batch, context)
+            ab.append(
+                {
+                    "seqs": batch,
+                    "with_row_copy_ms": round(with_copy * 1e3, 2),
+                    "without_ms": round(without * 1e3, 2),
+                    "speedup": round(without / with_copy, 2),
+                }
+            )
+        out["row_copy_steps"] = ab
     if device.type == "cuda":
         # the same steps replayed as CUDA graphs (engine/decode_graphs.py), same pool size
         graphs = ModelRunner(
@@ -304,6 +323,11 @@ def format_report(probe: dict[str, Any]) -> list[str]:
             f"ms CPU), floor {r['floor_ms']:5.1f} ms ({r['weight_mb']:.0f} MB weights"
             f" + {r['kv_mb']:.0f} MB KV): {r['vs_floor']:.2f}x "
             f"({r['cpu_vs_floor']:.2f}x by CPU time)"
+        )
+    for a in probe.get("row_copy_steps", []):
+        lines.append(
+            f"  {a['seqs']:>3} seqs: {a['with_row_copy_ms']:.1f} ms with the row copy, "
+            f"{a['without_ms']:.1f} ms without (--no-cpu-row-copy): {a['speedup']:.2f}x"
         )
     for g in probe.get("steps_cuda_graphs", []):
         lines.append(
