@@ -17,12 +17,13 @@ Steps of one or two rows (decoding one or two sequences) read every weight once 
 multiply-adds, so they run at the speed the kernel streams weights from memory. oneDNN's packed
 kernel and MKL's GEMV stream ~13 GB/s on one core of that EPYC (a plain sum reads 28 GB/s);
 `torch.matmul` over the same weight in blocks of 32 output features (`[N/32, K, 32]`, each block
-one contiguous 72 KiB panel) streams ~22 GB/s. So with `row_copy` a PackedLinear also holds that
-blocked copy and uses it for steps of up to 2 rows: SmolLM2's 1-sequence decode step took 30.8 ms
-instead of 47.9 ms, 2 sequences 46.6 instead of 56.3 (fp32, 1 thread, the floor probe's A/B in one
-run; at 4 and more rows oneDNN is faster). The cost is a second copy of every linear weight in memory. Both forwards (transformers'
-modules and engine/lean_llama.py) go through `linear` / `linear_add` / `linear_mul` here, so they
-stay bit-identical to each other.
+one contiguous K x 32 panel) streams ~22 GB/s. So with `row_copy` a PackedLinear also holds that
+blocked copy and uses it for steps of up to 2 rows: SmolLM2's 1-sequence decode step took 34.9 ms
+instead of 52.9 ms, 2 sequences 50.2 instead of 59.7 (fp32, 1 thread, `make bench-engine`'s A/B in
+one run; 1.83x / 1.48x with AVX2 kernels; at 4 and more rows oneDNN is faster). The cost is a
+second copy of every linear weight in memory. Both forwards (transformers' modules and
+engine/lean_llama.py) go through `linear` / `linear_add` / `linear_mul` here, so they stay
+bit-identical to each other.
 
 Memory: oneDNN keeps a compiled kernel for every input shape it has seen, in two caches (oneDNN's
 primitive cache and ideep's LRU, 1,024 entries each by default), ~0.3 MiB per entry. Decode steps
