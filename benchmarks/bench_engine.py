@@ -516,8 +516,8 @@ def main(argv: list[str] | None = None) -> None:
             tps.get("pdserve_eager") or ours, tps.get("pdserve_transformers")
         ),
     }
-    if (eager_tps := tps.get("pdserve_eager")) and ours:
-        ratios["ratio_cuda_graphs_vs_eager"] = round(ours / eager_tps, 2)
+    if tps.get("pdserve_eager"):
+        ratios["ratio_cuda_graphs_vs_eager"] = ratio("pdserve_eager")
     print("\n" + "  ".join(f"{k} {_fmt(v, 2)}" for k, v in ratios.items()))
     if prefix is not None:
         w, wo = prefix["with_cache"], prefix["without_cache"]

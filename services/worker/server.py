@@ -174,7 +174,7 @@ class WorkerApp:
             cpu_row_copy=s.cpu_row_copy and s.role is not Role.PREFILL,  # prefill: many rows
             lean_forward=s.lean_forward,
             cuda_graphs=s.cuda_graphs,
-            # a prefill worker decodes nothing: its graphs (short prompts) only on first use
+            # a prefill worker runs prompts, hardly ever a static step: no capture at start
             cuda_graph_warm_tokens=0 if s.role is Role.PREFILL else s.cuda_graph_warm_tokens,
             cpu_kernel_cache_entries=s.cpu_kernel_cache_entries,
             speculative=s.speculative,

@@ -147,7 +147,7 @@ class DecodeGraphs:
         if not self.capture or max_context_tokens <= 0:
             return 0
         nb_max = bucket(-(-max_context_tokens // self.block_size), _MIN_BLOCK_BUCKET)
-        batch = [bucket(1) << i for i in range(bucket(max_seqs).bit_length())]
+        batch = [1 << i for i in range(bucket(max_seqs).bit_length())]  # 1, 2, 4, ...
         blocks = [_MIN_BLOCK_BUCKET << i for i in range((nb_max // _MIN_BLOCK_BUCKET).bit_length())]
         n = 0
         for b in reversed(batch):
