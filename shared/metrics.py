@@ -78,8 +78,9 @@ SPEC_ACCEPTED_PER_POSITION = Counter(
 SPEC_STEP_COST_MS = Gauge(
     "pdserve_spec_decode_step_cost_ms",
     "The rank's learned step time: term=fixed (per step), per_seq (per sequence), per_token (per "
-    "token beyond each sequence's first, i.e. per proposal verified); proposals are verified "
-    "only where their expected acceptance pays for per_token",
+    "token beyond each sequence's first, i.e. per proposal verified), verify (once per step that "
+    "verifies any proposal); proposals are verified only where their expected acceptance pays "
+    "for per_token, and a step's only where together they pay for verify",
     ["dp_rank", "term"],
 )
 

@@ -386,7 +386,7 @@ class WorkerCore:
             if count > before:
                 metrics.SPEC_ACCEPTED_PER_POSITION.labels(dp_rank=rank, position=str(pos)).inc(count - before)
         if now.step_cost_ms is not None:
-            for term, ms in zip(("fixed", "per_seq", "per_token"), now.step_cost_ms, strict=True):
+            for term, ms in zip(("fixed", "per_seq", "per_token", "verify"), now.step_cost_ms, strict=True):
                 metrics.SPEC_STEP_COST_MS.labels(dp_rank=rank, term=term).set(ms)
         self._spec_seen[dp_rank] = now
 

@@ -209,11 +209,12 @@ class Rank:
         elapsed_ns = time.perf_counter_ns() - t0
         if self.scheduler.step_cost is not None:
             cost_sync()
-        cost_ns = cost_clock() - c0
         with self.lock:
             outputs = []
-            self._observe_step_cost(scheduled, cost_ns)
             self._postprocess(scheduled, sampled, elapsed_ns, outputs)
+            # a step costs its forward and the host work after it (checking proposals, proposing
+            # anew): next to a step replayed as a CUDA graph that work is not negligible
+            self._observe_step_cost(scheduled, cost_clock() - c0)
             jobs: list[DraftJob] = []
             if self._draft is not None and self._draft_wants:
                 # the next step verifies one token per running request plus proposals, at most
@@ -563,7 +564,7 @@ class Rank:
             cost = self.scheduler.step_cost
             if cost is not None:
                 c = cost.cost
-                stats.step_cost_ms = (c.fixed_ms, c.per_seq_ms, c.per_token_ms)
+                stats.step_cost_ms = c.terms()
             return stats
 
     def load(self) -> RankLoad:

@@ -188,6 +188,7 @@ class Scheduler:
                     for s in candidates
                 ],
                 room,
+                cost.verify_ms,
             )
         else:
             candidates.sort(key=lambda s: -s.request.spec.recent_acceptance)

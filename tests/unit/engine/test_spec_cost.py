@@ -21,6 +21,9 @@ from tests.unit.engine.conftest import EngineFactory, drain, greedy, request, to
 
 # SmolLM2-135M fp32 on one core of the project's 2-core CPU machines (docs/architecture.md)
 CPU = StepCost(fixed_ms=23.0, per_seq_ms=2.2, per_token_ms=1.35)
+# a step replayed as a CUDA graph: nearly flat in its rows, with a lump when it verifies (every
+# sequence padded to k + 1 rows, the proposals checked on the host); made-up, GPU-like figures
+GRAPH = StepCost(fixed_ms=3.3, per_seq_ms=0.02, per_token_ms=0.005, verify_ms=1.2)
 
 
 def test_cost_model_recovers_the_step_time_from_steps_of_different_sizes() -> None:
@@ -53,6 +56,40 @@ def test_cost_model_keeps_its_prior_for_what_the_steps_do_not_show() -> None:
     for n in range(1, 30):
         neg.observe(2 * n, n, 100.0 - n)
     assert min(neg.cost.fixed_ms, neg.cost.per_seq_ms, neg.cost.per_token_ms) >= 0.0
+
+
+def test_cost_model_learns_the_lump_of_a_verify_step() -> None:
+    model = StepCostModel()
+    rng = random.Random(1)
+    for _ in range(300):
+        seqs = rng.randint(1, 8)
+        drafts = rng.choice([0, 0, rng.randint(1, 5 * seqs)])
+        step = GRAPH.step_ms(seqs + drafts, seqs, verifies=drafts > 0)
+        model.observe(seqs + drafts, seqs, step + rng.uniform(-0.05, 0.05))
+    got = model.cost
+    assert got.verify_ms == pytest.approx(1.2, abs=0.05)
+    assert got.fixed_ms == pytest.approx(3.3, abs=0.05)
+    assert got.per_token_ms == pytest.approx(0.005, abs=0.003)
+    # on the CPU's steps (no lump) the term stays near zero
+    cpu = StepCostModel()
+    for _ in range(300):
+        seqs = rng.randint(1, 8)
+        drafts = rng.choice([0, rng.randint(1, 4 * seqs)])
+        cpu.observe(seqs + drafts, seqs, CPU.step_ms(seqs + drafts, seqs) + rng.uniform(-0.5, 0.5))
+    assert cpu.cost.verify_ms < 0.5
+    assert cpu.cost.per_token_ms == pytest.approx(1.35, abs=0.05)
+
+
+def test_every_step_verifying_keeps_the_priors_split_of_the_lump() -> None:
+    # steps that all verify cannot tell the lump from the fixed cost: their sum follows the
+    # steps, and the calibrated prior's lump survives instead of melting into `fixed`
+    model = StepCostModel(GRAPH, prior_weight=1e-3)
+    for _ in range(300):
+        for seqs in (4, 8):
+            model.observe(6 * seqs, seqs, GRAPH.step_ms(6 * seqs, seqs, verifies=True) + 0.4)
+    got = model.cost
+    assert got.step_ms(48, 8, verifies=True) == pytest.approx(GRAPH.step_ms(48, 8, True) + 0.4, abs=0.05)
+    assert got.verify_ms == pytest.approx(1.2 + 0.2, abs=0.1)
 
 
 def test_position_acceptance_follows_the_request_history() -> None:
@@ -103,6 +140,22 @@ def test_plan_verifies_only_proposals_that_pay_for_themselves() -> None:
     assert policy.plan_drafts(CPU.per_token_ms, offers, room=100) == [0, 6, 0]
     # no room, no proposals
     assert policy.plan_drafts(0.0, [(4, 0.9, 5.0)], room=0) == [0]
+
+
+def test_plan_verifies_nothing_when_the_proposals_do_not_pay_for_the_verify_step() -> None:
+    # eight requests on a GPU-like rank, saturated: an accepted token saves its share of a step
+    savings = policy.token_savings_ms(GRAPH, 8, [100] * 8, saturated=True)
+    low = [(5, 0.25, savings[0])] * 8  # open-ended chat: a quarter of the proposals accepted
+    # per proposal alone the first three pay (0.25**3 * 0.43 ms > 0.005 ms) ...
+    assert policy.plan_drafts(GRAPH.per_token_ms, low, room=100) == [3] * 8
+    # ... but together they are expected to save ~1.0 ms: less than the 1.2 ms lump
+    assert policy.plan_drafts(GRAPH.per_token_ms, low, room=100, verify_ms=GRAPH.verify_ms) == [0] * 8
+    high = [(5, 0.8, savings[0])] * 8  # grounded: most proposals accepted
+    assert policy.plan_drafts(GRAPH.per_token_ms, high, room=100, verify_ms=GRAPH.verify_ms) == [5] * 8
+    # one valuable request carries the step for the rest, whose proposals then ride along
+    mixed = [(5, 0.95, savings[0]), *low[1:]]
+    got = policy.plan_drafts(GRAPH.per_token_ms, mixed, room=100, verify_ms=GRAPH.verify_ms)
+    assert got[0] == 5 and all(n > 0 for n in got[1:])
 
 
 def _decoding(sched: Scheduler, rid: str, prompt_len: int, max_tokens: int = 50) -> Request:
@@ -171,9 +224,10 @@ async def test_cost_model_on_keeps_greedy_identity_and_calibrates(make_engine: E
 
 
 class _FakeRunner:
-    """Executes nothing; each step advances a fake clock by CPU's cost of its shape."""
+    """Executes nothing; each step advances a fake clock by `cost` of its shape."""
 
-    def __init__(self) -> None:
+    def __init__(self, cost: StepCost = CPU) -> None:
+        self.cost = cost
         self.now_ns = 0
         self.layout = KvLayout(num_layers=1, num_kv_heads=1, head_dim=4, block_size=16, dtype="float32")
         self.shapes: list[tuple[int, int]] = []
@@ -181,7 +235,7 @@ class _FakeRunner:
     def execute(self, seqs: list[ScheduledSeq]) -> list[list[int]]:
         tokens = sum(len(s.token_ids) for s in seqs)
         self.shapes.append((len(seqs), tokens))
-        self.now_ns += int(CPU.step_ms(tokens, len(seqs)) * 1e6)
+        self.now_ns += int(self.cost.step_ms(tokens, len(seqs), verifies=tokens > len(seqs)) * 1e6)
         return [[0] * s.num_logits for s in seqs]
 
 
@@ -193,6 +247,11 @@ def test_calibration_fits_dummy_steps_of_several_shapes() -> None:
     assert got.per_token_ms == pytest.approx(CPU.per_token_ms, abs=0.01)
     assert {n for n, _ in runner.shapes} == {1, 4, 8}  # batch sizes and proposal counts vary
     assert len({t - n for n, t in runner.shapes}) > 2
+    assert got.verify_ms == pytest.approx(0.0, abs=0.01)
+    # a rank whose verify steps cost a lump (CUDA graphs) has it measured before any request
+    runner = _FakeRunner(GRAPH)
+    got = calibrate(runner, max_drafts=5, clock=(lambda: runner.now_ns, lambda: None))
+    assert got.terms() == pytest.approx(GRAPH.terms(), abs=0.01)
     # proposals beyond k are never timed
     runner = _FakeRunner()
     calibrate(runner, max_drafts=2, clock=(lambda: runner.now_ns, lambda: None))

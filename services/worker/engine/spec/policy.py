@@ -6,12 +6,18 @@ for a while (doubling back-off up to MAX_BACKOFF_STEPS), then probes again.
 
 Per step: verification is not free once a step is compute-bound (SmolLM2 fp32 on one CPU core:
 a step costs ~23 ms + ~2.2 ms per sequence + ~1.35 ms per extra token, so 8 proposals add a
-third to a step of 8 sequences). `StepCostModel` learns fixed + per_seq * sequences + per_token *
-extra tokens (calibrated at start-up, spec/calibrate.py, then online from the rank's decode
-steps). `token_savings_ms` says what one more accepted token of each sequence saves, and
+third to a step of 8 sequences). Nor is it free on an accelerator, where the cost comes in one
+lump instead: a decode step replayed as a CUDA graph pads every sequence of a verify step to
+k + 1 rows (decode_graphs.py), and checking proposals is host work next to a ~3.5 ms step (on
+an H200, n-gram speculation on open-ended chat at concurrency 8 ran at 0.82x with the
+three-term model, which saw verification as nearly free). `StepCostModel` learns fixed +
+per_seq * sequences + per_token * extra tokens + verify once for a step that verifies anything
+(calibrated at start-up, spec/calibrate.py, then online from the rank's decode steps, host work
+included). `token_savings_ms` says what one more accepted token of each sequence saves, and
 `plan_drafts` verifies proposal j of a request only when a**j (a: the request's per-position
-acceptance, `position_acceptance`) times that saving exceeds per_token. The scheduler also
-applies a hard cap (Scheduler.max_spec_batch_tokens).
+acceptance, `position_acceptance`) times that saving exceeds per_token, and a step's proposals
+only when together they are expected to save more than verify. The scheduler also applies a
+hard cap (Scheduler.max_spec_batch_tokens).
 """
 
 from __future__ import annotations
@@ -94,25 +100,39 @@ def position_acceptance(record: SpecRecord) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class StepCost:
-    """Time of one forward pass (ms) = fixed_ms + per_seq_ms * sequences + per_token_ms * tokens
-    beyond each sequence's first (proposals verified, or the rest of a prefill chunk)."""
+    """Time of one step (ms) = fixed_ms + per_seq_ms * sequences + per_token_ms * tokens beyond
+    each sequence's first (proposals verified, or the rest of a prefill chunk) + verify_ms once
+    if the step verifies proposals (padding to a verify-sized CUDA graph, checking them)."""
 
     fixed_ms: float
     per_seq_ms: float
     per_token_ms: float
+    verify_ms: float = 0.0
 
-    def step_ms(self, num_tokens: int, num_seqs: int) -> float:
-        return self.fixed_ms + self.per_seq_ms * num_seqs + self.per_token_ms * max(0, num_tokens - num_seqs)
+    def step_ms(self, num_tokens: int, num_seqs: int, verifies: bool = False) -> float:
+        extra = max(0, num_tokens - num_seqs)
+        return (
+            self.fixed_ms
+            + self.per_seq_ms * num_seqs
+            + self.per_token_ms * extra
+            + (self.verify_ms if verifies else 0.0)
+        )
+
+    def terms(self) -> tuple[float, float, float, float]:
+        """(fixed, per_seq, per_token, verify) in ms."""
+        return (self.fixed_ms, self.per_seq_ms, self.per_token_ms, self.verify_ms)
 
 
 class StepCostModel:
-    """Online least squares of step time on (1, sequences, extra tokens), old steps fading by
-    `decay` per observation, with a weak ridge pull toward `prior`.
+    """Online least squares of step time on (1, sequences, extra tokens, verifies), old steps
+    fading by `decay` per observation, with a weak ridge pull toward `prior`.
 
     The extra tokens of a decode step are its proposals, so their cost is learned only from the
-    variation in proposals at a given batch size, never confused with the per-sequence cost; a
-    model that has seen little variation falls back on the prior, which says verification is free:
-    that lets proposals through, and their variation corrects it."""
+    variation in proposals at a given batch size, never confused with the per-sequence cost, and
+    the lump of a verify step only from steps with and without proposals; what the steps do not
+    show (say, every step verifies) stays with the prior's split, which is the start-up
+    calibration's (or, with no prior given, says verification is free: that lets proposals
+    through, and their variation corrects it)."""
 
     def __init__(
         self, prior: StepCost | None = None, decay: float = 0.99, prior_weight: float = 1e-3
@@ -120,21 +140,22 @@ class StepCostModel:
         self.prior = prior or StepCost(fixed_ms=10.0, per_seq_ms=0.0, per_token_ms=0.0)
         self.decay = decay
         self.prior_weight = prior_weight
-        self._xtx = np.zeros((3, 3))
-        self._xty = np.zeros(3)
+        self._xtx = np.zeros((4, 4))
+        self._xty = np.zeros(4)
         self.num_observations = 0
         self._cost = self.prior
 
     def observe(self, num_tokens: int, num_seqs: int, elapsed_ms: float) -> None:
         """One decode step: num_tokens in all (one per sequence + proposals), elapsed_ms long."""
-        x = np.array([1.0, float(num_seqs), float(max(0, num_tokens - num_seqs))])
+        extra = max(0, num_tokens - num_seqs)
+        x = np.array([1.0, float(num_seqs), float(extra), 1.0 if extra else 0.0])
         self._xtx = self.decay * self._xtx + np.outer(x, x)
         self._xty = self.decay * self._xty + x * elapsed_ms
         self.num_observations += 1
         p = self.prior
-        theta0 = np.array([p.fixed_ms, p.per_seq_ms, p.per_token_ms])
-        # the prior counts as prior_weight observations of each of the three terms
-        reg = self.prior_weight * np.eye(3)
+        theta0 = np.array(p.terms())
+        # the prior counts as prior_weight observations of each of the four terms
+        reg = self.prior_weight * np.eye(4)
         theta = np.linalg.solve(self._xtx + reg, self._xty + reg @ theta0)
         # a cost is never negative (noise can tilt a fit of few points)
         self._cost = StepCost(*(float(max(t, 0.0)) for t in theta))
@@ -169,14 +190,19 @@ def token_savings_ms(
     return [share if c else cost.per_seq_ms for c in critical]
 
 
-def plan_drafts(per_token_ms: float, offers: Sequence[tuple[int, float, float]], room: int) -> list[int]:
+def plan_drafts(
+    per_token_ms: float, offers: Sequence[tuple[int, float, float]], room: int, verify_ms: float = 0.0
+) -> list[int]:
     """How many proposals each offer verifies this step.
 
     offers[i] = (proposals available, per-position acceptance a, what an accepted token saves in
     ms); room: at most this many proposals in all. Proposal j (1-based) is accepted with
     probability a**j (it and every one before it), so it is worth a**j * saving and costs
     per_token_ms to verify: it is verified iff it is worth more, best first while there is room
-    (within an offer in order, as a**j falls with j)."""
+    (within an offer in order, as a**j falls with j). verify_ms is paid once by a step that
+    verifies anything: the plan stands only if its expected net saving exceeds it, else the step
+    verifies nothing (the best plan either way: the chosen proposals are every one that pays
+    for itself)."""
     counts = [0] * len(offers)
     worth = sorted(
         (
@@ -187,6 +213,9 @@ def plan_drafts(per_token_ms: float, offers: Sequence[tuple[int, float, float]],
         ),
         key=lambda c: (-c[0], c[1]),
     )
-    for _, _, i in worth[: max(room, 0)]:
+    chosen = worth[: max(room, 0)]
+    if sum(w - per_token_ms for w, _, _ in chosen) <= verify_ms:
+        return counts
+    for _, _, i in chosen:
         counts[i] += 1
     return counts

@@ -13,9 +13,9 @@ class SpecStats:
     num_accepted_tokens: int = 0  # proposals accepted (count)
     # accepted proposals by position in their run (index 0 = first proposal; count)
     accepted_per_position: list[int] = field(default_factory=list)
-    # the rank's current step-cost model (ms; policy.StepCost: fixed_ms, per_seq_ms,
-    # per_token_ms), None without one
-    step_cost_ms: tuple[float, float, float] | None = None
+    # the rank's current step-cost model (ms; policy.StepCost.terms(): fixed, per_seq,
+    # per_token, verify), None without one
+    step_cost_ms: tuple[float, float, float, float] | None = None
 
     def record(self, proposed: int, accepted: int) -> None:
         if proposed <= 0:
