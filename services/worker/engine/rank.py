@@ -209,12 +209,11 @@ class Rank:
         elapsed_ns = time.perf_counter_ns() - t0
         if self.scheduler.step_cost is not None:
             cost_sync()
+        cost_ns = cost_clock() - c0
         with self.lock:
             outputs = []
+            self._observe_step_cost(scheduled, cost_ns)
             self._postprocess(scheduled, sampled, elapsed_ns, outputs)
-            # a step costs its forward and the host work after it (checking proposals, proposing
-            # anew): next to a step replayed as a CUDA graph that work is not negligible
-            self._observe_step_cost(scheduled, cost_clock() - c0)
             jobs: list[DraftJob] = []
             if self._draft is not None and self._draft_wants:
                 # the next step verifies one token per running request plus proposals, at most
@@ -342,7 +341,7 @@ class Rank:
         if isinstance(spec.proposer, DraftProposer):
             self._draft_wants.append((req, n))
             return None
-        return spec.proposer.propose(req.token_ids, n)
+        return spec.proposer.propose(req.token_ids, n, owner=req)
 
     def _output(self, req: Request, finished: bool, drafts: list[int] | None = None) -> RequestOutput:
         first = req.num_prompt_tokens + req.num_handoff_tokens + req.num_reported_tokens

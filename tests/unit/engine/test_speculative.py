@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from services.worker.engine.api import (
     Engine,
@@ -59,6 +61,45 @@ def test_ngram_proposes_what_followed_the_most_recent_longest_match() -> None:
     assert p.propose([1, 1], 0) == []
     with pytest.raises(ValueError):
         NgramProposer(3, 2)
+
+
+def _scan(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """The lookup by definition: the most recent earlier window equal to the suffix, longest n
+    first, over the whole sequence."""
+    total = len(token_ids)
+    for n in range(min(max_n, total - 1), min_n - 1, -1):
+        suffix = token_ids[total - n :]
+        for start in range(total - n - 1, -1, -1):
+            if token_ids[start : start + n] == suffix:
+                return token_ids[start + n : start + n + k]
+    return []
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=5), min_size=1, max_size=40),
+    st.integers(1, 3),
+    st.integers(0, 2),
+    st.integers(1, 5),
+)
+def test_ngram_index_grown_step_by_step_equals_a_full_scan(
+    appends: list[list[int]], min_n: int, extra: int, k: int
+) -> None:
+    # a request's index follows its token list as runs of accepted tokens are appended; every
+    # proposal equals a scan of the whole sequence, and so does a proposer without the index
+    p = NgramProposer(min_n, min_n + extra)
+    owner = type("Req", (), {})()
+    tokens: list[int] = []
+    for run in appends:
+        tokens.extend(run)
+        want = _scan(tokens, k, min_n, min_n + extra) if len(tokens) > min_n else []
+        assert p.propose(tokens, k, owner=owner) == want
+        assert p.propose(list(tokens), k) == want
+    # a sequence that is not an extension of the indexed one is indexed afresh
+    other = [t + 1 for t in tokens]
+    assert p.propose(other, k, owner=owner) == (
+        _scan(other, k, min_n, min_n + extra) if len(other) > min_n else []
+    )
 
 
 def test_accept_run_keeps_the_matching_prefix_and_the_target_token_after_it() -> None:

@@ -8,16 +8,14 @@ Per step: verification is not free once a step is compute-bound (SmolLM2 fp32 on
 a step costs ~23 ms + ~2.2 ms per sequence + ~1.35 ms per extra token, so 8 proposals add a
 third to a step of 8 sequences). Nor is it free on an accelerator, where the cost comes in one
 lump instead: a decode step replayed as a CUDA graph pads every sequence of a verify step to
-k + 1 rows (decode_graphs.py), and checking proposals is host work next to a ~3.5 ms step (on
-an H200, n-gram speculation on open-ended chat at concurrency 8 ran at 0.82x with the
-three-term model, which saw verification as nearly free). `StepCostModel` learns fixed +
-per_seq * sequences + per_token * extra tokens + verify once for a step that verifies anything
-(calibrated at start-up, spec/calibrate.py, then online from the rank's decode steps, host work
-included). `token_savings_ms` says what one more accepted token of each sequence saves, and
-`plan_drafts` verifies proposal j of a request only when a**j (a: the request's per-position
-acceptance, `position_acceptance`) times that saving exceeds per_token, and a step's proposals
-only when together they are expected to save more than verify. The scheduler also applies a
-hard cap (Scheduler.max_spec_batch_tokens).
+k + 1 rows (decode_graphs.py): on an H200 the lump was ~0.35 ms of a ~3.3 ms step.
+`StepCostModel` learns fixed + per_seq * sequences + per_token * extra tokens + verify once for
+a step that verifies anything (calibrated at start-up, spec/calibrate.py, then online from the
+rank's decode steps). `token_savings_ms` says what one more accepted token of each sequence
+saves, and `plan_drafts` verifies proposal j of a request only when a**j (a: the request's
+per-position acceptance, `position_acceptance`) times that saving exceeds per_token, and a
+step's proposals only when together they are expected to save more than verify. The scheduler
+also applies a hard cap (Scheduler.max_spec_batch_tokens).
 """
 
 from __future__ import annotations
@@ -102,7 +100,7 @@ def position_acceptance(record: SpecRecord) -> float:
 class StepCost:
     """Time of one step (ms) = fixed_ms + per_seq_ms * sequences + per_token_ms * tokens beyond
     each sequence's first (proposals verified, or the rest of a prefill chunk) + verify_ms once
-    if the step verifies proposals (padding to a verify-sized CUDA graph, checking them)."""
+    if the step verifies proposals (a CUDA graph's padding to k + 1 rows per sequence)."""
 
     fixed_ms: float
     per_seq_ms: float
