@@ -186,6 +186,10 @@ class PagedEngine:
         tokens = min(budget // per_token, cfg.max_num_seqs * self.max_model_len)
         return max(1, tokens // cfg.block_size)
 
+    def _graphs_on(self, device: torch.device) -> bool:
+        """Whether decode steps on `device` replay as CUDA graphs (the target's and the draft's)."""
+        return self.config.cuda_graphs and device.type == "cuda"
+
     def start(self) -> None:
         if self._started:
             return
@@ -235,7 +239,7 @@ class PagedEngine:
                 device,
                 dtype,
                 lean_forward=cfg.lean_forward,
-                decode_graphs=cfg.cuda_graphs and device.type == "cuda",
+                decode_graphs=self._graphs_on(device),
                 spec_tokens=cfg.num_speculative_tokens if cfg.speculative != "off" else 0,
             )
             runner.warm_up()
@@ -315,7 +319,7 @@ class PagedEngine:
             dtype,
             lean_forward=cfg.lean_forward,
             # its proposal steps (1 row) and catch-up steps (up to k + 1 rows)
-            decode_graphs=cfg.cuda_graphs and device.type == "cuda",
+            decode_graphs=self._graphs_on(device),
             spec_tokens=cfg.num_speculative_tokens,
         )
         runner.warm_up()
