@@ -7,7 +7,9 @@ few dictionary lookups instead of a scan of the whole sequence. Why: a scan per 
 (numpy over ~400 tokens, each n from max to min) took ~0.1 ms on the 2-core CPU and ~0.5 ms on an
 H200's host, about 4 ms per step of 8 requests there: as long as the step replayed as a CUDA
 graph, which made speculation a loss on open-ended chat. A request's token list only grows
-(proposals are never in it), which the index checks before trusting itself.
+(proposals are never in it), which the index checks before trusting itself. Memory: ~400 bytes
+per token of the request with the default 2..4-grams (measured with tracemalloc), under 1 % of
+the KV cache SmolLM2 keeps for the same token (~46 KB in fp32).
 """
 
 from __future__ import annotations
