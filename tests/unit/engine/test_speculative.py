@@ -77,19 +77,21 @@ def _scan(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[int]:
 
 @settings(max_examples=60, deadline=None)
 @given(
+    st.lists(st.integers(0, 5), max_size=90),
     st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=5), min_size=1, max_size=40),
     st.integers(1, 3),
     st.integers(0, 2),
     st.integers(1, 5),
 )
 def test_ngram_index_grown_step_by_step_equals_a_full_scan(
-    appends: list[list[int]], min_n: int, extra: int, k: int
+    prompt: list[int], appends: list[list[int]], min_n: int, extra: int, k: int
 ) -> None:
-    # a request's index follows its token list as runs of accepted tokens are appended; every
-    # proposal equals a scan of the whole sequence, and so does a proposer without the index
+    # a request's index follows its token list (a prompt indexed in bulk, then runs of accepted
+    # tokens one by one); every proposal equals a scan of the whole sequence, and so does a
+    # proposer without the index
     p = NgramProposer(min_n, min_n + extra)
     owner = type("Req", (), {})()
-    tokens: list[int] = []
+    tokens: list[int] = list(prompt)
     for run in appends:
         tokens.extend(run)
         want = _scan(tokens, k, min_n, min_n + extra) if len(tokens) > min_n else []

@@ -9,13 +9,18 @@ H200's host, about 4 ms per step of 8 requests there: as long as the step replay
 graph, which made speculation a loss on open-ended chat. A request's token list only grows
 (proposals are never in it), which the index checks before trusting itself. Memory: ~400 bytes
 per token of the request with the default 2..4-grams (measured with tracemalloc), under 1 % of
-the KV cache SmolLM2 keeps for the same token (~46 KB in fp32).
+the KV cache SmolLM2 keeps for the same token (~46 KB in fp32). Time: `python -m
+benchmarks.ngram_proposer` (6.9 against 82.3 us per proposal on the 2-core EPYC); a prompt's
+first index costs ~0.8 us per token (27 ms for 32k tokens, once).
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+
+# new windows per n above which the index is extended in bulk (zip) rather than one by one
+_BULK_WINDOWS = 32
 
 
 class _Index:
@@ -41,11 +46,18 @@ class _Index:
         toks = self.tokens
         toks.extend(token_ids[seen:])
         # windows ending at e <= len - 2 (a token follows them) not indexed yet: those ending at
-        # seen - 1 .. len - 2 (the one ending at seen - 1 had no continuation at the last call)
-        for e in range(max(seen - 1, 0), len(toks) - 1):
-            for n in self.sizes:
-                if e + 1 >= n:
-                    self.starts[n][tuple(toks[e + 1 - n : e + 1])] = e + 1 - n
+        # seen - 1 .. len - 2 (the one ending at seen - 1 had no continuation at the last call);
+        # later windows overwrite earlier ones (the most recent wins)
+        for n in self.sizes:
+            first = max(seen - 1, n - 1) + 1 - n  # start of the first new window
+            last = len(toks) - 1 - n  # start of the last window with a continuation
+            starts = self.starts[n]
+            if last - first < _BULK_WINDOWS:  # a decode step's few tokens
+                for i in range(first, last + 1):
+                    starts[tuple(toks[i : i + n])] = i
+            else:  # a prompt: the windows built by zip in C (27 instead of 41 ms for 32k tokens)
+                windows = zip(*(toks[first + j : last + j + 1] for j in range(n)), strict=True)
+                starts.update(zip(windows, range(first, last + 1), strict=True))
 
     def lookup(self, k: int) -> list[int]:
         toks = self.tokens
