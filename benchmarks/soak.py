@@ -118,6 +118,13 @@ def main() -> None:
         "less than its bounded caches fill in a soak (the scheduler's prefix index: <= 12 MiB per worker)",
     )
     p.add_argument("--port-base", type=int, default=0)
+    p.add_argument(
+        "--up-arg",
+        action="append",
+        default=[],
+        help="extra `pdserve up` argument, repeatable (e.g. --up-arg=--worker-arg=--speculative=ngram "
+        "soaks speculation: every request's n-gram index must go with it)",
+    )
     a = p.parse_args()
 
     from tests.support.stack import free_port_base  # the same free-port search the e2e tests use
@@ -125,12 +132,12 @@ def main() -> None:
     model = str(resolve_model(a.model, None))
     base = a.port_base or free_port_base()
     log_dir = Path(tempfile.mkdtemp(prefix="pdserve-soak-"))
-    args = up._parse(
-        ["--model", model, "--port-base", str(base), "--log-dir", str(log_dir), "--torch-threads", "1"]
-    )
+    up_args = ["--model", model, "--port-base", str(base), "--log-dir", str(log_dir), "--torch-threads", "1"]
+    args = up._parse([*up_args, *a.up_arg])
     children = up._children(args, model)
     print(
-        f"soak: {a.minutes} min, concurrency {a.concurrency}, model {Path(model).name}; "
+        f"soak: {a.minutes} min, concurrency {a.concurrency}, model {Path(model).name}, "
+        f"up args {a.up_arg or 'none'}; "
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
         f"CPU capability {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}; "
         f"logs {log_dir}",
