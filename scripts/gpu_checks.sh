@@ -24,8 +24,10 @@ if [[ $what == engine || $what == all ]]; then
     --output "$RES/engine-cuda.json" || rc=1
 fi
 if [[ $what == spec || $what == all ]]; then
-  # n-gram speculation on CUDA: its verify steps (k + 1 rows) replay as CUDA graphs
-  $PY -m benchmarks.bench_spec --device cuda --max-tokens 96 --num-speculative-tokens 5 \
+  # n-gram speculation on CUDA: its verify steps (k + 1 rows) replay as CUDA graphs; next to a
+  # ~3.5 ms step the host's proposal time matters, so it is measured on this host too
+  $PY -m benchmarks.ngram_proposer --out "$RES/ngram-proposer-cuda-host.json" || rc=1
+  $PY -m benchmarks.bench_spec --device cuda --max-tokens 96 --num-speculative-tokens 5 --repeat 2 \
     --output "$RES/spec-cuda.json" || rc=1
 fi
 if [[ $what == goodput ]]; then
