@@ -227,7 +227,7 @@ def measure(
     flops = gemm_flops(device)
     out["gemm_gflop_s"] = round(flops / 1e9, 1)
     t0 = time.perf_counter()
-    # the engine's defaults: oneDNN-packed weights and, in fp32, their row copy for 1-2 rows
+    # the engine's defaults: oneDNN-packed weights and, in fp32, their panel copy for <= 8 rows
     model = load_model(model_path, device, dtype, row_copy=EngineConfig.cpu_row_copy)
     out["cpu_row_copy"] = any(getattr(m, "row_weight", None) is not None for m in model.modules())
     layout = kv_layout_of(model.config, block_size, dtype)
@@ -259,13 +259,13 @@ def measure(
         )
     out["steps"] = rows
     if out["cpu_row_copy"]:
-        # the same 1- and 2-sequence steps on oneDNN's kernel alone (--no-cpu-row-copy), same run
+        # the same 1- to 8-sequence steps on oneDNN's kernel alone (--no-cpu-row-copy), same run
         for mod in model.modules():
             if getattr(mod, "row_weight", None) is not None:
                 mod.row_weight = None
         plain = ModelRunner(model, layout, max(batches) * per_seq_blocks + 1, device, dtype)
         ab = []
-        for batch in (1, 2):
+        for batch in (1, 2, 4, 8):
             with_copy, _ = time_decode_steps(runner, batch, context)
             without, _ = time_decode_steps(plain, batch, context)
             ab.append(

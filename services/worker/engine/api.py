@@ -125,8 +125,8 @@ class EngineConfig:
     max_model_len: int = 0  # 0 = the model's max_position_embeddings
     torch_threads: int = 0  # 0 = torch default
     cpu_prepack: bool = True  # CPU: oneDNN-prepacked linear weights (engine/cpu_linear.py)
-    # CPU, fp32, with cpu_prepack: a second copy of every linear weight in the layout that
-    # streams fastest for steps of 1-2 rows (decoding one or two sequences ~2x faster)
+    # CPU, fp32, with cpu_prepack: a second copy of every linear weight as panels for
+    # engine/cpu_panel_kernel.py, which runs steps of up to 8 rows (decoding up to 8 sequences)
     cpu_row_copy: bool = True
     # Llama-architecture models: the flat forward loop of engine/lean_llama.py instead of
     # transformers' module tree (same numbers, ~half the ops per step)

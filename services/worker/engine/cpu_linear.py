@@ -13,17 +13,18 @@ modules change. Ops used are the ones torch's inductor uses for the same job
 (`torch.ops.mkldnn._reorder_linear_weight` / `_linear_pointwise`); when they are missing the
 model is left as it is.
 
-Steps of one or two rows (decoding one or two sequences) read every weight once for very few
-multiply-adds, so they run at the speed the kernel streams weights from memory. oneDNN's packed
-kernel and MKL's GEMV stream ~13 GB/s on one core of that EPYC (a plain sum reads 28 GB/s);
-`torch.matmul` over the same weight in blocks of 32 output features (`[N/32, K, 32]`, each block
-one contiguous K x 32 panel) streams ~22 GB/s. So with `row_copy` a PackedLinear also holds that
-blocked copy and uses it for steps of up to 2 rows: SmolLM2's 1-sequence decode step took 34.9 ms
-instead of 52.9 ms, 2 sequences 50.2 instead of 59.7 (fp32, 1 thread, `make bench-engine`'s A/B in
-one run; 1.83x / 1.48x with AVX2 kernels; at 4 and more rows oneDNN is faster). The cost is a
-second copy of every linear weight in memory. Both forwards (transformers' modules and
+Steps of up to 8 rows (decoding up to 8 sequences) read every weight once for few multiply-adds,
+and oneDNN's packed kernel streams weights at ~12-14 GB/s there on one core of that EPYC (a plain
+sum reads 28 GB/s). So with `row_copy` a PackedLinear also holds its weight as panels of 16 output
+features (`[N/16, K, 16]`) and runs such steps on engine/cpu_panel_kernel.py's kernel, which
+streams them at ~24-27 GB/s and at 8 rows does the multiply-adds at ~80 GFLOP/s: SmolLM2's 30
+layers and LM head took 20.8 / 22.4 / 28.8 ms at 1 / 4 / 8 rows against oneDNN's 39.5 / 31.9 /
+41.5. (Before it, the copy was `[N/32, K, 32]` blocks through `torch.matmul`, faster than oneDNN
+at 1-2 rows only.) The cost is a second copy of every linear weight in memory; without a C++
+compiler the copy is not kept and oneDNN runs every step. Both forwards (transformers' modules and
 engine/lean_llama.py) go through `linear` / `linear_add` / `linear_mul` here, so they stay
-bit-identical to each other.
+bit-identical to each other, and a row's result from the panel kernel does not depend on the
+other rows of its step.
 
 Memory: oneDNN keeps a compiled kernel for every input shape it has seen, in two caches (oneDNN's
 primitive cache and ideep's LRU, 1,024 entries each by default), ~0.3 MiB per entry. Decode steps
@@ -41,13 +42,14 @@ from typing import Any
 
 import torch
 
+from services.worker.engine import cpu_panel_kernel
+
 log = logging.getLogger(__name__)
 
 # Row count the packed layout is tuned for. 16 measured best over 1..2048 rows on this CPU.
 _PACK_BATCH_HINT = 16
-# The row copy: steps of at most this many rows use it; output features per contiguous block
-ROW_COPY_MAX_ROWS = 2
-_ROW_BLOCK = 32
+# The row copy (panels for cpu_panel_kernel): steps of at most this many rows use it
+ROW_COPY_MAX_ROWS = cpu_panel_kernel.MAX_ROWS
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -81,20 +83,16 @@ def prepack_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def row_copy_of(weight: torch.Tensor) -> torch.Tensor | None:
-    """W [N, K] as [N/32, K, 32] (block j holds output features 32j..32j+31, K-major), or None
-    where the row copy does not apply (not fp32, N not a multiple of 32)."""
-    n, k = weight.shape
-    if weight.dtype != torch.float32 or n % _ROW_BLOCK:
-        return None
-    return weight.view(n // _ROW_BLOCK, _ROW_BLOCK, k).transpose(1, 2).contiguous()
+    """W [N, K] as panels [N/16, K, 16] for the panel kernel, or None where it does not apply (not
+    fp32, N not a multiple of 16, no kernel on this machine)."""
+    return cpu_panel_kernel.panels_of(weight)
 
 
 def _by_rows(x: torch.Tensor, row_weight: torch.Tensor | None) -> torch.Tensor | None:
     """x W^T from the row copy for a step of few rows (x [M, K]), else None."""
     if row_weight is None or x.shape[0] > ROW_COPY_MAX_ROWS:
         return None
-    # [M, K] x [N/32, K, 32] -> [N/32, M, 32] -> [M, N]
-    return torch.matmul(x, row_weight).transpose(0, 1).reshape(x.shape[0], -1)
+    return cpu_panel_kernel.panel_mm(x, row_weight)
 
 
 def linear(
@@ -129,8 +127,8 @@ def linear_mul(
 
 
 class PackedLinear(torch.nn.Module):
-    """y = x W^T + b with W held in oneDNN's packed layout, and with `row_copy` also in the row
-    layout for steps of 1-2 rows (inference only)."""
+    """y = x W^T + b with W held in oneDNN's packed layout, and with `row_copy` also as panels
+    for steps of up to ROW_COPY_MAX_ROWS rows (inference only)."""
 
     packed_weight: torch.Tensor
     row_weight: torch.Tensor | None
@@ -164,7 +162,8 @@ class PackedLinear(torch.nn.Module):
 
 def prepack_linears(model: Any, row_copy: bool = False) -> int:
     """Replace every nn.Linear of `model` (on CPU, fp32/bf16) in place; returns how many.
-    row_copy: each also keeps the row layout of its weight (fp32; see the module docstring)."""
+    row_copy: each also keeps its weight as panels for few-row steps (fp32; see the module
+    docstring)."""
     first = next(model.parameters())
     if not prepack_available(first.device, first.dtype):
         return 0

@@ -144,16 +144,16 @@ def test_kernel_cache_capacity_must_not_be_negative() -> None:
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 2, 3, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 16])
 def test_row_copy_matches_nn_linear_and_serves_only_few_rows(
     rows: int, bias: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With the row copy, steps of 1-2 rows take it (the [N/32, K, 32] layout through
-    torch.matmul) and larger ones oneDNN's kernel; both give nn.Linear's numbers."""
+    """With the row copy, steps of up to 8 rows take it (panels [N/16, K, 16] through the panel
+    kernel) and larger ones oneDNN's kernel; both give nn.Linear's numbers."""
     torch.manual_seed(rows)
     linear = torch.nn.Linear(96, 224, bias=bias)
     packed = cpu_linear.PackedLinear(linear, row_copy=True)
-    assert packed.row_weight is not None and packed.row_weight.shape == (7, 96, 32)
+    assert packed.row_weight is not None and packed.row_weight.shape == (14, 96, 16)
     used: list[bool] = []
     real = cpu_linear._by_rows
 
@@ -171,7 +171,7 @@ def test_row_copy_matches_nn_linear_and_serves_only_few_rows(
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5])
+@pytest.mark.parametrize("rows", [1, 2, 5, 9])
 def test_fused_add_and_mul_equal_the_separate_ops(rows: int) -> None:
     """linear_add / linear_mul (the lean forward's residual add and SwiGLU product) give exactly
     the separate op on PackedLinear's output, on either kernel: the lean forward stays
@@ -186,8 +186,18 @@ def test_fused_add_and_mul_equal_the_separate_ops(rows: int) -> None:
         assert torch.equal(cpu_linear.linear_mul(x, other, w, r), other * y)
 
 
-def test_no_row_copy_where_it_does_not_apply() -> None:
-    """Output features not a multiple of 32, or bf16 weights: oneDNN's kernel only."""
+def test_no_row_copy_where_it_does_not_apply(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Output features not a multiple of 16, bf16 weights, or no panel kernel on the machine (no
+    compiler): oneDNN's kernel only, same numbers."""
     assert cpu_linear.PackedLinear(torch.nn.Linear(64, 200), row_copy=True).row_weight is None
     assert cpu_linear.row_copy_of(torch.zeros(64, 32, dtype=torch.bfloat16)) is None
     assert cpu_linear.PackedLinear(torch.nn.Linear(64, 96)).row_weight is None  # not asked for
+    from services.worker.engine import cpu_panel_kernel
+
+    monkeypatch.setattr(cpu_panel_kernel, "_load", lambda: None)
+    linear = torch.nn.Linear(64, 96)
+    packed = cpu_linear.PackedLinear(linear, row_copy=True)
+    assert packed.row_weight is None
+    x = torch.randn(2, 64)
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)

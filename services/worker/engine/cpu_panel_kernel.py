@@ -1,0 +1,211 @@
+"""A small-batch fp32 matrix product for CPU decode steps: x [M, K] times a weight held as panels
+of 16 output features (`[N/16, K, 16]`, each panel one contiguous K x 16 block), M <= 8.
+
+Why: a decode step of a few sequences multiplies a few rows by every weight of the model once.
+oneDNN's packed kernel streams those weights at ~12-14 GB/s on one core of the project's 2-core
+AMD EPYC (AVX-512), half of what the core can read (~27 GB/s), and at 8 rows reaches ~50 GFLOP/s.
+This kernel keeps a tile of rows x 32 outputs in registers (AVX-512: 8 x 2 zmm; AVX2: 4 x 2 ymm)
+and streams two panels at a time, one fused multiply-add per weight vector and row: over
+SmolLM2's 30 layers and LM head on one core it took 20.8 / 21.7 / 22.4 / 28.8 ms at 1 / 2 / 4 / 8
+rows against oneDNN's 39.5 / 43.9 / 31.9 / 41.5 (`/work/notes`-free figure: see
+benchmarks/linear_kernels.py's `panel` contender).
+
+Numerics: every output is x[m, 0] w[0] + ... + x[m, K-1] w[K-1] accumulated in that order with one
+rounding per fused multiply-add, whatever M, the row's position in the step, the tile or the
+instruction set (AVX-512 and AVX2 give the same bits): a row's result does not depend on the
+batch it runs in.
+
+The C++ is built once per machine with torch's JIT extension builder (g++ and ninja; ~25 s),
+cached on disk (torch's extension directory), and loaded in ~0.1 s by later processes. The ISA is
+picked at run time (`__builtin_cpu_supports`), so one cached build serves AVX2 and AVX-512 hosts.
+Without a compiler, or on a CPU without AVX2 + FMA, `available()` is False and callers keep their
+other kernels.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+PANEL = 16  # output features per panel (floats)
+MAX_ROWS = 8  # rows per call the kernel is meant for (larger steps: oneDNN)
+
+# instruction sets `panel_mm(isa=...)` accepts (0: the best this CPU has)
+ISA_AUTO, ISA_AVX2, ISA_AVX512 = 0, 1, 2
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+namespace {
+constexpr int64_t P = 16;  // panel width
+
+// rows m0..m0+M-1 of x times NP consecutive panels (each K x 16), into out's columns
+template <int M, int NP>
+__attribute__((target("avx512f")))
+void tile512(const float* x, int64_t ldx, const float* w, int64_t K, float* out, int64_t ldo) {
+  __m512 acc[M][NP];
+  for (int m = 0; m < M; ++m)
+    for (int q = 0; q < NP; ++q) acc[m][q] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 wv[NP];
+    for (int q = 0; q < NP; ++q) wv[q] = _mm512_loadu_ps(w + q * K * P + k * P);
+    for (int m = 0; m < M; ++m) {
+      const __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
+      for (int q = 0; q < NP; ++q) acc[m][q] = _mm512_fmadd_ps(xb, wv[q], acc[m][q]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int q = 0; q < NP; ++q) _mm512_storeu_ps(out + m * ldo + q * P, acc[m][q]);
+}
+
+template <int M, int NP>
+__attribute__((target("avx2,fma")))
+void tile256(const float* x, int64_t ldx, const float* w, int64_t K, float* out, int64_t ldo) {
+  __m256 acc[M][NP][2];
+  for (int m = 0; m < M; ++m)
+    for (int q = 0; q < NP; ++q) acc[m][q][0] = acc[m][q][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 wv[NP][2];
+    for (int q = 0; q < NP; ++q) {
+      wv[q][0] = _mm256_loadu_ps(w + q * K * P + k * P);
+      wv[q][1] = _mm256_loadu_ps(w + q * K * P + k * P + 8);
+    }
+    for (int m = 0; m < M; ++m) {
+      const __m256 xb = _mm256_set1_ps(x[m * ldx + k]);
+      for (int q = 0; q < NP; ++q) {
+        acc[m][q][0] = _mm256_fmadd_ps(xb, wv[q][0], acc[m][q][0]);
+        acc[m][q][1] = _mm256_fmadd_ps(xb, wv[q][1], acc[m][q][1]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int q = 0; q < NP; ++q) {
+      _mm256_storeu_ps(out + m * ldo + q * P, acc[m][q][0]);
+      _mm256_storeu_ps(out + m * ldo + q * P + 8, acc[m][q][1]);
+    }
+}
+
+// every row of x times NP panels: row tiles of 8 / 4 / 2 / 1 (AVX-512) or 4 / 2 / 1 (AVX2,
+// which has 16 vector registers), the panels staying in cache between tiles
+template <int NP>
+void panels(bool avx512, const float* x, int64_t rows, int64_t ldx, const float* w, int64_t K,
+            float* out, int64_t ldo) {
+  int64_t m = 0;
+  while (m < rows) {
+    const int64_t left = rows - m;
+    const float* xm = x + m * ldx;
+    float* om = out + m * ldo;
+    if (avx512) {
+      if (left >= 8) { tile512<8, NP>(xm, ldx, w, K, om, ldo); m += 8; }
+      else if (left >= 4) { tile512<4, NP>(xm, ldx, w, K, om, ldo); m += 4; }
+      else if (left >= 2) { tile512<2, NP>(xm, ldx, w, K, om, ldo); m += 2; }
+      else { tile512<1, NP>(xm, ldx, w, K, om, ldo); m += 1; }
+    } else {
+      if (left >= 4) { tile256<4, 1>(xm, ldx, w, K, om, ldo);
+                       if (NP == 2) tile256<4, 1>(xm, ldx, w + K * P, K, om + P, ldo); m += 4; }
+      else if (left >= 2) { tile256<2, NP>(xm, ldx, w, K, om, ldo); m += 2; }
+      else { tile256<1, NP>(xm, ldx, w, K, om, ldo); m += 1; }
+    }
+  }
+}
+}  // namespace
+
+bool has_avx512() { return __builtin_cpu_supports("avx512f"); }
+bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+
+// x [M, K] fp32 contiguous, w [N/16, K, 16] fp32 contiguous -> [M, N]; isa 0 auto, 1 avx2, 2 avx512
+torch::Tensor panel_mm(const torch::Tensor& x, const torch::Tensor& w, int64_t isa) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && w.size(2) == P, "panel_mm: bad shapes");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "panel_mm: fp32 only");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "panel_mm: contiguous tensors only");
+  TORCH_CHECK(x.size(1) == w.size(1), "panel_mm: inner sizes differ");
+  const bool avx512 = isa == 2 || (isa == 0 && has_avx512());
+  TORCH_CHECK(avx512 ? has_avx512() : has_avx2(), "panel_mm: this CPU lacks the instruction set");
+  const int64_t rows = x.size(0), K = x.size(1), n_panels = w.size(0), N = n_panels * P;
+  auto out = torch::empty({rows, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t pairs = n_panels / 2;
+  at::parallel_for(0, pairs, 4, [&](int64_t b, int64_t e) {
+    for (int64_t g = b; g < e; ++g)
+      panels<2>(avx512, xp, rows, K, wp + 2 * g * K * P, K, op + 2 * g * P, N);
+  });
+  if (n_panels % 2)
+    panels<1>(avx512, xp, rows, K, wp + (n_panels - 1) * K * P, K, op + (n_panels - 1) * P, N);
+  return out;
+}
+"""
+
+_lock = threading.Lock()
+_module: Any = None
+_tried = False
+
+
+def _build() -> Any:
+    from torch.utils import cpp_extension
+
+    try:  # torch's builder runs `ninja` from PATH; the pip package puts it next to Python
+        import ninja
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        pass
+    return cpp_extension.load_inline(
+        name="pdserve_panel_kernel_v1",
+        cpp_sources=_SOURCE,
+        functions=["panel_mm", "has_avx512", "has_avx2"],
+        extra_cflags=["-O3"],
+        verbose=False,
+    )
+
+
+def _load() -> Any:
+    """The built extension, or None when it cannot be built here (logged once)."""
+    global _module, _tried
+    with _lock:
+        if not _tried:
+            _tried = True
+            try:
+                mod = _build()
+                _module = mod if mod.has_avx2() else None
+                if _module is None:
+                    log.info("CPU panel kernel: this CPU has no AVX2 + FMA; using oneDNN only")
+            except Exception as exc:  # no compiler, no headers: the engine still runs
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                log.warning("CPU panel kernel unavailable (%s); decode steps use oneDNN only", first)
+        return _module
+
+
+def available() -> bool:
+    """Whether the kernel can run in this process (builds or loads it on first call)."""
+    return _load() is not None
+
+
+def has_avx512() -> bool:
+    mod = _load()
+    return bool(mod is not None and mod.has_avx512())
+
+
+def panels_of(weight: torch.Tensor) -> torch.Tensor | None:
+    """W [N, K] as [N/16, K, 16] (panel j: output features 16j..16j+15, K-major), or None where the
+    kernel does not apply (not fp32, N not a multiple of 16, kernel unavailable)."""
+    n, k = weight.shape
+    if weight.dtype != torch.float32 or n % PANEL or weight.device.type != "cpu" or not available():
+        return None
+    return weight.detach().view(n // PANEL, PANEL, k).transpose(1, 2).contiguous()
+
+
+def panel_mm(x: torch.Tensor, panels: torch.Tensor, isa: int = ISA_AUTO) -> torch.Tensor:
+    """x [M, K] times the panelled weight -> [M, N] (= x W^T), fp32."""
+    mod = _load()
+    assert mod is not None, "panel_mm without the kernel (check available() first)"
+    return mod.panel_mm(x.contiguous(), panels, isa)
