@@ -20,11 +20,11 @@ features (`[N/16, K, 16]`) and runs such steps on engine/cpu_panel_kernel.py's k
 streams them at ~24-27 GB/s and at 8 rows does the multiply-adds at ~80 GFLOP/s: SmolLM2's 30
 layers and LM head took 20.8 / 22.4 / 28.8 ms at 1 / 4 / 8 rows against oneDNN's 39.5 / 31.9 /
 41.5. (Before it, the copy was `[N/32, K, 32]` blocks through `torch.matmul`, faster than oneDNN
-at 1-2 rows only.) The cost is a second copy of every linear weight in memory; without a C++
-compiler the copy is not kept and oneDNN runs every step. Both forwards (transformers' modules and
-engine/lean_llama.py) go through `linear` / `linear_add` / `linear_mul` here, so they stay
-bit-identical to each other, and a row's result from the panel kernel does not depend on the
-other rows of its step.
+at 1-2 rows only; it remains the copy where the kernel cannot be built, e.g. without a C++
+compiler.) The cost is a second copy of every linear weight in memory. Both forwards
+(transformers' modules and engine/lean_llama.py) go through `linear` / `linear_add` /
+`linear_mul` here, so they stay bit-identical to each other, and a row's result from the panel
+kernel does not depend on the other rows of its step.
 
 Memory: oneDNN keeps a compiled kernel for every input shape it has seen, in two caches (oneDNN's
 primitive cache and ideep's LRU, 1,024 entries each by default), ~0.3 MiB per entry. Decode steps
@@ -48,8 +48,11 @@ log = logging.getLogger(__name__)
 
 # Row count the packed layout is tuned for. 16 measured best over 1..2048 rows on this CPU.
 _PACK_BATCH_HINT = 16
-# The row copy (panels for cpu_panel_kernel): steps of at most this many rows use it
-ROW_COPY_MAX_ROWS = cpu_panel_kernel.MAX_ROWS
+# The row copy: panels for cpu_panel_kernel, serving steps of up to cpu_panel_kernel.MAX_ROWS
+# rows; where that kernel cannot be built, [N/32, K, 32] blocks through torch.matmul, faster
+# than oneDNN for steps of up to _MATMUL_MAX_ROWS rows only
+_MATMUL_BLOCK = 32
+_MATMUL_MAX_ROWS = 2
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -83,16 +86,30 @@ def prepack_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def row_copy_of(weight: torch.Tensor) -> torch.Tensor | None:
-    """W [N, K] as panels [N/16, K, 16] for the panel kernel, or None where it does not apply (not
-    fp32, N not a multiple of 16, no kernel on this machine)."""
-    return cpu_panel_kernel.panels_of(weight)
+    """W [N, K] as panels [N/16, K, 16] for the panel kernel; without the kernel as [N/32, K, 32]
+    blocks for torch.matmul; None where neither applies (not fp32, N not a multiple of 16 / 32)."""
+    panels = cpu_panel_kernel.panels_of(weight)
+    if panels is not None:
+        return panels
+    n, k = weight.shape
+    if weight.dtype != torch.float32 or n % _MATMUL_BLOCK:
+        return None
+    return weight.detach().view(n // _MATMUL_BLOCK, _MATMUL_BLOCK, k).transpose(1, 2).contiguous()
+
+
+def row_copy_max_rows(row_weight: torch.Tensor) -> int:
+    """The largest step (rows) this row copy serves."""
+    return cpu_panel_kernel.MAX_ROWS if row_weight.shape[-1] == cpu_panel_kernel.PANEL else _MATMUL_MAX_ROWS
 
 
 def _by_rows(x: torch.Tensor, row_weight: torch.Tensor | None) -> torch.Tensor | None:
     """x W^T from the row copy for a step of few rows (x [M, K]), else None."""
-    if row_weight is None or x.shape[0] > ROW_COPY_MAX_ROWS:
+    if row_weight is None or x.shape[0] > row_copy_max_rows(row_weight):
         return None
-    return cpu_panel_kernel.panel_mm(x, row_weight)
+    if row_weight.shape[-1] == cpu_panel_kernel.PANEL:
+        return cpu_panel_kernel.panel_mm(x, row_weight)
+    # [M, K] x [N/32, K, 32] -> [N/32, M, 32] -> [M, N]
+    return torch.matmul(x, row_weight).transpose(0, 1).reshape(x.shape[0], -1)
 
 
 def linear(
@@ -128,7 +145,7 @@ def linear_mul(
 
 class PackedLinear(torch.nn.Module):
     """y = x W^T + b with W held in oneDNN's packed layout, and with `row_copy` also as panels
-    for steps of up to ROW_COPY_MAX_ROWS rows (inference only)."""
+    for few-row steps (`row_copy_max_rows`; inference only)."""
 
     packed_weight: torch.Tensor
     row_weight: torch.Tensor | None
@@ -156,7 +173,8 @@ class PackedLinear(torch.nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        rows = f", row copy for <= {ROW_COPY_MAX_ROWS} rows" if self.row_weight is not None else ""
+        rw = self.row_weight
+        rows = f", row copy for <= {row_copy_max_rows(rw)} rows" if rw is not None else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=onednn{rows}"
 
 

@@ -167,7 +167,7 @@ def test_row_copy_matches_nn_linear_and_serves_only_few_rows(
     with torch.inference_mode():
         want = linear(x)
         got = packed(x)
-    assert used == [rows <= cpu_linear.ROW_COPY_MAX_ROWS]
+    assert used == [rows <= cpu_linear.row_copy_max_rows(packed.row_weight)]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -187,8 +187,8 @@ def test_fused_add_and_mul_equal_the_separate_ops(rows: int) -> None:
 
 
 def test_no_row_copy_where_it_does_not_apply(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Output features not a multiple of 16, bf16 weights, or no panel kernel on the machine (no
-    compiler): oneDNN's kernel only, same numbers."""
+    """Output features not a multiple of 16, or bf16 weights: oneDNN's kernel only. No panel
+    kernel on the machine (no compiler): the torch.matmul copy for 1-2 rows, same numbers."""
     assert cpu_linear.PackedLinear(torch.nn.Linear(64, 200), row_copy=True).row_weight is None
     assert cpu_linear.row_copy_of(torch.zeros(64, 32, dtype=torch.bfloat16)) is None
     assert cpu_linear.PackedLinear(torch.nn.Linear(64, 96)).row_weight is None  # not asked for
@@ -197,7 +197,10 @@ def test_no_row_copy_where_it_does_not_apply(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(cpu_panel_kernel, "_load", lambda: None)
     linear = torch.nn.Linear(64, 96)
     packed = cpu_linear.PackedLinear(linear, row_copy=True)
-    assert packed.row_weight is None
-    x = torch.randn(2, 64)
-    with torch.inference_mode():
-        torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
+    assert packed.row_weight is not None and packed.row_weight.shape == (3, 64, 32)
+    assert cpu_linear.row_copy_max_rows(packed.row_weight) == 2
+    assert cpu_linear.PackedLinear(torch.nn.Linear(64, 80), row_copy=True).row_weight is None  # 80 % 32
+    for rows in (1, 2, 3):
+        x = torch.randn(rows, 64)
+        with torch.inference_mode():
+            torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
