@@ -44,7 +44,8 @@ from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results" / "engine.json"
 # pdserve_eager: the engine with --no-cuda-graphs (CUDA only, where pdserve replays its decode
-# steps as CUDA graphs; left out on CPU, where both are the same engine)
+# steps as CUDA graphs; left out on CPU, where both are the same engine). pdserve_no_row_copy: the
+# engine with --no-cpu-row-copy (CPU only: every step on oneDNN, no panel kernel)
 CONTENDERS = (
     "hf_sequential",
     "hf_padded",
@@ -52,6 +53,7 @@ CONTENDERS = (
     "pdserve",
     "pdserve_transformers",
     "pdserve_eager",
+    "pdserve_no_row_copy",
 )
 
 
@@ -276,6 +278,11 @@ def run_pdserve_eager(args: argparse.Namespace, prompts: list[list[int]]) -> dic
     return run_pdserve(args, prompts, cuda_graphs=False)
 
 
+def run_pdserve_no_row_copy(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
+    """pdserve without the CPU row copy (--no-cpu-row-copy): every step on oneDNN's kernel."""
+    return run_pdserve(args, prompts, cpu_row_copy=False)
+
+
 def run_prefix(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
     """Shared 448-token prefix: prefill wall time with and without the prefix cache."""
     rng = random.Random(1)
@@ -323,6 +330,7 @@ RUNNERS = {
     "pdserve": run_pdserve,
     "pdserve_transformers": run_pdserve_transformers,
     "pdserve_eager": run_pdserve_eager,
+    "pdserve_no_row_copy": run_pdserve_no_row_copy,
     "prefix": run_prefix,
     "floor": run_floor,
 }
@@ -484,6 +492,8 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.contenders.split(","):
         if name == "pdserve_eager" and args.device != "cuda":
             continue  # the same engine as pdserve off CUDA
+        if name == "pdserve_no_row_copy" and args.device != "cpu":
+            continue  # the row copy is a CPU kernel
         results[name] = _child(args, name, child_argv)
     prefix = None if args.no_prefix_run else _child(args, "prefix", child_argv)
     floor = None if args.no_floor_run else _child(args, "floor", child_argv)
@@ -518,6 +528,8 @@ def main(argv: list[str] | None = None) -> None:
     }
     if tps.get("pdserve_eager"):
         ratios["ratio_cuda_graphs_vs_eager"] = ratio("pdserve_eager")
+    if tps.get("pdserve_no_row_copy"):
+        ratios["ratio_row_copy_vs_onednn_only"] = ratio("pdserve_no_row_copy")
     print("\n" + "  ".join(f"{k} {_fmt(v, 2)}" for k, v in ratios.items()))
     if prefix is not None:
         w, wo = prefix["with_cache"], prefix["without_cache"]

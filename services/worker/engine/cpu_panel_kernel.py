@@ -135,12 +135,16 @@ torch::Tensor panel_mm(const torch::Tensor& x, const torch::Tensor& w, int64_t i
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t pairs = n_panels / 2;
-  at::parallel_for(0, pairs, 4, [&](int64_t b, int64_t e) {
-    for (int64_t g = b; g < e; ++g)
-      panels<2>(avx512, xp, rows, K, wp + 2 * g * K * P, K, op + 2 * g * P, N);
-  });
-  if (n_panels % 2)
-    panels<1>(avx512, xp, rows, K, wp + (n_panels - 1) * K * P, K, op + (n_panels - 1) * P, N);
+  {
+    // without the GIL, as torch's own ops: the ranks of a worker are threads of one process
+    pybind11::gil_scoped_release no_gil;
+    at::parallel_for(0, pairs, 4, [&](int64_t b, int64_t e) {
+      for (int64_t g = b; g < e; ++g)
+        panels<2>(avx512, xp, rows, K, wp + 2 * g * K * P, K, op + 2 * g * P, N);
+    });
+    if (n_panels % 2)
+      panels<1>(avx512, xp, rows, K, wp + (n_panels - 1) * K * P, K, op + (n_panels - 1) * P, N);
+  }
   return out;
 }
 """
@@ -160,7 +164,7 @@ def _build() -> Any:
     except ImportError:
         pass
     return cpp_extension.load_inline(
-        name="pdserve_panel_kernel_v1",
+        name="pdserve_panel_kernel_v2",
         cpp_sources=_SOURCE,
         functions=["panel_mm", "has_avx512", "has_avx2"],
         extra_cflags=["-O3"],
