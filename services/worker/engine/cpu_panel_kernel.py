@@ -7,8 +7,8 @@ AMD EPYC (AVX-512), half of what the core can read (~27 GB/s), and at 8 rows rea
 This kernel keeps a tile of rows x 32 outputs in registers (AVX-512: 8 x 2 zmm; AVX2: 4 x 2 ymm)
 and streams two panels at a time, one fused multiply-add per weight vector and row: over
 SmolLM2's 30 layers and LM head on one core it took 20.8 / 21.7 / 22.4 / 28.8 ms at 1 / 2 / 4 / 8
-rows against oneDNN's 39.5 / 43.9 / 31.9 / 41.5 (`/work/notes`-free figure: see
-benchmarks/linear_kernels.py's `panel` contender).
+rows against oneDNN's 39.5 / 43.9 / 31.9 / 41.5 (`python -m benchmarks.linear_kernels` compares
+them over the 30 layers: the `panel_kernel` contender).
 
 Numerics: every output is x[m, 0] w[0] + ... + x[m, K-1] w[K-1] accumulated in that order with one
 rounding per fused multiply-add, whatever M, the row's position in the step, the tile or the
@@ -17,7 +17,8 @@ batch it runs in.
 
 The C++ is built once per machine with torch's JIT extension builder (g++ and ninja; ~25 s),
 cached on disk (torch's extension directory), and loaded in ~0.1 s by later processes. The ISA is
-picked at run time (`__builtin_cpu_supports`), so one cached build serves AVX2 and AVX-512 hosts.
+picked at run time (`__builtin_cpu_supports`, and AVX2 where torch's CPU capability is AVX2), so
+one cached build serves AVX2 and AVX-512 hosts.
 Without a compiler, or on a CPU without AVX2 + FMA, `available()` is False and callers keep their
 other kernels.
 """
@@ -152,6 +153,7 @@ torch::Tensor panel_mm(const torch::Tensor& x, const torch::Tensor& w, int64_t i
 _lock = threading.Lock()
 _module: Any = None
 _tried = False
+_isa = ISA_AVX2  # the ISA panel_mm uses by default (set when the module loads)
 
 
 def _build() -> Any:
@@ -174,7 +176,7 @@ def _build() -> Any:
 
 def _load() -> Any:
     """The built extension, or None when it cannot be built here (logged once)."""
-    global _module, _tried
+    global _module, _tried, _isa
     with _lock:
         if not _tried:
             _tried = True
@@ -183,6 +185,10 @@ def _load() -> Any:
                 _module = mod if mod.has_avx2() else None
                 if _module is None:
                     log.info("CPU panel kernel: this CPU has no AVX2 + FMA; using oneDNN only")
+                # AVX-512 where torch uses it too: ATEN_CPU_CAPABILITY=avx2 (which makes an
+                # AVX-512 host take an AVX2 machine's code path) applies to this kernel as well
+                elif mod.has_avx512() and "AVX512" in torch.backends.cpu.get_cpu_capability():
+                    _isa = ISA_AVX512
             except Exception as exc:  # no compiler, no headers: the engine still runs
                 first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
                 log.warning("CPU panel kernel unavailable (%s); decode steps use oneDNN only", first)
@@ -195,8 +201,16 @@ def available() -> bool:
 
 
 def has_avx512() -> bool:
+    """Whether the CPU has AVX-512 (whatever torch's capability setting)."""
     mod = _load()
     return bool(mod is not None and mod.has_avx512())
+
+
+def default_isa() -> int:
+    """The instruction set panel_mm uses unless told: AVX-512 where the CPU has it and torch's
+    CPU capability includes it, else AVX2."""
+    _load()
+    return _isa
 
 
 def panels_of(weight: torch.Tensor) -> torch.Tensor | None:
@@ -208,8 +222,9 @@ def panels_of(weight: torch.Tensor) -> torch.Tensor | None:
     return weight.detach().view(n // PANEL, PANEL, k).transpose(1, 2).contiguous()
 
 
-def panel_mm(x: torch.Tensor, panels: torch.Tensor, isa: int = ISA_AUTO) -> torch.Tensor:
-    """x [M, K] times the panelled weight -> [M, N] (= x W^T), fp32."""
+def panel_mm(x: torch.Tensor, panels: torch.Tensor, isa: int | None = None) -> torch.Tensor:
+    """x [M, K] times the panelled weight -> [M, N] (= x W^T), fp32; isa: default_isa() unless
+    given (ISA_AUTO: the best the CPU has)."""
     mod = _load()
     assert mod is not None, "panel_mm without the kernel (check available() first)"
-    return mod.panel_mm(x.contiguous(), panels, isa)
+    return mod.panel_mm(x.contiguous(), panels, _isa if isa is None else isa)

@@ -28,6 +28,17 @@ def test_kernels_agree_and_the_record_names_rate_and_difference() -> None:
             assert m["max_abs_diff"] < 1e-4  # the same linears, fp32 rounding apart
 
 
+def test_the_panel_kernel_contender_computes_the_same_linears() -> None:
+    from services.worker.engine import cpu_panel_kernel
+
+    if not cpu_panel_kernel.available():
+        pytest.skip("no panel kernel (no compiler or no AVX2)")
+    out = lk.measure([1, 8], layers=2, reps=2, contenders=["onednn_packed", "panel_kernel"], stack=tiny())
+    for row in out["rows"].values():
+        assert row["panel_kernel"]["gb_s"] > 0
+        assert row["panel_kernel"]["max_abs_diff"] < 1e-4
+
+
 def test_the_stack_applies_each_linear_to_its_input_width() -> None:
     stack = tiny()
     x, h = torch.randn(2, 32), torch.randn(2, 64)
