@@ -11,7 +11,7 @@ a decode step) with one torch thread, through each kernel:
 - `torch_linear`: plain `F.linear` on the nn.Linear weights (MKL sgemm);
 - `inductor_cpp`: torch.compile with inductor's C++ GEMM template (max-autotune, CPP backend,
   frozen weights), when a C++ compiler is present;
-- `panel_kernel`: engine/cpu_panel_kernel.py on weights as 16-feature panels, what the engine
+- `panel_kernel`: engine/cpu_kernels.py on weights as 16-feature panels, what the engine
   runs for steps of up to 8 rows (fp32, with the row copy on).
 
 It prints and records ms per pass, GB/s of weights read, and the largest difference from the
@@ -123,19 +123,19 @@ def inductor_cpp(stack: Stack) -> Callable[[torch.Tensor, torch.Tensor], torch.T
 
 
 def panel_kernel(stack: Stack) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
-    from services.worker.engine import cpu_panel_kernel
+    from services.worker.engine import cpu_kernels
 
-    if not cpu_panel_kernel.available():
+    if not cpu_kernels.available():
         return None  # no compiler, or no AVX2
     panels = []
     for lin in stack.linears():
-        p = cpu_panel_kernel.panels_of(lin.weight)
+        p = cpu_kernels.panels_of(lin.weight)
         if p is None:
             return None
         panels.append((p, lin.in_features))
 
     def run(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        return torch.stack([cpu_panel_kernel.panel_mm(_rows_for(k, x, h), p).sum() for p, k in panels])
+        return torch.stack([cpu_kernels.panel_mm(_rows_for(k, x, h), p).sum() for p, k in panels])
 
     return run
 

@@ -173,6 +173,7 @@ class WorkerApp:
             cpu_prepack=s.cpu_prepack,
             cpu_row_copy=s.cpu_row_copy and s.role is not Role.PREFILL,  # prefill: many rows
             lean_forward=s.lean_forward,
+            cpu_attention_kernel=s.cpu_attention_kernel,
             cuda_graphs=s.cuda_graphs,
             # a prefill worker runs prompts, hardly ever a static step: no capture at start
             cuda_graph_warm_tokens=0 if s.role is Role.PREFILL else s.cuda_graph_warm_tokens,

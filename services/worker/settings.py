@@ -67,6 +67,11 @@ class WorkerSettings(TlsSettings):
         "bandwidth (built once with g++, cached on disk; costs a second copy of the weights in "
         "memory; a prefill worker never keeps it)",
     )
+    cpu_attention_kernel: bool = field(
+        True,
+        "On CPU in fp32: decode attention of all decoding sequences of a layer in one call of a "
+        "C++ kernel (built once with g++, cached on disk) instead of one SDPA call per sequence",
+    )
     lean_forward: bool = field(
         True,
         "Llama-architecture models: run the layers as one flat loop of kernel calls (same "

@@ -35,6 +35,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from services.worker.engine import cpu_kernels
+
 ATTN_IMPLEMENTATION = "pdserve_paged"
 
 
@@ -85,6 +87,10 @@ class PagedAttentionMetadata:
     decode_idx: torch.Tensor | None  # PER_SEQ: [B] packed positions of single-token sequences
     num_decode: int  # PER_SEQ: how many of `seqs` have q_len 1 (B)
     groups: list[BatchedGroup] | None = None  # BATCHED: the calls of each layer
+    # PER_SEQ on CPU: (first slot, context length) of each of the num_decode sequences, int64
+    # [B] each, when all have consecutive slots and engine/cpu_kernels.py's decode attention
+    # serves them (one call per layer); None: one SDPA call per sequence
+    decode_spans: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def _context(pool: torch.Tensor, s: SeqAttention, block_size: int) -> torch.Tensor:
@@ -276,7 +282,13 @@ def _decode(
         qd = query[0].index_select(1, meta.decode_idx).transpose(0, 1)
     qd = qd.reshape(-1, 1, num_kv_heads, rep, head_dim)  # [B, 1, kv_heads, rep, D]
     out = decode_attention(
-        qd.unbind(0), k_pool, v_pool, meta.seqs[: meta.num_decode], meta.block_size, scaling
+        qd.unbind(0),
+        k_pool,
+        v_pool,
+        meta.seqs[: meta.num_decode],
+        meta.block_size,
+        scaling,
+        meta.decode_spans,
     )
     return out.view(-1, num_kv_heads * rep, head_dim)
 
@@ -288,10 +300,17 @@ def decode_attention(
     seqs: Sequence[SeqAttention],  # the same sequences, in the same order
     block_size: int,
     scaling: float | None,
+    spans: tuple[torch.Tensor, torch.Tensor] | None = None,  # PagedAttentionMetadata.decode_spans
 ) -> torch.Tensor:
     """One SDPA call per single-query sequence over its slots (a view when its blocks are
-    consecutive, else gathered); -> [B * kv_heads, rep, D] (= [B, heads, D] in memory). Shared by
-    the PER_SEQ backend and the lean forward's decode steps (lean_llama)."""
+    consecutive, else gathered), or with `spans` one call of the CPU kernel for them all;
+    -> [B * kv_heads, rep, D] (= [B, heads, D] in memory). Shared by the PER_SEQ backend and the
+    lean forward's decode steps (lean_llama)."""
+    if spans is not None:
+        head_dim = k_pool.shape[-1]
+        scale = scaling if scaling is not None else head_dim**-0.5
+        q = torch.cat(list(queries))  # [B, kv_heads, rep, D]
+        return cpu_kernels.decode_attention(q, k_pool[0], v_pool[0], spans[0], spans[1], scale)
     outs = []
     for q, s in zip(queries, seqs, strict=True):
         if s.kv_start is not None:

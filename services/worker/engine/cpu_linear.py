@@ -16,7 +16,7 @@ model is left as it is.
 Steps of up to 8 rows (decoding up to 8 sequences) read every weight once for few multiply-adds,
 and oneDNN's packed kernel streams weights at ~12-14 GB/s there on one core of that EPYC (a plain
 sum reads 28 GB/s). So with `row_copy` a PackedLinear also holds its weight as panels of 16 output
-features (`[N/16, K, 16]`) and runs such steps on engine/cpu_panel_kernel.py's kernel, which
+features (`[N/16, K, 16]`) and runs such steps on engine/cpu_kernels.py's kernel, which
 streams them at ~24-27 GB/s and at 8 rows does the multiply-adds at ~80 GFLOP/s: SmolLM2's 30
 layers and LM head took 20.8 / 22.4 / 28.8 ms at 1 / 4 / 8 rows against oneDNN's 39.5 / 31.9 /
 41.5. (Before it, the copy was `[N/32, K, 32]` blocks through `torch.matmul`, faster than oneDNN
@@ -42,13 +42,13 @@ from typing import Any
 
 import torch
 
-from services.worker.engine import cpu_panel_kernel
+from services.worker.engine import cpu_kernels
 
 log = logging.getLogger(__name__)
 
 # Row count the packed layout is tuned for. 16 measured best over 1..2048 rows on this CPU.
 _PACK_BATCH_HINT = 16
-# The row copy: panels for cpu_panel_kernel, serving steps of up to cpu_panel_kernel.MAX_ROWS
+# The row copy: panels for cpu_kernels, serving steps of up to cpu_kernels.MAX_ROWS
 # rows; where that kernel cannot be built, [N/32, K, 32] blocks through torch.matmul, faster
 # than oneDNN for steps of up to _MATMUL_MAX_ROWS rows only
 _MATMUL_BLOCK = 32
@@ -88,7 +88,7 @@ def prepack_available(device: torch.device, dtype: torch.dtype) -> bool:
 def row_copy_of(weight: torch.Tensor) -> torch.Tensor | None:
     """W [N, K] as panels [N/16, K, 16] for the panel kernel; without the kernel as [N/32, K, 32]
     blocks for torch.matmul; None where neither applies (not fp32, N not a multiple of 16 / 32)."""
-    panels = cpu_panel_kernel.panels_of(weight)
+    panels = cpu_kernels.panels_of(weight)
     if panels is not None:
         return panels
     n, k = weight.shape
@@ -99,15 +99,15 @@ def row_copy_of(weight: torch.Tensor) -> torch.Tensor | None:
 
 def row_copy_max_rows(row_weight: torch.Tensor) -> int:
     """The largest step (rows) this row copy serves."""
-    return cpu_panel_kernel.MAX_ROWS if row_weight.shape[-1] == cpu_panel_kernel.PANEL else _MATMUL_MAX_ROWS
+    return cpu_kernels.MAX_ROWS if row_weight.shape[-1] == cpu_kernels.PANEL else _MATMUL_MAX_ROWS
 
 
 def _by_rows(x: torch.Tensor, row_weight: torch.Tensor | None) -> torch.Tensor | None:
     """x W^T from the row copy for a step of few rows (x [M, K]), else None."""
     if row_weight is None or x.shape[0] > row_copy_max_rows(row_weight):
         return None
-    if row_weight.shape[-1] == cpu_panel_kernel.PANEL:
-        return cpu_panel_kernel.panel_mm(x, row_weight)
+    if row_weight.shape[-1] == cpu_kernels.PANEL:
+        return cpu_kernels.panel_mm(x, row_weight)
     # [M, K] x [N/32, K, 32] -> [N/32, M, 32] -> [M, N]
     return torch.matmul(x, row_weight).transpose(0, 1).reshape(x.shape[0], -1)
 

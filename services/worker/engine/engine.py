@@ -241,6 +241,7 @@ class PagedEngine:
                 lean_forward=cfg.lean_forward,
                 decode_graphs=self._graphs_on(device),
                 spec_tokens=cfg.num_speculative_tokens if cfg.speculative != "off" else 0,
+                cpu_attention_kernel=cfg.cpu_attention_kernel,
             )
             runner.warm_up()
             self._prepare_graphs(runner, f"rank {dp_rank}")
@@ -321,6 +322,7 @@ class PagedEngine:
             # its proposal steps (1 row) and catch-up steps (up to k + 1 rows)
             decode_graphs=self._graphs_on(device),
             spec_tokens=cfg.num_speculative_tokens,
+            cpu_attention_kernel=cfg.cpu_attention_kernel,
         )
         runner.warm_up()
         self._prepare_graphs(runner, "draft model")

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from services.worker.engine import attention, cpu_linear
+from services.worker.engine import attention, cpu_kernels, cpu_linear
 from services.worker.engine.api import KvLayout, SamplingConfig
 from services.worker.engine.attention import AttentionBackend
 from services.worker.engine.decode_graphs import DecodeGraphs, DecodeSeq
@@ -97,17 +97,28 @@ class ModelRunner:
         lean_forward: bool = True,
         decode_graphs: bool = False,
         spec_tokens: int = 0,
+        cpu_attention_kernel: bool = True,
     ) -> None:
         """decode_graphs: decode and verify steps run as static-shape steps
         (engine/decode_graphs.py), captured as CUDA graphs on CUDA and run eagerly elsewhere
         (tests); needs the lean forward, ignored without it. spec_tokens: k of speculative
-        decoding (its verify steps get buckets of k + 1 rows per sequence)."""
+        decoding (its verify steps get buckets of k + 1 rows per sequence).
+        cpu_attention_kernel: on CPU in fp32, decode attention of every single-token sequence
+        of a layer in one call of engine/cpu_kernels.py's kernel (where it is built) instead of
+        one SDPA call per sequence."""
         self.model = model
         self.layout = layout
         self.device = device
         self.dtype = dtype
         self.num_blocks = num_blocks
         self.attention_backend = attention_backend or AttentionBackend.default_for(device)
+        self.cpu_attention_kernel = (
+            cpu_attention_kernel
+            and device.type == "cpu"
+            and dtype == torch.float32
+            and layout.head_dim % 16 == 0
+            and cpu_kernels.available()
+        )
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.q_per_kv = int(cfg.num_attention_heads) // layout.num_kv_heads
         lean = lean_forward and LeanLlama.supports(model)
@@ -197,6 +208,13 @@ class ModelRunner:
         # logits rows in the caller's order of the sampling sequences
         first_pos = {i: a.q_start + a.q_len - 1 for i, a in zip(order, attn, strict=True)}
         logits_idx = [first_pos[i] for i, s in enumerate(seqs) if s.sample]
+        decoding = attn[: len(decode_idx)]
+        spans = None
+        if self.cpu_attention_kernel and decoding and all(a.kv_start is not None for a in decoding):
+            spans = (
+                torch.tensor([a.kv_start for a in decoding], dtype=torch.int64),
+                torch.tensor([a.ctx_len for a in decoding], dtype=torch.int64),
+            )
         meta = attention.PagedAttentionMetadata(
             kv_cache=self.kv_cache,
             block_size=bs,
@@ -204,6 +222,7 @@ class ModelRunner:
             seqs=attn,
             decode_idx=torch.tensor(decode_idx, device=dev) if decode_idx else None,
             num_decode=len(decode_idx),
+            decode_spans=spans,
         )
         return (
             torch.tensor([input_ids], device=dev),

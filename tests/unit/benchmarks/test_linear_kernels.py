@@ -29,9 +29,9 @@ def test_kernels_agree_and_the_record_names_rate_and_difference() -> None:
 
 
 def test_the_panel_kernel_contender_computes_the_same_linears() -> None:
-    from services.worker.engine import cpu_panel_kernel
+    from services.worker.engine import cpu_kernels
 
-    if not cpu_panel_kernel.available():
+    if not cpu_kernels.available():
         pytest.skip("no panel kernel (no compiler or no AVX2)")
     out = lk.measure([1, 8], layers=2, reps=2, contenders=["onednn_packed", "panel_kernel"], stack=tiny())
     for row in out["rows"].values():

@@ -192,9 +192,9 @@ def test_no_row_copy_where_it_does_not_apply(monkeypatch: pytest.MonkeyPatch) ->
     assert cpu_linear.PackedLinear(torch.nn.Linear(64, 200), row_copy=True).row_weight is None
     assert cpu_linear.row_copy_of(torch.zeros(64, 32, dtype=torch.bfloat16)) is None
     assert cpu_linear.PackedLinear(torch.nn.Linear(64, 96)).row_weight is None  # not asked for
-    from services.worker.engine import cpu_panel_kernel
+    from services.worker.engine import cpu_kernels
 
-    monkeypatch.setattr(cpu_panel_kernel, "_load", lambda: None)
+    monkeypatch.setattr(cpu_kernels, "_load", lambda: None)
     linear = torch.nn.Linear(64, 96)
     packed = cpu_linear.PackedLinear(linear, row_copy=True)
     assert packed.row_weight is not None and packed.row_weight.shape == (3, 64, 32)
