@@ -87,9 +87,9 @@ class PagedAttentionMetadata:
     decode_idx: torch.Tensor | None  # PER_SEQ: [B] packed positions of single-token sequences
     num_decode: int  # PER_SEQ: how many of `seqs` have q_len 1 (B)
     groups: list[BatchedGroup] | None = None  # BATCHED: the calls of each layer
-    # PER_SEQ on CPU: (first slot, context length) of each of the num_decode sequences, int64
-    # [B] each, when all have consecutive slots and engine/cpu_kernels.py's decode attention
-    # serves them (one call per layer); None: one SDPA call per sequence
+    # PER_SEQ on CPU: (block tables [B, max blocks], context lengths [B]) of the num_decode
+    # sequences, int64, when engine/cpu_kernels.py's decode attention serves them (one call per
+    # layer, blocks read in place); None: one SDPA call per sequence
     decode_spans: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
@@ -310,7 +310,7 @@ def decode_attention(
         head_dim = k_pool.shape[-1]
         scale = scaling if scaling is not None else head_dim**-0.5
         q = torch.cat(list(queries))  # [B, kv_heads, rep, D]
-        return cpu_kernels.decode_attention(q, k_pool[0], v_pool[0], spans[0], spans[1], scale)
+        return cpu_kernels.decode_attention(q, k_pool[0], v_pool[0], spans[0], spans[1], block_size, scale)
     outs = []
     for q, s in zip(queries, seqs, strict=True):
         if s.kv_start is not None:

@@ -17,11 +17,13 @@ rounding per fused multiply-add, whatever M, the row's position in the step, the
 instruction set (AVX-512 and AVX2 give the same bits): a row's result does not depend on the
 batch it runs in.
 
-`decode_attention`: one layer's attention for every decoding sequence of a step in one call
-(scores by an AVX dot kernel, softmax by torch's, then the weighted sum of V rows), instead of
-one SDPA call per sequence: for 8 sequences of 319 tokens over 30 layers (SmolLM2's shapes, one
-core) 9.1 against 18.4 ms. Its results are not bit-equal across instruction sets (the dot
-products' reduction trees differ), only close (1e-6).
+`decode_attention`: one layer's attention for every decoding sequence of a step in one call,
+each sequence's KV blocks read in place through its block table (consecutive, scattered or
+shared with other sequences by the prefix cache alike; scores by an AVX dot kernel, softmax by
+torch's, then the weighted sum of V rows), instead of one SDPA call per sequence: for 8
+sequences of 319 tokens over 30 layers (SmolLM2's shapes, one core) 9.1 against 18.4 ms. Its
+results are not bit-equal across instruction sets (the dot products' reduction trees differ),
+only close (1e-6).
 
 The C++ is built once per machine with torch's JIT extension builder (g++ and ninja; ~25 s),
 cached on disk (torch's extension directory), and loaded in ~0.1 s by later processes. The ISA is
@@ -176,29 +178,36 @@ void axpy256(const float* p, int64_t pstride, int64_t R, const float* v, float* 
 }  // namespace
 
 // One layer's decode attention for B sequences, one query token each: q [B, H, R, D] (the R
-// query heads sharing each of the H KV heads), k and v [H, S, D] (the layer's pool), sequence b
-// attending to slots starts[b] .. starts[b] + lens[b] - 1. -> [B, H, R, D]. Scores by the dot
-// kernel, softmax by torch's (vectorized) kernel over [B, H, R, max len] with -inf padding,
-// then the probability-weighted sum of V rows.
+// query heads sharing each of the H KV heads), k and v [H, S, D] (the layer's pool of S slots),
+// sequence b attending to its first lens[b] tokens, token l in slot
+// blocks[b, l / bs] * bs + l % bs. -> [B, H, R, D]. Scores by the dot kernel, softmax by torch's
+// (vectorized) kernel over [B, H, R, max len] with -inf padding, then the probability-weighted
+// sum of V rows; each block's rows are read in place, in order.
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                               const torch::Tensor& starts, const torch::Tensor& lens, double scale,
-                               int64_t isa) {
+                               const torch::Tensor& blocks, const torch::Tensor& lens, int64_t bs,
+                               double scale, int64_t isa) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 3 && v.sizes() == k.sizes(), "decode_attention: bad shapes");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "decode_attention: fp32 only");
-  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(),
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous() && blocks.is_contiguous(),
               "decode_attention: contiguous only");
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3), S = k.size(1);
   TORCH_CHECK(k.size(0) == H && k.size(2) == D && D % 16 == 0, "decode_attention: head sizes differ");
-  TORCH_CHECK(starts.numel() == B && lens.numel() == B && starts.scalar_type() == at::kLong &&
-              lens.scalar_type() == at::kLong, "decode_attention: one int64 start and length per sequence");
+  TORCH_CHECK(blocks.dim() == 2 && blocks.size(0) == B && lens.numel() == B &&
+              blocks.scalar_type() == at::kLong && lens.scalar_type() == at::kLong && bs >= 1,
+              "decode_attention: one int64 block-table row and length per sequence");
   const bool avx512 = isa == 2 || (isa == 0 && has_avx512());
   TORCH_CHECK(avx512 ? has_avx512() : has_avx2(), "decode_attention: this CPU lacks the instruction set");
-  const int64_t* st = starts.data_ptr<int64_t>();
+  const int64_t NB = blocks.size(1);
+  const int64_t* bt = blocks.data_ptr<int64_t>();
   const int64_t* ln = lens.data_ptr<int64_t>();
   int64_t lmax = 1;
   for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(ln[b] >= 1 && st[b] >= 0 && st[b] + ln[b] <= S, "decode_attention: slots out of the pool");
+    TORCH_CHECK(ln[b] >= 1 && (ln[b] + bs - 1) / bs <= NB, "decode_attention: slots out of the pool");
+    for (int64_t j = 0; j < (ln[b] + bs - 1) / bs; ++j) {
+      const int64_t blk = bt[b * NB + j];
+      TORCH_CHECK(blk >= 0 && (blk + 1) * bs <= S, "decode_attention: slots out of the pool");
+    }
     lmax = std::max(lmax, ln[b]);
   }
   pybind11::gil_scoped_release no_gil;
@@ -211,13 +220,15 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
   at::parallel_for(0, B * H, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t bh = b0; bh < b1; ++bh) {
       const int64_t b = bh / H, h = bh % H;
-      const float* kh = kp + (h * S + st[b]) * D;
       float* srow = sp + bh * R * lmax;
-      for (int64_t l = 0; l < ln[b]; ++l)
-        for (int64_t r = 0; r < R; ++r) {
-          const float* qr = qp + (bh * R + r) * D;
-          srow[r * lmax + l] = sc * (avx512 ? dot512(qr, kh + l * D, D) : dot256(qr, kh + l * D, D));
-        }
+      for (int64_t l0 = 0; l0 < ln[b]; l0 += bs) {
+        const float* kb = kp + (h * S + bt[b * NB + l0 / bs] * bs) * D;
+        for (int64_t i = 0; i < std::min(bs, ln[b] - l0); ++i)
+          for (int64_t r = 0; r < R; ++r) {
+            const float* qr = qp + (bh * R + r) * D;
+            srow[r * lmax + l0 + i] = sc * (avx512 ? dot512(qr, kb + i * D, D) : dot256(qr, kb + i * D, D));
+          }
+      }
     }
   });
   const auto probs = at::_softmax(scores, -1, false);
@@ -227,12 +238,14 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
   at::parallel_for(0, B * H, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t bh = b0; bh < b1; ++bh) {
       const int64_t b = bh / H, h = bh % H;
-      const float* vh = vp + (h * S + st[b]) * D;
       const float* prow = pp + bh * R * lmax;
       float* orow = op + bh * R * D;
-      for (int64_t l = 0; l < ln[b]; ++l) {
-        if (avx512) axpy512(prow + l, lmax, R, vh + l * D, orow, D);
-        else axpy256(prow + l, lmax, R, vh + l * D, orow, D);
+      for (int64_t l0 = 0; l0 < ln[b]; l0 += bs) {
+        const float* vb = vp + (h * S + bt[b * NB + l0 / bs] * bs) * D;
+        for (int64_t i = 0; i < std::min(bs, ln[b] - l0); ++i) {
+          if (avx512) axpy512(prow + l0 + i, lmax, R, vb + i * D, orow, D);
+          else axpy256(prow + l0 + i, lmax, R, vb + i * D, orow, D);
+        }
       }
     }
   });
@@ -286,7 +299,7 @@ def _build() -> Any:
     except ImportError:
         pass
     return cpp_extension.load_inline(
-        name="pdserve_cpu_kernels_v1",
+        name="pdserve_cpu_kernels_v2",
         cpp_sources=_SOURCE,
         functions=["panel_mm", "decode_attention", "has_avx512", "has_avx2"],
         extra_cflags=["-O3"],
@@ -344,18 +357,20 @@ def panels_of(weight: torch.Tensor) -> torch.Tensor | None:
 
 def decode_attention(
     q: torch.Tensor,  # [B, H, R, D]: each sequence's query token, R query heads per KV head
-    k: torch.Tensor,  # [H, S, D]: the layer's K pool
+    k: torch.Tensor,  # [H, S, D]: the layer's K pool (S slots = blocks x block_size)
     v: torch.Tensor,  # [H, S, D]
-    starts: torch.Tensor,  # [B] int64: first slot of each sequence's (consecutive) context
+    blocks: torch.Tensor,  # [B, max blocks] int64: each sequence's block table (padding unread)
     lens: torch.Tensor,  # [B] int64: its context length (tokens)
+    block_size: int,  # tokens per block
     scale: float,
     isa: int | None = None,
 ) -> torch.Tensor:
-    """One layer's decode attention for every sequence in one call -> [B, H, R, D] (fp32, D a
-    multiple of 16)."""
+    """One layer's decode attention for every sequence in one call, reading each sequence's
+    blocks in place -> [B, H, R, D] (fp32, D a multiple of 16)."""
     mod = _load()
     assert mod is not None, "decode_attention without the kernels (check available() first)"
-    return mod.decode_attention(q.contiguous(), k, v, starts, lens, scale, _isa if isa is None else isa)
+    chosen = _isa if isa is None else isa
+    return mod.decode_attention(q.contiguous(), k, v, blocks, lens, block_size, scale, chosen)
 
 
 def panel_mm(x: torch.Tensor, panels: torch.Tensor, isa: int | None = None) -> torch.Tensor:

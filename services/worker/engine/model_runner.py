@@ -208,12 +208,16 @@ class ModelRunner:
         # logits rows in the caller's order of the sampling sequences
         first_pos = {i: a.q_start + a.q_len - 1 for i, a in zip(order, attn, strict=True)}
         logits_idx = [first_pos[i] for i, s in enumerate(seqs) if s.sample]
-        decoding = attn[: len(decode_idx)]
         spans = None
-        if self.cpu_attention_kernel and decoding and all(a.kv_start is not None for a in decoding):
+        if self.cpu_attention_kernel and decode_idx:
+            # the decode sequences come first in `order`; their block tables, padded with 0
+            tables = [
+                seqs[i].block_ids[: -(-(seqs[i].start_pos + 1) // bs)] for i in order[: len(decode_idx)]
+            ]
+            width = max(len(t) for t in tables)
             spans = (
-                torch.tensor([a.kv_start for a in decoding], dtype=torch.int64),
-                torch.tensor([a.ctx_len for a in decoding], dtype=torch.int64),
+                torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64),
+                torch.tensor([a.ctx_len for a in attn[: len(decode_idx)]], dtype=torch.int64),
             )
         meta = attention.PagedAttentionMetadata(
             kv_cache=self.kv_cache,

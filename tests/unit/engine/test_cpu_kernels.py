@@ -65,49 +65,71 @@ def test_refuses_what_it_cannot_compute() -> None:
 
 
 def _sdpa_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: list[int], lens: list[int]
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: list[list[int]], lens: list[int], bs: int
 ) -> torch.Tensor:
     import torch.nn.functional as F
 
-    outs = [
-        F.scaled_dot_product_attention(
-            q[b : b + 1], k[None, :, s : s + n], v[None, :, s : s + n], scale=0.125
-        )
-        for b, (s, n) in enumerate(zip(starts, lens, strict=True))
-    ]
+    outs = []
+    for b, (table, n) in enumerate(zip(tables, lens, strict=True)):
+        slots = torch.tensor([table[i // bs] * bs + i % bs for i in range(n)])
+        kb, vb = k[:, slots][None], v[:, slots][None]
+        outs.append(F.scaled_dot_product_attention(q[b : b + 1], kb, vb, scale=0.125))
     return torch.cat(outs)
 
 
+def _padded(tables: list[list[int]]) -> torch.Tensor:
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables])
+
+
 @pytest.mark.parametrize("rep", [1, 3])
-def test_decode_attention_matches_sdpa_per_sequence(rep: int) -> None:
-    # sequences of very different lengths (1 token .. 1,000) at scattered slots of one pool
+@pytest.mark.parametrize("bs", [1, 16])
+def test_decode_attention_matches_sdpa_per_sequence(rep: int, bs: int) -> None:
+    # sequences of very different lengths (1 token .. ~1,000) over consecutive, scattered and
+    # shared (prefix-cache) blocks of one pool
+    import random
+
     torch.manual_seed(rep)
-    heads, dim, slots = 3, 64, 4096
-    k, v = torch.randn(heads, slots, dim), torch.randn(heads, slots, dim)
-    starts, lens = [0, 100, 1500, 2900, 4095], [1, 300, 17, 999, 1]
-    q = torch.randn(len(starts), heads, rep, dim)
-    want = _sdpa_reference(q, k, v, starts, lens)
+    heads, dim, blocks = 3, 64, 4096 // bs
+    k, v = torch.randn(heads, blocks * bs, dim), torch.randn(heads, blocks * bs, dim)
+    rng = random.Random(bs)
+    free = list(range(blocks))
+    rng.shuffle(free)
+    lens = [1, 300, 17, 999, 1, 40]
+    nblocks = [-(-n // bs) for n in lens]
+    tables = [
+        list(range(0, nblocks[0])),
+        list(range(100, 100 + nblocks[1])),  # consecutive
+        [free.pop() for _ in range(nblocks[2])],  # scattered
+        [free.pop() for _ in range(nblocks[3])],
+        [free.pop()],
+    ]
+    tables.append([*tables[1][: nblocks[5] - 1], free.pop()])  # shares a prefix with sequence 1
+    q = torch.randn(len(lens), heads, rep, dim)
+    want = _sdpa_reference(q, k, v, tables, lens, bs)
     for isa in isas():
-        got = kernel.decode_attention(q, k, v, torch.tensor(starts), torch.tensor(lens), 0.125, isa)
+        got = kernel.decode_attention(q, k, v, _padded(tables), torch.tensor(lens), bs, 0.125, isa)
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_decode_attention_refuses_slots_outside_the_pool() -> None:
-    k = v = torch.randn(2, 64, 16)
+    k = v = torch.randn(2, 64, 16)  # 16 blocks of 4 slots
     q = torch.randn(1, 2, 1, 16)
     with pytest.raises(RuntimeError, match="out of the pool"):
-        kernel.decode_attention(q, k, v, torch.tensor([60]), torch.tensor([5]), 1.0)
+        kernel.decode_attention(q, k, v, torch.tensor([[16, 0]]), torch.tensor([5]), 4, 1.0)
+    with pytest.raises(RuntimeError, match="out of the pool"):  # more tokens than its table holds
+        kernel.decode_attention(q, k, v, torch.tensor([[1, 2]]), torch.tensor([9]), 4, 1.0)
     with pytest.raises(RuntimeError, match="out of the pool"):
-        kernel.decode_attention(q, k, v, torch.tensor([0]), torch.tensor([0]), 1.0)
-    with pytest.raises(RuntimeError, match="one int64 start"):
-        kernel.decode_attention(q, k, v, torch.tensor([0, 1]), torch.tensor([1, 1]), 1.0)
+        kernel.decode_attention(q, k, v, torch.tensor([[0]]), torch.tensor([0]), 4, 1.0)
+    with pytest.raises(RuntimeError, match="block-table row"):
+        kernel.decode_attention(q, k, v, torch.tensor([[0], [1]]), torch.tensor([1, 1]), 4, 1.0)
 
 
 def test_runner_uses_the_kernel_for_decode_steps_and_matches_sdpa() -> None:
-    """A PER_SEQ decode step on CPU: with every sequence's slots consecutive the runner hands the
-    kernel their spans and attention equals the per-sequence SDPA path; a sequence with scattered
-    blocks (or a step with a prefill chunk's rows) keeps SDPA for the decode sequences."""
+    """A PER_SEQ decode step on CPU: the runner hands the kernel every decoding sequence's block
+    table (consecutive or scattered) and attention equals the per-sequence SDPA path;
+    --no-cpu-attention-kernel keeps SDPA."""
     from types import SimpleNamespace
 
     from services.worker.engine.api import KvLayout, SamplingConfig
@@ -119,10 +141,10 @@ def test_runner_uses_the_kernel_for_decode_steps_and_matches_sdpa() -> None:
     model = SimpleNamespace(config=SimpleNamespace(num_attention_heads=heads))
     greedy = SamplingConfig(max_tokens=1, temperature=0.0)
 
-    def seq(start: int, first_block: int, blocks: int) -> ScheduledSeq:
-        return ScheduledSeq([7], start, list(range(first_block, first_block + blocks)), True, greedy, None)
+    def seq(start: int, blocks: list[int]) -> ScheduledSeq:
+        return ScheduledSeq([7], start, blocks, True, greedy, None)
 
-    consecutive = [seq(0, 0, 1), seq(9, 2, 3), seq(30, 6, 8), seq(3, 20, 1)]
+    step = [seq(0, [0]), seq(9, [2, 3, 4]), seq(30, list(range(6, 14))), seq(5, [30, 12])]
     gen = torch.Generator().manual_seed(0)
     pool = torch.randn(2, 2, kv_heads, 32 * bs, dim, generator=gen)
     q = torch.randn(1, heads, 4, dim, generator=gen)
@@ -140,19 +162,16 @@ def test_runner_uses_the_kernel_for_decode_steps_and_matches_sdpa() -> None:
             cpu_attention_kernel=use_kernel,
         )
         runner.kv_cache.copy_(pool)
-        _, _, meta, _ = runner._build_metadata(consecutive)
+        _, _, meta, _ = runner._build_metadata(step)
         assert (meta.decode_spans is not None) is use_kernel
-        if use_kernel:
-            assert meta.decode_spans is not None
-            assert meta.decode_spans[0].tolist() == [0, 8, 24, 80]
-            assert meta.decode_spans[1].tolist() == [1, 10, 31, 4]
+        if meta.decode_spans is not None:
+            tables, lens = meta.decode_spans
+            assert lens.tolist() == [1, 10, 31, 6]
+            assert tables[1].tolist()[:3] == [2, 3, 4] and tables[3].tolist()[:2] == [30, 12]
         layer: Any = SimpleNamespace(layer_idx=1)  # only its layer index is read
         out, _ = paged_attention_forward(layer, q, k, v, None, scaling=dim**-0.5, paged_meta=meta)
         outs.append(out)
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
-    scattered = [*consecutive[:3], ScheduledSeq([7], 5, [30, 12], True, greedy, None)]
-    runner = ModelRunner(model, layout, 32, CPU_DEVICE, torch.float32, AttentionBackend.PER_SEQ)
-    assert runner._build_metadata(scattered)[2].decode_spans is None
 
 
 CPU_DEVICE = torch.device("cpu")
