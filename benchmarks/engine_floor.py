@@ -194,6 +194,7 @@ def measure(
     block_size: int = 16,
 ) -> dict[str, Any]:
     """The whole probe (run in its own process: it sets torch's thread count)."""
+    from services.worker.engine import cpu_kernels
     from services.worker.engine.api import EngineConfig
     from services.worker.engine.model_runner import (
         ModelRunner,
@@ -204,11 +205,15 @@ def measure(
 
     device = torch.device(device_name)
     dtype = resolve_dtype(dtype_name, device)
+    # the first call in a process builds the C++ kernels (cold: ~25 s) or loads the cached build
+    t0 = time.perf_counter()
+    kernels = cpu_kernels.available()
     out: dict[str, Any] = {
         "cpu": cpu_features(),
         "context_tokens": context,
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
+        "cpu_kernels": {"available": kernels, "load_s": round(time.perf_counter() - t0, 2)},
     }
     all_threads = torch.get_num_threads()
     single = read_bandwidth(1)
@@ -313,6 +318,18 @@ def format_report(probe: dict[str, Any]) -> list[str]:
         f"GB/s with {bw['all_core_threads']} threads"
         + (f", {bw['device']:.0f} GB/s device" if "device" in bw else ""),
         f"fp32 GEMM: {probe['gemm_gflop_s']:.0f} GFLOP/s with {probe['step_threads']} thread(s)",
+        *(
+            [
+                "CPU kernels (engine/cpu_kernels.py): "
+                + (
+                    f"built or loaded in {probe['cpu_kernels']['load_s']:.1f} s"
+                    if probe["cpu_kernels"]["available"]
+                    else "unavailable (no compiler?): fallback kernels"
+                )
+            ]
+            if "cpu_kernels" in probe
+            else []
+        ),
         f"decode step of one rank ({probe['step_threads']} thread(s), {probe['context_tokens']} "
         f"cached tokens per sequence) vs its floor (weights + KV read once) and roofline "
         f"(max of that and FLOPs / GEMM rate):",

@@ -84,6 +84,8 @@ def test_decode_step_timing_and_report(tiny_bpe: Path) -> None:
         ],
     }
     probe["row_copy_steps"] = [{"seqs": 1, "with_row_copy_ms": 30.0, "without_ms": 60.0, "speedup": 2.0}]
+    probe["cpu_kernels"] = {"available": True, "load_s": 0.2}
     lines = engine_floor.format_report(probe)
+    assert any("built or loaded in 0.2 s" in line for line in lines)
     assert any("3 seqs" in line and "2.00x" in line for line in lines)
     assert any("with the row copy" in line and "60.0 ms without" in line for line in lines)
