@@ -280,9 +280,9 @@ def _decode(
     else:
         assert meta.decode_idx is not None
         qd = query[0].index_select(1, meta.decode_idx).transpose(0, 1)
-    qd = qd.reshape(-1, 1, num_kv_heads, rep, head_dim)  # [B, 1, kv_heads, rep, D]
+    qd = qd.reshape(-1, num_kv_heads, rep, head_dim)  # [B, kv_heads, rep, D]
     out = decode_attention(
-        qd.unbind(0),
+        qd,
         k_pool,
         v_pool,
         meta.seqs[: meta.num_decode],
@@ -294,7 +294,7 @@ def _decode(
 
 
 def decode_attention(
-    queries: Sequence[torch.Tensor],  # per sequence [1, kv_heads, rep, D]: its one query token
+    queries: torch.Tensor,  # [B, kv_heads, rep, D]: each sequence's one query token
     k_pool: torch.Tensor,  # [1, kv_heads, slots, D] of one layer
     v_pool: torch.Tensor,
     seqs: Sequence[SeqAttention],  # the same sequences, in the same order
@@ -309,10 +309,12 @@ def decode_attention(
     if spans is not None:
         head_dim = k_pool.shape[-1]
         scale = scaling if scaling is not None else head_dim**-0.5
-        q = torch.cat(list(queries))  # [B, kv_heads, rep, D]
-        return cpu_kernels.decode_attention(q, k_pool[0], v_pool[0], spans[0], spans[1], block_size, scale)
+        return cpu_kernels.decode_attention(
+            queries, k_pool[0], v_pool[0], spans[0], spans[1], block_size, scale
+        )
     outs = []
-    for q, s in zip(queries, seqs, strict=True):
+    # one unbind, not a select per sequence: [1, kv_heads, rep, D] each
+    for q, s in zip(queries.unsqueeze(1).unbind(0), seqs, strict=True):
         if s.kv_start is not None:
             k = k_pool[:, :, s.kv_start : s.kv_start + s.ctx_len]
             v = v_pool[:, :, s.kv_start : s.kv_start + s.ctx_len]

@@ -63,6 +63,14 @@ bool has_avx2();
 namespace {
 constexpr int64_t P = 16;  // panel width
 
+// whether a kernel runs its AVX-512 code (isa 0 auto, 1 avx2, 2 avx512), refusing an instruction
+// set the CPU lacks
+bool use_avx512(int64_t isa, const char* kernel) {
+  const bool avx512 = isa == 2 || (isa == 0 && has_avx512());
+  TORCH_CHECK(avx512 ? has_avx512() : has_avx2(), kernel, ": this CPU lacks the instruction set");
+  return avx512;
+}
+
 // rows m0..m0+M-1 of x times NP consecutive panels (each K x 16), into out's columns
 template <int M, int NP>
 __attribute__((target("avx512f")))
@@ -132,9 +140,7 @@ void panels(bool avx512, const float* x, int64_t rows, int64_t ldx, const float*
     }
   }
 }
-}  // namespace
 
-namespace {
 // dot product of two rows of D floats (D % 8 == 0; D % 16 == 0 for the AVX-512 path)
 __attribute__((target("avx512f")))
 float dot512(const float* a, const float* b, int64_t D) {
@@ -196,8 +202,7 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
   TORCH_CHECK(blocks.dim() == 2 && blocks.size(0) == B && lens.numel() == B &&
               blocks.scalar_type() == at::kLong && lens.scalar_type() == at::kLong && bs >= 1,
               "decode_attention: one int64 block-table row and length per sequence");
-  const bool avx512 = isa == 2 || (isa == 0 && has_avx512());
-  TORCH_CHECK(avx512 ? has_avx512() : has_avx2(), "decode_attention: this CPU lacks the instruction set");
+  const bool avx512 = use_avx512(isa, "decode_attention");
   const int64_t NB = blocks.size(1);
   const int64_t* bt = blocks.data_ptr<int64_t>();
   const int64_t* ln = lens.data_ptr<int64_t>();
@@ -261,8 +266,7 @@ torch::Tensor panel_mm(const torch::Tensor& x, const torch::Tensor& w, int64_t i
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "panel_mm: fp32 only");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "panel_mm: contiguous tensors only");
   TORCH_CHECK(x.size(1) == w.size(1), "panel_mm: inner sizes differ");
-  const bool avx512 = isa == 2 || (isa == 0 && has_avx512());
-  TORCH_CHECK(avx512 ? has_avx512() : has_avx2(), "panel_mm: this CPU lacks the instruction set");
+  const bool avx512 = use_avx512(isa, "panel_mm");
   const int64_t rows = x.size(0), K = x.size(1), n_panels = w.size(0), N = n_panels * P;
   auto out = torch::empty({rows, N}, x.options());
   const float* xp = x.data_ptr<float>();
@@ -317,14 +321,14 @@ def _load() -> Any:
                 mod = _build()
                 _module = mod if mod.has_avx2() else None
                 if _module is None:
-                    log.info("CPU panel kernel: this CPU has no AVX2 + FMA; using oneDNN only")
+                    log.info("CPU kernels: this CPU has no AVX2 + FMA; decode steps use the fallbacks")
                 # AVX-512 where torch uses it too: ATEN_CPU_CAPABILITY=avx2 (which makes an
                 # AVX-512 host take an AVX2 machine's code path) applies to this kernel as well
                 elif mod.has_avx512() and "AVX512" in torch.backends.cpu.get_cpu_capability():
                     _isa = ISA_AVX512
             except Exception as exc:  # no compiler, no headers: the engine still runs
                 first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-                log.warning("CPU panel kernel unavailable (%s); decode steps use oneDNN only", first)
+                log.warning("CPU kernels unavailable (%s); decode steps use the fallbacks", first)
         return _module
 
 
@@ -337,13 +341,6 @@ def has_avx512() -> bool:
     """Whether the CPU has AVX-512 (whatever torch's capability setting)."""
     mod = _load()
     return bool(mod is not None and mod.has_avx512())
-
-
-def default_isa() -> int:
-    """The instruction set panel_mm uses unless told: AVX-512 where the CPU has it and torch's
-    CPU capability includes it, else AVX2."""
-    _load()
-    return _isa
 
 
 def panels_of(weight: torch.Tensor) -> torch.Tensor | None:
@@ -374,8 +371,9 @@ def decode_attention(
 
 
 def panel_mm(x: torch.Tensor, panels: torch.Tensor, isa: int | None = None) -> torch.Tensor:
-    """x [M, K] times the panelled weight -> [M, N] (= x W^T), fp32; isa: default_isa() unless
-    given (ISA_AUTO: the best the CPU has)."""
+    """x [M, K] times the panelled weight -> [M, N] (= x W^T), fp32; isa: unless given, AVX-512
+    where the CPU has it and torch's CPU capability includes it, else AVX2 (ISA_AUTO: the best
+    the CPU has)."""
     mod = _load()
     assert mod is not None, "panel_mm without the kernel (check available() first)"
     return mod.panel_mm(x.contiguous(), panels, _isa if isa is None else isa)

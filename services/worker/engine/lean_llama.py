@@ -131,7 +131,7 @@ class LeanLlama:
         k_slots.index_copy_(0, meta.slots, k)
         v_slots.index_copy_(0, meta.slots, v)
         rep = self.num_heads // self.num_kv_heads
-        queries = q.view(-1, 1, self.num_kv_heads, rep, self.head_dim).unbind(0)
+        queries = q.view(-1, self.num_kv_heads, rep, self.head_dim)
         return attention.decode_attention(
             queries, k_pool, v_pool, meta.seqs, meta.block_size, scaling, meta.decode_spans
         )

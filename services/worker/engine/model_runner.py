@@ -57,8 +57,8 @@ def load_model(
     model_path: str, device: torch.device, dtype: torch.dtype, prepack: bool = True, row_copy: bool = False
 ) -> Any:
     """transformers' own model class with our attention; on CPU its linear layers prepacked
-    for oneDNN unless `prepack` is False, with `row_copy` also in the layout for steps of 1-2
-    rows (see cpu_linear)."""
+    for oneDNN unless `prepack` is False, with `row_copy` also as a copy for steps of few rows
+    (see cpu_linear)."""
     from transformers import AutoModelForCausalLM
 
     attention.register()
@@ -178,6 +178,7 @@ class ModelRunner:
         # single-token sequences first: attention batches their bookkeeping
         order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].token_ids) != 1)
         decode_idx: list[int] = []
+        decode_tables: list[list[int]] = []  # block ids of each single-token sequence
         for i in order:
             s = seqs[i]
             q_start = len(input_ids)
@@ -194,6 +195,7 @@ class ModelRunner:
             mask: torch.Tensor | None = None
             if n == 1:
                 decode_idx.append(q_start)
+                decode_tables.append(blocks)
             if not fresh or n == 1:
                 if blocks[-1] - blocks[0] == len(blocks) - 1 and _consecutive(blocks):
                     kv_start = blocks[0] * bs
@@ -210,13 +212,10 @@ class ModelRunner:
         logits_idx = [first_pos[i] for i, s in enumerate(seqs) if s.sample]
         spans = None
         if self.cpu_attention_kernel and decode_idx:
-            # the decode sequences come first in `order`; their block tables, padded with 0
-            tables = [
-                seqs[i].block_ids[: -(-(seqs[i].start_pos + 1) // bs)] for i in order[: len(decode_idx)]
-            ]
-            width = max(len(t) for t in tables)
+            # the decode sequences' block tables (padded with 0) and context lengths
+            width = max(len(t) for t in decode_tables)
             spans = (
-                torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64),
+                torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.int64),
                 torch.tensor([a.ctx_len for a in attn[: len(decode_idx)]], dtype=torch.int64),
             )
         meta = attention.PagedAttentionMetadata(
