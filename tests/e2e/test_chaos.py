@@ -131,12 +131,15 @@ def two_decode_stack(tiny_bpe_model: Path, tmp_path_factory: pytest.TempPathFact
 
 
 PROMPTS = ["The cache keeps", "Disaggregated serving moves", "A worker died while", "Tokens flow from"]
+# Long enough that every stream still runs when the victim is picked and stopped: with the tiny
+# model a 160-token stream ended in ~0.2 s, sometimes before the first GetLoad saw it.
+STREAM_TOKENS = 1000
 
 
 def _request(i: int) -> gateway_pb2.GenerateRequest:
     sampling: dict[str, Any] = dict(temperature=0) if i % 2 == 0 else dict(temperature=1.0, seed=1234 + i)
     return gateway_pb2.GenerateRequest(
-        prompt=PROMPTS[i], max_tokens=160, ignore_eos=True, return_token_ids=True, **sampling
+        prompt=PROMPTS[i], max_tokens=STREAM_TOKENS, ignore_eos=True, return_token_ids=True, **sampling
     )
 
 
@@ -189,7 +192,7 @@ def _assert_same_as_undisturbed(undisturbed: list[Any], disturbed: list[Any]) ->
     for i, (want, got) in enumerate(zip(undisturbed, disturbed, strict=True)):
         assert [t for f in got for t in f.token_ids] == [t for f in want for t in f.token_ids], i
         assert "".join(f.text for f in got) == "".join(f.text for f in want), i
-        assert got[-1].usage.completion_tokens == 160
+        assert got[-1].usage.completion_tokens == STREAM_TOKENS
         assert got[-1].usage.prompt_tokens == want[-1].usage.prompt_tokens
         assert got[-1].finish_reason == want[-1].finish_reason
         assert got[0].kind == gateway_pb2.FRAME_KIND_FIRST
