@@ -12,7 +12,7 @@ a decode step) with one torch thread, through each kernel:
 - `inductor_cpp`: torch.compile with inductor's C++ GEMM template (max-autotune, CPP backend,
   frozen weights), when a C++ compiler is present;
 - `panel_kernel`: engine/cpu_kernels.py on weights as 16-feature panels, what the engine
-  runs for steps of up to 8 rows (fp32, with the row copy on).
+  runs for steps of up to 16 rows (fp32, with the row copy on).
 
 It prints and records ms per pass, GB/s of weights read, and the largest difference from the
 oneDNN outputs, next to the machine's single-core read bandwidth (a tensor sum).
@@ -127,11 +127,18 @@ def panel_kernel(stack: Stack) -> Callable[[torch.Tensor, torch.Tensor], torch.T
 
     if not cpu_kernels.available():
         return None  # no compiler, or no AVX2
+    linears = list(stack.linears())
+    if not all(cpu_kernels.panel_copy_applies(lin.weight) for lin in linears):
+        return None
+    # in one buffer on huge pages, as cpu_linear.prepack_linears keeps them
+    arena = cpu_kernels.empty_on_huge_pages((sum(lin.weight.numel() for lin in linears),), torch.float32)
     panels = []
-    for lin in stack.linears():
-        p = cpu_kernels.panels_of(lin.weight)
-        if p is None:
-            return None
+    offset = 0
+    for lin in linears:
+        n = lin.weight.numel()
+        p = cpu_kernels.panels_of(lin.weight, arena[offset : offset + n])
+        assert p is not None
+        offset += n
         panels.append((p, lin.in_features))
 
     def run(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
@@ -223,13 +230,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     doc: dict[str, Any] = {
         "cpu": cpu_features(),
         "single_core_read_gb_s": round(read_bandwidth(1) / 1e9, 2),
+        "single_core_read_huge_pages_gb_s": round(read_bandwidth(1, huge_pages=True) / 1e9, 2),
     }
     doc.update(measure(a.rows, a.layers, a.reps, a.contenders.split(",")))
     print(
         f"{doc['cpu']['model']} ({doc['cpu']['torch_cpu_capability']}), torch {doc['cpu']['torch']}, 1 thread"
     )
     print(
-        f"single-core read bandwidth {doc['single_core_read_gb_s']} GB/s; "
+        f"single-core read bandwidth {doc['single_core_read_gb_s']} GB/s "
+        f"({doc['single_core_read_huge_pages_gb_s']} GB/s on huge pages); "
         f"{doc['weight_mb']} MB of weights per pass"
     )
     for r, row in doc["rows"].items():

@@ -63,7 +63,7 @@ class WorkerSettings(TlsSettings):
     cpu_row_copy: bool = field(
         True,
         "On CPU in fp32, with --cpu-prepack: also keep every linear weight as panels for a "
-        "kernel that runs steps of up to 8 rows (decoding up to 8 sequences) near the memory "
+        "kernel that runs steps of up to 16 rows (decoding up to 16 sequences) near the memory "
         "bandwidth (built once with g++, cached on disk; costs a second copy of the weights in "
         "memory; a prefill worker never keeps it)",
     )

@@ -126,7 +126,7 @@ class EngineConfig:
     torch_threads: int = 0  # 0 = torch default
     cpu_prepack: bool = True  # CPU: oneDNN-prepacked linear weights (engine/cpu_linear.py)
     # CPU, fp32, with cpu_prepack: a second copy of every linear weight as panels for
-    # engine/cpu_kernels.py, which runs steps of up to 8 rows (decoding up to 8 sequences)
+    # engine/cpu_kernels.py, which runs steps of up to 16 rows (decoding up to 16 sequences)
     cpu_row_copy: bool = True
     # CPU, fp32: decode attention of a layer's single-token sequences in one call of
     # engine/cpu_kernels.py's kernel instead of one SDPA call per sequence

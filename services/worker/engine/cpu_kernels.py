@@ -1,16 +1,19 @@
 """C++ kernels for CPU decode steps (fp32), built once per machine.
 
 `panel_mm`: a small-batch matrix product, x [M, K] times a weight held as panels of 16 output
-features (`[N/16, K, 16]`, each panel one contiguous K x 16 block), M <= 8.
+features (`[N/16, K, 16]`, each panel one contiguous K x 16 block), M <= 64 (the engine: <= 16).
 
 Why: a decode step of a few sequences multiplies a few rows by every weight of the model once.
 oneDNN's packed kernel streams those weights at ~12-14 GB/s on one core of the project's 2-core
 AMD EPYC (AVX-512), half of what the core can read (~27 GB/s), and at 8 rows reaches ~50 GFLOP/s.
 This kernel keeps a tile of rows x 32 outputs in registers (AVX-512: 8 x 2 zmm; AVX2: 4 x 2 ymm)
-and streams two panels at a time, one fused multiply-add per weight vector and row: over
-SmolLM2's 30 layers and LM head on one core it took 20.8 / 21.7 / 22.4 / 28.8 ms at 1 / 2 / 4 / 8
-rows against oneDNN's 39.5 / 43.9 / 31.9 / 41.5 (`python -m benchmarks.linear_kernels` compares
-them over the 30 layers: the `panel_kernel` contender).
+and streams two panels at a time, one fused multiply-add per weight vector and row; where a step
+needs several row tiles, the tiles together prefetch the next panels at the rate they consume
+them, so memory keeps streaming while the core computes from cache (`panels`). Over SmolLM2's
+30 layers on one core (weights on huge pages, `empty_on_huge_pages`) it took 18.8 / 33.2 ms at
+8 / 16 rows against oneDNN's 36.2 / 48.0 with AVX-512, and 18.8 / 35.1 against 50.6 / 66.0 with
+AVX2 kernels (`python -m benchmarks.linear_kernels` compares them: the `panel_kernel`
+contender). It stays ahead of oneDNN up to 64 rows there; the engine uses it up to MAX_ROWS.
 
 Numerics of panel_mm: every output is x[m, 0] w[0] + ... + x[m, K-1] w[K-1] accumulated in that order with one
 rounding per fused multiply-add, whatever M, the row's position in the step, the tile or the
@@ -36,6 +39,7 @@ other kernels.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 from typing import Any
@@ -45,7 +49,9 @@ import torch
 log = logging.getLogger(__name__)
 
 PANEL = 16  # output features per panel (floats)
-MAX_ROWS = 8  # rows per call the kernel is meant for (larger steps: oneDNN)
+# rows per call the engine gives the kernel (larger steps: oneDNN). 16: 27-47 % faster than
+# oneDNN at 16 rows on both ISAs of the EPYC (notes above); beyond it fewer steps gain
+MAX_ROWS = 16
 
 # instruction sets `panel_mm(isa=...)` accepts (0: the best this CPU has)
 ISA_AUTO, ISA_AVX2, ISA_AVX512 = 0, 1, 2
@@ -55,7 +61,9 @@ _SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
+#include <cstdlib>
 #include <limits>
+#include <sys/mman.h>
 
 bool has_avx512();
 bool has_avx2();
@@ -71,14 +79,18 @@ bool use_avx512(int64_t isa, const char* kernel) {
   return avx512;
 }
 
-// rows m0..m0+M-1 of x times NP consecutive panels (each K x 16), into out's columns
-template <int M, int NP>
+// One pass of rows m0..m0+M-1 of x over NP consecutive panels (each K x 16), into out's
+// columns. PF > 0: the pass also asks for later weights into L2, PF lines per k, from pf on at
+// pf_step bytes per k (see `panels`).
+template <int M, int NP, int PF>
 __attribute__((target("avx512f")))
-void tile512(const float* x, int64_t ldx, const float* w, int64_t K, float* out, int64_t ldo) {
+void tile512(const float* x, int64_t ldx, const float* w, int64_t K, float* out, int64_t ldo,
+             const char* pf, int64_t pf_step) {
   __m512 acc[M][NP];
   for (int m = 0; m < M; ++m)
     for (int q = 0; q < NP; ++q) acc[m][q] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
+    for (int i = 0; i < PF; ++i) _mm_prefetch(pf + k * pf_step + 64 * i, _MM_HINT_T1);
     __m512 wv[NP];
     for (int q = 0; q < NP; ++q) wv[q] = _mm512_loadu_ps(w + q * K * P + k * P);
     for (int m = 0; m < M; ++m) {
@@ -90,13 +102,15 @@ void tile512(const float* x, int64_t ldx, const float* w, int64_t K, float* out,
     for (int q = 0; q < NP; ++q) _mm512_storeu_ps(out + m * ldo + q * P, acc[m][q]);
 }
 
-template <int M, int NP>
+template <int M, int NP, int PF>
 __attribute__((target("avx2,fma")))
-void tile256(const float* x, int64_t ldx, const float* w, int64_t K, float* out, int64_t ldo) {
+void tile256(const float* x, int64_t ldx, const float* w, int64_t K, float* out, int64_t ldo,
+             const char* pf, int64_t pf_step) {
   __m256 acc[M][NP][2];
   for (int m = 0; m < M; ++m)
     for (int q = 0; q < NP; ++q) acc[m][q][0] = acc[m][q][1] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
+    for (int i = 0; i < PF; ++i) _mm_prefetch(pf + k * pf_step + 64 * i, _MM_HINT_T1);
     __m256 wv[NP][2];
     for (int q = 0; q < NP; ++q) {
       wv[q][0] = _mm256_loadu_ps(w + q * K * P + k * P);
@@ -117,27 +131,69 @@ void tile256(const float* x, int64_t ldx, const float* w, int64_t K, float* out,
     }
 }
 
-// every row of x times NP panels: row tiles of 8 / 4 / 2 / 1 (AVX-512) or 4 / 2 / 1 (AVX2,
-// which has 16 vector registers), the panels staying in cache between tiles
+// One pass: M rows over NP panels at w, on the chosen ISA; AVX2 (16 vector registers) covers
+// 4 rows one panel at a time. With prefetch (pf non-null) the pass takes `passes` consecutive
+// slices of the next panels' prefetch stream, advancing `pf` past them.
+template <int M, int NP>
+void pass(bool avx512, const float* x, int64_t ldx, const float* w, int64_t K, float* out,
+          int64_t ldo, const char*& pf, int64_t pf_step) {
+  if (avx512) {
+    if (!pf) tile512<M, NP, 0>(x, ldx, w, K, out, ldo, pf, 0);
+    else if (pf_step > 64) tile512<M, NP, 2>(x, ldx, w, K, out, ldo, pf, pf_step);
+    else tile512<M, NP, 1>(x, ldx, w, K, out, ldo, pf, pf_step);
+    if (pf) pf += K * pf_step;
+  } else if constexpr (M <= 4) {  // AVX2 never runs 8-row tiles
+    if constexpr (M > 2 && NP == 2) {
+      pass<M, 1>(false, x, ldx, w, K, out, ldo, pf, pf_step);
+      pass<M, 1>(false, x, ldx, w + K * P, K, out + P, ldo, pf, pf_step);
+    } else {
+      if (!pf) tile256<M, NP, 0>(x, ldx, w, K, out, ldo, pf, 0);
+      else if (pf_step > 64) tile256<M, NP, 2>(x, ldx, w, K, out, ldo, pf, pf_step);
+      else tile256<M, NP, 1>(x, ldx, w, K, out, ldo, pf, pf_step);
+      if (pf) pf += K * pf_step;
+    }
+  }
+}
+
+// the row tiles a step of `rows` runs, largest first: 8 / 4 / 2 / 1 (AVX-512) or 4 / 2 / 1
+// (AVX2); returns how many
+int row_tiles(bool avx512, int64_t rows, int* tiles) {
+  int n = 0;
+  for (int64_t left = rows; left > 0; ++n) {
+    tiles[n] = (avx512 && left >= 8) ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+    left -= tiles[n];
+  }
+  return n;
+}
+
+// Every row of x times NP panels, tile by tile, the panels staying in cache between tiles.
+// Only the first tile reads them from memory, so with several tiles (and at 8 rows on AVX-512)
+// the core would stall on memory in the first and then compute from cache: with `prefetch` the
+// passes together ask for the next NP panels, one pass's share at a time, at the rate the
+// passes consume these (2 x 64 B per k over all passes), so memory keeps streaming while the
+// core computes. (SmolLM2's 30 layers, 8 rows, one core of the 2-core EPYC: AVX2 39 -> 21 ms,
+// AVX-512 23 -> 19 ms; at 1-2 rows, where the first pass already streams at the memory rate,
+// the extra requests only cost, so `panel_mm` leaves them out there.)
 template <int NP>
-void panels(bool avx512, const float* x, int64_t rows, int64_t ldx, const float* w, int64_t K,
-            float* out, int64_t ldo) {
+void panels(bool avx512, bool prefetch, const float* x, int64_t rows, int64_t ldx, const float* w,
+            int64_t K, float* out, int64_t ldo) {
+  int tiles[64];
+  const int n = row_tiles(avx512, rows, tiles);
+  int passes = 0;
+  for (int i = 0; i < n; ++i) passes += (!avx512 && tiles[i] == 4 && NP == 2) ? 2 : 1;
+  const char* pf = prefetch ? reinterpret_cast<const char*>(w + NP * K * P) : nullptr;
+  const int64_t pf_step = NP * 64 / passes;  // bytes of the stream per k of each pass
   int64_t m = 0;
-  while (m < rows) {
-    const int64_t left = rows - m;
+  for (int i = 0; i < n; ++i) {
     const float* xm = x + m * ldx;
     float* om = out + m * ldo;
-    if (avx512) {
-      if (left >= 8) { tile512<8, NP>(xm, ldx, w, K, om, ldo); m += 8; }
-      else if (left >= 4) { tile512<4, NP>(xm, ldx, w, K, om, ldo); m += 4; }
-      else if (left >= 2) { tile512<2, NP>(xm, ldx, w, K, om, ldo); m += 2; }
-      else { tile512<1, NP>(xm, ldx, w, K, om, ldo); m += 1; }
-    } else {
-      if (left >= 4) { tile256<4, 1>(xm, ldx, w, K, om, ldo);
-                       if (NP == 2) tile256<4, 1>(xm, ldx, w + K * P, K, om + P, ldo); m += 4; }
-      else if (left >= 2) { tile256<2, NP>(xm, ldx, w, K, om, ldo); m += 2; }
-      else { tile256<1, NP>(xm, ldx, w, K, om, ldo); m += 1; }
+    switch (tiles[i]) {
+      case 8: pass<8, NP>(avx512, xm, ldx, w, K, om, ldo, pf, pf_step); break;
+      case 4: pass<4, NP>(avx512, xm, ldx, w, K, om, ldo, pf, pf_step); break;
+      case 2: pass<2, NP>(avx512, xm, ldx, w, K, om, ldo, pf, pf_step); break;
+      default: pass<1, NP>(avx512, xm, ldx, w, K, om, ldo, pf, pf_step); break;
     }
+    m += tiles[i];
   }
 }
 
@@ -257,17 +313,35 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
   return out;
 }
 
+// nbytes of uninitialized memory on 2 MiB-aligned pages that the kernel is asked to back with
+// transparent huge pages (madvise: a hint; where THP is off they stay 4 KiB pages), freed with
+// the tensor's storage
+torch::Tensor huge_empty(int64_t nbytes) {
+  constexpr int64_t HP = 2 << 20;
+  TORCH_CHECK(nbytes >= 0, "huge_empty: negative size");
+  const int64_t bytes = std::max<int64_t>(HP, (nbytes + HP - 1) / HP * HP);
+  void* p = nullptr;
+  TORCH_CHECK(posix_memalign(&p, HP, bytes) == 0, "huge_empty: cannot allocate ", bytes, " bytes");
+#ifdef MADV_HUGEPAGE
+  madvise(p, bytes, MADV_HUGEPAGE);
+#endif
+  return torch::from_blob(p, {nbytes}, [](void* q) { free(q); }, torch::TensorOptions().dtype(torch::kUInt8));
+}
+
 bool has_avx512() { return __builtin_cpu_supports("avx512f"); }
 bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
 
-// x [M, K] fp32 contiguous, w [N/16, K, 16] fp32 contiguous -> [M, N]; isa 0 auto, 1 avx2, 2 avx512
-torch::Tensor panel_mm(const torch::Tensor& x, const torch::Tensor& w, int64_t isa) {
+// x [M, K] fp32 contiguous, w [N/16, K, 16] fp32 contiguous -> [M, N]; isa 0 auto, 1 avx2,
+// 2 avx512; prefetch -1 auto (from the row count at which it paid on the measured CPUs), 0 off, 1 on
+torch::Tensor panel_mm(const torch::Tensor& x, const torch::Tensor& w, int64_t isa, int64_t prefetch) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && w.size(2) == P, "panel_mm: bad shapes");
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "panel_mm: fp32 only");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "panel_mm: contiguous tensors only");
   TORCH_CHECK(x.size(1) == w.size(1), "panel_mm: inner sizes differ");
+  TORCH_CHECK(x.size(0) <= 64, "panel_mm: at most 64 rows");
   const bool avx512 = use_avx512(isa, "panel_mm");
   const int64_t rows = x.size(0), K = x.size(1), n_panels = w.size(0), N = n_panels * P;
+  const bool pf = prefetch < 0 ? rows >= (avx512 ? 6 : 3) : prefetch > 0;
   auto out = torch::empty({rows, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
@@ -278,10 +352,10 @@ torch::Tensor panel_mm(const torch::Tensor& x, const torch::Tensor& w, int64_t i
     pybind11::gil_scoped_release no_gil;
     at::parallel_for(0, pairs, 4, [&](int64_t b, int64_t e) {
       for (int64_t g = b; g < e; ++g)
-        panels<2>(avx512, xp, rows, K, wp + 2 * g * K * P, K, op + 2 * g * P, N);
+        panels<2>(avx512, pf, xp, rows, K, wp + 2 * g * K * P, K, op + 2 * g * P, N);
     });
     if (n_panels % 2)
-      panels<1>(avx512, xp, rows, K, wp + (n_panels - 1) * K * P, K, op + (n_panels - 1) * P, N);
+      panels<1>(avx512, false, xp, rows, K, wp + (n_panels - 1) * K * P, K, op + (n_panels - 1) * P, N);
   }
   return out;
 }
@@ -303,9 +377,9 @@ def _build() -> Any:
     except ImportError:
         pass
     return cpp_extension.load_inline(
-        name="pdserve_cpu_kernels_v2",
+        name="pdserve_cpu_kernels_v3",
         cpp_sources=_SOURCE,
-        functions=["panel_mm", "decode_attention", "has_avx512", "has_avx2"],
+        functions=["panel_mm", "decode_attention", "huge_empty", "has_avx512", "has_avx2"],
         extra_cflags=["-O3"],
         verbose=False,
     )
@@ -343,13 +417,45 @@ def has_avx512() -> bool:
     return bool(mod is not None and mod.has_avx512())
 
 
-def panels_of(weight: torch.Tensor) -> torch.Tensor | None:
+def panel_copy_applies(weight: torch.Tensor) -> bool:
+    """Whether `panels_of` makes panels of this [N, K] weight (fp32 on CPU, N a multiple of 16,
+    the kernel available)."""
+    return (
+        weight.dtype == torch.float32
+        and weight.shape[0] % PANEL == 0
+        and weight.device.type == "cpu"
+        and available()
+    )
+
+
+def panels_of(weight: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor | None:
     """W [N, K] as [N/16, K, 16] (panel j: output features 16j..16j+15, K-major), or None where the
-    kernel does not apply (not fp32, N not a multiple of 16, kernel unavailable)."""
-    n, k = weight.shape
-    if weight.dtype != torch.float32 or n % PANEL or weight.device.type != "cpu" or not available():
+    kernel does not apply (`panel_copy_applies`). into: N x K contiguous fp32 elements to hold
+    them (a slice of a shared buffer), else new memory."""
+    if not panel_copy_applies(weight):
         return None
-    return weight.detach().view(n // PANEL, PANEL, k).transpose(1, 2).contiguous()
+    n, k = weight.shape
+    src = weight.detach().view(n // PANEL, PANEL, k).transpose(1, 2)
+    if into is None:
+        return src.contiguous()
+    return into.view(n // PANEL, k, PANEL).copy_(src)
+
+
+def empty_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized CPU tensor whose memory is 2 MiB-aligned and advised for transparent huge
+    pages, or torch.empty's where the kernels are not built.
+
+    Why: a decode step streams every weight and its sequences' KV once; on 4 KiB pages that walk
+    misses the TLB every 4 KiB. On the 2-core EPYC a one-core sum read 26.5 GB/s from torch's
+    memory and 33.7 GB/s from huge pages, and the panel product over SmolLM2's layers got ~20 %
+    faster. (torch itself does this for every large allocation with THP_MEM_ALLOC_ENABLE=1, a
+    process-wide switch read once at start-up; this is for the engine's big buffers only.)"""
+    numel = math.prod(shape)
+    mod = _load()
+    if mod is None:
+        return torch.empty(shape, dtype=dtype)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return mod.huge_empty(numel * itemsize).view(dtype).view(shape)
 
 
 def decode_attention(
@@ -370,10 +476,13 @@ def decode_attention(
     return mod.decode_attention(q.contiguous(), k, v, blocks, lens, block_size, scale, chosen)
 
 
-def panel_mm(x: torch.Tensor, panels: torch.Tensor, isa: int | None = None) -> torch.Tensor:
-    """x [M, K] times the panelled weight -> [M, N] (= x W^T), fp32; isa: unless given, AVX-512
-    where the CPU has it and torch's CPU capability includes it, else AVX2 (ISA_AUTO: the best
-    the CPU has)."""
+def panel_mm(
+    x: torch.Tensor, panels: torch.Tensor, isa: int | None = None, prefetch: bool | None = None
+) -> torch.Tensor:
+    """x [M, K] times the panelled weight -> [M, N] (= x W^T), fp32, M <= 64; isa: unless given,
+    AVX-512 where the CPU has it and torch's CPU capability includes it, else AVX2 (ISA_AUTO: the
+    best the CPU has); prefetch: unless given, from the row count (same results either way)."""
     mod = _load()
     assert mod is not None, "panel_mm without the kernel (check available() first)"
-    return mod.panel_mm(x.contiguous(), panels, _isa if isa is None else isa)
+    pf = -1 if prefetch is None else int(prefetch)
+    return mod.panel_mm(x.contiguous(), panels, _isa if isa is None else isa, pf)

@@ -13,18 +13,18 @@ modules change. Ops used are the ones torch's inductor uses for the same job
 (`torch.ops.mkldnn._reorder_linear_weight` / `_linear_pointwise`); when they are missing the
 model is left as it is.
 
-Steps of up to 8 rows (decoding up to 8 sequences) read every weight once for few multiply-adds,
-and oneDNN's packed kernel streams weights at ~12-14 GB/s there on one core of that EPYC (a plain
-sum reads 28 GB/s). So with `row_copy` a PackedLinear also holds its weight as panels of 16 output
-features (`[N/16, K, 16]`) and runs such steps on engine/cpu_kernels.py's kernel, which
-streams them at ~24-27 GB/s and at 8 rows does the multiply-adds at ~80 GFLOP/s: SmolLM2's 30
-layers and LM head took 20.8 / 22.4 / 28.8 ms at 1 / 4 / 8 rows against oneDNN's 39.5 / 31.9 /
-41.5. (Before it, the copy was `[N/32, K, 32]` blocks through `torch.matmul`, faster than oneDNN
-at 1-2 rows only; it remains the copy where the kernel cannot be built, e.g. without a C++
-compiler.) The cost is a second copy of every linear weight in memory. Both forwards
-(transformers' modules and engine/lean_llama.py) go through `linear` / `linear_add` /
-`linear_mul` here, so they stay bit-identical to each other, and a row's result from the panel
-kernel does not depend on the other rows of its step.
+Steps of up to 16 rows (decoding up to 16 sequences) read every weight once for few
+multiply-adds, and oneDNN's packed kernel streams weights at ~12-14 GB/s there on one core of that
+EPYC (a plain sum reads 27 GB/s, 34 on huge pages). So with `row_copy` a PackedLinear also holds
+its weight as panels of 16 output features (`[N/16, K, 16]`, all of a model's in one buffer on
+huge pages) and runs such steps on engine/cpu_kernels.py's kernel: SmolLM2's 30 layers took
+18.8 / 33.2 ms at 8 / 16 rows against oneDNN's 36.2 / 48.0. (Before it, the copy was
+`[N/32, K, 32]` blocks through `torch.matmul`, faster than oneDNN at 1-2 rows only; it remains
+the copy where the kernel cannot be built, e.g. without a C++ compiler.) The cost is a second
+copy of every linear weight in memory. Both forwards (transformers' modules and
+engine/lean_llama.py) go through `linear` / `linear_add` / `linear_mul` here, so they stay
+bit-identical to each other, and a row's result from the panel kernel does not depend on the
+other rows of its step.
 
 Memory: oneDNN keeps a compiled kernel for every input shape it has seen, in two caches (oneDNN's
 primitive cache and ideep's LRU, 1,024 entries each by default), ~0.3 MiB per entry. Decode steps
@@ -85,10 +85,11 @@ def prepack_available(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype != torch.bfloat16 or bool(ops._is_mkldnn_bf16_supported())
 
 
-def row_copy_of(weight: torch.Tensor) -> torch.Tensor | None:
-    """W [N, K] as panels [N/16, K, 16] for the panel kernel; without the kernel as [N/32, K, 32]
-    blocks for torch.matmul; None where neither applies (not fp32, N not a multiple of 16 / 32)."""
-    panels = cpu_kernels.panels_of(weight)
+def row_copy_of(weight: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor | None:
+    """W [N, K] as panels [N/16, K, 16] for the panel kernel (in `into` when given: see
+    `cpu_kernels.panels_of`); without the kernel as [N/32, K, 32] blocks for torch.matmul; None
+    where neither applies (not fp32, N not a multiple of 16 / 32)."""
+    panels = cpu_kernels.panels_of(weight, into)
     if panels is not None:
         return panels
     n, k = weight.shape
@@ -151,7 +152,10 @@ class PackedLinear(torch.nn.Module):
     row_weight: torch.Tensor | None
     bias: torch.Tensor | None
 
-    def __init__(self, linear: torch.nn.Linear, row_copy: bool = False) -> None:
+    def __init__(
+        self, linear: torch.nn.Linear, row_copy: bool = False, row_into: torch.Tensor | None = None
+    ) -> None:
+        """row_into: where the panel copy goes (a slice of prepack_linears' shared buffer)."""
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
@@ -163,7 +167,9 @@ class PackedLinear(torch.nn.Module):
             torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT),
             persistent=False,
         )
-        self.register_buffer("row_weight", row_copy_of(weight) if row_copy else None, persistent=False)
+        self.register_buffer(
+            "row_weight", row_copy_of(weight, row_into) if row_copy else None, persistent=False
+        )
         bias = linear.bias.detach() if linear.bias is not None else None
         self.register_buffer("bias", bias, persistent=False)
 
@@ -187,10 +193,23 @@ def prepack_linears(model: Any, row_copy: bool = False) -> int:
         return 0
     # names only: holding the old modules would keep every unpacked weight alive until the end
     names = [name for name, mod in model.named_modules() if type(mod) is torch.nn.Linear]
+    # every panel copy in one buffer on huge pages (cpu_kernels.empty_on_huge_pages): one
+    # allocation rounds up to 2 MiB once, where one per weight would for every small weight
+    sizes = {
+        name: model.get_submodule(name).weight.numel()
+        for name in names
+        if row_copy and cpu_kernels.panel_copy_applies(model.get_submodule(name).weight)
+    }
+    arena = cpu_kernels.empty_on_huge_pages((sum(sizes.values()),), torch.float32) if sizes else None
+    offset = 0
     for name in names:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, PackedLinear(getattr(parent, attr), row_copy))
+        into = None
+        if arena is not None and name in sizes:
+            into = arena[offset : offset + sizes[name]]
+            offset += sizes[name]
+        setattr(parent, attr, PackedLinear(getattr(parent, attr), row_copy, into))
     # The remaining tensors (embedding, norms) may still be views of the checkpoint's memory
     # map, which would keep every original weight page mapped (and counted in RSS) next to the
     # packed copies: give them memory of their own so the map is released.

@@ -33,7 +33,7 @@ from services.worker.engine.cpu_linear import PackedLinear
 
 class _Linear:
     """One projection: the prepacked kernels of cpu_linear (oneDNN with fused post-ops, or the
-    panel kernel for steps of up to 8 rows, exactly as PackedLinear's forward) or torch's matmul."""
+    panel kernel for steps of up to 16 rows, exactly as PackedLinear's forward) or torch's matmul."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.packed = isinstance(module, PackedLinear)

@@ -126,15 +126,19 @@ class ModelRunner:
         # zeros, not empty: stale rows of reused blocks are never read, but keep them finite.
         # Static decode steps get one more block (index num_blocks, never handed out): their
         # padding sequences write and read it.
-        self.kv_cache = torch.zeros(
+        # On CPU on huge pages (cpu_kernels.empty_on_huge_pages): a decode step reads every
+        # sequence's blocks, scattered over the pool.
+        shape = (
             layout.num_layers,
             2,
             layout.num_kv_heads,
             (num_blocks + int(use_graphs)) * layout.block_size,
             layout.head_dim,
-            dtype=dtype,
-            device=device,
         )
+        if device.type == "cpu":
+            self.kv_cache = cpu_kernels.empty_on_huge_pages(shape, dtype).zero_()
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         # transformers' module tree, or the same layers as one flat loop (lean_llama)
         self.lean = LeanLlama(model, self.kv_cache) if lean else None
         self.graphs = (

@@ -31,9 +31,10 @@ def test_matches_a_float64_reference_for_every_row_count(n: int, k: int) -> None
         x = torch.randn(rows, k)
         want = x.double() @ w.double().T
         for isa in isas():
-            got = kernel.panel_mm(x, panels, isa)
-            assert got.shape == (rows, n) and got.dtype == torch.float32
-            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+            for prefetch in (False, True):
+                got = kernel.panel_mm(x, panels, isa, prefetch)
+                assert got.shape == (rows, n) and got.dtype == torch.float32
+                torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize(("n", "k"), SHAPES[:3])
@@ -45,7 +46,8 @@ def test_same_bits_on_every_isa_and_for_a_row_in_any_batch(n: int, k: int) -> No
     x = torch.randn(11, k)
     full = kernel.panel_mm(x, panels)
     for isa in isas():
-        assert torch.equal(kernel.panel_mm(x, panels, isa), full)
+        for prefetch in (None, False, True):  # asking for the next panels early changes no bit
+            assert torch.equal(kernel.panel_mm(x, panels, isa, prefetch), full)
     for i in range(11):  # alone, and as the last row of batches of every size
         assert torch.equal(kernel.panel_mm(x[i : i + 1], panels), full[i : i + 1])
         assert torch.equal(kernel.panel_mm(x[: i + 1], panels)[i], full[i])
@@ -59,9 +61,45 @@ def test_refuses_what_it_cannot_compute() -> None:
         kernel.panel_mm(torch.randn(2, 9), panels)
     with pytest.raises(RuntimeError, match="fp32"):
         kernel.panel_mm(torch.randn(2, 8, dtype=torch.float64), panels)
+    with pytest.raises(RuntimeError, match="at most 64 rows"):
+        kernel.panel_mm(torch.randn(65, 8), panels)
     # layouts it does not take: no panels at all
     assert kernel.panels_of(torch.randn(40, 8)) is None  # 40 features: not whole panels
     assert kernel.panels_of(torch.randn(32, 8, dtype=torch.bfloat16)) is None
+
+
+def test_panels_written_into_a_slice_of_a_shared_buffer() -> None:
+    """panels_of(w, into): the same panels as new memory, in the slice given (no copy after)."""
+    w1, w2 = torch.randn(32, 24), torch.randn(48, 24)
+    buf = kernel.empty_on_huge_pages((32 * 24 + 48 * 24,), torch.float32)
+    p1 = kernel.panels_of(w1, buf[: 32 * 24])
+    p2 = kernel.panels_of(w2, buf[32 * 24 :])
+    assert p1 is not None and p2 is not None
+    fresh1, fresh2 = kernel.panels_of(w1), kernel.panels_of(w2)
+    assert fresh1 is not None and fresh2 is not None
+    assert torch.equal(p1, fresh1) and torch.equal(p2, fresh2)
+    assert p1.data_ptr() == buf.data_ptr() and p2.data_ptr() == buf.data_ptr() + 32 * 24 * 4
+    x = torch.randn(3, 24)
+    torch.testing.assert_close(kernel.panel_mm(x, p2), x @ w2.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype"), [((3, 5), torch.float32), ((1 << 20,), torch.bfloat16), ((0,), torch.float32)]
+)
+def test_huge_page_tensors_are_aligned_usable_and_outlive_the_name(
+    shape: tuple[int, ...], dtype: torch.dtype
+) -> None:
+    """empty_on_huge_pages: 2 MiB-aligned (what lets the OS back it with huge pages), the shape
+    and dtype asked for, an ordinary tensor to torch, and kept alive by any view of it."""
+    t = kernel.empty_on_huge_pages(shape, dtype)
+    assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
+    assert t.data_ptr() % (2 << 20) == 0
+    t.fill_(3)
+    t_numel = t.numel()
+    view = t.view(-1)[1:]
+    del t
+    assert bool((view == 3).all())
+    assert view.numel() == max(0, t_numel - 1)
 
 
 def _sdpa_reference(

@@ -144,11 +144,11 @@ def test_kernel_cache_capacity_must_not_be_negative() -> None:
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 16, 17])
 def test_row_copy_matches_nn_linear_and_serves_only_few_rows(
     rows: int, bias: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With the row copy, steps of up to 8 rows take it (panels [N/16, K, 16] through the panel
+    """With the row copy, steps of up to 16 rows take it (panels [N/16, K, 16] through the panel
     kernel) and larger ones oneDNN's kernel; both give nn.Linear's numbers."""
     torch.manual_seed(rows)
     linear = torch.nn.Linear(96, 224, bias=bias)
@@ -204,3 +204,26 @@ def test_no_row_copy_where_it_does_not_apply(monkeypatch: pytest.MonkeyPatch) ->
         x = torch.randn(rows, 64)
         with torch.inference_mode():
             torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
+
+
+def test_prepacked_models_keep_every_panel_copy_in_one_huge_page_buffer() -> None:
+    """prepack_linears(row_copy=True): every panel copy is a slice of one 2 MiB-aligned buffer,
+    back to back, and the model computes what it did before."""
+    from services.worker.engine import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("no panel kernel (no compiler or no AVX2)")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.ReLU(), torch.nn.Linear(96, 48, bias=False))
+    x = torch.randn(3, 64)
+    with torch.inference_mode():
+        want = model(x)
+    assert cpu_linear.prepack_linears(model, row_copy=True) == 2
+    rows = [m.row_weight for m in model.modules() if isinstance(m, cpu_linear.PackedLinear)]
+    assert len(rows) == 2 and rows[0] is not None and rows[1] is not None
+    base = rows[0].untyped_storage().data_ptr()
+    assert base % (2 << 20) == 0
+    assert rows[0].data_ptr() == base and rows[1].data_ptr() == base + 96 * 64 * 4
+    assert rows[1].untyped_storage().data_ptr() == base
+    with torch.inference_mode():
+        torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-5)

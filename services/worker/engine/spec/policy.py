@@ -9,7 +9,7 @@ a step costs ~23 ms + ~2.2 ms per sequence + ~1.35 ms per extra token, so 8 prop
 third to a step of 8 sequences). Nor is it free on an accelerator, where the cost comes in one
 lump instead: a decode step replayed as a CUDA graph pads every sequence of a verify step to
 k + 1 rows (decode_graphs.py): on an H200 the lump was ~0.35 ms of a ~3.3 ms step (a CPU
-rank has one too, where a step outgrows the row copy's 8 rows: cpu_linear.py).
+rank has one too, where a step outgrows the row copy's 16 rows: cpu_linear.py).
 `StepCostModel` learns fixed + per_seq * sequences + per_token * extra tokens + verify once for
 a step that verifies anything (calibrated at start-up, spec/calibrate.py, then online from the
 rank's decode steps). `token_savings_ms` says what one more accepted token of each sequence
@@ -102,7 +102,7 @@ class StepCost:
     """Time of one step (ms) = fixed_ms + per_seq_ms * sequences + per_token_ms * tokens beyond
     each sequence's first (proposals verified, or the rest of a prefill chunk) + verify_ms once
     if the step verifies proposals (a CUDA graph's padding to k + 1 rows per sequence; on a CPU
-    the switch from the panel kernel for up to 8 rows to oneDNN's)."""
+    the switch from the panel kernel for up to 16 rows to oneDNN's)."""
 
     fixed_ms: float
     per_seq_ms: float
