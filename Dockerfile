@@ -38,6 +38,19 @@ COPY shared/ shared/
 COPY services/ services/
 RUN INSTALL_STEPS="stubs project model check" scripts/install.sh requirements/runtime.txt \
     && /opt/pdserve/bin/pdserve --help > /dev/null
+# The CPU decode kernels (services/worker/engine/cpu_kernels.py) compiled here, where g++ can be
+# installed: the runtime image has no compiler and a read-only root filesystem, and loads this
+# build as it is (x86-64 only: the kernels are AVX2 / AVX-512). From /tmp, so that `services` is
+# the installed package and not /src's copy.
+# g++ unpinned: a build-stage tool that never reaches the runtime image; any bookworm g++ builds
+# the same source.
+WORKDIR /tmp
+# hadolint ignore=DL3008
+RUN if [ "$(uname -m)" = x86_64 ]; then \
+      apt-get update && apt-get install -y --no-install-recommends g++ \
+      && rm -rf /var/lib/apt/lists/* \
+      && /opt/pdserve/bin/python -m services.worker.engine.cpu_kernels --prebuild; \
+    fi
 
 # ---- runtime ------------------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE} AS runtime

@@ -309,3 +309,74 @@ def test_default_model_converts_with_a_read_only_root(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     model = cache / "SmolLM2-135M-Instruct"
     assert (model / ".pdserve-complete").exists() and (model / "model.safetensors").exists()
+
+
+PREBUILT = """
+import sys
+from pathlib import Path
+import torch
+from services.worker.engine import cpu_kernels
+try:
+    Path(sys.argv[2], "probe").write_text("x")
+except OSError:
+    pass
+else:
+    sys.exit("the root filesystem is writable: this test would prove nothing")
+cpu_kernels.PREBUILT_DIR = Path(sys.argv[1])
+if not cpu_kernels.available():
+    print("unavailable")
+    sys.exit(0)
+w, x = torch.randn(32, 24), torch.randn(3, 24)
+panels = cpu_kernels.panels_of(w)
+torch.testing.assert_close(cpu_kernels.panel_mm(x, panels), x @ w.T, rtol=1e-5, atol=1e-5)
+print("loaded", cpu_kernels._load().__file__)
+"""
+
+
+@pytest.mark.skipif(not can_unshare(), reason="needs root and mount namespaces (unshare --mount)")
+def test_cpu_kernels_built_in_the_image_load_without_a_compiler_under_a_read_only_root(
+    tmp_path: Path,
+) -> None:
+    """As in the runtime image: no compiler on PATH, root filesystem read-only, an empty torch
+    extension directory. The kernels the image's build stage compiled (`--prebuild`) load and
+    compute; without them the engine carries on with its fallbacks."""
+    from services.worker.engine import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("no CPU kernels on this machine (no compiler or no AVX2)")
+    built = Path(cpu_kernels._load().__file__)  # this process's build: what --prebuild writes
+    prebuilt = tmp_path / "prebuilt"
+    prebuilt.mkdir()
+    shutil.copy(built, prebuilt / built.name)
+    home = tmp_path / "home"
+    home.mkdir()
+    bin_dir = tmp_path / "bin"  # an empty PATH: no c++, g++ or ninja to find
+    bin_dir.mkdir()
+    mount = shutil.which("mount") or "/usr/bin/mount"
+    setup = f'{mount} -t tmpfs -o size=64m tmpfs {home} && {mount} -o remount,bind,ro / && exec "$@"'
+    env = {
+        "PATH": str(bin_dir),
+        "HOME": str(home),
+        "TMPDIR": str(home),
+        "TORCH_EXTENSIONS_DIR": str(home / "torch_extensions"),
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONPATH": str(ROOT),
+    }
+    outcomes = []
+    for directory in (prebuilt, tmp_path / "none"):
+        proc = subprocess.run(
+            [
+                *(shutil.which("unshare") or "unshare", "--mount", "--propagation", "private"),
+                *(shutil.which("sh") or "/bin/sh", "-c", setup, "sh"),
+                *(sys.executable, "-c", PREBUILT, str(directory), str(ROOT)),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+            cwd=ROOT,
+        )
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+        outcomes.append(proc.stdout.strip().splitlines()[-1])
+    assert outcomes[0] == f"loaded {prebuilt / built.name}"
+    assert outcomes[1] == "unavailable"
