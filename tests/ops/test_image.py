@@ -237,22 +237,29 @@ def test_make_image_uses_the_builder_there_is(tmp_path: Path, builder: str) -> N
 
 # --- the default model under a read-only root ----------------------------------------------------
 
-CONVERT = """
+# Scripts run under the read-only root start by proving it is read-only (argv[2]: the repository).
+READ_ONLY_GUARD = """
 import sys
 from pathlib import Path
-from shared.model_store import resolve_model
-from transformers import AutoModelForCausalLM, AutoTokenizer
 try:
     Path(sys.argv[2], "probe").write_text("x")
 except OSError:
     pass
 else:
     sys.exit("the root filesystem is writable: this test would prove nothing")
+"""
+
+CONVERT = (
+    READ_ONLY_GUARD
+    + """
+from shared.model_store import resolve_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
 path = resolve_model("default", sys.argv[1])
 AutoTokenizer.from_pretrained(str(path))
 AutoModelForCausalLM.from_pretrained(str(path))
 print("converted", path)
 """
+)
 
 
 def can_unshare() -> bool:
@@ -260,6 +267,25 @@ def can_unshare() -> bool:
         return False
     probe = subprocess.run(["unshare", "--mount", "true"], capture_output=True, timeout=10)
     return probe.returncode == 0
+
+
+def run_read_only(
+    setup: str, script: str, args: list[str], env: dict[str, str], timeout: float
+) -> subprocess.CompletedProcess[str]:
+    """`python -c script args` in a private mount namespace after the shell `setup` (which ends
+    with `exec "$@"`) made its mounts and turned `/` read-only."""
+    return subprocess.run(
+        [
+            *(shutil.which("unshare") or "unshare", "--mount", "--propagation", "private"),
+            *(shutil.which("sh") or "/bin/sh", "-c", setup, "sh"),
+            *(sys.executable, "-c", script, *args),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=ROOT,
+    )
 
 
 @pytest.mark.slow
@@ -284,44 +310,17 @@ def test_default_model_converts_with_a_read_only_root(tmp_path: Path) -> None:
         "PYTHONDONTWRITEBYTECODE": "1",
         "PYTHONPATH": str(ROOT),
     }
-    proc = subprocess.run(
-        [
-            "unshare",
-            "--mount",
-            "--propagation",
-            "private",
-            "sh",
-            "-c",
-            setup,
-            "sh",
-            sys.executable,
-            "-c",
-            CONVERT,
-            str(cache),
-            str(ROOT),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=ROOT,
-    )
+    proc = run_read_only(setup, CONVERT, [str(cache), str(ROOT)], env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     model = cache / "SmolLM2-135M-Instruct"
     assert (model / ".pdserve-complete").exists() and (model / "model.safetensors").exists()
 
 
-PREBUILT = """
-import sys
-from pathlib import Path
+PREBUILT = (
+    READ_ONLY_GUARD
+    + """
 import torch
 from services.worker.engine import cpu_kernels
-try:
-    Path(sys.argv[2], "probe").write_text("x")
-except OSError:
-    pass
-else:
-    sys.exit("the root filesystem is writable: this test would prove nothing")
 cpu_kernels.PREBUILT_DIR = Path(sys.argv[1])
 if not cpu_kernels.available():
     print("unavailable")
@@ -331,6 +330,7 @@ panels = cpu_kernels.panels_of(w)
 torch.testing.assert_close(cpu_kernels.panel_mm(x, panels), x @ w.T, rtol=1e-5, atol=1e-5)
 print("loaded", cpu_kernels._load().__file__)
 """
+)
 
 
 @pytest.mark.skipif(not can_unshare(), reason="needs root and mount namespaces (unshare --mount)")
@@ -364,18 +364,7 @@ def test_cpu_kernels_built_in_the_image_load_without_a_compiler_under_a_read_onl
     }
     outcomes = []
     for directory in (prebuilt, tmp_path / "none"):
-        proc = subprocess.run(
-            [
-                *(shutil.which("unshare") or "unshare", "--mount", "--propagation", "private"),
-                *(shutil.which("sh") or "/bin/sh", "-c", setup, "sh"),
-                *(sys.executable, "-c", PREBUILT, str(directory), str(ROOT)),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env=env,
-            cwd=ROOT,
-        )
+        proc = run_read_only(setup, PREBUILT, [str(directory), str(ROOT)], env, timeout=120)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
         outcomes.append(proc.stdout.strip().splitlines()[-1])
     assert outcomes[0] == f"loaded {prebuilt / built.name}"
