@@ -22,14 +22,17 @@ batch it runs in.
 
 `decode_attention`: one layer's attention for every decoding sequence of a step in one call,
 each sequence's KV blocks read in place through its block table (consecutive, scattered or
-shared with other sequences by the prefix cache alike; scores by an AVX dot kernel, softmax by
-torch's, then the weighted sum of V rows), instead of one SDPA call per sequence: for 8
-sequences of 319 tokens over 30 layers (SmolLM2's shapes, one core) 9.1 against 18.4 ms. While
-it reads a block it asks for the sequence's next one, a row per token (blocks lie anywhere in the
-pool, where the hardware prefetcher does not follow): 8.3 -> 7.4 ms with consecutive blocks,
-16.0 -> 12.1 ms with shuffled ones (30 layers' pools on huge pages, AVX-512). Its
-results are not bit-equal across instruction sets (the dot products' reduction trees differ),
-only close (1e-6).
+shared with other sequences by the prefix cache alike), instead of one SDPA call per sequence:
+scores a K row at a time for up to 4 query heads (their horizontal sums in one reduction tree),
+torch's softmax, then the probability-weighted V rows (AVX-512: the outputs held in registers
+over a block's rows). While it reads a block it asks for the sequence's next one, a row per
+token (blocks lie anywhere in the pool, where the hardware prefetcher does not follow). 8
+sequences of 319 tokens over 30 layers (SmolLM2's shapes, one core, pools on huge pages;
+`python -m benchmarks.attention_kernel`, `attention-kernel-2026-11-26.json`): 7.4 ms (AVX-512) /
+7.8 ms (AVX2) with consecutive blocks, 13.7 / 12.2 with shuffled ones, 4.6 / 6.5 from cache,
+against 20.7 / 30.4 / 15.3 for SDPA per sequence (the path without the kernel); before the
+prefetch the kernel took 8.3 / 16.0 (AVX-512, consecutive / shuffled). Its results are not
+bit-equal across instruction sets (the dot products' reduction trees differ), only close (1e-6).
 
 The C++ is built once per machine with torch's JIT extension builder (g++ and ninja; ~25 s),
 cached on disk (torch's extension directory), and loaded in ~0.1 s by later processes. The ISA is
@@ -214,37 +217,92 @@ inline void prefetch_rows(const float* p, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
 }
 
-// dot product of two rows of D floats (D % 8 == 0; D % 16 == 0 for the AVX-512 path)
-__attribute__((target("avx512f")))
-float dot512(const float* a, const float* b, int64_t D) {
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t d = 0; d < D; d += 16)
-    acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
-  return _mm512_reduce_add_ps(acc);
+// out[r * ostride] = scale * (q[r] . k) for the R query rows q (R x D, row-major) against one K
+// row of D floats (D % 8 == 0; D % 16 == 0 for AVX-512): up to 4 query rows per pass over the K
+// row, their 4 horizontal sums in one reduction tree
+__attribute__((target("avx2")))
+inline __m128 hsum4(__m256 h0, __m256 h1, __m256 h2, __m256 h3) {
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(h0, h1), _mm256_hadd_ps(h2, h3));
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
 
-__attribute__((target("avx2,fma")))
-float dot256(const float* a, const float* b, int64_t D) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t d = 0; d < D; d += 8)
-    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// out[r] += p[r] * v for R rows of D floats (accumulators in memory: D is small)
 __attribute__((target("avx512f")))
-void axpy512(const float* p, int64_t pstride, int64_t R, const float* v, float* out, int64_t D) {
-  for (int64_t d = 0; d < D; d += 16) {
-    const __m512 vv = _mm512_loadu_ps(v + d);
-    for (int64_t r = 0; r < R; ++r)
-      _mm512_storeu_ps(out + r * D + d,
-                       _mm512_fmadd_ps(_mm512_set1_ps(p[r * pstride]), vv, _mm512_loadu_ps(out + r * D + d)));
+void dots512(const float* q, int64_t R, const float* k, int64_t D, float scale, float* out, int64_t ostride) {
+  for (int64_t r0 = 0; r0 < R; r0 += 4) {
+    const int64_t g = std::min<int64_t>(4, R - r0);
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m512 kv = _mm512_loadu_ps(k + d);
+      for (int j = 0; j < 4; ++j)
+        if (j < g) acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + (r0 + j) * D + d), kv, acc[j]);
+    }
+    __m256 h[4];
+    for (int j = 0; j < 4; ++j)
+      h[j] = _mm256_add_ps(_mm512_castps512_ps256(acc[j]),
+                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[j]), 1)));
+    float sums[4];
+    _mm_storeu_ps(sums, hsum4(h[0], h[1], h[2], h[3]));
+    for (int64_t j = 0; j < g; ++j) out[(r0 + j) * ostride] = scale * sums[j];
   }
 }
 
+__attribute__((target("avx2,fma")))
+void dots256(const float* q, int64_t R, const float* k, int64_t D, float scale, float* out, int64_t ostride) {
+  for (int64_t r0 = 0; r0 < R; r0 += 4) {
+    const int64_t g = std::min<int64_t>(4, R - r0);
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 kv = _mm256_loadu_ps(k + d);
+      for (int j = 0; j < 4; ++j)
+        if (j < g) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + (r0 + j) * D + d), kv, acc[j]);
+    }
+    float sums[4];
+    _mm_storeu_ps(sums, hsum4(acc[0], acc[1], acc[2], acc[3]));
+    for (int64_t j = 0; j < g; ++j) out[(r0 + j) * ostride] = scale * sums[j];
+  }
+}
+
+// out[r, c] += p[r * pstride + t] * v[t, c] for t = 0..n-1 in order (one FMA each, as a
+// per-token axpy would), r < G, over the NC vectors of columns at v / out (rows ld floats apart).
+// The G x NC outputs stay in registers over the n value rows, which are read in order (rows of a
+// block are consecutive in memory), each asking for the same columns of the next block's row (pf).
+template <int G, int NC>
+__attribute__((target("avx512f")))
+void pv512(const float* p, int64_t pstride, int64_t n, const float* v, int64_t ld, float* out,
+           const float* pf) {
+  __m512 acc[G][NC];
+  for (int r = 0; r < G; ++r)
+    for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_loadu_ps(out + r * ld + c * 16);
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 vv[NC];
+    for (int c = 0; c < NC; ++c) {
+      if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + t * ld + c * 16), _MM_HINT_T0);
+      vv[c] = _mm512_loadu_ps(v + t * ld + c * 16);
+    }
+    for (int r = 0; r < G; ++r) {
+      const __m512 pr = _mm512_set1_ps(p[r * pstride + t]);
+      for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_fmadd_ps(pr, vv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < G; ++r)
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(out + r * ld + c * 16, acc[r][c]);
+}
+
+// AVX-512: the weighted sum of n V rows (D floats each) into the R output rows, query rows in
+// groups of up to 4 and 64 columns at a time where D allows (16 otherwise), every accumulator in
+// a register
+template <int G>
+void pv_group(const float* p, int64_t pstride, int64_t n, const float* v, int64_t D, float* out,
+              const float* pf) {
+  const int64_t width = D % 64 == 0 ? 64 : 16;
+  for (int64_t c0 = 0; c0 < D; c0 += width) {
+    const float* pfc = pf ? pf + c0 : nullptr;
+    if (width == 64) pv512<G, 4>(p, pstride, n, v + c0, D, out + c0, pfc);
+    else pv512<G, 1>(p, pstride, n, v + c0, D, out + c0, pfc);
+  }
+}
+
+// out[r] += p[r] * v for R rows of D floats (accumulators in memory: D is small)
 __attribute__((target("avx2,fma")))
 void axpy256(const float* p, int64_t pstride, int64_t R, const float* v, float* out, int64_t D) {
   for (int64_t d = 0; d < D; d += 8) {
@@ -252,6 +310,34 @@ void axpy256(const float* p, int64_t pstride, int64_t R, const float* v, float* 
     for (int64_t r = 0; r < R; ++r)
       _mm256_storeu_ps(out + r * D + d,
                        _mm256_fmadd_ps(_mm256_set1_ps(p[r * pstride]), vv, _mm256_loadu_ps(out + r * D + d)));
+  }
+}
+
+// out[r, :] += p[r * pstride + t] * v[t, :] over a block's n rows, in order; pf: the next block.
+// AVX2 (16 registers) keeps the outputs in memory and takes whole value rows one by one: its
+// register-held variant needs two passes per row, which streamed slower from memory (8.9 against
+// 7.4 ms per step for 8 sequences of 319 tokens).
+void pv(bool avx512, const float* p, int64_t pstride, int64_t R, int64_t n, const float* v, int64_t D,
+        float* out, const float* pf) {
+  if (!avx512) {
+    for (int64_t t = 0; t < n; ++t) {
+      if (pf)
+        for (int64_t c = 0; c < D; c += 16)
+          _mm_prefetch(reinterpret_cast<const char*>(pf + t * D + c), _MM_HINT_T0);
+      axpy256(p + t, pstride, R, v + t * D, out, D);
+    }
+    return;
+  }
+  for (int64_t r0 = 0; r0 < R; r0 += 4) {
+    const float* pr = p + r0 * pstride;
+    float* outr = out + r0 * D;
+    const float* pfr = r0 == 0 ? pf : nullptr;  // the next block's rows: asked for once
+    switch (std::min<int64_t>(4, R - r0)) {
+      case 1: pv_group<1>(pr, pstride, n, v, D, outr, pfr); break;
+      case 2: pv_group<2>(pr, pstride, n, v, D, outr, pfr); break;
+      case 3: pv_group<3>(pr, pstride, n, v, D, outr, pfr); break;
+      default: pv_group<4>(pr, pstride, n, v, D, outr, pfr); break;
+    }
   }
 }
 }  // namespace
@@ -304,10 +390,8 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
         const float* kn = l0 + bs < ln[b] ? kp + (h * S + bt[b * NB + l0 / bs + 1] * bs) * D : nullptr;
         for (int64_t i = 0; i < std::min(bs, ln[b] - l0); ++i) {
           if (kn) prefetch_rows(kn + i * D, D);
-          for (int64_t r = 0; r < R; ++r) {
-            const float* qr = qp + (bh * R + r) * D;
-            srow[r * lmax + l0 + i] = sc * (avx512 ? dot512(qr, kb + i * D, D) : dot256(qr, kb + i * D, D));
-          }
+          if (avx512) dots512(qp + bh * R * D, R, kb + i * D, D, sc, srow + l0 + i, lmax);
+          else dots256(qp + bh * R * D, R, kb + i * D, D, sc, srow + l0 + i, lmax);
         }
       }
     }
@@ -324,11 +408,7 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
       for (int64_t l0 = 0; l0 < ln[b]; l0 += bs) {
         const float* vb = vp + (h * S + bt[b * NB + l0 / bs] * bs) * D;
         const float* vn = l0 + bs < ln[b] ? vp + (h * S + bt[b * NB + l0 / bs + 1] * bs) * D : nullptr;
-        for (int64_t i = 0; i < std::min(bs, ln[b] - l0); ++i) {
-          if (vn) prefetch_rows(vn + i * D, D);
-          if (avx512) axpy512(prow + l0 + i, lmax, R, vb + i * D, orow, D);
-          else axpy256(prow + l0 + i, lmax, R, vb + i * D, orow, D);
-        }
+        pv(avx512, prow + l0, lmax, R, std::min(bs, ln[b] - l0), vb, D, orow, vn);
       }
     }
   });

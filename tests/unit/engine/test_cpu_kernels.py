@@ -120,15 +120,15 @@ def _padded(tables: list[list[int]]) -> torch.Tensor:
     return torch.tensor([t + [0] * (width - len(t)) for t in tables])
 
 
-@pytest.mark.parametrize("rep", [1, 3])
+@pytest.mark.parametrize(("rep", "dim"), [(1, 64), (3, 64), (5, 128), (4, 48)])
 @pytest.mark.parametrize("bs", [1, 16])
-def test_decode_attention_matches_sdpa_per_sequence(rep: int, bs: int) -> None:
+def test_decode_attention_matches_sdpa_per_sequence(rep: int, dim: int, bs: int) -> None:
     # sequences of very different lengths (1 token .. ~1,000) over consecutive, scattered and
     # shared (prefix-cache) blocks of one pool
     import random
 
     torch.manual_seed(rep)
-    heads, dim, blocks = 3, 64, 4096 // bs
+    heads, blocks = 3, 4096 // bs
     k, v = torch.randn(heads, blocks * bs, dim), torch.randn(heads, blocks * bs, dim)
     rng = random.Random(bs)
     free = list(range(blocks))
