@@ -13,10 +13,11 @@ import asyncio
 import os
 import platform
 import random
+import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import grpc
@@ -102,6 +103,15 @@ async def load(
     return counts
 
 
+def rss_growth(settled: Sequence[float]) -> float:
+    """MiB an RSS series grew after settling: the median of its last third minus the median of
+    its first third. A leak raises the whole tail; a worker whose RSS swings with the sizes of the
+    chunks it happens to be running (a prefill worker: +-35 MiB sample to sample) does not, where
+    the largest sample minus the first would call one high sample growth."""
+    third = max(1, len(settled) // 3)
+    return statistics.median(settled[-third:]) - statistics.median(settled[:third])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--minutes", type=float, default=30.0)
@@ -168,14 +178,14 @@ def main() -> None:
     for name, points in series.items():
         settled = [rss for t, rss in points if t >= a.settle_min]
         line = " ".join(f"{t:.1f}m:{rss:.0f}" for t, rss in points)
-        if len(settled) >= 2:
-            growth_mib = max(settled) - settled[0]
-            growth = growth_mib / settled[0]
+        if len(settled) >= 3:
+            growth_mib = rss_growth(settled)
+            growth = growth_mib / statistics.median(settled)
             ok = growth <= a.tolerance or growth_mib <= a.tolerance_mib
             ok_all &= ok
             verdict = (
-                f"growth from minute {a.settle_min:g}: {growth * 100:+.1f}% ({growth_mib:+.1f} MiB) "
-                f"{'ok' if ok else 'FAIL'}"
+                f"growth from minute {a.settle_min:g}: {growth * 100:+.1f}% ({growth_mib:+.1f} MiB; "
+                f"samples within {max(settled) - min(settled):.0f} MiB) {'ok' if ok else 'FAIL'}"
             )
         else:
             verdict = "too short to judge"
