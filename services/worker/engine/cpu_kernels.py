@@ -185,9 +185,10 @@ int row_tiles(bool avx512, int64_t rows, int* tiles) {
 // the core would stall on memory in the first and then compute from cache: with `prefetch` the
 // passes together ask for the next NP panels, one pass's share at a time, at the rate the
 // passes consume these (2 x 64 B per k over all passes), so memory keeps streaming while the
-// core computes. (SmolLM2's 30 layers, 8 rows, one core of the 2-core EPYC: AVX2 39 -> 21 ms,
-// AVX-512 23 -> 19 ms; at 1-2 rows, where the first pass already streams at the memory rate,
-// the extra requests only cost, so `panel_mm` leaves them out there.)
+// core computes. (SmolLM2's 30 layers, 8 rows, one core of the 2-core EPYC: AVX2 43.2 -> 24.3 ms,
+// AVX-512 26.3 -> 22.8 ms. Below 3 rows with AVX2 and 6 with AVX-512 the first pass already
+// streams at about the memory rate and the extra requests only cost, so `panel_mm` leaves them
+// out there.)
 template <int NP>
 void panels(bool avx512, bool prefetch, const float* x, int64_t rows, int64_t ldx, const float* w,
             int64_t K, float* out, int64_t ldo) {
@@ -586,8 +587,7 @@ def empty_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     mod = _load()
     if mod is None:
         return torch.empty(shape, dtype=dtype)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return mod.huge_empty(numel * itemsize).view(dtype).view(shape)
+    return mod.huge_empty(numel * dtype.itemsize).view(dtype).view(shape)
 
 
 def decode_attention(
