@@ -100,10 +100,10 @@ def _torch_dtype(name: str) -> Any:
 
 
 def _load_hf(path: str, dtype: str, device: str) -> Any:
-    from transformers import AutoModelForCausalLM
+    from shared.model_store import load_causal_lm
 
-    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=_torch_dtype(dtype))
-    return model.to(device).eval()
+    # a folder's weights, or the same seeded random weights as the engine (`random:` models)
+    return load_causal_lm(path, device, dtype=_torch_dtype(dtype)).eval()
 
 
 def _gen_config(model: Any, new_tokens: int) -> Any:
@@ -389,7 +389,11 @@ def _fmt(v: Any, digits: int = 1) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="default", help='"default" (SmolLM2) or a folder')
+    parser.add_argument(
+        "--model",
+        default="default",
+        help='"default" (SmolLM2), a folder, or a random-weight shape such as random:llama-8b',
+    )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--quick", action="store_true", help="small smoke run")

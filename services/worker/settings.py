@@ -84,6 +84,12 @@ class WorkerSettings(TlsSettings):
         "needs the lean forward); ignored on CPU. --no-cuda-graphs when other processes share "
         "this GPU: without MPS their kernels then wait for time slices behind the graphs",
     )
+    cuda_kernels: bool = field(
+        True,
+        "On CUDA, attention reads the paged KV pool in place (FlexAttention) and Llama layers run "
+        "fused and torch.compile'd (compiled at start, seconds); --no-cuda-kernels = the "
+        "torch-only eager path, which gathers each step's KV",
+    )
     cuda_graph_warm_tokens: int = field(
         1024,
         "With --cuda-graphs: capture at start the graphs of every batch size up to --max-num-seqs "

@@ -141,6 +141,10 @@ class EngineConfig:
     # every context bucket up to this many tokens per sequence (longer contexts, or all with 0:
     # on first use)
     cuda_graph_warm_tokens: int = 1024
+    # CUDA: attention reads the paged pool in place (FlexAttention) and the lean forward runs
+    # fused, torch.compile'd layers (engine/flex_paged.py, lean_llama.py); False: the torch-only
+    # eager path (KV gathered per step)
+    cuda_kernels: bool = True
     # CPU: entries in each of oneDNN's kernel caches (one per input shape, ~0.3 MiB each);
     # bounds the memory that prompts of many lengths would otherwise add (cpu_linear)
     cpu_kernel_cache_entries: int = 64

@@ -30,12 +30,15 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from services.worker.engine import cpu_kernels
+
+if TYPE_CHECKING:
+    from services.worker.engine.flex_paged import FlexPagedStep
 
 ATTN_IMPLEMENTATION = "pdserve_paged"
 
@@ -91,6 +94,10 @@ class PagedAttentionMetadata:
     # sequences, int64, when engine/cpu_kernels.py's decode attention serves them (one call per
     # layer, blocks read in place); None: one SDPA call per sequence
     decode_spans: tuple[torch.Tensor, torch.Tensor] | None = None
+    # CUDA static steps (decode_graphs.py with FlexAttention): every sequence's rows attend to the
+    # pool in place through this step's block tables (flex_paged.py); the lean forward's fused
+    # layers use it instead of `groups`
+    flex: FlexPagedStep | None = None
 
 
 def _context(pool: torch.Tensor, s: SeqAttention, block_size: int) -> torch.Tensor:

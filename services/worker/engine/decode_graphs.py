@@ -21,6 +21,12 @@ Invariants:
 - Results equal the BATCHED attention backend's for the same sequences (same kernels, padded
   keys masked with -inf).
 
+With FlexAttention (`flex=True`, CUDA by default, issue 31) a bucket is (B, Q) only: attention
+reads each sequence's blocks in place through block tables as wide as the longest sequence
+(flex_paged.py), so the context length never changes a shape and no KV is gathered; the graphs
+captured at start cover every context. Without it (the torch-only fallback) a bucket also has
+NB blocks per sequence, gathered into a padded buffer (attention.py's BATCHED backend).
+
 On CPU the same static step runs eagerly (`capture=False`): the tests check padding, masking and
 the scratch block there, so only capture and replay need a GPU.
 """
@@ -34,6 +40,7 @@ from typing import Any
 import torch
 
 from services.worker.engine import attention
+from services.worker.engine.flex_paged import FlexPagedStep
 from services.worker.engine.lean_llama import LeanLlama
 
 _MIN_BLOCK_BUCKET = 4  # blocks per sequence in the smallest bucket (64 tokens at block size 16)
@@ -59,8 +66,9 @@ class _Bucket:
     block_table: torch.Tensor  # [B * NB] blocks per sequence (padding: the scratch block)
     key_index: torch.Tensor  # [NB * block_size] 0, 1, ... (constant)
     logits_idx: torch.Tensor  # [B * Q] 0, 1, ... (constant)
-    num_blocks: int  # NB
+    num_blocks: int  # NB (with FlexAttention: the block tables' width, the same for every bucket)
     q: int  # Q
+    flex: FlexPagedStep | None = None  # with FlexAttention: block tables and context lengths
     logits: torch.Tensor | None = None  # [B * Q, vocab] the graph's output buffer
     graph: Any = None  # torch.cuda.CUDAGraph once captured
     replays: int = 0  # steps run on this bucket
@@ -87,6 +95,7 @@ class DecodeGraphs:
         device: torch.device,
         capture: bool,  # CUDA graphs (CUDA only); False = run the static step eagerly
         spec_tokens: int = 0,  # k of speculative decoding: steps of up to k + 1 rows per sequence
+        flex_blocks: int = 0,  # > 0: FlexAttention in place, block tables this wide (blocks)
     ) -> None:
         if capture and device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
@@ -103,6 +112,15 @@ class DecodeGraphs:
         self.max_q = self.q_buckets[-1]
         self.buckets: dict[tuple[int, int, int], _Bucket] = {}
         self._pool: Any = torch.cuda.graph_pool_handle() if capture else None
+        self.flex_blocks = flex_blocks
+
+    def _blocks_key(self, need: int) -> int:
+        """A bucket's blocks per sequence: one width with FlexAttention, else a power of two."""
+        if self.flex_blocks:
+            if need > self.flex_blocks:
+                raise ValueError(f"a sequence of {need} blocks exceeds the block tables' {self.flex_blocks}")
+            return self.flex_blocks
+        return bucket(need, _MIN_BLOCK_BUCKET)
 
     def fits(self, num_tokens: int, num_logits: int) -> bool:
         """Whether a sequence's part of a step can run here."""
@@ -116,7 +134,7 @@ class DecodeGraphs:
         need = max(-(-(s.position + len(s.token_ids)) // bs) for s in seqs)
         q_max = max(len(s.token_ids) for s in seqs)
         q = next(n for n in self.q_buckets if n >= q_max)
-        key = (bucket(b), q, bucket(need, _MIN_BLOCK_BUCKET))
+        key = (bucket(b), q, self._blocks_key(need))
         e = self.buckets.get(key) or self._new_bucket(*key)
         self._fill(e, seqs)
         if not self.capture:
@@ -146,9 +164,12 @@ class DecodeGraphs:
         memory. Returns the number of graphs captured (0 on CPU or with 0 tokens)."""
         if not self.capture or max_context_tokens <= 0:
             return 0
-        nb_max = bucket(-(-max_context_tokens // self.block_size), _MIN_BLOCK_BUCKET)
         batch = [1 << i for i in range(bucket(max_seqs).bit_length())]  # 1, 2, 4, ...
-        blocks = [_MIN_BLOCK_BUCKET << i for i in range((nb_max // _MIN_BLOCK_BUCKET).bit_length())]
+        if self.flex_blocks:  # every context in one bucket per batch size
+            blocks = [self.flex_blocks]
+        else:
+            nb_max = bucket(-(-max_context_tokens // self.block_size), _MIN_BLOCK_BUCKET)
+            blocks = [_MIN_BLOCK_BUCKET << i for i in range((nb_max // _MIN_BLOCK_BUCKET).bit_length())]
         n = 0
         for b in reversed(batch):
             for q in reversed(self.q_buckets):
@@ -177,6 +198,12 @@ class DecodeGraphs:
             num_blocks=nb,
             q=q,
         )
+        if self.flex_blocks:
+            # compiled on CUDA (captured with the step); FlexAttention's reference elsewhere
+            e.flex = FlexPagedStep.new(
+                b, q, nb, self.block_size, self.kv_cache.shape[3] // self.block_size, self.scratch_block, dev,
+                compiled=self.capture,
+            )
         self.buckets[(b, q, nb)] = e
         return e
 
@@ -209,17 +236,39 @@ class DecodeGraphs:
         slots.extend([scratch * bs] * pad_rows)
         ctx.extend([1] * pad_rows)
         table.extend([scratch] * (nb * (b - len(seqs))))
-        for buf, values in (
-            (e.input_ids, ids),
-            (e.positions, pos),
-            (e.slots, slots),
-            (e.ctx_lens, ctx),
-            (e.block_table, table),
-        ):
+        if e.flex is not None:
+            e.flex.fill(
+                [s.block_ids[: -(-(s.position + len(s.token_ids)) // bs)] for s in seqs],
+                [ctx[i * q : (i + 1) * q] for i in range(len(seqs))],
+                scratch,
+            )
+            buffers = ((e.input_ids, ids), (e.positions, pos), (e.slots, slots))
+        else:
+            buffers = (
+                (e.input_ids, ids),
+                (e.positions, pos),
+                (e.slots, slots),
+                (e.ctx_lens, ctx),
+                (e.block_table, table),
+            )
+        for buf, values in buffers:
             buf.copy_(torch.tensor(values, dtype=torch.long), non_blocking=True)
 
     def _step(self, e: _Bucket) -> torch.Tensor:
         """The lean forward on the bucket's buffers; only device ops (capturable)."""
+        if e.flex is not None:
+            meta = attention.PagedAttentionMetadata(
+                kv_cache=self.kv_cache,
+                block_size=self.block_size,
+                slots=e.slots,
+                seqs=[],
+                decode_idx=None,
+                num_decode=0,
+                flex=e.flex,
+            )
+            flex_logits = self.lean.forward(e.input_ids, e.positions, meta, e.logits_idx)
+            assert flex_logits is not None
+            return flex_logits
         nb, q = e.num_blocks, e.q
         b = e.block_table.shape[0] // nb
         keys = nb * self.block_size

@@ -242,6 +242,8 @@ class PagedEngine:
                 decode_graphs=self._graphs_on(device),
                 spec_tokens=cfg.num_speculative_tokens if cfg.speculative != "off" else 0,
                 cpu_attention_kernel=cfg.cpu_attention_kernel,
+                cuda_kernels=cfg.cuda_kernels,
+                max_model_len=self.max_model_len,
             )
             runner.warm_up()
             self._prepare_graphs(runner, f"rank {dp_rank}")
@@ -323,6 +325,8 @@ class PagedEngine:
             decode_graphs=self._graphs_on(device),
             spec_tokens=cfg.num_speculative_tokens,
             cpu_attention_kernel=cfg.cpu_attention_kernel,
+            cuda_kernels=cfg.cuda_kernels,
+            max_model_len=self.max_model_len,
         )
         runner.warm_up()
         self._prepare_graphs(runner, "draft model")

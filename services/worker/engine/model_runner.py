@@ -11,12 +11,13 @@ from typing import Any
 
 import torch
 
-from services.worker.engine import attention, cpu_kernels, cpu_linear
+from services.worker.engine import attention, cpu_kernels, cpu_linear, flex_paged
 from services.worker.engine.api import KvLayout, SamplingConfig
 from services.worker.engine.attention import AttentionBackend
 from services.worker.engine.decode_graphs import DecodeGraphs, DecodeSeq
 from services.worker.engine.lean_llama import LeanLlama
 from services.worker.engine.sampler import sample
+from shared.model_store import load_causal_lm
 
 log = logging.getLogger(__name__)
 
@@ -59,13 +60,9 @@ def load_model(
     """transformers' own model class with our attention; on CPU its linear layers prepacked
     for oneDNN unless `prepack` is False, with `row_copy` also as a copy for steps of few rows
     (see cpu_linear)."""
-    from transformers import AutoModelForCausalLM
-
     attention.register()
-    model = AutoModelForCausalLM.from_pretrained(
-        model_path, dtype=dtype, attn_implementation=attention.ATTN_IMPLEMENTATION
-    )
-    model.to(device)  # type: ignore[arg-type]
+    # a folder's weights, or a random-weight model built on the device (`random:` models)
+    model = load_causal_lm(model_path, device, dtype=dtype, attn_implementation=attention.ATTN_IMPLEMENTATION)
     model.eval()
     if prepack:
         cpu_linear.prepack_linears(model, row_copy)
@@ -98,6 +95,9 @@ class ModelRunner:
         decode_graphs: bool = False,
         spec_tokens: int = 0,
         cpu_attention_kernel: bool = True,
+        cuda_kernels: bool = True,
+        max_model_len: int = 0,
+        fused: bool | None = None,
     ) -> None:
         """decode_graphs: decode and verify steps run as static-shape steps
         (engine/decode_graphs.py), captured as CUDA graphs on CUDA and run eagerly elsewhere
@@ -105,7 +105,12 @@ class ModelRunner:
         decoding (its verify steps get buckets of k + 1 rows per sequence).
         cpu_attention_kernel: on CPU in fp32, decode attention of every single-token sequence
         of a layer in one call of engine/cpu_kernels.py's kernel (where it is built) instead of
-        one SDPA call per sequence."""
+        one SDPA call per sequence.
+        cuda_kernels: on CUDA, the lean forward's fused layers (lean_llama.py, torch.compile)
+        and static steps whose attention reads the pool in place (flex_paged.py) where
+        FlexAttention is available; False: the torch-only eager path. `fused` overrides the choice
+        (tests: True runs the same path eagerly on CPU). max_model_len: the longest sequence
+        (tokens), which sizes the static steps' block tables (0: the whole pool)."""
         self.model = model
         self.layout = layout
         self.device = device
@@ -123,6 +128,9 @@ class ModelRunner:
         self.q_per_kv = int(cfg.num_attention_heads) // layout.num_kv_heads
         lean = lean_forward and LeanLlama.supports(model)
         use_graphs = decode_graphs and lean
+        if fused is None:
+            fused = device.type == "cuda" and cuda_kernels and flex_paged.available()
+        self.fused = lean and fused
         # zeros, not empty: stale rows of reused blocks are never read, but keep them finite.
         # Static decode steps get one more block (index num_blocks, never handed out): their
         # padding sequences write and read it.
@@ -140,7 +148,11 @@ class ModelRunner:
         else:
             self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         # transformers' module tree, or the same layers as one flat loop (lean_llama)
-        self.lean = LeanLlama(model, self.kv_cache) if lean else None
+        self.lean = (
+            LeanLlama(model, self.kv_cache, fused=self.fused, compiled=device.type == "cuda") if lean else None
+        )
+        # FlexAttention's block tables: as wide as the longest sequence (or the whole pool)
+        table_blocks = -(-max_model_len // layout.block_size) if max_model_len > 0 else num_blocks
         self.graphs = (
             DecodeGraphs(
                 self.lean,
@@ -151,6 +163,7 @@ class ModelRunner:
                 device=device,
                 capture=device.type == "cuda",
                 spec_tokens=spec_tokens,
+                flex_blocks=min(table_blocks, num_blocks) if self.fused else 0,
             )
             if use_graphs and self.lean is not None
             else None

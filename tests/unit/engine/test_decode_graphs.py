@@ -29,12 +29,32 @@ def test_bucket_is_the_next_power_of_two() -> None:
     assert bucket(1, 4) == 4 and bucket(5, 4) == 8
 
 
-def _runners(model_path: Path, device: torch.device, spec_tokens: int = 0) -> tuple[ModelRunner, ModelRunner]:
+def _runners(
+    model_path: Path,
+    device: torch.device,
+    spec_tokens: int = 0,
+    fused: bool | None = False,
+    max_model_len: int = 0,
+) -> tuple[ModelRunner, ModelRunner]:
+    """The runner's own path (transformers' weights, one model each: fusing rewrites the weights)
+    and the static-step path; `fused` True: the CUDA layout (fused layers, FlexAttention in place),
+    run eagerly on CPU; None: the device's default."""
     model = load_model(str(model_path), device, torch.float32)
     layout = kv_layout_of(model.config, BLOCK, torch.float32)
-    plain = ModelRunner(model, layout, NUM_BLOCKS, device, torch.float32)
+    plain = ModelRunner(model, layout, NUM_BLOCKS, device, torch.float32, fused=False)
+    static_model = (
+        load_model(str(model_path), device, torch.float32, prepack=False) if fused is not False else model
+    )
     static = ModelRunner(
-        model, layout, NUM_BLOCKS, device, torch.float32, decode_graphs=True, spec_tokens=spec_tokens
+        static_model,
+        layout,
+        NUM_BLOCKS,
+        device,
+        torch.float32,
+        decode_graphs=True,
+        spec_tokens=spec_tokens,
+        fused=fused,
+        max_model_len=max_model_len,
     )
     assert static.graphs is not None and plain.graphs is None
     return plain, static
@@ -64,8 +84,8 @@ def _decode_together(
     return outs
 
 
-def _check_static_equals_plain(model_path: Path, device: torch.device) -> None:
-    plain, static = _runners(model_path, device)
+def _check_static_equals_plain(model_path: Path, device: torch.device, fused: bool | None = False) -> None:
+    plain, static = _runners(model_path, device, fused=fused, max_model_len=64)
     # five prompts (bucket 8 of sequences: three padding rows), contexts from 3 to 41 tokens that
     # grow past 16 and 32 (block buckets 4, 8, 16), scattered and consecutive block tables
     prompts = [list(range(7, 7 + n)) for n in (3, 9, 14, 26, 41)]
@@ -83,7 +103,10 @@ def _check_static_equals_plain(model_path: Path, device: torch.device) -> None:
     graphs = static.graphs
     assert graphs is not None
     used = {key for key, e in graphs.buckets.items() if e.replays}
-    assert (8, 1, 16) in used and (4, 1, 16) in used  # the batch shrank from 5 to 3 sequences
+    # the batch shrank from 5 to 3 sequences; with FlexAttention every context has one bucket
+    # (block tables of max_model_len / BLOCK = 16 blocks), else contexts grew to 16 blocks
+    assert (8, 1, 16) in used and (4, 1, 16) in used
+    assert not graphs.flex_blocks or len(used) == 2
     # the same K/V in every request block; only the scratch block (index NUM_BLOCKS) differs
     real = NUM_BLOCKS * BLOCK
     torch.testing.assert_close(static.kv_cache[:, :, :, :real], plain.kv_cache, rtol=1e-5, atol=1e-5)
@@ -92,6 +115,27 @@ def _check_static_equals_plain(model_path: Path, device: torch.device) -> None:
 
 def test_static_decode_steps_equal_the_runner_on_cpu(tiny_bpe: Path) -> None:
     _check_static_equals_plain(tiny_bpe, torch.device("cpu"))
+
+
+def test_fused_layers_with_attention_in_place_equal_the_runner_on_cpu(tiny_bpe: Path) -> None:
+    """The CUDA layout run eagerly on CPU: fused q/k/v and gate/up products, FlexAttention's
+    reference over the pool through block tables (no gather), buckets by batch size only. Same
+    greedy tokens, logits within fp32 rounding, K/V in the requests' blocks as the runner's."""
+    _check_static_equals_plain(tiny_bpe, torch.device("cpu"), fused=True)
+
+
+def test_flex_buckets_ignore_the_context_length(tiny_bpe: Path) -> None:
+    """With attention in place, contexts that cross block buckets keep one bucket per batch
+    size, and a sequence longer than the block tables is refused, not truncated."""
+    plain, static = _runners(tiny_bpe, torch.device("cpu"), fused=True, max_model_len=48)
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8], [1, 4, 1, 4, 2, 1, 3, 5, 6, 2]]
+    tables = [list(range(30, 37)), [50, 8, 61, 9, 70, 11, 72], [0, 1, 2, 3, 4, 5, 6]]
+    want = _decode_together(plain, prompts, tables, 16)
+    assert _decode_together(static, prompts, tables, 16) == want
+    assert static.graphs is not None and static.graphs.flex_blocks == 12
+    assert {key for key, e in static.graphs.buckets.items() if e.replays} == {(4, 1, 12), (1, 1, 12)}
+    with pytest.raises(ValueError, match="exceeds the block tables' 12"):
+        static.graphs.run([DecodeSeq([5], 48, list(range(13)))])
 
 
 def test_contexts_grow_into_the_next_block_bucket(tiny_bpe: Path) -> None:
@@ -149,12 +193,14 @@ def _verify_step(seqs: list[ScheduledSeq]) -> list[ScheduledSeq]:
     ]
 
 
-def test_verify_steps_equal_the_runner(tiny_bpe: Path) -> None:
+@pytest.mark.parametrize("fused", [False, True])
+def test_verify_steps_equal_the_runner(tiny_bpe: Path, fused: bool) -> None:
     """Speculative decoding's verify pass on the static path: sequences with 1, 3 and 6 new
     tokens (0, 2 and 5 drafts) in one step, every row's logits sampled, padded to k + 1 = 6 rows
     per sequence (a step of at most 3 rows too). Tokens, logits and K/V equal the runner's own
-    path."""
-    plain, static = _runners(tiny_bpe, torch.device("cpu"), spec_tokens=5)
+    path, also with the CUDA layout (fused layers, FlexAttention in place, its mask over the
+    last two blocks of each sequence)."""
+    plain, static = _runners(tiny_bpe, torch.device("cpu"), spec_tokens=5, fused=fused, max_model_len=32)
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], list(range(40, 59)), [2, 7, 1, 8]]
     tables = [list(range(30, 37)), [50, 8, 61, 9, 70, 11, 72], [0, 1, 2, 3, 4, 5, 6]]
     first = [ScheduledSeq(p, 0, t, False, GREEDY, None) for p, t in zip(prompts, tables, strict=True)]
@@ -172,6 +218,7 @@ def test_verify_steps_equal_the_runner(tiny_bpe: Path) -> None:
     assert [len(t) for t in want] == [1, 3, 6]
     graphs = static.graphs
     assert graphs is not None and {k for k, e in graphs.buckets.items() if e.replays} == {(4, 6, 8)}
+    assert graphs.flex_blocks == (8 if fused else 0)
     real = NUM_BLOCKS * BLOCK
     torch.testing.assert_close(static.kv_cache[:, :, :, :real], plain.kv_cache, rtol=1e-5, atol=1e-5)
     # logits, not just argmax, for a step of at most 3 rows (still the 6-row bucket); nothing is

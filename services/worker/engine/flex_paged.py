@@ -1,0 +1,167 @@
+"""Attention over the paged KV pool in place, with torch's FlexAttention (issue 31, item 1).
+
+Owns `FlexPagedStep`: the static buffers of one decode/verify bucket (B sequences x Q query rows,
+block tables W blocks wide) and the FlexAttention call that reads every sequence's K/V straight
+from the pool through its block table, for one layer at a time.
+
+How the pool becomes FlexAttention's input: each layer's K (and V) is viewed as one sequence of
+every slot, [1, kv_heads, slots, D] (a view, no copy), shared by the B query sequences (FlexAttention
+broadcasts a key batch of 1). The block mask's KV block size is the pool's block size, so a
+sequence's block table *is* its list of KV blocks to visit (`kv_indices`), and `kv_num_blocks`
+says how many: the kernel reads only the blocks a sequence owns, and the context length never
+changes a tensor's shape (one CUDA graph per batch size). The mask function is exact on its own
+(FlexAttention's reference implementation applies it to every slot): each step first turns the
+block tables into a physical-to-logical block map on the device ([B, blocks], -1 where a block is
+not the sequence's), and a key is visible to a row while its logical position is below the row's
+context length. Padding sequences own the scratch block and see nothing of a request's KV.
+
+Why FlexAttention (measured on one H200, benchmarks/cuda_attention.py, results in
+benchmarks/results/cuda-attention-h200.json): the gather of whole blocks into a padded buffer +
+SDPA that the BATCHED backend does reads and writes the KV twice more and pads every sequence to
+its bucket; FlashInfer's wheel JIT-compiles its kernels with nvcc at first use (minutes) or
+needs a 458 MB precompiled wheel, and FlashAttention has no binary wheel; FlexAttention is in
+torch, generates its decode kernel with Triton (split over the KV length) and compiles in
+seconds. CUDA only: elsewhere `available()` is False and the engine keeps the BATCHED / PER_SEQ
+backends of attention.py (the torch-only fallback, logged once).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def available() -> bool:
+    """FlexAttention with a GPU compiler: CUDA and Triton present."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import triton  # noqa: F401
+        from torch.nn.attention import flex_attention  # noqa: F401
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        log.warning("FlexAttention unavailable (%s): CUDA attention gathers KV (BATCHED backend)", exc)
+        return False
+    return True
+
+
+@functools.cache
+def _compiled_flex() -> Any:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    # fullgraph: the call is one kernel (or two: split-KV partials + their reduction), no Python
+    return torch.compile(flex_attention, dynamic=False, fullgraph=True)
+
+
+@dataclass
+class FlexPagedStep:
+    """Static buffers of one bucket; the step fills them in place (a CUDA graph reads them)."""
+
+    num_seqs: int  # B
+    q_rows: int  # Q query rows per sequence
+    width: int  # W blocks per block table
+    block_size: int
+    kv_num_blocks: torch.Tensor  # [B, 1, 1] int32: blocks each sequence owns
+    kv_indices: torch.Tensor  # [B, 1, 1, W] int32: its block table (padding: the scratch block)
+    ctx_lens: torch.Tensor  # [B, Q] int32: keys row q sees (= its position + 1)
+    logical: torch.Tensor  # [B, pool blocks] int32: a block's index in the sequence's table, or -1
+    block_mask: Any  # FlexAttention's BlockMask over these buffers
+    compiled: bool  # the Triton kernel (CUDA); False: FlexAttention's reference (any device)
+
+    @staticmethod
+    def new(
+        num_seqs: int,
+        q_rows: int,
+        width: int,
+        block_size: int,
+        num_pool_blocks: int,
+        scratch_block: int,
+        device: Any,
+        compiled: bool = True,
+    ) -> FlexPagedStep:
+        from torch.nn.attention.flex_attention import BlockMask
+
+        b, bs = num_seqs, block_size
+        kv_num_blocks = torch.ones((b, 1, 1), dtype=torch.int32, device=device)
+        kv_indices = torch.full((b, 1, 1, width), scratch_block, dtype=torch.int32, device=device)
+        ctx_lens = torch.ones((b, q_rows), dtype=torch.int32, device=device)
+        logical = torch.full((b, num_pool_blocks), -1, dtype=torch.int32, device=device)
+
+        def mask_mod(bi: Any, _h: Any, q_idx: Any, kv_idx: Any) -> Any:
+            index = logical[bi, kv_idx // bs]
+            return (index >= 0) & (index * bs + kv_idx % bs < ctx_lens[bi, q_idx])
+
+        block_mask = BlockMask.from_kv_blocks(
+            kv_num_blocks,
+            kv_indices,
+            BLOCK_SIZE=(128, bs),
+            mask_mod=mask_mod,
+            seq_lengths=(q_rows, num_pool_blocks * bs),
+            compute_q_blocks=False,
+        )
+        return FlexPagedStep(
+            b, q_rows, width, bs, kv_num_blocks, kv_indices, ctx_lens, logical, block_mask, compiled
+        )
+
+    def fill(self, tables: Sequence[Sequence[int]], ctx_lens: Sequence[Sequence[int]], scratch_block: int) -> None:
+        """Host values of a step: per real sequence its block table (covering its longest row)
+        and each row's context length (Q values; padding rows 1). Sequences past len(tables)
+        are padding."""
+        b, w = self.num_seqs, self.width
+        nums: list[int] = []
+        idx: list[int] = []
+        ctx: list[int] = []
+        for table, lens in zip(tables, ctx_lens, strict=True):
+            n = len(table)
+            if n > w:
+                raise ValueError(f"a block table of {n} blocks exceeds the bucket's {w}")
+            nums.append(n)
+            idx.extend(table)
+            idx.extend([scratch_block] * (w - n))
+            ctx.extend(lens)
+        pad = b - len(tables)
+        nums.extend([1] * pad)
+        idx.extend([scratch_block] * (w * pad))
+        ctx.extend([1] * (self.q_rows * pad))
+        for buf, values in ((self.kv_num_blocks, nums), (self.kv_indices, idx), (self.ctx_lens, ctx)):
+            buf.copy_(torch.tensor(values, dtype=buf.dtype).view(buf.shape), non_blocking=True)
+
+    def prepare(self) -> None:
+        """Device-side, once per step before the layers (capturable): the physical-to-logical
+        map from the block tables. Table entries past a sequence's blocks (the scratch block)
+        get indices >= its block count, whose positions no row sees."""
+        w = self.width
+        self.logical.fill_(-1)
+        table = self.kv_indices.view(self.num_seqs, w).long()
+        order = torch.arange(w, dtype=torch.int32, device=table.device).expand(self.num_seqs, w)
+        self.logical.scatter_(1, table, order)
+
+    def attend(
+        self,
+        q: torch.Tensor,  # [B * Q, heads, D], row b * Q + i = query i of sequence b
+        k_pool: torch.Tensor,  # [kv_heads, slots, D] one layer's K (the pool, in place)
+        v_pool: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """-> [B * Q, heads, D]."""
+        from torch.nn.attention.flex_attention import flex_attention
+
+        rows, heads, dim = q.shape
+        query = q.view(self.num_seqs, self.q_rows, heads, dim).transpose(1, 2)  # [B, H, Q, D]
+        fn = _compiled_flex() if self.compiled else flex_attention
+        out = fn(
+            query,
+            k_pool.unsqueeze(0),
+            v_pool.unsqueeze(0),
+            block_mask=self.block_mask,
+            scale=scale,
+            enable_gqa=heads != k_pool.shape[0],
+        )
+        return out.transpose(1, 2).reshape(rows, heads, dim)
