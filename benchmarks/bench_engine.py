@@ -53,6 +53,7 @@ CONTENDERS = (
     "pdserve",
     "pdserve_transformers",
     "pdserve_eager",
+    "pdserve_torch",
     "pdserve_no_row_copy",
 )
 
@@ -278,6 +279,12 @@ def run_pdserve_eager(args: argparse.Namespace, prompts: list[list[int]]) -> dic
     return run_pdserve(args, prompts, cuda_graphs=False)
 
 
+def run_pdserve_torch(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
+    """CUDA: the same engine on the torch-only path (--no-cuda-kernels: KV gathered per step,
+    layers unfused, graphs by batch x context), the baseline of the in-place kernels."""
+    return run_pdserve(args, prompts, cuda_kernels=False)
+
+
 def run_pdserve_no_row_copy(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
     """pdserve without the CPU row copy (--no-cpu-row-copy): every step on oneDNN's kernel."""
     return run_pdserve(args, prompts, cpu_row_copy=False)
@@ -318,8 +325,9 @@ def run_floor(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, A
 
     # the workload's mean context in the middle of decoding: mean prompt + half the new tokens
     context = sum(len(p) for p in prompts) // len(prompts) + args.new_tokens // 2
+    batches = tuple(int(b) for b in args.floor_batches.split(","))
     return engine_floor.measure(
-        args.model_path, args.device, args.dtype, max(1, args.engine_threads), (1, 8, 16), context
+        args.model_path, args.device, args.dtype, max(1, args.engine_threads), batches, context
     )
 
 
@@ -330,6 +338,7 @@ RUNNERS = {
     "pdserve": run_pdserve,
     "pdserve_transformers": run_pdserve_transformers,
     "pdserve_eager": run_pdserve_eager,
+    "pdserve_torch": run_pdserve_torch,
     "pdserve_no_row_copy": run_pdserve_no_row_copy,
     "prefix": run_prefix,
     "floor": run_floor,
@@ -430,6 +439,9 @@ def main(argv: list[str] | None = None) -> None:
         "0 = the engine's device default (512 on CPU), 2048 for generate_batch",
     )
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
+    parser.add_argument(
+        "--floor-batches", default="1,8,16", help="sequences per decode step in the floor probe (comma list)"
+    )
     parser.add_argument("--no-prefix-run", action="store_true")
     parser.add_argument(
         "--no-floor-run",
@@ -486,6 +498,8 @@ def main(argv: list[str] | None = None) -> None:
         str(args.engine_dp_size),
         "--engine-threads",
         str(args.engine_threads),
+        "--floor-batches",
+        args.floor_batches,
     ]
     print(
         f"model {args.model_path}, {args.device} {args.dtype}, {args.num_requests} requests, "
@@ -494,7 +508,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     results: dict[str, dict[str, Any] | None] = {}
     for name in args.contenders.split(","):
-        if name == "pdserve_eager" and args.device != "cuda":
+        if name in ("pdserve_eager", "pdserve_torch") and args.device != "cuda":
             continue  # the same engine as pdserve off CUDA
         if name == "pdserve_no_row_copy" and args.device != "cpu":
             continue  # the row copy is a CPU kernel
@@ -532,6 +546,8 @@ def main(argv: list[str] | None = None) -> None:
     }
     if tps.get("pdserve_eager"):
         ratios["ratio_cuda_graphs_vs_eager"] = ratio("pdserve_eager")
+    if tps.get("pdserve_torch"):
+        ratios["ratio_cuda_kernels_vs_torch_path"] = ratio("pdserve_torch")
     if tps.get("pdserve_no_row_copy"):
         ratios["ratio_row_copy_vs_onednn_only"] = ratio("pdserve_no_row_copy")
     print("\n" + "  ".join(f"{k} {_fmt(v, 2)}" for k, v in ratios.items()))

@@ -300,22 +300,32 @@ def measure(
             )
         out["row_copy_steps"] = ab
     if device.type == "cuda":
-        # the same steps replayed as CUDA graphs (engine/decode_graphs.py), same pool size
-        graphs = ModelRunner(
-            model, layout, max(batches) * per_seq_blocks + 1, device, dtype, decode_graphs=True
-        )
-        graph_rows = []
-        for batch, r in zip(batches, rows, strict=True):
-            step, step_cpu = time_decode_steps(graphs, batch, context)
-            graph_rows.append(
-                {
-                    "seqs": batch,
-                    "step_ms": round(step * 1e3, 2),
-                    "step_cpu_ms": round(step_cpu * 1e3, 2),
-                    "vs_floor": round(step * 1e3 / r["floor_ms"], 2),
-                }
+        # the same steps replayed as CUDA graphs (engine/decode_graphs.py), same pool size: the
+        # default (fused layers, attention in place) and the torch-only path (--no-cuda-kernels)
+        for key, fused in (("steps_cuda_graphs", None), ("steps_cuda_graphs_torch_path", False)):
+            graphs = ModelRunner(
+                model,
+                layout,
+                max(batches) * per_seq_blocks + 1,
+                device,
+                dtype,
+                decode_graphs=True,
+                fused=fused,
             )
-        out["steps_cuda_graphs"] = graph_rows
+            graph_rows = []
+            for batch, r in zip(batches, rows, strict=True):
+                step, step_cpu = time_decode_steps(graphs, batch, context)
+                graph_rows.append(
+                    {
+                        "seqs": batch,
+                        "step_ms": round(step * 1e3, 3),
+                        "step_cpu_ms": round(step_cpu * 1e3, 2),
+                        "vs_floor": round(step * 1e3 / r["floor_ms"], 2),
+                    }
+                )
+            out[key] = graph_rows
+            del graphs
+            torch.cuda.empty_cache()
     eight = next((r for r in rows if r["seqs"] == 8), None)
     out["decode_step_vs_floor"] = eight["vs_floor"] if eight else None
     out["decode_step_vs_roofline"] = eight["vs_roofline"] if eight else None

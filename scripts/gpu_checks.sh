@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
 # GPU checks, for a machine with CUDA (CI has none): the CUDA tests, then the benchmarks with
 # --device cuda. Results go to their own files (*-cuda*.json) so CPU figures are never mixed in.
-#   scripts/gpu_checks.sh [tests|engine|spec|goodput|all]     PYTHON=... RESULTS_DIR=... override defaults
+#   scripts/gpu_checks.sh [tests|engine|spec|goodput|big|serving|all]   PYTHON=... RESULTS_DIR=... GPU_TAG=...
 # `all` is tests + engine + spec (a few minutes); `goodput` is a reduced chat sweep of three serving
 # configurations on the GPU (about 6 minutes on an H200), run on its own. A GPU serves chat at
 # 10-30 req/s, so the sweep starts at 2x the one-at-a-time rate and triples.
+# `big` (issue 31): a Llama-3-8B shape with random weights (`--model random:llama-8b`, built on
+# the GPU, nothing downloaded): decode attention in place vs gathered, then bench-engine with the
+# decode step vs its floor at 1/8/16/64 sequences, pdserve vs HF padded / generate_batch and vs
+# its own torch-only path. `serving`: that model through `pdserve up` over HTTP, unified and
+# disaggregated, one request at a time and 64 at once. Result files carry GPU_TAG (default: the
+# GPU's name, e.g. h200).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -15,6 +21,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 $PY -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda,
 "transformers", transformers.__version__, torch.cuda.get_device_name(0))'
 rc=0
+TAG=${GPU_TAG:-$($PY -c 'import re, torch; print(re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower().replace("nvidia", "")).strip("-"))')}
 if [[ $what == tests || $what == all ]]; then
   # every test marked gpu (they skip without CUDA, so on a GPU machine none may skip)
   $PY -m pytest -q -ra -p no:cacheprovider --continue-on-collection-errors -m gpu tests || rc=1
@@ -37,5 +44,16 @@ if [[ $what == goodput ]]; then
     --min-requests 24 --max-requests 80 --max-send-s 20 --request-timeout-s 60 \
     --note "GPU: reduced chat sweep (scripts/gpu_checks.sh goodput)" \
     --out "$RES/goodput-cuda.json" || rc=1
+fi
+if [[ $what == big ]]; then
+  $PY -m benchmarks.cuda_attention --out "$RES/cuda-attention-$TAG.json" || rc=1
+  $PY -m benchmarks.bench_engine --device cuda --dtype bfloat16 --model random:llama-8b \
+    --contenders hf_padded,hf_continuous,pdserve,pdserve_torch --num-requests 32 \
+    --kv-cache-tokens 40960 --no-prefix-run --floor-batches 1,8,16,64 --child-timeout-s 240 \
+    --output "$RES/engine-cuda-llama-8b-$TAG.json" || rc=1
+fi
+if [[ $what == serving ]]; then
+  $PY -m benchmarks.bench_serving --model random:llama-8b --device cuda --dtype bfloat16 \
+    --out "$RES/serving-llama-8b-$TAG.json" || rc=1
 fi
 exit $rc

@@ -201,7 +201,13 @@ class DecodeGraphs:
         if self.flex_blocks:
             # compiled on CUDA (captured with the step); FlexAttention's reference elsewhere
             e.flex = FlexPagedStep.new(
-                b, q, nb, self.block_size, self.kv_cache.shape[3] // self.block_size, self.scratch_block, dev,
+                b,
+                q,
+                nb,
+                self.block_size,
+                self.kv_cache.shape[3] // self.block_size,
+                self.scratch_block,
+                dev,
                 compiled=self.capture,
             )
         self.buckets[(b, q, nb)] = e

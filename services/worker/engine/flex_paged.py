@@ -110,7 +110,9 @@ class FlexPagedStep:
             b, q_rows, width, bs, kv_num_blocks, kv_indices, ctx_lens, logical, block_mask, compiled
         )
 
-    def fill(self, tables: Sequence[Sequence[int]], ctx_lens: Sequence[Sequence[int]], scratch_block: int) -> None:
+    def fill(
+        self, tables: Sequence[Sequence[int]], ctx_lens: Sequence[Sequence[int]], scratch_block: int
+    ) -> None:
         """Host values of a step: per real sequence its block table (covering its longest row)
         and each row's context length (Q values; padding rows 1). Sequences past len(tables)
         are padding."""

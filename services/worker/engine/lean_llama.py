@@ -73,13 +73,18 @@ class _Linear:
 
 def _fuse(modules: list[torch.nn.Module]) -> torch.Tensor:
     """One [sum of out, in] weight for projections of the same input; each module's weight
-    becomes a view of it (the separate copies are freed)."""
+    becomes a view of it (the separate copies are freed). Idempotent: a second runner over the
+    same model gets the same tensor (no second copy)."""
+    done = getattr(modules[0], "pdserve_fused_weight", None)
+    if isinstance(done, torch.Tensor):
+        return done
     fused = torch.cat([m.weight.detach() for m in modules])
     start = 0
     for m in modules:
         rows = m.weight.shape[0]
         m.weight.data = fused[start : start + rows]
         start += rows
+    modules[0].pdserve_fused_weight = fused
     return fused
 
 
@@ -154,7 +159,9 @@ def _compiled() -> tuple[Any, Any]:
 class LeanLlama:
     """Forward of a loaded (optionally prepacked) transformers Llama model, same weights."""
 
-    def __init__(self, model: Any, kv_pool: torch.Tensor, fused: bool = False, compiled: bool = False) -> None:
+    def __init__(
+        self, model: Any, kv_pool: torch.Tensor, fused: bool = False, compiled: bool = False
+    ) -> None:
         """fused: the CUDA layout (one q/k/v and one gate/up product per layer); compiled: its two
         fused halves through torch.compile (CUDA; eager otherwise, for tests)."""
         cfg = model.config
@@ -227,10 +234,7 @@ class LeanLlama:
         # rotate_half(x) * sin == roll(x, half) * [-sin_lo, sin_hi]: the sign moves onto sin
         sin = sin.view(num_tokens, 1, self.head_dim).clone()
         sin[..., :half].neg_()
-        if self.fused:
-            h = self._fused_layers(h, cos, sin, meta)
-        else:
-            h = self._layers(h, cos, sin, meta)
+        h = self._fused_layers(h, cos, sin, meta) if self.fused else self._layers(h, cos, sin, meta)
         if logits_idx is None:
             return None
         return self.lm_head(self._rms_norm(h.index_select(0, logits_idx), self.norm_final))
@@ -280,7 +284,15 @@ class LeanLlama:
         for layer, views in zip(self.layers, self.pool_views, strict=True):
             assert layer.qkv is not None and layer.gate_up is not None
             q, k, v = self.attn_in(
-                h, layer.norm_in, layer.qkv, cos, sin, self.eps, self.num_heads, self.num_kv_heads, self.head_dim
+                h,
+                layer.norm_in,
+                layer.qkv,
+                cos,
+                sin,
+                self.eps,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
             )
             if flex is not None:
                 k_slots, v_slots, k_pool, v_pool = views

@@ -149,7 +149,9 @@ class ModelRunner:
             self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         # transformers' module tree, or the same layers as one flat loop (lean_llama)
         self.lean = (
-            LeanLlama(model, self.kv_cache, fused=self.fused, compiled=device.type == "cuda") if lean else None
+            LeanLlama(model, self.kv_cache, fused=self.fused, compiled=device.type == "cuda")
+            if lean
+            else None
         )
         # FlexAttention's block tables: as wide as the longest sequence (or the whole pool)
         table_blocks = -(-max_model_len // layout.block_size) if max_model_len > 0 else num_blocks
