@@ -156,6 +156,7 @@ class DecodeGraphs:
         ]
         return e.logits.index_select(0, torch.tensor(rows, device=self.device))
 
+    @torch.inference_mode()
     def prepare(self, max_seqs: int, max_context_tokens: int) -> int:
         """Capture every bucket up to `max_seqs` sequences x `max_context_tokens` tokens each now
         (at start), for decode steps (1 row per sequence) and, with speculation, verify steps
@@ -248,7 +249,11 @@ class DecodeGraphs:
                 [ctx[i * q : (i + 1) * q] for i in range(len(seqs))],
                 scratch,
             )
-            buffers = ((e.input_ids, ids), (e.positions, pos), (e.slots, slots))
+            buffers: tuple[tuple[torch.Tensor, list[int]], ...] = (
+                (e.input_ids, ids),
+                (e.positions, pos),
+                (e.slots, slots),
+            )
         else:
             buffers = (
                 (e.input_ids, ids),

@@ -71,7 +71,7 @@ class _Linear:
         return other * F.linear(x, self.weight)
 
 
-def _fuse(modules: list[torch.nn.Module]) -> torch.Tensor:
+def _fuse(modules: list[Any]) -> torch.Tensor:
     """One [sum of out, in] weight for projections of the same input; each module's weight
     becomes a view of it (the separate copies are freed). Idempotent: a second runner over the
     same model gets the same tensor (no second copy)."""
@@ -168,6 +168,8 @@ class LeanLlama:
         self.embed = model.model.embed_tokens.weight
         self.rotary = model.model.rotary_emb
         self.fused = fused
+        self.attn_in: Any
+        self.attn_out: Any
         self.attn_in, self.attn_out = _compiled() if fused and compiled else (_attn_in, _attn_out)
         self.layers = [_Layer(layer, fused) for layer in model.model.layers[: cfg.num_hidden_layers]]
         self.norm_final = model.model.norm.weight

@@ -64,6 +64,9 @@ def load_model(
     # a folder's weights, or a random-weight model built on the device (`random:` models)
     model = load_causal_lm(model_path, device, dtype=dtype, attn_implementation=attention.ATTN_IMPLEMENTATION)
     model.eval()
+    # serving never differentiates: no autograd state in the weights (torch.compile'd layers
+    # would otherwise trace for training)
+    model.requires_grad_(False)
     if prepack:
         cpu_linear.prepack_linears(model, row_copy)
     return model

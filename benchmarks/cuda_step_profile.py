@@ -1,0 +1,106 @@
+"""Where a CUDA decode step's time goes: one rank's static decode step (replayed as a CUDA graph,
+as the engine serves it) under torch.profiler, kernel time summed by kernel name, for a random
+weight model of a real shape. The sum of kernel times against the step's wall time tells
+launch gaps from kernel work; the top kernels say which to fuse or replace next.
+
+    python -m benchmarks.cuda_step_profile [--model random:llama-8b] [--seqs 8] [--context 319]
+
+Writes benchmarks/results/cuda-step-profile-<gpu>.json. Needs CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.engine_floor import time_decode_steps
+from services.worker.engine.model_runner import ModelRunner, kv_layout_of, load_model
+from shared.model_store import resolve_model
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def profile(model_name: str, seqs: int, context: int, fused: bool | None) -> dict[str, Any]:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    dev = torch.device("cuda")
+    model = load_model(str(resolve_model(model_name)), dev, torch.bfloat16)
+    layout = kv_layout_of(model.config, 16, torch.bfloat16)
+    per_seq = -(-(context + 1) // 16)
+    runner = ModelRunner(
+        model, layout, seqs * per_seq + 1, dev, torch.bfloat16, decode_graphs=True, fused=fused
+    )
+    step_s, _ = time_decode_steps(runner, seqs, context)
+    steps = 5
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            time_decode_steps(runner, seqs, context, steps=1)
+    by_name: collections.Counter[str] = collections.Counter()
+    counts: collections.Counter[str] = collections.Counter()
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            by_name[evt.name] += evt.device_time_total
+            counts[evt.name] += 1
+    # time_decode_steps(steps=1) runs 3 steps (2 warm-ups): per-step figures divide by 3 * steps
+    per_step = 3 * steps
+    del runner, model
+    torch.cuda.empty_cache()
+    total_us = sum(by_name.values()) / per_step
+    top = [
+        {
+            "kernel": name[:120],
+            "us_per_step": round(us / per_step, 1),
+            "calls_per_step": counts[name] / per_step,
+        }
+        for name, us in by_name.most_common(25)
+    ]
+    return {
+        "step_ms": round(step_s * 1e3, 3),
+        "kernel_ms_per_step": round(total_us / 1e3, 3),
+        "kernels_per_step": round(sum(counts.values()) / per_step, 1),
+        "top": top,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="random:llama-8b")
+    ap.add_argument("--seqs", type=int, default=8)
+    ap.add_argument("--context", type=int, default=319)
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args()
+    t0 = time.perf_counter()
+    doc: dict[str, Any] = {
+        "gpu": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "model": a.model,
+        "seqs": a.seqs,
+        "context": a.context,
+        "fused_in_place": profile(a.model, a.seqs, a.context, None),
+        "torch_path": profile(a.model, a.seqs, a.context, False),
+    }
+    doc["seconds"] = round(time.perf_counter() - t0, 1)
+    for key in ("fused_in_place", "torch_path"):
+        p = doc[key]
+        print(
+            f"{key}: step {p['step_ms']} ms, kernels {p['kernel_ms_per_step']} ms "
+            f"({p['kernels_per_step']}/step)"
+        )
+        for row in p["top"][:12]:
+            print(f"   {row['us_per_step']:>8.1f} us  x{row['calls_per_step']:<6g} {row['kernel']}")
+    gpu = re.sub(r"[^a-z0-9]+", "-", doc["gpu"].lower().replace("nvidia", "")).strip("-")
+    out = a.out or RESULTS / f"cuda-step-profile-{gpu}.json"
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
