@@ -52,10 +52,29 @@ def available() -> bool:
     return True
 
 
+# FlexAttention compiles once per bucket shape (batch buckets 1..64 x 1 or k + 1 rows, a draft
+# model's too); dynamo's default of 8 compilations per function failed a speculative worker at
+# start on an H200 ("recompile limit exceeded" with fullgraph). Every bucket compiles once, at
+# start, so the bound only has to cover them.
+_RECOMPILE_LIMIT = 128
+
+
+def allow_compilations() -> None:
+    """Raise dynamo's per-function compilation bound to cover every bucket (process-wide; a
+    worker process owns its dynamo state)."""
+    import torch._dynamo.config as dynamo_config
+
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, _RECOMPILE_LIMIT)
+    dynamo_config.accumulated_recompile_limit = max(
+        dynamo_config.accumulated_recompile_limit, 4 * _RECOMPILE_LIMIT
+    )
+
+
 @functools.cache
 def _compiled_flex() -> Any:
     from torch.nn.attention.flex_attention import flex_attention
 
+    allow_compilations()
     # fullgraph: the call is one kernel (or two: split-KV partials + their reduction), no Python
     return torch.compile(flex_attention, dynamic=False, fullgraph=True)
 

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from services.worker.engine import attention, cpu_linear
+from services.worker.engine import attention, cpu_linear, flex_paged
 from services.worker.engine.cpu_linear import PackedLinear
 
 
@@ -152,7 +152,9 @@ def _attn_out(
 
 @functools.cache
 def _compiled() -> tuple[Any, Any]:
-    # dynamic: one compilation serves every step size (sizes 1 and 0 are specialized once more)
+    # dynamic: one compilation serves every step size (sizes 1 and 0 are specialized once more;
+    # a draft model's shapes and other dtypes compile again)
+    flex_paged.allow_compilations()
     return torch.compile(_attn_in, dynamic=True), torch.compile(_attn_out, dynamic=True)
 
 
