@@ -174,6 +174,21 @@ def _graphs_flag(a: argparse.Namespace) -> list[str]:
     return ["--no-cuda-graphs"] if several and a.device != "cpu" else []
 
 
+# the share of the GPU's memory all of up's workers use together (each worker's own default)
+GPU_MEMORY_UTILIZATION = 0.9
+
+
+def _memory_flag(a: argparse.Namespace) -> list[str]:
+    """`--gpu-memory-utilization` split evenly when several worker processes share the GPU:
+    each worker sizes its KV pool from its share of the device (engine/memory.py), so the first
+    one to start cannot take the memory the others need. A --worker-arg given later wins."""
+    workers = sum(a.worker_counts.values())
+    if workers < 2 or a.device == "cpu":
+        return []
+    share = int(GPU_MEMORY_UTILIZATION / workers * 1000) / 1000  # rounded down: never over 0.9
+    return ["--gpu-memory-utilization", f"{share:g}"]
+
+
 def worker_name(kind: str, index: int) -> str:
     """`decode-worker`, `decode-worker-1`, ...: the first keeps the plain name (and port)."""
     return kind if index == 0 else f"{kind}-{index}"
@@ -215,6 +230,7 @@ def _children(a: argparse.Namespace, model_path: str) -> list[Child]:
         "--torch-threads",
         str(a.torch_threads),
         *_graphs_flag(a),
+        *_memory_flag(a),
         *a.worker_arg,  # after ours: a --worker-arg=--cuda-graphs wins
     ]
     children = [

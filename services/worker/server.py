@@ -166,6 +166,7 @@ class WorkerApp:
             dp_size=s.dp_size,
             block_size=s.block_size,
             kv_cache_tokens=s.kv_cache_tokens,
+            gpu_memory_utilization=s.gpu_memory_utilization,
             max_batch_tokens=s.max_batch_tokens,
             max_num_seqs=s.max_num_seqs,
             max_model_len=s.max_model_len,

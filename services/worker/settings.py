@@ -48,7 +48,17 @@ class WorkerSettings(TlsSettings):
     )
     dp_size: int = field(1, "Data-parallel ranks (model replicas) in this process")
     block_size: int = field(16, "Tokens per KV block")
-    kv_cache_tokens: int = field(0, "KV pool size per rank (tokens); 0 = from free memory")
+    kv_cache_tokens: int = field(
+        0,
+        "KV pool size per rank (tokens); 0 = what --gpu-memory-utilization leaves (CUDA), else "
+        "from free memory",
+    )
+    gpu_memory_utilization: float = field(
+        0.9,
+        "On CUDA, the share of the GPU's memory this worker may use in all (weights, the largest "
+        "step measured at start, graphs, KV cache); the KV pool gets the rest. pdserve up splits "
+        "it between workers that share a GPU",
+    )
     max_batch_tokens: int = field(
         0, "Tokens per forward pass (decode + prefill chunks); 0 = 512 on CPU, 2048 on CUDA"
     )
@@ -164,6 +174,8 @@ class WorkerSettings(TlsSettings):
             raise ValueError(f"kv_chunk_bytes must be >= 1, got {self.kv_chunk_bytes}")
         if self.drain_grace_s < 0:
             raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.num_speculative_tokens < 1:

@@ -163,3 +163,30 @@ def test_cuda_graphs_stay_on_only_for_a_worker_that_has_the_gpu_to_itself() -> N
     assert _graphs_flags() == {"prefill-worker": [], "decode-worker": []}
     forced = _graphs_flags("--device", "cuda", "--worker-arg=--cuda-graphs")
     assert forced["decode-worker"] == ["--no-cuda-graphs", "--cuda-graphs"]
+
+
+def _memory_flags(*argv: str) -> dict[str, list[str]]:
+    """Per worker, its --gpu-memory-utilization values in order (`--flag value` and `--flag=value`)."""
+    out = {}
+    for c in _children(*argv):
+        if "worker" in c.name:
+            args = c.args
+            out[c.name] = [
+                args[k + 1] if a == "--gpu-memory-utilization" else a.split("=", 1)[1]
+                for k, a in enumerate(args)
+                if a == "--gpu-memory-utilization" or a.startswith("--gpu-memory-utilization=")
+            ]
+    return out
+
+
+def test_workers_that_share_the_gpu_split_its_memory() -> None:
+    """Each worker sizes its KV pool from its share of the GPU: two processes get 0.45 each,
+    three 0.3 (rounded down, never over 0.9 together); one process (any DP ranks) and CPU stacks
+    keep the worker's own default; a --worker-arg comes last and wins."""
+    assert _memory_flags("--device", "cuda") == {"prefill-worker": ["0.45"], "decode-worker": ["0.45"]}
+    three = _memory_flags("--device", "cuda", "--decode-workers", "2")
+    assert sorted(three.values()) == [["0.3"]] * 3
+    assert _memory_flags("--device", "cuda", "--unified", "--dp-size", "2") == {"worker": []}
+    assert _memory_flags() == {"prefill-worker": [], "decode-worker": []}
+    forced = _memory_flags("--device", "cuda", "--worker-arg=--gpu-memory-utilization=0.6")
+    assert forced["decode-worker"] == ["0.45", "0.6"]

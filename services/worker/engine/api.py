@@ -119,7 +119,10 @@ class EngineConfig:
     dp_size: int = 1
     block_size: int = 16  # tokens per KV block
     kv_cache_tokens: int = 0  # KV pool size per rank (tokens); 0 = from kv_memory_fraction
-    kv_memory_fraction: float = 0.3  # of free device memory, when kv_cache_tokens == 0
+    kv_memory_fraction: float = 0.3  # CPU: of free host memory, when kv_cache_tokens == 0
+    # CUDA: the share of the GPU's memory this worker may use in all (weights, the largest step,
+    # graphs, KV); the KV pool gets the rest, measured at start (engine/memory.py)
+    gpu_memory_utilization: float = 0.9
     max_batch_tokens: int = 0  # tokens per forward pass (decode + prefill chunks); 0 = by device
     max_num_seqs: int = 64  # running requests per rank
     max_model_len: int = 0  # 0 = the model's max_position_embeddings
