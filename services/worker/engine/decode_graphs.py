@@ -27,6 +27,7 @@ the scratch block there, so only capture and replay need a GPU.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -87,6 +88,7 @@ class DecodeGraphs:
         device: torch.device,
         capture: bool,  # CUDA graphs (CUDA only); False = run the static step eagerly
         spec_tokens: int = 0,  # k of speculative decoding: steps of up to k + 1 rows per sequence
+        layer_windows: Sequence[int | None] = (),  # per layer its attention window (empty: none)
     ) -> None:
         if capture and device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
@@ -97,6 +99,7 @@ class DecodeGraphs:
         self.dtype = dtype
         self.device = device
         self.capture = capture
+        self.layer_windows = tuple(layer_windows)
         # rows per sequence: 1, or k + 1 for every speculative step (verify passes of fewer
         # proposals are padded), so `prepare` can capture every shape serving will meet
         self.q_buckets = (1, spec_tokens + 1) if spec_tokens else (1,)
@@ -223,25 +226,30 @@ class DecodeGraphs:
         nb, q = e.num_blocks, e.q
         b = e.block_table.shape[0] // nb
         keys = nb * self.block_size
-        visible = e.key_index[None, :] < e.ctx_lens[:, None]  # [B * Q, keys]
-        mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~visible, float("-inf"))
-        if q == 1:
-            mask4 = mask[:, None, None, :]  # [B, 1, 1, keys]: every head row of a sequence
-        else:
-            # attention.py orders a sequence's rows (query, head of its KV group)
-            rep = self.lean.num_heads // self.lean.num_kv_heads
-            mask4 = mask.view(b, 1, q, 1, keys).expand(b, 1, q, rep, keys).reshape(b, 1, q * rep, keys)
-        group = attention.BatchedGroup(
-            q_index=None,
-            block_table=e.block_table,
-            mask=mask4,
-            out_rows=None,
-            out_positions=None,
-            num_seqs=b,
-            q_max=q,
-            num_blocks_max=nb,
-        )
+
+        def group(window: int | None) -> attention.BatchedGroup:
+            visible = e.key_index[None, :] < e.ctx_lens[:, None]  # [B * Q, keys]
+            if window is not None:  # a row at position p = ctx_len - 1 sees p - window + 1 .. p
+                visible &= e.key_index[None, :] >= e.ctx_lens[:, None] - window
+            mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
+            mask.masked_fill_(~visible, float("-inf"))
+            if q == 1:
+                mask4 = mask[:, None, None, :]  # [B, 1, 1, keys]: every head row of a sequence
+            else:
+                # attention.py orders a sequence's rows (query, head of its KV group)
+                rep = self.lean.num_heads // self.lean.num_kv_heads
+                mask4 = mask.view(b, 1, q, 1, keys).expand(b, 1, q, rep, keys).reshape(b, 1, q * rep, keys)
+            return attention.BatchedGroup(
+                q_index=None,
+                block_table=e.block_table,
+                mask=mask4,
+                out_rows=None,
+                out_positions=None,
+                num_seqs=b,
+                q_max=q,
+                num_blocks_max=nb,
+            )
+
         meta = attention.PagedAttentionMetadata(
             kv_cache=self.kv_cache,
             block_size=self.block_size,
@@ -249,8 +257,12 @@ class DecodeGraphs:
             seqs=[],
             decode_idx=None,
             num_decode=0,
-            groups=[group],
+            groups=[group(None)],
+            layer_windows=self.layer_windows,
         )
+        for window in sorted({w for w in self.layer_windows if w is not None}):
+            # no host read of the context lengths (capturable): every window gets its mask
+            meta.windowed[window] = dataclasses.replace(meta, groups=[group(window)], windowed={})
         logits = self.lean.forward(e.input_ids, e.positions, meta, e.logits_idx)
         assert logits is not None
         return logits

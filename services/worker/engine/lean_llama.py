@@ -133,7 +133,14 @@ class LeanLlama:
         rep = self.num_heads // self.num_kv_heads
         queries = q.view(-1, self.num_kv_heads, rep, self.head_dim)
         return attention.decode_attention(
-            queries, k_pool, v_pool, meta.seqs, meta.block_size, scaling, meta.decode_spans
+            queries,
+            k_pool,
+            v_pool,
+            meta.seqs,
+            meta.block_size,
+            scaling,
+            meta.decode_spans,
+            meta.decode_starts,
         )
 
     def forward(
@@ -154,7 +161,7 @@ class LeanLlama:
         q_shape = (num_tokens, self.num_heads, self.head_dim)
         kv_shape = (num_tokens, self.num_kv_heads, self.head_dim)
         decode_only = meta.groups is None and meta.num_decode == num_tokens
-        for layer, views in zip(self.layers, self.pool_views, strict=True):
+        for i, (layer, views) in enumerate(zip(self.layers, self.pool_views, strict=True)):
             x = self._rms_norm(h, layer.norm_in)
             q = layer.q(x).view(q_shape)
             k = layer.k(x).view(kv_shape)
@@ -162,7 +169,8 @@ class LeanLlama:
             q = (q * cos).add_(q.roll(half, -1).mul_(sin))
             k = (k * cos).add_(k.roll(half, -1).mul_(sin))
             if decode_only:
-                o = self._decode_attention(q, k, v, views, meta, layer.scaling)
+                # this layer's metadata: its sliding window's, if it has one
+                o = self._decode_attention(q, k, v, views, meta.for_layer(i), layer.scaling)
             else:
                 o, _ = attention.paged_attention_forward(
                     layer.module,
