@@ -16,8 +16,9 @@ bit-identical on CPU: the roll reorders elements exactly, `-x * sin == x * -sin`
 oneDNN post-op adds or multiplies the finished fp32 accumulator (one rounding, as the separate op
 does). `tests/unit/engine/test_lean_llama.py` checks logits for equality, not closeness.
 
-Supported: `LlamaForCausalLM` without projection biases, SiLU MLP, no tensor-parallel
-pretraining split. Anything else keeps transformers' forward (`LeanLlama.supports`).
+Supported: `LlamaForCausalLM` and `MistralForCausalLM` (the same decoder; Mistral's sliding
+window is the attention metadata's, per layer) without projection biases, SiLU MLP, no
+tensor-parallel pretraining split. Anything else keeps transformers' forward (`LeanLlama.supports`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ import torch.nn.functional as F
 
 from services.worker.engine import attention, cpu_linear
 from services.worker.engine.cpu_linear import PackedLinear
+
+# Models whose decoder is Llama's, op for op (Mistral: Llama plus a sliding window, which the
+# attention metadata carries per layer).
+_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM"})
 
 
 class _Linear:
@@ -100,7 +105,7 @@ class LeanLlama:
     def supports(model: Any) -> bool:
         cfg = model.config
         return (
-            type(model).__name__ == "LlamaForCausalLM"
+            type(model).__name__ in _ARCHITECTURES
             and not getattr(cfg, "attention_bias", False)
             and not getattr(cfg, "mlp_bias", False)
             and getattr(cfg, "hidden_act", None) == "silu"
