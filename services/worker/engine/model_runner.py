@@ -237,7 +237,7 @@ class ModelRunner:
             decode_spans=spans,
             layer_windows=self.layer_windows,
         )
-        max_ctx = max(a.ctx_len for a in attn)
+        max_ctx = max(a.ctx_len for a in attn) if self.layer_windows else 0
         for window in sorted({w for w in self.layer_windows if w is not None}):
             if max_ctx <= window:  # no query of the step reaches past the window
                 meta.windowed[window] = meta
@@ -301,7 +301,7 @@ class ModelRunner:
             groups=groups_for(None),
             layer_windows=self.layer_windows,
         )
-        max_ctx = max(s.start_pos + len(s.token_ids) for s in seqs)
+        max_ctx = max(s.start_pos + len(s.token_ids) for s in seqs) if self.layer_windows else 0
         for window in sorted({w for w in self.layer_windows if w is not None}):
             meta.windowed[window] = (
                 meta
