@@ -90,6 +90,15 @@ def attention_windows(config: Any) -> list[int | None]:
     return [None] * num_layers
 
 
+def kv_window_tokens(config: Any) -> int | None:
+    """The longest window when every layer has one, else None: a request's KV blocks wholly
+    behind it are never read again (freed early, as vLLM's sliding-window manager does)."""
+    windows = attention_windows(config)
+    if not windows or any(w is None for w in windows):
+        return None
+    return max(w for w in windows if w is not None)
+
+
 def attention_softcap(config: Any) -> float | None:
     """The attention logit soft-cap (scores -> cap * tanh(scores / cap)), or None."""
     cap = getattr(text_config(config), "attn_logit_softcapping", None)

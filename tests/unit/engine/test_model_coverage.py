@@ -147,3 +147,55 @@ def test_windowed_families_really_have_windows_shorter_than_the_prompts(
             assert WINDOW in windows
         else:
             assert all(w is None or w > 64 for w in windows), family
+
+
+@pytest.mark.parametrize(
+    ("family", "releases"),
+    [("mistral_windowed", True), ("phi3_windowed", True), ("gemma2_windowed", False)],
+)
+async def test_blocks_behind_every_window_go_back_to_the_pool(
+    family: str, releases: bool, tiny_family: Callable[[str], Path], make_engine: EngineFactory
+) -> None:
+    """Every layer with an 8-token window (Mistral, Phi-3 here): the blocks of 4 tokens wholly
+    behind it are given back as the request goes on, so a 30 + 48-token request holds a few
+    blocks, not 20; the tokens stay transformers'. A model with a full-attention layer (Gemma 2
+    alternates) keeps them all."""
+    path = tiny_family(family)
+    engine = make_engine(path, **BASE, max_batch_tokens=16)
+    prompt = random_prompt(30, 31)
+    outs: list[RequestOutput] = []
+    held: list[int] = []
+    async for out in engine.add_request(request("long", prompt, greedy(48, ignore_eos=True))):
+        outs.append(out)
+        if not out.finished:
+            held.append(engine.num_total_blocks(0) - engine.num_free_blocks(0))
+    assert tokens_of(outs) == hf_greedy(_hf_model(str(path)), prompt, 48)
+    if releases:
+        assert max(held) <= 5  # the window's 8 tokens, the block being filled, one more
+    else:
+        assert max(held) >= 19  # 30 + 47 tokens in blocks of 4
+    assert engine.num_free_blocks(0) == engine.num_total_blocks(0)
+
+
+async def test_given_back_blocks_survive_preemption_and_speculation(
+    tiny_family: Callable[[str], Path], make_engine: EngineFactory
+) -> None:
+    """Six requests in a pool of 10 blocks: preempted requests (their blocks partly given back)
+    recompute, speculation rolls back rejected proposals; tokens stay transformers', no block is
+    freed twice, every block is free at the end."""
+    path = tiny_family("mistral_windowed")
+    engine = make_engine(
+        path,
+        block_size=4,
+        kv_cache_tokens=40,
+        max_batch_tokens=16,
+        speculative="ngram",
+        num_speculative_tokens=3,
+        spec_step_cost=False,
+    )
+    prompts = [random_prompt(n, 40 + n) for n in (30, 25, 33, 28, 31, 22)]
+    got = await greedy_tokens(engine, prompts, 40)
+    model = _hf_model(str(path))
+    assert got == [hf_greedy(model, p, 40) for p in prompts]
+    assert engine.num_preemptions(0) > 0
+    assert engine.num_free_blocks(0) == engine.num_total_blocks(0)
