@@ -48,7 +48,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from services.worker.engine import cpu_kernels
+from services.worker.engine import cpu_kernels, model_variants
 
 ATTN_IMPLEMENTATION = "pdserve_paged"
 
@@ -116,6 +116,8 @@ class PagedAttentionMetadata:
     # (same pool and slots; masks, first keys and spans honouring the window), or this metadata
     # itself when no sequence of the step reaches past the window
     windowed: dict[int, PagedAttentionMetadata] = field(default_factory=dict)
+    # check each layer's own attention call against layer_windows (the runner's warm-up step)
+    verify_variants: bool = False
 
     def for_layer(self, layer: int) -> PagedAttentionMetadata:
         """The metadata layer `layer` attends with."""
@@ -185,6 +187,8 @@ def paged_attention_forward(
         raise RuntimeError("pdserve_paged attention does not compute attention sinks (s_aux)")
     softcap: float | None = kwargs.get("softcap")
     layer = int(module.layer_idx)  # type: ignore[arg-type]
+    if paged_meta.verify_variants:
+        _verify_window(layer, paged_meta, kwargs)
     meta = paged_meta.for_layer(layer)
     layer_kv = meta.kv_cache[layer]  # [2, kv_heads, slots, head_dim]
     layer_kv[0].index_copy_(1, meta.slots, key[0])
@@ -192,6 +196,20 @@ def paged_attention_forward(
     if meta.groups is not None:
         return _batched(query, layer_kv, meta, meta.groups, scaling, softcap), None
     return _per_seq(query, key, value, layer_kv, meta, scaling, softcap), None
+
+
+def _verify_window(layer: int, meta: PagedAttentionMetadata, kwargs: dict[str, Any]) -> None:
+    """The window the model's own attention call passes (transformers' modules pass their
+    layer's `sliding_window`) is the one model_variants read from the config: a family whose
+    config the engine reads differently is refused at warm-up, never served."""
+    if "sliding_window" not in kwargs:
+        return
+    expected = meta.layer_windows[layer] if meta.layer_windows else None
+    if kwargs["sliding_window"] != expected:
+        raise model_variants.UnsupportedAttention(
+            f"layer {layer} attends with sliding_window={kwargs['sliding_window']!r}, but the engine "
+            f"read {expected!r} from the model config: this family's windows are not supported"
+        )
 
 
 # ---- BATCHED ---------------------------------------------------------------------------------

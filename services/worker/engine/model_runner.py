@@ -116,6 +116,7 @@ class ModelRunner:
         self.dtype = dtype
         self.num_blocks = num_blocks
         self.attention_backend = attention_backend or AttentionBackend.default_for(device)
+        self._verify_variants = False  # the warm-up step checks every layer's own window
         windows = model_variants.attention_windows(model.config)
         # per layer its attention window; empty when no layer has one (nothing extra per step)
         self.layer_windows: tuple[int | None, ...] = (
@@ -331,6 +332,7 @@ class ModelRunner:
             )
             return _sample(decoded, seqs)
         input_ids, positions, meta, logits_idx = self._build_metadata(seqs)
+        meta.verify_variants = self._verify_variants
         if len(logits_idx) == 0:
             # nothing to sample (only non-final prefill chunks): skip the LM head entirely
             self._forward(input_ids, positions, meta, None)
@@ -374,7 +376,8 @@ class ModelRunner:
         return out.logits[0]
 
     def warm_up(self) -> None:
-        """One tiny forward (writes block 0, which holds no request yet)."""
+        """One tiny forward (writes block 0, which holds no request yet); it also checks every
+        layer's own attention call against the windows read from the config."""
         t0 = time.perf_counter()
         seq = ScheduledSeq(
             token_ids=[0] * min(4, self.layout.block_size),
@@ -384,7 +387,11 @@ class ModelRunner:
             sampling=SamplingConfig(max_tokens=1, temperature=0.0),
             generator=None,
         )
-        self.execute([seq])
+        self._verify_variants = True
+        try:
+            self.execute([seq])
+        finally:
+            self._verify_variants = False
         log.debug("warm-up step took %.3f s", time.perf_counter() - t0)
 
     # ---- KV transfer ---------------------------------------------------------------------

@@ -25,7 +25,7 @@ import torch
 # and ignores `layer_types` (transformers' Mistral warns that it does).
 _UNIFORM_WINDOW = frozenset({"mistral", "mixtral", "phi3", "qwen3_moe", "qwen2_moe", "starcoder2"})
 # Families whose modeling code never windows, whatever stray fields their configs carry.
-_NO_WINDOW = frozenset({"llama", "olmo", "olmo2", "olmo3", "granite", "smollm3"})
+_NO_WINDOW = frozenset({"llama", "olmo", "olmo2", "granite"})
 # Layer types of `layer_types` the engine serves.
 _FULL, _SLIDING = "full_attention", "sliding_attention"
 # Families whose attention has a term the engine does not compute, by the field or feature.

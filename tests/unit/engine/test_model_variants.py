@@ -5,6 +5,7 @@ every attention the engine cannot reproduce exactly (before any weight is loaded
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,10 @@ def _config(name: str, **kwargs: Any) -> Any:
         ("Gemma3TextConfig", {"sliding_window": 8}, [8] * 5 + [None]),
         ("Gemma3TextConfig", {"sliding_window": 8, "sliding_window_pattern": 2}, [8, None] * 3),
         ("Olmo2Config", {}, [None] * 6),
+        # OLMo 3 windows three layers of every four; SmolLM3 windows its NoPE layers when asked
+        ("Olmo3Config", {"sliding_window": 8}, [8, 8, 8, None, 8, 8]),
+        ("SmolLM3Config", {"use_sliding_window": True, "sliding_window": 8}, [None] * 3 + [8] + [None] * 2),
+        ("SmolLM3Config", {"sliding_window": 8}, [None] * 6),
     ],
 )
 def test_windows_per_layer_as_transformers_masks_them(
@@ -129,3 +134,23 @@ def test_engine_refuses_at_start_before_loading_weights(tmp_path: Path) -> None:
     with pytest.raises(UnsupportedAttention, match="attention_chunk_size=8"):
         engine.start()
     engine.shutdown()
+
+
+def test_a_window_the_config_reading_misses_is_refused_at_warm_up(
+    tiny_family: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The warm-up step checks each layer's own attention call (transformers passes the layer's
+    sliding_window) against model_variants' reading: a family read wrongly is never served."""
+    import torch
+
+    from services.worker.engine import model_variants
+    from services.worker.engine.model_runner import ModelRunner, kv_layout_of, load_model
+
+    cpu = torch.device("cpu")
+    model = load_model(str(tiny_family("qwen2_windowed")), cpu, torch.float32)  # layer 1 windowed
+    layout = kv_layout_of(model.config, 4, torch.float32)
+    ModelRunner(model, layout, 8, cpu, torch.float32).warm_up()  # read right: fine
+    monkeypatch.setattr(model_variants, "attention_windows", lambda config: [None, None])
+    runner = ModelRunner(model, layout, 8, cpu, torch.float32)
+    with pytest.raises(UnsupportedAttention, match="layer 1 attends with sliding_window=8"):
+        runner.warm_up()
