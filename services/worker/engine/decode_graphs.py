@@ -18,6 +18,8 @@ Invariants:
   (no NaN). Their logits are computed and dropped.
 - The attention mask is computed inside the step from each row's context length, so one graph
   serves every step that fits its bucket; nothing in the step reads a tensor's value on the host.
+  Layers with a sliding window (`layer_windows`) get their own mask from the same lengths (a row
+  at position p sees p - window + 1 .. p), one per distinct window, every step.
 - Results equal the BATCHED attention backend's for the same sequences (same kernels, padded
   keys masked with -inf).
 
