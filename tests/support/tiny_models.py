@@ -141,6 +141,97 @@ def build_tiny_draft(target: str | Path, folder: str | Path, num_layers: int = 1
     return folder
 
 
+# Tiny random models of each architecture family the engine serves (tests/unit/engine/
+# test_model_coverage.py), all 2 layers, hidden 64, 4 query / 2 KV heads of 16 dims, over the
+# local "bpe" tokenizer. Each entry: (transformers config class, its keyword arguments).
+# Windowed variants have an 8-token window, shorter than the tests' prompts.
+WINDOW = 8
+_COMMON = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": False,
+}
+FAMILIES: dict[str, tuple[str, dict[str, object]]] = {
+    "llama": ("LlamaConfig", {}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen2_windowed": (  # layers from max_window_layers on are windowed: layer 1
+        "Qwen2Config",
+        {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1},
+    ),
+    "qwen3": ("Qwen3Config", {}),
+    "mistral": ("MistralConfig", {"sliding_window": None}),
+    "mistral_windowed": ("MistralConfig", {"sliding_window": WINDOW}),  # every layer
+    "gemma2": (  # Gemma 2's soft-caps and query_pre_attn_scalar; window longer than any prompt
+        "Gemma2Config",
+        {
+            "sliding_window": 4096,
+            "query_pre_attn_scalar": 24,
+            "attn_logit_softcapping": 50.0,
+            "final_logit_softcapping": 30.0,
+        },
+    ),
+    "gemma2_windowed": (  # layer 0 windowed, layer 1 full (Gemma 2's alternation)
+        "Gemma2Config",
+        {
+            "sliding_window": WINDOW,
+            "query_pre_attn_scalar": 24,
+            "attn_logit_softcapping": 50.0,
+            "final_logit_softcapping": 30.0,
+        },
+    ),
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        {
+            "sliding_window": WINDOW,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "query_pre_attn_scalar": 24,
+        },
+    ),
+    "phi3": ("Phi3Config", {"sliding_window": None, "pad_token_id": 0}),
+    "phi3_windowed": ("Phi3Config", {"sliding_window": WINDOW, "pad_token_id": 0}),
+    "olmo2": ("Olmo2Config", {}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1},
+    ),
+}
+
+
+def build_tiny_family(folder: str | Path, family: str, seed: int = 0) -> Path:
+    """Write a tiny random model of `family` (a FAMILIES key) with the "bpe" tokenizer to `folder`
+    (idempotent); returns it."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    folder = Path(folder)
+    if (folder / "config.json").exists():
+        return folder
+    base = build_tiny_model(folder / "base", "bpe")  # its tokenizer files
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in base.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            (folder / f.name).write_bytes(f.read_bytes())
+    class_name, extra = FAMILIES[family]
+    vocab = json.loads((base / "config.json").read_text())["vocab_size"]
+    eos_id = json.loads((base / "config.json").read_text())["eos_token_id"]
+    kwargs: dict[str, object] = {**_COMMON, "vocab_size": vocab, "eos_token_id": eos_id}
+    kwargs.setdefault("pad_token_id", eos_id)
+    kwargs.update(extra)
+    config = getattr(transformers, class_name)(**kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.eos_token_id = eos_id
+    model.save_pretrained(str(folder))
+    return folder
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("folder")

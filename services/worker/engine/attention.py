@@ -23,19 +23,32 @@ attends in one of two ways, chosen per step by the runner (`AttentionBackend`):
   sequences of 96-544 tokens, fp32, one thread): 0.50 ms per layer against 1.35 ms for the
   batched call, whose block gather and padded SDPA cost more than 8 calls that each stream
   their sequence's K/V once near memory bandwidth. The default on CPU.
+
+Attention variants (engine/model_variants.py reads them from the model's config):
+- Sliding windows: a layer with window W lets the query at position p see keys p - W + 1 .. p
+  (transformers' `kv_idx > q_idx - sliding_window`). The metadata carries every layer's window
+  (`layer_windows`) and, per window the step's sequences reach, a variant of itself whose masks,
+  first keys (`SeqAttention.first_key`) and kernel spans (`decode_starts`) honour it
+  (`windowed`); each layer attends with `for_layer(layer)`. Non-windowed models build nothing
+  extra.
+- Logit soft-capping (`softcap`, passed by Gemma-style models): scores -> cap * tanh(s / cap)
+  before the mask, computed op for op as transformers' eager attention does (SDPA has no
+  soft-cap), never by the CPU decode kernel.
+- Attention sinks (`s_aux`) are refused (model_variants.check_supported refuses such models at
+  start; this is the last line of defence).
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
-from services.worker.engine import cpu_kernels
+from services.worker.engine import cpu_kernels, model_variants
 
 if TYPE_CHECKING:
     from services.worker.engine.flex_paged import FlexPagedStep
@@ -62,7 +75,10 @@ class SeqAttention:
     fresh: bool  # nothing cached before: attend causally over the step's own K/V
     kv_start: int | None  # first slot when its blocks are consecutive (zero-copy view)
     blocks: torch.Tensor | None  # its block ids when they are not consecutive (gathered)
-    mask: torch.Tensor | None  # [q_len, ctx_len] bool for a later chunk of q_len > 1, else None
+    # [q_len, ctx_len - first_key] bool for a later chunk of q_len > 1 or a fresh prefill longer
+    # than the layer's window, else None (a lone query, or causal over the step's own K/V)
+    mask: torch.Tensor | None
+    first_key: int = 0  # keys before it are behind the layer's window: never read
 
 
 @dataclass
@@ -98,17 +114,67 @@ class PagedAttentionMetadata:
     # pool in place through this step's block tables (flex_paged.py); the lean forward's fused
     # layers use it instead of `groups`
     flex: FlexPagedStep | None = None
+    # with decode_spans: [B] int64 first key each decode sequence sees (its layer's window);
+    # None: every sequence from its first token
+    decode_starts: torch.Tensor | None = None
+    # per layer, its attention window (model_variants.attention_windows); empty: all full
+    layer_windows: Sequence[int | None] = ()
+    # for every window in layer_windows: this step's metadata for the layers with that window
+    # (same pool and slots; masks, first keys and spans honouring the window), or this metadata
+    # itself when no sequence of the step reaches past the window
+    windowed: dict[int, PagedAttentionMetadata] = field(default_factory=dict)
+    # check each layer's own attention call against layer_windows (the runner's warm-up step)
+    verify_variants: bool = False
+
+    def for_layer(self, layer: int) -> PagedAttentionMetadata:
+        """The metadata layer `layer` attends with."""
+        if not self.layer_windows:
+            return self
+        window = self.layer_windows[layer]
+        return self if window is None else self.windowed[window]
 
 
 def _context(pool: torch.Tensor, s: SeqAttention, block_size: int) -> torch.Tensor:
-    """[1, kv_heads, ctx_len, head_dim] of one sequence (a view when its blocks are
+    """[1, kv_heads, ctx_len - first_key, head_dim] of one sequence (a view when its blocks are
     consecutive, else gathered)."""
     if s.kv_start is not None:
-        return pool[:, :, s.kv_start : s.kv_start + s.ctx_len]
+        return pool[:, :, s.kv_start + s.first_key : s.kv_start + s.ctx_len]
     assert s.blocks is not None
     _, heads, _, dim = pool.shape
     by_block = pool.view(heads, -1, block_size, dim)
-    return by_block.index_select(1, s.blocks).view(1, heads, -1, dim)[:, :, : s.ctx_len]
+    return by_block.index_select(1, s.blocks).view(1, heads, -1, dim)[:, :, s.first_key : s.ctx_len]
+
+
+def _attend(
+    q: torch.Tensor,  # [..., heads, q_len, D]
+    k: torch.Tensor,  # [..., kv_heads, keys, D]
+    v: torch.Tensor,
+    scale: float | None,
+    softcap: float | None,
+    mask: torch.Tensor | None = None,  # bool (True: visible) or additive, broadcast to the scores
+    is_causal: bool = False,
+) -> torch.Tensor:
+    """SDPA, or with a soft-cap transformers' eager attention op for op (matmul, scale, cap,
+    mask, fp32 softmax, matmul): SDPA has no soft-cap."""
+    rep = q.shape[-3] // k.shape[-3]
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=rep > 1
+        )
+    if rep > 1:  # transformers' repeat_kv: query head h reads KV head h // rep
+        k = k.repeat_interleave(rep, dim=-3)
+        v = v.repeat_interleave(rep, dim=-3)
+    w = torch.matmul(q, k.transpose(-2, -1)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    w = w / softcap
+    w = torch.tanh(w)
+    w = w * softcap
+    if is_causal:
+        n = q.shape[-2]
+        mask = torch.ones(n, k.shape[-2], dtype=torch.bool, device=q.device).tril(k.shape[-2] - n)
+    if mask is not None:
+        w = w.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else w + mask
+    w = torch.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(w, v)
 
 
 def paged_attention_forward(
@@ -124,14 +190,33 @@ def paged_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     if paged_meta is None:
         raise RuntimeError("pdserve_paged attention needs paged_meta (use the engine)")
-    meta = paged_meta
+    if kwargs.get("s_aux") is not None:
+        raise RuntimeError("pdserve_paged attention does not compute attention sinks (s_aux)")
+    softcap: float | None = kwargs.get("softcap")
     layer = int(module.layer_idx)  # type: ignore[arg-type]
+    if paged_meta.verify_variants:
+        _verify_window(layer, paged_meta, kwargs)
+    meta = paged_meta.for_layer(layer)
     layer_kv = meta.kv_cache[layer]  # [2, kv_heads, slots, head_dim]
     layer_kv[0].index_copy_(1, meta.slots, key[0])
     layer_kv[1].index_copy_(1, meta.slots, value[0])
     if meta.groups is not None:
-        return _batched(query, layer_kv, meta, meta.groups, scaling), None
-    return _per_seq(query, key, value, layer_kv, meta, scaling), None
+        return _batched(query, layer_kv, meta, meta.groups, scaling, softcap), None
+    return _per_seq(query, key, value, layer_kv, meta, scaling, softcap), None
+
+
+def _verify_window(layer: int, meta: PagedAttentionMetadata, kwargs: dict[str, Any]) -> None:
+    """The window the model's own attention call passes (transformers' modules pass their
+    layer's `sliding_window`) is the one model_variants read from the config: a family whose
+    config the engine reads differently is refused at warm-up, never served."""
+    if "sliding_window" not in kwargs:
+        return
+    expected = meta.layer_windows[layer] if meta.layer_windows else None
+    if kwargs["sliding_window"] != expected:
+        raise model_variants.UnsupportedAttention(
+            f"layer {layer} attends with sliding_window={kwargs['sliding_window']!r}, but the engine "
+            f"read {expected!r} from the model config: this family's windows are not supported"
+        )
 
 
 # ---- BATCHED ---------------------------------------------------------------------------------
@@ -141,18 +226,18 @@ def _batched(
     meta: PagedAttentionMetadata,
     groups: list[BatchedGroup],
     scaling: float | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     _, num_heads, num_tokens, head_dim = query.shape
     kv_heads = layer_kv.shape[1]
+    bs = meta.block_size
     if len(groups) == 1 and groups[0].out_positions is None:
-        return _group_attention(query[0], layer_kv, meta.block_size, groups[0], kv_heads, scaling).unsqueeze(
-            0
-        )
+        return _group_attention(query[0], layer_kv, bs, groups[0], kv_heads, scaling, softcap).unsqueeze(0)
     out = query.new_empty(num_tokens, num_heads, head_dim)
     for g in groups:
         assert g.out_positions is not None
         out.index_copy_(
-            0, g.out_positions, _group_attention(query[0], layer_kv, meta.block_size, g, kv_heads, scaling)
+            0, g.out_positions, _group_attention(query[0], layer_kv, bs, g, kv_heads, scaling, softcap)
         )
     return out.unsqueeze(0)
 
@@ -164,6 +249,7 @@ def _group_attention(
     g: BatchedGroup,
     kv_heads: int,
     scaling: float | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """query [heads, T, D] -> [n, heads, D] for the group's packed tokens (in packed order)."""
     num_heads, _, head_dim = query.shape
@@ -178,7 +264,7 @@ def _group_attention(
     kv = layer_kv.view(2, kv_heads, slots // block_size, block_size, head_dim)
     kv = kv.index_select(2, g.block_table)
     kv = kv.view(2, kv_heads, b, g.num_blocks_max * block_size, head_dim).transpose(1, 2)
-    o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=g.mask, scale=scaling)
+    o = _attend(q, kv[0], kv[1], scaling, softcap, mask=g.mask)
     # [B, kv_heads, q_max, rep, D] -> [B * q_max, heads, D]
     o = o.view(b, kv_heads, q_max, rep, head_dim).transpose(1, 2).reshape(b * q_max, num_heads, head_dim)
     return o if g.out_rows is None else o.index_select(0, g.out_rows)
@@ -191,10 +277,11 @@ def build_batched_group(
     dtype: torch.dtype,
     device: torch.device,
     covers_all: bool,
+    window: int | None = None,
 ) -> BatchedGroup:
     """One group from (q_start, q_len, start_pos, block_ids) per sequence, block_ids covering
     start_pos + q_len tokens. `covers_all`: the group holds every packed token, in this order
-    (its output then needs no scatter)."""
+    (its output then needs no scatter). `window`: the layers' attention window (None: full)."""
     b = len(seqs)
     q_max = max(n for _, n, _, _ in seqs)
     nb_max = max(-(-(start + n) // block_size) for _, n, start, _ in seqs)
@@ -214,7 +301,10 @@ def build_batched_group(
     # query row i of sequence b (position start_b + i) sees keys 0..start_b + i; padding rows
     # (i >= q_len) see a few finite keys too (never all -inf: no NaN) and are dropped
     q_pos = starts[:, None] + torch.arange(q_max, device=device)[None, :]  # [B, q_max]
-    visible = torch.arange(nb_max * block_size, device=device)[None, None, :] <= q_pos[:, :, None]
+    key_pos = torch.arange(nb_max * block_size, device=device)[None, None, :]
+    visible = key_pos <= q_pos[:, :, None]
+    if window is not None:  # and within the window (a padding row still sees its own position)
+        visible &= key_pos > q_pos[:, :, None] - window
     if q_max > 1 and q_per_kv > 1:
         visible = visible.repeat_interleave(q_per_kv, dim=1)
     mask = torch.zeros(visible.shape, dtype=dtype, device=device)
@@ -240,6 +330,7 @@ def _per_seq(
     layer_kv: torch.Tensor,
     meta: PagedAttentionMetadata,
     scaling: float | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     bs = meta.block_size
     k_pool = layer_kv[0:1]  # [1, kv_heads, slots, head_dim]
@@ -248,23 +339,24 @@ def _per_seq(
     num_kv_heads = key.shape[1]
     rep = num_heads // num_kv_heads
     if meta.num_decode == num_tokens:  # decode-only step: no scatter needed
-        out_d = _decode(query, k_pool, v_pool, meta, scaling, num_kv_heads, rep)
+        out_d = _decode(query, k_pool, v_pool, meta, scaling, num_kv_heads, rep, softcap)
         return out_d.view(1, num_tokens, num_heads, head_dim)
 
     out = query.new_empty(num_tokens, num_heads, head_dim)
     if meta.num_decode:
         assert meta.decode_idx is not None
-        out[meta.decode_idx] = _decode(query, k_pool, v_pool, meta, scaling, num_kv_heads, rep)
+        out[meta.decode_idx] = _decode(query, k_pool, v_pool, meta, scaling, num_kv_heads, rep, softcap)
     for s in meta.seqs[meta.num_decode :]:
         q = query[:, :, s.q_start : s.q_start + s.q_len]  # [1, heads, q_len, D]
         if s.fresh:
             k = key[:, :, s.q_start : s.q_start + s.q_len]
             v = value[:, :, s.q_start : s.q_start + s.q_len]
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=rep > 1)
+            # causal over its own K/V, or masked where it reaches past the layer's window
+            o = _attend(q, k, v, scaling, softcap, mask=s.mask, is_causal=s.mask is None)
         else:
             k = _context(k_pool, s, bs)
             v = _context(v_pool, s, bs)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=s.mask, scale=scaling, enable_gqa=rep > 1)
+            o = _attend(q, k, v, scaling, softcap, mask=s.mask)
         out[s.q_start : s.q_start + s.q_len] = o[0].transpose(0, 1)
     return out.unsqueeze(0)
 
@@ -277,10 +369,11 @@ def _decode(
     scaling: float | None,
     num_kv_heads: int,
     rep: int,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Single-query sequences -> [B, heads, head_dim]. The `rep` query heads sharing a KV head
     become `rep` query rows, so there is no GQA expansion and no mask (a lone query attends to
-    every cached token)."""
+    every cached token from its first_key on)."""
     head_dim = query.shape[-1]
     if meta.num_decode == query.shape[2]:
         qd = query[0].transpose(0, 1)  # [B, heads, D]
@@ -296,6 +389,8 @@ def _decode(
         meta.block_size,
         scaling,
         meta.decode_spans,
+        meta.decode_starts,
+        softcap,
     )
     return out.view(-1, num_kv_heads * rep, head_dim)
 
@@ -308,27 +403,31 @@ def decode_attention(
     block_size: int,
     scaling: float | None,
     spans: tuple[torch.Tensor, torch.Tensor] | None = None,  # PagedAttentionMetadata.decode_spans
+    starts: torch.Tensor | None = None,  # PagedAttentionMetadata.decode_starts
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """One SDPA call per single-query sequence over its slots (a view when its blocks are
-    consecutive, else gathered), or with `spans` one call of the CPU kernel for them all;
-    -> [B * kv_heads, rep, D] (= [B, heads, D] in memory). Shared by the PER_SEQ backend and the
-    lean forward's decode steps (lean_llama)."""
+    """One SDPA call per single-query sequence over its slots from its first_key on (a view when
+    its blocks are consecutive, else gathered), or with `spans` one call of the CPU kernel for
+    them all; -> [B * kv_heads, rep, D] (= [B, heads, D] in memory). Shared by the PER_SEQ
+    backend and the lean forward's decode steps (lean_llama)."""
     if spans is not None:
+        if softcap is not None:  # the runner never builds spans for a soft-capped model
+            raise RuntimeError("the CPU decode-attention kernel does not soft-cap")
         head_dim = k_pool.shape[-1]
         scale = scaling if scaling is not None else head_dim**-0.5
         return cpu_kernels.decode_attention(
-            queries, k_pool[0], v_pool[0], spans[0], spans[1], block_size, scale
+            queries, k_pool[0], v_pool[0], spans[0], spans[1], block_size, scale, starts=starts
         )
     outs = []
     # one unbind, not a select per sequence: [1, kv_heads, rep, D] each
     for q, s in zip(queries.unsqueeze(1).unbind(0), seqs, strict=True):
         if s.kv_start is not None:
-            k = k_pool[:, :, s.kv_start : s.kv_start + s.ctx_len]
-            v = v_pool[:, :, s.kv_start : s.kv_start + s.ctx_len]
+            k = k_pool[:, :, s.kv_start + s.first_key : s.kv_start + s.ctx_len]
+            v = v_pool[:, :, s.kv_start + s.first_key : s.kv_start + s.ctx_len]
         else:
             k = _context(k_pool, s, block_size)
             v = _context(v_pool, s, block_size)
-        outs.append(F.scaled_dot_product_attention(q, k, v, scale=scaling))
+        outs.append(_attend(q, k, v, scaling, softcap))
     return torch.cat(outs)
 
 

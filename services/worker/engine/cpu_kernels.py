@@ -20,7 +20,8 @@ rounding per fused multiply-add, whatever M, the row's position in the step, the
 instruction set (AVX-512 and AVX2 give the same bits): a row's result does not depend on the
 batch it runs in.
 
-`decode_attention`: one layer's attention for every decoding sequence of a step in one call,
+`decode_attention`: one layer's attention for every decoding sequence of a step in one call
+(from each sequence's first visible key: a sliding window's start, 0 without one),
 each sequence's KV blocks read in place through its block table (consecutive, scattered or
 shared with other sequences by the prefix cache alike), instead of one SDPA call per sequence:
 scores a K row at a time for up to 4 query heads (their horizontal sums in one reduction tree),
@@ -345,13 +346,14 @@ void pv(bool avx512, const float* p, int64_t pstride, int64_t R, int64_t n, cons
 
 // One layer's decode attention for B sequences, one query token each: q [B, H, R, D] (the R
 // query heads sharing each of the H KV heads), k and v [H, S, D] (the layer's pool of S slots),
-// sequence b attending to its first lens[b] tokens, token l in slot
-// blocks[b, l / bs] * bs + l % bs. -> [B, H, R, D]. Scores by the dot kernel, softmax by torch's
-// (vectorized) kernel over [B, H, R, max len] with -inf padding, then the probability-weighted
-// sum of V rows; each block's rows are read in place, in order.
+// sequence b attending to its tokens starts[b] .. lens[b] - 1 (starts empty: from 0; a sliding
+// window's first visible key otherwise), token l in slot blocks[b, l / bs] * bs + l % bs.
+// -> [B, H, R, D]. Scores by the dot kernel, softmax by torch's (vectorized) kernel over
+// [B, H, R, max span] with -inf padding, then the probability-weighted sum of V rows; each
+// block's rows are read in place, in order; blocks wholly before starts[b] are never read.
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                               const torch::Tensor& blocks, const torch::Tensor& lens, int64_t bs,
-                               double scale, int64_t isa) {
+                               const torch::Tensor& blocks, const torch::Tensor& lens,
+                               const torch::Tensor& starts, int64_t bs, double scale, int64_t isa) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 3 && v.sizes() == k.sizes(), "decode_attention: bad shapes");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "decode_attention: fp32 only");
@@ -362,18 +364,24 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
   TORCH_CHECK(blocks.dim() == 2 && blocks.size(0) == B && lens.numel() == B &&
               blocks.scalar_type() == at::kLong && lens.scalar_type() == at::kLong && bs >= 1,
               "decode_attention: one int64 block-table row and length per sequence");
+  TORCH_CHECK(starts.numel() == 0 || (starts.numel() == B && starts.scalar_type() == at::kLong &&
+                                       starts.is_contiguous()),
+              "decode_attention: starts is empty or one int64 first key per sequence");
   const bool avx512 = use_avx512(isa, "decode_attention");
   const int64_t NB = blocks.size(1);
   const int64_t* bt = blocks.data_ptr<int64_t>();
   const int64_t* ln = lens.data_ptr<int64_t>();
-  int64_t lmax = 1;
+  const int64_t* st = starts.numel() ? starts.data_ptr<int64_t>() : nullptr;
+  int64_t lmax = 1;  // the longest span: scores row width
   for (int64_t b = 0; b < B; ++b) {
+    const int64_t first = st ? st[b] : 0;
     TORCH_CHECK(ln[b] >= 1 && (ln[b] + bs - 1) / bs <= NB, "decode_attention: slots out of the pool");
-    for (int64_t j = 0; j < (ln[b] + bs - 1) / bs; ++j) {
+    TORCH_CHECK(first >= 0 && first < ln[b], "decode_attention: a first key outside its sequence");
+    for (int64_t j = first / bs; j < (ln[b] + bs - 1) / bs; ++j) {
       const int64_t blk = bt[b * NB + j];
       TORCH_CHECK(blk >= 0 && (blk + 1) * bs <= S, "decode_attention: slots out of the pool");
     }
-    lmax = std::max(lmax, ln[b]);
+    lmax = std::max(lmax, ln[b] - first);
   }
   pybind11::gil_scoped_release no_gil;
   auto scores = torch::full({B, H, R, lmax}, -std::numeric_limits<float>::infinity(), q.options());
@@ -385,14 +393,15 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
   at::parallel_for(0, B * H, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t bh = b0; bh < b1; ++bh) {
       const int64_t b = bh / H, h = bh % H;
-      float* srow = sp + bh * R * lmax;
-      for (int64_t l0 = 0; l0 < ln[b]; l0 += bs) {
+      const int64_t first = st ? st[b] : 0;
+      float* srow = sp + bh * R * lmax;  // token l's score at srow[l - first]
+      for (int64_t l0 = first / bs * bs; l0 < ln[b]; l0 += bs) {
         const float* kb = kp + (h * S + bt[b * NB + l0 / bs] * bs) * D;
         const float* kn = l0 + bs < ln[b] ? kp + (h * S + bt[b * NB + l0 / bs + 1] * bs) * D : nullptr;
-        for (int64_t i = 0; i < std::min(bs, ln[b] - l0); ++i) {
+        for (int64_t i = std::max<int64_t>(0, first - l0); i < std::min(bs, ln[b] - l0); ++i) {
           if (kn) prefetch_rows(kn + i * D, D);
-          if (avx512) dots512(qp + bh * R * D, R, kb + i * D, D, sc, srow + l0 + i, lmax);
-          else dots256(qp + bh * R * D, R, kb + i * D, D, sc, srow + l0 + i, lmax);
+          if (avx512) dots512(qp + bh * R * D, R, kb + i * D, D, sc, srow + l0 + i - first, lmax);
+          else dots256(qp + bh * R * D, R, kb + i * D, D, sc, srow + l0 + i - first, lmax);
         }
       }
     }
@@ -404,12 +413,14 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
   at::parallel_for(0, B * H, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t bh = b0; bh < b1; ++bh) {
       const int64_t b = bh / H, h = bh % H;
-      const float* prow = pp + bh * R * lmax;
+      const int64_t first = st ? st[b] : 0;
+      const float* prow = pp + bh * R * lmax;  // token l's probability at prow[l - first]
       float* orow = op + bh * R * D;
-      for (int64_t l0 = 0; l0 < ln[b]; l0 += bs) {
+      for (int64_t l0 = first / bs * bs; l0 < ln[b]; l0 += bs) {
+        const int64_t i0 = std::max<int64_t>(0, first - l0);  // the block's first visible row
         const float* vb = vp + (h * S + bt[b * NB + l0 / bs] * bs) * D;
         const float* vn = l0 + bs < ln[b] ? vp + (h * S + bt[b * NB + l0 / bs + 1] * bs) * D : nullptr;
-        pv(avx512, prow + l0, lmax, R, std::min(bs, ln[b] - l0), vb, D, orow, vn);
+        pv(avx512, prow + l0 + i0 - first, lmax, R, std::min(bs, ln[b] - l0) - i0, vb + i0 * D, D, orow, vn);
       }
     }
   });
@@ -599,13 +610,20 @@ def decode_attention(
     block_size: int,  # tokens per block
     scale: float,
     isa: int | None = None,
+    starts: torch.Tensor | None = None,  # [B] int64: its first visible key (a sliding window)
 ) -> torch.Tensor:
     """One layer's decode attention for every sequence in one call, reading each sequence's
-    blocks in place -> [B, H, R, D] (fp32, D a multiple of 16)."""
+    blocks in place -> [B, H, R, D] (fp32, D a multiple of 16). Sequence b attends to its keys
+    starts[b] .. lens[b] - 1 (all of them without `starts`); blocks wholly before its first key
+    are not read."""
     mod = _load()
     assert mod is not None, "decode_attention without the kernels (check available() first)"
     chosen = _isa if isa is None else isa
-    return mod.decode_attention(q.contiguous(), k, v, blocks, lens, block_size, scale, chosen)
+    first = _NO_STARTS if starts is None else starts.contiguous()
+    return mod.decode_attention(q.contiguous(), k, v, blocks, lens, first, block_size, scale, chosen)
+
+
+_NO_STARTS = torch.empty(0, dtype=torch.int64)  # decode_attention: every sequence from key 0
 
 
 def panel_mm(

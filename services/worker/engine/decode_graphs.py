@@ -18,6 +18,8 @@ Invariants:
   (no NaN). Their logits are computed and dropped.
 - The attention mask is computed inside the step from each row's context length, so one graph
   serves every step that fits its bucket; nothing in the step reads a tensor's value on the host.
+  Layers with a sliding window (`layer_windows`) get their own mask from the same lengths (a row
+  at position p sees p - window + 1 .. p), one per distinct window, every step.
 - Results equal the BATCHED attention backend's for the same sequences (same kernels, padded
   keys masked with -inf).
 
@@ -33,6 +35,7 @@ the scratch block there, so only capture and replay need a GPU.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -96,6 +99,7 @@ class DecodeGraphs:
         capture: bool,  # CUDA graphs (CUDA only); False = run the static step eagerly
         spec_tokens: int = 0,  # k of speculative decoding: steps of up to k + 1 rows per sequence
         flex_blocks: int = 0,  # > 0: FlexAttention in place, block tables this wide (blocks)
+        layer_windows: Sequence[int | None] = (),  # per layer its attention window (empty: none)
     ) -> None:
         if capture and device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
@@ -106,6 +110,7 @@ class DecodeGraphs:
         self.dtype = dtype
         self.device = device
         self.capture = capture
+        self.layer_windows = tuple(layer_windows)
         # rows per sequence: 1, or k + 1 for every speculative step (verify passes of fewer
         # proposals are padded), so `prepare` can capture every shape serving will meet
         self.q_buckets = (1, spec_tokens + 1) if spec_tokens else (1,)
@@ -210,6 +215,7 @@ class DecodeGraphs:
                 self.scratch_block,
                 dev,
                 compiled=self.capture,
+                windows=tuple(sorted({w for w in self.layer_windows if w is not None})),
             )
         self.buckets[(b, q, nb)] = e
         return e
@@ -276,6 +282,7 @@ class DecodeGraphs:
                 decode_idx=None,
                 num_decode=0,
                 flex=e.flex,
+                layer_windows=self.layer_windows,
             )
             flex_logits = self.lean.forward(e.input_ids, e.positions, meta, e.logits_idx)
             assert flex_logits is not None
@@ -283,25 +290,30 @@ class DecodeGraphs:
         nb, q = e.num_blocks, e.q
         b = e.block_table.shape[0] // nb
         keys = nb * self.block_size
-        visible = e.key_index[None, :] < e.ctx_lens[:, None]  # [B * Q, keys]
-        mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~visible, float("-inf"))
-        if q == 1:
-            mask4 = mask[:, None, None, :]  # [B, 1, 1, keys]: every head row of a sequence
-        else:
-            # attention.py orders a sequence's rows (query, head of its KV group)
-            rep = self.lean.num_heads // self.lean.num_kv_heads
-            mask4 = mask.view(b, 1, q, 1, keys).expand(b, 1, q, rep, keys).reshape(b, 1, q * rep, keys)
-        group = attention.BatchedGroup(
-            q_index=None,
-            block_table=e.block_table,
-            mask=mask4,
-            out_rows=None,
-            out_positions=None,
-            num_seqs=b,
-            q_max=q,
-            num_blocks_max=nb,
-        )
+
+        def group(window: int | None) -> attention.BatchedGroup:
+            visible = e.key_index[None, :] < e.ctx_lens[:, None]  # [B * Q, keys]
+            if window is not None:  # a row at position p = ctx_len - 1 sees p - window + 1 .. p
+                visible &= e.key_index[None, :] >= e.ctx_lens[:, None] - window
+            mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
+            mask.masked_fill_(~visible, float("-inf"))
+            if q == 1:
+                mask4 = mask[:, None, None, :]  # [B, 1, 1, keys]: every head row of a sequence
+            else:
+                # attention.py orders a sequence's rows (query, head of its KV group)
+                rep = self.lean.num_heads // self.lean.num_kv_heads
+                mask4 = mask.view(b, 1, q, 1, keys).expand(b, 1, q, rep, keys).reshape(b, 1, q * rep, keys)
+            return attention.BatchedGroup(
+                q_index=None,
+                block_table=e.block_table,
+                mask=mask4,
+                out_rows=None,
+                out_positions=None,
+                num_seqs=b,
+                q_max=q,
+                num_blocks_max=nb,
+            )
+
         meta = attention.PagedAttentionMetadata(
             kv_cache=self.kv_cache,
             block_size=self.block_size,
@@ -309,8 +321,12 @@ class DecodeGraphs:
             seqs=[],
             decode_idx=None,
             num_decode=0,
-            groups=[group],
+            groups=[group(None)],
+            layer_windows=self.layer_windows,
         )
+        for window in sorted({w for w in self.layer_windows if w is not None}):
+            # no host read of the context lengths (capturable): every window gets its mask
+            meta.windowed[window] = dataclasses.replace(meta, groups=[group(window)], windowed={})
         logits = self.lean.forward(e.input_ids, e.positions, meta, e.logits_idx)
         assert logits is not None
         return logits

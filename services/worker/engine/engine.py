@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from services.worker.engine import cpu_linear, memory
+from services.worker.engine import cpu_linear, memory, model_variants
 from services.worker.engine.api import (
     Admission,
     EngineConfig,
@@ -333,7 +333,9 @@ class PagedEngine:
                 )
             if speculation is not None:
                 spec_tokens = cfg.spec_max_batch_tokens or _DEFAULT_SPEC_BATCH_TOKENS.get(device.type, 512)
-            scheduler = Scheduler(blocks, budget, cfg.max_num_seqs, spec_tokens)
+            scheduler = Scheduler(
+                blocks, budget, cfg.max_num_seqs, spec_tokens, model_variants.kv_window_tokens(model.config)
+            )
             if speculation is not None and cfg.spec_step_cost:
                 prior = calibrate(runner, cfg.num_speculative_tokens)
                 log.info("rank %d step cost (calibrated): %s", dp_rank, prior)

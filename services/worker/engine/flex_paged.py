@@ -91,7 +91,8 @@ class FlexPagedStep:
     kv_indices: torch.Tensor  # [B, 1, 1, W] int32: its block table (padding: the scratch block)
     ctx_lens: torch.Tensor  # [B, Q] int32: keys row q sees (= its position + 1)
     logical: torch.Tensor  # [B, pool blocks] int32: a block's index in the sequence's table, or -1
-    block_mask: Any  # FlexAttention's BlockMask over these buffers
+    # FlexAttention's BlockMask over these buffers, per attention window (None: full attention)
+    block_masks: dict[int | None, Any]
     compiled: bool  # the Triton kernel (CUDA); False: FlexAttention's reference (any device)
 
     @staticmethod
@@ -104,7 +105,11 @@ class FlexPagedStep:
         scratch_block: int,
         device: Any,
         compiled: bool = True,
+        windows: tuple[int, ...] = (),
     ) -> FlexPagedStep:
+        """windows: the sliding windows (tokens) some layers attend with
+        (model_variants.attention_windows); each gets its own mask over the same buffers: a row at
+        position p sees keys p - window + 1 .. p."""
         from torch.nn.attention.flex_attention import BlockMask
 
         b, bs = num_seqs, block_size
@@ -113,20 +118,27 @@ class FlexPagedStep:
         ctx_lens = torch.ones((b, q_rows), dtype=torch.int32, device=device)
         logical = torch.full((b, num_pool_blocks), -1, dtype=torch.int32, device=device)
 
-        def mask_mod(bi: Any, _h: Any, q_idx: Any, kv_idx: Any) -> Any:
-            index = logical[bi, kv_idx // bs]
-            return (index >= 0) & (index * bs + kv_idx % bs < ctx_lens[bi, q_idx])
+        def mask_for(window: int | None) -> Any:
+            def mask_mod(bi: Any, _h: Any, q_idx: Any, kv_idx: Any) -> Any:
+                index = logical[bi, kv_idx // bs]
+                position = index * bs + kv_idx % bs
+                visible = (index >= 0) & (position < ctx_lens[bi, q_idx])
+                if window is None:
+                    return visible
+                return visible & (position >= ctx_lens[bi, q_idx] - window)
 
-        block_mask = BlockMask.from_kv_blocks(
-            kv_num_blocks,
-            kv_indices,
-            BLOCK_SIZE=(128, bs),
-            mask_mod=mask_mod,
-            seq_lengths=(q_rows, num_pool_blocks * bs),
-            compute_q_blocks=False,
-        )
+            return BlockMask.from_kv_blocks(
+                kv_num_blocks,
+                kv_indices,
+                BLOCK_SIZE=(128, bs),
+                mask_mod=mask_mod,
+                seq_lengths=(q_rows, num_pool_blocks * bs),
+                compute_q_blocks=False,
+            )
+
+        masks = {w: mask_for(w) for w in (None, *windows)}
         return FlexPagedStep(
-            b, q_rows, width, bs, kv_num_blocks, kv_indices, ctx_lens, logical, block_mask, compiled
+            b, q_rows, width, bs, kv_num_blocks, kv_indices, ctx_lens, logical, masks, compiled
         )
 
     def fill(
@@ -139,7 +151,10 @@ class FlexPagedStep:
         nums: list[int] = []
         idx: list[int] = []
         ctx: list[int] = []
+        windowed = len(self.block_masks) > 1
         for table, lens in zip(tables, ctx_lens, strict=True):
+            if windowed and len(set(table)) != len(table):
+                table = _drop_stale(table, scratch_block)
             n = len(table)
             if n > w:
                 raise ValueError(f"a block table of {n} blocks exceeds the bucket's {w}")
@@ -170,6 +185,7 @@ class FlexPagedStep:
         k_pool: torch.Tensor,  # [kv_heads, slots, D] one layer's K (the pool, in place)
         v_pool: torch.Tensor,
         scale: float,
+        window: int | None = None,  # the layer's sliding window (tokens); None: full attention
     ) -> torch.Tensor:
         """-> [B * Q, heads, D]."""
         from torch.nn.attention.flex_attention import flex_attention
@@ -181,8 +197,21 @@ class FlexPagedStep:
             query,
             k_pool.unsqueeze(0),
             v_pool.unsqueeze(0),
-            block_mask=self.block_mask,
+            block_mask=self.block_masks[window],
             scale=scale,
             enable_gqa=heads != k_pool.shape[0],
         )
         return out.transpose(1, 2).reshape(rows, heads, dim)
+
+
+def _drop_stale(table: Sequence[int], scratch_block: int) -> list[int]:
+    """A windowed request's table may still list blocks it gave back (behind every window,
+    Scheduler.kv_window_tokens), and one of them may since have come back to it further on: the
+    physical-to-logical map must see only the later place, so earlier repeats become the scratch
+    block (masked: behind the window)."""
+    seen: set[int] = set()
+    out: list[int] = []
+    for block in reversed(table):
+        out.append(scratch_block if block in seen else block)
+        seen.add(block)
+    return out[::-1]

@@ -25,8 +25,9 @@ residual + norm + MLP after it as two `torch.compile`d functions (Triton kernels
 element-wise parts, cuBLAS for the products), compiled once for every layer and batch size.
 bf16 on a GPU is not bit-identical to transformers anyway; the CPU path above is unchanged.
 
-Supported: `LlamaForCausalLM` without projection biases, SiLU MLP, no tensor-parallel
-pretraining split. Anything else keeps transformers' forward (`LeanLlama.supports`).
+Supported: `LlamaForCausalLM` and `MistralForCausalLM` (the same decoder; Mistral's sliding
+window is the attention metadata's, per layer) without projection biases, SiLU MLP, no
+tensor-parallel pretraining split. Anything else keeps transformers' forward (`LeanLlama.supports`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ import torch.nn.functional as F
 
 from services.worker.engine import attention, cpu_linear, flex_paged
 from services.worker.engine.cpu_linear import PackedLinear
+
+# Models whose decoder is Llama's, op for op (Mistral: Llama plus a sliding window, which the
+# attention metadata carries per layer).
+_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM"})
 
 
 class _Linear:
@@ -192,7 +197,7 @@ class LeanLlama:
     def supports(model: Any) -> bool:
         cfg = model.config
         return (
-            type(model).__name__ == "LlamaForCausalLM"
+            type(model).__name__ in _ARCHITECTURES
             and not getattr(cfg, "attention_bias", False)
             and not getattr(cfg, "mlp_bias", False)
             and getattr(cfg, "hidden_act", None) == "silu"
@@ -220,7 +225,14 @@ class LeanLlama:
         rep = self.num_heads // self.num_kv_heads
         queries = q.view(-1, self.num_kv_heads, rep, self.head_dim)
         return attention.decode_attention(
-            queries, k_pool, v_pool, meta.seqs, meta.block_size, scaling, meta.decode_spans
+            queries,
+            k_pool,
+            v_pool,
+            meta.seqs,
+            meta.block_size,
+            scaling,
+            meta.decode_spans,
+            meta.decode_starts,
         )
 
     def forward(
@@ -251,7 +263,7 @@ class LeanLlama:
         q_shape = (num_tokens, self.num_heads, self.head_dim)
         kv_shape = (num_tokens, self.num_kv_heads, self.head_dim)
         decode_only = meta.groups is None and meta.num_decode == num_tokens
-        for layer, views in zip(self.layers, self.pool_views, strict=True):
+        for i, (layer, views) in enumerate(zip(self.layers, self.pool_views, strict=True)):
             x = self._rms_norm(h, layer.norm_in)
             q = layer.q(x).view(q_shape)
             k = layer.k(x).view(kv_shape)
@@ -259,7 +271,8 @@ class LeanLlama:
             q = (q * cos).add_(q.roll(half, -1).mul_(sin))
             k = (k * cos).add_(k.roll(half, -1).mul_(sin))
             if decode_only:
-                o = self._decode_attention(q, k, v, views, meta, layer.scaling)
+                # this layer's metadata: its sliding window's, if it has one
+                o = self._decode_attention(q, k, v, views, meta.for_layer(i), layer.scaling)
             else:
                 o, _ = attention.paged_attention_forward(
                     layer.module,
@@ -285,7 +298,8 @@ class LeanLlama:
         flex = meta.flex
         if flex is not None:
             flex.prepare()
-        for layer, views in zip(self.layers, self.pool_views, strict=True):
+        windows = meta.layer_windows or (None,) * len(self.layers)
+        for layer, views, window in zip(self.layers, self.pool_views, windows, strict=True):
             assert layer.qkv is not None and layer.gate_up is not None
             q, k, v = self.attn_in(
                 h,
@@ -302,7 +316,7 @@ class LeanLlama:
                 k_slots, v_slots, k_pool, v_pool = views
                 k_slots.index_copy_(0, meta.slots, k)
                 v_slots.index_copy_(0, meta.slots, v)
-                o = flex.attend(q, k_pool[0], v_pool[0], layer.scaling)
+                o = flex.attend(q, k_pool[0], v_pool[0], layer.scaling, window)
             else:
                 o, _ = attention.paged_attention_forward(
                     layer.module,

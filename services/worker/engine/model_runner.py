@@ -4,6 +4,7 @@ prefill or decode this step."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ from typing import Any
 
 import torch
 
-from services.worker.engine import attention, cpu_kernels, cpu_linear, flex_paged
+from services.worker.engine import attention, cpu_kernels, cpu_linear, flex_paged, model_variants
 from services.worker.engine.api import KvLayout, SamplingConfig
 from services.worker.engine.attention import AttentionBackend
 from services.worker.engine.decode_graphs import DecodeGraphs, DecodeSeq
@@ -59,10 +60,15 @@ def load_model(
 ) -> Any:
     """transformers' own model class with our attention; on CPU its linear layers prepacked
     for oneDNN unless `prepack` is False, with `row_copy` also as a copy for steps of few rows
-    (see cpu_linear)."""
+    (see cpu_linear). Raises model_variants.UnsupportedAttention (before loading weights) for
+    a model whose attention the engine cannot reproduce exactly."""
+    from transformers import AutoConfig
+
+    model_variants.check_supported(AutoConfig.from_pretrained(model_path))
     attention.register()
     # a folder's weights, or a random-weight model built on the device (`random:` models)
     model = load_causal_lm(model_path, device, dtype=dtype, attn_implementation=attention.ATTN_IMPLEMENTATION)
+    model_variants.check_loaded(model)
     model.eval()
     # serving never differentiates: no autograd state in the weights (torch.compile'd layers
     # would otherwise trace for training)
@@ -120,8 +126,15 @@ class ModelRunner:
         self.dtype = dtype
         self.num_blocks = num_blocks
         self.attention_backend = attention_backend or AttentionBackend.default_for(device)
+        self._verify_variants = False  # the warm-up step checks every layer's own window
+        windows = model_variants.attention_windows(model.config)
+        # per layer its attention window; empty when no layer has one (nothing extra per step)
+        self.layer_windows: tuple[int | None, ...] = (
+            tuple(windows) if any(w is not None for w in windows) else ()
+        )
         self.cpu_attention_kernel = (
             cpu_attention_kernel
+            and model_variants.attention_softcap(model.config) is None  # the kernel does not cap
             and device.type == "cpu"
             and dtype == torch.float32
             and layout.head_dim % 16 == 0
@@ -169,6 +182,7 @@ class ModelRunner:
                 capture=device.type == "cuda",
                 spec_tokens=spec_tokens,
                 flex_blocks=min(table_blocks, num_blocks) if self.fused else 0,
+                layer_windows=self.layer_windows,
             )
             if use_graphs and self.lean is not None
             else None
@@ -214,7 +228,6 @@ class ModelRunner:
             fresh = s.start_pos == 0
             kv_start: int | None = None
             block_tensor: torch.Tensor | None = None
-            mask: torch.Tensor | None = None
             if n == 1:
                 decode_idx.append(q_start)
                 decode_tables.append(blocks)
@@ -223,12 +236,7 @@ class ModelRunner:
                     kv_start = blocks[0] * bs
                 else:
                     block_tensor = torch.tensor(blocks, device=dev)
-                if n > 1:  # a later prefill chunk: query i sees keys 0..start_pos + i
-                    q_pos = torch.arange(s.start_pos, ctx, device=dev)
-                    mask = torch.arange(ctx, device=dev)[None, :] <= q_pos[:, None]
-            attn.append(
-                attention.SeqAttention(q_start, n, ctx, fresh and n > 1, kv_start, block_tensor, mask)
-            )
+            attn.append(_seq_attention(q_start, n, s.start_pos, kv_start, block_tensor, None, dev))
         # logits rows in the caller's order of the sampling sequences
         first_pos = {i: a.q_start + a.q_len - 1 for i, a in zip(order, attn, strict=True)}
         logits_idx = [first_pos[i] for i, s in enumerate(seqs) if s.sample]
@@ -248,7 +256,21 @@ class ModelRunner:
             decode_idx=torch.tensor(decode_idx, device=dev) if decode_idx else None,
             num_decode=len(decode_idx),
             decode_spans=spans,
+            layer_windows=self.layer_windows,
         )
+        max_ctx = max(a.ctx_len for a in attn) if self.layer_windows else 0
+        for window in sorted({w for w in self.layer_windows if w is not None}):
+            if max_ctx <= window:  # no query of the step reaches past the window
+                meta.windowed[window] = meta
+                continue
+            w_attn = [
+                _seq_attention(a.q_start, a.q_len, a.ctx_len - a.q_len, a.kv_start, a.blocks, window, dev)
+                for a in attn
+            ]
+            starts = None
+            if spans is not None:
+                starts = torch.tensor([a.first_key for a in w_attn[: len(decode_idx)]], dtype=torch.int64)
+            meta.windowed[window] = dataclasses.replace(meta, seqs=w_attn, decode_starts=starts, windowed={})
         return (
             torch.tensor([input_ids], device=dev),
             torch.tensor([positions], device=dev),
@@ -280,12 +302,15 @@ class ModelRunner:
             parts[n > _SHORT_QUERY].append((q_start, n, s.start_pos, blocks))
             last_pos[i] = q_start + n - 1
         nonempty = [p for p in parts if p]
-        groups = [
-            attention.build_batched_group(
-                p, bs, self.q_per_kv, self.dtype, dev, covers_all=len(nonempty) == 1
-            )
-            for p in nonempty
-        ]
+
+        def groups_for(window: int | None) -> list[attention.BatchedGroup]:
+            return [
+                attention.build_batched_group(
+                    p, bs, self.q_per_kv, self.dtype, dev, covers_all=len(nonempty) == 1, window=window
+                )
+                for p in nonempty
+            ]
+
         logits_idx = [last_pos[i] for i, s in enumerate(seqs) if s.sample]
         meta = attention.PagedAttentionMetadata(
             kv_cache=self.kv_cache,
@@ -294,8 +319,16 @@ class ModelRunner:
             seqs=[],
             decode_idx=None,
             num_decode=0,
-            groups=groups,
+            groups=groups_for(None),
+            layer_windows=self.layer_windows,
         )
+        max_ctx = max(s.start_pos + len(s.token_ids) for s in seqs) if self.layer_windows else 0
+        for window in sorted({w for w in self.layer_windows if w is not None}):
+            meta.windowed[window] = (
+                meta
+                if max_ctx <= window
+                else dataclasses.replace(meta, groups=groups_for(window), windowed={})
+            )
         return (
             torch.tensor([input_ids], device=dev),
             torch.tensor([positions], device=dev),
@@ -319,6 +352,7 @@ class ModelRunner:
             )
             return _sample(decoded, seqs)
         input_ids, positions, meta, logits_idx = self._build_metadata(seqs)
+        meta.verify_variants = self._verify_variants
         if len(logits_idx) == 0:
             # nothing to sample (only non-final prefill chunks): skip the LM head entirely
             self._forward(input_ids, positions, meta, None)
@@ -362,7 +396,8 @@ class ModelRunner:
         return out.logits[0]
 
     def warm_up(self) -> None:
-        """One tiny forward (writes block 0, which holds no request yet)."""
+        """One tiny forward (writes block 0, which holds no request yet); it also checks every
+        layer's own attention call against the windows read from the config."""
         t0 = time.perf_counter()
         seq = ScheduledSeq(
             token_ids=[0] * min(4, self.layout.block_size),
@@ -372,7 +407,11 @@ class ModelRunner:
             sampling=SamplingConfig(max_tokens=1, temperature=0.0),
             generator=None,
         )
-        self.execute([seq])
+        self._verify_variants = True
+        try:
+            self.execute([seq])
+        finally:
+            self._verify_variants = False
         log.debug("warm-up step took %.3f s", time.perf_counter() - t0)
 
     # ---- KV transfer ---------------------------------------------------------------------
@@ -414,6 +453,31 @@ def _sample(logits: torch.Tensor, sampled_seqs: list[ScheduledSeq]) -> list[list
         tokens.append(flat[pos : pos + s.num_logits])
         pos += s.num_logits
     return tokens
+
+
+def _seq_attention(
+    q_start: int,
+    n: int,
+    start_pos: int,
+    kv_start: int | None,
+    blocks: torch.Tensor | None,
+    window: int | None,
+    dev: torch.device,
+) -> attention.SeqAttention:
+    """One sequence's PER_SEQ attention for layers with `window` (None: full): query i (position
+    start_pos + i) sees keys max(0, start_pos + i - window + 1) .. start_pos + i; keys before
+    the first query's first visible one are not read at all (first_key)."""
+    ctx = start_pos + n
+    fresh = start_pos == 0 and n > 1
+    first_key = 0 if window is None else max(0, start_pos - window + 1)
+    mask: torch.Tensor | None = None
+    if n > 1 and (not fresh or (window is not None and ctx > window)):
+        q_pos = torch.arange(start_pos, ctx, device=dev)[:, None]
+        k_pos = torch.arange(first_key, ctx, device=dev)[None, :]
+        mask = k_pos <= q_pos
+        if window is not None:
+            mask &= k_pos > q_pos - window
+    return attention.SeqAttention(q_start, n, ctx, fresh, kv_start, blocks, mask, first_key)
 
 
 def _consecutive(blocks: list[int]) -> bool:

@@ -103,6 +103,10 @@ class Request:
     num_computed_tokens: int = 0  # leading tokens whose K/V is in this request's blocks
     block_ids: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0  # leading blocks whose chained hash is registered/known
+    # leading blocks given back to the pool because they lie wholly behind every layer's
+    # attention window (Scheduler.kv_window_tokens): their block_ids entries are no longer held
+    # and are only ever read masked out (never hashed, exported or freed again)
+    num_released_blocks: int = 0
     last_block_hash: int | None = None  # chain hash of block num_hashed_blocks - 1
     _finish_reason: FinishReason | None = None
     abort_requested: bool = False

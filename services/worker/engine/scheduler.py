@@ -2,9 +2,10 @@
 block allocation with prefix-cache lookup, preemption by recompute (newest first), and the room
 speculative proposals get in a step.
 
-`schedule()` picks what runs in the next forward pass; `on_computed()` records KV progress and
-registers newly full blocks in the prefix cache; `rollback()` frees the blocks only rejected
-proposals used. All calls happen under the rank's lock.
+`schedule()` picks what runs in the next forward pass; `on_computed()` records KV progress,
+registers newly full blocks in the prefix cache and, on models whose every layer has a sliding
+window, gives back the blocks wholly behind it (`kv_window_tokens`); `rollback()` frees the blocks
+only rejected proposals used. All calls happen under the rank's lock.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from services.worker.engine.api import RequestKind
 from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.request import Request, RequestStatus
 from services.worker.engine.spec import policy
@@ -50,6 +52,7 @@ class Scheduler:
         max_batch_tokens: int,
         max_num_seqs: int,
         max_spec_batch_tokens: int = 0,
+        kv_window_tokens: int | None = None,
     ) -> None:
         self.blocks = block_manager
         self.block_size = block_manager.block_size
@@ -58,6 +61,9 @@ class Scheduler:
         # per-step back-off of speculation: proposals are verified only while the step has at
         # most this many tokens in all (beyond it verification is no longer free); 0 = never
         self.max_spec_batch_tokens = max_spec_batch_tokens
+        # every layer's attention window is at most this many tokens (model_variants
+        # .kv_window_tokens); None: some layer attends to every token, nothing is given back
+        self.kv_window_tokens = kv_window_tokens
         # the rank's learned step time (spec/policy.py); None = proposals fill the cap, best
         # recent acceptance first
         self.step_cost: policy.StepCostModel | None = None
@@ -110,9 +116,10 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _drop_blocks(self, req: Request) -> None:
-        self.blocks.free(req.block_ids)
+        self.blocks.free(req.block_ids[req.num_released_blocks :])
         req.block_ids = []
         req.num_computed_tokens = 0
+        req.num_released_blocks = 0
         req.num_hashed_blocks = 0
         req.last_block_hash = None
 
@@ -233,6 +240,21 @@ class Scheduler:
     def on_computed(self, req: Request, num_new_tokens: int) -> None:
         req.num_computed_tokens += num_new_tokens
         self.hash_full_blocks(req)
+        self._release_behind_window(req)
+
+    def _release_behind_window(self, req: Request) -> None:
+        """Give back the blocks no query of the request can read again: the next one is at
+        position num_computed_tokens and sees keys from num_computed_tokens - window + 1 on
+        (later ones, verify passes included, see fewer). Already hashed, so they stay in the
+        prefix cache until reused. Not for PREFILL_ONLY requests: their whole prompt is
+        exported."""
+        window = self.kv_window_tokens
+        if window is None or req.kind is RequestKind.PREFILL_ONLY:
+            return
+        behind = min((req.num_computed_tokens - window + 1) // self.block_size, req.num_hashed_blocks)
+        if behind > req.num_released_blocks:
+            self.blocks.free(req.block_ids[req.num_released_blocks : behind])
+            req.num_released_blocks = behind
 
     def rollback(self, req: Request) -> None:
         """Free the tail blocks that only rejected proposals used: a request holds the blocks

@@ -18,7 +18,7 @@ from services.worker.engine.api import (
     RequestOutput,
     SamplingConfig,
 )
-from tests.support.tiny_models import build_tiny_model
+from tests.support.tiny_models import build_tiny_family, build_tiny_model
 
 
 @pytest.fixture(scope="session")
@@ -29,6 +29,14 @@ def tiny_bpe(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_byte_fallback(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny_bf"), "byte_fallback")
+
+
+@pytest.fixture(scope="session")
+def tiny_family(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """Tiny random models of the families in tests/support/tiny_models.FAMILIES, each built once
+    per session on first use."""
+    root = tmp_path_factory.mktemp("tiny_families")
+    return lambda family: build_tiny_family(root / family, family)
 
 
 EngineFactory = Callable[..., Engine]

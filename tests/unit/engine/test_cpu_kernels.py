@@ -151,6 +151,48 @@ def test_decode_attention_matches_sdpa_per_sequence(rep: int, dim: int, bs: int)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("bs", [1, 4, 16])
+def test_decode_attention_from_first_keys_matches_sdpa_over_the_window(bs: int) -> None:
+    """A sliding window: sequence b attends to its keys starts[b] .. lens[b] - 1 only; blocks
+    wholly before its first key may even hold garbage (they are not read)."""
+    import random
+
+    torch.manual_seed(bs)
+    heads, dim, rep, blocks = 2, 32, 3, 2048 // bs
+    k, v = torch.randn(heads, blocks * bs, dim), torch.randn(heads, blocks * bs, dim)
+    rng = random.Random(bs)
+    free = list(range(1, blocks))
+    rng.shuffle(free)
+    lens = [1, 40, 17, 300, 9]
+    starts = [0, 33, 0, 300 - 64, 8]
+    tables = [[free.pop() for _ in range(-(-n // bs))] for n in lens]
+    q = torch.randn(len(lens), heads, rep, dim)
+    want = torch.cat(
+        [
+            _window_reference(q[b : b + 1], k, v, t, s, n, bs)
+            for b, (t, s, n) in enumerate(zip(tables, starts, lens, strict=True))
+        ]
+    )
+    # blocks wholly behind a window point at block 0, all NaN: reading one would show
+    k[:, :bs] = v[:, :bs] = float("nan")
+    for b, s in enumerate(starts):
+        tables[b][: s // bs] = [0] * (s // bs)
+    for isa in isas():
+        got = kernel.decode_attention(
+            q, k, v, _padded(tables), torch.tensor(lens), bs, 0.125, isa, starts=torch.tensor(starts)
+        )
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _window_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: list[int], start: int, n: int, bs: int
+) -> torch.Tensor:
+    import torch.nn.functional as F
+
+    slots = torch.tensor([table[i // bs] * bs + i % bs for i in range(start, n)])
+    return F.scaled_dot_product_attention(q, k[:, slots][None], v[:, slots][None], scale=0.125)
+
+
 def test_decode_attention_refuses_slots_outside_the_pool() -> None:
     k = v = torch.randn(2, 64, 16)  # 16 blocks of 4 slots
     q = torch.randn(1, 2, 1, 16)
@@ -162,6 +204,14 @@ def test_decode_attention_refuses_slots_outside_the_pool() -> None:
         kernel.decode_attention(q, k, v, torch.tensor([[0]]), torch.tensor([0]), 4, 1.0)
     with pytest.raises(RuntimeError, match="block-table row"):
         kernel.decode_attention(q, k, v, torch.tensor([[0], [1]]), torch.tensor([1, 1]), 4, 1.0)
+    with pytest.raises(RuntimeError, match="first key outside"):  # a window must keep its query
+        kernel.decode_attention(
+            q, k, v, torch.tensor([[0, 1]]), torch.tensor([5]), 4, 1.0, starts=torch.tensor([5])
+        )
+    with pytest.raises(RuntimeError, match="first key per sequence"):
+        kernel.decode_attention(
+            q, k, v, torch.tensor([[0, 1]]), torch.tensor([5]), 4, 1.0, starts=torch.tensor([1, 2])
+        )
 
 
 def test_runner_uses_the_kernel_for_decode_steps_and_matches_sdpa() -> None:

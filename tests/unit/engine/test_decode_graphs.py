@@ -6,6 +6,7 @@ static step runs eagerly; on CUDA it is captured and replayed as a CUDA graph (g
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -117,15 +118,23 @@ def _check_static_equals_plain(
     assert static.kv_cache[:, :, :, real:].abs().sum() > 0  # padding rows wrote there
 
 
-def test_static_decode_steps_equal_the_runner_on_cpu(tiny_bpe: Path) -> None:
-    _check_static_equals_plain(tiny_bpe, torch.device("cpu"))
+@pytest.fixture(params=["llama", "mistral_windowed"])
+def decode_model(request: pytest.FixtureRequest, tiny_bpe: Path, tiny_family: Callable[[str], Path]) -> Path:
+    """The tiny Llama, and a Mistral with an 8-token window on every layer (the static step's
+    mask then hides the keys behind each row's window, contexts reaching 53 tokens)."""
+    return tiny_bpe if request.param == "llama" else tiny_family(request.param)
 
 
-def test_fused_layers_with_attention_in_place_equal_the_runner_on_cpu(tiny_bpe: Path) -> None:
+def test_static_decode_steps_equal_the_runner_on_cpu(decode_model: Path) -> None:
+    _check_static_equals_plain(decode_model, torch.device("cpu"))
+
+
+def test_fused_layers_with_attention_in_place_equal_the_runner_on_cpu(decode_model: Path) -> None:
     """The CUDA layout run eagerly on CPU: fused q/k/v and gate/up products, FlexAttention's
-    reference over the pool through block tables (no gather), buckets by batch size only. Same
-    greedy tokens, logits within fp32 rounding, K/V in the requests' blocks as the runner's."""
-    _check_static_equals_plain(tiny_bpe, torch.device("cpu"), fused=True)
+    reference over the pool through block tables (no gather; a windowed layer's mask hides the
+    keys behind its window), buckets by batch size only. Same greedy tokens, logits within fp32
+    rounding, K/V in the requests' blocks as the runner's."""
+    _check_static_equals_plain(decode_model, torch.device("cpu"), fused=True)
 
 
 def test_flex_buckets_ignore_the_context_length(tiny_bpe: Path) -> None:
@@ -198,13 +207,12 @@ def _verify_step(seqs: list[ScheduledSeq]) -> list[ScheduledSeq]:
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_verify_steps_equal_the_runner(tiny_bpe: Path, fused: bool) -> None:
+def test_verify_steps_equal_the_runner(decode_model: Path, fused: bool) -> None:
     """Speculative decoding's verify pass on the static path: sequences with 1, 3 and 6 new
     tokens (0, 2 and 5 drafts) in one step, every row's logits sampled, padded to k + 1 = 6 rows
     per sequence (a step of at most 3 rows too). Tokens, logits and K/V equal the runner's own
-    path, also with the CUDA layout (fused layers, FlexAttention in place, its mask over the
-    last two blocks of each sequence)."""
-    plain, static = _runners(tiny_bpe, torch.device("cpu"), spec_tokens=5, fused=fused, max_model_len=32)
+    path, also with the CUDA layout (fused layers, FlexAttention in place, its masks per window)."""
+    plain, static = _runners(decode_model, torch.device("cpu"), spec_tokens=5, fused=fused, max_model_len=32)
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], list(range(40, 59)), [2, 7, 1, 8]]
     tables = [list(range(30, 37)), [50, 8, 61, 9, 70, 11, 72], [0, 1, 2, 3, 4, 5, 6]]
     first = [ScheduledSeq(p, 0, t, False, GREEDY, None) for p, t in zip(prompts, tables, strict=True)]

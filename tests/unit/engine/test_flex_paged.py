@@ -73,3 +73,36 @@ def test_a_step_reuses_the_buffers_and_forgets_the_last_step() -> None:
     assert int(step.logical[0, 3]) == -1 and int(step.logical[0, 7]) == 0
     with pytest.raises(ValueError, match="exceeds the bucket's 4"):
         step.fill([[1, 2, 3, 4, 5]], [[70]], SCRATCH)
+
+
+@pytest.mark.parametrize("window", [4, 16, 21])
+def test_a_windowed_layer_sees_only_its_window(window: int) -> None:
+    """A layer with a sliding window: a row at position p sees keys p - window + 1 .. p, from the
+    same buffers as the full layers; a table that lists a block twice (one given back behind the
+    window and handed to the request again further on) counts only its later place."""
+    torch.manual_seed(2)
+    pool = torch.randn(2, KV_HEADS, (POOL_BLOCKS + 1) * BS, DIM)
+    rows = 3
+    step = FlexPagedStep.new(
+        2, rows, 8, BS, POOL_BLOCKS + 1, SCRATCH, "cpu", compiled=False, windows=(window,)
+    )
+    tables = [[5, 9, 5, 12], [20, 21, 22]]  # block 5 given back at position 0, reused at 2
+    contexts = [60, 40]
+    ctx = [[n - rows + i + 1 for i in range(rows)] for n in contexts]
+    step.fill(tables, ctx, SCRATCH)
+    step.prepare()
+    q = torch.randn(2 * rows, HEADS, DIM)
+    full = step.attend(q, pool[0], pool[1], DIM**-0.5)
+    windowed = step.attend(q, pool[0], pool[1], DIM**-0.5, window)
+    for b, (table, n) in enumerate(zip(tables, contexts, strict=True)):
+        slots = torch.cat([torch.arange(x * BS, (x + 1) * BS) for x in table])[:n]
+        k, v = pool[0][:, slots], pool[1][:, slots]
+        for i in range(rows):
+            c = ctx[b][i]
+            qi = q[b * rows + i].view(KV_HEADS, HEADS // KV_HEADS, DIM)
+            lo = max(0, c - window)
+            want = F.scaled_dot_product_attention(qi, k[:, lo:c], v[:, lo:c], scale=DIM**-0.5)
+            torch.testing.assert_close(windowed[b * rows + i], want.reshape(HEADS, DIM), rtol=1e-5, atol=1e-5)
+            if b == 1:  # no repeated block: the full layer sees everything up to its context
+                want = F.scaled_dot_product_attention(qi, k[:, :c], v[:, :c], scale=DIM**-0.5)
+                torch.testing.assert_close(full[b * rows + i], want.reshape(HEADS, DIM), rtol=1e-5, atol=1e-5)

@@ -6,6 +6,7 @@ keep transformers' forward; and it dispatches fewer ops per decode step (the poi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +136,23 @@ def test_lean_forward_is_bit_identical_to_transformers(
     lean, hf = _both_forwards(model, block_size, monkeypatch, backend)
     _assert_identical(lean, hf)
     assert [len(t) for t in lean[2][1]] == [4, 1, 1]  # the verify pass sampled 4 tokens
+
+
+@pytest.mark.parametrize("backend", list(AttentionBackend), ids=lambda b: b.value)
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_lean_forward_is_bit_identical_on_a_windowed_mistral(
+    tiny_family: Callable[[str], Path],
+    monkeypatch: pytest.MonkeyPatch,
+    backend: AttentionBackend,
+    block_size: int,
+) -> None:
+    """Mistral is Llama's decoder with an 8-token window on every layer: the lean loop serves it,
+    and its windowed decode steps, verify pass and chunks equal transformers' modules on ours
+    (contexts reach 35 tokens)."""
+    model = load_model(str(tiny_family("mistral_windowed")), CPU, torch.float32)
+    assert LeanLlama.supports(model)
+    lean, hf = _both_forwards(model, block_size, monkeypatch, backend)
+    _assert_identical(lean, hf)
 
 
 def test_lean_forward_in_bfloat16_matches_transformers(
