@@ -73,9 +73,13 @@ check-gen: install
 	  && diff -u $$tmp/want $$tmp/have >/dev/null \
 	  || { echo "shared/gen is stale or missing: run make gen"; exit 1; }
 
+# C++ sources (the CPU kernels) formatted by clang-format (PyPI wheel; style in .clang-format)
+CSRC := $(wildcard services/worker/engine/csrc/*.cpp)
+
 lint: install
 	$(VENV)/bin/ruff check shared services tests benchmarks
 	$(VENV)/bin/ruff format --check shared services tests benchmarks
+	$(VENV)/bin/clang-format --dry-run --Werror $(CSRC)
 
 typecheck: install gen
 	$(VENV)/bin/mypy

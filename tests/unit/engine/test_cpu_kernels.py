@@ -263,3 +263,11 @@ def test_runner_uses_the_kernel_for_decode_steps_and_matches_sdpa() -> None:
 
 
 CPU_DEVICE = torch.device("cpu")
+
+
+def test_the_kernels_build_with_warnings_as_errors() -> None:
+    """csrc/cpu_kernels.cpp compiles with -Wall -Wextra -Werror on this (CI's) compiler: the
+    JIT build fell back to a lenient build only where a compiler warns (logged), never here."""
+    if not kernel.available():
+        pytest.skip("the CPU kernels cannot be built here")
+    assert kernel.built_strict() is not False
