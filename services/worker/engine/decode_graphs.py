@@ -273,20 +273,25 @@ class DecodeGraphs:
 
     def _step(self, e: _Bucket) -> torch.Tensor:
         """The lean forward on the bucket's buffers; only device ops (capturable)."""
-        if e.flex is not None:
-            meta = attention.PagedAttentionMetadata(
-                kv_cache=self.kv_cache,
-                block_size=self.block_size,
-                slots=e.slots,
-                seqs=[],
-                decode_idx=None,
-                num_decode=0,
-                flex=e.flex,
-                layer_windows=self.layer_windows,
-            )
-            flex_logits = self.lean.forward(e.input_ids, e.positions, meta, e.logits_idx)
-            assert flex_logits is not None
-            return flex_logits
+        meta = attention.PagedAttentionMetadata(
+            kv_cache=self.kv_cache,
+            block_size=self.block_size,
+            slots=e.slots,
+            seqs=[],
+            decode_idx=None,
+            num_decode=0,
+            flex=e.flex,
+            layer_windows=self.layer_windows,
+        )
+        if e.flex is None:  # the torch-only path: padded groups over gathered blocks
+            self._add_groups(e, meta)
+        logits = self.lean.forward(e.input_ids, e.positions, meta, e.logits_idx)
+        assert logits is not None
+        return logits
+
+    def _add_groups(self, e: _Bucket, meta: attention.PagedAttentionMetadata) -> None:
+        """The BATCHED groups of a bucket's step (and one per sliding window), masks computed on
+        the device from the bucket's context lengths."""
         nb, q = e.num_blocks, e.q
         b = e.block_table.shape[0] // nb
         keys = nb * self.block_size
@@ -314,22 +319,10 @@ class DecodeGraphs:
                 num_blocks_max=nb,
             )
 
-        meta = attention.PagedAttentionMetadata(
-            kv_cache=self.kv_cache,
-            block_size=self.block_size,
-            slots=e.slots,
-            seqs=[],
-            decode_idx=None,
-            num_decode=0,
-            groups=[group(None)],
-            layer_windows=self.layer_windows,
-        )
+        meta.groups = [group(None)]
         for window in sorted({w for w in self.layer_windows if w is not None}):
             # no host read of the context lengths (capturable): every window gets its mask
             meta.windowed[window] = dataclasses.replace(meta, groups=[group(window)], windowed={})
-        logits = self.lean.forward(e.input_ids, e.positions, meta, e.logits_idx)
-        assert logits is not None
-        return logits
 
     def _capture(self, e: _Bucket) -> None:
         # torch's recipe: warm up on a side stream (lazy library and workspace set-up must not

@@ -155,6 +155,23 @@ def _attn_out(
     return h + F.linear(F.silu(gate) * up, down)
 
 
+def _paged_attention(
+    layer: _Layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: attention.PagedAttentionMetadata
+) -> torch.Tensor:
+    """q [T, heads, D], k, v [T, kv_heads, D] through attention.py's paged attention (the
+    interface transformers calls, which writes K/V to their slots and picks the layer's window)."""
+    o, _ = attention.paged_attention_forward(
+        layer.module,
+        q.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
+        None,
+        scaling=layer.scaling,
+        paged_meta=meta,
+    )
+    return o
+
+
 @functools.cache
 def _compiled() -> tuple[Any, Any]:
     # dynamic: one compilation serves every step size (sizes 1 and 0 are specialized once more;
@@ -274,15 +291,7 @@ class LeanLlama:
                 # this layer's metadata: its sliding window's, if it has one
                 o = self._decode_attention(q, k, v, views, meta.for_layer(i), layer.scaling)
             else:
-                o, _ = attention.paged_attention_forward(
-                    layer.module,
-                    q.transpose(0, 1).unsqueeze(0),
-                    k.transpose(0, 1).unsqueeze(0),
-                    v.transpose(0, 1).unsqueeze(0),
-                    None,
-                    scaling=layer.scaling,
-                    paged_meta=meta,
-                )
+                o = _paged_attention(layer, q, k, v, meta)
             h = layer.o.add(o.reshape(num_tokens, -1), h)
             x = self._rms_norm(h, layer.norm_post)
             g = F.silu(layer.gate(x))
@@ -318,15 +327,7 @@ class LeanLlama:
                 v_slots.index_copy_(0, meta.slots, v)
                 o = flex.attend(q, k_pool[0], v_pool[0], layer.scaling, window)
             else:
-                o, _ = attention.paged_attention_forward(
-                    layer.module,
-                    q.transpose(0, 1).unsqueeze(0),
-                    k.transpose(0, 1).unsqueeze(0),
-                    v.transpose(0, 1).unsqueeze(0),
-                    None,
-                    scaling=layer.scaling,
-                    paged_meta=meta,
-                )
+                o = _paged_attention(layer, q, k, v, meta)
             h = self.attn_out(
                 o.reshape(num_tokens, -1),
                 h,

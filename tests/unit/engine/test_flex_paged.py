@@ -20,6 +20,18 @@ SCRATCH = POOL_BLOCKS  # the block no request owns
 HEADS, KV_HEADS, DIM = 8, 2, 32
 
 
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, end: int) -> torch.Tensor:
+    """One query row [heads, D] over keys first..end-1 of [kv_heads, n, D], GQA by folding the
+    query heads of a KV head into rows -> [heads, D]."""
+    rows = q.view(KV_HEADS, HEADS // KV_HEADS, DIM)
+    out = F.scaled_dot_product_attention(rows, k[:, first:end], v[:, first:end], scale=DIM**-0.5)
+    return out.reshape(HEADS, DIM)
+
+
+def _slots(table: list[int], n: int) -> torch.Tensor:
+    return torch.cat([torch.arange(x * BS, (x + 1) * BS) for x in table])[:n]
+
+
 @pytest.mark.parametrize(
     ("batch", "rows", "contexts"),
     [
@@ -44,13 +56,10 @@ def test_rows_see_their_own_blocks_up_to_their_context(batch: int, rows: int, co
     out = step.attend(q, pool[0], pool[1], DIM**-0.5)
     assert torch.isfinite(out).all()
     for b, (table, n) in enumerate(zip(tables, contexts, strict=True)):
-        slots = torch.cat([torch.arange(x * BS, (x + 1) * BS) for x in table])[:n]
-        k, v = pool[0][:, slots], pool[1][:, slots]
+        k, v = pool[0][:, _slots(table, n)], pool[1][:, _slots(table, n)]
         for i in range(rows):
-            c = ctx[b][i]
-            qi = q[b * rows + i].view(KV_HEADS, HEADS // KV_HEADS, DIM)
-            want = F.scaled_dot_product_attention(qi, k[:, :c], v[:, :c], scale=DIM**-0.5)
-            torch.testing.assert_close(out[b * rows + i], want.reshape(HEADS, DIM), rtol=1e-5, atol=1e-5)
+            want = _reference(q[b * rows + i], k, v, 0, ctx[b][i])
+            torch.testing.assert_close(out[b * rows + i], want, rtol=1e-5, atol=1e-5)
 
 
 def test_a_step_reuses_the_buffers_and_forgets_the_last_step() -> None:
@@ -95,14 +104,11 @@ def test_a_windowed_layer_sees_only_its_window(window: int) -> None:
     full = step.attend(q, pool[0], pool[1], DIM**-0.5)
     windowed = step.attend(q, pool[0], pool[1], DIM**-0.5, window)
     for b, (table, n) in enumerate(zip(tables, contexts, strict=True)):
-        slots = torch.cat([torch.arange(x * BS, (x + 1) * BS) for x in table])[:n]
-        k, v = pool[0][:, slots], pool[1][:, slots]
+        k, v = pool[0][:, _slots(table, n)], pool[1][:, _slots(table, n)]
         for i in range(rows):
             c = ctx[b][i]
-            qi = q[b * rows + i].view(KV_HEADS, HEADS // KV_HEADS, DIM)
-            lo = max(0, c - window)
-            want = F.scaled_dot_product_attention(qi, k[:, lo:c], v[:, lo:c], scale=DIM**-0.5)
-            torch.testing.assert_close(windowed[b * rows + i], want.reshape(HEADS, DIM), rtol=1e-5, atol=1e-5)
+            want = _reference(q[b * rows + i], k, v, max(0, c - window), c)
+            torch.testing.assert_close(windowed[b * rows + i], want, rtol=1e-5, atol=1e-5)
             if b == 1:  # no repeated block: the full layer sees everything up to its context
-                want = F.scaled_dot_product_attention(qi, k[:, :c], v[:, :c], scale=DIM**-0.5)
-                torch.testing.assert_close(full[b * rows + i], want.reshape(HEADS, DIM), rtol=1e-5, atol=1e-5)
+                want = _reference(q[b * rows + i], k, v, 0, c)
+                torch.testing.assert_close(full[b * rows + i], want, rtol=1e-5, atol=1e-5)
