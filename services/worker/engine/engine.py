@@ -27,7 +27,6 @@ from services.worker.engine.api import (
     RankLoad,
     RequestHandle,
     RequestKind,
-    SamplingConfig,
 )
 from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.detokenizer import (
@@ -39,7 +38,6 @@ from services.worker.engine.detokenizer import (
 from services.worker.engine.handle import OutputHandle
 from services.worker.engine.model_runner import (
     ModelRunner,
-    ScheduledSeq,
     kv_layout_of,
     load_model,
     resolve_dtype,
@@ -62,8 +60,6 @@ from shared.errors import (
 
 log = logging.getLogger(__name__)
 
-# without an explicit kv_cache_tokens a CPU pool is capped here (bytes): host RAM is shared
-_CPU_POOL_CAP_BYTES = 1 << 30
 # Rank threads spend their time in torch ops, which release the GIL; taking it back after an op
 # while another thread (the other ranks, the event loop) runs Python waits up to the switch
 # interval (CPython default 5 ms), hundreds of times a step. 0.5 ms measured 127 -> ~97 ms per
@@ -82,20 +78,6 @@ _DEFAULT_SPEC_BATCH_TOKENS = {"cpu": 32, "cuda": 512}
 # the start-up calibration counts as this many decode steps in the online step-cost fit
 _STEP_COST_PRIOR_WEIGHT = 5.0
 _SPECULATIVE_METHODS = ("off", "ngram", "draft")
-
-
-def _available_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free)
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 << 30
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
@@ -164,87 +146,6 @@ class PagedEngine:
             return torch.device("cuda", dp_rank % gpus)
         return torch.device(want)
 
-    def _num_blocks(
-        self,
-        layout: KvLayout,
-        dtype: torch.dtype,
-        device: torch.device,
-        draft: KvLayout | None = None,
-        gpu: memory.GpuBudget | None = None,
-    ) -> int:
-        """Blocks per rank: kv_cache_tokens when set; on CUDA what `gpu` (measured at start)
-        leaves of gpu_memory_utilization (engine/memory.py); elsewhere kv_memory_fraction of
-        free memory, capped at 1 GiB (host RAM is shared with everything else). Never more than
-        max_num_seqs full-length requests can use. A draft model's pool that follows the
-        target's size (`draft`: its layout) shares that memory token for token."""
-        cfg = self.config
-        if cfg.kv_cache_tokens > 0:
-            return -(-cfg.kv_cache_tokens // cfg.block_size)
-        per_token = sum(
-            lay.num_layers * 2 * lay.num_kv_heads * lay.head_dim * dtype.itemsize
-            for lay in (layout, draft)
-            if lay is not None
-        )
-        if gpu is not None:
-            gpus = torch.cuda.device_count()
-            ranks_here = sum(1 for r in range(cfg.dp_size) if r % gpus == (device.index or 0))
-            budget = memory.kv_pool_bytes(
-                gpu, cfg.gpu_memory_utilization, ranks_here, per_token, min_tokens=self.max_model_len
-            )
-        else:
-            budget = int(_available_bytes(device) * cfg.kv_memory_fraction)
-            if device.type == "cpu":
-                budget = min(budget // cfg.dp_size, _CPU_POOL_CAP_BYTES)
-        tokens = min(budget // per_token, cfg.max_num_seqs * self.max_model_len)
-        return max(1, tokens // cfg.block_size)
-
-    def _measure_gpu(
-        self, model: Any, layout: KvLayout, device: torch.device, dtype: torch.dtype, allocated_before: int
-    ) -> memory.GpuBudget:
-        """The rank's weights (what loading it allocated), the device's free memory, and the peak
-        activations of the largest step the settings allow: one prefill chunk of max_batch_tokens
-        tokens, run once through a runner with a pool just big enough, before the real pool
-        exists."""
-        cfg = self.config
-        tokens = min(cfg.max_batch_tokens or _DEFAULT_BATCH_TOKENS["cuda"], max(1, self.max_model_len - 1))
-        blocks = -(-tokens // cfg.block_size)
-        probe = ModelRunner(
-            model,
-            layout,
-            blocks,
-            device,
-            dtype,
-            lean_forward=cfg.lean_forward,
-            cuda_kernels=cfg.cuda_kernels,
-            max_model_len=self.max_model_len,
-        )
-        greedy = SamplingConfig(max_tokens=1, temperature=0.0)
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        probe.execute([ScheduledSeq([0] * tokens, 0, list(range(blocks)), True, greedy, None)])
-        torch.cuda.synchronize(device)
-        activation = torch.cuda.max_memory_allocated(device) - before
-        del probe
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(device)
-        budget = memory.GpuBudget(
-            total_bytes=int(total),
-            free_bytes=int(free),
-            weights_bytes=torch.cuda.memory_allocated(device) - allocated_before,
-            activation_bytes=int(activation),
-        )
-        log.info(
-            "GPU memory at start: %.1f GiB total, %.1f GiB free, weights %.2f GiB, largest step "
-            "(%d tokens) %.2f GiB",
-            total / 2**30,
-            free / 2**30,
-            budget.weights_bytes / 2**30,
-            tokens,
-            activation / 2**30,
-        )
-        return budget
-
     def _graphs_on(self, device: torch.device) -> bool:
         """Whether decode steps on `device` replay as CUDA graphs (the target's and the draft's)."""
         return self.config.cuda_graphs and device.type == "cuda"
@@ -299,9 +200,27 @@ class PagedEngine:
                 draft_layout = kv_layout_of(draft_model.config, cfg.block_size, dtype)
             gpu = None
             if cuda and cfg.kv_cache_tokens == 0:
-                gpu = self._measure_gpu(model, self.kv_layout, device, dtype, allocated_before)
-            num_blocks = self._num_blocks(
-                self.kv_layout, dtype, device, draft_layout if cfg.draft_kv_cache_tokens == 0 else None, gpu
+                prefill_tokens = cfg.max_batch_tokens or _DEFAULT_BATCH_TOKENS["cuda"]
+                gpu = memory.measure_gpu(
+                    model,
+                    self.kv_layout,
+                    device,
+                    dtype,
+                    allocated_before,
+                    prefill_tokens,
+                    cfg,
+                    self.max_model_len,
+                )
+            num_blocks = memory.pool_blocks(
+                cfg,
+                self.max_model_len,
+                [
+                    self.kv_layout,
+                    *([draft_layout] if draft_layout and cfg.draft_kv_cache_tokens == 0 else []),
+                ],
+                dtype,
+                device,
+                gpu,
             )
             runner = ModelRunner(
                 model,

@@ -1,6 +1,7 @@
-"""How much GPU memory the KV pool gets (issue 31, item 3), like vLLM's --gpu-memory-utilization.
+"""How big a rank's KV pool is: `pool_blocks`. On CPU a share of free host memory; on a GPU
+(issue 31, item 3) what --gpu-memory-utilization leaves, like vLLM's.
 
-Owns `GpuBudget` (what a rank measured at start) and `kv_pool_bytes` (the arithmetic): a worker
+On a GPU: `measure_gpu` (what a rank measures at start) and `kv_pool_bytes` (the arithmetic): a worker
 may use `utilization` of the GPU's total memory for everything it holds (weights, the largest
 step's activations, the CUDA context and workspaces, its CUDA graphs, the KV pool); the pool gets
 what is left, and never more than is free on the device now (another process's memory is not
@@ -16,9 +17,20 @@ them (services/up.py); DP ranks of one process that share a GPU split their proc
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import torch
+
+from services.worker.engine.api import EngineConfig, KvLayout, SamplingConfig
 from shared.errors import ResourceExhausted
+
+log = logging.getLogger(__name__)
+
+# without an explicit kv_cache_tokens a CPU pool is capped here (bytes): host RAM is shared
+CPU_POOL_CAP_BYTES = 1 << 30
 
 # Held back from the pool for what torch's allocator does not see or cannot predict at start:
 # the CUDA context of the process, cuBLAS and Triton workspaces, allocator fragmentation, and the
@@ -71,3 +83,100 @@ def kv_pool_bytes(
             " or --max-batch-tokens"
         )
     return pool
+
+
+def available_host_bytes() -> int:
+    """MemAvailable of /proc/meminfo (8 GiB where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+def pool_blocks(
+    cfg: EngineConfig,
+    max_model_len: int,
+    layouts: Sequence[KvLayout],
+    dtype: torch.dtype,
+    device: torch.device,
+    gpu: GpuBudget | None,
+) -> int:
+    """Blocks per rank: kv_cache_tokens when set; on CUDA what `gpu` (measured at start) leaves of
+    gpu_memory_utilization; elsewhere kv_memory_fraction of free host memory, capped at 1 GiB
+    (host RAM is shared with everything else). Never more than max_num_seqs full-length requests
+    can use. `layouts`: the target's, and a draft model's whose pool follows the target's size
+    (they share the memory token for token)."""
+    if cfg.kv_cache_tokens > 0:
+        return -(-cfg.kv_cache_tokens // cfg.block_size)
+    per_token = sum(lay.num_layers * 2 * lay.num_kv_heads * lay.head_dim * dtype.itemsize for lay in layouts)
+    if gpu is not None:
+        gpus = torch.cuda.device_count()
+        ranks_here = sum(1 for r in range(cfg.dp_size) if r % gpus == (device.index or 0))
+        budget = kv_pool_bytes(
+            gpu, cfg.gpu_memory_utilization, ranks_here, per_token, min_tokens=max_model_len
+        )
+    else:
+        budget = int(available_host_bytes() * cfg.kv_memory_fraction)
+        budget = min(budget // cfg.dp_size, CPU_POOL_CAP_BYTES)
+    tokens = min(budget // per_token, cfg.max_num_seqs * max_model_len)
+    return max(1, tokens // cfg.block_size)
+
+
+def measure_gpu(
+    model: Any,
+    layout: KvLayout,
+    device: torch.device,
+    dtype: torch.dtype,
+    allocated_before: int,
+    prefill_tokens: int,
+    cfg: EngineConfig,
+    max_model_len: int,
+) -> GpuBudget:
+    """The rank's weights (what loading it allocated: `allocated_before` was read before), the
+    device's free memory, and the peak activations of the largest step the settings allow: one
+    prefill chunk of `prefill_tokens` tokens, run once through a runner with a pool just big
+    enough, before the real pool exists."""
+    from services.worker.engine.model_runner import ModelRunner, ScheduledSeq
+
+    tokens = min(prefill_tokens, max(1, max_model_len - 1))
+    blocks = -(-tokens // cfg.block_size)
+    probe = ModelRunner(
+        model,
+        layout,
+        blocks,
+        device,
+        dtype,
+        lean_forward=cfg.lean_forward,
+        cuda_kernels=cfg.cuda_kernels,
+        max_model_len=max_model_len,
+    )
+    greedy = SamplingConfig(max_tokens=1, temperature=0.0)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    probe.execute([ScheduledSeq([0] * tokens, 0, list(range(blocks)), True, greedy, None)])
+    torch.cuda.synchronize(device)
+    activation = torch.cuda.max_memory_allocated(device) - before
+    del probe
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    budget = GpuBudget(
+        total_bytes=int(total),
+        free_bytes=int(free),
+        weights_bytes=torch.cuda.memory_allocated(device) - allocated_before,
+        activation_bytes=int(activation),
+    )
+    log.info(
+        "GPU memory at start: %.1f GiB total, %.1f GiB free, weights %.2f GiB, largest step "
+        "(%d tokens) %.2f GiB",
+        total / _GIB,
+        free / _GIB,
+        budget.weights_bytes / _GIB,
+        tokens,
+        activation / _GIB,
+    )
+    return budget

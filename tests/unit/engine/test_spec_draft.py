@@ -391,9 +391,9 @@ def test_the_default_pools_share_the_memory_budget(
 ) -> None:
     """Without kv_cache_tokens the target's pool takes its share of free memory; with a draft
     whose pool follows it, that share covers both (token for token)."""
-    from services.worker.engine import engine as engine_module
+    from services.worker.engine import memory
 
-    monkeypatch.setattr(engine_module, "_available_bytes", lambda device: 64 << 20)
+    monkeypatch.setattr(memory, "available_host_bytes", lambda: 64 << 20)
     settings: dict[str, Any] = {"kv_cache_tokens": 0, "max_num_seqs": 1000}
     alone, paired = make_engine(**settings), make_engine(**settings, **_spec(tiny_draft))
     sized = make_engine(**settings, **_spec(tiny_draft, draft_kv_cache_tokens=100))
