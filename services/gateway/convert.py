@@ -49,6 +49,11 @@ def generate_input(req: gateway_pb2.GenerateRequest) -> GenerateInput:
         return_token_ids=req.return_token_ids,
         request_id=req.request_id,
         include_stop_in_output=req.include_stop_in_output,
+        presence_penalty=req.presence_penalty if req.HasField("presence_penalty") else None,
+        frequency_penalty=req.frequency_penalty if req.HasField("frequency_penalty") else None,
+        repetition_penalty=req.repetition_penalty if req.HasField("repetition_penalty") else None,
+        logit_bias=tuple(req.logit_bias.items()),
+        min_tokens=req.min_tokens if req.HasField("min_tokens") else None,
     )
 
 
@@ -153,6 +158,16 @@ def sampling_to_pb(s: Sampling) -> common_pb2.SamplingParams:
         msg.first_output_index = s.first_output_index
     if s.unshown_tail_tokens:
         msg.unshown_tail_tokens = s.unshown_tail_tokens
+    if s.presence_penalty:
+        msg.presence_penalty = s.presence_penalty
+    if s.frequency_penalty:
+        msg.frequency_penalty = s.frequency_penalty
+    if s.repetition_penalty != 1.0:
+        msg.repetition_penalty = s.repetition_penalty
+    for token_id, bias in s.logit_bias:
+        msg.logit_bias[token_id] = bias
+    if s.min_tokens:
+        msg.min_tokens = s.min_tokens
     return msg
 
 

@@ -34,12 +34,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "echo": (None, False),
     "suffix": (None, ""),
     "best_of": (None, 1),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
-    "repetition_penalty": (None, 1),
-    "logit_bias": (None, {}),
     "min_p": (None, 0),
-    "min_tokens": (None, 0),
     "response_format": (None, {"type": "text"}),
     "tools": (None, []),
     "tool_choice": (None, "none", "auto"),
@@ -103,6 +98,20 @@ def _seed(seed: int | None, choice: int) -> int | None:
     return (seed + choice * _SEED_STRIDE) % SEED_RANGE
 
 
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} (JSON keys are strings); ranges are checked by the domain."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise InvalidParam(
+                f"logit_bias keys must be token ids (integers as strings), got {key!r}", "logit_bias"
+            ) from None
+        pairs.append((token_id, value))
+    return tuple(pairs)
+
+
 def _common(req: m._GenerationRequest, max_tokens: int | None) -> dict[str, Any]:
     if not 1 <= req.n <= MAX_CHOICES:
         raise InvalidParam(f"n must be between 1 and {MAX_CHOICES}, got {req.n}", "n")
@@ -114,6 +123,11 @@ def _common(req: m._GenerationRequest, max_tokens: int | None) -> dict[str, Any]
         raise InvalidParam("stream_options is only allowed with stream: true", "stream_options")
     return dict(
         model=req.model,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty,
+        logit_bias=_logit_bias(req.logit_bias),
+        min_tokens=req.min_tokens,
         max_tokens=max_tokens,
         temperature=req.temperature,
         top_p=req.top_p,

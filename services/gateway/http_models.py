@@ -2,7 +2,7 @@
 
 Requests are validated strictly (a string is not a number, a float is not an integer); fields this
 API does not declare land in `model_extra`, where `http_convert` refuses the known-unsupported ones
-(logprobs, tools, penalties, ...) and ignores vendor fields with a debug log.
+(logprobs, tools, response_format, ...) and ignores vendor fields with a debug log.
 """
 
 from __future__ import annotations
@@ -48,6 +48,11 @@ class _GenerationRequest(_Request):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     user: str | None = None
+    presence_penalty: float | None = Field(default=None, description="[-2, 2]; 0 = off")
+    frequency_penalty: float | None = Field(default=None, description="[-2, 2]; 0 = off")
+    repetition_penalty: float | None = Field(default=None, description="(0, 2]; 1 = off (vLLM)")
+    logit_bias: dict[str, float] | None = Field(default=None, description="token id (a string) -> bias")
+    min_tokens: int | None = Field(default=None, description="no EOS / stop token before this many tokens")
 
 
 class ChatCompletionRequest(_GenerationRequest):

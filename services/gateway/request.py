@@ -39,6 +39,11 @@ class GenerateInput:
     return_token_ids: bool = False
     request_id: str = ""
     include_stop_in_output: bool = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), in the client's order
+    min_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,11 @@ class Sampling:
     include_stop_in_output: bool = False
     first_output_index: int = 0  # > 0 when a migrated request resumes after that many tokens
     unshown_tail_tokens: int = 0  # of those, the last ones whose text was not shown (held back)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by token id
+    min_tokens: int = 0  # counted from output index 0 (unchanged by a migration)
 
 
 def new_request_id() -> str:

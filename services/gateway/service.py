@@ -118,7 +118,7 @@ class GatewayService:
             prompt = tok.encode_chat(inp.messages)
         else:
             prompt = tok.encode_prompt(inp.prompt)
-        validate_token_ids(prompt, inp.stop_token_ids, tok.vocab_size)
+        validate_token_ids(prompt, inp.stop_token_ids, tok.vocab_size, inp.logit_bias)
         requested = inp.max_tokens
         sampling = Sampling(
             max_tokens=requested if requested is not None else self._settings.default_max_tokens,
@@ -130,6 +130,11 @@ class GatewayService:
             stop_token_ids=inp.stop_token_ids,
             ignore_eos=inp.ignore_eos,
             include_stop_in_output=inp.include_stop_in_output,
+            presence_penalty=float(inp.presence_penalty or 0.0),
+            frequency_penalty=float(inp.frequency_penalty or 0.0),
+            repetition_penalty=1.0 if inp.repetition_penalty is None else float(inp.repetition_penalty),
+            logit_bias=tuple(sorted((t, float(b)) for t, b in inp.logit_bias if b != 0.0)),
+            min_tokens=inp.min_tokens or 0,
         )
         return PreparedRequest(
             request_id=inp.request_id or new_request_id(),

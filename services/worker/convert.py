@@ -45,6 +45,11 @@ def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingConfig:
         include_stop_in_output=pb.include_stop_in_output,
         first_output_index=pb.first_output_index,
         unshown_tail_tokens=pb.unshown_tail_tokens,
+        presence_penalty=pb.presence_penalty,
+        frequency_penalty=pb.frequency_penalty,
+        repetition_penalty=pb.repetition_penalty if pb.HasField("repetition_penalty") else 1.0,
+        logit_bias=tuple(sorted(pb.logit_bias.items())),
+        min_tokens=pb.min_tokens,
     )
 
 

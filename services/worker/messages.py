@@ -11,11 +11,19 @@ from services.worker.engine.api import EngineRequest, KvBlocksChunk
 from shared.cluster import FinishReason, KvLayout
 
 # Capabilities this worker advertises at registration and in Info (worker.proto WorkerInfo).
-CAPABILITIES = ("generated_tokens", "kv_block_skip", "local_prefill", "draft_token_ids", "first_output_index")
+CAPABILITIES = (
+    "generated_tokens",
+    "kv_block_skip",
+    "local_prefill",
+    "draft_token_ids",
+    "first_output_index",
+    "sampling_penalties",
+)
 # Contract version implemented: 1.0 = compat/v1.0; 1.1 added the optional generated_tokens fields;
 # 1.2 added KvChunk.draft_token_ids and RankLoad's speculative-decoding counts.
 # 1.3 added SamplingParams.first_output_index and unshown_tail_tokens (request migration).
-PROTO_VERSION = "1.3"
+# 1.4 added SamplingParams' penalties, logit_bias and min_tokens (capability "sampling_penalties").
+PROTO_VERSION = "1.4"
 
 
 @dataclass(frozen=True)

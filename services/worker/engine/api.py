@@ -53,6 +53,27 @@ class SamplingConfig:
     first_output_index: int = 0
     # trailing prompt tokens whose text was never shown (a migrated request's incomplete character)
     unshown_tail_tokens: int = 0
+    # OpenAI penalties over the output tokens (a migrated request's generated prompt tail
+    # included): logit -= frequency_penalty * count + presence_penalty * (count > 0); 0 = off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # vLLM/HF repetition penalty over prompt + output tokens: a seen token's logit is divided by
+    # it when positive, multiplied when negative; 1 = off
+    repetition_penalty: float = 1.0
+    # (token id, bias) pairs added to the logits before penalties (OpenAI logit_bias)
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # EOS (unless ignore_eos) and stop_token_ids cannot be drawn before this output index
+    min_tokens: int = 0
+
+    @property
+    def needs_history(self) -> bool:
+        """The sampler needs the request's tokens (penalties or min_tokens are on)."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+            or self.min_tokens > 0
+        )
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from services.worker.engine.api import KvLayout, SamplingConfig
 from services.worker.engine.attention import AttentionBackend
 from services.worker.engine.decode_graphs import DecodeGraphs, DecodeSeq
 from services.worker.engine.lean_llama import LeanLlama
-from services.worker.engine.sampler import sample
+from services.worker.engine.sampler import TokenHistory, sample
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,9 @@ class ScheduledSeq:
     num_logits: int = 1
     # per sampled position: the seed of its draw (Request.draw_seed; None = unseeded)
     draw_seeds: tuple[int | None, ...] = ()
+    # the tokens before the first sampled position, for penalties and min_tokens (None: unused);
+    # the proposals verified at the end of token_ids extend it for the later positions
+    history: TokenHistory | None = None
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -389,7 +392,12 @@ def _sample(logits: torch.Tensor, sampled_seqs: list[ScheduledSeq]) -> list[list
         for s in sampled_seqs
         for j in range(s.num_logits)
     ]
-    flat = [int(t) for t in sample(logits, params, gens, seeds).tolist()]
+    histories = [
+        (s.history.extended(s.token_ids[len(s.token_ids) - s.num_logits + 1 :][:j]) if s.history else None)
+        for s in sampled_seqs
+        for j in range(s.num_logits)
+    ]
+    flat = [int(t) for t in sample(logits, params, gens, seeds, histories).tolist()]
     tokens: list[list[int]] = []
     pos = 0
     for s in sampled_seqs:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from services.worker.engine.api import EngineRequest, FinishReason, RequestKind, SamplingConfig
+from services.worker.engine.sampler import TokenHistory
 
 if TYPE_CHECKING:
     import torch
@@ -246,6 +247,19 @@ class Request:
             return None
         index = self.sampling.first_output_index + self.num_output_tokens + offset
         return _mix_seed(self.sampling.seed, index)
+
+    def token_history(self, eos_token_ids: frozenset[int]) -> TokenHistory | None:
+        """What the sampler needs for penalties and min_tokens at the next draw (None when the
+        request uses neither). The output index is draw_seed's: a migrated request's prompt ends
+        with its first_output_index generated tokens, so they count as output here too."""
+        sp = self.sampling
+        if not sp.needs_history:
+            return None
+        stop_ids: tuple[int, ...] = ()
+        if sp.min_tokens > 0:
+            eos = () if sp.ignore_eos else tuple(sorted(eos_token_ids))
+            stop_ids = eos + sp.stop_token_ids
+        return TokenHistory(tuple(self.token_ids), sp.first_output_index + self.num_output_tokens, stop_ids)
 
     # ---- derived counts ------------------------------------------------------------------
     @property

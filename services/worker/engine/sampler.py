@@ -1,4 +1,12 @@
-"""Batched next-token sampling: greedy, temperature, top-k, top-p, per-request seeded generators.
+"""Batched next-token sampling: logits processors (min_tokens, logit_bias, penalties), then
+greedy, temperature, top-k, top-p, per-request seeded generators.
+
+The order is vLLM v1's: min_tokens masks the stop tokens, logit_bias is added, then the
+repetition, frequency and presence penalties apply; temperature, top-k and top-p then shape the
+distribution the draw uses. Every processor is batched over the rows that use it (index and
+bincount ops over the whole vocabulary, no Python loop over it), and each row's result depends
+only on that row's logits, parameters and tokens, so a request gets the same tokens whatever else
+is in the batch, on a prefill worker (its first token) as on a decode worker.
 
 Sampling uses the exponential-race form of categorical sampling (argmax of p / E with E ~ Exp(1)),
 so each request draws its noise from its own generator: a seeded request gets the same tokens
@@ -10,10 +18,125 @@ each draw what plain decoding would have drawn at their index.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from services.worker.engine.api import SamplingConfig
+
+
+@dataclass(frozen=True)
+class TokenHistory:
+    """A request's tokens before one draw, for penalties and min_tokens (Request.token_history).
+
+    Derived from the token lists alone, so a prefill worker (first token), a decode worker (the
+    prompt + the handed-off first token) and a migrated request (prompt + generated tokens as its
+    prompt, first_output_index of them generated) see the same history at the same output index."""
+
+    token_ids: Sequence[int]  # prompt + output tokens so far
+    output_index: int  # output index of this draw = trailing tokens of token_ids that are output
+    # token ids this draw may not produce while output_index < min_tokens (EOS unless
+    # ignore_eos, and stop_token_ids)
+    min_tokens_stop_ids: tuple[int, ...] = ()
+
+    @property
+    def output_token_ids(self) -> Sequence[int]:
+        n = min(self.output_index, len(self.token_ids))
+        return self.token_ids[len(self.token_ids) - n :]
+
+    def extended(self, token_ids: Sequence[int]) -> TokenHistory:
+        """The history of a later draw, once `token_ids` (accepted proposals) were output."""
+        if not token_ids:
+            return self
+        return TokenHistory(
+            [*self.token_ids, *token_ids], self.output_index + len(token_ids), self.min_tokens_stop_ids
+        )
+
+
+def process_logits(
+    logits: torch.Tensor,
+    params: Sequence[SamplingConfig],
+    histories: Sequence[TokenHistory | None] | None,
+) -> torch.Tensor:
+    """min_tokens, logit_bias and penalties applied to float32 logits [n, vocab] (a new tensor
+    when any row changes; `logits` itself is never written). A row that needs its history
+    (SamplingConfig.needs_history) and has none is left unpenalized."""
+    n, vocab = logits.shape
+    device = logits.device
+    out = logits
+    hist: Sequence[TokenHistory | None] = histories if histories is not None else [None] * n
+
+    def writable() -> torch.Tensor:
+        return out.clone() if out is logits else out
+
+    # min_tokens: the stop tokens are masked while the output is shorter than min_tokens
+    ban_rows: list[int] = []
+    ban_ids: list[int] = []
+    for i, (p, h) in enumerate(zip(params, hist, strict=True)):
+        if h is not None and h.output_index < p.min_tokens:
+            ids = [t for t in h.min_tokens_stop_ids if 0 <= t < vocab]
+            ban_rows.extend([i] * len(ids))
+            ban_ids.extend(ids)
+    if ban_rows:
+        out = writable()
+        out[torch.tensor(ban_rows, device=device), torch.tensor(ban_ids, device=device)] = float("-inf")
+
+    # logit_bias: sparse (row, token, bias) triples added in one indexed op
+    bias_rows: list[int] = []
+    bias_ids: list[int] = []
+    bias_vals: list[float] = []
+    for i, p in enumerate(params):
+        for t, b in p.logit_bias:
+            if 0 <= t < vocab:
+                bias_rows.append(i)
+                bias_ids.append(t)
+                bias_vals.append(b)
+    if bias_rows:
+        out = writable()
+        out.index_put_(
+            (torch.tensor(bias_rows, device=device), torch.tensor(bias_ids, device=device)),
+            torch.tensor(bias_vals, device=device, dtype=out.dtype),
+            accumulate=True,
+        )
+
+    # penalties: per-row token counts as one bincount over (row, token) pairs
+    rows = [
+        i
+        for i, (p, h) in enumerate(zip(params, hist, strict=True))
+        if h is not None
+        and (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0)
+    ]
+    if rows:
+        out = writable()
+        out_flat: list[int] = []
+        all_flat: list[int] = []
+        for k, i in enumerate(rows):
+            h = hist[i]
+            assert h is not None
+            base = k * vocab
+            out_flat.extend(base + t for t in h.output_token_ids if 0 <= t < vocab)
+            if params[i].repetition_penalty != 1.0:
+                all_flat.extend(base + t for t in h.token_ids if 0 <= t < vocab)
+        size = len(rows) * vocab
+        counts = _bincount(out_flat, size, device).view(len(rows), vocab).to(out.dtype)
+        idx = torch.tensor(rows, device=device)
+        sub = out.index_select(0, idx)
+        rep = torch.tensor([params[i].repetition_penalty for i in rows], device=device, dtype=out.dtype)
+        if bool((rep != 1.0).any()):
+            seen = _bincount(all_flat, size, device).view(len(rows), vocab) > 0
+            penalized = torch.where(sub > 0, sub / rep[:, None], sub * rep[:, None])
+            sub = torch.where(seen, penalized, sub)
+        freq = torch.tensor([params[i].frequency_penalty for i in rows], device=device, dtype=out.dtype)
+        pres = torch.tensor([params[i].presence_penalty for i in rows], device=device, dtype=out.dtype)
+        sub = sub - freq[:, None] * counts - pres[:, None] * (counts > 0).to(out.dtype)
+        out.index_copy_(0, idx, sub)
+    return out
+
+
+def _bincount(flat: list[int], size: int, device: torch.device) -> torch.Tensor:
+    if not flat:
+        return torch.zeros(size, dtype=torch.long, device=device)
+    return torch.bincount(torch.tensor(flat, device=device), minlength=size)
 
 
 def sample(
@@ -21,13 +144,47 @@ def sample(
     params: Sequence[SamplingConfig],
     generators: Sequence[torch.Generator | None],
     seeds: Sequence[int | None] | None = None,
+    histories: Sequence[TokenHistory | None] | None = None,
 ) -> torch.Tensor:
     """logits [n, vocab] -> token ids [n] (long, on logits' device). seeds[i], when given and
-    not None, re-seeds generators[i] before row i's draw."""
+    not None, re-seeds generators[i] before row i's draw; histories[i] is row i's tokens for
+    penalties and min_tokens (None: the row uses neither)."""
+    return sample_logits(process_logits(logits.float(), params, histories), params, generators, seeds)
+
+
+def sample_logits(
+    logits: torch.Tensor,
+    params: Sequence[SamplingConfig],
+    generators: Sequence[torch.Generator | None],
+    seeds: Sequence[int | None] | None = None,
+) -> torch.Tensor:
+    """The draw from processed logits [n, vocab]: greedy rows take the argmax, the others are
+    scaled by temperature, cut by top-k and top-p, and raced with their generators' noise."""
     greedy = [p.temperature <= 0.0 for p in params]
     if all(greedy):
         return logits.argmax(dim=-1)
-    logits = logits.float()
+    scaled = scaled_logits(logits, params)
+    vocab = logits.shape[1]
+    device = logits.device
+    probs = scaled.softmax(dim=-1)
+    noise = torch.empty_like(probs)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if unseeded:
+        noise[unseeded] = torch.empty(len(unseeded), vocab, device=device).exponential_()
+    for i, g in enumerate(generators):
+        if g is not None:
+            seed = seeds[i] if seeds is not None else None
+            if seed is not None:
+                g.manual_seed(seed)
+            noise[i].exponential_(generator=g)
+    sampled = (probs / noise).argmax(dim=-1)
+    greedy_mask = torch.tensor(greedy, device=device)
+    return torch.where(greedy_mask, logits.argmax(dim=-1), sampled)
+
+
+def scaled_logits(logits: torch.Tensor, params: Sequence[SamplingConfig]) -> torch.Tensor:
+    """Processed float32 logits divided by each row's temperature (greedy rows: 1), with the
+    tokens outside top-k and top-p at -inf: the distribution a sampled row draws from."""
     vocab = logits.shape[1]
     device = logits.device
     temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
@@ -50,17 +207,4 @@ def sample(
         drop = (cum - probs_sorted) >= tp[:, None]
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         scaled = torch.empty_like(scaled).scatter_(1, sorted_idx, sorted_logits)
-    probs = scaled.softmax(dim=-1)
-    noise = torch.empty_like(probs)
-    unseeded = [i for i, g in enumerate(generators) if g is None]
-    if unseeded:
-        noise[unseeded] = torch.empty(len(unseeded), vocab, device=device).exponential_()
-    for i, g in enumerate(generators):
-        if g is not None:
-            seed = seeds[i] if seeds is not None else None
-            if seed is not None:
-                g.manual_seed(seed)
-            noise[i].exponential_(generator=g)
-    sampled = (probs / noise).argmax(dim=-1)
-    greedy_mask = torch.tensor(greedy, device=device)
-    return torch.where(greedy_mask, logits.argmax(dim=-1), sampled)
+    return scaled

@@ -242,6 +242,79 @@ async def test_models_and_health(bpe: HttpStack) -> None:
             await bpe.gateway.server.set_serving(True)
 
 
+# --- penalties, logit_bias, min_tokens ---
+async def test_penalties_bias_and_min_tokens_through_the_openai_client(bpe: HttpStack) -> None:
+    """Same tokens disaggregated and unified and as over gRPC; min_tokens holds back an EOS that
+    logit_bias made certain; bad values are 400s naming the field."""
+    client = aclient(bpe)
+    eos = bpe.gateway.service._require_tokenizer()._tok.eos_token_id
+    kw: dict[str, Any] = dict(
+        model="",
+        messages=CHAT,
+        max_tokens=10,
+        temperature=1.0,
+        seed=21,
+        presence_penalty=0.7,
+        frequency_penalty=0.4,
+        logit_bias={"7": 5.0},
+        extra_body={"repetition_penalty": 1.3, "ignore_eos": True},
+    )
+    texts = []
+    for mode in MODES:
+        bpe.router.mode = mode
+        got = await client.chat.completions.create(**kw)
+        stream = await client.chat.completions.create(
+            stream=True, stream_options={"include_usage": True}, **kw
+        )
+        chunks = [c async for c in stream]
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert streamed == got.choices[0].message.content
+        assert got.usage is not None and got.usage.completion_tokens == 10
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 10
+        texts.append(got.choices[0].message.content)
+    want = await bpe.stub.Complete(
+        chat_pb(
+            CHAT,
+            max_tokens=10,
+            temperature=1.0,
+            seed=21,
+            presence_penalty=0.7,
+            frequency_penalty=0.4,
+            repetition_penalty=1.3,
+            logit_bias={7: 5.0},
+            ignore_eos=True,
+        )
+    )
+    assert texts == [want.text, want.text]
+    for mode in MODES:
+        bpe.router.mode = mode
+        ended = await client.completions.create(
+            model="",
+            prompt=LONG_PROMPT,
+            max_tokens=10,
+            temperature=0,
+            logit_bias={str(eos): 100},
+            extra_body={"min_tokens": 4},
+        )
+        assert ended.choices[0].finish_reason == "stop"
+        assert ended.usage is not None and ended.usage.completion_tokens == 4
+    for field, value in (
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3),
+        ("repetition_penalty", 0),
+        ("logit_bias", {"5": 101}),
+        ("logit_bias", {"five": 1}),
+        ("logit_bias", {"99999999": 1}),
+        ("min_tokens", -1),
+        ("min_tokens", 11),
+    ):
+        with pytest.raises(openai.BadRequestError) as bad:
+            await client.completions.create(model="", prompt="hi", max_tokens=10, extra_body={field: value})
+        assert bad.value.body["param"] == field, (field, value)  # type: ignore[index]
+        assert field in bad.value.message
+    await bpe.wait_idle()
+
+
 # --- errors ---
 async def test_errors_surface_as_openai_exceptions(bpe: HttpStack) -> None:
     client = aclient(bpe)

@@ -181,3 +181,49 @@ async def test_stop_token_id_counted_and_reason_stop(stack: Stack) -> None:
         assert (
             frames[-1].usage.completion_tokens == done.usage.completion_tokens == 1
         )  # the stop token counts
+
+
+PENALTIES: dict[str, Any] = dict(presence_penalty=0.7, frequency_penalty=0.4, repetition_penalty=1.3)
+
+
+@pytest.mark.parametrize("seed", [None, 11], ids=["greedy", "seeded"])
+async def test_penalties_bias_and_min_tokens_modes_agree(stack: Stack, seed: int | None) -> None:
+    """The prefill worker's first token and the decode worker's rest see the same penalties; an
+    EOS pushed up by logit_bias ends the request right at min_tokens, counted exactly."""
+    eos = stack.tokenizer._tok.eos_token_id
+    sampled = {"temperature": 1.0, "seed": seed} if seed is not None else {"temperature": 0.0}
+    base = dict(prompt=PROMPTS[2], max_tokens=12, ignore_eos=True, return_token_ids=True, **sampled)
+    plain, _ = await stack.run("unified", **base)
+    runs = {
+        mode: await stack.run(mode, **base, **PENALTIES, logit_bias={7: 5.0})
+        for mode in ("disaggregated", "unified")
+    }
+    (disagg, disagg_done), (unified, unified_done) = runs["disaggregated"], runs["unified"]
+    assert ids_of(disagg) == ids_of(unified) == list(unified_done.token_ids) != ids_of(plain)
+    assert disagg_done.text == unified_done.text
+    for frames, done in runs.values():
+        check_consistent(frames, done, 12)
+    ended = dict(base, ignore_eos=False, min_tokens=3, logit_bias={eos: 100.0})
+    for mode in ("disaggregated", "unified"):
+        frames, done = await stack.run(mode, **ended)
+        check_consistent(frames, done, 12)
+        assert frames[-1].usage.completion_tokens == done.usage.completion_tokens == 3
+        assert frames[-1].finish_reason == done.finish_reason == STOP
+
+
+@pytest.mark.parametrize(
+    ("fields", "words"),
+    [
+        ({"presence_penalty": 3.0}, "presence_penalty must be in [-2, 2]"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty must be in [-2, 2]"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty must be in (0, 2]"),
+        ({"logit_bias": {3: 150.0}}, "logit_bias[3] must be in [-100, 100]"),
+        ({"logit_bias": {10**6: 1.0}}, "logit_bias has token id 1000000"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens (5) must be <= max_tokens (4)"),
+    ],
+)
+async def test_bad_penalties_are_invalid_argument(stack: Stack, fields: dict[str, Any], words: str) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stack.stub.Complete(gateway_pb2.GenerateRequest(prompt="x", **fields), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert words in (err.value.details() or "")

@@ -77,6 +77,23 @@ def test_chat_refusals_name_the_field(kw: dict[str, Any], param: str) -> None:
     assert err.value.param == param
 
 
+def test_penalties_bias_and_min_tokens_reach_the_domain_input() -> None:
+    (inp,) = chat(
+        presence_penalty=0.5,
+        frequency_penalty=-1,
+        repetition_penalty=1.2,
+        logit_bias={"7": 5, "12": -100.0},
+        min_tokens=3,
+    ).inputs
+    assert (inp.presence_penalty, inp.frequency_penalty, inp.repetition_penalty) == (0.5, -1.0, 1.2)
+    assert inp.logit_bias == ((7, 5.0), (12, -100.0)) and inp.min_tokens == 3
+    (plain,) = completion(prompt="x").inputs
+    assert plain.logit_bias == () and plain.min_tokens is None and plain.presence_penalty is None
+    with pytest.raises(conv.InvalidParam) as err:
+        chat(logit_bias={"seven": 1})
+    assert err.value.param == "logit_bias"
+
+
 def test_completion_refusals() -> None:
     for prompt in ([], [-1]):
         with pytest.raises(conv.InvalidParam):
@@ -87,8 +104,12 @@ def test_completion_refusals() -> None:
 
 def test_unsupported_fields_refused_unknown_ignored() -> None:
     assert conv.unsupported_and_unknown({"logprobs": False, "tools": [], "vendor_x": 1}) == ["vendor_x"]
-    assert conv.unsupported_and_unknown({"response_format": {"type": "text"}, "presence_penalty": 0}) == []
-    for name, value in (("logprobs", True), ("tools", [{"type": "function"}]), ("frequency_penalty", 0.5)):
+    assert conv.unsupported_and_unknown({"response_format": {"type": "text"}, "best_of": 1}) == []
+    for name, value in (
+        ("logprobs", True),
+        ("tools", [{"type": "function"}]),
+        ("response_format", {"type": "json_object"}),
+    ):
         with pytest.raises(conv.InvalidParam) as err:
             conv.unsupported_and_unknown({name: value})
         assert err.value.param == name and name in str(err.value)
