@@ -4,6 +4,7 @@ before handoff, cancel and deadline aborts."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -439,6 +440,10 @@ async def test_decode_failure_mid_stream_migrates_and_continues_exactly() -> Non
     )
     sched = FakeScheduler([disagg(DECODE), disagg(DECODE2)])
     req = prepared(max_tokens=7, prompt_len=20)
+    penalized = dataclasses.replace(
+        req.sampling, presence_penalty=0.5, repetition_penalty=1.2, logit_bias=((9, 3.0),), min_tokens=6
+    )
+    req = dataclasses.replace(req, sampling=penalized)
     state = RequestState(req.request_id, req.prompt_token_ids, False, "m")
     frames = [f async for f in Dispatcher(sched, workers, 4).run(req, state, None)]
     assert "".join(f.text for f in frames) == "abcdef"
@@ -449,6 +454,11 @@ async def test_decode_failure_mid_stream_migrates_and_continues_exactly() -> Non
     resumed = [j for j in workers.jobs if j.request_id != "req-1"]
     assert {j.prompt_token_ids for j in resumed} == {(*range(20), 1, 2, 3)}
     assert {(j.sampling.max_tokens, j.sampling.first_output_index) for j in resumed} == {(4, 3)}
+    # penalties travel unchanged; min_tokens counts from output index 0 (the worker compares it
+    # with first_output_index + its own output), so it is not shortened like max_tokens
+    for job in workers.jobs:
+        assert (job.sampling.presence_penalty, job.sampling.repetition_penalty) == (0.5, 1.2)
+        assert job.sampling.logit_bias == ((9, 3.0),) and job.sampling.min_tokens == 6
     assert all(j.return_token_ids for j in workers.jobs), "workers always return ids to the gateway"
     usage = frames[-1].usage
     assert usage is not None and usage.completion_tokens == 7  # 3 before + 1 (prefill) + 3 (decode)
