@@ -3,6 +3,8 @@ touches generated stubs). Presence of optional fields is read with HasField, nev
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from services.gateway.accounting import Usage
 from services.gateway.ports import (
     DecodeEvent,
@@ -15,7 +17,15 @@ from services.gateway.ports import (
     WorkerJob,
     WorkerTarget,
 )
-from services.gateway.request import ChatTurn, Completion, FrameKind, GenerateInput, OutputFrame, Sampling
+from services.gateway.request import (
+    ChatTurn,
+    Completion,
+    FrameKind,
+    GenerateInput,
+    OutputFrame,
+    Sampling,
+    TokenLogprob,
+)
 from shared.cluster_convert import finish_reason_from_pb, finish_reason_to_pb, serving_mode_from_pb
 from shared.proto import common_pb2, gateway_pb2, scheduler_pb2, worker_pb2
 
@@ -54,6 +64,25 @@ def generate_input(req: gateway_pb2.GenerateRequest) -> GenerateInput:
         repetition_penalty=req.repetition_penalty if req.HasField("repetition_penalty") else None,
         logit_bias=tuple(req.logit_bias.items()),
         min_tokens=req.min_tokens if req.HasField("min_tokens") else None,
+        logprobs=req.logprobs if req.HasField("logprobs") else None,
+    )
+
+
+def logprobs_to_pb(logprobs: tuple[TokenLogprob, ...]) -> list[common_pb2.TokenLogprob]:
+    return [
+        common_pb2.TokenLogprob(
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            top_logprobs=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+        )
+        for lp in logprobs
+    ]
+
+
+def logprobs_from_pb(logprobs: Iterable[common_pb2.TokenLogprob]) -> tuple[TokenLogprob, ...]:
+    return tuple(
+        TokenLogprob(lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top_logprobs))
+        for lp in logprobs
     )
 
 
@@ -78,6 +107,7 @@ def generate_response(frame: OutputFrame) -> gateway_pb2.GenerateResponse:
         prompt_tokens=frame.prompt_tokens,
         cached_tokens=frame.cached_tokens,
         model=frame.model,
+        logprobs=logprobs_to_pb(frame.logprobs),
     )
     if frame.usage is not None:
         msg.usage.CopyFrom(usage_to_pb(frame.usage))
@@ -92,6 +122,7 @@ def complete_response(done: Completion) -> gateway_pb2.CompleteResponse:
         finish_reason=finish_reason_to_pb(done.finish_reason),
         usage=usage_to_pb(done.usage),
         model=done.model,
+        logprobs=logprobs_to_pb(done.logprobs),
     )
 
 
@@ -168,6 +199,8 @@ def sampling_to_pb(s: Sampling) -> common_pb2.SamplingParams:
         msg.logit_bias[token_id] = bias
     if s.min_tokens:
         msg.min_tokens = s.min_tokens
+    if s.logprobs is not None:
+        msg.logprobs = s.logprobs
     return msg
 
 
@@ -216,6 +249,7 @@ def decode_event(frame: worker_pb2.DecodeFrame) -> DecodeEvent:
         cached_blocks=frame.cached_blocks,
         local_cached_tokens=frame.local_cached_tokens,
         transferred_cached_tokens=frame.transferred_cached_tokens,
+        logprobs=logprobs_from_pb(frame.logprobs),
     )
 
 
@@ -226,4 +260,5 @@ def prefill_result(resp: worker_pb2.PrefillResponse) -> PrefillResult:
         generated_tokens=resp.generated_tokens if resp.HasField("generated_tokens") else None,
         finish_reason=finish_reason_from_pb(resp.finish_reason),
         local_cached_tokens=resp.local_cached_tokens,
+        logprobs=logprobs_from_pb(resp.logprobs),
     )

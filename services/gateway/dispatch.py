@@ -38,7 +38,14 @@ from services.gateway.ports import (
     WorkerTarget,
     WorkerUnavailable,
 )
-from services.gateway.request import FrameKind, OutputFrame, RequestState, RequestStatus, Sampling
+from services.gateway.request import (
+    FrameKind,
+    OutputFrame,
+    RequestState,
+    RequestStatus,
+    Sampling,
+    TokenLogprob,
+)
 from services.gateway.validation import resolve_max_tokens
 from shared.block_hash import block_hashes
 from shared.cluster import FinishReason, ServingMode
@@ -324,12 +331,12 @@ class Dispatcher:
                 stream.cancel()
                 await self._abort_all([decode.address], job.request_id)
                 state.finish()
-                yield self._frame(state, FrameKind.FINAL, reply.text, reply.token_ids)
+                yield self._frame(state, FrameKind.FINAL, reply.text, reply.token_ids, reply.logprobs)
                 return
             # 3. The first token goes to the client at once (TTFT); decode continues.
             kind = FrameKind.CONTINUATION if state.handed_off else FrameKind.FIRST  # migrated: goes on
             state.advance(RequestStatus.DECODING)
-            yield self._frame(state, kind, reply.text, reply.token_ids)
+            yield self._frame(state, kind, reply.text, reply.token_ids, reply.logprobs)
             relayed = self._relay(state, stream, decode, deadline_s, prefilled_here=False)
             async with contextlib.aclosing(relayed):
                 async for frame in relayed:
@@ -411,17 +418,22 @@ class Dispatcher:
                     event.finish_reason,
                 )
                 state.finish()
-                yield self._frame(state, FrameKind.FINAL, event.text, event.token_ids)
+                yield self._frame(state, FrameKind.FINAL, event.text, event.token_ids, event.logprobs)
                 return
             # TOKENS frames: counts ride on FINAL only, so any count here is ignored by design.
             state.record_output(FrameSource.DECODE_TOKENS, event.text, event.token_ids, None, None)
             kind = FrameKind.CONTINUATION if state.handed_off else FrameKind.FIRST
             if state.status < RequestStatus.DECODING:
                 state.advance(RequestStatus.DECODING)
-            yield self._frame(state, kind, event.text, event.token_ids)
+            yield self._frame(state, kind, event.text, event.token_ids, event.logprobs)
 
     def _frame(
-        self, state: RequestState, kind: FrameKind, text: str, token_ids: tuple[int, ...]
+        self,
+        state: RequestState,
+        kind: FrameKind,
+        text: str,
+        token_ids: tuple[int, ...],
+        logprobs: tuple[TokenLogprob, ...] = (),
     ) -> OutputFrame:
         state.note_frame_sent()
         final = kind is FrameKind.FINAL
@@ -435,6 +447,7 @@ class Dispatcher:
             model=state.model,
             finish_reason=state.finish_reason if final else None,
             usage=state.usage if final else None,
+            logprobs=logprobs,
         )
 
     # --- undo ---

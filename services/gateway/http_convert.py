@@ -7,7 +7,7 @@ names) is checked here."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,11 +16,14 @@ import grpc
 from services.gateway import http_models as m
 from services.gateway.accounting import Usage
 from services.gateway.ports import ModelCard
-from services.gateway.request import ChatTurn, GenerateInput
+from services.gateway.request import ChatTurn, GenerateInput, TokenLogprob
 from shared.cluster import FinishReason
 from shared.errors import InvalidArgument
 from shared.grpc_errors import GENERIC_INTERNAL_MESSAGE, status_for
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit (the gRPC API's logprobs has the same)
+# JSON has no -inf: a token top-k / top-p ruled out gets this logprob instead (as in vLLM)
+LOGPROB_FLOOR = -9999.0
 MAX_CHOICES = 64  # prompts x n of one HTTP request (each choice is one request on the workers)
 SEED_RANGE = 2**64  # the gRPC API's seed is a uint64
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # odd: choice j's seed = seed + j * stride (mod 2**64), distinct per j
@@ -28,8 +31,6 @@ _SEED_STRIDE = 0x9E3779B97F4A7C15  # odd: choice j's seed = seed + j * stride (m
 # Known OpenAI (and common vendor) fields pdserve does not implement, with the values that mean
 # "not used": a request setting any other value gets 400 naming the field, never silent ignoring.
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
     "prompt_logprobs": (None, 0),
     "echo": (None, False),
     "suffix": (None, ""),
@@ -192,6 +193,12 @@ def chat_plan(req: m.ChatCompletionRequest, request_id: str) -> Plan:
         )
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     common = _common(req, max_tokens)
+    top = req.top_logprobs
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise InvalidParam(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}", "top_logprobs")
+    if top and not req.logprobs:
+        raise InvalidParam("top_logprobs needs logprobs: true", "top_logprobs")
+    common["logprobs"] = (top or 0) if req.logprobs else None
     if not req.messages:
         raise InvalidParam("messages is empty; send at least one message", "messages")
     turns = tuple(
@@ -204,6 +211,7 @@ def chat_plan(req: m.ChatCompletionRequest, request_id: str) -> Plan:
 
 def completion_plan(req: m.CompletionRequest, request_id: str) -> Plan:
     common = _common(req, req.max_tokens)
+    common["logprobs"] = req.logprobs  # range checked by the domain (names "logprobs")
     prompt = req.prompt
     per_prompt: list[dict[str, Any]]
     if isinstance(prompt, str):
@@ -241,6 +249,47 @@ def usage(plan: Plan, usages: Sequence[Usage]) -> m.Usage:
         completion_tokens=completion,
         total_tokens=prompt_tokens + completion,
         prompt_tokens_details=m.PromptTokensDetails(cached_tokens=cached),
+    )
+
+
+def _logprob(value: float) -> float:
+    return value if value > LOGPROB_FLOOR else LOGPROB_FLOOR  # -inf (and NaN) -> the floor
+
+
+def chat_logprobs(logprobs: Sequence[TokenLogprob], token_text: Callable[[int], str]) -> m.ChatLogprobs:
+    """OpenAI chat's logprobs.content: per token its text, UTF-8 bytes, logprob, alternatives."""
+
+    def entry(token_id: int, value: float) -> m.TopLogprob:
+        text = token_text(token_id)
+        return m.TopLogprob(token=text, logprob=_logprob(value), bytes=list(text.encode()))
+
+    content = []
+    for lp in logprobs:
+        chosen = entry(lp.token_id, lp.logprob)
+        top = [entry(t, v) for t, v in lp.top]
+        content.append(
+            m.ChatTokenLogprob(
+                token=chosen.token, logprob=chosen.logprob, bytes=chosen.bytes, top_logprobs=top
+            )
+        )
+    return m.ChatLogprobs(content=content)
+
+
+def completion_logprobs(
+    logprobs: Sequence[TokenLogprob], token_text: Callable[[int], str], text_offset: int = 0
+) -> m.CompletionLogprobs:
+    """The legacy completions logprobs: parallel lists; text_offset counts characters of the
+    token texts from `text_offset` (where the previous chunk's tokens ended)."""
+    tokens = [token_text(lp.token_id) for lp in logprobs]
+    offsets = []
+    for text in tokens:
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return m.CompletionLogprobs(
+        tokens=tokens,
+        token_logprobs=[_logprob(lp.logprob) for lp in logprobs],
+        top_logprobs=[{token_text(t): _logprob(v) for t, v in lp.top} for lp in logprobs],
+        text_offset=offsets,
     )
 
 

@@ -2,7 +2,7 @@
 
 Requests are validated strictly (a string is not a number, a float is not an integer); fields this
 API does not declare land in `model_extra`, where `http_convert` refuses the known-unsupported ones
-(logprobs, tools, response_format, ...) and ignores vendor fields with a debug log.
+(echo, tools, response_format, ...) and ignores vendor fields with a debug log.
 """
 
 from __future__ import annotations
@@ -58,11 +58,14 @@ class _GenerationRequest(_Request):
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, description="0-20 alternatives per token; needs logprobs")
 
 
 class CompletionRequest(_GenerationRequest):
     # a string, several strings (one set of choices each), token ids, or several lists of token ids
     prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, description="0-20 alternatives per token")
 
 
 # --- responses ---
@@ -77,6 +80,31 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None
+    text_offset: list[int]
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
@@ -86,7 +114,7 @@ class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     finish_reason: str
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -102,7 +130,7 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(BaseModel):
@@ -118,7 +146,7 @@ class ChatChunkChoice(BaseModel):
     index: int
     delta: dict[str, Any]  # {"role": "assistant", "content": ""} first, then {"content": text} or {}
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -134,7 +162,7 @@ class CompletionChunkChoice(BaseModel):
     index: int
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionChunk(BaseModel):

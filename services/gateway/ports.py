@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from services.gateway.request import Sampling
+from services.gateway.request import Sampling, TokenLogprob
 from shared.cluster import FinishReason, ServingMode
 from shared.errors import ResourceExhausted, Unavailable
 
@@ -114,6 +114,7 @@ class DecodeEvent:
     cached_blocks: int = 0
     local_cached_tokens: int = 0
     transferred_cached_tokens: int = 0
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,7 @@ class PrefillResult:
     generated_tokens: int | None = None
     finish_reason: FinishReason | None = None
     local_cached_tokens: int = 0
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class DecodeStream(Protocol):

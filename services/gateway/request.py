@@ -21,6 +21,16 @@ class ChatTurn:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability and the most likely tokens at its position (most
+    likely first; natural log; -inf for a token that top-k / top-p ruled out)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob)
+
+
+@dataclass(frozen=True)
 class GenerateInput:
     """The client's GenerateRequest, unvalidated; None means the optional field was not set."""
 
@@ -44,6 +54,7 @@ class GenerateInput:
     repetition_penalty: float | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), in the client's order
     min_tokens: int | None = None
+    logprobs: int | None = None  # alternatives per token (0-20); None = no logprobs
 
 
 @dataclass(frozen=True)
@@ -66,6 +77,7 @@ class Sampling:
     repetition_penalty: float = 1.0  # 1 = off
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by token id
     min_tokens: int = 0  # counted from output index 0 (unchanged by a migration)
+    logprobs: int | None = None  # alternatives per token (0-20); None = no logprobs
 
 
 def new_request_id() -> str:
@@ -140,6 +152,7 @@ class OutputFrame:
     model: str
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()  # per generated token of the frame, when asked
 
 
 @dataclass(frozen=True)
@@ -152,6 +165,7 @@ class Completion:
     finish_reason: FinishReason
     usage: Usage
     model: str
+    logprobs: tuple[TokenLogprob, ...] = ()  # per generated token, when asked
 
 
 @dataclass(frozen=True)

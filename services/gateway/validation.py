@@ -17,6 +17,7 @@ PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty, frequency_penalty (OpenAI)
 MAX_REPETITION_PENALTY = 2.0  # repetition_penalty in (0, 2] (vLLM)
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI
 MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs limit)
 
 
 class InvalidField(InvalidArgument):
@@ -81,6 +82,11 @@ def validate_input(req: GenerateInput, limits: Limits, served_model: str) -> Non
             )
     validate_request_id(req.request_id)
     validate_penalties(req)
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+        raise InvalidField(
+            f"logprobs (alternatives per token) must be in [0, {MAX_LOGPROBS}], got {req.logprobs}",
+            "logprobs",
+        )
 
 
 def validate_penalties(req: GenerateInput) -> None:

@@ -64,6 +64,9 @@ class SamplingConfig:
     logit_bias: tuple[tuple[int, float], ...] = ()
     # EOS (unless ignore_eos) and stop_token_ids cannot be drawn before this output index
     min_tokens: int = 0
+    # per generated token: its log-probability and this many most likely alternatives (0-20)
+    # under the distribution the sampler drew from (sampler.py); None = no logprobs
+    logprobs: int | None = None
 
     @property
     def needs_history(self) -> bool:
@@ -74,6 +77,16 @@ class SamplingConfig:
             or self.repetition_penalty != 1.0
             or self.min_tokens > 0
         )
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One generated token's log-probability and the most likely tokens at its position (most
+    likely first; natural log; -inf for a token top-k / top-p ruled out)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), SamplingConfig.logprobs of them
 
 
 @dataclass(frozen=True)
@@ -108,6 +121,8 @@ class RequestOutput:
     # PREFILL_ONLY handoff with speculation on: proposals for the tokens after the first token,
     # for the decode worker's first step to verify (token ids; empty = none)
     draft_token_ids: tuple[int, ...] = ()
+    # with SamplingConfig.logprobs: one entry per new_token_ids token, in order
+    new_logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 @dataclass(frozen=True)

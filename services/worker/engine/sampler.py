@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.worker.engine.api import SamplingConfig
+from services.worker.engine.api import SamplingConfig, TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -152,18 +152,61 @@ def sample(
     return sample_logits(process_logits(logits.float(), params, histories), params, generators, seeds)
 
 
+def sample_with_logprobs(
+    logits: torch.Tensor,
+    params: Sequence[SamplingConfig],
+    generators: Sequence[torch.Generator | None],
+    seeds: Sequence[int | None] | None = None,
+    histories: Sequence[TokenHistory | None] | None = None,
+) -> tuple[torch.Tensor, list[TokenLogprobs | None]]:
+    """`sample`, plus each row's TokenLogprobs when its SamplingConfig.logprobs is set (None for
+    the other rows).
+
+    The logprobs are those of the distribution the row drew from (vLLM's "processed_logprobs"):
+    a sampled row's log_softmax after min_tokens, logit_bias, penalties, temperature, top-k and
+    top-p (tokens those cut off have -inf); a greedy row's log_softmax after min_tokens,
+    logit_bias and penalties (temperature, top-k and top-p do not change an argmax)."""
+    processed = process_logits(logits.float(), params, histories)
+    greedy = [p.temperature <= 0.0 for p in params]
+    scaled = None if all(greedy) else scaled_logits(processed, params)
+    tokens = sample_logits(processed, params, generators, seeds, scaled)
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    result: list[TokenLogprobs | None] = [None] * len(params)
+    if not rows:
+        return tokens, result
+    idx = torch.tensor(rows, device=logits.device)
+    dist = processed.index_select(0, idx)
+    if scaled is not None:
+        use_scaled = torch.tensor([not greedy[i] for i in rows], device=logits.device)[:, None]
+        dist = torch.where(use_scaled, scaled.index_select(0, idx), dist)
+    logp = dist.log_softmax(dim=-1)
+    chosen = logp.gather(1, tokens.index_select(0, idx)[:, None])[:, 0]
+    max_k = max(params[i].logprobs or 0 for i in rows)
+    top_vals, top_ids = logp.topk(max_k, dim=-1) if max_k > 0 else (logp[:, :0], logp[:, :0].long())
+    chosen_l, vals_l, ids_l = chosen.tolist(), top_vals.tolist(), top_ids.tolist()
+    tokens_l = tokens.index_select(0, idx).tolist()
+    for k, i in enumerate(rows):
+        n = params[i].logprobs or 0
+        top = tuple(zip(ids_l[k][:n], vals_l[k][:n], strict=True))
+        result[i] = TokenLogprobs(int(tokens_l[k]), float(chosen_l[k]), top)
+    return tokens, result
+
+
 def sample_logits(
     logits: torch.Tensor,
     params: Sequence[SamplingConfig],
     generators: Sequence[torch.Generator | None],
     seeds: Sequence[int | None] | None = None,
+    scaled: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The draw from processed logits [n, vocab]: greedy rows take the argmax, the others are
-    scaled by temperature, cut by top-k and top-p, and raced with their generators' noise."""
+    scaled by temperature, cut by top-k and top-p (`scaled`, when the caller has it), and raced
+    with their generators' noise."""
     greedy = [p.temperature <= 0.0 for p in params]
     if all(greedy):
         return logits.argmax(dim=-1)
-    scaled = scaled_logits(logits, params)
+    if scaled is None:
+        scaled = scaled_logits(logits, params)
     vocab = logits.shape[1]
     device = logits.device
     probs = scaled.softmax(dim=-1)

@@ -315,6 +315,88 @@ async def test_penalties_bias_and_min_tokens_through_the_openai_client(bpe: Http
     await bpe.wait_idle()
 
 
+# --- logprobs ---
+@pytest.mark.parametrize("tokenizer", ["bpe", "byte_fallback"])
+async def test_logprobs_through_the_openai_client(
+    bpe: HttpStack, byte_fallback: HttpStack, tokenizer: str
+) -> None:
+    """Chat and completions, unary and streamed, disaggregated and unified: one entry per
+    generated token (usage counts them), the same numbers everywhere and as over gRPC, top
+    alternatives sorted with the chosen token first under greedy."""
+    stack = bpe if tokenizer == "bpe" else byte_fallback
+    client = aclient(stack)
+    seen: dict[str, list[Any]] = {}
+    for mode in MODES:
+        stack.router.mode = mode
+        chat = await client.chat.completions.create(
+            model="", messages=CHAT, max_tokens=9, temperature=0, logprobs=True, top_logprobs=3
+        )
+        choice = chat.choices[0]
+        assert choice.logprobs is not None and choice.logprobs.content is not None
+        content = choice.logprobs.content
+        assert chat.usage is not None and len(content) == chat.usage.completion_tokens
+        for entry in content:
+            assert len(entry.top_logprobs) == 3
+            assert entry.top_logprobs[0].logprob == entry.logprob  # greedy: the chosen is the top
+            assert [t.logprob for t in entry.top_logprobs] == sorted(
+                (t.logprob for t in entry.top_logprobs), reverse=True
+            )
+            assert entry.bytes == list(entry.token.encode())
+        stream = await client.chat.completions.create(
+            model="", messages=CHAT, max_tokens=9, temperature=0, logprobs=True, top_logprobs=3, stream=True
+        )
+        streamed = [
+            e
+            for c in [c async for c in stream]
+            if c.choices and c.choices[0].logprobs
+            for e in (c.choices[0].logprobs.content or [])
+        ]
+        assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+        text = await client.completions.create(
+            model="", prompt=LONG_PROMPT, max_tokens=6, temperature=0.8, seed=4, logprobs=2
+        )
+        lp = text.choices[0].logprobs
+        assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
+        assert lp.top_logprobs is not None and lp.text_offset is not None
+        assert text.usage is not None and len(lp.tokens) == text.usage.completion_tokens
+        assert all(len(alt) <= 2 for alt in lp.top_logprobs)
+        assert lp.text_offset == [sum(len(t) for t in lp.tokens[:k]) for k in range(len(lp.tokens))]
+        streamed_c = [
+            c
+            async for c in await client.completions.create(
+                model="", prompt=LONG_PROMPT, max_tokens=6, temperature=0.8, seed=4, logprobs=2, stream=True
+            )
+        ]
+        tokens = [t for c in streamed_c if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens or []]
+        offsets = [
+            o for c in streamed_c if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset or []
+        ]
+        assert tokens == lp.tokens and offsets == lp.text_offset
+        seen[mode] = [[(e.token, e.logprob) for e in content], lp.token_logprobs]
+    for (chat_a, text_a), (chat_b, text_b) in [(seen["disaggregated"], seen["unified"])]:
+        assert [t for t, _ in chat_a] == [t for t, _ in chat_b]
+        assert all(abs(x - y) <= 1e-5 for (_, x), (_, y) in zip(chat_a, chat_b, strict=True))
+        assert all(abs(x - y) <= 1e-5 for x, y in zip(text_a, text_b, strict=True))
+    want = await stack.stub.Complete(chat_pb(CHAT, max_tokens=9, temperature=0, logprobs=3))
+    assert len(want.logprobs) == want.usage.completion_tokens
+    assert all(
+        abs(g.logprob - x) <= 1e-5 for g, (_, x) in zip(want.logprobs, seen["unified"][0], strict=True)
+    )
+    # no logprobs asked: none in the response
+    plain = await client.chat.completions.create(model="", messages=CHAT, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+    bad_fields: list[dict[str, Any]] = [{"logprobs": True, "top_logprobs": 21}, {"top_logprobs": 2}]
+    for kw in bad_fields:
+        with pytest.raises(openai.BadRequestError) as bad:
+            await client.chat.completions.create(model="", messages=CHAT, max_tokens=2, extra_body=kw)
+        assert bad.value.body["param"] == "top_logprobs"  # type: ignore[index]
+    for value in (21, -1):
+        with pytest.raises(openai.BadRequestError) as bad:
+            await client.completions.create(model="", prompt="hi", max_tokens=2, logprobs=value)
+        assert bad.value.body["param"] == "logprobs"  # type: ignore[index]
+    await stack.wait_idle()
+
+
 # --- errors ---
 async def test_errors_surface_as_openai_exceptions(bpe: HttpStack) -> None:
     client = aclient(bpe)
@@ -322,8 +404,8 @@ async def test_errors_surface_as_openai_exceptions(bpe: HttpStack) -> None:
         await client.chat.completions.create(model="", messages=CHAT, temperature=-1)
     assert "temperature" in bad.value.message
     with pytest.raises(openai.BadRequestError) as bad:
-        await client.chat.completions.create(model="", messages=CHAT, logprobs=True)
-    assert bad.value.body["param"] == "logprobs"  # type: ignore[index]
+        await client.completions.create(model="", prompt="hi", echo=True)
+    assert bad.value.body["param"] == "echo"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError) as bad:
         await client.chat.completions.create(model="", messages=CHAT, max_tokens=10_000)
     assert "max_model_len" in bad.value.message

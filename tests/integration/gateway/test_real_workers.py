@@ -227,3 +227,35 @@ async def test_bad_penalties_are_invalid_argument(stack: Stack, fields: dict[str
         await stack.stub.Complete(gateway_pb2.GenerateRequest(prompt="x", **fields), timeout=30)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert words in (err.value.details() or "")
+
+
+@pytest.mark.parametrize("seed", [None, 5], ids=["greedy", "seeded"])
+async def test_logprobs_modes_agree_stream_and_unary(stack: Stack, seed: int | None) -> None:
+    """The first token's logprobs come from the prefill worker, the rest from the decode worker:
+    the same as unified to 1e-5, one per counted token, streamed as unary."""
+    sampled = {"temperature": 1.0, "seed": seed, "top_k": 50} if seed is not None else {"temperature": 0.0}
+    fields = dict(prompt=PROMPTS[1], max_tokens=10, return_token_ids=True, logprobs=4, **sampled)
+    runs = {
+        mode: await stack.run(mode, **fields, presence_penalty=0.5) for mode in ("disaggregated", "unified")
+    }
+    got = {}
+    for mode, (frames, done) in runs.items():
+        check_consistent(frames, done, 10)
+        streamed = [lp for f in frames for lp in f.logprobs]
+        assert [lp.token_id for lp in streamed] == ids_of(frames) == [lp.token_id for lp in done.logprobs]
+        assert len(streamed) == done.usage.completion_tokens
+        for lp in streamed:
+            assert len(lp.top_logprobs) == 4 and lp.logprob <= 0.0
+            if seed is None:
+                assert lp.top_logprobs[0].token_id == lp.token_id
+        got[mode] = [(lp.logprob, [t.logprob for t in lp.top_logprobs]) for lp in done.logprobs]
+    for (a, tops_a), (b, tops_b) in zip(got["disaggregated"], got["unified"], strict=True):
+        assert abs(a - b) <= 1e-5 and all(abs(x - y) <= 1e-5 for x, y in zip(tops_a, tops_b, strict=True))
+    frames, done = await stack.run("disaggregated", **{**fields, "logprobs": 0})
+    assert all(len(lp.top_logprobs) == 0 for lp in done.logprobs) and len(done.logprobs) == 10
+    plain, plain_done = await stack.run("disaggregated", prompt=PROMPTS[1], max_tokens=3)
+    assert not plain_done.logprobs and not any(f.logprobs for f in plain)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stack.stub.Complete(gateway_pb2.GenerateRequest(prompt="x", logprobs=21), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "logprobs (alternatives per token) must be in [0, 20]" in (err.value.details() or "")

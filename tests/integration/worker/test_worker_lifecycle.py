@@ -111,8 +111,9 @@ async def test_registers_heartbeats_reregisters_and_deregisters(tiny_model: Path
                 "draft_token_ids",
                 "first_output_index",
                 "sampling_penalties",
+                "logprobs",
             ]
-            assert info.proto_version == "1.4"
+            assert info.proto_version == "1.5"
             assert info.max_model_len == settings.max_model_len
             assert info.device == "cpu"
             assert set(lm.heartbeats) == {w.app.worker_id}

@@ -10,7 +10,7 @@ import pytest
 from services.gateway import http_convert as conv
 from services.gateway import http_models as m
 from services.gateway.accounting import CacheStats, Usage
-from services.gateway.request import ChatTurn
+from services.gateway.request import ChatTurn, TokenLogprob
 from shared import errors
 
 
@@ -94,6 +94,32 @@ def test_penalties_bias_and_min_tokens_reach_the_domain_input() -> None:
     assert err.value.param == "logit_bias"
 
 
+def test_logprobs_fields_and_their_json() -> None:
+    assert chat(logprobs=True, top_logprobs=5).inputs[0].logprobs == 5
+    assert chat(logprobs=True).inputs[0].logprobs == 0
+    assert chat(logprobs=False).inputs[0].logprobs is None
+    assert chat(top_logprobs=0).inputs[0].logprobs is None
+    assert completion(prompt="x", logprobs=3).inputs[0].logprobs == 3
+    for kw in (
+        {"top_logprobs": 2},
+        {"logprobs": True, "top_logprobs": 21},
+        {"logprobs": True, "top_logprobs": -1},
+    ):
+        with pytest.raises(conv.InvalidParam) as err:
+            chat(**kw)
+        assert err.value.param == "top_logprobs"
+    texts = {1: "a", 2: "bc", 3: "\u00e9"}
+    lps = [TokenLogprob(1, -0.5, ((1, -0.5), (2, float("-inf")))), TokenLogprob(3, -1.25, ())]
+    body = conv.chat_logprobs(lps, texts.__getitem__)
+    assert body.content is not None and [e.token for e in body.content] == ["a", "\u00e9"]
+    assert body.content[0].top_logprobs[1].logprob == conv.LOGPROB_FLOOR  # JSON has no -inf
+    assert body.content[1].bytes == [0xC3, 0xA9]
+    legacy = conv.completion_logprobs(lps, texts.__getitem__, text_offset=10)
+    assert legacy.tokens == ["a", "\u00e9"] and legacy.token_logprobs == [-0.5, -1.25]
+    assert legacy.top_logprobs == [{"a": -0.5, "bc": conv.LOGPROB_FLOOR}, {}]
+    assert legacy.text_offset == [10, 11]
+
+
 def test_completion_refusals() -> None:
     for prompt in ([], [-1]):
         with pytest.raises(conv.InvalidParam):
@@ -103,10 +129,11 @@ def test_completion_refusals() -> None:
 
 
 def test_unsupported_fields_refused_unknown_ignored() -> None:
-    assert conv.unsupported_and_unknown({"logprobs": False, "tools": [], "vendor_x": 1}) == ["vendor_x"]
+    assert conv.unsupported_and_unknown({"echo": False, "tools": [], "vendor_x": 1}) == ["vendor_x"]
     assert conv.unsupported_and_unknown({"response_format": {"type": "text"}, "best_of": 1}) == []
     for name, value in (
-        ("logprobs", True),
+        ("echo", True),
+        ("prompt_logprobs", 1),
         ("tools", [{"type": "function"}]),
         ("response_format", {"type": "json_object"}),
     ):

@@ -152,6 +152,8 @@ def test_penalties_bias_and_min_tokens_in_range_pass() -> None:
         ({"logit_bias": tuple((i, 1.0) for i in range(1025))}, "logit_bias", "limit is 1024"),
         ({"min_tokens": -1}, "min_tokens", ">= 0"),
         ({"min_tokens": 6, "max_tokens": 5}, "min_tokens", "<= max_tokens"),
+        ({"logprobs": 21}, "logprobs", "[0, 20]"),
+        ({"logprobs": -1}, "logprobs", "[0, 20]"),
     ],
 )
 def test_bad_penalties_bias_and_min_tokens_name_the_field(
