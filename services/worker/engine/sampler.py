@@ -3,10 +3,10 @@ greedy, temperature, top-k, top-p, per-request seeded generators.
 
 The order is vLLM v1's: min_tokens masks the stop tokens, logit_bias is added, then the
 repetition, frequency and presence penalties apply; temperature, top-k and top-p then shape the
-distribution the draw uses. Every processor is batched over the rows that use it (index and
-bincount ops over the whole vocabulary, no Python loop over it), and each row's result depends
-only on that row's logits, parameters and tokens, so a request gets the same tokens whatever else
-is in the batch, on a prefill worker (its first token) as on a decode worker.
+distribution the draw uses. Every processor is batched over the rows that use it (indexed ops
+over the (row, token) pairs involved, never a Python loop over the vocabulary), and each row's
+result depends only on that row's logits, parameters and tokens, so a request gets the same tokens
+whatever else is in the batch, on a prefill worker (its first token) as on a decode worker.
 
 Sampling uses the exponential-race form of categorical sampling (argmax of p / E with E ~ Exp(1)),
 so each request draws its noise from its own generator: a seeded request gets the same tokens
@@ -67,7 +67,7 @@ def process_logits(
     hist: Sequence[TokenHistory | None] = histories if histories is not None else [None] * n
 
     def writable() -> torch.Tensor:
-        return out.clone() if out is logits else out
+        return out.clone(memory_format=torch.contiguous_format) if out is logits else out
 
     # min_tokens: the stop tokens are masked while the output is shorter than min_tokens
     ban_rows: list[int] = []
@@ -99,7 +99,9 @@ def process_logits(
             accumulate=True,
         )
 
-    # penalties: per-row token counts as one bincount over (row, token) pairs
+    # penalties: sparse over the (row, token) pairs that occur; work grows with the tokens of the
+    # penalized rows, not with their vocabulary (a dense [rows, vocab] pass costs ~2 ms per op
+    # for 8 rows of a 49k vocabulary on one core: the whole step is ~45 ms)
     rows = [
         i
         for i, (p, h) in enumerate(zip(params, hist, strict=True))
@@ -108,35 +110,38 @@ def process_logits(
     ]
     if rows:
         out = writable()
-        out_flat: list[int] = []
-        all_flat: list[int] = []
-        for k, i in enumerate(rows):
+        flat = out.view(-1)
+        seen_parts: list[torch.Tensor] = []
+        out_parts: list[torch.Tensor] = []
+        for i in rows:
             h = hist[i]
             assert h is not None
-            base = k * vocab
-            out_flat.extend(base + t for t in h.output_token_ids if 0 <= t < vocab)
-            if params[i].repetition_penalty != 1.0:
-                all_flat.extend(base + t for t in h.token_ids if 0 <= t < vocab)
-        size = len(rows) * vocab
-        counts = _bincount(out_flat, size, device).view(len(rows), vocab).to(out.dtype)
-        idx = torch.tensor(rows, device=device)
-        sub = out.index_select(0, idx)
-        rep = torch.tensor([params[i].repetition_penalty for i in rows], device=device, dtype=out.dtype)
-        if bool((rep != 1.0).any()):
-            seen = _bincount(all_flat, size, device).view(len(rows), vocab) > 0
-            penalized = torch.where(sub > 0, sub / rep[:, None], sub * rep[:, None])
-            sub = torch.where(seen, penalized, sub)
-        freq = torch.tensor([params[i].frequency_penalty for i in rows], device=device, dtype=out.dtype)
-        pres = torch.tensor([params[i].presence_penalty for i in rows], device=device, dtype=out.dtype)
-        sub = sub - freq[:, None] * counts - pres[:, None] * (counts > 0).to(out.dtype)
-        out.index_copy_(0, idx, sub)
+            p = params[i]
+            if p.repetition_penalty != 1.0:
+                seen_parts.append(_flat_ids(h.token_ids, i, vocab, device))
+            if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+                out_parts.append(_flat_ids(h.output_token_ids, i, vocab, device))
+        if seen_parts:
+            seen = torch.unique(torch.cat(seen_parts))
+            rep = torch.tensor([p.repetition_penalty for p in params], device=device, dtype=out.dtype)
+            rep_of = rep[seen // vocab]
+            vals = flat[seen]
+            flat[seen] = torch.where(vals > 0, vals / rep_of, vals * rep_of)
+        if out_parts:
+            occurring, counts = torch.unique(torch.cat(out_parts), return_counts=True)
+            freq = torch.tensor([p.frequency_penalty for p in params], device=device, dtype=out.dtype)
+            pres = torch.tensor([p.presence_penalty for p in params], device=device, dtype=out.dtype)
+            row_of = occurring // vocab
+            flat[occurring] -= freq[row_of] * counts.to(out.dtype) + pres[row_of]
     return out
 
 
-def _bincount(flat: list[int], size: int, device: torch.device) -> torch.Tensor:
-    if not flat:
-        return torch.zeros(size, dtype=torch.long, device=device)
-    return torch.bincount(torch.tensor(flat, device=device), minlength=size)
+def _flat_ids(token_ids: Sequence[int], row: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """Indices into a flattened [n, vocab] tensor of row `row`'s tokens (ids outside the
+    vocabulary dropped)."""
+    ids = torch.tensor(token_ids, dtype=torch.long, device=device)
+    ids = ids[(ids >= 0) & (ids < vocab)]
+    return ids + row * vocab
 
 
 def sample(
@@ -175,10 +180,13 @@ def sample_with_logprobs(
     if not rows:
         return tokens, result
     idx = torch.tensor(rows, device=logits.device)
-    dist = processed.index_select(0, idx)
-    if scaled is not None:
+    if scaled is None or all(greedy[i] for i in rows):
+        dist = processed.index_select(0, idx)
+    elif not any(greedy[i] for i in rows):
+        dist = scaled.index_select(0, idx)
+    else:
         use_scaled = torch.tensor([not greedy[i] for i in rows], device=logits.device)[:, None]
-        dist = torch.where(use_scaled, scaled.index_select(0, idx), dist)
+        dist = torch.where(use_scaled, scaled.index_select(0, idx), processed.index_select(0, idx))
     logp = dist.log_softmax(dim=-1)
     chosen = logp.gather(1, tokens.index_select(0, idx)[:, None])[:, 0]
     max_k = max(params[i].logprobs or 0 for i in rows)
