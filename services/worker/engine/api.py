@@ -27,6 +27,7 @@ from typing import Protocol
 # The cluster types this contract speaks in (defined once, in shared.cluster).
 from services.worker.engine.spec.stats import SpecStats
 from shared.cluster import FinishReason, KvLayout, RankLoad
+from shared.structured_output import StructuredOutput
 
 
 class RequestKind(enum.Enum):
@@ -67,6 +68,8 @@ class SamplingConfig:
     # per generated token: its log-probability and this many most likely alternatives (0-20)
     # under the distribution the sampler drew from (sampler.py); None = no logprobs
     logprobs: int | None = None
+    # the output must match this (engine/structured.py); None = unconstrained
+    structured: StructuredOutput | None = None
 
     @property
     def needs_history(self) -> bool:

@@ -16,7 +16,7 @@ from services.worker.engine.api import KvLayout, SamplingConfig, TokenLogprobs
 from services.worker.engine.attention import AttentionBackend
 from services.worker.engine.decode_graphs import DecodeGraphs, DecodeSeq
 from services.worker.engine.lean_llama import LeanLlama
-from services.worker.engine.sampler import TokenHistory, sample, sample_with_logprobs
+from services.worker.engine.sampler import TokenHistory, apply_allowed, sample, sample_with_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,8 @@ class ScheduledSeq:
     # the tokens before the first sampled position, for penalties and min_tokens (None: unused);
     # the proposals verified at the end of token_ids extend it for the later positions
     history: TokenHistory | None = None
+    # structured output: allowed tokens per sampled position [num_logits, vocab] (bool)
+    allowed: torch.Tensor | None = None
     # filled by the runner when sampling.logprobs is set: one entry per sampled position
     logprobs: list[TokenLogprobs] = field(default_factory=list)
 
@@ -399,6 +401,11 @@ def _sample(logits: torch.Tensor, sampled_seqs: list[ScheduledSeq]) -> list[list
         for s in sampled_seqs
         for j in range(s.num_logits)
     ]
+    if any(s.allowed is not None for s in sampled_seqs):
+        masks = [
+            s.allowed[j] if s.allowed is not None else None for s in sampled_seqs for j in range(s.num_logits)
+        ]
+        logits = apply_allowed(logits, masks)
     if any(p.logprobs is not None for p in params):
         drawn, logprobs = sample_with_logprobs(logits, params, gens, seeds, histories)
     else:

@@ -280,6 +280,7 @@ class Rank:
             num_logits=max(1, num_logits),
             draw_seeds=tuple(r.draw_seed(j) for j in range(num_logits)),
             history=r.token_history(self.eos_token_ids) if s.samples else None,
+            allowed=r.grammar.masks(drafts) if r.grammar is not None and s.samples else None,
         )
 
     def _postprocess(

@@ -20,6 +20,8 @@ from services.worker.engine.sampler import TokenHistory
 if TYPE_CHECKING:
     import torch
 
+    from services.worker.engine.structured import GrammarState
+
 
 class RequestStatus(enum.IntEnum):
     """Order means something: everything from FINISHED on no longer takes part in anything."""
@@ -123,6 +125,8 @@ class Request:
     spec: SpecRecord = field(default_factory=lambda: SpecRecord())  # replaced, never mutated
     # with sampling.logprobs: one entry per token this engine generated (num_generated_tokens)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # structured output: the matcher fed every output token (engine/structured.py)
+    grammar: GrammarState | None = None
 
     @classmethod
     def from_engine_request(
@@ -212,6 +216,8 @@ class Request:
             self.token_ids.append(token)
             if logprobs is not None:
                 self.output_logprobs.append(logprobs)
+            if self.grammar is not None:
+                self.grammar.accept(token)
             is_stop_token = token in sp.stop_token_ids
             hit = self.text.add_token(token, show=sp.include_stop_in_output or not is_stop_token)
             if is_stop_token or hit:
@@ -244,6 +250,8 @@ class Request:
         older prefill worker did not check it)."""
         self.token_ids.append(first_token_id)
         self.num_handoff_tokens = 1
+        if self.grammar is not None:
+            self.grammar.accept(first_token_id)
         if self.text.add_token(first_token_id, show=True):
             return FinishReason.STOP
         self.text.take(final=False)

@@ -53,6 +53,24 @@ class TokenHistory:
         )
 
 
+def apply_allowed(logits: torch.Tensor, masks: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    """Structured outputs: a row with a mask (bool [vocab], engine/structured.py) keeps only its
+    allowed tokens; applied before every other processor (as in vLLM), so penalties, bias,
+    temperature and logprobs all see the constrained distribution. Returns a new tensor."""
+    rows = [i for i, m in enumerate(masks) if m is not None]
+    vocab = logits.shape[1]
+    allowed = torch.zeros(len(rows), vocab, dtype=torch.bool)
+    for k, i in enumerate(rows):
+        mask = masks[i]
+        assert mask is not None
+        n = min(vocab, mask.shape[0])
+        allowed[k, :n] = mask[:n]
+    idx = torch.tensor(rows, device=logits.device)
+    out = logits.clone()
+    out[idx] = out[idx].masked_fill(~allowed.to(logits.device), float("-inf"))
+    return out
+
+
 def process_logits(
     logits: torch.Tensor,
     params: Sequence[SamplingConfig],
