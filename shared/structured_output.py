@@ -9,6 +9,7 @@ triton and apache-tvm-ffi."""
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -27,12 +28,44 @@ class StructuredOutput:
     choices: tuple[str, ...] = ()
 
 
+def from_fields(
+    json_schema: str = "", json_object: bool = False, regex: str = "", choice: tuple[str, ...] = ()
+) -> StructuredOutput | None:
+    """The constraint a StructuredOutput message (or equivalent fields) sets; None when none is
+    set. Raises InvalidStructuredOutput when more than one is."""
+    given = [
+        name
+        for name, v in (
+            ("json_schema", json_schema),
+            ("json_object", json_object),
+            ("regex", regex),
+            ("choice", choice),
+        )
+        if v
+    ]
+    if len(given) > 1:
+        raise InvalidStructuredOutput(
+            f"set exactly one of json_schema, json_object, regex, choice; got {' and '.join(given)}"
+        )
+    if not given:
+        return None
+    if json_schema:
+        return StructuredOutput("json_schema", json_schema)
+    if json_object:
+        return StructuredOutput("json_object")
+    if regex:
+        return StructuredOutput("regex", regex)
+    return StructuredOutput("choice", choices=tuple(choice))
+
+
 class InvalidStructuredOutput(ValueError):
     """The constraint cannot be compiled (the message says why)."""
 
 
+@functools.lru_cache(maxsize=256)
 def grammar_of(s: StructuredOutput) -> str:
-    """The llguidance grammar text of a constraint. Raises InvalidStructuredOutput."""
+    """The llguidance grammar text of a constraint (cached per constraint). Raises
+    InvalidStructuredOutput."""
     import llguidance
 
     # JSON as json.dumps writes it (", " and ": ", no other whitespace): with free whitespace a

@@ -28,6 +28,7 @@ from services.gateway.request import (
 )
 from shared.cluster_convert import finish_reason_from_pb, finish_reason_to_pb, serving_mode_from_pb
 from shared.proto import common_pb2, gateway_pb2, scheduler_pb2, worker_pb2
+from shared.structured_output_pb import structured_from_pb, structured_to_pb
 
 _FRAME_KIND_TO_PB = {
     FrameKind.FIRST: gateway_pb2.FRAME_KIND_FIRST,
@@ -65,6 +66,7 @@ def generate_input(req: gateway_pb2.GenerateRequest) -> GenerateInput:
         logit_bias=tuple(req.logit_bias.items()),
         min_tokens=req.min_tokens if req.HasField("min_tokens") else None,
         logprobs=req.logprobs if req.HasField("logprobs") else None,
+        structured=structured_from_pb(req.structured) if req.HasField("structured") else None,
     )
 
 
@@ -201,6 +203,8 @@ def sampling_to_pb(s: Sampling) -> common_pb2.SamplingParams:
         msg.min_tokens = s.min_tokens
     if s.logprobs is not None:
         msg.logprobs = s.logprobs
+    if s.structured is not None:
+        msg.structured.CopyFrom(structured_to_pb(s.structured))
     return msg
 
 

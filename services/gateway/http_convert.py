@@ -6,6 +6,7 @@ names) is checked here."""
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from services.gateway.request import ChatTurn, GenerateInput, TokenLogprob
 from shared.cluster import FinishReason
 from shared.errors import InvalidArgument
 from shared.grpc_errors import GENERIC_INTERNAL_MESSAGE, status_for
+from shared.structured_output import InvalidStructuredOutput, StructuredOutput, grammar_of
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit (the gRPC API's logprobs has the same)
 # JSON has no -inf: a token top-k / top-p ruled out gets this logprob instead (as in vLLM)
@@ -36,7 +38,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
     "best_of": (None, 1),
     "min_p": (None, 0),
-    "response_format": (None, {"type": "text"}),
     "tools": (None, []),
     "tool_choice": (None, "none", "auto"),
     "parallel_tool_calls": (None, True),
@@ -47,9 +48,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "prediction": (None,),
     "reasoning_effort": (None,),
     "web_search_options": (None,),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
     "guided_grammar": (None,),
 }
 
@@ -99,6 +97,60 @@ def _seed(seed: int | None, choice: int) -> int | None:
     return (seed + choice * _SEED_STRIDE) % SEED_RANGE
 
 
+def _structured(req: m._GenerationRequest) -> StructuredOutput | None:
+    """response_format (OpenAI) or guided_json / guided_regex / guided_choice (vLLM), at most one;
+    each refusal names its field. The constraint itself is checked here too (same grammar as the
+    workers'), so a bad schema or regex is a 400 naming the field the client sent."""
+    given = [
+        name
+        for name, value in (
+            ("response_format", req.response_format not in (None, {"type": "text"})),
+            ("guided_json", req.guided_json is not None),
+            ("guided_regex", req.guided_regex is not None),
+            ("guided_choice", req.guided_choice is not None),
+        )
+        if value
+    ]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise InvalidParam(f"set one of {' and '.join(given)}, not several", given[1])
+    name = given[0]
+    spec: StructuredOutput
+    if name == "response_format":
+        spec = _response_format(req.response_format or {})
+    elif name == "guided_json":
+        schema = req.guided_json
+        spec = StructuredOutput("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
+    elif name == "guided_regex":
+        spec = StructuredOutput("regex", req.guided_regex or "")
+    else:
+        spec = StructuredOutput("choice", choices=tuple(req.guided_choice or ()))
+    try:
+        grammar_of(spec)
+    except InvalidStructuredOutput as exc:
+        raise InvalidParam(f"{name}: {exc}", name) from None
+    return spec
+
+
+def _response_format(rf: dict[str, Any]) -> StructuredOutput:
+    kind = rf.get("type")
+    if kind == "json_object":
+        return StructuredOutput("json_object")
+    if kind != "json_schema":
+        raise InvalidParam(
+            f"response_format.type must be text, json_object or json_schema, got {kind!r}", "response_format"
+        )
+    body = rf.get("json_schema")
+    schema = body.get("schema") if isinstance(body, dict) else None
+    if not isinstance(schema, dict):
+        raise InvalidParam(
+            'response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}',
+            "response_format",
+        )
+    return StructuredOutput("json_schema", json.dumps(schema))
+
+
 def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     """OpenAI's {"token id": bias} (JSON keys are strings); ranges are checked by the domain."""
     pairs = []
@@ -124,6 +176,7 @@ def _common(req: m._GenerationRequest, max_tokens: int | None) -> dict[str, Any]
         raise InvalidParam("stream_options is only allowed with stream: true", "stream_options")
     return dict(
         model=req.model,
+        structured=_structured(req),
         presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty,

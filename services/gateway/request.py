@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from services.gateway import accounting
 from services.gateway.accounting import CacheStats, FrameSource, Segment, Usage, WorkerCount
 from shared.cluster import FinishReason
+from shared.structured_output import StructuredOutput
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class GenerateInput:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), in the client's order
     min_tokens: int | None = None
     logprobs: int | None = None  # alternatives per token (0-20); None = no logprobs
+    structured: StructuredOutput | None = None  # what the output must match
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,7 @@ class Sampling:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by token id
     min_tokens: int = 0  # counted from output index 0 (unchanged by a migration)
     logprobs: int | None = None  # alternatives per token (0-20); None = no logprobs
+    structured: StructuredOutput | None = None  # what the output must match (validated)
 
 
 def new_request_id() -> str:

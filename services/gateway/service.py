@@ -137,6 +137,7 @@ class GatewayService:
             logit_bias=tuple(sorted((t, float(b)) for t, b in inp.logit_bias if b != 0.0)),
             min_tokens=inp.min_tokens or 0,
             logprobs=inp.logprobs,
+            structured=inp.structured,
         )
         return PreparedRequest(
             request_id=inp.request_id or new_request_id(),

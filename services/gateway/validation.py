@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from services.gateway.request import GenerateInput
 from shared.errors import InvalidArgument, NotFound
+from shared.structured_output import InvalidStructuredOutput, grammar_of
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 MAX_REQUEST_ID_CHARS = 128
@@ -82,6 +83,11 @@ def validate_input(req: GenerateInput, limits: Limits, served_model: str) -> Non
             )
     validate_request_id(req.request_id)
     validate_penalties(req)
+    if req.structured is not None:
+        try:
+            grammar_of(req.structured)  # cached per constraint; the workers compile the same
+        except InvalidStructuredOutput as exc:
+            raise InvalidField(f"structured output ({req.structured.kind}): {exc}", "structured") from None
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
         raise InvalidField(
             f"logprobs (alternatives per token) must be in [0, {MAX_LOGPROBS}], got {req.logprobs}",

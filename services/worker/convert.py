@@ -24,6 +24,7 @@ from services.worker.messages import (
 from shared.cluster import RankLoad
 from shared.cluster_convert import finish_reason_to_pb, kv_layout_from_pb, rank_load_to_pb
 from shared.proto import common_pb2, worker_pb2
+from shared.structured_output_pb import structured_from_pb
 
 _FRAME_KIND_TO_PB = {
     FrameKind.ADMITTED: worker_pb2.DECODE_FRAME_KIND_ADMITTED,
@@ -52,6 +53,7 @@ def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingConfig:
         logit_bias=tuple(sorted(pb.logit_bias.items())),
         min_tokens=pb.min_tokens,
         logprobs=pb.logprobs if pb.HasField("logprobs") else None,
+        structured=structured_from_pb(pb.structured) if pb.HasField("structured") else None,
     )
 
 

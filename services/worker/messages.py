@@ -19,13 +19,15 @@ CAPABILITIES = (
     "first_output_index",
     "sampling_penalties",
     "logprobs",
+    "structured_outputs",
 )
 # Contract version implemented: 1.0 = compat/v1.0; 1.1 added the optional generated_tokens fields;
 # 1.2 added KvChunk.draft_token_ids and RankLoad's speculative-decoding counts.
 # 1.3 added SamplingParams.first_output_index and unshown_tail_tokens (request migration).
 # 1.4 added SamplingParams' penalties, logit_bias and min_tokens (capability "sampling_penalties").
 # 1.5 added SamplingParams.logprobs and the logprobs of PrefillResponse / DecodeFrame ("logprobs").
-PROTO_VERSION = "1.5"
+# 1.6 added SamplingParams.structured (capability "structured_outputs").
+PROTO_VERSION = "1.6"
 
 
 @dataclass(frozen=True)

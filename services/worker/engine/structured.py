@@ -4,14 +4,16 @@ masks for the sampler, and the tokens it accepted (Request.append_output_token f
 The grammar state is never shipped: a decode worker builds its own matcher from the request's
 StructuredOutput and replays the accepted tokens (the handed-off first token; a migrated request's
 generated prompt tail), so prefill, decode and migration constrain identically. Grammars are
-compiled once per constraint (a small LRU cache) in the caller's thread when the request is
+compiled once per constraint (shared.structured_output's LRU cache) in the caller's thread when the request is
 added, never in the step loop; the tokenizer's llguidance view (~0.4 s for SmolLM2) is built at
 the first constrained request."""
 
 from __future__ import annotations
 
+import copy
+import json
+import re
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,8 +22,6 @@ import torch
 
 from shared.errors import InvalidArgument
 from shared.structured_output import InvalidStructuredOutput, StructuredOutput, grammar_of
-
-_CACHE_ENTRIES = 256
 
 
 class GrammarState:
@@ -57,6 +57,32 @@ class GrammarState:
         return torch.stack(rows)
 
 
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+def ll_tokenizer(hf_tokenizer: Any, vocab_size: int) -> Any:
+    """llguidance's view of a fast HF tokenizer (llguidance.hf.from_tokenizer, ~0.4 s for
+    SmolLM2). Byte-fallback tokens (<0xXX>) that a tokenizer also registers as special added
+    tokens are left to the BPE model, where llguidance reads them as the bytes they stand for:
+    as special tokens its mask allowed them but consuming one was an error."""
+    import llguidance
+
+    backend = copy.copy(hf_tokenizer.backend_tokenizer)
+    backend.no_padding()
+    backend.no_truncation()
+    spec = json.loads(backend.to_str())
+    model = spec.get("model") or {}
+    if model.get("byte_fallback"):
+        spec["added_tokens"] = [
+            t
+            for t in spec.get("added_tokens", [])
+            if not (
+                _BYTE_TOKEN.fullmatch(t.get("content", "")) and t.get("content") in model.get("vocab", {})
+            )
+        ]
+    return llguidance.LLTokenizer(json.dumps(spec), n_vocab=vocab_size, eos_token=hf_tokenizer.eos_token_id)
+
+
 def _unpack(bitmask: bytes, vocab: int) -> torch.Tensor:
     """llguidance's bitmask (little-endian int32 words, bit k of word w = token 32 w + k) ->
     bool [vocab]. numpy's unpackbits: ~10 us for 49k tokens on one thread, where the same in
@@ -72,37 +98,23 @@ class Grammars:
         self._hf_tokenizer = tokenizer
         self._vocab = vocab_size
         self._ll_tokenizer: Any = None
-        self._grammars: OrderedDict[StructuredOutput, str] = OrderedDict()
         self._lock = threading.Lock()
 
     def _tokenizer(self) -> Any:
         if self._ll_tokenizer is None:
-            import llguidance.hf
-
-            self._ll_tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self._vocab)
+            self._ll_tokenizer = ll_tokenizer(self._hf_tokenizer, self._vocab)
         return self._ll_tokenizer
-
-    def _grammar(self, spec: StructuredOutput) -> str:
-        grammar = self._grammars.get(spec)
-        if grammar is None:
-            try:
-                grammar = grammar_of(spec)
-            except InvalidStructuredOutput as exc:
-                raise InvalidArgument(f"structured output ({spec.kind}): {exc}") from None
-            self._grammars[spec] = grammar
-            if len(self._grammars) > _CACHE_ENTRIES:
-                self._grammars.popitem(last=False)
-        else:
-            self._grammars.move_to_end(spec)
-        return grammar
 
     def new_state(self, spec: StructuredOutput, replay: Sequence[int] = ()) -> GrammarState:
         """A matcher at the start of the output, then fed `replay` (tokens already generated: a
         migrated request's). Raises InvalidArgument for a constraint that does not compile."""
         import llguidance
 
+        try:
+            grammar = grammar_of(spec)  # cached per constraint
+        except InvalidStructuredOutput as exc:
+            raise InvalidArgument(f"structured output ({spec.kind}): {exc}") from None
         with self._lock:
-            grammar = self._grammar(spec)
             tokenizer = self._tokenizer()
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():

@@ -7,12 +7,15 @@ The scheduler is a stand-in that routes by the test's choice of mode."""
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
+import jsonschema
 import pytest
 import pytest_asyncio
 
@@ -259,3 +262,48 @@ async def test_logprobs_modes_agree_stream_and_unary(stack: Stack, seed: int | N
         await stack.stub.Complete(gateway_pb2.GenerateRequest(prompt="x", logprobs=21), timeout=30)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "logprobs (alternatives per token) must be in [0, 20]" in (err.value.details() or "")
+
+
+async def test_structured_outputs_modes_agree_and_bad_ones_are_refused(stack: Stack) -> None:
+    """The prefill worker constrains the first token, the decode worker replays it into its own
+    matcher: the same tokens as unified, every output matching, counted exactly."""
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+    }
+    constraints = [
+        common_pb2.StructuredOutput(json_schema=json.dumps(schema)),
+        common_pb2.StructuredOutput(regex=r"(ab|cd){2,3}!"),
+        common_pb2.StructuredOutput(choice=["alpha", "beta", "日本"]),
+    ]
+    for k, structured in enumerate(constraints):
+        fields = dict(prompt=PROMPTS[k], max_tokens=40, temperature=1.0, seed=k, return_token_ids=True)
+        runs = {
+            mode: await stack.run(mode, **fields, structured=structured)
+            for mode in ("disaggregated", "unified")
+        }
+        (disagg, disagg_done), (unified, unified_done) = runs["disaggregated"], runs["unified"]
+        assert ids_of(disagg) == ids_of(unified) and disagg_done.text == unified_done.text
+        for frames, done in runs.values():
+            check_consistent(frames, done, 40)
+            assert done.finish_reason == STOP
+        text = unified_done.text
+        if k == 0:
+            jsonschema.validate(json.loads(text), schema)
+        elif k == 1:
+            assert re.fullmatch(r"(ab|cd){2,3}!", text), text
+        else:
+            assert text in ("alpha", "beta", "日本")
+    for structured, words in (
+        (common_pb2.StructuredOutput(json_schema="{nope"), "not valid JSON"),
+        (common_pb2.StructuredOutput(regex="[z-a]"), "regex"),
+        (common_pb2.StructuredOutput(regex="a", choice=["a"]), "set exactly one of"),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stack.stub.Complete(
+                gateway_pb2.GenerateRequest(prompt="x", structured=structured), timeout=30
+            )
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert words in (err.value.details() or ""), err.value.details()

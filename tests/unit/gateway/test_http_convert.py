@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import grpc
@@ -12,6 +13,7 @@ from services.gateway import http_models as m
 from services.gateway.accounting import CacheStats, Usage
 from services.gateway.request import ChatTurn, TokenLogprob
 from shared import errors
+from shared.structured_output import StructuredOutput
 
 
 def chat(**kw: Any) -> conv.Plan:
@@ -120,6 +122,40 @@ def test_logprobs_fields_and_their_json() -> None:
     assert legacy.text_offset == [10, 11]
 
 
+def test_response_format_and_guided_fields_become_a_constraint() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    (inp,) = chat(
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    ).inputs
+    assert inp.structured == StructuredOutput("json_schema", json.dumps(schema))
+    assert chat(response_format={"type": "json_object"}).inputs[0].structured == StructuredOutput(
+        "json_object"
+    )
+    assert chat(response_format={"type": "text"}).inputs[0].structured is None
+    assert completion(prompt="x", guided_regex="a+").inputs[0].structured == StructuredOutput("regex", "a+")
+    assert completion(prompt="x", guided_choice=["a", "b"]).inputs[0].structured == StructuredOutput(
+        "choice", choices=("a", "b")
+    )
+    assert completion(prompt="x", guided_json=schema).inputs[0].structured == StructuredOutput(
+        "json_schema", json.dumps(schema)
+    )
+    for kw, param in (
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": []}}}, "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 3}}}},
+            "response_format",
+        ),
+        ({"guided_regex": "("}, "guided_regex"),
+        ({"guided_json": "{"}, "guided_json"),
+        ({"guided_choice": ["a", ""]}, "guided_choice"),
+        ({"guided_json": schema, "response_format": {"type": "json_object"}}, "guided_json"),
+    ):
+        with pytest.raises(conv.InvalidParam) as err:
+            chat(**kw)
+        assert err.value.param == param, kw
+
+
 def test_completion_refusals() -> None:
     for prompt in ([], [-1]):
         with pytest.raises(conv.InvalidParam):
@@ -130,12 +166,12 @@ def test_completion_refusals() -> None:
 
 def test_unsupported_fields_refused_unknown_ignored() -> None:
     assert conv.unsupported_and_unknown({"echo": False, "tools": [], "vendor_x": 1}) == ["vendor_x"]
-    assert conv.unsupported_and_unknown({"response_format": {"type": "text"}, "best_of": 1}) == []
+    assert conv.unsupported_and_unknown({"tool_choice": "none", "best_of": 1}) == []
     for name, value in (
         ("echo", True),
         ("prompt_logprobs", 1),
         ("tools", [{"type": "function"}]),
-        ("response_format", {"type": "json_object"}),
+        ("guided_grammar", "start: 'a'"),
     ):
         with pytest.raises(conv.InvalidParam) as err:
             conv.unsupported_and_unknown({name: value})

@@ -17,6 +17,7 @@ from services.gateway.validation import (
     validate_token_ids,
 )
 from shared.errors import InvalidArgument, NotFound
+from shared.structured_output import StructuredOutput
 
 MODEL = "tiny"
 LIMITS = Limits(max_stop_strings=2, max_stop_string_chars=5)
@@ -170,3 +171,17 @@ def test_logit_bias_token_ids_must_be_in_the_vocabulary() -> None:
     with pytest.raises(InvalidField, match=r"logit_bias has token id 10.*vocabulary size 10") as err:
         validate_token_ids((1, 2), (), 10, ((10, 1.0),))
     assert err.value.param == "logit_bias"
+
+
+def test_structured_outputs_are_compiled_at_the_gateway() -> None:
+    check(prompt="x", structured=StructuredOutput("regex", "[a-z]+"))
+    check(prompt="x", structured=StructuredOutput("json_object"))
+    for bad, words in (
+        (StructuredOutput("regex", "[z-a]"), "regex"),
+        (StructuredOutput("json_schema", '{"type": "objectx"}'), "objectx"),
+        (StructuredOutput("json_schema", "[]"), "must be a JSON object"),
+        (StructuredOutput("choice", choices=("",)), "non-empty"),
+    ):
+        with pytest.raises(InvalidField, match=words) as err:
+            check(prompt="x", structured=bad)
+        assert err.value.param == "structured"
