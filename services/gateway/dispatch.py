@@ -34,6 +34,7 @@ from services.gateway.ports import (
     WorkerClient,
     WorkerGone,
     WorkerJob,
+    WorkerLacksFeature,
     WorkerOutOfCapacity,
     WorkerTarget,
     WorkerUnavailable,
@@ -94,6 +95,43 @@ class _Attempt:
     def start(self, address: str) -> None:
         if address not in self.started:
             self.started.append(address)
+
+
+# the worker capability (services/worker/messages.py) each optional sampling feature needs
+def needed_capabilities(s: Sampling) -> set[str]:
+    needed = set()
+    if (
+        s.presence_penalty
+        or s.frequency_penalty
+        or s.repetition_penalty != 1.0
+        or s.logit_bias
+        or s.min_tokens
+    ):
+        needed.add("sampling_penalties")
+    if s.logprobs is not None:
+        needed.add("logprobs")
+    if s.structured is not None:
+        needed.add("structured_outputs")
+    return needed
+
+
+def _check_capabilities(s: Sampling, placement: Placement) -> None:
+    """Raise WorkerLacksFeature when a chosen worker advertises capabilities but not one the
+    request needs (an older worker would ignore the field). Targets without any capabilities
+    listed (an old scheduler) are not checked."""
+    needed = needed_capabilities(s)
+    if not needed:
+        return
+    for target in (placement.prefill, placement.decode):
+        if target is None or not target.capabilities:
+            continue
+        missing = needed - set(target.capabilities)
+        if missing:
+            raise WorkerLacksFeature(
+                f"worker {target.worker_id} is older than this request needs (it lacks "
+                f"{', '.join(sorted(missing))}); retry later, or leave out those fields",
+                target.worker_id,
+            )
 
 
 class Dispatcher:
@@ -241,6 +279,7 @@ class Dispatcher:
             )
             span.set_attribute("pdserve.mode", placement.mode.value)
         attempt.placement = placement
+        _check_capabilities(req.sampling, placement)
         if state.migrations:
             max_tokens = state.max_tokens  # fixed when first scheduled
         else:

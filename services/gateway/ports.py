@@ -44,6 +44,12 @@ class WorkerOutOfCapacity(ResourceExhausted, Retryable):
         self.worker_id = worker_id
 
 
+class WorkerLacksFeature(WorkerOutOfCapacity):
+    """The chosen worker predates a feature the request uses (a cluster mid-upgrade): the request
+    is retried on other workers, and refused as RESOURCE_EXHAUSTED (retry later) when none has it,
+    rather than served with the feature silently ignored."""
+
+
 @dataclass(frozen=True)
 class WorkerTarget:
     worker_id: str

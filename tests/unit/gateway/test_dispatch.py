@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from services.gateway.dispatch import Dispatcher, PreparedRequest
+from services.gateway.dispatch import Dispatcher, PreparedRequest, needed_capabilities
 from services.gateway.ports import (
     DecodeEvent,
     DecodeEventKind,
@@ -27,7 +27,8 @@ from services.gateway.ports import (
 )
 from services.gateway.request import FrameKind, OutputFrame, RequestState, RequestStatus, Sampling
 from shared.cluster import FinishReason, ServingMode
-from shared.errors import DeadlineExceeded, InvalidArgument
+from shared.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
+from shared.structured_output import StructuredOutput
 
 PREFILL = WorkerTarget("p1", "prefill:1", 0)
 DECODE = WorkerTarget("d1", "decode:1", 1)
@@ -519,3 +520,31 @@ async def test_open_breaker_keeps_a_failing_worker_out_of_the_next_requests() ->
     assert sched.queries[1].exclude_worker_ids == ("d1",)  # the retry of the first request
     assert sched.queries[2].exclude_worker_ids == ("d1",)  # the next request: breaker open
     assert breakers.is_open("d1") and not breakers.is_open("d2")
+
+
+# --- features an older worker would silently ignore ---
+
+
+async def test_a_worker_without_a_needed_capability_is_skipped_then_the_request_refused() -> None:
+    old = WorkerTarget("old", "old:1", 0, ("generated_tokens", "first_output_index"))
+    new = WorkerTarget("d2", "decode:2", 0, ("generated_tokens", "logprobs", "sampling_penalties"))
+    workers = FakeWorkers(streams={new.address: [FakeStream([tokens("a", 1), final("b", 2)])]})
+    sched = FakeScheduler([agg(old), agg(new)])
+    req = prepared()
+    req = dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, logprobs=2, min_tokens=1))
+    frames, _ = await run(sched, workers, req)
+    assert "".join(f.text for f in frames) == "ab"
+    assert sched.queries[1].exclude_worker_ids == ("old",)
+    assert len(workers.jobs) == 1  # the old worker got nothing
+    # structured outputs: nobody has them -> RESOURCE_EXHAUSTED naming what is missing
+    sched = FakeScheduler([agg(old), agg(new), agg(new)])
+    req = dataclasses.replace(
+        req, sampling=dataclasses.replace(req.sampling, structured=StructuredOutput("json_object"))
+    )
+    with pytest.raises(ResourceExhausted, match="lacks structured_outputs"):
+        await run(sched, FakeWorkers(), req)
+    # a plain request goes to the old worker; targets without capabilities are not checked
+    assert needed_capabilities(prepared().sampling) == set()
+    plain_workers = FakeWorkers(streams={old.address: [FakeStream([final("x", 1)])]})
+    frames, _ = await run(FakeScheduler([agg(old)]), plain_workers)
+    assert frames[-1].text == "x"
