@@ -34,4 +34,4 @@ def test_bench_sampling_runs_every_variant(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     assert set(result["decode_step_ms"]) == set(bench_sampling.VARIANTS)
     assert result["ratio_vs_plain"]["plain"] == 1.0
-    assert set(result["sampler_alone_ms"]) == set(bench_sampling.VARIANTS)
+    assert set(result["sampler_alone_ms"]) == set(bench_sampling.VARIANTS) - {"json_schema_half"}
