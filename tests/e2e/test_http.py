@@ -98,7 +98,9 @@ def test_sampling_features_through_the_process_stack(keyed_stack: Stack) -> None
     assert all(len(e.top_logprobs) == 2 for e in choice.logprobs.content)
     with pytest.raises(openai.BadRequestError) as bad:
         client.chat.completions.create(
-            model="", messages=[{"role": "user", "content": "x"}], response_format={"type": "xml"}
+            model="",
+            messages=[{"role": "user", "content": "x"}],
+            extra_body={"response_format": {"type": "xml"}},
         )
     assert bad.value.body["param"] == "response_format"  # type: ignore[index]
 
