@@ -97,7 +97,14 @@ def process_logits(
             ban_ids.extend(ids)
     if ban_rows:
         out = writable()
-        out[torch.tensor(ban_rows, device=device), torch.tensor(ban_ids, device=device)] = float("-inf")
+        rows_t, ids_t = torch.tensor(ban_rows, device=device), torch.tensor(ban_ids, device=device)
+        kept = out[rows_t, ids_t]
+        out[rows_t, ids_t] = float("-inf")
+        # a row left with no token at all (a structured output that may only end now) ends:
+        # the constraint wins over min_tokens
+        dead = ~torch.isfinite(out[rows_t]).any(dim=-1)
+        if bool(dead.any()):
+            out[rows_t[dead], ids_t[dead]] = kept[dead]
 
     # logit_bias: sparse (row, token, bias) triples added in one indexed op
     bias_rows: list[int] = []

@@ -81,6 +81,17 @@ def test_processed_logits_match_the_per_row_reference() -> None:
     assert int(picks[5]) == 3
 
 
+def test_min_tokens_never_leaves_a_row_without_tokens() -> None:
+    """A structured output that may only end (only EOS allowed) ends even before min_tokens."""
+    logits = torch.full((2, 6), float("-inf"))
+    logits[:, 2] = 0.5  # only EOS (2) left by the grammar mask
+    logits[1, 4] = 0.1  # row 1 still has another token
+    params = [SamplingConfig(max_tokens=8, temperature=0.0, min_tokens=5)] * 2
+    hists = [TokenHistory([1, 3], 1, (2,))] * 2
+    got = process_logits(logits, params, hists)
+    assert got[0, 2] == 0.5 and got[1, 2] == float("-inf") and got[1, 4] == 0.1
+
+
 def test_a_migrated_history_counts_its_generated_prompt_tail_as_output() -> None:
     prompt, generated = (5, 6, 7, 8), (9, 9, 6)
     sp = SamplingConfig(max_tokens=10, presence_penalty=1.0)

@@ -93,3 +93,12 @@ async def test_a_bad_constraint_is_invalid_argument(make_engine: EngineFactory) 
     ):
         with pytest.raises(InvalidArgument, match="structured output"):
             engine.add_request(request("bad", PROMPT, SamplingConfig(max_tokens=4, structured=bad)))
+
+
+async def test_a_finished_constraint_ends_even_before_min_tokens(make_engine: EngineFactory) -> None:
+    engine = make_engine()
+    sampling = SamplingConfig(max_tokens=20, temperature=0.0, min_tokens=15, structured=CASES["choice"])
+    out = await collect(engine.add_request(request("c", PROMPT, sampling)))
+    _check("choice", text_of(out))
+    assert out[-1].finish_reason is not None and out[-1].finish_reason.value == "stop"
+    assert out[-1].num_generated_tokens < 15
