@@ -1,12 +1,14 @@
-"""Batched next-token sampling: logits processors (min_tokens, logit_bias, penalties), then
-greedy, temperature, top-k, top-p, per-request seeded generators.
+"""Batched next-token sampling: structured-output masks and logits processors (min_tokens,
+logit_bias, penalties), then greedy, temperature, top-k, top-p, per-request seeded generators;
+optionally the logprobs of the distribution drawn from.
 
-The order is vLLM v1's: min_tokens masks the stop tokens, logit_bias is added, then the
-repetition, frequency and presence penalties apply; temperature, top-k and top-p then shape the
-distribution the draw uses. Every processor is batched over the rows that use it (indexed ops
-over the (row, token) pairs involved, never a Python loop over the vocabulary), and each row's
-result depends only on that row's logits, parameters and tokens, so a request gets the same tokens
-whatever else is in the batch, on a prefill worker (its first token) as on a decode worker.
+The order is vLLM v1's: the structured-output mask first (apply_allowed), min_tokens masks the
+stop tokens, logit_bias is added, then the repetition, frequency and presence penalties apply;
+temperature, top-k and top-p then shape the distribution the draw uses. Every processor is
+batched over the rows that use it (indexed ops over the (row, token) pairs involved, never a
+Python loop over the vocabulary), and each row's result depends only on that row's logits,
+parameters and tokens, so a request gets the same tokens whatever else is in the batch, on a
+prefill worker (its first token) as on a decode worker.
 
 Sampling uses the exponential-race form of categorical sampling (argmax of p / E with E ~ Exp(1)),
 so each request draws its noise from its own generator: a seeded request gets the same tokens
