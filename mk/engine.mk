@@ -8,3 +8,12 @@ BENCH_TARGETS += bench-engine
 .PHONY: bench-engine
 bench-engine: install
 	$(PY) -m benchmarks.bench_engine $(ENGINE_BENCH_ARGS)
+
+# Sampling-feature overhead: the 8-sequence decode step with logprobs / penalties vs plain, one run.
+#   make bench-sampling                  (SmolLM2, CPU fp32, one thread; ~2 minutes)
+SAMPLING_BENCH_ARGS ?=
+BENCH_TARGETS += bench-sampling
+
+.PHONY: bench-sampling
+bench-sampling: install
+	$(PY) -m benchmarks.bench_sampling $(SAMPLING_BENCH_ARGS)

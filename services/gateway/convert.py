@@ -3,6 +3,8 @@ touches generated stubs). Presence of optional fields is read with HasField, nev
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from services.gateway.accounting import Usage
 from services.gateway.ports import (
     DecodeEvent,
@@ -15,9 +17,18 @@ from services.gateway.ports import (
     WorkerJob,
     WorkerTarget,
 )
-from services.gateway.request import ChatTurn, Completion, FrameKind, GenerateInput, OutputFrame, Sampling
+from services.gateway.request import (
+    ChatTurn,
+    Completion,
+    FrameKind,
+    GenerateInput,
+    OutputFrame,
+    Sampling,
+    TokenLogprob,
+)
 from shared.cluster_convert import finish_reason_from_pb, finish_reason_to_pb, serving_mode_from_pb
 from shared.proto import common_pb2, gateway_pb2, scheduler_pb2, worker_pb2
+from shared.structured_output_pb import structured_from_pb, structured_to_pb
 
 _FRAME_KIND_TO_PB = {
     FrameKind.FIRST: gateway_pb2.FRAME_KIND_FIRST,
@@ -49,6 +60,31 @@ def generate_input(req: gateway_pb2.GenerateRequest) -> GenerateInput:
         return_token_ids=req.return_token_ids,
         request_id=req.request_id,
         include_stop_in_output=req.include_stop_in_output,
+        presence_penalty=req.presence_penalty if req.HasField("presence_penalty") else None,
+        frequency_penalty=req.frequency_penalty if req.HasField("frequency_penalty") else None,
+        repetition_penalty=req.repetition_penalty if req.HasField("repetition_penalty") else None,
+        logit_bias=tuple(req.logit_bias.items()),
+        min_tokens=req.min_tokens if req.HasField("min_tokens") else None,
+        logprobs=req.logprobs if req.HasField("logprobs") else None,
+        structured=structured_from_pb(req.structured) if req.HasField("structured") else None,
+    )
+
+
+def logprobs_to_pb(logprobs: tuple[TokenLogprob, ...]) -> list[common_pb2.TokenLogprob]:
+    return [
+        common_pb2.TokenLogprob(
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            top_logprobs=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+        )
+        for lp in logprobs
+    ]
+
+
+def logprobs_from_pb(logprobs: Iterable[common_pb2.TokenLogprob]) -> tuple[TokenLogprob, ...]:
+    return tuple(
+        TokenLogprob(lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top_logprobs))
+        for lp in logprobs
     )
 
 
@@ -73,6 +109,7 @@ def generate_response(frame: OutputFrame) -> gateway_pb2.GenerateResponse:
         prompt_tokens=frame.prompt_tokens,
         cached_tokens=frame.cached_tokens,
         model=frame.model,
+        logprobs=logprobs_to_pb(frame.logprobs),
     )
     if frame.usage is not None:
         msg.usage.CopyFrom(usage_to_pb(frame.usage))
@@ -87,6 +124,7 @@ def complete_response(done: Completion) -> gateway_pb2.CompleteResponse:
         finish_reason=finish_reason_to_pb(done.finish_reason),
         usage=usage_to_pb(done.usage),
         model=done.model,
+        logprobs=logprobs_to_pb(done.logprobs),
     )
 
 
@@ -153,6 +191,20 @@ def sampling_to_pb(s: Sampling) -> common_pb2.SamplingParams:
         msg.first_output_index = s.first_output_index
     if s.unshown_tail_tokens:
         msg.unshown_tail_tokens = s.unshown_tail_tokens
+    if s.presence_penalty:
+        msg.presence_penalty = s.presence_penalty
+    if s.frequency_penalty:
+        msg.frequency_penalty = s.frequency_penalty
+    if s.repetition_penalty != 1.0:
+        msg.repetition_penalty = s.repetition_penalty
+    for token_id, bias in s.logit_bias:
+        msg.logit_bias[token_id] = bias
+    if s.min_tokens:
+        msg.min_tokens = s.min_tokens
+    if s.logprobs is not None:
+        msg.logprobs = s.logprobs
+    if s.structured is not None:
+        msg.structured.CopyFrom(structured_to_pb(s.structured))
     return msg
 
 
@@ -201,6 +253,7 @@ def decode_event(frame: worker_pb2.DecodeFrame) -> DecodeEvent:
         cached_blocks=frame.cached_blocks,
         local_cached_tokens=frame.local_cached_tokens,
         transferred_cached_tokens=frame.transferred_cached_tokens,
+        logprobs=logprobs_from_pb(frame.logprobs),
     )
 
 
@@ -211,4 +264,5 @@ def prefill_result(resp: worker_pb2.PrefillResponse) -> PrefillResult:
         generated_tokens=resp.generated_tokens if resp.HasField("generated_tokens") else None,
         finish_reason=finish_reason_from_pb(resp.finish_reason),
         local_cached_tokens=resp.local_cached_tokens,
+        logprobs=logprobs_from_pb(resp.logprobs),
     )

@@ -34,11 +34,19 @@ from services.gateway.ports import (
     WorkerClient,
     WorkerGone,
     WorkerJob,
+    WorkerLacksFeature,
     WorkerOutOfCapacity,
     WorkerTarget,
     WorkerUnavailable,
 )
-from services.gateway.request import FrameKind, OutputFrame, RequestState, RequestStatus, Sampling
+from services.gateway.request import (
+    FrameKind,
+    OutputFrame,
+    RequestState,
+    RequestStatus,
+    Sampling,
+    TokenLogprob,
+)
 from services.gateway.validation import resolve_max_tokens
 from shared.block_hash import block_hashes
 from shared.cluster import FinishReason, ServingMode
@@ -87,6 +95,43 @@ class _Attempt:
     def start(self, address: str) -> None:
         if address not in self.started:
             self.started.append(address)
+
+
+# the worker capability (services/worker/messages.py) each optional sampling feature needs
+def needed_capabilities(s: Sampling) -> set[str]:
+    needed = set()
+    if (
+        s.presence_penalty
+        or s.frequency_penalty
+        or s.repetition_penalty != 1.0
+        or s.logit_bias
+        or s.min_tokens
+    ):
+        needed.add("sampling_penalties")
+    if s.logprobs is not None:
+        needed.add("logprobs")
+    if s.structured is not None:
+        needed.add("structured_outputs")
+    return needed
+
+
+def _check_capabilities(s: Sampling, placement: Placement) -> None:
+    """Raise WorkerLacksFeature when a chosen worker advertises capabilities but not one the
+    request needs (an older worker would ignore the field). Targets without any capabilities
+    listed (an old scheduler) are not checked."""
+    needed = needed_capabilities(s)
+    if not needed:
+        return
+    for target in (placement.prefill, placement.decode):
+        if target is None or not target.capabilities:
+            continue
+        missing = needed - set(target.capabilities)
+        if missing:
+            raise WorkerLacksFeature(
+                f"worker {target.worker_id} is older than this request needs (it lacks "
+                f"{', '.join(sorted(missing))}); retry later, or leave out those fields",
+                target.worker_id,
+            )
 
 
 class Dispatcher:
@@ -234,6 +279,7 @@ class Dispatcher:
             )
             span.set_attribute("pdserve.mode", placement.mode.value)
         attempt.placement = placement
+        _check_capabilities(req.sampling, placement)
         if state.migrations:
             max_tokens = state.max_tokens  # fixed when first scheduled
         else:
@@ -324,12 +370,12 @@ class Dispatcher:
                 stream.cancel()
                 await self._abort_all([decode.address], job.request_id)
                 state.finish()
-                yield self._frame(state, FrameKind.FINAL, reply.text, reply.token_ids)
+                yield self._frame(state, FrameKind.FINAL, reply.text, reply.token_ids, reply.logprobs)
                 return
             # 3. The first token goes to the client at once (TTFT); decode continues.
             kind = FrameKind.CONTINUATION if state.handed_off else FrameKind.FIRST  # migrated: goes on
             state.advance(RequestStatus.DECODING)
-            yield self._frame(state, kind, reply.text, reply.token_ids)
+            yield self._frame(state, kind, reply.text, reply.token_ids, reply.logprobs)
             relayed = self._relay(state, stream, decode, deadline_s, prefilled_here=False)
             async with contextlib.aclosing(relayed):
                 async for frame in relayed:
@@ -411,17 +457,22 @@ class Dispatcher:
                     event.finish_reason,
                 )
                 state.finish()
-                yield self._frame(state, FrameKind.FINAL, event.text, event.token_ids)
+                yield self._frame(state, FrameKind.FINAL, event.text, event.token_ids, event.logprobs)
                 return
             # TOKENS frames: counts ride on FINAL only, so any count here is ignored by design.
             state.record_output(FrameSource.DECODE_TOKENS, event.text, event.token_ids, None, None)
             kind = FrameKind.CONTINUATION if state.handed_off else FrameKind.FIRST
             if state.status < RequestStatus.DECODING:
                 state.advance(RequestStatus.DECODING)
-            yield self._frame(state, kind, event.text, event.token_ids)
+            yield self._frame(state, kind, event.text, event.token_ids, event.logprobs)
 
     def _frame(
-        self, state: RequestState, kind: FrameKind, text: str, token_ids: tuple[int, ...]
+        self,
+        state: RequestState,
+        kind: FrameKind,
+        text: str,
+        token_ids: tuple[int, ...],
+        logprobs: tuple[TokenLogprob, ...] = (),
     ) -> OutputFrame:
         state.note_frame_sent()
         final = kind is FrameKind.FINAL
@@ -435,6 +486,7 @@ class Dispatcher:
             model=state.model,
             finish_reason=state.finish_reason if final else None,
             usage=state.usage if final else None,
+            logprobs=logprobs,
         )
 
     # --- undo ---

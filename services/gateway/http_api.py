@@ -29,7 +29,7 @@ from services.gateway import http_models as m
 from services.gateway import observe
 from services.gateway.http_choices import ChoiceRun
 from services.gateway.http_convert import HttpError, InvalidParam, Plan
-from services.gateway.request import OutputFrame, new_request_id
+from services.gateway.request import Completion, OutputFrame, TokenLogprob, new_request_id
 from services.gateway.service import GatewayService
 from services.gateway.validation import validate_request_id
 from shared.auth import AUTH_HEADER, UNAUTHENTICATED_MESSAGE, ApiKeys
@@ -198,14 +198,16 @@ class HttpApi:
             return Response(status_code=499)  # nobody reads it: the client is gone
         if not plan.stream:
             span.end()
-            payload = _completion_body(plan, result, request_id, created, chat)
+            payload = _completion_body(plan, result, request_id, created, chat, self._service.token_text)
             return JSONResponse(payload.model_dump(), headers=headers)
 
         def close() -> None:
             run.cancel()
             span.end()
 
-        return EventStream(_events(plan, run, result, request_id, created, chat), close, headers)
+        return EventStream(
+            _events(plan, run, result, request_id, created, chat, self._service.token_text), close, headers
+        )
 
     def _fail(self, exc: BaseException, request_id: str) -> JSONResponse:
         error = conv.http_error(exc)
@@ -315,10 +317,16 @@ async def _unless_disconnected(request: Request, task: asyncio.Future[Any], run:
 
 
 def _completion_body(
-    plan: Plan, done: list[Any], request_id: str, created: int, chat: bool
+    plan: Plan,
+    done: list[Completion],
+    request_id: str,
+    created: int,
+    chat: bool,
+    token_text: Callable[[int], str],
 ) -> m.ChatCompletion | m.Completion:
     usage = conv.usage(plan, [c.usage for c in done])
     model = done[0].model
+    wants = [inp.logprobs is not None for inp in plan.inputs]
     if chat:
         return m.ChatCompletion(
             id=conv.chat_id(request_id),
@@ -326,7 +334,10 @@ def _completion_body(
             model=model,
             choices=[
                 m.ChatChoice(
-                    index=i, message=m.AssistantMessage(content=c.text), finish_reason=c.finish_reason.value
+                    index=i,
+                    message=m.AssistantMessage(content=c.text),
+                    finish_reason=c.finish_reason.value,
+                    logprobs=conv.chat_logprobs(c.logprobs, token_text) if wants[i] else None,
                 )
                 for i, c in enumerate(done)
             ],
@@ -337,7 +348,12 @@ def _completion_body(
         created=created,
         model=model,
         choices=[
-            m.CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason.value)
+            m.CompletionChoice(
+                index=i,
+                text=c.text,
+                finish_reason=c.finish_reason.value,
+                logprobs=conv.completion_logprobs(c.logprobs, token_text) if wants[i] else None,
+            )
             for i, c in enumerate(done)
         ],
         usage=usage,
@@ -351,35 +367,48 @@ async def _events(
     request_id: str,
     created: int,
     chat: bool,
+    token_text: Callable[[int], str],
 ) -> AsyncIterator[str]:
     """The SSE body: (chat) a role chunk per choice, one chunk per frame with text (the last one
     of a choice carries finish_reason), the usage chunk when asked, then [DONE]. An error after
-    the stream started ends it with one `data: {"error": {...}}` event and no [DONE]."""
+    the stream started ends it with one `data: {"error": {...}}` event and no [DONE]. With
+    logprobs, a chunk carries those of the tokens since the previous chunk of its choice."""
     model = first[0][1].model
     exclude = None if plan.include_usage else {"usage"}
     usages: list[Any] = [None] * len(plan.inputs)
     rid = conv.chat_id(request_id) if chat else conv.completion_id(request_id)
+    wants = [inp.logprobs is not None for inp in plan.inputs]
+    pending: list[list[TokenLogprob]] = [[] for _ in plan.inputs]  # of frames without text
+    offsets = [0] * len(plan.inputs)  # completions' text_offset: where the next token's text starts
 
     def chunk(index: int, frame: OutputFrame | None) -> str | None:
         """The SSE event for one frame (None: the chat role chunk that opens a choice)."""
         reason: str | None = None
         text = ""
+        logprobs: list[TokenLogprob] = []
         if frame is not None:
             reason, text = conv.finish_reason(frame.finish_reason), frame.text
             if frame.usage is not None:
                 usages[index] = frame.usage
+            pending[index].extend(frame.logprobs)
             if not text and reason is None:
                 return None  # nothing to say (text held back, e.g. a partial character)
+            logprobs, pending[index] = pending[index], []
         if chat:
             delta: dict[str, str] = {"content": text} if text else {}
             if frame is None:
                 delta = {"role": "assistant", "content": ""}
-            choice = m.ChatChunkChoice(index=index, delta=delta, finish_reason=reason)
+            chat_lp = conv.chat_logprobs(logprobs, token_text) if wants[index] and frame is not None else None
+            choice = m.ChatChunkChoice(index=index, delta=delta, finish_reason=reason, logprobs=chat_lp)
             return _sse(
                 m.ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice], usage=None),
                 exclude,
             )
-        text_choice = m.CompletionChunkChoice(index=index, text=text, finish_reason=reason)
+        text_lp = None
+        if wants[index]:
+            text_lp = conv.completion_logprobs(logprobs, token_text, offsets[index])
+            offsets[index] += sum(len(t) for t in text_lp.tokens)
+        text_choice = m.CompletionChunkChoice(index=index, text=text, finish_reason=reason, logprobs=text_lp)
         return _sse(
             m.CompletionChunk(id=rid, created=created, model=model, choices=[text_choice], usage=None),
             exclude,

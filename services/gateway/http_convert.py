@@ -6,8 +6,9 @@ names) is checked here."""
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,11 +17,15 @@ import grpc
 from services.gateway import http_models as m
 from services.gateway.accounting import Usage
 from services.gateway.ports import ModelCard
-from services.gateway.request import ChatTurn, GenerateInput
+from services.gateway.request import ChatTurn, GenerateInput, TokenLogprob
 from shared.cluster import FinishReason
 from shared.errors import InvalidArgument
 from shared.grpc_errors import GENERIC_INTERNAL_MESSAGE, status_for
+from shared.structured_output import InvalidStructuredOutput, StructuredOutput, grammar_of
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit (the gRPC API's logprobs has the same)
+# JSON has no -inf: a token top-k / top-p ruled out gets this logprob instead (as in vLLM)
+LOGPROB_FLOOR = -9999.0
 MAX_CHOICES = 64  # prompts x n of one HTTP request (each choice is one request on the workers)
 SEED_RANGE = 2**64  # the gRPC API's seed is a uint64
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # odd: choice j's seed = seed + j * stride (mod 2**64), distinct per j
@@ -28,19 +33,11 @@ _SEED_STRIDE = 0x9E3779B97F4A7C15  # odd: choice j's seed = seed + j * stride (m
 # Known OpenAI (and common vendor) fields pdserve does not implement, with the values that mean
 # "not used": a request setting any other value gets 400 naming the field, never silent ignoring.
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
     "prompt_logprobs": (None, 0),
     "echo": (None, False),
     "suffix": (None, ""),
     "best_of": (None, 1),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
-    "repetition_penalty": (None, 1),
-    "logit_bias": (None, {}),
     "min_p": (None, 0),
-    "min_tokens": (None, 0),
-    "response_format": (None, {"type": "text"}),
     "tools": (None, []),
     "tool_choice": (None, "none", "auto"),
     "parallel_tool_calls": (None, True),
@@ -51,9 +48,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "prediction": (None,),
     "reasoning_effort": (None,),
     "web_search_options": (None,),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
     "guided_grammar": (None,),
 }
 
@@ -103,6 +97,74 @@ def _seed(seed: int | None, choice: int) -> int | None:
     return (seed + choice * _SEED_STRIDE) % SEED_RANGE
 
 
+def _structured(req: m._GenerationRequest) -> StructuredOutput | None:
+    """response_format (OpenAI) or guided_json / guided_regex / guided_choice (vLLM), at most one;
+    each refusal names its field. The constraint itself is checked here too (same grammar as the
+    workers'), so a bad schema or regex is a 400 naming the field the client sent."""
+    given = [
+        name
+        for name, value in (
+            ("response_format", req.response_format not in (None, {"type": "text"})),
+            ("guided_json", req.guided_json is not None),
+            ("guided_regex", req.guided_regex is not None),
+            ("guided_choice", req.guided_choice is not None),
+        )
+        if value
+    ]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise InvalidParam(f"set one of {' and '.join(given)}, not several", given[1])
+    name = given[0]
+    spec: StructuredOutput
+    if name == "response_format":
+        spec = _response_format(req.response_format or {})
+    elif name == "guided_json":
+        schema = req.guided_json
+        spec = StructuredOutput("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
+    elif name == "guided_regex":
+        spec = StructuredOutput("regex", req.guided_regex or "")
+    else:
+        spec = StructuredOutput("choice", choices=tuple(req.guided_choice or ()))
+    try:
+        grammar_of(spec)
+    except InvalidStructuredOutput as exc:
+        raise InvalidParam(f"{name}: {exc}", name) from None
+    return spec
+
+
+def _response_format(rf: dict[str, Any]) -> StructuredOutput:
+    kind = rf.get("type")
+    if kind == "json_object":
+        return StructuredOutput("json_object")
+    if kind != "json_schema":
+        raise InvalidParam(
+            f"response_format.type must be text, json_object or json_schema, got {kind!r}", "response_format"
+        )
+    body = rf.get("json_schema")
+    schema = body.get("schema") if isinstance(body, dict) else None
+    if not isinstance(schema, dict):
+        raise InvalidParam(
+            'response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}',
+            "response_format",
+        )
+    return StructuredOutput("json_schema", json.dumps(schema))
+
+
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} (JSON keys are strings); ranges are checked by the domain."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise InvalidParam(
+                f"logit_bias keys must be token ids (integers as strings), got {key!r}", "logit_bias"
+            ) from None
+        pairs.append((token_id, value))
+    return tuple(pairs)
+
+
 def _common(req: m._GenerationRequest, max_tokens: int | None) -> dict[str, Any]:
     if not 1 <= req.n <= MAX_CHOICES:
         raise InvalidParam(f"n must be between 1 and {MAX_CHOICES}, got {req.n}", "n")
@@ -114,6 +176,12 @@ def _common(req: m._GenerationRequest, max_tokens: int | None) -> dict[str, Any]
         raise InvalidParam("stream_options is only allowed with stream: true", "stream_options")
     return dict(
         model=req.model,
+        structured=_structured(req),
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty,
+        logit_bias=_logit_bias(req.logit_bias),
+        min_tokens=req.min_tokens,
         max_tokens=max_tokens,
         temperature=req.temperature,
         top_p=req.top_p,
@@ -178,6 +246,12 @@ def chat_plan(req: m.ChatCompletionRequest, request_id: str) -> Plan:
         )
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     common = _common(req, max_tokens)
+    top = req.top_logprobs
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise InvalidParam(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}", "top_logprobs")
+    if top and not req.logprobs:
+        raise InvalidParam("top_logprobs needs logprobs: true", "top_logprobs")
+    common["logprobs"] = (top or 0) if req.logprobs else None
     if not req.messages:
         raise InvalidParam("messages is empty; send at least one message", "messages")
     turns = tuple(
@@ -190,6 +264,7 @@ def chat_plan(req: m.ChatCompletionRequest, request_id: str) -> Plan:
 
 def completion_plan(req: m.CompletionRequest, request_id: str) -> Plan:
     common = _common(req, req.max_tokens)
+    common["logprobs"] = req.logprobs  # range checked by the domain (names "logprobs")
     prompt = req.prompt
     per_prompt: list[dict[str, Any]]
     if isinstance(prompt, str):
@@ -227,6 +302,47 @@ def usage(plan: Plan, usages: Sequence[Usage]) -> m.Usage:
         completion_tokens=completion,
         total_tokens=prompt_tokens + completion,
         prompt_tokens_details=m.PromptTokensDetails(cached_tokens=cached),
+    )
+
+
+def _logprob(value: float) -> float:
+    return value if value > LOGPROB_FLOOR else LOGPROB_FLOOR  # -inf (and NaN) -> the floor
+
+
+def chat_logprobs(logprobs: Sequence[TokenLogprob], token_text: Callable[[int], str]) -> m.ChatLogprobs:
+    """OpenAI chat's logprobs.content: per token its text, UTF-8 bytes, logprob, alternatives."""
+
+    def entry(token_id: int, value: float) -> m.TopLogprob:
+        text = token_text(token_id)
+        return m.TopLogprob(token=text, logprob=_logprob(value), bytes=list(text.encode()))
+
+    content = []
+    for lp in logprobs:
+        chosen = entry(lp.token_id, lp.logprob)
+        top = [entry(t, v) for t, v in lp.top]
+        content.append(
+            m.ChatTokenLogprob(
+                token=chosen.token, logprob=chosen.logprob, bytes=chosen.bytes, top_logprobs=top
+            )
+        )
+    return m.ChatLogprobs(content=content)
+
+
+def completion_logprobs(
+    logprobs: Sequence[TokenLogprob], token_text: Callable[[int], str], text_offset: int = 0
+) -> m.CompletionLogprobs:
+    """The legacy completions logprobs: parallel lists; text_offset counts characters of the
+    token texts from `text_offset` (where the previous chunk's tokens ended)."""
+    tokens = [token_text(lp.token_id) for lp in logprobs]
+    offsets = []
+    for text in tokens:
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return m.CompletionLogprobs(
+        tokens=tokens,
+        token_logprobs=[_logprob(lp.logprob) for lp in logprobs],
+        top_logprobs=[{token_text(t): _logprob(v) for t, v in lp.top} for lp in logprobs],
+        text_offset=offsets,
     )
 
 

@@ -2,7 +2,7 @@
 
 Requests are validated strictly (a string is not a number, a float is not an integer); fields this
 API does not declare land in `model_extra`, where `http_convert` refuses the known-unsupported ones
-(logprobs, tools, penalties, ...) and ignores vendor fields with a debug log.
+(echo, tools, response_format, ...) and ignores vendor fields with a debug log.
 """
 
 from __future__ import annotations
@@ -48,16 +48,29 @@ class _GenerationRequest(_Request):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     user: str | None = None
+    presence_penalty: float | None = Field(default=None, description="[-2, 2]; 0 = off")
+    frequency_penalty: float | None = Field(default=None, description="[-2, 2]; 0 = off")
+    repetition_penalty: float | None = Field(default=None, description="(0, 2]; 1 = off (vLLM)")
+    logit_bias: dict[str, float] | None = Field(default=None, description="token id (a string) -> bias")
+    min_tokens: int | None = Field(default=None, description="no EOS / stop token before this many tokens")
+    # structured outputs: OpenAI's response_format, or vLLM's guided_json / guided_regex / guided_choice
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
 
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, description="0-20 alternatives per token; needs logprobs")
 
 
 class CompletionRequest(_GenerationRequest):
     # a string, several strings (one set of choices each), token ids, or several lists of token ids
     prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, description="0-20 alternatives per token")
 
 
 # --- responses ---
@@ -72,6 +85,31 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None
+    text_offset: list[int]
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
@@ -81,7 +119,7 @@ class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     finish_reason: str
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -97,7 +135,7 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(BaseModel):
@@ -113,7 +151,7 @@ class ChatChunkChoice(BaseModel):
     index: int
     delta: dict[str, Any]  # {"role": "assistant", "content": ""} first, then {"content": text} or {}
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -129,7 +167,7 @@ class CompletionChunkChoice(BaseModel):
     index: int
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionChunk(BaseModel):

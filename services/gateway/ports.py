@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from services.gateway.request import Sampling
+from services.gateway.request import Sampling, TokenLogprob
 from shared.cluster import FinishReason, ServingMode
 from shared.errors import ResourceExhausted, Unavailable
 
@@ -42,6 +42,12 @@ class WorkerOutOfCapacity(ResourceExhausted, Retryable):
     def __init__(self, message: str, worker_id: str) -> None:
         super().__init__(message)
         self.worker_id = worker_id
+
+
+class WorkerLacksFeature(WorkerOutOfCapacity):
+    """The chosen worker predates a feature the request uses (a cluster mid-upgrade): the request
+    is retried on other workers, and refused as RESOURCE_EXHAUSTED (retry later) when none has it,
+    rather than served with the feature silently ignored."""
 
 
 @dataclass(frozen=True)
@@ -114,6 +120,7 @@ class DecodeEvent:
     cached_blocks: int = 0
     local_cached_tokens: int = 0
     transferred_cached_tokens: int = 0
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -125,6 +132,7 @@ class PrefillResult:
     generated_tokens: int | None = None
     finish_reason: FinishReason | None = None
     local_cached_tokens: int = 0
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class DecodeStream(Protocol):

@@ -12,12 +12,23 @@ from dataclasses import dataclass, field
 from services.gateway import accounting
 from services.gateway.accounting import CacheStats, FrameSource, Segment, Usage, WorkerCount
 from shared.cluster import FinishReason
+from shared.structured_output import StructuredOutput
 
 
 @dataclass(frozen=True)
 class ChatTurn:
     role: str
     content: str
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability and the most likely tokens at its position (most
+    likely first; natural log; -inf for a token that top-k / top-p ruled out)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob)
 
 
 @dataclass(frozen=True)
@@ -39,6 +50,13 @@ class GenerateInput:
     return_token_ids: bool = False
     request_id: str = ""
     include_stop_in_output: bool = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), in the client's order
+    min_tokens: int | None = None
+    logprobs: int | None = None  # alternatives per token (0-20); None = no logprobs
+    structured: StructuredOutput | None = None  # what the output must match
 
 
 @dataclass(frozen=True)
@@ -56,6 +74,13 @@ class Sampling:
     include_stop_in_output: bool = False
     first_output_index: int = 0  # > 0 when a migrated request resumes after that many tokens
     unshown_tail_tokens: int = 0  # of those, the last ones whose text was not shown (held back)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by token id
+    min_tokens: int = 0  # counted from output index 0 (unchanged by a migration)
+    logprobs: int | None = None  # alternatives per token (0-20); None = no logprobs
+    structured: StructuredOutput | None = None  # what the output must match (validated)
 
 
 def new_request_id() -> str:
@@ -130,6 +155,7 @@ class OutputFrame:
     model: str
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()  # per generated token of the frame, when asked
 
 
 @dataclass(frozen=True)
@@ -142,6 +168,7 @@ class Completion:
     finish_reason: FinishReason
     usage: Usage
     model: str
+    logprobs: tuple[TokenLogprob, ...] = ()  # per generated token, when asked
 
 
 @dataclass(frozen=True)

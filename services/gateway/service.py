@@ -25,6 +25,7 @@ from services.gateway.request import (
     RequestState,
     RequestStatus,
     Sampling,
+    TokenLogprob,
     new_request_id,
 )
 from services.gateway.settings import GatewaySettings
@@ -118,7 +119,7 @@ class GatewayService:
             prompt = tok.encode_chat(inp.messages)
         else:
             prompt = tok.encode_prompt(inp.prompt)
-        validate_token_ids(prompt, inp.stop_token_ids, tok.vocab_size)
+        validate_token_ids(prompt, inp.stop_token_ids, tok.vocab_size, inp.logit_bias)
         requested = inp.max_tokens
         sampling = Sampling(
             max_tokens=requested if requested is not None else self._settings.default_max_tokens,
@@ -130,6 +131,13 @@ class GatewayService:
             stop_token_ids=inp.stop_token_ids,
             ignore_eos=inp.ignore_eos,
             include_stop_in_output=inp.include_stop_in_output,
+            presence_penalty=float(inp.presence_penalty or 0.0),
+            frequency_penalty=float(inp.frequency_penalty or 0.0),
+            repetition_penalty=1.0 if inp.repetition_penalty is None else float(inp.repetition_penalty),
+            logit_bias=tuple(sorted((t, float(b)) for t, b in inp.logit_bias if b != 0.0)),
+            min_tokens=inp.min_tokens or 0,
+            logprobs=inp.logprobs,
+            structured=inp.structured,
         )
         return PreparedRequest(
             request_id=inp.request_id or new_request_id(),
@@ -211,21 +219,33 @@ class GatewayService:
         """The same request life as generate, gathered into one response."""
         text: list[str] = []
         token_ids: list[int] = []
+        logprobs: list[TokenLogprob] = []
         final: OutputFrame | None = None
         frames = self.generate(inp, client_timeout_s)
         async with contextlib.aclosing(frames):
             async for frame in frames:
                 text.append(frame.text)
                 token_ids.extend(frame.token_ids)
+                logprobs.extend(frame.logprobs)
                 if frame.kind is FrameKind.FINAL:
                     final = frame
         assert final is not None and final.usage is not None and final.finish_reason is not None
         return Completion(
-            final.request_id, "".join(text), tuple(token_ids), final.finish_reason, final.usage, final.model
+            final.request_id,
+            "".join(text),
+            tuple(token_ids),
+            final.finish_reason,
+            final.usage,
+            final.model,
+            tuple(logprobs),
         )
 
     async def list_models(self) -> list[ModelCard]:
         return list(await self._scheduler.list_models())
+
+    def token_text(self, token_id: int) -> str:
+        """A generated token's text on its own (for logprobs)."""
+        return self._require_tokenizer().token_text(token_id)
 
     # --- helpers ---
     def _require_tokenizer(self) -> PromptTokenizer:

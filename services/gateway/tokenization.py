@@ -22,6 +22,7 @@ class PromptTokenizer:
         self._tok = tokenizer
         self.model_id = model_id
         self.vocab_size = vocab_size
+        self._token_texts: dict[int, str] = {}
 
     @classmethod
     def load(cls, folder: Path) -> PromptTokenizer:
@@ -34,6 +35,16 @@ class PromptTokenizer:
             vocab_size = max(vocab_size, int(json.loads(config.read_text()).get("vocab_size") or 0))
         log.info("tokenizer_loaded", folder=str(folder), vocab_size=vocab_size)
         return cls(tok, folder.name, vocab_size)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text on its own (logprobs show it; a byte that is part of a character
+        decodes to U+FFFD, as in vLLM). Cached: the same few thousand ids come back all the time."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._tok.decode([token_id])
+            if len(self._token_texts) < 1 << 16:
+                self._token_texts[token_id] = text
+        return text
 
     @property
     def has_chat_template(self) -> bool:

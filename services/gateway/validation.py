@@ -8,9 +8,25 @@ from dataclasses import dataclass
 
 from services.gateway.request import GenerateInput
 from shared.errors import InvalidArgument, NotFound
+from shared.structured_output import InvalidStructuredOutput, grammar_of
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 MAX_REQUEST_ID_CHARS = 128
+
+
+PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty, frequency_penalty (OpenAI)
+MAX_REPETITION_PENALTY = 2.0  # repetition_penalty in (0, 2] (vLLM)
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs limit)
+
+
+class InvalidField(InvalidArgument):
+    """INVALID_ARGUMENT about one request field (the HTTP face reports it as error.param)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -66,6 +82,55 @@ def validate_input(req: GenerateInput, limits: Limits, served_model: str) -> Non
                 f"stop[{i}] is {len(s)} characters; the limit is {limits.max_stop_string_chars}"
             )
     validate_request_id(req.request_id)
+    validate_penalties(req)
+    if req.structured is not None:
+        try:
+            grammar_of(req.structured)  # cached per constraint; the workers compile the same
+        except InvalidStructuredOutput as exc:
+            raise InvalidField(f"structured output ({req.structured.kind}): {exc}", "structured") from None
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+        raise InvalidField(
+            f"logprobs (alternatives per token) must be in [0, {MAX_LOGPROBS}], got {req.logprobs}",
+            "logprobs",
+        )
+
+
+def validate_penalties(req: GenerateInput) -> None:
+    """presence / frequency / repetition penalties, logit_bias values and min_tokens (the
+    logit_bias token ids are checked against the vocabulary in validate_token_ids)."""
+    lo, hi = PENALTY_RANGE
+    for name, value in (
+        ("presence_penalty", req.presence_penalty),
+        ("frequency_penalty", req.frequency_penalty),
+    ):
+        if value is not None and not (math.isfinite(value) and lo <= value <= hi):
+            raise InvalidField(f"{name} must be in [{lo:g}, {hi:g}] (0 = off), got {value}", name)
+    rp = req.repetition_penalty
+    if rp is not None and not (math.isfinite(rp) and 0 < rp <= MAX_REPETITION_PENALTY):
+        raise InvalidField(
+            f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1 = off), got {rp}",
+            "repetition_penalty",
+        )
+    if len(req.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidField(
+            f"logit_bias has {len(req.logit_bias)} entries; the limit is {MAX_LOGIT_BIAS_ENTRIES}",
+            "logit_bias",
+        )
+    lo, hi = LOGIT_BIAS_RANGE
+    for token_id, bias in req.logit_bias:
+        if token_id < 0:
+            raise InvalidField(f"logit_bias has a negative token id {token_id}", "logit_bias")
+        if not (math.isfinite(bias) and lo <= bias <= hi):
+            raise InvalidField(
+                f"logit_bias[{token_id}] must be in [{lo:g}, {hi:g}], got {bias}", "logit_bias"
+            )
+    if req.min_tokens is not None:
+        if req.min_tokens < 0:
+            raise InvalidField(f"min_tokens must be >= 0, got {req.min_tokens}", "min_tokens")
+        if req.max_tokens is not None and req.min_tokens > req.max_tokens:
+            raise InvalidField(
+                f"min_tokens ({req.min_tokens}) must be <= max_tokens ({req.max_tokens})", "min_tokens"
+            )
 
 
 def validate_request_id(request_id: str) -> None:
@@ -83,7 +148,10 @@ def validate_request_id(request_id: str) -> None:
 
 
 def validate_token_ids(
-    prompt_token_ids: tuple[int, ...], stop_token_ids: tuple[int, ...], vocab_size: int
+    prompt_token_ids: tuple[int, ...],
+    stop_token_ids: tuple[int, ...],
+    vocab_size: int,
+    logit_bias: tuple[tuple[int, float], ...] = (),
 ) -> None:
     """Token ids the client sent must exist in the served model's vocabulary."""
     for name, ids in (("prompt_token_ids", prompt_token_ids), ("stop_token_ids", stop_token_ids)):
@@ -92,6 +160,13 @@ def validate_token_ids(
                 raise InvalidArgument(
                     f"{name}[{i}] = {t} is not a token of the served model (vocabulary size {vocab_size})"
                 )
+    for t, _ in logit_bias:
+        if t >= vocab_size:
+            raise InvalidField(
+                f"logit_bias has token id {t}, which is not a token of the served model "
+                f"(vocabulary size {vocab_size})",
+                "logit_bias",
+            )
     if not prompt_token_ids:
         raise InvalidArgument("the prompt is empty after tokenization; send some text or token ids")
 

@@ -9,6 +9,7 @@ from services.worker.engine.api import (
     KvBlocksChunk,
     RequestKind,
     SamplingConfig,
+    TokenLogprobs,
 )
 from services.worker.messages import (
     DecodeCall,
@@ -23,6 +24,7 @@ from services.worker.messages import (
 from shared.cluster import RankLoad
 from shared.cluster_convert import finish_reason_to_pb, kv_layout_from_pb, rank_load_to_pb
 from shared.proto import common_pb2, worker_pb2
+from shared.structured_output_pb import structured_from_pb
 
 _FRAME_KIND_TO_PB = {
     FrameKind.ADMITTED: worker_pb2.DECODE_FRAME_KIND_ADMITTED,
@@ -45,7 +47,25 @@ def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingConfig:
         include_stop_in_output=pb.include_stop_in_output,
         first_output_index=pb.first_output_index,
         unshown_tail_tokens=pb.unshown_tail_tokens,
+        presence_penalty=pb.presence_penalty,
+        frequency_penalty=pb.frequency_penalty,
+        repetition_penalty=pb.repetition_penalty if pb.HasField("repetition_penalty") else 1.0,
+        logit_bias=tuple(sorted(pb.logit_bias.items())),
+        min_tokens=pb.min_tokens,
+        logprobs=pb.logprobs if pb.HasField("logprobs") else None,
+        structured=structured_from_pb(pb.structured) if pb.HasField("structured") else None,
     )
+
+
+def logprobs_to_pb(logprobs: Iterable[TokenLogprobs]) -> list[common_pb2.TokenLogprob]:
+    return [
+        common_pb2.TokenLogprob(
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            top_logprobs=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+        )
+        for lp in logprobs
+    ]
 
 
 def _engine_request(
@@ -96,6 +116,7 @@ def prefill_result_to_pb(r: PrefillResult) -> worker_pb2.PrefillResponse:
         num_chunks=r.num_chunks,
         prefill_ns=r.prefill_ns,
         kv_transfer_ns=r.kv_transfer_ns,
+        logprobs=logprobs_to_pb(r.logprobs),
     )
 
 
@@ -120,6 +141,7 @@ def decode_event_to_pb(e: DecodeEvent) -> worker_pb2.DecodeFrame:
         prompt_tokens=e.prompt_tokens,
         local_cached_tokens=e.local_cached_tokens,
         transferred_cached_tokens=e.transferred_cached_tokens,
+        logprobs=logprobs_to_pb(e.logprobs),
     )
     if e.generated_tokens is not None:  # FINAL only; unset (not 0) on the other frames
         frame.generated_tokens = e.generated_tokens

@@ -19,6 +19,7 @@ from services.worker.engine.api import (
     KvBlocksChunk,
     RequestKind,
     RequestOutput,
+    TokenLogprobs,
 )
 from services.worker.engine.spec.stats import SpecStats
 from services.worker.messages import (
@@ -121,6 +122,7 @@ class WorkerCore:
             span.set_attribute("pdserve.prompt_tokens", len(request.prompt_token_ids))
             handle = self.engine.add_request(request)
             token_ids: list[int] = []
+            logprobs: list[TokenLogprobs] = []
             text: list[str] = []
             last: RequestOutput | None = None
             try:
@@ -129,6 +131,7 @@ class WorkerCore:
                         self._record_cache_stats(out)
                     last = out
                     token_ids.extend(out.new_token_ids)
+                    logprobs.extend(out.new_logprobs)
                     text.append(out.text_delta)
                     if out.finished:
                         break
@@ -171,6 +174,7 @@ class WorkerCore:
                 num_chunks=last.num_prefill_chunks,
                 prefill_ns=last.prefill_ns,
                 kv_transfer_ns=kv_ns,
+                logprobs=tuple(logprobs),
             )
 
     async def _push(
@@ -260,7 +264,7 @@ class WorkerCore:
                         completion.append(out.text_delta)
                     if out.finished:
                         break
-                    if out.text_delta or (ids and out.new_token_ids):
+                    if out.text_delta or out.new_logprobs or (ids and out.new_token_ids):
                         yield _decode_event(rid, FrameKind.TOKENS, out, ids)
                 done = True
                 yield _final_event(rid, last, ids, len(request.prompt_token_ids))
@@ -433,6 +437,7 @@ def _decode_event(
         token_ids=out.new_token_ids if return_token_ids else (),
         generated_tokens=out.num_generated_tokens if final else None,
         finish_reason=(out.finish_reason or FinishReason.ABORT) if final else None,
+        logprobs=out.new_logprobs,
     )
 
 
@@ -457,5 +462,6 @@ def _final_event(
         _decode_event(request_id, FrameKind.FINAL, last, return_token_ids),
         text="",
         token_ids=(),
+        logprobs=(),
         finish_reason=FinishReason.ABORT,
     )

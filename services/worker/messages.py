@@ -7,15 +7,27 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from services.worker.engine.api import EngineRequest, KvBlocksChunk
+from services.worker.engine.api import EngineRequest, KvBlocksChunk, TokenLogprobs
 from shared.cluster import FinishReason, KvLayout
 
 # Capabilities this worker advertises at registration and in Info (worker.proto WorkerInfo).
-CAPABILITIES = ("generated_tokens", "kv_block_skip", "local_prefill", "draft_token_ids", "first_output_index")
+CAPABILITIES = (
+    "generated_tokens",
+    "kv_block_skip",
+    "local_prefill",
+    "draft_token_ids",
+    "first_output_index",
+    "sampling_penalties",
+    "logprobs",
+    "structured_outputs",
+)
 # Contract version implemented: 1.0 = compat/v1.0; 1.1 added the optional generated_tokens fields;
 # 1.2 added KvChunk.draft_token_ids and RankLoad's speculative-decoding counts.
 # 1.3 added SamplingParams.first_output_index and unshown_tail_tokens (request migration).
-PROTO_VERSION = "1.3"
+# 1.4 added SamplingParams' penalties, logit_bias and min_tokens (capability "sampling_penalties").
+# 1.5 added SamplingParams.logprobs and the logprobs of PrefillResponse / DecodeFrame ("logprobs").
+# 1.6 added SamplingParams.structured (capability "structured_outputs").
+PROTO_VERSION = "1.6"
 
 
 @dataclass(frozen=True)
@@ -48,6 +60,7 @@ class PrefillResult:
     num_chunks: int
     prefill_ns: int
     kv_transfer_ns: int
+    logprobs: tuple[TokenLogprobs, ...] = ()  # the first token's, when sampling.logprobs is set
 
 
 @dataclass(frozen=True)
@@ -78,6 +91,7 @@ class DecodeEvent:
     finish_reason: FinishReason | None = None
     transfer_ticket: str = ""
     cached_blocks: int = 0
+    logprobs: tuple[TokenLogprobs, ...] = ()  # per generated token of the frame (when asked)
 
 
 @dataclass(frozen=True)

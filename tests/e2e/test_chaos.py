@@ -138,6 +138,11 @@ STREAM_TOKENS = 1000
 
 def _request(i: int) -> gateway_pb2.GenerateRequest:
     sampling: dict[str, Any] = dict(temperature=0) if i % 2 == 0 else dict(temperature=1.0, seed=1234 + i)
+    if i >= 2:  # penalty counts and logprobs survive the migration too
+        sampling.update(
+            presence_penalty=0.4, frequency_penalty=0.2, repetition_penalty=1.1, logit_bias={7: 2.0}
+        )
+        sampling.update(logprobs=2)
     return gateway_pb2.GenerateRequest(
         prompt=PROMPTS[i], max_tokens=STREAM_TOKENS, ignore_eos=True, return_token_ids=True, **sampling
     )
@@ -197,6 +202,11 @@ def _assert_same_as_undisturbed(undisturbed: list[Any], disturbed: list[Any]) ->
         assert got[-1].finish_reason == want[-1].finish_reason
         assert got[0].kind == gateway_pb2.FRAME_KIND_FIRST
         assert gateway_pb2.FRAME_KIND_FIRST not in [f.kind for f in got][1:]
+        want_lp = [lp for f in want for lp in f.logprobs]
+        got_lp = [lp for f in got for lp in f.logprobs]
+        assert len(got_lp) == len(want_lp) == (STREAM_TOKENS if i >= 2 else 0), i
+        assert [lp.token_id for lp in got_lp] == [lp.token_id for lp in want_lp], i
+        assert all(abs(a.logprob - b.logprob) <= 1e-5 for a, b in zip(got_lp, want_lp, strict=True)), i
 
 
 async def _used_tokens(addresses: list[str], metadata: Metadata) -> dict[str, int]:

@@ -3,6 +3,7 @@ to the gateway in its environment), `pdserve generate --api-key` and the openai 
 
 from __future__ import annotations
 
+import json
 import shlex
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -61,6 +63,46 @@ def test_banner_keys_and_both_faces(keyed_stack: Stack) -> None:
     assert health.status_code == 200
     logs = keyed_stack.logs()
     assert KEY not in logs
+
+
+def test_sampling_features_through_the_process_stack(keyed_stack: Stack) -> None:
+    """Penalties, logit_bias, min_tokens, logprobs and a JSON schema through `pdserve up`'s
+    gateway and worker processes with the openai client: the output validates, one logprob per
+    counted token."""
+    client = openai.OpenAI(base_url=keyed_stack.http_base_url, api_key=KEY, max_retries=0)
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "size": {"enum": ["s", "m", "l"]}},
+        "required": ["ok", "size"],
+        "additionalProperties": False,
+    }
+    reply = client.chat.completions.create(
+        model="",
+        messages=[{"role": "user", "content": "Describe it as JSON"}],
+        max_tokens=40,
+        temperature=0.9,
+        seed=7,
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+        logit_bias={"5": -100},
+        logprobs=True,
+        top_logprobs=2,
+        response_format={"type": "json_schema", "json_schema": {"name": "desc", "schema": schema}},
+        extra_body={"repetition_penalty": 1.1, "min_tokens": 2},
+    )
+    choice = reply.choices[0]
+    jsonschema.validate(json.loads(choice.message.content or ""), schema)
+    assert choice.finish_reason == "stop" and reply.usage is not None
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    assert len(choice.logprobs.content) == reply.usage.completion_tokens
+    assert all(len(e.top_logprobs) == 2 for e in choice.logprobs.content)
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(
+            model="",
+            messages=[{"role": "user", "content": "x"}],
+            extra_body={"response_format": {"type": "xml"}},
+        )
+    assert bad.value.body["param"] == "response_format"  # type: ignore[index]
 
 
 README = ROOT / "README.md"

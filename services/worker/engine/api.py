@@ -27,6 +27,7 @@ from typing import Protocol
 # The cluster types this contract speaks in (defined once, in shared.cluster).
 from services.worker.engine.spec.stats import SpecStats
 from shared.cluster import FinishReason, KvLayout, RankLoad
+from shared.structured_output import StructuredOutput
 
 
 class RequestKind(enum.Enum):
@@ -53,6 +54,42 @@ class SamplingConfig:
     first_output_index: int = 0
     # trailing prompt tokens whose text was never shown (a migrated request's incomplete character)
     unshown_tail_tokens: int = 0
+    # OpenAI penalties over the output tokens (a migrated request's generated prompt tail
+    # included): logit -= frequency_penalty * count + presence_penalty * (count > 0); 0 = off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # vLLM/HF repetition penalty over prompt + output tokens: a seen token's logit is divided by
+    # it when positive, multiplied when negative; 1 = off
+    repetition_penalty: float = 1.0
+    # (token id, bias) pairs added to the logits before penalties (OpenAI logit_bias)
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # EOS (unless ignore_eos) and stop_token_ids cannot be drawn before this output index
+    min_tokens: int = 0
+    # per generated token: its log-probability and this many most likely alternatives (0-20)
+    # under the distribution the sampler drew from (sampler.py); None = no logprobs
+    logprobs: int | None = None
+    # the output must match this (engine/structured.py); None = unconstrained
+    structured: StructuredOutput | None = None
+
+    @property
+    def needs_history(self) -> bool:
+        """The sampler needs the request's tokens (penalties or min_tokens are on)."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+            or self.min_tokens > 0
+        )
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One generated token's log-probability and the most likely tokens at its position (most
+    likely first; natural log; -inf for a token top-k / top-p ruled out)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), SamplingConfig.logprobs of them
 
 
 @dataclass(frozen=True)
@@ -87,6 +124,8 @@ class RequestOutput:
     # PREFILL_ONLY handoff with speculation on: proposals for the tokens after the first token,
     # for the decode worker's first step to verify (token ids; empty = none)
     draft_token_ids: tuple[int, ...] = ()
+    # with SamplingConfig.logprobs: one entry per new_token_ids token, in order
+    new_logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 @dataclass(frozen=True)

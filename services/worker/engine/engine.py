@@ -50,6 +50,7 @@ from services.worker.engine.spec.draft import DraftProposer, check_same_tokenize
 from services.worker.engine.spec.ngram import NgramProposer
 from services.worker.engine.spec.policy import StepCostModel
 from services.worker.engine.spec.stats import SpecStats
+from services.worker.engine.structured import Grammars
 from shared.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -119,6 +120,7 @@ class PagedEngine:
         self.max_model_len = 0
         self.eos_token_ids: tuple[int, ...] = ()
         self.tokenizer: Any = None
+        self._grammars: Grammars | None = None  # structured outputs, built at first use
         self._hidden_ids: frozenset[int] = frozenset()
         self.vocab_size = 0
         self._ranks: list[Rank] = []
@@ -393,7 +395,17 @@ class PagedEngine:
             OutputText(sp.stop, sp.include_stop_in_output),
         )
         req = Request.from_engine_request(request, text, generator)
+        if sp.structured is not None:
+            # a migrated request's prompt ends with its first_output_index generated tokens
+            tail = min(sp.first_output_index, len(request.prompt_token_ids))
+            replay = request.prompt_token_ids[len(request.prompt_token_ids) - tail :]
+            req.grammar = self._structured_grammars().new_state(sp.structured, replay)
         return req, OutputHandle(request.request_id, asyncio.get_running_loop())
+
+    def _structured_grammars(self) -> Grammars:
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.vocab_size)
+        return self._grammars
 
     def add_request(self, request: EngineRequest) -> RequestHandle:
         if request.kind is RequestKind.DECODE_REMOTE:

@@ -7,17 +7,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from services.worker.engine import attention, cpu_kernels, cpu_linear, flex_paged, model_variants
-from services.worker.engine.api import KvLayout, SamplingConfig
+from services.worker.engine.api import KvLayout, SamplingConfig, TokenLogprobs
 from services.worker.engine.attention import AttentionBackend
 from services.worker.engine.decode_graphs import DecodeGraphs, DecodeSeq
 from services.worker.engine.lean_llama import LeanLlama
-from services.worker.engine.sampler import sample
+from services.worker.engine.sampler import TokenHistory, apply_allowed, sample, sample_with_logprobs
 from shared.model_store import load_causal_lm
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,13 @@ class ScheduledSeq:
     num_logits: int = 1
     # per sampled position: the seed of its draw (Request.draw_seed; None = unseeded)
     draw_seeds: tuple[int | None, ...] = ()
+    # the tokens before the first sampled position, for penalties and min_tokens (None: unused);
+    # the proposals verified at the end of token_ids extend it for the later positions
+    history: TokenHistory | None = None
+    # structured output: allowed tokens per sampled position [num_logits, vocab] (bool)
+    allowed: torch.Tensor | None = None
+    # filled by the runner when sampling.logprobs is set: one entry per sampled position
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -446,11 +453,27 @@ def _sample(logits: torch.Tensor, sampled_seqs: list[ScheduledSeq]) -> list[list
         for s in sampled_seqs
         for j in range(s.num_logits)
     ]
-    flat = [int(t) for t in sample(logits, params, gens, seeds).tolist()]
+    histories = [
+        (s.history.extended(s.token_ids[len(s.token_ids) - s.num_logits + 1 :][:j]) if s.history else None)
+        for s in sampled_seqs
+        for j in range(s.num_logits)
+    ]
+    if any(s.allowed is not None for s in sampled_seqs):
+        masks = [
+            s.allowed[j] if s.allowed is not None else None for s in sampled_seqs for j in range(s.num_logits)
+        ]
+        logits = apply_allowed(logits, masks)
+    if any(p.logprobs is not None for p in params):
+        drawn, logprobs = sample_with_logprobs(logits, params, gens, seeds, histories)
+    else:
+        drawn, logprobs = sample(logits, params, gens, seeds, histories), []
+    flat = [int(t) for t in drawn.tolist()]
     tokens: list[list[int]] = []
     pos = 0
     for s in sampled_seqs:
         tokens.append(flat[pos : pos + s.num_logits])
+        if logprobs:
+            s.logprobs = [lp for lp in logprobs[pos : pos + s.num_logits] if lp is not None]
         pos += s.num_logits
     return tokens
 

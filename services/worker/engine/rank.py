@@ -213,7 +213,7 @@ class Rank:
         with self.lock:
             outputs = []
             self._observe_step_cost(scheduled, cost_ns)
-            self._postprocess(scheduled, sampled, elapsed_ns, outputs)
+            self._postprocess(scheduled, sampled, elapsed_ns, outputs, seqs)
             jobs: list[DraftJob] = []
             if self._draft is not None and self._draft_wants:
                 # the next step verifies one token per running request plus proposals, at most
@@ -279,13 +279,20 @@ class Rank:
             generator=r.generator,
             num_logits=max(1, num_logits),
             draw_seeds=tuple(r.draw_seed(j) for j in range(num_logits)),
+            history=r.token_history(self.eos_token_ids) if s.samples else None,
+            allowed=r.grammar.masks(drafts) if r.grammar is not None and s.samples else None,
         )
 
     def _postprocess(
-        self, scheduled: list[ScheduledRequest], sampled: list[list[int]], elapsed_ns: int, outputs: Outputs
+        self,
+        scheduled: list[ScheduledRequest],
+        sampled: list[list[int]],
+        elapsed_ns: int,
+        outputs: Outputs,
+        seqs: list[ScheduledSeq],
     ) -> None:
         runs = iter(sampled)
-        for s in scheduled:
+        for s, seq in zip(scheduled, seqs, strict=True):
             req = s.request
             if req.num_computed_tokens < req.num_prompt_tokens:
                 req.num_prefill_chunks += 1
@@ -301,7 +308,7 @@ class Rank:
                 self._spec_stats.record(len(proposals), accepted)
                 req.spec = policy.after_verify(req.spec, len(proposals), accepted)
             req.spec_token_ids = []
-            _, reason = req.append_output_tokens(run, self.eos_token_ids, self.max_model_len)
+            _, reason = req.append_output_tokens(run, self.eos_token_ids, self.max_model_len, seq.logprobs)
             # K/V is valid for the step's tokens and the accepted proposals (the last token of
             # the run is new); a run cut short by a stop has every appended token computed
             computed = min(req.num_computed_tokens + s.num_new_tokens + len(run) - 1, req.num_tokens)
@@ -346,6 +353,9 @@ class Rank:
     def _output(self, req: Request, finished: bool, drafts: list[int] | None = None) -> RequestOutput:
         first = req.num_prompt_tokens + req.num_handoff_tokens + req.num_reported_tokens
         new_ids = tuple(req.token_ids[first:])
+        new_logprobs = tuple(
+            req.output_logprobs[req.num_reported_tokens : req.num_reported_tokens + len(new_ids)]
+        )
         req.num_reported_tokens += len(new_ids)
         return RequestOutput(
             request_id=req.request_id,
@@ -362,6 +372,7 @@ class Rank:
             num_prefill_chunks=req.num_prefill_chunks,
             prefill_ns=req.prefill_ns,
             draft_token_ids=tuple(drafts or ()),
+            new_logprobs=new_logprobs,
         )
 
     def _emit(self, req: Request, out: RequestOutput, outputs: Outputs) -> None:

@@ -10,13 +10,17 @@ the model). Output delivery (handles) lives in the rank; the detokenized text si
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from services.worker.engine.api import EngineRequest, FinishReason, RequestKind, SamplingConfig
+from services.worker.engine.api import EngineRequest, FinishReason, RequestKind, SamplingConfig, TokenLogprobs
+from services.worker.engine.sampler import TokenHistory
 
 if TYPE_CHECKING:
     import torch
+
+    from services.worker.engine.structured import GrammarState
 
 
 class RequestStatus(enum.IntEnum):
@@ -123,6 +127,10 @@ class Request:
     # part of token_ids, never in a block once rejected) and this request's acceptance record
     spec_token_ids: list[int] = field(default_factory=list)
     spec: SpecRecord = field(default_factory=lambda: SpecRecord())  # replaced, never mutated
+    # with sampling.logprobs: one entry per token this engine generated (num_generated_tokens)
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # structured output: the matcher fed every output token (engine/structured.py)
+    grammar: GrammarState | None = None
 
     @classmethod
     def from_engine_request(
@@ -194,7 +202,11 @@ class Request:
 
     # ---- tokens: the finish rule applied to each appended token --------------------------
     def append_output_token(
-        self, token: int, eos_token_ids: frozenset[int], max_model_len: int
+        self,
+        token: int,
+        eos_token_ids: frozenset[int],
+        max_model_len: int,
+        logprobs: TokenLogprobs | None = None,
     ) -> FinishReason | None:
         """Apply the token-accounting and stop rules (api.py docstring) to one sampled token:
         a terminating EOS is neither appended nor counted; a stop token id is appended and
@@ -206,6 +218,10 @@ class Request:
             stop = FinishReason.STOP  # not appended, not counted, no text
         else:
             self.token_ids.append(token)
+            if logprobs is not None:
+                self.output_logprobs.append(logprobs)
+            if self.grammar is not None:
+                self.grammar.accept(token)
             is_stop_token = token in sp.stop_token_ids
             hit = self.text.add_token(token, show=sp.include_stop_in_output or not is_stop_token)
             if is_stop_token or hit:
@@ -215,13 +231,18 @@ class Request:
         return finish_rule(self.num_counted_towards_max, sp.max_tokens, stop)
 
     def append_output_tokens(
-        self, tokens: list[int], eos_token_ids: frozenset[int], max_model_len: int
+        self,
+        tokens: list[int],
+        eos_token_ids: frozenset[int],
+        max_model_len: int,
+        logprobs: Sequence[TokenLogprobs] = (),
     ) -> tuple[int, FinishReason | None]:
         """A run of tokens (accepted proposals + the bonus token), one at a time through the
         same rule; the first that finishes the request ends the run exactly there. Returns
-        (tokens consumed, finish reason)."""
+        (tokens consumed, finish reason). `logprobs`: per token of the run, when asked for."""
         for i, token in enumerate(tokens):
-            reason = self.append_output_token(token, eos_token_ids, max_model_len)
+            lp = logprobs[i] if i < len(logprobs) else None
+            reason = self.append_output_token(token, eos_token_ids, max_model_len, lp)
             if reason is not None:
                 return i + 1, reason
         return len(tokens), None
@@ -233,6 +254,8 @@ class Request:
         older prefill worker did not check it)."""
         self.token_ids.append(first_token_id)
         self.num_handoff_tokens = 1
+        if self.grammar is not None:
+            self.grammar.accept(first_token_id)
         if self.text.add_token(first_token_id, show=True):
             return FinishReason.STOP
         self.text.take(final=False)
@@ -250,6 +273,19 @@ class Request:
             return None
         index = self.sampling.first_output_index + self.num_output_tokens + offset
         return _mix_seed(self.sampling.seed, index)
+
+    def token_history(self, eos_token_ids: frozenset[int]) -> TokenHistory | None:
+        """What the sampler needs for penalties and min_tokens at the next draw (None when the
+        request uses neither). The output index is draw_seed's: a migrated request's prompt ends
+        with its first_output_index generated tokens, so they count as output here too."""
+        sp = self.sampling
+        if not sp.needs_history:
+            return None
+        stop_ids: tuple[int, ...] = ()
+        if sp.min_tokens > 0:
+            eos = () if sp.ignore_eos else tuple(sorted(eos_token_ids))
+            stop_ids = eos + sp.stop_token_ids
+        return TokenHistory(tuple(self.token_ids), sp.first_output_index + self.num_output_tokens, stop_ids)
 
     # ---- derived counts ------------------------------------------------------------------
     @property

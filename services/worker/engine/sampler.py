@@ -1,4 +1,14 @@
-"""Batched next-token sampling: greedy, temperature, top-k, top-p, per-request seeded generators.
+"""Batched next-token sampling: structured-output masks and logits processors (min_tokens,
+logit_bias, penalties), then greedy, temperature, top-k, top-p, per-request seeded generators;
+optionally the logprobs of the distribution drawn from.
+
+The order is vLLM v1's: the structured-output mask first (apply_allowed), min_tokens masks the
+stop tokens, logit_bias is added, then the repetition, frequency and presence penalties apply;
+temperature, top-k and top-p then shape the distribution the draw uses. Every processor is
+batched over the rows that use it (indexed ops over the (row, token) pairs involved, never a
+Python loop over the vocabulary), and each row's result depends only on that row's logits,
+parameters and tokens, so a request gets the same tokens whatever else is in the batch, on a
+prefill worker (its first token) as on a decode worker.
 
 Sampling uses the exponential-race form of categorical sampling (argmax of p / E with E ~ Exp(1)),
 so each request draws its noise from its own generator: a seeded request gets the same tokens
@@ -10,10 +20,155 @@ each draw what plain decoding would have drawn at their index.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from services.worker.engine.api import SamplingConfig
+from services.worker.engine.api import SamplingConfig, TokenLogprobs
+
+
+@dataclass(frozen=True)
+class TokenHistory:
+    """A request's tokens before one draw, for penalties and min_tokens (Request.token_history).
+
+    Derived from the token lists alone, so a prefill worker (first token), a decode worker (the
+    prompt + the handed-off first token) and a migrated request (prompt + generated tokens as its
+    prompt, first_output_index of them generated) see the same history at the same output index."""
+
+    token_ids: Sequence[int]  # prompt + output tokens so far
+    output_index: int  # output index of this draw = trailing tokens of token_ids that are output
+    # token ids this draw may not produce while output_index < min_tokens (EOS unless
+    # ignore_eos, and stop_token_ids)
+    min_tokens_stop_ids: tuple[int, ...] = ()
+
+    @property
+    def output_token_ids(self) -> Sequence[int]:
+        n = min(self.output_index, len(self.token_ids))
+        return self.token_ids[len(self.token_ids) - n :]
+
+    def extended(self, token_ids: Sequence[int]) -> TokenHistory:
+        """The history of a later draw, once `token_ids` (accepted proposals) were output."""
+        if not token_ids:
+            return self
+        return TokenHistory(
+            [*self.token_ids, *token_ids], self.output_index + len(token_ids), self.min_tokens_stop_ids
+        )
+
+
+def apply_allowed(logits: torch.Tensor, masks: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    """Structured outputs: a row with a mask (bool [vocab], engine/structured.py) keeps only its
+    allowed tokens; applied before every other processor (as in vLLM), so penalties, bias,
+    temperature and logprobs all see the constrained distribution. Returns a new tensor."""
+    rows = [i for i, m in enumerate(masks) if m is not None]
+    vocab = logits.shape[1]
+    allowed = torch.zeros(len(rows), vocab, dtype=torch.bool)
+    for k, i in enumerate(rows):
+        mask = masks[i]
+        assert mask is not None
+        n = min(vocab, mask.shape[0])
+        allowed[k, :n] = mask[:n]
+    idx = torch.tensor(rows, device=logits.device)
+    out = logits.clone()
+    out[idx] = out[idx].masked_fill(~allowed.to(logits.device), float("-inf"))
+    return out
+
+
+def process_logits(
+    logits: torch.Tensor,
+    params: Sequence[SamplingConfig],
+    histories: Sequence[TokenHistory | None] | None,
+) -> torch.Tensor:
+    """min_tokens, logit_bias and penalties applied to float32 logits [n, vocab] (a new tensor
+    when any row changes; `logits` itself is never written). A row that needs its history
+    (SamplingConfig.needs_history) and has none is left unpenalized."""
+    n, vocab = logits.shape
+    device = logits.device
+    out = logits
+    hist: Sequence[TokenHistory | None] = histories if histories is not None else [None] * n
+
+    def writable() -> torch.Tensor:
+        return out.clone(memory_format=torch.contiguous_format) if out is logits else out
+
+    # min_tokens: the stop tokens are masked while the output is shorter than min_tokens
+    ban_rows: list[int] = []
+    ban_ids: list[int] = []
+    for i, (p, h) in enumerate(zip(params, hist, strict=True)):
+        if h is not None and h.output_index < p.min_tokens:
+            ids = [t for t in h.min_tokens_stop_ids if 0 <= t < vocab]
+            ban_rows.extend([i] * len(ids))
+            ban_ids.extend(ids)
+    if ban_rows:
+        out = writable()
+        rows_t, ids_t = torch.tensor(ban_rows, device=device), torch.tensor(ban_ids, device=device)
+        kept = out[rows_t, ids_t]
+        out[rows_t, ids_t] = float("-inf")
+        # a row left with no token at all (a structured output that may only end now) ends:
+        # the constraint wins over min_tokens
+        dead = ~torch.isfinite(out[rows_t]).any(dim=-1)
+        if bool(dead.any()):
+            out[rows_t[dead], ids_t[dead]] = kept[dead]
+
+    # logit_bias: sparse (row, token, bias) triples added in one indexed op
+    bias_rows: list[int] = []
+    bias_ids: list[int] = []
+    bias_vals: list[float] = []
+    for i, p in enumerate(params):
+        for t, b in p.logit_bias:
+            if 0 <= t < vocab:
+                bias_rows.append(i)
+                bias_ids.append(t)
+                bias_vals.append(b)
+    if bias_rows:
+        out = writable()
+        out.index_put_(
+            (torch.tensor(bias_rows, device=device), torch.tensor(bias_ids, device=device)),
+            torch.tensor(bias_vals, device=device, dtype=out.dtype),
+            accumulate=True,
+        )
+
+    # penalties: sparse over the (row, token) pairs that occur; work grows with the tokens of the
+    # penalized rows, not with their vocabulary (a dense [rows, vocab] pass costs ~2 ms per op
+    # for 8 rows of a 49k vocabulary on one core: the whole step is ~45 ms)
+    rows = [
+        i
+        for i, (p, h) in enumerate(zip(params, hist, strict=True))
+        if h is not None
+        and (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0)
+    ]
+    if rows:
+        out = writable()
+        flat = out.view(-1)
+        seen_parts: list[torch.Tensor] = []
+        out_parts: list[torch.Tensor] = []
+        for i in rows:
+            h = hist[i]
+            assert h is not None
+            p = params[i]
+            if p.repetition_penalty != 1.0:
+                seen_parts.append(_flat_ids(h.token_ids, i, vocab, device))
+            if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+                out_parts.append(_flat_ids(h.output_token_ids, i, vocab, device))
+        if seen_parts:
+            seen = torch.unique(torch.cat(seen_parts))
+            rep = torch.tensor([p.repetition_penalty for p in params], device=device, dtype=out.dtype)
+            rep_of = rep[seen // vocab]
+            vals = flat[seen]
+            flat[seen] = torch.where(vals > 0, vals / rep_of, vals * rep_of)
+        if out_parts:
+            occurring, counts = torch.unique(torch.cat(out_parts), return_counts=True)
+            freq = torch.tensor([p.frequency_penalty for p in params], device=device, dtype=out.dtype)
+            pres = torch.tensor([p.presence_penalty for p in params], device=device, dtype=out.dtype)
+            row_of = occurring // vocab
+            flat[occurring] -= freq[row_of] * counts.to(out.dtype) + pres[row_of]
+    return out
+
+
+def _flat_ids(token_ids: Sequence[int], row: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """Indices into a flattened [n, vocab] tensor of row `row`'s tokens (ids outside the
+    vocabulary dropped)."""
+    ids = torch.tensor(token_ids, dtype=torch.long, device=device)
+    ids = ids[(ids >= 0) & (ids < vocab)]
+    return ids + row * vocab
 
 
 def sample(
@@ -21,13 +176,93 @@ def sample(
     params: Sequence[SamplingConfig],
     generators: Sequence[torch.Generator | None],
     seeds: Sequence[int | None] | None = None,
+    histories: Sequence[TokenHistory | None] | None = None,
 ) -> torch.Tensor:
     """logits [n, vocab] -> token ids [n] (long, on logits' device). seeds[i], when given and
-    not None, re-seeds generators[i] before row i's draw."""
+    not None, re-seeds generators[i] before row i's draw; histories[i] is row i's tokens for
+    penalties and min_tokens (None: the row uses neither)."""
+    return sample_logits(process_logits(logits.float(), params, histories), params, generators, seeds)
+
+
+def sample_with_logprobs(
+    logits: torch.Tensor,
+    params: Sequence[SamplingConfig],
+    generators: Sequence[torch.Generator | None],
+    seeds: Sequence[int | None] | None = None,
+    histories: Sequence[TokenHistory | None] | None = None,
+) -> tuple[torch.Tensor, list[TokenLogprobs | None]]:
+    """`sample`, plus each row's TokenLogprobs when its SamplingConfig.logprobs is set (None for
+    the other rows).
+
+    The logprobs are those of the distribution the row drew from (vLLM's "processed_logprobs"):
+    a sampled row's log_softmax after min_tokens, logit_bias, penalties, temperature, top-k and
+    top-p (tokens those cut off have -inf); a greedy row's log_softmax after min_tokens,
+    logit_bias and penalties (temperature, top-k and top-p do not change an argmax)."""
+    processed = process_logits(logits.float(), params, histories)
+    greedy = [p.temperature <= 0.0 for p in params]
+    scaled = None if all(greedy) else scaled_logits(processed, params)
+    tokens = sample_logits(processed, params, generators, seeds, scaled)
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    result: list[TokenLogprobs | None] = [None] * len(params)
+    if not rows:
+        return tokens, result
+    idx = torch.tensor(rows, device=logits.device)
+    if scaled is None or all(greedy[i] for i in rows):
+        dist = processed.index_select(0, idx)
+    elif not any(greedy[i] for i in rows):
+        dist = scaled.index_select(0, idx)
+    else:
+        use_scaled = torch.tensor([not greedy[i] for i in rows], device=logits.device)[:, None]
+        dist = torch.where(use_scaled, scaled.index_select(0, idx), processed.index_select(0, idx))
+    logp = dist.log_softmax(dim=-1)
+    chosen = logp.gather(1, tokens.index_select(0, idx)[:, None])[:, 0]
+    max_k = max(params[i].logprobs or 0 for i in rows)
+    top_vals, top_ids = logp.topk(max_k, dim=-1) if max_k > 0 else (logp[:, :0], logp[:, :0].long())
+    chosen_l, vals_l, ids_l = chosen.tolist(), top_vals.tolist(), top_ids.tolist()
+    tokens_l = tokens.index_select(0, idx).tolist()
+    for k, i in enumerate(rows):
+        n = params[i].logprobs or 0
+        top = tuple(zip(ids_l[k][:n], vals_l[k][:n], strict=True))
+        result[i] = TokenLogprobs(int(tokens_l[k]), float(chosen_l[k]), top)
+    return tokens, result
+
+
+def sample_logits(
+    logits: torch.Tensor,
+    params: Sequence[SamplingConfig],
+    generators: Sequence[torch.Generator | None],
+    seeds: Sequence[int | None] | None = None,
+    scaled: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The draw from processed logits [n, vocab]: greedy rows take the argmax, the others are
+    scaled by temperature, cut by top-k and top-p (`scaled`, when the caller has it), and raced
+    with their generators' noise."""
     greedy = [p.temperature <= 0.0 for p in params]
     if all(greedy):
         return logits.argmax(dim=-1)
-    logits = logits.float()
+    if scaled is None:
+        scaled = scaled_logits(logits, params)
+    vocab = logits.shape[1]
+    device = logits.device
+    probs = scaled.softmax(dim=-1)
+    noise = torch.empty_like(probs)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if unseeded:
+        noise[unseeded] = torch.empty(len(unseeded), vocab, device=device).exponential_()
+    for i, g in enumerate(generators):
+        if g is not None:
+            seed = seeds[i] if seeds is not None else None
+            if seed is not None:
+                g.manual_seed(seed)
+            noise[i].exponential_(generator=g)
+    sampled = (probs / noise).argmax(dim=-1)
+    greedy_mask = torch.tensor(greedy, device=device)
+    return torch.where(greedy_mask, logits.argmax(dim=-1), sampled)
+
+
+def scaled_logits(logits: torch.Tensor, params: Sequence[SamplingConfig]) -> torch.Tensor:
+    """Processed float32 logits divided by each row's temperature (greedy rows: 1), with the
+    tokens outside top-k and top-p at -inf: the distribution a sampled row draws from."""
     vocab = logits.shape[1]
     device = logits.device
     temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
@@ -50,17 +285,4 @@ def sample(
         drop = (cum - probs_sorted) >= tp[:, None]
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         scaled = torch.empty_like(scaled).scatter_(1, sorted_idx, sorted_logits)
-    probs = scaled.softmax(dim=-1)
-    noise = torch.empty_like(probs)
-    unseeded = [i for i, g in enumerate(generators) if g is None]
-    if unseeded:
-        noise[unseeded] = torch.empty(len(unseeded), vocab, device=device).exponential_()
-    for i, g in enumerate(generators):
-        if g is not None:
-            seed = seeds[i] if seeds is not None else None
-            if seed is not None:
-                g.manual_seed(seed)
-            noise[i].exponential_(generator=g)
-    sampled = (probs / noise).argmax(dim=-1)
-    greedy_mask = torch.tensor(greedy, device=device)
-    return torch.where(greedy_mask, logits.argmax(dim=-1), sampled)
+    return scaled

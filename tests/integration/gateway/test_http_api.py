@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 import httpx
+import jsonschema
 import openai
 import pytest
 import pytest_asyncio
@@ -242,6 +244,273 @@ async def test_models_and_health(bpe: HttpStack) -> None:
             await bpe.gateway.server.set_serving(True)
 
 
+# --- penalties, logit_bias, min_tokens ---
+async def test_penalties_bias_and_min_tokens_through_the_openai_client(bpe: HttpStack) -> None:
+    """Same tokens disaggregated and unified and as over gRPC; min_tokens holds back an EOS that
+    logit_bias made certain; bad values are 400s naming the field."""
+    client = aclient(bpe)
+    eos = bpe.gateway.service._require_tokenizer()._tok.eos_token_id
+    kw: dict[str, Any] = dict(
+        model="",
+        messages=CHAT,
+        max_tokens=10,
+        temperature=1.0,
+        seed=21,
+        presence_penalty=0.7,
+        frequency_penalty=0.4,
+        logit_bias={"7": 5.0},
+        extra_body={"repetition_penalty": 1.3, "ignore_eos": True},
+    )
+    texts = []
+    for mode in MODES:
+        bpe.router.mode = mode
+        got = await client.chat.completions.create(**kw)
+        stream = await client.chat.completions.create(
+            stream=True, stream_options={"include_usage": True}, **kw
+        )
+        chunks = [c async for c in stream]
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert streamed == got.choices[0].message.content
+        assert got.usage is not None and got.usage.completion_tokens == 10
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 10
+        texts.append(got.choices[0].message.content)
+    want = await bpe.stub.Complete(
+        chat_pb(
+            CHAT,
+            max_tokens=10,
+            temperature=1.0,
+            seed=21,
+            presence_penalty=0.7,
+            frequency_penalty=0.4,
+            repetition_penalty=1.3,
+            logit_bias={7: 5.0},
+            ignore_eos=True,
+        )
+    )
+    assert texts == [want.text, want.text]
+    for mode in MODES:
+        bpe.router.mode = mode
+        ended = await client.completions.create(
+            model="",
+            prompt=LONG_PROMPT,
+            max_tokens=10,
+            temperature=0,
+            logit_bias={str(eos): 100},
+            extra_body={"min_tokens": 4},
+        )
+        assert ended.choices[0].finish_reason == "stop"
+        assert ended.usage is not None and ended.usage.completion_tokens == 4
+    for field, value in (
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3),
+        ("repetition_penalty", 0),
+        ("logit_bias", {"5": 101}),
+        ("logit_bias", {"five": 1}),
+        ("logit_bias", {"99999999": 1}),
+        ("min_tokens", -1),
+        ("min_tokens", 11),
+    ):
+        with pytest.raises(openai.BadRequestError) as bad:
+            await client.completions.create(model="", prompt="hi", max_tokens=10, extra_body={field: value})
+        assert bad.value.body["param"] == field, (field, value)  # type: ignore[index]
+        assert field in bad.value.message
+    await bpe.wait_idle()
+
+
+# --- logprobs ---
+@pytest.mark.parametrize("tokenizer", ["bpe", "byte_fallback"])
+async def test_logprobs_through_the_openai_client(
+    bpe: HttpStack, byte_fallback: HttpStack, tokenizer: str
+) -> None:
+    """Chat and completions, unary and streamed, disaggregated and unified: one entry per
+    generated token (usage counts them), the same numbers everywhere and as over gRPC, top
+    alternatives sorted with the chosen token first under greedy."""
+    stack = bpe if tokenizer == "bpe" else byte_fallback
+    client = aclient(stack)
+    seen: dict[str, list[Any]] = {}
+    for mode in MODES:
+        stack.router.mode = mode
+        chat = await client.chat.completions.create(
+            model="", messages=CHAT, max_tokens=9, temperature=0, logprobs=True, top_logprobs=3
+        )
+        choice = chat.choices[0]
+        assert choice.logprobs is not None and choice.logprobs.content is not None
+        content = choice.logprobs.content
+        assert chat.usage is not None and len(content) == chat.usage.completion_tokens
+        for entry in content:
+            assert len(entry.top_logprobs) == 3
+            assert entry.top_logprobs[0].logprob == entry.logprob  # greedy: the chosen is the top
+            assert [t.logprob for t in entry.top_logprobs] == sorted(
+                (t.logprob for t in entry.top_logprobs), reverse=True
+            )
+            assert entry.bytes == list(entry.token.encode())
+        stream = await client.chat.completions.create(
+            model="", messages=CHAT, max_tokens=9, temperature=0, logprobs=True, top_logprobs=3, stream=True
+        )
+        streamed = [
+            e
+            for c in [c async for c in stream]
+            if c.choices and c.choices[0].logprobs
+            for e in (c.choices[0].logprobs.content or [])
+        ]
+        assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+        text = await client.completions.create(
+            model="", prompt=LONG_PROMPT, max_tokens=6, temperature=0.8, seed=4, logprobs=2
+        )
+        lp = text.choices[0].logprobs
+        assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
+        assert lp.top_logprobs is not None and lp.text_offset is not None
+        assert text.usage is not None and len(lp.tokens) == text.usage.completion_tokens
+        assert all(len(alt) <= 2 for alt in lp.top_logprobs)
+        assert lp.text_offset == [sum(len(t) for t in lp.tokens[:k]) for k in range(len(lp.tokens))]
+        streamed_c = [
+            c
+            async for c in await client.completions.create(
+                model="", prompt=LONG_PROMPT, max_tokens=6, temperature=0.8, seed=4, logprobs=2, stream=True
+            )
+        ]
+        tokens = [t for c in streamed_c if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens or []]
+        offsets = [
+            o for c in streamed_c if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset or []
+        ]
+        assert tokens == lp.tokens and offsets == lp.text_offset
+        seen[mode] = [[(e.token, e.logprob) for e in content], lp.token_logprobs]
+    for (chat_a, text_a), (chat_b, text_b) in [(seen["disaggregated"], seen["unified"])]:
+        assert [t for t, _ in chat_a] == [t for t, _ in chat_b]
+        assert all(abs(x - y) <= 1e-5 for (_, x), (_, y) in zip(chat_a, chat_b, strict=True))
+        assert all(abs(x - y) <= 1e-5 for x, y in zip(text_a, text_b, strict=True))
+    want = await stack.stub.Complete(chat_pb(CHAT, max_tokens=9, temperature=0, logprobs=3))
+    assert len(want.logprobs) == want.usage.completion_tokens
+    assert all(
+        abs(g.logprob - x) <= 1e-5 for g, (_, x) in zip(want.logprobs, seen["unified"][0], strict=True)
+    )
+    # no logprobs asked: none in the response
+    plain = await client.chat.completions.create(model="", messages=CHAT, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+    bad_fields: list[dict[str, Any]] = [{"logprobs": True, "top_logprobs": 21}, {"top_logprobs": 2}]
+    for kw in bad_fields:
+        with pytest.raises(openai.BadRequestError) as bad:
+            await client.chat.completions.create(model="", messages=CHAT, max_tokens=2, extra_body=kw)
+        assert bad.value.body["param"] == "top_logprobs"  # type: ignore[index]
+    for value in (21, -1):
+        with pytest.raises(openai.BadRequestError) as bad:
+            await client.completions.create(model="", prompt="hi", max_tokens=2, logprobs=value)
+        assert bad.value.body["param"] == "logprobs"  # type: ignore[index]
+    await stack.wait_idle()
+
+
+# --- structured outputs ---
+SCHEMAS: list[dict[str, Any]] = [
+    {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "size": {"enum": ["small", "large"]}},
+        "required": ["ok", "size"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 8},
+            "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 3},
+        },
+        "required": ["name", "tags"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "array",
+        "items": {"type": "integer", "minimum": 0, "maximum": 99},
+        "minItems": 1,
+        "maxItems": 4,
+    },
+    {"type": "object", "properties": {"n": {"type": "null"}, "v": {"type": "number"}}, "required": ["n"]},
+]
+
+
+async def test_structured_outputs_through_the_openai_client(bpe: HttpStack) -> None:
+    """A corpus of JSON schemas: every output validates and parses, the same disaggregated and
+    unified, streamed and unary, with exact usage; json_object, guided_regex and guided_choice;
+    bad constraints are 400s naming the field."""
+    client = aclient(bpe)
+    for k, schema in enumerate(SCHEMAS):
+        texts = []
+        for mode in MODES:
+            bpe.router.mode = mode
+            kw: dict[str, Any] = dict(
+                model="",
+                messages=CHAT,
+                max_tokens=120,
+                temperature=1.0,
+                seed=k,
+                response_format={"type": "json_schema", "json_schema": {"name": f"s{k}", "schema": schema}},
+            )
+            got = await client.chat.completions.create(**kw)
+            text = got.choices[0].message.content or ""
+            assert got.choices[0].finish_reason == "stop", text  # complete JSON, then EOS
+            jsonschema.validate(json.loads(text), schema)
+            stream = await client.chat.completions.create(
+                stream=True, stream_options={"include_usage": True}, **kw
+            )
+            chunks = [c async for c in stream]
+            assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+            assert got.usage is not None and chunks[-1].usage is not None
+            assert got.usage.completion_tokens == chunks[-1].usage.completion_tokens > 0
+            texts.append(text)
+        assert texts[0] == texts[1]
+    for mode in MODES:
+        bpe.router.mode = mode
+        obj = await client.chat.completions.create(
+            model="",
+            messages=CHAT,
+            max_tokens=60,
+            temperature=0.7,
+            seed=3,
+            response_format={"type": "json_object"},
+        )
+        if obj.choices[0].finish_reason == "stop":
+            assert isinstance(json.loads(obj.choices[0].message.content or ""), dict)
+        regex = await client.completions.create(
+            model="",
+            prompt="Code:",
+            max_tokens=20,
+            temperature=1.0,
+            seed=2,
+            extra_body={"guided_regex": r"[A-Z]{2}-\d{3}"},
+        )
+        assert (
+            re.fullmatch(r"[A-Z]{2}-\d{3}", regex.choices[0].text)
+            and regex.choices[0].finish_reason == "stop"
+        )
+        choice = await client.completions.create(
+            model="",
+            prompt="Pick:",
+            max_tokens=20,
+            temperature=0,
+            extra_body={"guided_choice": ["red", "green 🙂"]},
+        )
+        assert choice.choices[0].text in ("red", "green 🙂")
+    bad: list[tuple[dict[str, Any], str]] = [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "objectx"}},
+                }
+            },
+            "response_format",
+        ),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+        ({"response_format": {"type": "yaml"}}, "response_format"),
+        ({"guided_regex": "(a|b"}, "guided_regex"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+    ]
+    for body, param in bad:
+        with pytest.raises(openai.BadRequestError) as err:
+            await client.completions.create(model="", prompt="hi", max_tokens=4, extra_body=body)
+        assert err.value.body["param"] == param, body  # type: ignore[index]
+    await bpe.wait_idle()
+
+
 # --- errors ---
 async def test_errors_surface_as_openai_exceptions(bpe: HttpStack) -> None:
     client = aclient(bpe)
@@ -249,8 +518,8 @@ async def test_errors_surface_as_openai_exceptions(bpe: HttpStack) -> None:
         await client.chat.completions.create(model="", messages=CHAT, temperature=-1)
     assert "temperature" in bad.value.message
     with pytest.raises(openai.BadRequestError) as bad:
-        await client.chat.completions.create(model="", messages=CHAT, logprobs=True)
-    assert bad.value.body["param"] == "logprobs"  # type: ignore[index]
+        await client.completions.create(model="", prompt="hi", echo=True)
+    assert bad.value.body["param"] == "echo"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError) as bad:
         await client.chat.completions.create(model="", messages=CHAT, max_tokens=10_000)
     assert "max_model_len" in bad.value.message

@@ -7,12 +7,15 @@ The scheduler is a stand-in that routes by the test's choice of mode."""
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
+import jsonschema
 import pytest
 import pytest_asyncio
 
@@ -181,3 +184,126 @@ async def test_stop_token_id_counted_and_reason_stop(stack: Stack) -> None:
         assert (
             frames[-1].usage.completion_tokens == done.usage.completion_tokens == 1
         )  # the stop token counts
+
+
+PENALTIES: dict[str, Any] = dict(presence_penalty=0.7, frequency_penalty=0.4, repetition_penalty=1.3)
+
+
+@pytest.mark.parametrize("seed", [None, 11], ids=["greedy", "seeded"])
+async def test_penalties_bias_and_min_tokens_modes_agree(stack: Stack, seed: int | None) -> None:
+    """The prefill worker's first token and the decode worker's rest see the same penalties; an
+    EOS pushed up by logit_bias ends the request right at min_tokens, counted exactly."""
+    eos = stack.tokenizer._tok.eos_token_id
+    sampled = {"temperature": 1.0, "seed": seed} if seed is not None else {"temperature": 0.0}
+    base = dict(prompt=PROMPTS[2], max_tokens=12, ignore_eos=True, return_token_ids=True, **sampled)
+    plain, _ = await stack.run("unified", **base)
+    runs = {
+        mode: await stack.run(mode, **base, **PENALTIES, logit_bias={7: 5.0})
+        for mode in ("disaggregated", "unified")
+    }
+    (disagg, disagg_done), (unified, unified_done) = runs["disaggregated"], runs["unified"]
+    assert ids_of(disagg) == ids_of(unified) == list(unified_done.token_ids) != ids_of(plain)
+    assert disagg_done.text == unified_done.text
+    for frames, done in runs.values():
+        check_consistent(frames, done, 12)
+    ended = dict(base, ignore_eos=False, min_tokens=3, logit_bias={eos: 100.0})
+    for mode in ("disaggregated", "unified"):
+        frames, done = await stack.run(mode, **ended)
+        check_consistent(frames, done, 12)
+        assert frames[-1].usage.completion_tokens == done.usage.completion_tokens == 3
+        assert frames[-1].finish_reason == done.finish_reason == STOP
+
+
+@pytest.mark.parametrize(
+    ("fields", "words"),
+    [
+        ({"presence_penalty": 3.0}, "presence_penalty must be in [-2, 2]"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty must be in [-2, 2]"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty must be in (0, 2]"),
+        ({"logit_bias": {3: 150.0}}, "logit_bias[3] must be in [-100, 100]"),
+        ({"logit_bias": {10**6: 1.0}}, "logit_bias has token id 1000000"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens (5) must be <= max_tokens (4)"),
+    ],
+)
+async def test_bad_penalties_are_invalid_argument(stack: Stack, fields: dict[str, Any], words: str) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stack.stub.Complete(gateway_pb2.GenerateRequest(prompt="x", **fields), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert words in (err.value.details() or "")
+
+
+@pytest.mark.parametrize("seed", [None, 5], ids=["greedy", "seeded"])
+async def test_logprobs_modes_agree_stream_and_unary(stack: Stack, seed: int | None) -> None:
+    """The first token's logprobs come from the prefill worker, the rest from the decode worker:
+    the same as unified to 1e-5, one per counted token, streamed as unary."""
+    sampled = {"temperature": 1.0, "seed": seed, "top_k": 50} if seed is not None else {"temperature": 0.0}
+    fields = dict(prompt=PROMPTS[1], max_tokens=10, return_token_ids=True, logprobs=4, **sampled)
+    runs = {
+        mode: await stack.run(mode, **fields, presence_penalty=0.5) for mode in ("disaggregated", "unified")
+    }
+    got = {}
+    for mode, (frames, done) in runs.items():
+        check_consistent(frames, done, 10)
+        streamed = [lp for f in frames for lp in f.logprobs]
+        assert [lp.token_id for lp in streamed] == ids_of(frames) == [lp.token_id for lp in done.logprobs]
+        assert len(streamed) == done.usage.completion_tokens
+        for lp in streamed:
+            assert len(lp.top_logprobs) == 4 and lp.logprob <= 0.0
+            if seed is None:
+                assert lp.top_logprobs[0].token_id == lp.token_id
+        got[mode] = [(lp.logprob, [t.logprob for t in lp.top_logprobs]) for lp in done.logprobs]
+    for (a, tops_a), (b, tops_b) in zip(got["disaggregated"], got["unified"], strict=True):
+        assert abs(a - b) <= 1e-5 and all(abs(x - y) <= 1e-5 for x, y in zip(tops_a, tops_b, strict=True))
+    frames, done = await stack.run("disaggregated", **{**fields, "logprobs": 0})
+    assert all(len(lp.top_logprobs) == 0 for lp in done.logprobs) and len(done.logprobs) == 10
+    plain, plain_done = await stack.run("disaggregated", prompt=PROMPTS[1], max_tokens=3)
+    assert not plain_done.logprobs and not any(f.logprobs for f in plain)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stack.stub.Complete(gateway_pb2.GenerateRequest(prompt="x", logprobs=21), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "logprobs (alternatives per token) must be in [0, 20]" in (err.value.details() or "")
+
+
+async def test_structured_outputs_modes_agree_and_bad_ones_are_refused(stack: Stack) -> None:
+    """The prefill worker constrains the first token, the decode worker replays it into its own
+    matcher: the same tokens as unified, every output matching, counted exactly."""
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+    }
+    constraints = [
+        common_pb2.StructuredOutput(json_schema=json.dumps(schema)),
+        common_pb2.StructuredOutput(regex=r"(ab|cd){2,3}!"),
+        common_pb2.StructuredOutput(choice=["alpha", "beta", "日本"]),
+    ]
+    for k, structured in enumerate(constraints):
+        fields = dict(prompt=PROMPTS[k], max_tokens=40, temperature=1.0, seed=k, return_token_ids=True)
+        runs = {
+            mode: await stack.run(mode, **fields, structured=structured)
+            for mode in ("disaggregated", "unified")
+        }
+        (disagg, disagg_done), (unified, unified_done) = runs["disaggregated"], runs["unified"]
+        assert ids_of(disagg) == ids_of(unified) and disagg_done.text == unified_done.text
+        for frames, done in runs.values():
+            check_consistent(frames, done, 40)
+            assert done.finish_reason == STOP
+        text = unified_done.text
+        if k == 0:
+            jsonschema.validate(json.loads(text), schema)
+        elif k == 1:
+            assert re.fullmatch(r"(ab|cd){2,3}!", text), text
+        else:
+            assert text in ("alpha", "beta", "日本")
+    for structured, words in (
+        (common_pb2.StructuredOutput(json_schema="{nope"), "not valid JSON"),
+        (common_pb2.StructuredOutput(regex="[z-a]"), "regex"),
+        (common_pb2.StructuredOutput(regex="a", choice=["a"]), "set exactly one of"),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stack.stub.Complete(
+                gateway_pb2.GenerateRequest(prompt="x", structured=structured), timeout=30
+            )
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert words in (err.value.details() or ""), err.value.details()

@@ -33,7 +33,11 @@ def script(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     tokens: list[int] = []
 
     def scripted(
-        logits: torch.Tensor, params: Sequence[Any], generators: Sequence[Any], seeds: Any = None
+        logits: torch.Tensor,
+        params: Sequence[Any],
+        generators: Sequence[Any],
+        seeds: Any = None,
+        histories: Any = None,
     ) -> torch.Tensor:
         # engine warm-ups sample too: they get token 0
         return torch.tensor([tokens.pop(0) if tokens else 0 for _ in params])

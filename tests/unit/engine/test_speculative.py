@@ -342,7 +342,7 @@ def scripted_by_index(monkeypatch: pytest.MonkeyPatch) -> dict[int, list[int]]:
 
     scripts: dict[int, list[int]] = {}
 
-    def scripted(logits: Any, params: Any, generators: Any, seeds: Any = None) -> Any:
+    def scripted(logits: Any, params: Any, generators: Any, seeds: Any = None, histories: Any = None) -> Any:
         import torch
 
         index = {_mix_seed(seed, m): (seed, m) for seed in scripts for m in range(80)}

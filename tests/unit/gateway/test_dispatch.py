@@ -4,13 +4,14 @@ before handoff, cancel and deadline aborts."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import pytest
 
-from services.gateway.dispatch import Dispatcher, PreparedRequest
+from services.gateway.dispatch import Dispatcher, PreparedRequest, needed_capabilities
 from services.gateway.ports import (
     DecodeEvent,
     DecodeEventKind,
@@ -26,7 +27,8 @@ from services.gateway.ports import (
 )
 from services.gateway.request import FrameKind, OutputFrame, RequestState, RequestStatus, Sampling
 from shared.cluster import FinishReason, ServingMode
-from shared.errors import DeadlineExceeded, InvalidArgument
+from shared.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
+from shared.structured_output import StructuredOutput
 
 PREFILL = WorkerTarget("p1", "prefill:1", 0)
 DECODE = WorkerTarget("d1", "decode:1", 1)
@@ -439,6 +441,10 @@ async def test_decode_failure_mid_stream_migrates_and_continues_exactly() -> Non
     )
     sched = FakeScheduler([disagg(DECODE), disagg(DECODE2)])
     req = prepared(max_tokens=7, prompt_len=20)
+    penalized = dataclasses.replace(
+        req.sampling, presence_penalty=0.5, repetition_penalty=1.2, logit_bias=((9, 3.0),), min_tokens=6
+    )
+    req = dataclasses.replace(req, sampling=penalized)
     state = RequestState(req.request_id, req.prompt_token_ids, False, "m")
     frames = [f async for f in Dispatcher(sched, workers, 4).run(req, state, None)]
     assert "".join(f.text for f in frames) == "abcdef"
@@ -449,6 +455,11 @@ async def test_decode_failure_mid_stream_migrates_and_continues_exactly() -> Non
     resumed = [j for j in workers.jobs if j.request_id != "req-1"]
     assert {j.prompt_token_ids for j in resumed} == {(*range(20), 1, 2, 3)}
     assert {(j.sampling.max_tokens, j.sampling.first_output_index) for j in resumed} == {(4, 3)}
+    # penalties travel unchanged; min_tokens counts from output index 0 (the worker compares it
+    # with first_output_index + its own output), so it is not shortened like max_tokens
+    for job in workers.jobs:
+        assert (job.sampling.presence_penalty, job.sampling.repetition_penalty) == (0.5, 1.2)
+        assert job.sampling.logit_bias == ((9, 3.0),) and job.sampling.min_tokens == 6
     assert all(j.return_token_ids for j in workers.jobs), "workers always return ids to the gateway"
     usage = frames[-1].usage
     assert usage is not None and usage.completion_tokens == 7  # 3 before + 1 (prefill) + 3 (decode)
@@ -509,3 +520,31 @@ async def test_open_breaker_keeps_a_failing_worker_out_of_the_next_requests() ->
     assert sched.queries[1].exclude_worker_ids == ("d1",)  # the retry of the first request
     assert sched.queries[2].exclude_worker_ids == ("d1",)  # the next request: breaker open
     assert breakers.is_open("d1") and not breakers.is_open("d2")
+
+
+# --- features an older worker would silently ignore ---
+
+
+async def test_a_worker_without_a_needed_capability_is_skipped_then_the_request_refused() -> None:
+    old = WorkerTarget("old", "old:1", 0, ("generated_tokens", "first_output_index"))
+    new = WorkerTarget("d2", "decode:2", 0, ("generated_tokens", "logprobs", "sampling_penalties"))
+    workers = FakeWorkers(streams={new.address: [FakeStream([tokens("a", 1), final("b", 2)])]})
+    sched = FakeScheduler([agg(old), agg(new)])
+    req = prepared()
+    req = dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, logprobs=2, min_tokens=1))
+    frames, _ = await run(sched, workers, req)
+    assert "".join(f.text for f in frames) == "ab"
+    assert sched.queries[1].exclude_worker_ids == ("old",)
+    assert len(workers.jobs) == 1  # the old worker got nothing
+    # structured outputs: nobody has them -> RESOURCE_EXHAUSTED naming what is missing
+    sched = FakeScheduler([agg(old), agg(new), agg(new)])
+    req = dataclasses.replace(
+        req, sampling=dataclasses.replace(req.sampling, structured=StructuredOutput("json_object"))
+    )
+    with pytest.raises(ResourceExhausted, match="lacks structured_outputs"):
+        await run(sched, FakeWorkers(), req)
+    # a plain request goes to the old worker; targets without capabilities are not checked
+    assert needed_capabilities(prepared().sampling) == set()
+    plain_workers = FakeWorkers(streams={old.address: [FakeStream([final("x", 1)])]})
+    frames, _ = await run(FakeScheduler([agg(old)]), plain_workers)
+    assert frames[-1].text == "x"

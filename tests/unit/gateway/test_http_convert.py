@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import grpc
@@ -10,8 +11,9 @@ import pytest
 from services.gateway import http_convert as conv
 from services.gateway import http_models as m
 from services.gateway.accounting import CacheStats, Usage
-from services.gateway.request import ChatTurn
+from services.gateway.request import ChatTurn, TokenLogprob
 from shared import errors
+from shared.structured_output import StructuredOutput
 
 
 def chat(**kw: Any) -> conv.Plan:
@@ -77,6 +79,83 @@ def test_chat_refusals_name_the_field(kw: dict[str, Any], param: str) -> None:
     assert err.value.param == param
 
 
+def test_penalties_bias_and_min_tokens_reach_the_domain_input() -> None:
+    (inp,) = chat(
+        presence_penalty=0.5,
+        frequency_penalty=-1,
+        repetition_penalty=1.2,
+        logit_bias={"7": 5, "12": -100.0},
+        min_tokens=3,
+    ).inputs
+    assert (inp.presence_penalty, inp.frequency_penalty, inp.repetition_penalty) == (0.5, -1.0, 1.2)
+    assert inp.logit_bias == ((7, 5.0), (12, -100.0)) and inp.min_tokens == 3
+    (plain,) = completion(prompt="x").inputs
+    assert plain.logit_bias == () and plain.min_tokens is None and plain.presence_penalty is None
+    with pytest.raises(conv.InvalidParam) as err:
+        chat(logit_bias={"seven": 1})
+    assert err.value.param == "logit_bias"
+
+
+def test_logprobs_fields_and_their_json() -> None:
+    assert chat(logprobs=True, top_logprobs=5).inputs[0].logprobs == 5
+    assert chat(logprobs=True).inputs[0].logprobs == 0
+    assert chat(logprobs=False).inputs[0].logprobs is None
+    assert chat(top_logprobs=0).inputs[0].logprobs is None
+    assert completion(prompt="x", logprobs=3).inputs[0].logprobs == 3
+    for kw in (
+        {"top_logprobs": 2},
+        {"logprobs": True, "top_logprobs": 21},
+        {"logprobs": True, "top_logprobs": -1},
+    ):
+        with pytest.raises(conv.InvalidParam) as err:
+            chat(**kw)
+        assert err.value.param == "top_logprobs"
+    texts = {1: "a", 2: "bc", 3: "\u00e9"}
+    lps = [TokenLogprob(1, -0.5, ((1, -0.5), (2, float("-inf")))), TokenLogprob(3, -1.25, ())]
+    body = conv.chat_logprobs(lps, texts.__getitem__)
+    assert body.content is not None and [e.token for e in body.content] == ["a", "\u00e9"]
+    assert body.content[0].top_logprobs[1].logprob == conv.LOGPROB_FLOOR  # JSON has no -inf
+    assert body.content[1].bytes == [0xC3, 0xA9]
+    legacy = conv.completion_logprobs(lps, texts.__getitem__, text_offset=10)
+    assert legacy.tokens == ["a", "\u00e9"] and legacy.token_logprobs == [-0.5, -1.25]
+    assert legacy.top_logprobs == [{"a": -0.5, "bc": conv.LOGPROB_FLOOR}, {}]
+    assert legacy.text_offset == [10, 11]
+
+
+def test_response_format_and_guided_fields_become_a_constraint() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    (inp,) = chat(
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    ).inputs
+    assert inp.structured == StructuredOutput("json_schema", json.dumps(schema))
+    assert chat(response_format={"type": "json_object"}).inputs[0].structured == StructuredOutput(
+        "json_object"
+    )
+    assert chat(response_format={"type": "text"}).inputs[0].structured is None
+    assert completion(prompt="x", guided_regex="a+").inputs[0].structured == StructuredOutput("regex", "a+")
+    assert completion(prompt="x", guided_choice=["a", "b"]).inputs[0].structured == StructuredOutput(
+        "choice", choices=("a", "b")
+    )
+    assert completion(prompt="x", guided_json=schema).inputs[0].structured == StructuredOutput(
+        "json_schema", json.dumps(schema)
+    )
+    for kw, param in (
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": []}}}, "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 3}}}},
+            "response_format",
+        ),
+        ({"guided_regex": "("}, "guided_regex"),
+        ({"guided_json": "{"}, "guided_json"),
+        ({"guided_choice": ["a", ""]}, "guided_choice"),
+        ({"guided_json": schema, "response_format": {"type": "json_object"}}, "guided_json"),
+    ):
+        with pytest.raises(conv.InvalidParam) as err:
+            chat(**kw)
+        assert err.value.param == param, kw
+
+
 def test_completion_refusals() -> None:
     for prompt in ([], [-1]):
         with pytest.raises(conv.InvalidParam):
@@ -86,9 +165,14 @@ def test_completion_refusals() -> None:
 
 
 def test_unsupported_fields_refused_unknown_ignored() -> None:
-    assert conv.unsupported_and_unknown({"logprobs": False, "tools": [], "vendor_x": 1}) == ["vendor_x"]
-    assert conv.unsupported_and_unknown({"response_format": {"type": "text"}, "presence_penalty": 0}) == []
-    for name, value in (("logprobs", True), ("tools", [{"type": "function"}]), ("frequency_penalty", 0.5)):
+    assert conv.unsupported_and_unknown({"echo": False, "tools": [], "vendor_x": 1}) == ["vendor_x"]
+    assert conv.unsupported_and_unknown({"tool_choice": "none", "best_of": 1}) == []
+    for name, value in (
+        ("echo", True),
+        ("prompt_logprobs", 1),
+        ("tools", [{"type": "function"}]),
+        ("guided_grammar", "start: 'a'"),
+    ):
         with pytest.raises(conv.InvalidParam) as err:
             conv.unsupported_and_unknown({name: value})
         assert err.value.param == name and name in str(err.value)

@@ -9,6 +9,7 @@ import pytest
 
 from services.gateway.request import ChatTurn, GenerateInput
 from services.gateway.validation import (
+    InvalidField,
     Limits,
     resolve_max_tokens,
     validate_input,
@@ -16,6 +17,7 @@ from services.gateway.validation import (
     validate_token_ids,
 )
 from shared.errors import InvalidArgument, NotFound
+from shared.structured_output import StructuredOutput
 
 MODEL = "tiny"
 LIMITS = Limits(max_stop_strings=2, max_stop_string_chars=5)
@@ -120,3 +122,66 @@ def test_resolve_max_tokens() -> None:
         resolve_max_tokens(91, 256, prompt_tokens=10, max_model_len=100)
     with pytest.raises(InvalidArgument, match="shorten the prompt"):
         resolve_max_tokens(None, 256, prompt_tokens=100, max_model_len=100)
+
+
+def test_penalties_bias_and_min_tokens_in_range_pass() -> None:
+    check(
+        prompt="x",
+        max_tokens=5,
+        presence_penalty=-2.0,
+        frequency_penalty=2.0,
+        repetition_penalty=2.0,
+        logit_bias=((0, -100.0), (9, 100.0)),
+        min_tokens=5,
+    )
+    check(prompt="x", repetition_penalty=0.01, min_tokens=0)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "words"),
+    [
+        ({"presence_penalty": 2.5}, "presence_penalty", "[-2, 2]"),
+        ({"presence_penalty": math.nan}, "presence_penalty", "[-2, 2]"),
+        ({"frequency_penalty": -2.01}, "frequency_penalty", "[-2, 2]"),
+        ({"frequency_penalty": math.inf}, "frequency_penalty", "[-2, 2]"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty", "(0, 2]"),
+        ({"repetition_penalty": 2.5}, "repetition_penalty", "(0, 2]"),
+        ({"repetition_penalty": -1.0}, "repetition_penalty", "(0, 2]"),
+        ({"logit_bias": ((5, 101.0),)}, "logit_bias", "[-100, 100]"),
+        ({"logit_bias": ((5, math.nan),)}, "logit_bias", "[-100, 100]"),
+        ({"logit_bias": ((-1, 1.0),)}, "logit_bias", "negative token id"),
+        ({"logit_bias": tuple((i, 1.0) for i in range(1025))}, "logit_bias", "limit is 1024"),
+        ({"min_tokens": -1}, "min_tokens", ">= 0"),
+        ({"min_tokens": 6, "max_tokens": 5}, "min_tokens", "<= max_tokens"),
+        ({"logprobs": 21}, "logprobs", "[0, 20]"),
+        ({"logprobs": -1}, "logprobs", "[0, 20]"),
+    ],
+)
+def test_bad_penalties_bias_and_min_tokens_name_the_field(
+    fields: dict[str, Any], param: str, words: str
+) -> None:
+    with pytest.raises(InvalidField) as err:
+        check(prompt="x", **fields)
+    assert err.value.param == param
+    assert param in str(err.value) and words in str(err.value)
+
+
+def test_logit_bias_token_ids_must_be_in_the_vocabulary() -> None:
+    validate_token_ids((1, 2), (), 10, ((9, 1.0),))
+    with pytest.raises(InvalidField, match=r"logit_bias has token id 10.*vocabulary size 10") as err:
+        validate_token_ids((1, 2), (), 10, ((10, 1.0),))
+    assert err.value.param == "logit_bias"
+
+
+def test_structured_outputs_are_compiled_at_the_gateway() -> None:
+    check(prompt="x", structured=StructuredOutput("regex", "[a-z]+"))
+    check(prompt="x", structured=StructuredOutput("json_object"))
+    for bad, words in (
+        (StructuredOutput("regex", "[z-a]"), "regex"),
+        (StructuredOutput("json_schema", '{"type": "objectx"}'), "objectx"),
+        (StructuredOutput("json_schema", "[]"), "must be a JSON object"),
+        (StructuredOutput("choice", choices=("",)), "non-empty"),
+    ):
+        with pytest.raises(InvalidField, match=words) as err:
+            check(prompt="x", structured=bad)
+        assert err.value.param == "structured"

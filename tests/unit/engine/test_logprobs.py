@@ -1,0 +1,108 @@
+"""Logprobs: those of the distribution the sampler drew from (after penalties, bias, temperature,
+top-k / top-p), one entry per generated token, identical unified, disaggregated (the first
+token's from the prefill engine), after a migration and with speculation on."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+
+import pytest
+import torch
+
+from services.worker.engine.api import RequestOutput, SamplingConfig, TokenLogprobs
+from services.worker.engine.sampler import TokenHistory, sample, sample_with_logprobs
+from tests.unit.engine.conftest import EngineFactory, collect, handoff_run, request, tokens_of
+
+
+def test_logprobs_are_those_of_the_processed_distribution() -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(4, 30) * 2
+    hist = TokenHistory(list(range(10)), 4)
+    params = [
+        SamplingConfig(max_tokens=1, temperature=0.0, logprobs=3, presence_penalty=1.0),
+        SamplingConfig(max_tokens=1, temperature=0.5, top_k=5, logprobs=0, seed=1),
+        SamplingConfig(max_tokens=1, temperature=1.0),  # no logprobs asked
+        SamplingConfig(max_tokens=1, temperature=2.0, logprobs=20, logit_bias=((4, 3.0),), seed=2),
+    ]
+    gens = [None, torch.Generator(), None, torch.Generator()]
+    seeds = [None, 11, None, 12]
+    hists = [hist, None, None, None]
+    tokens, lps = sample_with_logprobs(logits, params, gens, seeds, hists)
+    again = sample(logits, params, [None, torch.Generator(), None, torch.Generator()], seeds, hists)
+    assert tokens[[0, 1, 3]].tolist() == again[[0, 1, 3]].tolist()  # logprobs never change the draw
+    greedy, topk, none, hot = lps
+    assert none is None and greedy is not None and topk is not None and hot is not None
+    # greedy: penalized logits, no temperature; the chosen token is the most likely one
+    penalized = logits[0].clone()
+    penalized[6:10] -= 1.0
+    want = penalized.log_softmax(-1)
+    assert greedy.token_id == int(want.argmax()) and greedy.top[0] == (greedy.token_id, greedy.logprob)
+    assert [t for t, _ in greedy.top] == want.topk(3).indices.tolist()
+    assert math.isclose(greedy.logprob, float(want.max()), rel_tol=1e-6)
+    # top-k 5 at temperature 0.5: mass only on the 5, the chosen one among them, no alternatives
+    scaled = logits[1] / 0.5
+    kept = scaled.topk(5).indices.tolist()
+    assert topk.token_id in kept and topk.top == ()
+    ref = scaled[kept].log_softmax(-1)[kept.index(topk.token_id)]
+    assert math.isclose(topk.logprob, float(ref), rel_tol=1e-5)
+    # temperature 2 with a bias: 20 alternatives, sorted, probabilities summing below 1
+    biased = logits[3].clone()
+    biased[4] += 3.0
+    ref_hot = (biased / 2.0).log_softmax(-1)
+    assert len(hot.top) == 20 and [v for _, v in hot.top] == sorted((v for _, v in hot.top), reverse=True)
+    assert math.isclose(hot.logprob, float(ref_hot[hot.token_id]), rel_tol=1e-5)
+    assert sum(math.exp(v) for _, v in hot.top) <= 1.0 + 1e-6
+
+
+PROMPT = tuple(random.Random(5).randrange(3, 450) for _ in range(29))
+
+
+def _logprobs(outputs: list[RequestOutput]) -> list[TokenLogprobs]:
+    return [lp for o in outputs for lp in o.new_logprobs]
+
+
+def _assert_close(a: list[TokenLogprobs], b: list[TokenLogprobs]) -> None:
+    assert [x.token_id for x in a] == [y.token_id for y in b]
+    for x, y in zip(a, b, strict=True):
+        assert abs(x.logprob - y.logprob) <= 1e-5
+        assert [t for t, _ in x.top] == [t for t, _ in y.top]
+        assert all(abs(u - v) <= 1e-5 for (_, u), (_, v) in zip(x.top, y.top, strict=True))
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingConfig(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=5, frequency_penalty=0.5),
+        SamplingConfig(max_tokens=10, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True, logprobs=2),
+    ],
+    ids=["greedy", "seeded"],
+)
+async def test_logprobs_agree_unified_disaggregated_migrated_speculative(
+    make_engine: EngineFactory, sampling: SamplingConfig
+) -> None:
+    unified, prefill, decode = make_engine(), make_engine(), make_engine()
+    spec = make_engine(speculative="ngram", num_speculative_tokens=3, spec_ngram_min=1, spec_step_cost=False)
+    want = await collect(unified.add_request(request("u", PROMPT, sampling)))
+    lps = _logprobs(want)
+    assert [lp.token_id for lp in lps] == tokens_of(want) and len(lps) == 10
+    assert all(len(lp.top) == sampling.logprobs for lp in lps)
+    plain = await collect(
+        unified.add_request(request("p", PROMPT, dataclasses.replace(sampling, logprobs=None)))
+    )
+    assert tokens_of(plain) == tokens_of(want) and _logprobs(plain) == []
+    first, rest = await handoff_run(prefill, decode, "d", PROMPT, sampling)
+    assert len(first.new_logprobs) == 1
+    _assert_close(list(first.new_logprobs) + _logprobs(rest), lps)
+    moved = dataclasses.replace(sampling, max_tokens=6, first_output_index=4)
+    resumed = await collect(unified.add_request(request("m", PROMPT + tuple(tokens_of(want)[:4]), moved)))
+    _assert_close(_logprobs(resumed), lps[4:])
+    # speculation: a repetitive prompt (and no penalty against repeating) gets proposals accepted;
+    # each verified row's logprobs are those plain decoding computes at its index
+    loop, looping = PROMPT[:5] * 6, dataclasses.replace(sampling, max_tokens=16, frequency_penalty=0.0)
+    on = await collect(spec.add_request(request("s", loop, looping)))
+    off = await collect(unified.add_request(request("l", loop, looping)))
+    _assert_close(_logprobs(on), _logprobs(off))
+    if sampling.temperature == 0.0:  # (random weights: sampled tokens rarely repeat the prompt)
+        assert spec.spec_stats(0).num_accepted_tokens > 0
