@@ -1,0 +1,296 @@
+"""Tool calls: the tools a chat request offers, the tool_choice that forces a call (as a JSON-schema
+structured output), the prompt preamble for templates that ignore tools, and the parsers that turn
+a model's output into content and tool calls (Hermes `<tool_call>` JSON, Llama-3 JSON), one
+incremental parser for streamed and unary responses alike (unary = all text fed at once, so a
+stream's deltas always reassemble to the unary result)."""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from shared.structured_output import StructuredOutput
+
+Format = Literal["hermes", "llama3_json"]
+FORMATS: tuple[Format, ...] = ("hermes", "llama3_json")
+HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"  # Llama 3.1 may open a JSON call with it
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's function name rule (plus '.')
+
+
+@dataclass(frozen=True)
+class Tool:
+    """One function the model may call; `parameters` is its JSON schema (JSON text)."""
+
+    name: str
+    description: str = ""
+    parameters: str = '{"type": "object", "properties": {}}'
+
+    def as_openai(self) -> dict[str, Any]:
+        """The {"type": "function", "function": {...}} dict chat templates expect."""
+        function: dict[str, Any] = {"name": self.name, "parameters": json.loads(self.parameters)}
+        if self.description:
+            function["description"] = self.description
+        return {"type": "function", "function": function}
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A parsed call; `arguments` is a JSON object as text (compact json.dumps)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def valid_name(name: str) -> bool:
+    return bool(_NAME.match(name))
+
+
+def detect_format(chat_template: str) -> Format:
+    """The parser a chat template's own tool format calls for (hermes when it says nothing)."""
+    if HERMES_START in chat_template:
+        return "hermes"
+    if PYTHON_TAG in chat_template or ("ipython" in chat_template and '"parameters"' in chat_template):
+        return "llama3_json"
+    return "hermes"
+
+
+def arguments_key(fmt: Format) -> str:
+    return "parameters" if fmt == "llama3_json" else "arguments"
+
+
+def forced_call(tools: tuple[Tool, ...], fmt: Format) -> StructuredOutput:
+    """The structured output that forces exactly one call of one of `tools` (tool_choice
+    `required`: any of them; a named function: that one). It is the call's JSON body in the
+    parser's format ({"name": ..., "arguments"|"parameters": {...}}) without Hermes' tags, which
+    a JSON schema cannot write (vLLM forces calls the same way); the parser reads it as a call."""
+    key = arguments_key(fmt)
+    variants = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t.name}, key: json.loads(t.parameters)},
+            "required": ["name", key],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
+    return StructuredOutput("json_schema", json.dumps(schema))
+
+
+def preamble(tools: tuple[Tool, ...], fmt: Format) -> str:
+    """A system-prompt text offering `tools`, for chat templates that do not render tools (the
+    bundled SmolLM2's): the Hermes function-calling prompt (NousResearch's), or its Llama-3 JSON
+    counterpart."""
+    listed = "\n".join(json.dumps(t.as_openai()) for t in tools)
+    if fmt == "llama3_json":
+        return (
+            "You have access to the following functions. To call a function, respond with only a JSON "
+            'object of the form {"name": function name, "parameters": {argument name: value}}.\n\n' + listed
+        )
+    return (
+        "You are a function calling AI model. You are provided with function signatures within "
+        "<tools></tools> XML tags. You may call one or more functions to assist with the user query. "
+        "Don't make assumptions about what values to plug into functions.\n<tools>\n"
+        + listed
+        + "\n</tools>\nFor each function call return a JSON object with the function name and arguments "
+        "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+        '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+    )
+
+
+def call_text(name: str, arguments: str, fmt: Format) -> str:
+    """An earlier assistant call as the model writes it (for templates that do not render calls)."""
+    body = f'{{"name": {json.dumps(name)}, "{arguments_key(fmt)}": {arguments}}}'
+    return f"{HERMES_START}\n{body}\n{HERMES_END}" if fmt == "hermes" else body
+
+
+def tool_result_text(content: str, fmt: Format) -> str:
+    return f"<tool_response>\n{content}\n</tool_response>" if fmt == "hermes" else content
+
+
+def _call_of(body: str) -> ToolCall | None:
+    """A call's JSON body -> ToolCall, or None when it is not one (bad JSON, no name, arguments
+    that are not an object)."""
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    return _call_of_object(obj)
+
+
+def _call_of_object(obj: Any) -> ToolCall | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(new_call_id(), obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+Event = str | ToolCall  # content text, or a complete call
+
+
+class ToolCallParser:
+    """Splits a model's output into content and tool calls, fed in any fragments.
+
+    `feed(text)` and `finish()` return what is certain so far, in order: content strings and
+    complete ToolCalls. Text that may start a call is held back until it is known. A call that
+    does not parse (bad JSON, no name) is content, as written. Whitespace right before a call, and
+    at the end after the last call, is dropped (content is what the model said around its calls).
+
+    Hermes: calls are `<tool_call>{json}</tool_call>` anywhere in the text (an unterminated call
+    at the end counts when its JSON is complete). Llama-3 JSON, and a call forced by tool_choice
+    (`forced`: the bare JSON body in either format): the output opens with a JSON object
+    (optionally after `<|python_tag|>`), calls may follow each other separated by `;` or
+    whitespace; output that does not open with `{` is content.
+    """
+
+    def __init__(self, fmt: Format, forced: bool = False) -> None:
+        self._json_calls = forced or fmt == "llama3_json"
+        self._buf = ""  # text not yet decided
+        self._in_call = False  # _buf holds (the start of) a call's body
+        self._plain = False  # JSON mode only: the output is plain text from here on
+        self._expect_call = True  # JSON mode only: at the start, or just after a call
+        self._after_call = False  # nothing but whitespace since the last call
+        self._held_ws = ""  # content's trailing whitespace, dropped if a call follows
+        self._call_start = 0  # where in _buf the call's JSON starts (JSON mode)
+        self.num_calls = 0
+
+    # --- content with whitespace next to calls dropped ---
+    def _content(self, text: str, out: list[Event]) -> None:
+        full = self._held_ws + text
+        body = full.rstrip()
+        self._held_ws = full[len(body) :]
+        if body:
+            self._after_call = False
+            out.append(body)
+
+    def _call(self, call: ToolCall, out: list[Event]) -> None:
+        self._held_ws = ""
+        self._after_call = True
+        self.num_calls += 1
+        out.append(call)
+
+    # --- feeding ---
+    def feed(self, text: str) -> list[Event]:
+        out: list[Event] = []
+        self._buf += text
+        if self._json_calls:
+            self._scan_json(out, final=False)
+        else:
+            self._scan_hermes(out, final=False)
+        return out
+
+    def finish(self) -> list[Event]:
+        out: list[Event] = []
+        if self._json_calls:
+            self._scan_json(out, final=True)
+        else:
+            self._scan_hermes(out, final=True)
+        if self._buf:
+            self._content(self._buf, out)
+            self._buf = ""
+        if self._held_ws and not self._after_call:  # (whitespace after the last call: dropped)
+            out.append(self._held_ws)
+        self._held_ws = ""
+        return out
+
+    def _scan_hermes(self, out: list[Event], final: bool) -> None:
+        while self._buf:
+            if not self._in_call:
+                at = self._buf.find(HERMES_START)
+                if at < 0:
+                    keep = 0 if final else _partial_suffix(self._buf, HERMES_START)
+                    self._content(self._buf[: len(self._buf) - keep], out)
+                    self._buf = self._buf[len(self._buf) - keep :]
+                    return
+                self._content(self._buf[:at], out)
+                self._buf = self._buf[at:]
+                self._in_call = True
+            end = self._buf.find(HERMES_END)
+            if end < 0:
+                if final:  # unterminated: a call if its JSON is complete
+                    self._in_call = False
+                    call = _call_of(self._buf[len(HERMES_START) :])
+                    if call is not None:
+                        self._call(call, out)
+                        self._buf = ""
+                return
+            raw = self._buf[: end + len(HERMES_END)]
+            self._buf = self._buf[len(raw) :]
+            self._in_call = False
+            call = _call_of(raw[len(HERMES_START) : end])
+            if call is None:
+                self._content(raw, out)
+            else:
+                self._call(call, out)
+
+    def _scan_json(self, out: list[Event], final: bool) -> None:
+        while self._buf:
+            if self._plain:
+                self._content(self._buf, out)
+                self._buf = ""
+                return
+            if not self._in_call:
+                head = self._buf.lstrip()
+                if self.num_calls:
+                    head = head.lstrip("; \t\r\n")
+                if not head or (not final and PYTHON_TAG.startswith(head)):
+                    return  # undecided: whitespace, or the start of <|python_tag|>
+                if head.startswith(PYTHON_TAG) and self.num_calls == 0:
+                    head = head[len(PYTHON_TAG) :].lstrip()
+                    if not head:
+                        return
+                if not head.startswith("{"):
+                    self._plain = True
+                    continue
+                self._in_call = True
+                self._call_start = len(self._buf) - len(head)
+            body = self._buf[self._call_start :]
+            try:
+                obj, end = json.JSONDecoder().raw_decode(body)
+            except json.JSONDecodeError:
+                if final:  # never completed: all of it is content
+                    self._in_call = False
+                    self._plain = True
+                    continue
+                return
+            call = _call_of_object(obj)
+            if call is None:
+                self._in_call = False
+                self._plain = True
+                continue
+            self._buf = body[end:]
+            self._in_call = False
+            self._call(call, out)
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest end of `text` that is a proper start of `marker`."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def parse(text: str, fmt: Format, forced: bool = False) -> tuple[str | None, list[ToolCall]]:
+    """A whole output -> (content, calls). Content is None when there are calls and no text."""
+    parser = ToolCallParser(fmt, forced)
+    events = parser.feed(text) + parser.finish()
+    calls = [e for e in events if isinstance(e, ToolCall)]
+    content = "".join(e for e in events if isinstance(e, str))
+    return (content or None) if calls else content, calls

@@ -1,0 +1,168 @@
+"""The tool-call parsers (Hermes and Llama-3 JSON, free and forced): whole outputs and the same
+outputs fed in every kind of fragment give the same content and calls; text around calls stays
+content; what does not parse stays content; the forcing schema and the prompt preamble."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import jsonschema
+import pytest
+
+from services.gateway.tool_calls import (
+    Tool,
+    ToolCall,
+    ToolCallParser,
+    call_text,
+    detect_format,
+    forced_call,
+    parse,
+    preamble,
+)
+from shared.structured_output import grammar_of
+
+WEATHER = Tool(
+    "get_weather",
+    "Weather in a city",
+    json.dumps({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}),
+)
+
+# (format, forced, output, expected content, expected (name, arguments) calls)
+CASES: list[tuple[str, bool, str, str | None, list[tuple[str, dict[str, object]]]]] = [
+    (
+        "hermes",
+        False,
+        "Let me check.\n<tool_call>\n"
+        '{"name": "get_weather", "arguments": {"city": "Oslo 🙂"}}\n</tool_call>\n'
+        '<tool_call>{"name": "f", "arguments": {}}</tool_call>',
+        "Let me check.",
+        [("get_weather", {"city": "Oslo 🙂"}), ("f", {})],
+    ),
+    (
+        "hermes",
+        False,
+        'a <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call> then more',
+        "a then more",
+        [("f", {"x": 1})],
+    ),
+    ("hermes", False, "no calls here, just < and <tool", "no calls here, just < and <tool", []),
+    (
+        "hermes",
+        False,
+        "x <tool_call>{not json}</tool_call> y",
+        "x <tool_call>{not json}</tool_call> y",
+        [],
+    ),
+    (
+        "hermes",
+        False,
+        '<tool_call>{"arguments": {}}</tool_call>',
+        '<tool_call>{"arguments": {}}</tool_call>',
+        [],
+    ),
+    (
+        "hermes",
+        False,
+        '<tool_call>{"name": "f", "arguments": {"s": "</tool"}}',
+        None,
+        [("f", {"s": "</tool"})],
+    ),
+    ("hermes", False, '<tool_call>{"name": "f", "argu', '<tool_call>{"name": "f", "argu', []),
+    (
+        "hermes",
+        False,
+        '<tool_call>{"name": "f", "arguments": "{\\"a\\": 2}"}</tool_call>',
+        None,
+        [("f", {"a": 2})],
+    ),
+    ("hermes", True, '{"name": "f", "arguments": {"x": [1, 2]}}', None, [("f", {"x": [1, 2]})]),
+    (
+        "llama3_json",
+        False,
+        '<|python_tag|>{"name": "f", "parameters": {"x": 1}}; {"name": "g", "parameters": {}}',
+        None,
+        [("f", {"x": 1}), ("g", {})],
+    ),
+    ("llama3_json", False, ' {"name": "f", "parameters": {"x": 1}}', None, [("f", {"x": 1})]),
+    ("llama3_json", False, 'Hello {"name": "f"}', 'Hello {"name": "f"}', []),
+    ("llama3_json", False, '{"name": "f", "parameters": {"x": 1', '{"name": "f", "parameters": {"x": 1', []),
+    ("llama3_json", False, '{"city": "Oslo"}', '{"city": "Oslo"}', []),
+    ("llama3_json", False, "<|python_ta", "<|python_ta", []),
+    ("llama3_json", True, '{"name": "f", "parameters": {}}', None, [("f", {})]),
+]
+
+
+def _summary(content: str | None, calls: list[ToolCall]) -> tuple[str | None, list[tuple[str, object]]]:
+    return content, [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+@pytest.mark.parametrize(("fmt", "forced", "text", "content", "calls"), CASES)
+def test_whole_output(
+    fmt: str, forced: bool, text: str, content: str | None, calls: list[tuple[str, object]]
+) -> None:
+    got_content, got_calls = parse(text, fmt, forced)  # type: ignore[arg-type]
+    assert _summary(got_content, got_calls) == (content, calls)
+    assert all(c.id.startswith("call_") for c in got_calls)
+    assert len({c.id for c in got_calls}) == len(got_calls)
+
+
+@pytest.mark.parametrize(("fmt", "forced", "text", "content", "calls"), CASES)
+def test_fragments_give_the_whole_output_result(
+    fmt: str, forced: bool, text: str, content: str | None, calls: list[tuple[str, object]]
+) -> None:
+    """Fed one character at a time, and cut at random places: the same content and calls, each
+    call whole (its arguments one JSON object), in order."""
+    rng = random.Random(len(text))
+    cuttings = [list(text)] + [
+        _cut(text, sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 6)))))
+        for _ in range(30)
+    ]
+    for pieces in cuttings:
+        parser = ToolCallParser(fmt, forced)  # type: ignore[arg-type]
+        events = [e for p in pieces for e in parser.feed(p)] + parser.finish()
+        got_calls = [e for e in events if isinstance(e, ToolCall)]
+        got_content = "".join(e for e in events if isinstance(e, str))
+        assert _summary((got_content or None) if got_calls else got_content, got_calls) == (content, calls)
+        assert parser.num_calls == len(calls)
+
+
+def _cut(text: str, at: list[int]) -> list[str]:
+    return [text[a:b] for a, b in zip([0, *at], [*at, len(text)], strict=True)]
+
+
+def test_text_is_not_held_longer_than_needed() -> None:
+    parser = ToolCallParser("hermes")
+    assert parser.feed("Hello <tool") == ["Hello"]  # " <tool" may start a call
+    assert parser.feed("box> and") == [" <toolbox> and"]
+    llama = ToolCallParser("llama3_json")
+    assert llama.feed("Sure") == ["Sure"]
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "llama3_json"])
+def test_forced_call_schema_accepts_only_calls_of_the_tools(fmt: str) -> None:
+    other = Tool("add", "", json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}}))
+    key = "parameters" if fmt == "llama3_json" else "arguments"
+    one = forced_call((WEATHER,), fmt)  # type: ignore[arg-type]
+    either = forced_call((WEATHER, other), fmt)  # type: ignore[arg-type]
+    assert grammar_of(one) and grammar_of(either)  # compiles
+    call = {"name": "get_weather", key: {"city": "Oslo"}}
+    jsonschema.validate(call, json.loads(one.spec))
+    jsonschema.validate({"name": "add", key: {"a": 1}}, json.loads(either.spec))
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"name": "add", key: {"a": 1}}, json.loads(one.spec))
+    content, calls = parse(json.dumps(call), fmt, forced=True)  # type: ignore[arg-type]
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Oslo"})
+    ]
+
+
+def test_preamble_call_text_and_detection() -> None:
+    hermes = preamble((WEATHER,), "hermes")
+    assert "<tools>" in hermes and '"get_weather"' in hermes and "<tool_call>" in hermes
+    assert '"parameters"' in preamble((WEATHER,), "llama3_json")
+    assert parse(call_text("f", '{"a": 1}', "hermes"), "hermes")[1][0].arguments == '{"a": 1}'
+    assert parse(call_text("f", '{"a": 1}', "llama3_json"), "llama3_json")[1][0].name == "f"
+    assert detect_format("... <tool_call> ...") == "hermes"
+    assert detect_format("{{ '<|python_tag|>' }}") == "llama3_json"
+    assert detect_format("{{ message['content'] }}") == "hermes"
