@@ -26,11 +26,12 @@ from starlette.types import Receive, Scope, Send
 
 from services.gateway import http_convert as conv
 from services.gateway import http_models as m
-from services.gateway import observe
+from services.gateway import observe, tool_calls
 from services.gateway.http_choices import ChoiceRun
 from services.gateway.http_convert import HttpError, InvalidParam, Plan
 from services.gateway.request import Completion, OutputFrame, TokenLogprob, new_request_id
 from services.gateway.service import GatewayService
+from services.gateway.tool_calls import ToolCall
 from services.gateway.validation import validate_request_id
 from shared.auth import AUTH_HEADER, UNAUTHENTICATED_MESSAGE, ApiKeys
 from shared.errors import InvalidArgument
@@ -167,7 +168,7 @@ class HttpApi:
             if unknown:
                 log.debug("ignored_unknown_fields", fields=sorted(unknown))
             plan = (
-                conv.chat_plan(body, request_id)  # type: ignore[arg-type]
+                conv.chat_plan(body, request_id, self._service.tool_call_format)  # type: ignore[arg-type]
                 if chat
                 else conv.completion_plan(body, request_id)  # type: ignore[arg-type]
             )
@@ -328,20 +329,22 @@ def _completion_body(
     model = done[0].model
     wants = [inp.logprobs is not None for inp in plan.inputs]
     if chat:
-        return m.ChatCompletion(
-            id=conv.chat_id(request_id),
-            created=created,
-            model=model,
-            choices=[
+        choices = []
+        for i, c in enumerate(done):
+            content: str | None = c.text
+            calls: list[ToolCall] = []
+            if plan.tools is not None:
+                content, calls = tool_calls.parse(c.text, plan.tools.fmt, plan.tools.forced)
+            choices.append(
                 m.ChatChoice(
                     index=i,
-                    message=m.AssistantMessage(content=c.text),
-                    finish_reason=c.finish_reason.value,
+                    message=m.AssistantMessage(content=content, tool_calls=conv.tool_calls(calls) or None),
+                    finish_reason=conv.chat_finish_reason(c.finish_reason.value, bool(calls)),
                     logprobs=conv.chat_logprobs(c.logprobs, token_text) if wants[i] else None,
                 )
-                for i, c in enumerate(done)
-            ],
-            usage=usage,
+            )
+        return m.ChatCompletion(
+            id=conv.chat_id(request_id), created=created, model=model, choices=choices, usage=usage
         )
     return m.Completion(
         id=conv.completion_id(request_id),
@@ -380,6 +383,31 @@ async def _events(
     wants = [inp.logprobs is not None for inp in plan.inputs]
     pending: list[list[TokenLogprob]] = [[] for _ in plan.inputs]  # of frames without text
     offsets = [0] * len(plan.inputs)  # completions' text_offset: where the next token's text starts
+    parsers = [plan.tools.parser() if plan.tools else None for _ in plan.inputs]
+    calls_sent = [0] * len(plan.inputs)  # the next tool call's index, per choice
+
+    def deltas(index: int, text: str, reason: str | None) -> tuple[list[dict[str, Any]], str | None]:
+        """A chat frame's deltas (content, or each tool call as its name, then its arguments)
+        and its finish_reason (tool_calls when the choice called any)."""
+        parser = parsers[index]
+        if parser is None:
+            return ([{"content": text}] if text else []), reason
+        events = parser.feed(text) + (parser.finish() if reason is not None else [])
+        out: list[dict[str, Any]] = []
+        for event in events:
+            if isinstance(event, str):
+                out.append({"content": event})
+                continue
+            k = calls_sent[index]
+            calls_sent[index] += 1
+            function = {"name": event.name, "arguments": ""}
+            out.append(
+                {"tool_calls": [{"index": k, "id": event.id, "type": "function", "function": function}]}
+            )
+            out.append({"tool_calls": [{"index": k, "function": {"arguments": event.arguments}}]})
+        if reason is not None:
+            reason = conv.chat_finish_reason(reason, parser.num_calls > 0)
+        return out, reason
 
     def chunk(index: int, frame: OutputFrame | None) -> str | None:
         """The SSE event for one frame (None: the chat role chunk that opens a choice)."""
@@ -395,15 +423,33 @@ async def _events(
                 return None  # nothing to say (text held back, e.g. a partial character)
             logprobs, pending[index] = pending[index], []
         if chat:
-            delta: dict[str, str] = {"content": text} if text else {}
             if frame is None:
-                delta = {"role": "assistant", "content": ""}
+                parts: list[dict[str, Any]] = [{"role": "assistant", "content": ""}]
+            else:
+                parts, reason = deltas(index, text, reason)
+                if not parts and reason is None:
+                    pending[index][:0] = logprobs  # the parser holds the text back: later
+                    return None
+            parts = parts or [{}]
             chat_lp = conv.chat_logprobs(logprobs, token_text) if wants[index] and frame is not None else None
-            choice = m.ChatChunkChoice(index=index, delta=delta, finish_reason=reason, logprobs=chat_lp)
-            return _sse(
-                m.ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice], usage=None),
-                exclude,
-            )
+            events = []
+            for n, delta in enumerate(parts):
+                last = n == len(parts) - 1
+                choice = m.ChatChunkChoice(
+                    index=index,
+                    delta=delta,
+                    finish_reason=reason if last else None,
+                    logprobs=chat_lp if n == 0 else None,
+                )
+                events.append(
+                    _sse(
+                        m.ChatCompletionChunk(
+                            id=rid, created=created, model=model, choices=[choice], usage=None
+                        ),
+                        exclude,
+                    )
+                )
+            return "".join(events)
         text_lp = None
         if wants[index]:
             text_lp = conv.completion_logprobs(logprobs, token_text, offsets[index])

@@ -15,9 +15,11 @@ from typing import Any
 import grpc
 
 from services.gateway import http_models as m
+from services.gateway import tool_calls as tool_calls_mod
 from services.gateway.accounting import Usage
 from services.gateway.ports import ModelCard
-from services.gateway.request import ChatTurn, GenerateInput, TokenLogprob
+from services.gateway.request import ChatCallTurn, ChatTurn, GenerateInput, TokenLogprob
+from services.gateway.tool_calls import Format, Tool
 from shared.cluster import FinishReason
 from shared.errors import InvalidArgument
 from shared.grpc_errors import GENERIC_INTERNAL_MESSAGE, status_for
@@ -32,6 +34,7 @@ _SEED_STRIDE = 0x9E3779B97F4A7C15  # odd: choice j's seed = seed + j * stride (m
 
 # Known OpenAI (and common vendor) fields pdserve does not implement, with the values that mean
 # "not used": a request setting any other value gets 400 naming the field, never silent ignoring.
+# (tools, tool_choice and parallel_tool_calls are chat fields; on completions they land here.)
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "prompt_logprobs": (None, 0),
     "echo": (None, False),
@@ -69,6 +72,18 @@ class Plan:
     groups: tuple[int, ...]  # choice index -> prompt index
     stream: bool
     include_usage: bool
+    tools: ToolParsing | None = None  # chat with tools: how every choice's output is read
+
+
+@dataclass(frozen=True)
+class ToolParsing:
+    """How a chat request's outputs are split into content and tool calls."""
+
+    fmt: Format
+    forced: bool  # tool_choice required / a named function: the output is one call's JSON body
+
+    def parser(self) -> tool_calls_mod.ToolCallParser:
+        return tool_calls_mod.ToolCallParser(self.fmt, self.forced)
 
 
 # --- requests ---
@@ -192,7 +207,11 @@ def _common(req: m._GenerationRequest, max_tokens: int | None) -> dict[str, Any]
 
 
 def _plan(
-    req: m._GenerationRequest, per_prompt: Sequence[dict[str, Any]], common: dict[str, Any], request_id: str
+    req: m._GenerationRequest,
+    per_prompt: Sequence[dict[str, Any]],
+    common: dict[str, Any],
+    request_id: str,
+    tools: ToolParsing | None = None,
 ) -> Plan:
     total = len(per_prompt) * req.n
     if total > MAX_CHOICES:
@@ -213,12 +232,12 @@ def _plan(
             )
             groups.append(p)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return Plan(tuple(inputs), tuple(groups), req.stream, include_usage)
+    return Plan(tuple(inputs), tuple(groups), req.stream, include_usage, tools)
 
 
 def _message_text(i: int, msg: m.ChatMessage) -> str:
     if msg.content is None:
-        if msg.role == "assistant":
+        if msg.role == "assistant" or msg.tool_calls:
             return ""
         raise InvalidParam(f"messages[{i}].content is missing", "messages")
     if isinstance(msg.content, str):
@@ -235,7 +254,87 @@ def _message_text(i: int, msg: m.ChatMessage) -> str:
     return "\n".join(texts)
 
 
-def chat_plan(req: m.ChatCompletionRequest, request_id: str) -> Plan:
+def _tools(req: m.ChatCompletionRequest) -> tuple[Tool, ...]:
+    """`tools` as Tools; each problem a 400 naming `tools` (a parameters schema must compile)."""
+    tools: list[Tool] = []
+    for i, raw in enumerate(req.tools or ()):
+        fn = raw.get("function")
+        if raw.get("type") != "function" or not isinstance(fn, dict):
+            raise InvalidParam(
+                f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., "parameters": ...}}}}',
+                "tools",
+            )
+        name, description = fn.get("name"), fn.get("description", "")
+        if not isinstance(name, str) or not tool_calls_mod.valid_name(name):
+            raise InvalidParam(
+                f"tools[{i}].function.name must be 1-64 letters, digits, '_', '-' or '.', got {name!r}",
+                "tools",
+            )
+        if any(t.name == name for t in tools):
+            raise InvalidParam(f"tools[{i}]: a function named {name!r} is already in tools", "tools")
+        if not isinstance(description, str):
+            raise InvalidParam(f"tools[{i}].function.description must be a string", "tools")
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise InvalidParam(f"tools[{i}].function.parameters must be a JSON schema (an object)", "tools")
+        try:
+            grammar_of(StructuredOutput("json_schema", json.dumps(params)))
+        except InvalidStructuredOutput as exc:
+            raise InvalidParam(f"tools[{i}].function.parameters: {exc}", "tools") from None
+        tools.append(Tool(name, description, json.dumps(params)))
+    return tuple(tools)
+
+
+def _tool_choice(req: m.ChatCompletionRequest, tools: tuple[Tool, ...]) -> tuple[Tool, ...] | str:
+    """ "none" / "auto", or the tools one of which must be called (required: all; named: one)."""
+    choice = req.tool_choice
+    if choice is None:
+        return "auto" if tools else "none"
+    if choice in ("none", "auto"):
+        return choice
+    if choice == "required":
+        if not tools:
+            raise InvalidParam('tool_choice "required" needs tools', "tool_choice")
+        return tools
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(fn, dict):
+        raise InvalidParam(
+            'tool_choice must be "none", "auto", "required" or '
+            '{"type": "function", "function": {"name": ...}}',
+            "tool_choice",
+        )
+    named = [t for t in tools if t.name == fn.get("name")]
+    if not named:
+        raise InvalidParam(
+            f"tool_choice names function {fn.get('name')!r}, which is not in tools "
+            f"({', '.join(t.name for t in tools) or 'none given'})",
+            "tool_choice",
+        )
+    return (named[0],)
+
+
+def _turn(i: int, msg: m.ChatMessage) -> ChatTurn:
+    role = "system" if msg.role == "developer" else msg.role  # OpenAI's newer name for system
+    if role == "tool" and not msg.tool_call_id:
+        raise InvalidParam(f"messages[{i}] has role tool but no tool_call_id", "messages")
+    calls = []
+    for j, call in enumerate(msg.tool_calls or ()):
+        if role != "assistant":
+            raise InvalidParam(f"messages[{i}] has tool_calls; only assistant messages may", "messages")
+        try:
+            args = json.loads(call.function.arguments)
+        except json.JSONDecodeError:
+            args = None
+        if call.type != "function" or not isinstance(args, dict):
+            raise InvalidParam(
+                f"messages[{i}].tool_calls[{j}] must be a function call whose arguments are a JSON object",
+                "messages",
+            )
+        calls.append(ChatCallTurn(call.id, call.function.name, call.function.arguments))
+    return ChatTurn(role, _message_text(i, msg), tuple(calls), msg.tool_call_id or "")
+
+
+def chat_plan(req: m.ChatCompletionRequest, request_id: str, tool_format: Format = "hermes") -> Plan:
     if (
         req.max_tokens is not None
         and req.max_completion_tokens is not None
@@ -254,12 +353,29 @@ def chat_plan(req: m.ChatCompletionRequest, request_id: str) -> Plan:
     common["logprobs"] = (top or 0) if req.logprobs else None
     if not req.messages:
         raise InvalidParam("messages is empty; send at least one message", "messages")
-    turns = tuple(
-        # "developer" is OpenAI's newer name for the system role
-        ChatTurn("system" if msg.role == "developer" else msg.role, _message_text(i, msg))
-        for i, msg in enumerate(req.messages)
-    )
-    return _plan(req, [{"messages": turns}], common, request_id)
+    turns = tuple(_turn(i, msg) for i, msg in enumerate(req.messages))
+    tools = _tools(req)
+    choice = _tool_choice(req, tools)
+    parsing = None
+    if choice == "auto" and tools:
+        if req.parallel_tool_calls is False:
+            raise InvalidParam(
+                'parallel_tool_calls: false is supported with tool_choice "required" or a named '
+                "function (one call is forced), not with auto",
+                "parallel_tool_calls",
+            )
+        common["tools"] = tools
+        parsing = ToolParsing(tool_format, forced=False)
+    elif not isinstance(choice, str):
+        if common["structured"] is not None:
+            raise InvalidParam(
+                "tool_choice forces a call with its own constraint; drop response_format / guided_*",
+                "tool_choice",
+            )
+        common["tools"] = tools
+        common["structured"] = tool_calls_mod.forced_call(choice, tool_format)
+        parsing = ToolParsing(tool_format, forced=True)
+    return _plan(req, [{"messages": turns}], common, request_id, parsing)
 
 
 def completion_plan(req: m.CompletionRequest, request_id: str) -> Plan:
@@ -344,6 +460,18 @@ def completion_logprobs(
         top_logprobs=[{token_text(t): _logprob(v) for t, v in lp.top} for lp in logprobs],
         text_offset=offsets,
     )
+
+
+def tool_calls(calls: Sequence[tool_calls_mod.ToolCall]) -> list[m.ResponseToolCall]:
+    return [
+        m.ResponseToolCall(id=c.id, function=m.ResponseFunctionCall(name=c.name, arguments=c.arguments))
+        for c in calls
+    ]
+
+
+def chat_finish_reason(reason: str, called: bool) -> str:
+    """OpenAI's finish_reason: tool_calls when the model stopped after calling tools."""
+    return "tool_calls" if called and reason == FinishReason.STOP.value else reason
 
 
 def chat_id(request_id: str) -> str:

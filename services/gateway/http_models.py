@@ -2,7 +2,7 @@
 
 Requests are validated strictly (a string is not a number, a float is not an integer); fields this
 API does not declare land in `model_extra`, where `http_convert` refuses the known-unsupported ones
-(echo, tools, response_format, ...) and ignores vendor fields with a debug log.
+(echo, functions, ...) and ignores vendor fields with a debug log.
 """
 
 from __future__ import annotations
@@ -23,10 +23,25 @@ class ContentPart(_Request):
     text: str | None = None
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str = Field(description="a JSON object, as text")
+
+
+class MessageToolCall(_Request):
+    """A call an earlier assistant message made."""
+
+    id: str
+    type: str = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call this answers
 
 
 class StreamOptions(_Request):
@@ -65,6 +80,12 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, description="0-20 alternatives per token; needs logprobs")
+    # [{"type": "function", "function": {"name", "description", "parameters": JSON schema}}]
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = Field(
+        default=None, description='"none", "auto" (default with tools), "required" or a named function'
+    )
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_GenerationRequest):
@@ -110,9 +131,21 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class ResponseFunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ResponseToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -149,7 +182,8 @@ class Completion(BaseModel):
 
 class ChatChunkChoice(BaseModel):
     index: int
-    delta: dict[str, Any]  # {"role": "assistant", "content": ""} first, then {"content": text} or {}
+    # {"role": "assistant", "content": ""} first, then {"content": text}, {"tool_calls": [...]} or {}
+    delta: dict[str, Any]
     finish_reason: str | None = None
     logprobs: ChatLogprobs | None = None
 

@@ -11,14 +11,26 @@ from dataclasses import dataclass, field
 
 from services.gateway import accounting
 from services.gateway.accounting import CacheStats, FrameSource, Segment, Usage, WorkerCount
+from services.gateway.tool_calls import Tool
 from shared.cluster import FinishReason
 from shared.structured_output import StructuredOutput
+
+
+@dataclass(frozen=True)
+class ChatCallTurn:
+    """A tool call an earlier assistant turn made; `arguments` is a JSON object as text."""
+
+    id: str
+    name: str
+    arguments: str
 
 
 @dataclass(frozen=True)
 class ChatTurn:
     role: str
     content: str
+    tool_calls: tuple[ChatCallTurn, ...] = ()  # assistant turns that called tools
+    tool_call_id: str = ""  # tool turns: the call this is the result of
 
 
 @dataclass(frozen=True)
@@ -57,6 +69,7 @@ class GenerateInput:
     min_tokens: int | None = None
     logprobs: int | None = None  # alternatives per token (0-20); None = no logprobs
     structured: StructuredOutput | None = None  # what the output must match
+    tools: tuple[Tool, ...] = ()  # offered to the model in the chat prompt
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncGenerator
+from typing import cast
 
 import structlog
 from opentelemetry import trace
@@ -30,6 +31,7 @@ from services.gateway.request import (
 )
 from services.gateway.settings import GatewaySettings
 from services.gateway.tokenization import PromptTokenizer
+from services.gateway.tool_calls import Format
 from services.gateway.validation import Limits, validate_input, validate_token_ids
 from shared.errors import AlreadyExists, Unavailable
 from shared.tracing import tracer
@@ -116,7 +118,7 @@ class GatewayService:
         if inp.prompt_token_ids:
             prompt = inp.prompt_token_ids
         elif inp.messages:
-            prompt = tok.encode_chat(inp.messages)
+            prompt = tok.encode_chat(inp.messages, inp.tools, self.tool_call_format)
         else:
             prompt = tok.encode_prompt(inp.prompt)
         validate_token_ids(prompt, inp.stop_token_ids, tok.vocab_size, inp.logit_bias)
@@ -242,6 +244,16 @@ class GatewayService:
 
     async def list_models(self) -> list[ModelCard]:
         return list(await self._scheduler.list_models())
+
+    @property
+    def tool_call_format(self) -> Format:
+        """How tool calls are written and read: --tool-call-parser, else the chat template's
+        own format (hermes when it names none, or while the tokenizer loads)."""
+        if self._settings.tool_call_parser:
+            return cast(Format, self._settings.tool_call_parser)
+        if self._tokenizer is None:
+            return "hermes"
+        return self._tokenizer.tool_call_format()
 
     def token_text(self, token_id: int) -> str:
         """A generated token's text on its own (for logprobs)."""

@@ -56,6 +56,13 @@ class GatewaySettings(TlsSettings):
         600.0, "longest a request may run, end to end, when the client sets no shorter deadline (s)"
     )
     worker_rpc_timeout_s: float = field(10.0, "timeout of short control RPCs (Schedule, Abort, GetState) (s)")
+    tool_call_parser: str = field(
+        "",
+        "how tool calls are read from chat output: hermes (<tool_call>{json}</tool_call>) or "
+        'llama3_json ({"name": ..., "parameters": ...}); \'\' = detected from the chat template '
+        "(hermes when it says nothing)",
+        choices=("", "hermes", "llama3_json"),
+    )
     log_prompts: bool = field(False, "log prompt and completion text (off by default: privacy)")
     max_inflight_requests: int = field(
         512,

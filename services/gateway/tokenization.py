@@ -1,4 +1,5 @@
-"""Prompt tokenization: raw text, or chat messages through the model's chat template."""
+"""Prompt tokenization: raw text, or chat messages (and the tools offered) through the model's chat
+template."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from typing import Any
 
 import structlog
 
+from services.gateway import tool_calls
 from services.gateway.request import ChatTurn
+from services.gateway.tool_calls import Format, Tool
 from shared.errors import InvalidArgument
 
 log = structlog.get_logger(__name__)
@@ -53,15 +56,67 @@ class PromptTokenizer:
     def encode_prompt(self, text: str) -> tuple[int, ...]:
         return tuple(int(t) for t in self._tok.encode(text))
 
-    def encode_chat(self, messages: Sequence[ChatTurn]) -> tuple[int, ...]:
+    @property
+    def chat_template(self) -> str:
+        template = getattr(self._tok, "chat_template", None)
+        return template if isinstance(template, str) else ""
+
+    def tool_call_format(self) -> Format:
+        """The tool-call format the chat template itself uses (hermes when it says nothing)."""
+        return tool_calls.detect_format(self.chat_template)
+
+    def encode_chat(
+        self, messages: Sequence[ChatTurn], tools: Sequence[Tool] = (), fmt: Format = "hermes"
+    ) -> tuple[int, ...]:
+        """The prompt of a conversation. Tools go through the template's `tools` when it renders
+        them; otherwise (the bundled SmolLM2's template) a system preamble in `fmt` offers them,
+        and earlier calls and tool results are written into the turns' text the same way."""
         if not self.has_chat_template:
             raise InvalidArgument(
                 f"model {self.model_id!r} has no chat template; send a prompt instead of messages"
             )
-        conversation = [{"role": m.role, "content": m.content} for m in messages]
+        template = self.chat_template
+        conversation = [_turn(m, fmt, "tool_calls" in template) for m in messages]
+        extra: dict[str, Any] = {}
+        if tools and "tools" in template:
+            extra["tools"] = [t.as_openai() for t in tools]
+        elif tools:
+            text = tool_calls.preamble(tuple(tools), fmt)
+            if conversation and conversation[0]["role"] == "system":
+                conversation[0] = {**conversation[0], "content": f"{conversation[0]['content']}\n\n{text}"}
+            else:
+                conversation.insert(0, {"role": "system", "content": text})
         try:
-            text = self._tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+            text = self._tok.apply_chat_template(
+                conversation, add_generation_prompt=True, tokenize=False, **extra
+            )
         except Exception as exc:  # jinja raise_exception() in templates: e.g. roles out of order
             raise InvalidArgument(f"the chat template rejected the messages: {exc}") from exc
         # The template writes any BOS itself; do not add special tokens twice.
         return tuple(int(t) for t in self._tok.encode(text, add_special_tokens=False))
+
+
+def _turn(m: ChatTurn, fmt: Format, template_renders_calls: bool) -> dict[str, Any]:
+    """One message for apply_chat_template: a template that renders tool calls gets them as
+    OpenAI-style fields (arguments as a dict, as HF templates expect); otherwise calls and tool
+    results become the turn's text in the parser's format."""
+    turn: dict[str, Any] = {"role": m.role, "content": m.content}
+    if template_renders_calls:
+        if m.tool_calls:
+            turn["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": json.loads(c.arguments)},
+                }
+                for c in m.tool_calls
+            ]
+        if m.tool_call_id:
+            turn["tool_call_id"] = m.tool_call_id
+        return turn
+    if m.tool_calls:
+        calls = "\n".join(tool_calls.call_text(c.name, c.arguments, fmt) for c in m.tool_calls)
+        turn["content"] = f"{m.content}\n{calls}" if m.content else calls
+    if m.role == "tool":
+        turn["content"] = tool_calls.tool_result_text(m.content, fmt)
+    return turn
