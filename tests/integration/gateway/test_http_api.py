@@ -511,6 +511,150 @@ async def test_structured_outputs_through_the_openai_client(bpe: HttpStack) -> N
     await bpe.wait_idle()
 
 
+TOOL_PARAMS: list[dict[str, Any]] = [
+    {
+        "type": "object",
+        "properties": {
+            "city": {"enum": ["Paris", "Oslo 🙂"]},
+            "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        },
+        "required": ["city", "days"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {"tz": {"enum": ["UTC", "CET"]}},
+        "required": ["tz"],
+        "additionalProperties": False,
+    },
+]
+TOOLS: Any = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Weather", "parameters": TOOL_PARAMS[0]},
+    },
+    {"type": "function", "function": {"name": "get_time", "parameters": TOOL_PARAMS[1]}},
+]
+
+
+def reassembled(chunks: list[Any]) -> tuple[str, list[tuple[str, ...]], str | None]:
+    """A chat stream's content, tool calls (id, name, arguments) from their deltas, finish_reason."""
+    content, reason = "", None
+    calls: dict[int, list[str]] = {}
+    for c in chunks:
+        if not c.choices:
+            continue
+        delta = c.choices[0].delta
+        content += delta.content or ""
+        for tc in delta.tool_calls or ():
+            call = calls.setdefault(tc.index, ["", "", ""])
+            if tc.id:
+                assert call[0] == "" and tc.function.name  # the id and name come first, once
+                call[0], call[1] = tc.id, tc.function.name
+            call[2] += tc.function.arguments or ""
+        reason = c.choices[0].finish_reason or reason
+    return content, [tuple(calls[k]) for k in sorted(calls)], reason
+
+
+async def test_tool_calls_through_the_openai_client(bpe: HttpStack) -> None:
+    """tool_choice required and a named function make even the random model call a tool: the
+    arguments validate against the tool's schema, finish_reason is tool_calls, the stream's deltas
+    reassemble to the unary call, usage is exact, disaggregated == unified; tool messages in the
+    conversation are accepted; auto runs; bad tool inputs are 400s naming the field."""
+    client = aclient(bpe)
+    named: Any = {"type": "function", "function": {"name": "get_time"}}
+    for k, choice in enumerate(["required", named]):
+        results = []
+        for mode in MODES:
+            bpe.router.mode = mode
+            kw: dict[str, Any] = dict(
+                model="",
+                messages=CHAT,
+                tools=TOOLS,
+                tool_choice=choice,
+                max_tokens=60,
+                temperature=1.0,
+                seed=k,
+            )
+            got = await client.chat.completions.create(**kw)
+            msg = got.choices[0].message
+            assert got.choices[0].finish_reason == "tool_calls", msg
+            assert msg.content is None and msg.tool_calls and len(msg.tool_calls) == 1
+            call = msg.tool_calls[0]
+            assert call.type == "function" and call.id.startswith("call_")
+            if choice is named:
+                assert call.function.name == "get_time"
+            schema = TOOL_PARAMS[[t["function"]["name"] for t in TOOLS].index(call.function.name)]
+            jsonschema.validate(json.loads(call.function.arguments), schema)
+            stream = await client.chat.completions.create(
+                stream=True, stream_options={"include_usage": True}, **kw
+            )
+            chunks = [c async for c in stream]
+            content, calls, reason = reassembled(chunks)
+            assert (content, [c[1:] for c in calls], reason) == (
+                "",
+                [(call.function.name, call.function.arguments)],
+                "tool_calls",
+            )
+            assert got.usage is not None and chunks[-1].usage is not None
+            # exact usage (cached tokens differ: the second request finds the first's prefix)
+            assert (
+                usage_of(got.usage)[:3] == usage_of(chunks[-1].usage)[:3] and got.usage.completion_tokens > 0
+            )
+            results.append((call.function.name, call.function.arguments, usage_of(got.usage)[:3]))
+        assert results[0] == results[1]  # disaggregated == unified
+    # a conversation with an earlier call and its result; auto lets the model choose
+    history: Any = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo 🙂", "days": 1}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    for mode in MODES:
+        bpe.router.mode = mode
+        auto = await client.chat.completions.create(
+            model="", messages=history, tools=TOOLS, max_tokens=8, temperature=0
+        )
+        assert auto.choices[0].finish_reason in ("stop", "length", "tool_calls")
+        stream = await client.chat.completions.create(
+            model="", messages=history, tools=TOOLS, max_tokens=8, temperature=0, stream=True
+        )
+        content, calls, reason = reassembled([c async for c in stream])
+        unary = auto.choices[0].message
+        assert (content or None, [c[1:] for c in calls], reason) == (
+            unary.content or None,
+            [(c.function.name, c.function.arguments) for c in unary.tool_calls or ()],  # type: ignore[union-attr]
+            auto.choices[0].finish_reason,
+        )
+    bad: list[tuple[dict[str, Any], str]] = [
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}]},
+            "tools",
+        ),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": TOOLS, "parallel_tool_calls": False}, "parallel_tool_calls"),
+        ({"messages": [{"role": "tool", "content": "sunny"}]}, "messages"),
+    ]
+    for body, param in bad:
+        with pytest.raises(openai.BadRequestError) as err:
+            await client.chat.completions.create(**{"model": "", "messages": CHAT, "max_tokens": 4, **body})
+        assert err.value.body["param"] == param, body  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as err:
+        await client.completions.create(model="", prompt="hi", max_tokens=4, extra_body={"tools": TOOLS})
+    assert err.value.body["param"] == "tools"  # type: ignore[index]
+    await bpe.wait_idle()
+
+
 # --- errors ---
 async def test_errors_surface_as_openai_exceptions(bpe: HttpStack) -> None:
     client = aclient(bpe)
