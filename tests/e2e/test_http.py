@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import jsonschema
@@ -103,6 +104,45 @@ def test_sampling_features_through_the_process_stack(keyed_stack: Stack) -> None
             extra_body={"response_format": {"type": "xml"}},
         )
     assert bad.value.body["param"] == "response_format"  # type: ignore[index]
+
+
+def test_tool_calls_through_the_process_stack(keyed_stack: Stack) -> None:
+    """A named function through `pdserve up`'s processes: the call's arguments validate against
+    the tool's schema, finish_reason is tool_calls, and the streamed deltas (id and name first,
+    then the arguments) reassemble to the unary call."""
+    client = openai.OpenAI(base_url=keyed_stack.http_base_url, api_key=KEY, max_retries=0)
+    params = {
+        "type": "object",
+        "properties": {"unit": {"enum": ["C", "F"]}, "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+        "required": ["unit", "days"],
+        "additionalProperties": False,
+    }
+    kw: Any = dict(
+        model="",
+        messages=[{"role": "user", "content": "Forecast?"}],
+        tools=[{"type": "function", "function": {"name": "forecast", "parameters": params}}],
+        tool_choice={"type": "function", "function": {"name": "forecast"}},
+        max_tokens=120,  # the tiny tokenizer writes the call's JSON in about 60 tokens
+        temperature=0.8,
+        seed=5,
+    )
+    reply = client.chat.completions.create(**kw)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "forecast"
+    jsonschema.validate(json.loads(call.function.arguments), params)
+    names, arguments, reasons = [], "", []
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        delta = chunk.choices[0].delta
+        for tc in delta.tool_calls or ():
+            assert tc.index == 0
+            if tc.id:
+                names.append(tc.function.name if tc.function else None)
+            arguments += (tc.function.arguments if tc.function else None) or ""
+        reasons.append(chunk.choices[0].finish_reason)
+    assert names == ["forecast"] and arguments == call.function.arguments
+    assert reasons[-1] == "tool_calls"
 
 
 README = ROOT / "README.md"
