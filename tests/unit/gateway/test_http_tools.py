@@ -4,6 +4,7 @@ offers the tools through the template or a Hermes preamble."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -12,6 +13,8 @@ import pytest
 from services.gateway import http_convert as conv
 from services.gateway import http_models as m
 from services.gateway.request import ChatCallTurn, ChatTurn
+from services.gateway.service import GatewayService
+from services.gateway.settings import GatewaySettings
 from services.gateway.tokenization import PromptTokenizer
 from services.gateway.tool_calls import Tool
 
@@ -185,3 +188,15 @@ def test_a_template_with_tools_renders_them_itself() -> None:
         "arguments": {"city": "Oslo"},
     }
     assert conversation[2]["tool_call_id"] == "c1" and conversation[2]["content"] == "sunny"
+
+
+def test_the_parser_setting_beats_the_template() -> None:
+    async def formats() -> list[str]:
+        none: Any = None
+        llama = PromptTokenizer(_Template("{{ '<|python_tag|>' }}"), "m", 100)
+        detected = GatewayService(GatewaySettings(), none, none, llama)
+        configured = GatewayService(GatewaySettings(tool_call_parser="hermes"), none, none, llama)
+        loading = GatewayService(GatewaySettings(), none, none)
+        return [detected.tool_call_format, configured.tool_call_format, loading.tool_call_format]
+
+    assert asyncio.run(formats()) == ["llama3_json", "hermes", "hermes"]

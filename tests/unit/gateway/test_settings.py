@@ -22,6 +22,8 @@ def test_flags_beat_env() -> None:
     assert s.block_size == 32
     assert s.log_prompts is True
     assert s.metrics_port == -1
+    assert s.tool_call_parser == ""  # detected from the chat template
+    assert load_settings(["--tool-call-parser", "llama3_json"], env={}).tool_call_parser == "llama3_json"
 
 
 @pytest.mark.parametrize(
@@ -31,6 +33,7 @@ def test_flags_beat_env() -> None:
         ["--default-max-tokens", "0"],
         ["--request-timeout-s", "0"],
         ["--log-format", "xml"],
+        ["--tool-call-parser", "mistral"],
     ],
 )
 def test_invalid_values_exit_with_a_message(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
