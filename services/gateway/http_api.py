@@ -338,7 +338,9 @@ def _completion_body(
             choices.append(
                 m.ChatChoice(
                     index=i,
-                    message=m.AssistantMessage(content=content, tool_calls=conv.tool_calls(calls) or None),
+                    message=m.AssistantMessage(
+                        content=content, tool_calls=conv.response_tool_calls(calls) or None
+                    ),
                     finish_reason=conv.chat_finish_reason(c.finish_reason.value, bool(calls)),
                     logprobs=conv.chat_logprobs(c.logprobs, token_text) if wants[i] else None,
                 )

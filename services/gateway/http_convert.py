@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 
 from services.gateway import http_models as m
-from services.gateway import tool_calls as tool_calls_mod
+from services.gateway import tool_calls
 from services.gateway.accounting import Usage
 from services.gateway.ports import ModelCard
 from services.gateway.request import ChatCallTurn, ChatTurn, GenerateInput, TokenLogprob
@@ -82,8 +82,8 @@ class ToolParsing:
     fmt: Format
     forced: bool  # tool_choice required / a named function: the output is one call's JSON body
 
-    def parser(self) -> tool_calls_mod.ToolCallParser:
-        return tool_calls_mod.ToolCallParser(self.fmt, self.forced)
+    def parser(self) -> tool_calls.ToolCallParser:
+        return tool_calls.ToolCallParser(self.fmt, self.forced)
 
 
 # --- requests ---
@@ -265,7 +265,7 @@ def _tools(req: m.ChatCompletionRequest) -> tuple[Tool, ...]:
                 "tools",
             )
         name, description = fn.get("name"), fn.get("description", "")
-        if not isinstance(name, str) or not tool_calls_mod.valid_name(name):
+        if not isinstance(name, str) or not tool_calls.valid_name(name):
             raise InvalidParam(
                 f"tools[{i}].function.name must be 1-64 letters, digits, '_', '-' or '.', got {name!r}",
                 "tools",
@@ -373,7 +373,7 @@ def chat_plan(req: m.ChatCompletionRequest, request_id: str, tool_format: Format
                 "tool_choice",
             )
         common["tools"] = tools
-        common["structured"] = tool_calls_mod.forced_call(choice, tool_format)
+        common["structured"] = tool_calls.forced_call(choice, tool_format)
         parsing = ToolParsing(tool_format, forced=True)
     return _plan(req, [{"messages": turns}], common, request_id, parsing)
 
@@ -462,7 +462,7 @@ def completion_logprobs(
     )
 
 
-def tool_calls(calls: Sequence[tool_calls_mod.ToolCall]) -> list[m.ResponseToolCall]:
+def response_tool_calls(calls: Sequence[tool_calls.ToolCall]) -> list[m.ResponseToolCall]:
     return [
         m.ResponseToolCall(id=c.id, function=m.ResponseFunctionCall(name=c.name, arguments=c.arguments))
         for c in calls
