@@ -575,6 +575,7 @@ async def test_tool_calls_through_the_openai_client(bpe: HttpStack) -> None:
                 max_tokens=60,
                 temperature=1.0,
                 seed=k,
+                logprobs=True,
             )
             got = await client.chat.completions.create(**kw)
             msg = got.choices[0].message
@@ -600,6 +601,17 @@ async def test_tool_calls_through_the_openai_client(bpe: HttpStack) -> None:
             # exact usage (cached tokens differ: the second request finds the first's prefix)
             assert (
                 usage_of(got.usage)[:3] == usage_of(chunks[-1].usage)[:3] and got.usage.completion_tokens > 0
+            )
+            # one logprob per counted token, also for the tokens the parser held back in the stream
+            streamed_lps = [
+                e
+                for c in chunks
+                if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content or ()
+            ]
+            assert got.choices[0].logprobs is not None
+            assert (
+                len(got.choices[0].logprobs.content or ()) == len(streamed_lps) == got.usage.completion_tokens
             )
             results.append((call.function.name, call.function.arguments, usage_of(got.usage)[:3]))
         assert results[0] == results[1]  # disaggregated == unified
