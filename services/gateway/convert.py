@@ -16,6 +16,7 @@ from services.gateway.ports import (
     WorkerTarget,
 )
 from services.gateway.request import ChatTurn, Completion, FrameKind, GenerateInput, OutputFrame, Sampling
+from shared.cluster import KvTransport
 from shared.cluster_convert import finish_reason_from_pb, finish_reason_to_pb, serving_mode_from_pb
 from shared.proto import common_pb2, gateway_pb2, scheduler_pb2, worker_pb2
 
@@ -184,6 +185,8 @@ def prefill_request(job: WorkerJob, dp_rank: int, kv: KvDestination | None) -> w
                 skip_blocks=kv.skip_blocks,
             )
         )
+        if kv.transport is KvTransport.NIXL:  # unset means the gRPC push, for any worker version
+            msg.kv_target.kv_transport = worker_pb2.KV_TRANSPORT_NIXL
     return msg
 
 

@@ -378,7 +378,7 @@ async def test_info_and_get_load(decode: RunningWorker, tiny_model: Path) -> Non
     assert info.kv_layout.num_kv_heads == 2
     assert info.kv_layout.head_dim == 16
     assert set(info.capabilities) >= {"generated_tokens", "kv_block_skip", "local_prefill"}
-    assert info.proto_version == "1.3"  # 1.2 speculative drafts, 1.3 first_output_index
+    assert info.proto_version == "1.4"  # 1.2 drafts, 1.3 first_output_index, 1.4 kv_transport
     assert info.max_model_len == MAX_MODEL_LEN
     assert info.device == "cpu"
 

@@ -110,8 +110,9 @@ async def test_registers_heartbeats_reregisters_and_deregisters(tiny_model: Path
                 "local_prefill",
                 "draft_token_ids",
                 "first_output_index",
+                *(["kv_transport_nixl"] if w.app.nixl is not None else []),
             ]
-            assert info.proto_version == "1.3"
+            assert info.proto_version == "1.4"
             assert info.max_model_len == settings.max_model_len
             assert info.device == "cpu"
             assert set(lm.heartbeats) == {w.app.worker_id}
