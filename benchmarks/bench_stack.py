@@ -1,12 +1,18 @@
 """Stack benchmarks (DESIGN "Speed is measured"): in one run on the bundled SmolLM2, CPU fp32,
 one torch thread per worker:
 
-(a) KV transfer time vs prefill time: per prompt length, a prefill worker runs the prompt and
-    pushes its KV to a decode worker over gRPC (PushKv); the worker's own timings
-    (PrefillResponse.prefill_ns / kv_transfer_ns / kv_bytes_sent) give the ratio.
-(b) End-to-end stack overhead vs the in-process engine: the same greedy requests, one at a time,
-    through gateway -> scheduler -> prefill -> KV push -> decode, and through the engine called
-    in process; prints the wall-time ratio.
+(a) KV transfer time vs prefill time, per transport: per prompt length, a prefill worker runs
+    the prompt and hands its KV to a decode worker over gRPC (PushKv chunks) or NIXL (the decode
+    worker READs the prefill worker's blocks); the worker's own timings
+    (PrefillResponse.prefill_ns / kv_transfer_ns / kv_bytes_sent) give the ratio. kv_transfer_ns
+    is the whole handoff as the prefill worker sees it (for NIXL: the PushKv round trip that
+    carries the descriptors, the decode side's READ and its answer).
+(b) TTFT through the gateway (streaming, one request at a time) at 512 and 2,048 prompt tokens:
+    disaggregated over NIXL, disaggregated over the gRPC push (workers with --kv-transport grpc)
+    and unified (one worker), as ratios disaggregated / unified.
+(c) End-to-end stack overhead vs the in-process engine: the same greedy requests, one at a time,
+    through gateway -> scheduler -> prefill -> KV handoff -> decode, and through the engine
+    called in process; prints the wall-time ratio.
 
     python -m benchmarks.bench_stack [--quick]     (make bench-stack)
 
@@ -42,10 +48,16 @@ def _prompt(n: int, salt: int) -> list[int]:
 
 
 async def kv_vs_prefill(
-    prefill: str, decode: str, lengths: list[int], reps: int, metadata: Sequence[tuple[str, str]] = ()
-) -> list[dict[str, float]]:
-    """`metadata`: the cluster token the stack's internal RPCs require (Stack.internal_metadata)."""
-    rows = []
+    prefill: str,
+    decode: str,
+    lengths: list[int],
+    reps: int,
+    metadata: Sequence[tuple[str, str]] = (),
+    transport: str = "grpc",
+) -> list[dict[str, object]]:
+    """`metadata`: the cluster token the stack's internal RPCs require (Stack.internal_metadata);
+    `transport`: "grpc" (KvTarget without kv_transport) or "nixl"."""
+    rows: list[dict[str, object]] = []
     async with grpc.aio.insecure_channel(prefill) as pch, grpc.aio.insecure_channel(decode) as dch:
         p, d = worker_pb2_grpc.WorkerStub(pch), worker_pb2_grpc.WorkerStub(dch)
         # 2 tokens: the request continues on the decode worker, so its KV is pushed
@@ -54,7 +66,8 @@ async def kv_vs_prefill(
             prefill_ms, transfer_ms, mib = [], [], 0.0
             for r in range(reps):
                 rid = f"bench-{n}-{r}"
-                ids = _prompt(n, n * 100 + r)
+                # distinct per transport too: no prefix-cache hit on either worker
+                ids = _prompt(n, n * 100 + r + (50 if transport == "nixl" else 0))
                 stream = d.Decode(
                     worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling),
                     metadata=metadata,
@@ -65,6 +78,8 @@ async def kv_vs_prefill(
                     transfer_ticket=admitted.transfer_ticket,
                     skip_blocks=admitted.cached_blocks,
                 )
+                if transport == "nixl":
+                    target.kv_transport = worker_pb2.KV_TRANSPORT_NIXL
                 reply = await p.Prefill(
                     worker_pb2.PrefillRequest(
                         request_id=rid, prompt_token_ids=ids, sampling=sampling, kv_target=target
@@ -73,24 +88,58 @@ async def kv_vs_prefill(
                 )
                 stream.cancel()
                 await d.Abort(worker_pb2.AbortRequest(request_id=rid), metadata=metadata)
+                want = (
+                    worker_pb2.KV_TRANSPORT_NIXL if transport == "nixl" else worker_pb2.KV_TRANSPORT_GRPC_PUSH
+                )
+                if reply.kv_transport != want:
+                    raise RuntimeError(f"asked for {transport}, the prefill worker used {reply.kv_transport}")
                 prefill_ms.append(reply.prefill_ns / 1e6)
                 transfer_ms.append(reply.kv_transfer_ns / 1e6)
                 mib = reply.kv_bytes_sent / 2**20
-            row = {
+            prefill_med, transfer_med = statistics.median(prefill_ms), statistics.median(transfer_ms)
+            row: dict[str, object] = {
+                "transport": transport,
                 "prompt_tokens": n,
-                "prefill_ms": statistics.median(prefill_ms),
-                "kv_transfer_ms": statistics.median(transfer_ms),
+                "prefill_ms": round(prefill_med, 2),
+                "kv_transfer_ms": round(transfer_med, 3),
+                "kv_transfer_ms_all": [round(t, 3) for t in transfer_ms],
                 "kv_mib": round(mib, 2),
+                "kv_gib_per_s": round(mib / 1024 / (transfer_med / 1e3), 2) if transfer_med else None,
+                "transfer_over_prefill": round(transfer_med / prefill_med, 4),
             }
-            row["transfer_over_prefill"] = round(row["kv_transfer_ms"] / row["prefill_ms"], 4)
             rows.append(row)
             print(
-                f"  prompt {n:5d} tokens: prefill {row['prefill_ms']:8.1f} ms, "
-                f"KV push {row['kv_transfer_ms']:7.1f} ms"
-                f" ({row['kv_mib']:.1f} MiB) = {100 * row['transfer_over_prefill']:.1f} % of prefill",
+                f"  {transport:4s} prompt {n:5d} tokens: prefill {prefill_med:8.1f} ms, "
+                f"KV handoff {transfer_med:7.1f} ms ({mib:.1f} MiB) = "
+                f"{100 * transfer_med / prefill_med:.2f} % of prefill",
                 flush=True,
             )
     return rows
+
+
+async def ttft_ms(gateway: str, lengths: list[int], reps: int, salt: int) -> dict[int, float]:
+    """Median time to the first streamed frame, per prompt length, one request at a time."""
+    out: dict[int, float] = {}
+    async with grpc.aio.insecure_channel(gateway) as ch:
+        stub = gateway_pb2_grpc.GatewayStub(ch)
+        for n in lengths:
+            times = []
+            for r in range(reps):
+                ids = _prompt(n, salt + n * 10 + r)
+                t0 = time.perf_counter()
+                call = stub.Generate(
+                    gateway_pb2.GenerateRequest(
+                        prompt_token_ids=ids, max_tokens=2, temperature=0, ignore_eos=True
+                    ),
+                    timeout=300,
+                )
+                first = await call.read()
+                times.append((time.perf_counter() - t0) * 1e3)
+                assert first is not grpc.aio.EOF
+                while await call.read() is not grpc.aio.EOF:
+                    pass
+            out[n] = statistics.median(times)
+    return out
 
 
 async def through_stack(
@@ -144,16 +193,49 @@ async def in_process(model: Path, prompts: list[list[int]], new_tokens: int) -> 
 
 async def main_async(args: argparse.Namespace) -> dict[str, object]:
     model = resolve_model("default")
-    lengths = [64, 256] if args.quick else [64, 128, 256, 512, 1024]
+    lengths = [64, 256] if args.quick else [128, 512, 2048]
+    ttft_lengths = [64, 256] if args.quick else [512, 2048]
     reps = 1 if args.quick else 3
     n_requests, new_tokens = (2, 8) if args.quick else (8, 32)
     prompts = [_prompt(128, 5000 + i) for i in range(n_requests)]
+    rows: list[dict[str, object]] = []
+    ttft: dict[str, dict[int, float]] = {}
     with tempfile.TemporaryDirectory() as logs, running_stack("default", Path(logs)) as stack:
         assert stack.prefill and stack.decode
-        print("(a) KV transfer vs prefill (disaggregated workers, gRPC PushKv over loopback)", flush=True)
-        rows = await kv_vs_prefill(stack.prefill, stack.decode, lengths, reps, stack.internal_metadata)
-        print(f"(b) {n_requests} requests x {new_tokens} tokens, one at a time", flush=True)
+        print("(a) KV transfer vs prefill (disaggregated workers over loopback)", flush=True)
+        for transport in ("grpc", "nixl"):
+            rows += await kv_vs_prefill(
+                stack.prefill, stack.decode, lengths, reps, stack.internal_metadata, transport
+            )
+        print("(b) TTFT, one request at a time", flush=True)
+        ttft["disaggregated_nixl"] = await ttft_ms(stack.gateway, ttft_lengths, reps, 20000)
+        print(f"(c) {n_requests} requests x {new_tokens} tokens, one at a time", flush=True)
         stack_s, stack_out = await through_stack(stack.gateway, prompts, new_tokens)
+    with (
+        tempfile.TemporaryDirectory() as logs,
+        running_stack("default", Path(logs), worker_args=["--kv-transport", "grpc"]) as stack,
+    ):
+        ttft["disaggregated_grpc"] = await ttft_ms(stack.gateway, ttft_lengths, reps, 30000)
+    with tempfile.TemporaryDirectory() as logs, running_stack("default", Path(logs), unified=True) as stack:
+        ttft["unified"] = await ttft_ms(stack.gateway, ttft_lengths, reps, 40000)
+    ttft_rows = []
+    for n in ttft_lengths:
+        uni = ttft["unified"][n]
+        ttft_row = {
+            "prompt_tokens": n,
+            "unified_ms": round(uni, 1),
+            "disaggregated_nixl_ms": round(ttft["disaggregated_nixl"][n], 1),
+            "disaggregated_grpc_ms": round(ttft["disaggregated_grpc"][n], 1),
+            "nixl_over_unified": round(ttft["disaggregated_nixl"][n] / uni, 3),
+            "grpc_over_unified": round(ttft["disaggregated_grpc"][n] / uni, 3),
+        }
+        ttft_rows.append(ttft_row)
+        print(
+            f"  prompt {n:5d} tokens: TTFT unified {uni:8.1f} ms, disaggregated NIXL "
+            f"{ttft_row['disaggregated_nixl_ms']:8.1f} ms ({ttft_row['nixl_over_unified']:.3f}x), gRPC "
+            f"{ttft_row['disaggregated_grpc_ms']:8.1f} ms ({ttft_row['grpc_over_unified']:.3f}x)",
+            flush=True,
+        )
     engine_s, engine_out = await in_process(model, prompts, new_tokens)
     identical = stack_out == engine_out
     overhead = stack_s / engine_s
@@ -164,6 +246,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
     )
     return {
         "kv_vs_prefill": rows,
+        "ttft": ttft_rows,
         "stack_overhead": {
             "requests": n_requests,
             "new_tokens": new_tokens,
@@ -191,6 +274,7 @@ def main() -> None:
     result = asyncio.run(main_async(args))
     from benchmarks.engine_floor import cpu_features
 
+    # torch version, torch.backends.cpu.get_cpu_capability(), cpus, ISA flags
     result["machine"] = cpu_features() | {"load_average_1m_at_end": round(os.getloadavg()[0], 2)}
     out = RESULTS.with_name("stack-quick.json") if args.quick else RESULTS
     out.parent.mkdir(parents=True, exist_ok=True)
