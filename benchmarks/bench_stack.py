@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -42,6 +43,11 @@ from tests.support.stack import running_stack
 RESULTS = Path(__file__).parent / "results" / "stack.json"
 
 
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def _prompt(n: int, salt: int) -> list[int]:
     # Distinct token ids per run so no prefix-cache hit shortens a prefill (ids < 49152 vocab).
     return [1000 + (salt * 7919 + i * 31) % 40000 for i in range(n)]
@@ -53,93 +59,107 @@ async def kv_vs_prefill(
     lengths: list[int],
     reps: int,
     metadata: Sequence[tuple[str, str]] = (),
-    transport: str = "grpc",
+    transports: Sequence[str] = ("grpc", "nixl"),
 ) -> list[dict[str, object]]:
     """`metadata`: the cluster token the stack's internal RPCs require (Stack.internal_metadata);
-    `transport`: "grpc" (KvTarget without kv_transport) or "nixl"."""
+    `transports`: "grpc" (KvTarget without kv_transport) and/or "nixl", alternated per repetition
+    so that both see the same machine load."""
     rows: list[dict[str, object]] = []
+    want_pb = {"grpc": worker_pb2.KV_TRANSPORT_GRPC_PUSH, "nixl": worker_pb2.KV_TRANSPORT_NIXL}
     async with grpc.aio.insecure_channel(prefill) as pch, grpc.aio.insecure_channel(decode) as dch:
         p, d = worker_pb2_grpc.WorkerStub(pch), worker_pb2_grpc.WorkerStub(dch)
-        # 2 tokens: the request continues on the decode worker, so its KV is pushed
+        # 2 tokens: the request continues on the decode worker, so its KV is handed over
         sampling = common_pb2.SamplingParams(max_tokens=2, temperature=0, top_p=1, ignore_eos=True)
         for n in lengths:
-            prefill_ms, transfer_ms, mib = [], [], 0.0
-            for r in range(reps):
-                rid = f"bench-{n}-{r}"
-                # distinct per transport too: no prefix-cache hit on either worker
-                ids = _prompt(n, n * 100 + r + (50 if transport == "nixl" else 0))
-                stream = d.Decode(
-                    worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling),
-                    metadata=metadata,
+            prefill_ms: dict[str, list[float]] = {t: [] for t in transports}
+            transfer_ms: dict[str, list[float]] = {t: [] for t in transports}
+            mib: dict[str, float] = {}
+            for r in range(reps + 1):  # round 0 warms up (the first READ from a peer connects)
+                for k, transport in enumerate(transports):
+                    rid = f"bench-{transport}-{n}-{r}"
+                    # distinct per run: no prefix-cache hit on either worker
+                    ids = _prompt(n, n * 100 + r * 10 + k)
+                    stream = d.Decode(
+                        worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling),
+                        metadata=metadata,
+                    )
+                    admitted = await stream.read()
+                    target = worker_pb2.KvTarget(
+                        address=decode,
+                        transfer_ticket=admitted.transfer_ticket,
+                        skip_blocks=admitted.cached_blocks,
+                    )
+                    if transport == "nixl":
+                        target.kv_transport = worker_pb2.KV_TRANSPORT_NIXL
+                    reply = await p.Prefill(
+                        worker_pb2.PrefillRequest(
+                            request_id=rid, prompt_token_ids=ids, sampling=sampling, kv_target=target
+                        ),
+                        metadata=metadata,
+                    )
+                    stream.cancel()
+                    await d.Abort(worker_pb2.AbortRequest(request_id=rid), metadata=metadata)
+                    if reply.kv_transport != want_pb[transport]:
+                        raise RuntimeError(
+                            f"asked for {transport}, the prefill worker used {reply.kv_transport}"
+                        )
+                    if r:
+                        prefill_ms[transport].append(reply.prefill_ns / 1e6)
+                        transfer_ms[transport].append(reply.kv_transfer_ns / 1e6)
+                        mib[transport] = reply.kv_bytes_sent / 2**20
+            for transport in transports:
+                prefill_med = statistics.median(prefill_ms[transport])
+                transfer_med = statistics.median(transfer_ms[transport])
+                row: dict[str, object] = {
+                    "transport": transport,
+                    "prompt_tokens": n,
+                    "prefill_ms": round(prefill_med, 2),
+                    "kv_transfer_ms": round(transfer_med, 3),
+                    "kv_transfer_ms_all": [round(t, 3) for t in transfer_ms[transport]],
+                    "kv_mib": round(mib[transport], 2),
+                    "kv_gib_per_s": round(mib[transport] / 1024 / (transfer_med / 1e3), 2)
+                    if transfer_med
+                    else None,
+                    "transfer_over_prefill": round(transfer_med / prefill_med, 4),
+                }
+                rows.append(row)
+                print(
+                    f"  {transport:4s} prompt {n:5d} tokens: prefill {prefill_med:8.1f} ms, "
+                    f"KV handoff {transfer_med:7.1f} ms ({mib[transport]:.1f} MiB) = "
+                    f"{100 * transfer_med / prefill_med:.2f} % of prefill",
+                    flush=True,
                 )
-                admitted = await stream.read()
-                target = worker_pb2.KvTarget(
-                    address=decode,
-                    transfer_ticket=admitted.transfer_ticket,
-                    skip_blocks=admitted.cached_blocks,
-                )
-                if transport == "nixl":
-                    target.kv_transport = worker_pb2.KV_TRANSPORT_NIXL
-                reply = await p.Prefill(
-                    worker_pb2.PrefillRequest(
-                        request_id=rid, prompt_token_ids=ids, sampling=sampling, kv_target=target
-                    ),
-                    metadata=metadata,
-                )
-                stream.cancel()
-                await d.Abort(worker_pb2.AbortRequest(request_id=rid), metadata=metadata)
-                want = (
-                    worker_pb2.KV_TRANSPORT_NIXL if transport == "nixl" else worker_pb2.KV_TRANSPORT_GRPC_PUSH
-                )
-                if reply.kv_transport != want:
-                    raise RuntimeError(f"asked for {transport}, the prefill worker used {reply.kv_transport}")
-                prefill_ms.append(reply.prefill_ns / 1e6)
-                transfer_ms.append(reply.kv_transfer_ns / 1e6)
-                mib = reply.kv_bytes_sent / 2**20
-            prefill_med, transfer_med = statistics.median(prefill_ms), statistics.median(transfer_ms)
-            row: dict[str, object] = {
-                "transport": transport,
-                "prompt_tokens": n,
-                "prefill_ms": round(prefill_med, 2),
-                "kv_transfer_ms": round(transfer_med, 3),
-                "kv_transfer_ms_all": [round(t, 3) for t in transfer_ms],
-                "kv_mib": round(mib, 2),
-                "kv_gib_per_s": round(mib / 1024 / (transfer_med / 1e3), 2) if transfer_med else None,
-                "transfer_over_prefill": round(transfer_med / prefill_med, 4),
-            }
-            rows.append(row)
-            print(
-                f"  {transport:4s} prompt {n:5d} tokens: prefill {prefill_med:8.1f} ms, "
-                f"KV handoff {transfer_med:7.1f} ms ({mib:.1f} MiB) = "
-                f"{100 * transfer_med / prefill_med:.2f} % of prefill",
-                flush=True,
-            )
     return rows
 
 
-async def ttft_ms(gateway: str, lengths: list[int], reps: int, salt: int) -> dict[int, float]:
-    """Median time to the first streamed frame, per prompt length, one request at a time."""
-    out: dict[int, float] = {}
-    async with grpc.aio.insecure_channel(gateway) as ch:
-        stub = gateway_pb2_grpc.GatewayStub(ch)
+async def ttft_ms(gateways: dict[str, str], lengths: list[int], reps: int) -> dict[str, dict[int, float]]:
+    """Median time to the first streamed frame per configuration and prompt length, one request
+    at a time, the configurations alternated per repetition (same machine load for each)."""
+    times: dict[str, dict[int, list[float]]] = {c: {n: [] for n in lengths} for c in gateways}
+    channels = {c: grpc.aio.insecure_channel(g) for c, g in gateways.items()}
+    try:
         for n in lengths:
-            times = []
-            for r in range(reps):
-                ids = _prompt(n, salt + n * 10 + r)
-                t0 = time.perf_counter()
-                call = stub.Generate(
-                    gateway_pb2.GenerateRequest(
-                        prompt_token_ids=ids, max_tokens=2, temperature=0, ignore_eos=True
-                    ),
-                    timeout=300,
-                )
-                first = await call.read()
-                times.append((time.perf_counter() - t0) * 1e3)
-                assert first is not grpc.aio.EOF
-                while await call.read() is not grpc.aio.EOF:
-                    pass
-            out[n] = statistics.median(times)
-    return out
+            for r in range(reps + 1):  # the first round warms each stack up at this length
+                for k, (config, ch) in enumerate(channels.items()):
+                    ids = _prompt(n, 20000 + n * 10 + r * 3 + k)
+                    t0 = time.perf_counter()
+                    call = gateway_pb2_grpc.GatewayStub(ch).Generate(
+                        gateway_pb2.GenerateRequest(
+                            prompt_token_ids=ids, max_tokens=2, temperature=0, ignore_eos=True
+                        ),
+                        timeout=300,
+                    )
+                    first = await call.read()
+                    elapsed_ms = (time.perf_counter() - t0) * 1e3
+                    assert first is not grpc.aio.EOF
+                    while await call.read() is not grpc.aio.EOF:
+                        pass
+                    if r:
+                        times[config][n].append(elapsed_ms)
+    finally:
+        for ch in channels.values():
+            await ch.close()
+    return {c: {n: statistics.median(v) for n, v in per.items()} for c, per in times.items()}
 
 
 async def through_stack(
@@ -198,26 +218,28 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
     reps = 1 if args.quick else 3
     n_requests, new_tokens = (2, 8) if args.quick else (8, 32)
     prompts = [_prompt(128, 5000 + i) for i in range(n_requests)]
-    rows: list[dict[str, object]] = []
-    ttft: dict[str, dict[int, float]] = {}
-    with tempfile.TemporaryDirectory() as logs, running_stack("default", Path(logs)) as stack:
-        assert stack.prefill and stack.decode
+    with contextlib.ExitStack() as stacks:
+        logs = Path(stacks.enter_context(tempfile.TemporaryDirectory()))
+        disagg = stacks.enter_context(running_stack("default", _mkdir(logs / "nixl")))
+        assert disagg.prefill and disagg.decode
         print("(a) KV transfer vs prefill (disaggregated workers over loopback)", flush=True)
-        for transport in ("grpc", "nixl"):
-            rows += await kv_vs_prefill(
-                stack.prefill, stack.decode, lengths, reps, stack.internal_metadata, transport
-            )
-        print("(b) TTFT, one request at a time", flush=True)
-        ttft["disaggregated_nixl"] = await ttft_ms(stack.gateway, ttft_lengths, reps, 20000)
+        rows = await kv_vs_prefill(disagg.prefill, disagg.decode, lengths, reps, disagg.internal_metadata)
         print(f"(c) {n_requests} requests x {new_tokens} tokens, one at a time", flush=True)
-        stack_s, stack_out = await through_stack(stack.gateway, prompts, new_tokens)
-    with (
-        tempfile.TemporaryDirectory() as logs,
-        running_stack("default", Path(logs), worker_args=["--kv-transport", "grpc"]) as stack,
-    ):
-        ttft["disaggregated_grpc"] = await ttft_ms(stack.gateway, ttft_lengths, reps, 30000)
-    with tempfile.TemporaryDirectory() as logs, running_stack("default", Path(logs), unified=True) as stack:
-        ttft["unified"] = await ttft_ms(stack.gateway, ttft_lengths, reps, 40000)
+        stack_s, stack_out = await through_stack(disagg.gateway, prompts, new_tokens)
+        grpc_only = stacks.enter_context(
+            running_stack("default", _mkdir(logs / "grpc"), worker_args=["--kv-transport", "grpc"])
+        )
+        unified = stacks.enter_context(running_stack("default", _mkdir(logs / "unified"), unified=True))
+        print("(b) TTFT, one request at a time (the three stacks alternated)", flush=True)
+        ttft = await ttft_ms(
+            {
+                "disaggregated_nixl": disagg.gateway,
+                "disaggregated_grpc": grpc_only.gateway,
+                "unified": unified.gateway,
+            },
+            ttft_lengths,
+            reps,
+        )
     ttft_rows = []
     for n in ttft_lengths:
         uni = ttft["unified"][n]

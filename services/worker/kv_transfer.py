@@ -4,8 +4,10 @@ blocks' descriptors; the decode worker READs them, services/worker/kv_nixl.py)."
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator
+from typing import TypeVar
 
 import grpc
 import structlog
@@ -22,6 +24,10 @@ from shared.grpc_errors import error_from_rpc
 from shared.proto import worker_pb2, worker_pb2_grpc
 
 log = structlog.get_logger(__name__)
+
+_T = TypeVar("_T")
+# How often a prefill worker progresses its NIXL agent while a decode worker READs (seconds).
+_PROGRESS_INTERVAL_S = 0.001
 
 # What a decode worker's refusal of a push means for this request; any other failure (it is
 # unreachable, draining, full, slow) is Unavailable: the gateway may retry on other workers.
@@ -176,7 +182,7 @@ class NixlKvSender:
         start = time.perf_counter()
         try:
             stub = worker_pb2_grpc.WorkerStub(self._channels.get(target.address))
-            reply = await stub.PushKv(one(), timeout=self._timeout_s)
+            reply = await self._progressing(stub.PushKv(one(), timeout=self._timeout_s))
         except grpc.aio.AioRpcError as exc:
             raise _push_error(exc, target, rid) from exc
         recomputing = reply.HasField("recomputing") and reply.recomputing
@@ -188,6 +194,19 @@ class NixlKvSender:
             read_seconds=reply.kv_read_ns / 1e9 if reply.HasField("kv_read_ns") else None,
             recomputing=recomputing,
         )
+
+    async def _progressing(self, call: Awaitable[_T]) -> _T:
+        """Await the call while progressing this agent about every millisecond, so that the
+        decode worker's READ of our blocks completes (kv_nixl: no progress thread)."""
+        task = asyncio.ensure_future(call)
+        try:
+            while not task.done():
+                self._agent.progress()
+                await asyncio.wait({task}, timeout=_PROGRESS_INTERVAL_S)
+        finally:
+            if not task.done():
+                task.cancel()
+        return task.result()
 
 
 def _push_error(exc: grpc.aio.AioRpcError, target: KvTargetSpec, request_id: str) -> Exception:
