@@ -131,6 +131,22 @@ def two_decode_stack(tiny_bpe_model: Path, tmp_path_factory: pytest.TempPathFact
         yield stack
 
 
+async def test_the_chaos_stack_moves_kv_over_nixl_where_it_loads(two_decode_stack: Stack) -> None:
+    """With nixl-cu13 installed every worker offers NIXL, so the gateway pairs them over it and
+    the kills and cancels of this module hit the NIXL path (READs in flight included)."""
+    try:
+        import nixl_cu13._api  # noqa: F401
+    except ImportError:
+        pytest.skip("nixl-cu13 is not installed: the stack moves KV over the gRPC push")
+    base = two_decode_stack.port_base
+    for address in (f"127.0.0.1:{base + o}" for o in (10, 11, 20, 21)):
+        async with grpc.aio.insecure_channel(address) as ch:
+            info = await worker_pb2_grpc.WorkerStub(ch).Info(
+                worker_pb2.InfoRequest(), metadata=two_decode_stack.internal_metadata, timeout=10
+            )
+        assert NIXL_CAPABILITY in info.capabilities, address
+
+
 PROMPTS = ["The cache keeps", "Disaggregated serving moves", "A worker died while", "Tokens flow from"]
 # Long enough that every stream still runs when the victim is picked and stopped: with the tiny
 # model a 160-token stream ended in ~0.2 s, sometimes before the first GetLoad saw it.
@@ -242,21 +258,6 @@ async def _all_freed(addresses: list[str], within_s: float, metadata: Metadata) 
 def _workers(stack: Stack) -> list[str]:
     base = stack.port_base
     return [f"127.0.0.1:{base + o}" for o in (10, 11, 20, 21)]
-
-
-async def test_the_chaos_stack_moves_kv_over_nixl_where_it_loads(two_decode_stack: Stack) -> None:
-    """With nixl-cu13 installed every worker offers NIXL, so the gateway pairs them over it and
-    the kills and cancels of this module hit the NIXL path (READs in flight included)."""
-    try:
-        import nixl_cu13._api  # noqa: F401
-    except ImportError:
-        pytest.skip("nixl-cu13 is not installed: the stack moves KV over the gRPC push")
-    for address in _workers(two_decode_stack):
-        async with grpc.aio.insecure_channel(address) as ch:
-            info = await worker_pb2_grpc.WorkerStub(ch).Info(
-                worker_pb2.InfoRequest(), metadata=two_decode_stack.internal_metadata, timeout=10
-            )
-        assert NIXL_CAPABILITY in info.capabilities, address
 
 
 async def test_kill9_of_a_prefill_worker_during_prefill_and_push(two_decode_stack: Stack) -> None:
