@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+import torch
 
-from services.worker.kv_nixl import KvTransferFailed
-from shared.cluster import NIXL_CAPABILITY
+from services.worker.kv_nixl import KvTransferFailed, NixlKvAgent
+from shared.cluster import NIXL_CAPABILITY, KvLayout
 from shared.proto import common_pb2, worker_pb2
 
 from .harness import RunningWorker, collect, running_worker, sampling, worker_settings
@@ -193,3 +195,37 @@ async def test_kv_transport_grpc_offers_no_nixl(tiny_model: Path) -> None:
         info = await w.stub.Info(worker_pb2.InfoRequest())
         assert NIXL_CAPABILITY not in info.capabilities
         assert w.app.nixl is None
+
+
+def test_a_read_the_peer_never_serves_times_out() -> None:
+    """Two agents in one process, the source never progressing (as a hung or stopped prefill
+    worker): the READ ends with KvTransferFailed after the timeout instead of hanging; with the
+    source progressing, the same READ moves the blocks byte for byte."""
+    layout = KvLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
+    shape = (layout.num_layers, 2, layout.num_kv_heads, 8 * layout.block_size, layout.head_dim)
+    src_pool, dst_pool = torch.randn(shape), torch.zeros(shape)
+    src, dst = NixlKvAgent.create([src_pool], layout), NixlKvAgent.create([dst_pool], layout)
+    assert src is not None and dst is not None
+    source = src.source(0, [1, 2, 5], first_block=0)
+    with pytest.raises(KvTransferFailed, match="timed out"):
+        dst.read(source, 0, 0, [3, 4, 6], timeout_s=0.3)
+    dst.forget(source.agent_name)
+
+    done = threading.Event()
+
+    def serve() -> None:
+        while not done.is_set():
+            src.progress()
+            time.sleep(0.001)
+
+    server = threading.Thread(target=serve)
+    server.start()
+    try:
+        nbytes = dst.read(source, 0, 0, [3, 4, 6], timeout_s=10)
+    finally:
+        done.set()
+        server.join()
+    assert nbytes == 3 * layout.num_layers * 2 * layout.num_kv_heads * layout.block_size * layout.head_dim * 4
+    by_block = (layout.num_layers, 2, layout.num_kv_heads, 8, layout.block_size, layout.head_dim)
+    got, want = dst_pool.view(by_block)[:, :, :, [3, 4, 6]], src_pool.view(by_block)[:, :, :, [1, 2, 5]]
+    assert torch.equal(got, want)
