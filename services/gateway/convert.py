@@ -26,6 +26,7 @@ from services.gateway.request import (
     Sampling,
     TokenLogprob,
 )
+from shared.cluster import KvTransport
 from shared.cluster_convert import finish_reason_from_pb, finish_reason_to_pb, serving_mode_from_pb
 from shared.proto import common_pb2, gateway_pb2, scheduler_pb2, worker_pb2
 from shared.structured_output_pb import structured_from_pb, structured_to_pb
@@ -236,6 +237,8 @@ def prefill_request(job: WorkerJob, dp_rank: int, kv: KvDestination | None) -> w
                 skip_blocks=kv.skip_blocks,
             )
         )
+        if kv.transport is KvTransport.NIXL:  # unset means the gRPC push, for any worker version
+            msg.kv_target.kv_transport = worker_pb2.KV_TRANSPORT_NIXL
     return msg
 
 

@@ -49,7 +49,7 @@ from services.gateway.request import (
 )
 from services.gateway.validation import resolve_max_tokens
 from shared.block_hash import block_hashes
-from shared.cluster import FinishReason, ServingMode
+from shared.cluster import FinishReason, ServingMode, negotiate_kv_transport
 from shared.errors import DeadlineExceeded, FailedPrecondition
 from shared.tracing import tracer
 
@@ -347,7 +347,11 @@ class Dispatcher:
             state.advance(RequestStatus.ADMITTED)
             # 2. The prefill worker runs the prompt and pushes KV straight to that decode rank.
             kv = KvDestination(
-                decode.address, decode.dp_rank, admitted.transfer_ticket, admitted.cached_blocks
+                decode.address,
+                decode.dp_rank,
+                admitted.transfer_ticket,
+                admitted.cached_blocks,
+                negotiate_kv_transport(prefill.capabilities, decode.capabilities),
             )
             state.advance(RequestStatus.PREFILLING)
             attempt.start(prefill.address)

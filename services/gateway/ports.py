@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from services.gateway.request import Sampling, TokenLogprob
-from shared.cluster import FinishReason, ServingMode
+from shared.cluster import FinishReason, KvTransport, ServingMode
 from shared.errors import ResourceExhausted, Unavailable
 
 
@@ -99,6 +99,7 @@ class KvDestination:
     dp_rank: int
     transfer_ticket: str
     skip_blocks: int
+    transport: KvTransport = KvTransport.GRPC_PUSH  # negotiated from both workers' capabilities
 
 
 class DecodeEventKind(enum.Enum):

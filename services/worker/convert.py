@@ -18,10 +18,11 @@ from services.worker.messages import (
     IncomingKvChunk,
     KvReceipt,
     KvTargetSpec,
+    NixlSource,
     PrefillCall,
     PrefillResult,
 )
-from shared.cluster import RankLoad
+from shared.cluster import KvTransport, RankLoad
 from shared.cluster_convert import finish_reason_to_pb, kv_layout_from_pb, rank_load_to_pb
 from shared.proto import common_pb2, worker_pb2
 from shared.structured_output_pb import structured_from_pb
@@ -93,6 +94,9 @@ def prefill_call_from_pb(pb: worker_pb2.PrefillRequest) -> PrefillCall:
             dp_rank=t.dp_rank,
             transfer_ticket=t.transfer_ticket,
             skip_blocks=t.skip_blocks,
+            transport=_transport_from_pb(t.kv_transport)
+            if t.HasField("kv_transport")
+            else KvTransport.GRPC_PUSH,
         )
     return PrefillCall(
         request=_engine_request(
@@ -103,7 +107,25 @@ def prefill_call_from_pb(pb: worker_pb2.PrefillRequest) -> PrefillCall:
     )
 
 
+_TRANSPORT_TO_PB = {
+    KvTransport.GRPC_PUSH: worker_pb2.KV_TRANSPORT_GRPC_PUSH,
+    KvTransport.NIXL: worker_pb2.KV_TRANSPORT_NIXL,
+}
+
+
+def _transport_from_pb(value: int) -> KvTransport:
+    """NIXL only when asked for by name; anything else (unset, unknown) is the gRPC push."""
+    return KvTransport.NIXL if value == worker_pb2.KV_TRANSPORT_NIXL else KvTransport.GRPC_PUSH
+
+
 def prefill_result_to_pb(r: PrefillResult) -> worker_pb2.PrefillResponse:
+    pb = _prefill_result_to_pb(r)
+    if r.kv_transport is not None:
+        pb.kv_transport = _TRANSPORT_TO_PB[r.kv_transport]
+    return pb
+
+
+def _prefill_result_to_pb(r: PrefillResult) -> worker_pb2.PrefillResponse:
     return worker_pb2.PrefillResponse(
         request_id=r.request_id,
         text=r.text,
@@ -160,6 +182,33 @@ def kv_chunk_from_pb(pb: worker_pb2.KvChunk) -> IncomingKvChunk:
         first_token_id=pb.first_token_id if pb.HasField("first_token_id") else None,
         generated_tokens=pb.generated_tokens if pb.HasField("generated_tokens") else None,
         draft_token_ids=tuple(pb.draft_token_ids),
+        nixl_source=nixl_source_from_pb(pb.nixl_source) if pb.HasField("nixl_source") else None,
+    )
+
+
+def nixl_source_from_pb(pb: worker_pb2.NixlKvSource) -> NixlSource:
+    return NixlSource(
+        agent_name=pb.agent_name,
+        agent_metadata=pb.agent_metadata,
+        pool_address=pb.pool_address,
+        pool_slots=pb.pool_slots,
+        device_id=pb.device_id,
+        mem_type=pb.mem_type,
+        block_ids=tuple(pb.block_ids),
+        first_block=pb.first_block,
+    )
+
+
+def nixl_source_to_pb(s: NixlSource) -> worker_pb2.NixlKvSource:
+    return worker_pb2.NixlKvSource(
+        agent_name=s.agent_name,
+        agent_metadata=s.agent_metadata,
+        pool_address=s.pool_address,
+        pool_slots=s.pool_slots,
+        device_id=s.device_id,
+        mem_type=s.mem_type,
+        block_ids=s.block_ids,
+        first_block=s.first_block,
     )
 
 
@@ -170,6 +219,7 @@ def kv_chunk_to_pb(
     chunk: KvBlocksChunk,
     last: tuple[int, int | None, int] | None = None,
     draft_token_ids: tuple[int, ...] = (),
+    nixl_source: NixlSource | None = None,
 ) -> worker_pb2.KvChunk:
     """One outgoing chunk; `last` = (num_tokens, first_token_id, generated_tokens) on the last
     (first_token_id None: the request finished at its first token, nothing to decode), with the
@@ -191,11 +241,18 @@ def kv_chunk_to_pb(
         pb.generated_tokens = generated_tokens
         pb.draft_token_ids.extend(draft_token_ids)
         pb.last = True
+    if nixl_source is not None:
+        pb.nixl_source.CopyFrom(nixl_source_to_pb(nixl_source))
     return pb
 
 
 def kv_receipt_to_pb(r: KvReceipt) -> worker_pb2.PushKvResponse:
-    return worker_pb2.PushKvResponse(bytes_received=r.bytes_received, blocks_received=r.blocks_received)
+    pb = worker_pb2.PushKvResponse(bytes_received=r.bytes_received, blocks_received=r.blocks_received)
+    if r.read_ns is not None:
+        pb.kv_read_ns = r.read_ns
+    if r.recomputing:
+        pb.recomputing = True
+    return pb
 
 
 def get_load_to_pb(worker_id: str, loads: Iterable[RankLoad]) -> worker_pb2.GetLoadResponse:

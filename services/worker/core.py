@@ -10,30 +10,36 @@ import asyncio
 import contextlib
 import dataclasses
 import enum
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping
+from typing import Any
 
 import structlog
 
 from services.worker.engine.api import (
     Engine,
-    KvBlocksChunk,
     RequestKind,
     RequestOutput,
     TokenLogprobs,
 )
 from services.worker.engine.spec.stats import SpecStats
+from services.worker.kv_nixl import KvTransferFailed, NixlKvAgent
+from services.worker.kv_transfer import GrpcKvSender
 from services.worker.messages import (
     DecodeCall,
     DecodeEvent,
     FrameKind,
     IncomingKvChunk,
+    KvHandoff,
     KvPusher,
+    KvPushResult,
     KvReceipt,
+    KvSender,
     PrefillCall,
     PrefillResult,
 )
 from shared import errors, metrics
-from shared.cluster import FinishReason, RankLoad, WorkerInfo
+from shared.cluster import FinishReason, KvTransport, RankLoad, WorkerInfo
 from shared.tracing import tracer
 
 log = structlog.get_logger(__name__)
@@ -52,6 +58,13 @@ def _layout_str(layout: object) -> str:
     return ", ".join(f"{k}={v}" for k, v in d.items())
 
 
+class KvLoadFailurePolicy(enum.Enum):
+    """What a decode worker does when a NIXL READ of a request's KV fails or times out."""
+
+    RECOMPUTE = "recompute"  # keep the request and the first token; prefill the prompt here
+    RETRY_PREFILL = "retry-prefill"  # abort it here: the handoff fails, the gateway reschedules
+
+
 class WorkerCore:
     """Serves one engine's requests; tracks in-flight requests so a drain can wait for them."""
 
@@ -62,11 +75,21 @@ class WorkerCore:
         pusher: KvPusher,
         kv_chunk_bytes: int = 1 << 20,
         log_prompts: bool = False,
+        nixl: NixlKvAgent | None = None,
+        senders: Mapping[KvTransport, KvSender] | None = None,
+        kv_load_failure_policy: KvLoadFailurePolicy = KvLoadFailurePolicy.RECOMPUTE,
+        kv_read_timeout_s: float = 10.0,
     ) -> None:
         self.engine = engine
         self.identity = identity
-        self._pusher = pusher
-        self._kv_chunk_bytes = kv_chunk_bytes
+        # transports this worker sends over: the gRPC push always, NIXL where its agent is up
+        self._senders: dict[KvTransport, KvSender] = {
+            KvTransport.GRPC_PUSH: GrpcKvSender(engine, pusher, kv_chunk_bytes)
+        }
+        self._senders.update(senders or {})
+        self._nixl = nixl
+        self._kv_load_failure_policy = kv_load_failure_policy
+        self._kv_read_timeout_s = kv_read_timeout_s
         self._log_prompts = log_prompts
         # only requests with a live RPC
         self._active: dict[str, Phase] = {}
@@ -144,13 +167,13 @@ class WorkerCore:
                 finish = last.finish_reason  # the engine's finish rule; None: decoding goes on
                 span.set_attribute("pdserve.num_chunks", last.num_prefill_chunks)
                 span.set_attribute("pdserve.local_cached_tokens", last.num_local_cached_tokens)
-                kv_bytes, kv_ns = 0, 0
+                pushed: KvPushResult | None = None
                 if call.kv_target is not None:
                     # Finished at the first token: the handoff carries no KV and no first token,
                     # so the decode side ends the request at once (FINAL, its count 0).
                     first_token_id = token_ids[-1] if finish is None and token_ids else None
                     self._active[rid] = Phase.PUSHING
-                    kv_bytes, kv_ns = await self._push(call, last, first_token_id)
+                    pushed = await self._push(call, last, first_token_id)
             finally:
                 self._release(rid)
             if self._log_prompts:
@@ -160,7 +183,7 @@ class WorkerCore:
                 prompt_tokens=last.num_prompt_tokens,
                 generated_tokens=last.num_generated_tokens,
                 num_chunks=last.num_prefill_chunks,
-                kv_bytes_sent=kv_bytes,
+                kv_bytes_sent=pushed.bytes_sent if pushed else 0,
             )
             return PrefillResult(
                 request_id=rid,
@@ -170,47 +193,48 @@ class WorkerCore:
                 finish_reason=finish,
                 prompt_tokens=last.num_prompt_tokens,
                 local_cached_tokens=last.num_local_cached_tokens,
-                kv_bytes_sent=kv_bytes,
+                kv_bytes_sent=pushed.bytes_sent if pushed else 0,
                 num_chunks=last.num_prefill_chunks,
                 prefill_ns=last.prefill_ns,
-                kv_transfer_ns=kv_ns,
+                kv_transfer_ns=int(pushed.seconds * 1e9) if pushed else 0,
+                kv_transport=pushed.transport if pushed else None,
                 logprobs=tuple(logprobs),
             )
 
-    async def _push(
-        self, call: PrefillCall, out: RequestOutput, first_token_id: int | None
-    ) -> tuple[int, int]:
-        """Push the KV (all of it after target.skip_blocks; none when first_token_id is None)."""
+    async def _push(self, call: PrefillCall, out: RequestOutput, first_token_id: int | None) -> KvPushResult:
+        """Hand the KV over (all of it after target.skip_blocks; none when first_token_id is
+        None) by the transport the gateway negotiated, when this worker has it."""
         target = call.kv_target
         assert target is not None
-        rid = call.request.request_id
+        sender = self._senders.get(target.transport, self._senders[KvTransport.GRPC_PUSH])
+        handoff = KvHandoff(
+            request_id=call.request.request_id,
+            layout=self.engine.kv_layout,
+            num_tokens=out.num_prompt_tokens,
+            first_token_id=first_token_id,
+            generated_tokens=out.num_generated_tokens,
+            draft_token_ids=out.draft_token_ids if first_token_id is not None else (),
+        )
         with tracer().start_as_current_span("kv_transfer") as span:
             span.set_attribute("pdserve.target", target.address)
-            chunks: Iterator[KvBlocksChunk] = iter(())
-            if first_token_id is not None:
-                chunks = self.engine.export_kv(rid, target.skip_blocks, self._kv_chunk_bytes)
-            result = await self._pusher.push(
-                request_id=rid,
-                target=target,
-                layout=self.engine.kv_layout,
-                chunks=chunks,
-                num_tokens=out.num_prompt_tokens,
-                first_token_id=first_token_id,
-                generated_tokens=out.num_generated_tokens,
-                draft_token_ids=out.draft_token_ids if first_token_id is not None else (),
-            )
-            span.set_attribute("pdserve.bytes", result.bytes_sent)
-            span.set_attribute("pdserve.num_chunks", result.num_chunks)
-        metrics.KV_TRANSFER_BYTES.labels(direction="sent").inc(result.bytes_sent)
-        metrics.KV_TRANSFER_SECONDS.observe(result.seconds)
+            span.set_attribute("pdserve.kv_transport", sender.transport.value)
+            try:
+                result = await sender.send(handoff, target)
+            except errors.PdserveError as exc:
+                metrics.KV_TRANSFER_FAILURES.labels(transport=sender.transport.value, side="send").inc()
+                span.set_attribute("pdserve.error", type(exc).__name__)
+                raise
+            _record_transfer(span, result)
         log.debug(
             "kv_pushed",
             target=target.address,
+            transport=result.transport.value,
             bytes=result.bytes_sent,
             chunks=result.num_chunks,
             seconds=round(result.seconds, 6),
+            recomputing=result.recomputing,
         )
-        return result.bytes_sent, int(result.seconds * 1e9)
+        return result
 
     def _release(self, request_id: str) -> None:
         """Free a PREFILL_ONLY request's held blocks (they stay in the prefix cache)."""
@@ -285,15 +309,19 @@ class WorkerCore:
     # ----- PushKv (receiving side) -----
 
     async def receive_kv(self, chunks: AsyncIterator[IncomingKvChunk]) -> KvReceipt:
-        """Import one request's KV chunks; the last one starts decoding.
+        """Import one request's KV chunks (or, over NIXL, READ the blocks its one chunk names);
+        the last one starts decoding.
 
         A transfer that breaks after the engine accepted KV aborts the request (its Decode stream
-        ends with ABORT and its blocks are freed); it could never complete otherwise."""
+        ends with ABORT and its blocks are freed); it could never complete otherwise. A failed
+        NIXL READ follows --kv-load-failure-policy: recompute here, or abort (retry-prefill)."""
         self._require(self.identity.role.decodes, "PushKv (roles that serve it: decode, unified)")
         ours = self.engine.kv_layout
         request_id: str | None = None
         ticket = ""
         bytes_received = blocks_received = 0
+        read_ns: int | None = None
+        recomputing = False
         started = done = False
         try:
             async for c in chunks:
@@ -313,11 +341,22 @@ class WorkerCore:
                         f"worker has ({_layout_str(ours)}); pair workers with the same model, "
                         "dtype and block size"
                     )
-                if c.chunk.num_blocks:
+                if c.nixl_source is not None:
+                    if not c.last or c.chunk.data:
+                        raise errors.InvalidArgument(
+                            "a KvChunk with nixl_source is the only one, marked last, with no data"
+                        )
+                    if c.first_token_id is not None and c.nixl_source.block_ids:
+                        started = True
+                        read_ns, nbytes = await self._read_nixl(ticket, c)
+                        recomputing = read_ns is None
+                        bytes_received += nbytes
+                        blocks_received += 0 if recomputing else len(c.nixl_source.block_ids)
+                elif c.chunk.num_blocks:
                     self.engine.import_kv(ticket, c.chunk)
                     started = True
                 bytes_received += len(c.chunk.data)
-                blocks_received += c.chunk.num_blocks
+                blocks_received += c.chunk.num_blocks if c.nixl_source is None else 0
                 if c.last:
                     # An old (v1.0) prefill worker sends no count: it always generated 1 token.
                     prefill_generated = 1 if c.generated_tokens is None else c.generated_tokens
@@ -328,6 +367,7 @@ class WorkerCore:
                         c.first_token_id,
                         prefill_generated,
                         c.draft_token_ids,
+                        recompute=recomputing,
                     )
                     done = True
             if request_id is None:
@@ -340,7 +380,55 @@ class WorkerCore:
             raise
         metrics.KV_TRANSFER_BYTES.labels(direction="received").inc(bytes_received)
         log.debug("kv_received", request_id=request_id, bytes=bytes_received, blocks=blocks_received)
-        return KvReceipt(bytes_received=bytes_received, blocks_received=blocks_received)
+        return KvReceipt(
+            bytes_received=bytes_received,
+            blocks_received=blocks_received,
+            read_ns=read_ns,
+            recomputing=recomputing,
+        )
+
+    async def _read_nixl(self, ticket: str, c: IncomingKvChunk) -> tuple[int | None, int]:
+        """READ the blocks c.nixl_source names into the request's reserved blocks, in a worker
+        thread (the event loop keeps serving). Returns (read_ns, bytes), or (None, 0) when the
+        READ failed and the policy is to recompute. A cancelled call leaves the READ to end on
+        its own (bounded by --kv-read-timeout-s); the blocks are freed only after it."""
+        source = c.nixl_source
+        assert source is not None
+        nixl = self._nixl
+        if nixl is None:
+            raise errors.FailedPrecondition(
+                "this worker has no NIXL agent (nixl-cu13 missing or failed to start); "
+                "send the KV over the gRPC push"
+            )
+        timeout_s = self._kv_read_timeout_s
+
+        def read(src_offset: int, dp_rank: int, block_ids: list[int]) -> int:
+            return nixl.read(source, src_offset, dp_rank, block_ids, timeout_s)
+
+        start = time.perf_counter_ns()
+        with tracer().start_as_current_span("kv_read") as span:
+            span.set_attribute("pdserve.kv_transport", KvTransport.NIXL.value)
+            span.set_attribute("pdserve.source_agent", source.agent_name)
+            try:
+                nbytes = await asyncio.to_thread(
+                    self.engine.import_kv_direct, ticket, source.first_block, len(source.block_ids), read
+                )
+            except KvTransferFailed as exc:
+                nixl.forget(source.agent_name)
+                metrics.KV_TRANSFER_FAILURES.labels(transport=KvTransport.NIXL.value, side="read").inc()
+                span.set_attribute("pdserve.error", str(exc))
+                policy = self._kv_load_failure_policy
+                log.warning("kv_read_failed", error=str(exc), policy=policy.value)
+                if policy is KvLoadFailurePolicy.RETRY_PREFILL:
+                    raise
+                metrics.KV_TRANSFER_RECOMPUTES.inc()
+                span.set_attribute("pdserve.kv_recomputing", True)
+                return None, 0
+            elapsed_ns = time.perf_counter_ns() - start
+            span.set_attribute("pdserve.bytes", nbytes)
+            span.set_attribute("pdserve.kv_read_seconds", elapsed_ns / 1e9)
+        metrics.KV_TRANSFER_READ_SECONDS.observe(elapsed_ns / 1e9)
+        return elapsed_ns, nbytes
 
     # ----- Abort, loads -----
 
@@ -420,6 +508,25 @@ class WorkerCore:
         for rid in aborted:
             self.engine.abort(rid)
         return aborted
+
+
+def _record_transfer(span: Any, result: KvPushResult) -> None:
+    """One handoff's figures in its span and in Prometheus (pdserve_kv_transfer_*)."""
+    transport = result.transport.value
+    span.set_attribute("pdserve.bytes", result.bytes_sent)
+    span.set_attribute("pdserve.num_chunks", result.num_chunks)
+    span.set_attribute("pdserve.kv_transfer_seconds", result.seconds)
+    if result.seconds > 0:
+        span.set_attribute("pdserve.kv_transfer_bytes_per_second", result.bytes_sent / result.seconds)
+    if result.read_seconds is not None:
+        span.set_attribute("pdserve.kv_read_seconds", result.read_seconds)
+    span.set_attribute("pdserve.kv_recomputing", result.recomputing)
+    metrics.KV_TRANSFER_BYTES.labels(direction="sent").inc(result.bytes_sent)
+    metrics.KV_TRANSFER_SECONDS.observe(result.seconds)
+    metrics.KV_TRANSFER_REQUESTS.labels(transport=transport).inc()
+    metrics.KV_TRANSFER_REQUEST_SECONDS.labels(transport=transport).observe(result.seconds)
+    if result.bytes_sent and result.seconds > 0:
+        metrics.KV_TRANSFER_BANDWIDTH.labels(transport=transport).observe(result.bytes_sent / result.seconds)
 
 
 def _decode_event(

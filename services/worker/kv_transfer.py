@@ -1,24 +1,33 @@
-"""The KV push client: streams a finished prefill's KV blocks to a decode worker over PushKv."""
+"""The sending side of the KV transports: the gRPC push (a finished prefill's KV blocks streamed to
+the decode worker over PushKv; every version speaks it) and NIXL (one PushKv message with the
+blocks' descriptors; the decode worker READs them, services/worker/kv_nixl.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator
+from typing import TypeVar
 
 import grpc
 import structlog
 
 from services.worker import convert
-from services.worker.engine.api import KvBlocksChunk
-from services.worker.messages import KvPushResult, KvTargetSpec
+from services.worker.engine.api import Engine, KvBlocksChunk
+from services.worker.kv_nixl import NixlKvAgent
+from services.worker.messages import KvHandoff, KvPusher, KvPushResult, KvTargetSpec
 from shared import errors
 from shared.channels import ChannelCache
-from shared.cluster import KvLayout
+from shared.cluster import KvLayout, KvTransport
 from shared.cluster_convert import kv_layout_to_pb
 from shared.grpc_errors import error_from_rpc
 from shared.proto import worker_pb2, worker_pb2_grpc
 
 log = structlog.get_logger(__name__)
+
+_T = TypeVar("_T")
+# How often a prefill worker progresses its NIXL agent while a decode worker READs (seconds).
+_PROGRESS_INTERVAL_S = 0.001
 
 # What a decode worker's refusal of a push means for this request; any other failure (it is
 # unreachable, draining, full, slow) is Unavailable: the gateway may retry on other workers.
@@ -104,6 +113,100 @@ class GrpcKvPusher:
         sent["bytes"] += len(pb.data)
         sent["chunks"] += 1
         return pb
+
+
+class GrpcKvSender:
+    """The gRPC push as a KvSender: the engine's blocks serialized in chunks of ~chunk_bytes."""
+
+    transport = KvTransport.GRPC_PUSH
+
+    def __init__(self, engine: Engine, pusher: KvPusher, chunk_bytes: int) -> None:
+        self._engine = engine
+        self._pusher = pusher
+        self._chunk_bytes = chunk_bytes
+
+    async def send(self, handoff: KvHandoff, target: KvTargetSpec) -> KvPushResult:
+        chunks: Iterator[KvBlocksChunk] = iter(())
+        if handoff.first_token_id is not None:
+            chunks = self._engine.export_kv(handoff.request_id, target.skip_blocks, self._chunk_bytes)
+        return await self._pusher.push(
+            request_id=handoff.request_id,
+            target=target,
+            layout=handoff.layout,
+            chunks=chunks,
+            num_tokens=handoff.num_tokens,
+            first_token_id=handoff.first_token_id,
+            generated_tokens=handoff.generated_tokens,
+            draft_token_ids=handoff.draft_token_ids,
+        )
+
+
+class NixlKvSender:
+    """NIXL as a KvSender: one PushKv message names the blocks in this worker's registered pool;
+    the decode worker READs them and answers when they landed (or when it gave up and
+    recomputes, by its --kv-load-failure-policy). The blocks stay held until then."""
+
+    transport = KvTransport.NIXL
+
+    def __init__(
+        self, engine: Engine, agent: NixlKvAgent, channels: ChannelCache, timeout_s: float = 60.0
+    ) -> None:
+        self._engine = engine
+        self._agent = agent
+        self._channels = channels
+        self._timeout_s = timeout_s
+
+    async def send(self, handoff: KvHandoff, target: KvTargetSpec) -> KvPushResult:
+        if not target.address:
+            raise errors.InvalidArgument("kv_target.address is required")
+        rid = handoff.request_id
+        block_ids: list[int] = []
+        dp_rank = 0
+        if handoff.first_token_id is not None:
+            dp_rank, block_ids = self._engine.export_block_ids(rid, target.skip_blocks)
+        source = self._agent.source(dp_rank, block_ids, target.skip_blocks)
+        empty = KvBlocksChunk(first_block=target.skip_blocks, num_blocks=len(block_ids), data=b"")
+        pb = convert.kv_chunk_to_pb(
+            rid,
+            target,
+            kv_layout_to_pb(handoff.layout),
+            empty,
+            last=(handoff.num_tokens, handoff.first_token_id, handoff.generated_tokens),
+            draft_token_ids=handoff.draft_token_ids,
+            nixl_source=source,
+        )
+
+        async def one() -> AsyncIterator[worker_pb2.KvChunk]:
+            yield pb
+
+        start = time.perf_counter()
+        try:
+            stub = worker_pb2_grpc.WorkerStub(self._channels.get(target.address))
+            reply = await self._progressing(stub.PushKv(one(), timeout=self._timeout_s))
+        except grpc.aio.AioRpcError as exc:
+            raise _push_error(exc, target, rid) from exc
+        recomputing = reply.HasField("recomputing") and reply.recomputing
+        return KvPushResult(
+            bytes_sent=0 if recomputing else reply.bytes_received,
+            num_chunks=1,
+            seconds=time.perf_counter() - start,
+            transport=KvTransport.NIXL,
+            read_seconds=reply.kv_read_ns / 1e9 if reply.HasField("kv_read_ns") else None,
+            recomputing=recomputing,
+        )
+
+    async def _progressing(self, call: Awaitable[_T]) -> _T:
+        """Await the call while progressing this agent about every millisecond, so that the
+        decode worker's READ of our blocks completes (kv_nixl: no progress thread)."""
+        task = asyncio.ensure_future(call)
+        try:
+            while not task.done():
+                self._agent.progress()
+                await asyncio.wait({task}, timeout=_PROGRESS_INTERVAL_S)
+        finally:
+            if not task.done():
+                task.cancel()
+        return task.result()
 
 
 def _push_error(exc: grpc.aio.AioRpcError, target: KvTargetSpec, request_id: str) -> Exception:

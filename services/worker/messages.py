@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from services.worker.engine.api import EngineRequest, KvBlocksChunk, TokenLogprobs
-from shared.cluster import FinishReason, KvLayout
+from shared.cluster import FinishReason, KvLayout, KvTransport
 
 # Capabilities this worker advertises at registration and in Info (worker.proto WorkerInfo).
 CAPABILITIES = (
@@ -27,7 +27,9 @@ CAPABILITIES = (
 # 1.4 added SamplingParams' penalties, logit_bias and min_tokens (capability "sampling_penalties").
 # 1.5 added SamplingParams.logprobs and the logprobs of PrefillResponse / DecodeFrame ("logprobs").
 # 1.6 added SamplingParams.structured (capability "structured_outputs").
-PROTO_VERSION = "1.6"
+# 1.7 added KvTarget.kv_transport, KvChunk.nixl_source and the NIXL fields of PushKvResponse and
+# PrefillResponse (a worker whose NIXL agent is up also advertises shared.cluster.NIXL_CAPABILITY).
+PROTO_VERSION = "1.7"
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,7 @@ class KvTargetSpec:
     dp_rank: int
     transfer_ticket: str
     skip_blocks: int  # leading full prompt blocks the decode side already holds (count)
+    transport: KvTransport = KvTransport.GRPC_PUSH  # negotiated by the gateway
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,7 @@ class PrefillResult:
     prefill_ns: int
     kv_transfer_ns: int
     logprobs: tuple[TokenLogprobs, ...] = ()  # the first token's, when sampling.logprobs is set
+    kv_transport: KvTransport | None = None  # None: no KV moved
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,21 @@ class DecodeEvent:
 
 
 @dataclass(frozen=True)
+class NixlSource:
+    """Where a request's KV blocks lie in a prefill worker's registered pool (worker.proto
+    NixlKvSource): what a decode worker needs to READ them."""
+
+    agent_name: str
+    agent_metadata: bytes
+    pool_address: int  # the rank pool's address in the prefill worker's memory
+    pool_slots: int  # slots per (layer, K/V, head) plane of that pool (tokens)
+    device_id: int
+    mem_type: str  # "DRAM" | "VRAM"
+    block_ids: tuple[int, ...]  # pool block ids of the request's blocks from first_block on
+    first_block: int  # index of block_ids[0] in the request's block table
+
+
+@dataclass(frozen=True)
 class IncomingKvChunk:
     """One received KvChunk. Fields of the last chunk are None/0 on the others."""
 
@@ -109,23 +128,41 @@ class IncomingKvChunk:
     generated_tokens: int | None  # None: an old (v1.0) prefill worker, which means 1
     # the prefill worker's proposals after the first token (empty: none, or an older worker)
     draft_token_ids: tuple[int, ...] = ()
+    nixl_source: NixlSource | None = None  # set: READ the blocks over NIXL (no data in the chunk)
 
 
 @dataclass(frozen=True)
 class KvReceipt:
     bytes_received: int
     blocks_received: int
+    read_ns: int | None = None  # NIXL: the READ's time on the decode side, its wait included
+    recomputing: bool = False  # NIXL: the READ failed, the decode worker recomputes the prompt
 
 
 @dataclass(frozen=True)
 class KvPushResult:
-    bytes_sent: int
-    num_chunks: int
-    seconds: float
+    bytes_sent: int  # KV bytes that moved (over NIXL: the bytes the decode side READ)
+    num_chunks: int  # PushKv messages sent
+    seconds: float  # the whole handoff, as the prefill worker saw it
+    transport: KvTransport = KvTransport.GRPC_PUSH
+    read_seconds: float | None = None  # NIXL: the decode side's READ
+    recomputing: bool = False  # NIXL: the decode worker recomputes instead (its READ failed)
+
+
+@dataclass(frozen=True)
+class KvHandoff:
+    """A finished prefill's handoff to a decode worker: what the last KvChunk carries."""
+
+    request_id: str
+    layout: KvLayout
+    num_tokens: int  # prompt tokens covered by the KV
+    first_token_id: int | None  # None: the request finished at its first token, no KV moves
+    generated_tokens: int
+    draft_token_ids: tuple[int, ...] = ()  # proposals for the decode worker's first step
 
 
 class KvPusher(Protocol):
-    """Sends a finished prefill's KV to a decode worker (implemented over gRPC in kv_transfer)."""
+    """Sends a finished prefill's KV to a decode worker over the gRPC push (kv_transfer)."""
 
     async def push(
         self,
@@ -140,4 +177,16 @@ class KvPusher(Protocol):
     ) -> KvPushResult:
         """first_token_id None: the request already finished at its first token.
         draft_token_ids: proposals for the decode worker's first step to verify."""
+        ...
+
+
+class KvSender(Protocol):
+    """One KV transport's sending side, as the worker core uses it (kv_transfer: the gRPC push
+    and NIXL). The blocks stay held on this worker until `send` returns or raises."""
+
+    transport: KvTransport
+
+    async def send(self, handoff: KvHandoff, target: KvTargetSpec) -> KvPushResult:
+        """Move the KV of handoff.request_id (its blocks from target.skip_blocks on) and the
+        handoff fields to the decode worker. Raises like GrpcKvPusher.push."""
         ...

@@ -15,15 +15,16 @@ from collections.abc import Callable, Sequence
 
 import structlog
 
-from services.worker.core import WorkerCore
+from services.worker.core import KvLoadFailurePolicy, WorkerCore
 from services.worker.engine.api import Engine, EngineConfig
-from services.worker.kv_transfer import GrpcKvPusher
+from services.worker.kv_nixl import NixlKvAgent
+from services.worker.kv_transfer import GrpcKvPusher, NixlKvSender
 from services.worker.messages import CAPABILITIES, PROTO_VERSION
 from services.worker.registration import Registration
 from services.worker.servicer import WorkerServicer
 from services.worker.settings import WorkerSettings
 from shared.channels import ChannelCache
-from shared.cluster import Role, WorkerInfo
+from shared.cluster import NIXL_CAPABILITY, KvTransport, Role, WorkerInfo
 from shared.cluster_auth import token_metadata
 from shared.cluster_convert import worker_info_to_pb
 from shared.errors import PdserveError
@@ -108,6 +109,7 @@ class WorkerApp:
         )
         self.pusher = GrpcKvPusher(self.channels, timeout_s=settings.kv_push_timeout_s)
         self.engine: Engine | None = None
+        self.nixl: NixlKvAgent | None = None
         self.core: WorkerCore | None = None
         self.registration: Registration | None = None
         self._refresher: asyncio.Task[None] | None = None
@@ -193,6 +195,10 @@ class WorkerApp:
         # Off the event loop, so health checks are answered (NOT_SERVING) while loading.
         engine = await asyncio.to_thread(self._create_engine, config)
         self.engine = engine
+        # NIXL: every rank's pool registered once, now that the pools are committed
+        if s.kv_transport == "auto":
+            self.nixl = NixlKvAgent.create(engine.kv_pools(), engine.kv_layout)
+        capabilities = CAPABILITIES + ((NIXL_CAPABILITY,) if self.nixl is not None else ())
         identity = WorkerInfo(
             worker_id=self.worker_id,
             address=self.address,
@@ -200,7 +206,7 @@ class WorkerApp:
             model_id=engine.model_id or model_id_for(path),
             dp_size=s.dp_size,
             kv_layout=engine.kv_layout,
-            capabilities=CAPABILITIES,
+            capabilities=capabilities,
             proto_version=PROTO_VERSION,
             max_model_len=engine.max_model_len,
             device=device,
@@ -211,12 +217,21 @@ class WorkerApp:
             self.pusher,
             kv_chunk_bytes=s.kv_chunk_bytes,
             log_prompts=s.log_prompts,
+            nixl=self.nixl,
+            senders=(
+                {KvTransport.NIXL: NixlKvSender(engine, self.nixl, self.channels, s.kv_push_timeout_s)}
+                if self.nixl is not None
+                else None
+            ),
+            kv_load_failure_policy=KvLoadFailurePolicy(s.kv_load_failure_policy),
+            kv_read_timeout_s=s.kv_read_timeout_s,
         )
         self.core.refresh_metrics()
         self.servicer.core = self.core
         log.info(
             "model_ready",
             model_id=identity.model_id,
+            kv_transports="nixl+grpc" if self.nixl is not None else "grpc",
             kv_layout=str(identity.kv_layout),
             max_model_len=identity.max_model_len,
             seconds=round(time.perf_counter() - started, 3),

@@ -153,6 +153,20 @@ class WorkerSettings(TlsSettings):
     load_refresh_s: float = field(1.0, "Seconds between refreshes of the per-rank load gauges")
     kv_chunk_bytes: int = field(1 << 20, "Target size of one KV push message (bytes)")
     kv_push_timeout_s: float = field(60.0, "Deadline of one KV push to a decode worker (seconds)")
+    kv_transport: str = field(
+        "auto",
+        "KV transports offered to peers: auto = NIXL where nixl-cu13 loads (a pair uses it when "
+        "both workers offer it) plus the gRPC push; grpc = the gRPC push only",
+        choices=("auto", "grpc"),
+    )
+    kv_load_failure_policy: str = field(
+        "recompute",
+        "Decode side, when a NIXL READ of a request's KV fails or times out: recompute = prefill "
+        "the prompt here (the request goes on); retry-prefill = abort it here, so the gateway "
+        "retries the request on other workers",
+        choices=("recompute", "retry-prefill"),
+    )
+    kv_read_timeout_s: float = field(10.0, "Deadline of one NIXL READ of a request's KV (seconds)")
     log_prompts: bool = field(False, "Log prompt and completion text (off: never logged)")
 
     def __post_init__(self) -> None:
@@ -170,6 +184,8 @@ class WorkerSettings(TlsSettings):
             raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.kv_read_timeout_s <= 0:
+            raise ValueError(f"kv_read_timeout_s must be > 0, got {self.kv_read_timeout_s}")
         if self.kv_chunk_bytes < 1:
             raise ValueError(f"kv_chunk_bytes must be >= 1, got {self.kv_chunk_bytes}")
         if self.drain_grace_s < 0:

@@ -17,6 +17,8 @@ by the request_id's prefix, so one process serves every scenario:
   bytes-*    byte fallback: 4 TOKENS frames with empty text, one with an emoji, then FINAL stop
   ids-*      TOKENS frames carrying 2 token ids each (return_token_ids), then FINAL stop
   eos-*      the prefill reply is an immediate EOS (no text, stop)
+  push-*     waits for the request's KV over PushKv (a v1.0 worker knows only the gRPC push), then
+             one TOKENS frame "kv<bytes>/<chunks>" of what arrived, then FINAL stop
 """
 
 from __future__ import annotations
@@ -46,13 +48,27 @@ async def run_worker(stubs: str) -> None:
         )
 
     servicer_base: Any = worker_pb2_grpc.WorkerServicer  # imported at run time from old stubs
+    pushed: dict[str, tuple[int, int]] = {}  # ticket -> (bytes, chunks) of a finished push
+    push_done: dict[str, asyncio.Event] = {}
 
     class OldWorker(servicer_base):
+        async def PushKv(self, request_iterator: Any, context: Any) -> Any:
+            size = chunks = 0
+            ticket = ""
+            async for chunk in request_iterator:
+                ticket = chunk.transfer_ticket
+                size += len(chunk.data)
+                chunks += 1
+            pushed[ticket] = (size, chunks)
+            push_done.setdefault(ticket, asyncio.Event()).set()
+            return worker_pb2.PushKvResponse(bytes_received=size)
+
         async def Decode(self, request: Any, context: Any) -> AsyncIterator[Any]:
             rid, max_tokens = request.request_id, request.sampling.max_tokens
             scenario = rid.split("-", 1)[0]
+            ticket = f"old-ticket-{rid}"
             yield worker_pb2.DecodeFrame(
-                request_id=rid, kind=worker_pb2.DECODE_FRAME_KIND_ADMITTED, transfer_ticket="old-ticket"
+                request_id=rid, kind=worker_pb2.DECODE_FRAME_KIND_ADMITTED, transfer_ticket=ticket
             )
             already = 0 if request.local_prefill else 1  # the prefill worker sampled the first token
             reason = common_pb2.FINISH_REASON_STOP
@@ -73,6 +89,10 @@ async def run_worker(stubs: str) -> None:
             elif scenario == "ids":
                 for i in range(3):
                     yield tokens(rid, "ii", (10 + i, 20 + i) if request.return_token_ids else ())
+            elif scenario == "push":
+                await asyncio.wait_for(push_done.setdefault(ticket, asyncio.Event()).wait(), 30)
+                size, chunks = pushed[ticket]
+                yield tokens(rid, f"kv{size}/{chunks}")
             yield worker_pb2.DecodeFrame(
                 request_id=rid, kind=worker_pb2.DECODE_FRAME_KIND_FINAL, finish_reason=reason
             )

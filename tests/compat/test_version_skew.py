@@ -2,13 +2,15 @@
 
 (a) an old worker (never sets generated_tokens) behind a new gateway: the gateway counts frames,
     still clamps to max_tokens, and derives finish_reason with the worker's rule;
-(b) new worker messages read by an old gateway: the unknown field is ignored (and kept intact).
+(b) new worker messages read by an old gateway: the unknown field is ignored (and kept intact);
+(c) a prefill worker that offers NIXL paired with an old decode worker pushes over gRPC.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +21,7 @@ import pytest
 
 from services.gateway.server import GatewayApp, build_app
 from services.gateway.settings import GatewaySettings
+from shared.cluster import NIXL_CAPABILITY
 from shared.proto import (
     common_pb2,
     gateway_pb2,
@@ -28,6 +31,7 @@ from shared.proto import (
     worker_pb2,
     worker_pb2_grpc,
 )
+from tests.integration.worker.harness import running_worker, worker_settings
 
 from .conftest import run_old_peer
 
@@ -263,3 +267,66 @@ def test_an_old_decode_worker_ignores_draft_token_ids(v1_0_stubs: Path) -> None:
     assert list(again.draft_token_ids) == [7, 8, 9]
     old_load = parsed["GetLoadResponse"]["fields"]["ranks"][0]
     assert old_load["num_running"] == 2 and "spec_draft_tokens" not in old_load
+
+
+@dataclass
+class PairScheduler(scheduler_pb2_grpc.SchedulerServicer):
+    """Pairs one prefill worker with one decode worker, with the capabilities they registered."""
+
+    prefill: scheduler_pb2.WorkerTarget
+    decode: scheduler_pb2.WorkerTarget
+
+    async def Schedule(
+        self, request: scheduler_pb2.ScheduleRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.ScheduleResponse:
+        return scheduler_pb2.ScheduleResponse(
+            mode=scheduler_pb2.SERVING_MODE_DISAGGREGATED,
+            prefill=self.prefill,
+            decode=self.decode,
+            model="tiny",
+        )
+
+
+async def test_an_old_decode_worker_gets_the_grpc_push_from_a_nixl_prefill_worker(
+    old_worker: str, tiny_model: Path
+) -> None:
+    """A 1.4 prefill worker that offers NIXL, paired with a v1.0 decode worker (no
+    kv_transport_nixl capability): the gateway asks for no transport, so the KV arrives as the
+    PushKv chunks with data that the old worker understands."""
+    async with running_worker(worker_settings(tiny_model, "prefill")) as prefill:
+        caps = list((await prefill.stub.Info(worker_pb2.InfoRequest())).capabilities)
+        if prefill.app.nixl is not None:
+            assert NIXL_CAPABILITY in caps  # the new side really offers NIXL
+        scheduler = PairScheduler(
+            scheduler_pb2.WorkerTarget(worker_id="new-p", address=prefill.address, capabilities=caps),
+            scheduler_pb2.WorkerTarget(worker_id="old-d", address=old_worker),
+        )
+        sched_server = grpc.aio.server()
+        scheduler_pb2_grpc.add_SchedulerServicer_to_server(scheduler, sched_server)
+        port = sched_server.add_insecure_port("127.0.0.1:0")
+        await sched_server.start()
+        app = build_app(
+            GatewaySettings(
+                listen="127.0.0.1:0",
+                metrics_port=-1,
+                scheduler_address=f"127.0.0.1:{port}",
+                model=str(tiny_model),
+            )
+        )
+        await app.start()
+        channel = grpc.aio.insecure_channel(app.server.address)
+        try:
+            done = await gateway_pb2_grpc.GatewayStub(channel).Complete(
+                gateway_pb2.GenerateRequest(
+                    request_id="push-nixl-peer", prompt="the KV cache of this prompt", max_tokens=8
+                ),
+                timeout=30,
+            )
+        finally:
+            await channel.close()
+            await app.stop(0)
+            await sched_server.stop(0)
+    m = re.search(r"kv(\d+)/(\d+)$", done.text)
+    assert m, done.text
+    assert int(m.group(1)) > 0 and int(m.group(2)) >= 1  # KV bytes in PushKv chunks
+    assert done.finish_reason == STOP

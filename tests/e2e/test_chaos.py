@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 import pytest
 
+from shared.cluster import NIXL_CAPABILITY
 from shared.proto import (
     gateway_pb2,
     gateway_pb2_grpc,
@@ -128,6 +129,22 @@ def two_decode_stack(tiny_bpe_model: Path, tmp_path_factory: pytest.TempPathFact
         up_args=["--prefill-workers", "2", "--decode-workers", "2"],
     ) as stack:
         yield stack
+
+
+async def test_the_chaos_stack_moves_kv_over_nixl_where_it_loads(two_decode_stack: Stack) -> None:
+    """With nixl-cu13 installed every worker offers NIXL, so the gateway pairs them over it and
+    the kills and cancels of this module hit the NIXL path (READs in flight included)."""
+    try:
+        import nixl_cu13._api  # noqa: F401
+    except ImportError:
+        pytest.skip("nixl-cu13 is not installed: the stack moves KV over the gRPC push")
+    base = two_decode_stack.port_base
+    for address in (f"127.0.0.1:{base + o}" for o in (10, 11, 20, 21)):
+        async with grpc.aio.insecure_channel(address) as ch:
+            info = await worker_pb2_grpc.WorkerStub(ch).Info(
+                worker_pb2.InfoRequest(), metadata=two_decode_stack.internal_metadata, timeout=10
+            )
+        assert NIXL_CAPABILITY in info.capabilities, address
 
 
 PROMPTS = ["The cache keeps", "Disaggregated serving moves", "A worker died while", "Tokens flow from"]

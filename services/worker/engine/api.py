@@ -20,9 +20,12 @@ Token accounting rules (docs/architecture.md "Token accounting"):
 from __future__ import annotations
 
 import enum
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
 
 # The cluster types this contract speaks in (defined once, in shared.cluster).
 from services.worker.engine.spec.stats import SpecStats
@@ -246,9 +249,31 @@ class Engine(Protocol):
         first_token_id: int | None,
         prefill_generated_tokens: int,
         draft_token_ids: tuple[int, ...] = (),
+        recompute: bool = False,
     ) -> None:
         """All KV arrived: the request joins the decode batch after the first token; with
-        speculation on, its first step verifies the prefill worker's `draft_token_ids`."""
+        speculation on, its first step verifies the prefill worker's `draft_token_ids`.
+        recompute: the KV did NOT arrive (a failed transfer): the request keeps the first token
+        and recomputes its prompt here (as after a preemption), nothing of the import is kept."""
+
+    def kv_pools(self) -> list[torch.Tensor]:
+        """Each rank's KV pool [layers, 2, kv_heads, slots, head_dim] (to register for NIXL)."""
+
+    def export_block_ids(self, request_id: str, skip_blocks: int) -> tuple[int, list[int]]:
+        """(dp_rank, pool block ids) of a finished PREFILL_ONLY request's prompt blocks from
+        skip_blocks on; they stay valid until `release` (the request holds them)."""
+
+    def import_kv_direct(
+        self,
+        transfer_ticket: str,
+        first_block: int,
+        num_blocks: int,
+        read: Callable[[int, int, list[int]], int],
+    ) -> int:
+        """Fill the reserved blocks [first_block, first_block + num_blocks) of the request by
+        read(source_offset, dp_rank, pool_block_ids) (the blocks it already holds from its own
+        prefix cache are skipped: source_offset says how many); returns read's bytes. Runs under
+        the rank's lock, so an abort cannot free the blocks while they are written."""
 
     def export_kv(self, request_id: str, skip_blocks: int, max_chunk_bytes: int) -> Iterator[KvBlocksChunk]:
         """Serialized KV of a finished PREFILL_ONLY request's prompt blocks from skip_blocks on

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -438,9 +438,30 @@ class PagedEngine:
         first_token_id: int | None,
         prefill_generated_tokens: int,
         draft_token_ids: tuple[int, ...] = (),
+        recompute: bool = False,
     ) -> None:
         self._rank_of_ticket(transfer_ticket).finish_import(
-            transfer_ticket, num_tokens, first_token_id, prefill_generated_tokens, draft_token_ids
+            transfer_ticket, num_tokens, first_token_id, prefill_generated_tokens, draft_token_ids, recompute
+        )
+
+    def kv_pools(self) -> list[torch.Tensor]:
+        return [rank.runner.kv_cache for rank in self._ranks]
+
+    def export_block_ids(self, request_id: str, skip_blocks: int) -> tuple[int, list[int]]:
+        rank = self._rank_of_request(request_id)
+        if rank is None:
+            raise NotFound(f"unknown request {request_id!r}")
+        return rank.dp_rank, rank.export_block_ids(request_id, skip_blocks)
+
+    def import_kv_direct(
+        self,
+        transfer_ticket: str,
+        first_block: int,
+        num_blocks: int,
+        read: Callable[[int, int, list[int]], int],
+    ) -> int:
+        return self._rank_of_ticket(transfer_ticket).import_kv_direct(
+            transfer_ticket, first_block, num_blocks, read
         )
 
     def _rank_of_request(self, request_id: str) -> Rank | None:

@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from services.worker.engine.api import (
@@ -384,8 +384,9 @@ class Rank:
             outputs.append((handle, out))
 
     def _finish(self, req: Request, reason: FinishReason, outputs: Outputs) -> None:
-        """End a request that is not HELD: free its blocks, send its terminal output."""
-        self.scheduler.remove(req)
+        """End a request that is not HELD: free its blocks (after a direct import that still
+        writes them), send its terminal output."""
+        self.scheduler.remove(req, keep_blocks=req.kv_import_in_flight)
         if self._draft is not None:
             self._draft.drop(req)
         req.finish(reason)
@@ -451,6 +452,13 @@ class Rank:
                 raise InvalidArgument(f"skip_blocks {skip_blocks} out of range 0..{num_blocks}")
             return list(range(skip_blocks, num_blocks))
 
+    def export_block_ids(self, request_id: str, skip_blocks: int) -> list[int]:
+        """Pool block ids of the held request's prompt blocks from skip_blocks on."""
+        indices = self.export_blocks(request_id, skip_blocks)
+        with self.lock:
+            req = self._held(request_id)
+            return [req.block_ids[i] for i in indices]
+
     def _held(self, request_id: str) -> Request:
         req = self._requests.get(request_id)
         if req is None:
@@ -498,6 +506,35 @@ class Rank:
             targets = req.block_ids[chunk.first_block + skip : end]
             self.runner.write_blocks(targets, chunk.data[skip * bpb :])
 
+    def import_kv_direct(
+        self, ticket: str, first_block: int, num_blocks: int, read: Callable[[int, int, list[int]], int]
+    ) -> int:
+        """The reserved blocks [first_block, first_block + num_blocks) filled by `read` (a NIXL
+        READ), outside the lock so the step loop and aborts never wait for a transfer; an abort
+        meanwhile ends the request at once but its blocks are freed only after `read` returns,
+        so a freed (and reused) block is never written."""
+        with self.lock:
+            req = self._ticket(ticket)
+            num_prompt_blocks = self.blocks.blocks_needed(req.num_prompt_tokens)
+            end = first_block + num_blocks
+            if first_block < 0 or num_blocks < 0 or end > num_prompt_blocks:
+                raise InvalidArgument(
+                    f"blocks [{first_block}, {end}) outside the prompt's {num_prompt_blocks} blocks"
+                )
+            if req.kv_import_in_flight:
+                raise InvalidArgument(f"a KV import of request {req.request_id!r} is already under way")
+            # leading blocks that came from our own prefix cache are shared: never overwrite
+            skip = min(max(0, req.num_hashed_blocks - first_block), num_blocks)
+            targets = req.block_ids[first_block + skip : end]
+            req.kv_import_in_flight = True
+        try:
+            return read(skip, self.dp_rank, targets)
+        finally:
+            with self.lock:
+                req.kv_import_in_flight = False
+                if req.status.is_finished:  # aborted meanwhile: its blocks were kept for us
+                    self.scheduler.remove(req)
+
     def finish_import(
         self,
         ticket: str,
@@ -505,6 +542,7 @@ class Rank:
         first_token_id: int | None,
         prefill_generated_tokens: int,
         draft_token_ids: tuple[int, ...] = (),
+        recompute: bool = False,
     ) -> None:
         with self.lock:
             req = self._ticket(ticket)
@@ -527,6 +565,10 @@ class Rank:
                 reason = req.start_from_handoff(first_token_id)
             if reason is not None:
                 self._finish(req, reason, outputs)
+            elif recompute:  # the KV never arrived: prompt + first token are computed here
+                req.num_transferred_tokens = 0
+                self.scheduler.recompute_remote(req)
+                self._wake.notify_all()
             else:
                 req.spec_token_ids = self._handoff_drafts(req, draft_token_ids)
                 self.scheduler.start_remote(req)

@@ -121,6 +121,9 @@ class Request:
     num_prefill_chunks: int = 0
     prefill_ns: int = 0
     transfer_ticket: str | None = None
+    # a direct (NIXL) import writes into its blocks outside the rank's lock: they are freed only
+    # after it ends, even when the request is aborted meanwhile
+    kv_import_in_flight: bool = False
     # output-delivery cursor: generated tokens already reported in a RequestOutput
     num_reported_tokens: int = 0
     # speculative decoding: proposals for the tokens after token_ids (verified next step; never

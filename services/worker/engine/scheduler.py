@@ -304,6 +304,14 @@ class Scheduler:
         self.blocks.record_query(req.num_prompt_tokens, len(cached) * bs)
         return len(cached)
 
+    def recompute_remote(self, req: Request) -> None:
+        """Its KV transfer failed: it keeps its reserved blocks and the handoff token, and
+        computes everything after its own prefix-cache hits (what the failed import wrote is
+        never trusted: only blocks it computes get hashed), chunked like any prompt."""
+        req.num_computed_tokens = req.num_hashed_blocks * self.block_size
+        req.kv_arrived()
+        self.add(req)
+
     def start_remote(self, req: Request) -> None:
         """All prompt KV is in place: decode from the handoff token."""
         req.num_computed_tokens = req.num_prompt_tokens

@@ -26,7 +26,7 @@ from services.gateway.ports import (
     WorkerUnavailable,
 )
 from services.gateway.request import FrameKind, OutputFrame, RequestState, RequestStatus, Sampling
-from shared.cluster import FinishReason, ServingMode
+from shared.cluster import NIXL_CAPABILITY, FinishReason, KvTransport, ServingMode
 from shared.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
 from shared.structured_output import StructuredOutput
 
@@ -168,6 +168,21 @@ async def run(
     state = RequestState(req.request_id, req.prompt_token_ids, req.return_token_ids, "m")
     frames = [f async for f in Dispatcher(sched, workers, block_size=4).run(req, state, deadline_s)]
     return frames, state
+
+
+async def test_kv_transport_is_nixl_only_when_both_workers_offer_it() -> None:
+    nixl_prefill = WorkerTarget("p1", "prefill:1", 0, ("generated_tokens", NIXL_CAPABILITY))
+    nixl_decode = WorkerTarget("d1", "decode:1", 1, (NIXL_CAPABILITY,))
+    for decode, transport in ((nixl_decode, KvTransport.NIXL), (DECODE, KvTransport.GRPC_PUSH)):
+        workers = FakeWorkers(
+            streams={decode.address: [FakeStream([ADMITTED, final("d", 1)])]},
+            prefills={PREFILL.address: [PrefillResult("a", (1,), 1, None)]},
+        )
+        placement = Placement(ServingMode.DISAGGREGATED, decode, nixl_prefill, "m", 0)
+        await run(FakeScheduler([placement]), workers)
+        assert workers.prefill_calls == [
+            (PREFILL.address, KvDestination(decode.address, 1, "t-1", 1, transport))
+        ]
 
 
 async def test_disaggregated_path() -> None:

@@ -89,9 +89,11 @@ class FakeEngine:
         first_token_id: int | None,
         prefill_generated_tokens: int,
         draft_token_ids: tuple[int, ...] = (),
+        recompute: bool = False,
     ) -> None:
         call: tuple[Any, ...] = ("finish", ticket, num_tokens, first_token_id, prefill_generated_tokens)
-        self.calls.append(call + ((draft_token_ids,) if draft_token_ids else ()))
+        call += (draft_token_ids,) if draft_token_ids else ()
+        self.calls.append(call + (("recompute",) if recompute else ()))
 
     def release(self, request_id: str) -> None:
         self.calls.append(("release", request_id))

@@ -1,0 +1,231 @@
+"""KV over NIXL between real workers (UCX on loopback, in one process): identity with unified
+serving, descriptors and prefix skipping, the capability, and the failure paths of a READ
+(recompute or retry-prefill, an abort while a READ is in flight), blocks freed on both sides."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+from services.worker.kv_nixl import KvTransferFailed, NixlKvAgent
+from shared.cluster import NIXL_CAPABILITY, KvLayout
+from shared.proto import common_pb2, worker_pb2
+
+from .harness import RunningWorker, collect, running_worker, sampling, worker_settings
+from .test_worker_grpc import ADMITTED, FINAL, prompt_ids, token_ids_of, wait_blocks_free
+
+pytest.importorskip("nixl_cu13._api", reason="nixl-cu13 is not installed")
+
+
+@pytest.fixture
+async def prefill(tiny_model: Path) -> AsyncIterator[RunningWorker]:
+    async with running_worker(worker_settings(tiny_model, "prefill")) as w:
+        yield w
+
+
+@pytest.fixture
+async def decode(tiny_model: Path) -> AsyncIterator[RunningWorker]:
+    async with running_worker(worker_settings(tiny_model, "decode")) as w:
+        yield w
+
+
+@pytest.fixture
+async def unified(tiny_model: Path) -> AsyncIterator[RunningWorker]:
+    async with running_worker(worker_settings(tiny_model, "unified", kv_transport="grpc")) as w:
+        yield w
+
+
+async def nixl_handoff(
+    prefill: RunningWorker, decode: RunningWorker, request_id: str, ids: list[int], max_tokens: int
+) -> tuple[Any, list[worker_pb2.DecodeFrame]]:
+    """The gateway's sequence with kv_transport = NIXL; the Prefill reply or its RpcError."""
+    stream = decode.stub.Decode(
+        worker_pb2.DecodeRequest(
+            request_id=request_id, prompt_token_ids=ids, sampling=sampling(max_tokens), return_token_ids=True
+        )
+    )
+    admitted = await stream.read()
+    assert admitted.kind == ADMITTED
+    target = worker_pb2.KvTarget(
+        address=decode.address,
+        dp_rank=0,
+        transfer_ticket=admitted.transfer_ticket,
+        skip_blocks=admitted.cached_blocks,
+        kv_transport=worker_pb2.KV_TRANSPORT_NIXL,
+    )
+    try:
+        reply: Any = await prefill.stub.Prefill(
+            worker_pb2.PrefillRequest(
+                request_id=request_id,
+                prompt_token_ids=ids,
+                sampling=sampling(max_tokens),
+                return_token_ids=True,
+                kv_target=target,
+            )
+        )
+    except grpc.aio.AioRpcError as exc:
+        reply = exc
+        await decode.stub.Abort(worker_pb2.AbortRequest(request_id=request_id))  # as the gateway does
+    return reply, [admitted, *await collect(stream)]
+
+
+async def unified_tokens(unified: RunningWorker, ids: list[int], max_tokens: int) -> list[int]:
+    frames = await collect(
+        unified.stub.Decode(
+            worker_pb2.DecodeRequest(
+                request_id=f"u-{len(ids)}-{max_tokens}",
+                prompt_token_ids=ids,
+                sampling=sampling(max_tokens),
+                local_prefill=True,
+                return_token_ids=True,
+            )
+        )
+    )
+    return token_ids_of(frames)
+
+
+async def test_nixl_handoff_matches_unified_and_skips_cached_blocks(
+    prefill: RunningWorker, decode: RunningWorker, unified: RunningWorker, tiny_model: Path
+) -> None:
+    info = await decode.stub.Info(worker_pb2.InfoRequest())
+    assert NIXL_CAPABILITY in info.capabilities
+    assert info.proto_version == "1.7"
+    ids = prompt_ids(tiny_model)
+    reply, frames = await nixl_handoff(prefill, decode, "n1", ids, 12)
+    assert reply.kv_transport == worker_pb2.KV_TRANSPORT_NIXL
+    engine = decode.app.engine
+    assert engine is not None
+    layout = engine.kv_layout
+    block_bytes = layout.num_layers * 2 * layout.num_kv_heads * layout.block_size * layout.head_dim * 4
+    num_blocks = -(-len(ids) // layout.block_size)
+    assert reply.kv_bytes_sent == num_blocks * block_bytes  # every prompt block, READ once
+    assert reply.kv_transfer_ns > 0
+    assert frames[-1].kind == FINAL
+    assert frames[-1].transferred_cached_tokens == len(ids)
+    expected = await unified_tokens(unified, ids, 12)
+    assert list(reply.token_ids) + token_ids_of(frames) == expected
+
+    # The decode worker's prefix cache now holds the prompt's full blocks: they are not READ again.
+    again, frames2 = await nixl_handoff(prefill, decode, "n2", ids, 12)
+    assert frames2[0].cached_blocks > 0
+    assert again.kv_bytes_sent == (num_blocks - frames2[0].cached_blocks) * block_bytes
+    assert list(again.token_ids) + token_ids_of(frames2) == expected
+    await wait_blocks_free(decode)
+    await wait_blocks_free(prefill)
+
+
+def _failing_read(*args: Any, **kwargs: Any) -> int:
+    raise KvTransferFailed("injected: the peer went away")
+
+
+async def test_failed_read_recomputes_on_the_decode_worker(
+    prefill: RunningWorker, decode: RunningWorker, unified: RunningWorker, tiny_model: Path
+) -> None:
+    ids = prompt_ids(tiny_model)
+    assert decode.app.nixl is not None
+    decode.app.nixl.read = _failing_read  # type: ignore[method-assign]
+    reply, frames = await nixl_handoff(prefill, decode, "r1", ids, 12)
+    assert isinstance(reply, worker_pb2.PrefillResponse)
+    assert reply.kv_bytes_sent == 0  # nothing moved: the decode worker computed the prompt itself
+    assert frames[-1].finish_reason != common_pb2.FINISH_REASON_ABORT
+    assert frames[-1].transferred_cached_tokens == 0
+    assert list(reply.token_ids) + token_ids_of(frames) == await unified_tokens(unified, ids, 12)
+    await wait_blocks_free(decode)
+    await wait_blocks_free(prefill)
+
+
+async def test_failed_read_with_retry_prefill_fails_the_handoff(tiny_model: Path) -> None:
+    retry_prefill = worker_settings(tiny_model, "decode", kv_load_failure_policy="retry-prefill")
+    async with (
+        running_worker(worker_settings(tiny_model, "prefill")) as prefill,
+        running_worker(retry_prefill) as decode,
+    ):
+        ids = prompt_ids(tiny_model)
+        assert decode.app.nixl is not None
+        decode.app.nixl.read = _failing_read  # type: ignore[method-assign]
+        reply, frames = await nixl_handoff(prefill, decode, "f1", ids, 8)
+        assert isinstance(reply, grpc.aio.AioRpcError)
+        assert reply.code() == grpc.StatusCode.UNAVAILABLE  # the gateway retries elsewhere
+        assert frames[-1].kind == FINAL and frames[-1].finish_reason == common_pb2.FINISH_REASON_ABORT
+        await wait_blocks_free(decode)
+        await wait_blocks_free(prefill)
+
+
+async def test_abort_during_a_read_frees_the_blocks_after_it(
+    prefill: RunningWorker, decode: RunningWorker, tiny_model: Path
+) -> None:
+    """A cancel that lands while a READ writes the request's blocks ends the request at once;
+    its blocks are freed when the READ returns, never while it may still write them."""
+    ids = prompt_ids(tiny_model)
+    nixl = decode.app.nixl
+    assert nixl is not None
+    real_read = nixl.read
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_read(*args: Any, **kwargs: Any) -> int:
+        entered.set()
+        release.wait(10)
+        return real_read(*args, **kwargs)
+
+    nixl.read = slow_read  # type: ignore[method-assign]
+    task = asyncio.ensure_future(nixl_handoff(prefill, decode, "a1", ids, 8))
+    assert await asyncio.to_thread(entered.wait, 10)
+    await decode.stub.Abort(worker_pb2.AbortRequest(request_id="a1"))
+    engine = decode.app.engine
+    assert engine is not None
+    assert engine.num_free_blocks(0) < engine.num_total_blocks(0)  # held for the READ in flight
+    release.set()
+    reply, frames = await task
+    assert isinstance(reply, grpc.aio.AioRpcError)  # the ticket is gone: NOT_FOUND
+    assert frames[-1].finish_reason == common_pb2.FINISH_REASON_ABORT
+    await wait_blocks_free(decode)
+    await wait_blocks_free(prefill)
+
+
+async def test_kv_transport_grpc_offers_no_nixl(tiny_model: Path) -> None:
+    async with running_worker(worker_settings(tiny_model, "decode", kv_transport="grpc")) as w:
+        info = await w.stub.Info(worker_pb2.InfoRequest())
+        assert NIXL_CAPABILITY not in info.capabilities
+        assert w.app.nixl is None
+
+
+def test_a_read_the_peer_never_serves_times_out() -> None:
+    """Two agents in one process, the source never progressing (as a hung or stopped prefill
+    worker): the READ ends with KvTransferFailed after the timeout instead of hanging; with the
+    source progressing, the same READ moves the blocks byte for byte."""
+    layout = KvLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
+    shape = (layout.num_layers, 2, layout.num_kv_heads, 8 * layout.block_size, layout.head_dim)
+    src_pool, dst_pool = torch.randn(shape), torch.zeros(shape)
+    src, dst = NixlKvAgent.create([src_pool], layout), NixlKvAgent.create([dst_pool], layout)
+    assert src is not None and dst is not None
+    source = src.source(0, [1, 2, 5], first_block=0)
+    with pytest.raises(KvTransferFailed, match="timed out"):
+        dst.read(source, 0, 0, [3, 4, 6], timeout_s=0.3)
+    dst.forget(source.agent_name)
+
+    done = threading.Event()
+
+    def serve() -> None:
+        while not done.is_set():
+            src.progress()
+            time.sleep(0.001)
+
+    server = threading.Thread(target=serve)
+    server.start()
+    try:
+        nbytes = dst.read(source, 0, 0, [3, 4, 6], timeout_s=10)
+    finally:
+        done.set()
+        server.join()
+    assert nbytes == 3 * layout.num_layers * 2 * layout.num_kv_heads * layout.block_size * layout.head_dim * 4
+    by_block = (layout.num_layers, 2, layout.num_kv_heads, 8, layout.block_size, layout.head_dim)
+    got, want = dst_pool.view(by_block)[:, :, :, [3, 4, 6]], src_pool.view(by_block)[:, :, :, [1, 2, 5]]
+    assert torch.equal(got, want)
