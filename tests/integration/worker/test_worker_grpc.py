@@ -42,18 +42,6 @@ async def unified(tiny_model: Path) -> AsyncIterator[RunningWorker]:
         yield w
 
 
-@pytest.fixture
-async def prefill(tiny_model: Path) -> AsyncIterator[RunningWorker]:
-    async with running_worker(worker_settings(tiny_model, "prefill")) as w:
-        yield w
-
-
-@pytest.fixture
-async def decode(tiny_model: Path) -> AsyncIterator[RunningWorker]:
-    async with running_worker(worker_settings(tiny_model, "decode")) as w:
-        yield w
-
-
 def prompt_ids(model: Path, text: str = PROMPT) -> list[int]:
     ids = tokenize(model, text)
     assert len(ids) > 3 * BLOCK_SIZE  # spans several blocks (and a partial one, usually)

@@ -26,18 +26,6 @@ pytest.importorskip("nixl_cu13._api", reason="nixl-cu13 is not installed")
 
 
 @pytest.fixture
-async def prefill(tiny_model: Path) -> AsyncIterator[RunningWorker]:
-    async with running_worker(worker_settings(tiny_model, "prefill")) as w:
-        yield w
-
-
-@pytest.fixture
-async def decode(tiny_model: Path) -> AsyncIterator[RunningWorker]:
-    async with running_worker(worker_settings(tiny_model, "decode")) as w:
-        yield w
-
-
-@pytest.fixture
 async def unified(tiny_model: Path) -> AsyncIterator[RunningWorker]:
     async with running_worker(worker_settings(tiny_model, "unified", kv_transport="grpc")) as w:
         yield w
