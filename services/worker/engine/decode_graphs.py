@@ -228,7 +228,7 @@ class DecodeGraphs:
         pos: list[int] = []
         slots: list[int] = []
         ctx: list[int] = []
-        table: list[int] = []
+        tables: list[Sequence[int]] = []  # each sequence's blocks, covering its last row
         for s in seqs:
             n = len(s.token_ids)
             ids.extend(s.token_ids)
@@ -241,26 +241,22 @@ class DecodeGraphs:
             pos.extend([0] * pad)
             slots.extend([scratch * bs] * pad)
             ctx.extend([1] * pad)
-            used = list(s.block_ids[: -(-(s.position + n) // bs)])
-            table.extend(used + [scratch] * (nb - len(used)))
+            tables.append(s.block_ids[: -(-(s.position + n) // bs)])
         pad_rows = (b - len(seqs)) * q
         ids.extend([0] * pad_rows)
         pos.extend([0] * pad_rows)
         slots.extend([scratch * bs] * pad_rows)
         ctx.extend([1] * pad_rows)
-        table.extend([scratch] * (nb * (b - len(seqs))))
-        if e.flex is not None:
-            e.flex.fill(
-                [s.block_ids[: -(-(s.position + len(s.token_ids)) // bs)] for s in seqs],
-                [ctx[i * q : (i + 1) * q] for i in range(len(seqs))],
-                scratch,
-            )
+        if e.flex is not None:  # it pads the tables itself (to the width of a whole sequence)
+            e.flex.fill(tables, [ctx[i * q : (i + 1) * q] for i in range(len(seqs))], scratch)
             buffers: tuple[tuple[torch.Tensor, list[int]], ...] = (
                 (e.input_ids, ids),
                 (e.positions, pos),
                 (e.slots, slots),
             )
         else:
+            table = [x for t in tables for x in (*t, *[scratch] * (nb - len(t)))]
+            table.extend([scratch] * (nb * (b - len(seqs))))
             buffers = (
                 (e.input_ids, ids),
                 (e.positions, pos),
