@@ -22,10 +22,10 @@ import structlog
 
 from services.gateway.accounting import FrameSource
 from services.gateway.breaker import CircuitBreakers, backoff_s
+from services.gateway.budget import MaxTokens
 from services.gateway.membership import MembershipWatch, Watched
 from services.gateway.ports import (
     DecodeEvent,
-    DecodeEventKind,
     DecodeStream,
     KvDestination,
     Placement,
@@ -40,16 +40,15 @@ from services.gateway.ports import (
     WorkerUnavailable,
 )
 from services.gateway.request import (
-    FrameKind,
     OutputFrame,
+    OutputFrameKind,
     RequestState,
     RequestStatus,
     Sampling,
     TokenLogprob,
 )
-from services.gateway.validation import resolve_max_tokens
 from shared.block_hash import block_hashes
-from shared.cluster import FinishReason, ServingMode, negotiate_kv_transport
+from shared.cluster import DecodeFrameKind, FinishReason, ServingMode, negotiate_kv_transport
 from shared.errors import DeadlineExceeded, FailedPrecondition
 from shared.tracing import tracer
 
@@ -71,9 +70,8 @@ class PreparedRequest:
     request_id: str
     model: str
     prompt_token_ids: tuple[int, ...]
-    sampling: Sampling  # max_tokens here is requested-or-default; resolved per placement
-    requested_max_tokens: int | None
-    default_max_tokens: int
+    sampling: Sampling  # the same for every run; a run's max_tokens is set when its job is built
+    max_tokens: MaxTokens  # resolved against the chosen workers (RequestState.max_tokens)
     return_token_ids: bool
 
 
@@ -261,7 +259,7 @@ class Dispatcher:
         if generated:  # a migrated run: the prompt holds the tokens generated so far
             if len(generated) >= state.max_tokens:  # the worker died before its FINAL frame
                 state.finish()
-                yield self._frame(state, FrameKind.FINAL, "", ())
+                yield self._frame(state, OutputFrameKind.FINAL, "", ())
                 return
             hashes = tuple(block_hashes(prompt, self._block_size))
         query = ScheduleQuery(
@@ -269,7 +267,7 @@ class Dispatcher:
             model=req.model,
             prompt_tokens=len(prompt),
             prefix_block_hashes=hashes,
-            max_tokens=(state.max_tokens if generated else req.sampling.max_tokens) - len(generated),
+            max_tokens=(state.max_tokens if generated else req.max_tokens.bound) - len(generated),
             exclude_worker_ids=exclude,
         )
         with tracer().start_as_current_span("schedule") as span:
@@ -280,15 +278,13 @@ class Dispatcher:
             span.set_attribute("pdserve.mode", placement.mode.value)
         attempt.placement = placement
         _check_capabilities(req.sampling, placement)
-        if state.migrations:
-            max_tokens = state.max_tokens  # fixed when first scheduled
-        else:
-            max_tokens = resolve_max_tokens(
-                req.requested_max_tokens,
-                req.default_max_tokens,
-                len(req.prompt_token_ids),
-                placement.max_model_len,
-            )
+        # The budget is resolved on the first placement of each try before handoff (a retry may
+        # land on workers with another max_model_len); a migration keeps it.
+        max_tokens = (
+            state.max_tokens
+            if state.migrations
+            else req.max_tokens.resolve(len(req.prompt_token_ids), placement.max_model_len)
+        )
         state.mark_scheduled(max_tokens)
         job = WorkerJob(
             request_id=attempt.request_id,
@@ -336,7 +332,7 @@ class Dispatcher:
         )
         with self._watching(decode, stream) as watched:  # from admission on: a gone worker ends it
             admitted = await self._within(stream.next(), deadline_s)
-            if admitted is None or admitted.kind is not DecodeEventKind.ADMITTED:
+            if admitted is None or admitted.kind is not DecodeFrameKind.ADMITTED:
                 got = "the end of the stream" if admitted is None else f"a {admitted.kind.value} frame"
                 raise WorkerUnavailable(
                     f"decode worker {decode.worker_id} did not admit the request (got {got})",
@@ -374,10 +370,12 @@ class Dispatcher:
                 stream.cancel()
                 await self._abort_all([decode.address], job.request_id)
                 state.finish()
-                yield self._frame(state, FrameKind.FINAL, reply.text, reply.token_ids, reply.logprobs)
+                yield self._frame(state, OutputFrameKind.FINAL, reply.text, reply.token_ids, reply.logprobs)
                 return
             # 3. The first token goes to the client at once (TTFT); decode continues.
-            kind = FrameKind.CONTINUATION if state.handed_off else FrameKind.FIRST  # migrated: goes on
+            kind = (
+                OutputFrameKind.CONTINUATION if state.handed_off else OutputFrameKind.FIRST
+            )  # migrated: goes on
             state.advance(RequestStatus.DECODING)
             yield self._frame(state, kind, reply.text, reply.token_ids, reply.logprobs)
             relayed = self._relay(state, stream, decode, deadline_s, prefilled_here=False)
@@ -450,9 +448,9 @@ class Dispatcher:
                 )
             if prefilled_here:
                 state.record_cache(local_tokens=event.local_cached_tokens, transferred_tokens=0)
-            if event.kind is DecodeEventKind.ADMITTED:
+            if event.kind is DecodeFrameKind.ADMITTED:
                 continue  # aggregated: admission carries only cache figures
-            if event.kind is DecodeEventKind.FINAL:
+            if event.kind is DecodeFrameKind.FINAL:
                 state.record_output(
                     FrameSource.DECODE_FINAL,
                     event.text,
@@ -461,11 +459,11 @@ class Dispatcher:
                     event.finish_reason,
                 )
                 state.finish()
-                yield self._frame(state, FrameKind.FINAL, event.text, event.token_ids, event.logprobs)
+                yield self._frame(state, OutputFrameKind.FINAL, event.text, event.token_ids, event.logprobs)
                 return
             # TOKENS frames: counts ride on FINAL only, so any count here is ignored by design.
             state.record_output(FrameSource.DECODE_TOKENS, event.text, event.token_ids, None, None)
-            kind = FrameKind.CONTINUATION if state.handed_off else FrameKind.FIRST
+            kind = OutputFrameKind.CONTINUATION if state.handed_off else OutputFrameKind.FIRST
             if state.status < RequestStatus.DECODING:
                 state.advance(RequestStatus.DECODING)
             yield self._frame(state, kind, event.text, event.token_ids, event.logprobs)
@@ -473,13 +471,13 @@ class Dispatcher:
     def _frame(
         self,
         state: RequestState,
-        kind: FrameKind,
+        kind: OutputFrameKind,
         text: str,
         token_ids: tuple[int, ...],
         logprobs: tuple[TokenLogprob, ...] = (),
     ) -> OutputFrame:
         state.note_frame_sent()
-        final = kind is FrameKind.FINAL
+        final = kind is OutputFrameKind.FINAL
         return OutputFrame(
             request_id=state.request_id,
             kind=kind,

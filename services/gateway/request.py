@@ -76,7 +76,10 @@ class GenerateInput:
 class Sampling:
     """Validated sampling/stop parameters, as the workers get them."""
 
-    max_tokens: int
+    # This run's budget (tokens): set only when the dispatcher builds a run's job, from the
+    # request's resolved max_tokens (RequestState.max_tokens; budget.py) less the tokens generated
+    # before the run. 0 in PreparedRequest.sampling, which holds no budget.
+    max_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -149,7 +152,10 @@ class InvalidTransition(RuntimeError):
     """A bug: the request life tried a status change the table does not allow."""
 
 
-class FrameKind(enum.Enum):
+class OutputFrameKind(enum.Enum):
+    """A frame of the gateway's stream to its client (gateway.proto FrameKind). The workers'
+    Decode frames are another vocabulary: shared.cluster.DecodeFrameKind."""
+
     FIRST = "first"
     CONTINUATION = "continuation"
     FINAL = "final"
@@ -160,7 +166,7 @@ class OutputFrame:
     """One frame for the client. finish_reason and usage are set on the FINAL frame only."""
 
     request_id: str
-    kind: FrameKind
+    kind: OutputFrameKind
     text: str
     token_ids: tuple[int, ...]
     prompt_tokens: int
@@ -205,7 +211,7 @@ class RequestState:
     model: str
     arrival_s: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
-    max_tokens: int = 0  # set when scheduled (depends on the chosen workers' max_model_len)
+    max_tokens: int = 0  # the resolved budget, set when scheduled (budget.MaxTokens.resolve)
     attempts: int = 0  # Schedule calls made
     migrations: int = 0  # times the request moved on after its decode worker failed mid-stream
     _pieces: list[_Piece] = field(default_factory=list)
