@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from services.gateway.budget import MaxTokens
-from services.gateway.dispatch import Dispatcher, PreparedRequest, needed_capabilities
+from services.gateway.capabilities import needed_capabilities
+from services.gateway.dispatch import Dispatcher, PreparedRequest
 from services.gateway.ports import (
     DecodeEvent,
     KvDestination,
