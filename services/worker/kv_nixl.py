@@ -15,7 +15,10 @@ mostly one run): 180 descriptors for SmolLM2 (30 layers x 2 x 3 heads) when the 
 Measured on a 2-core CPU (one process, two agents, 512 tokens = 22.5 MiB fp32, a loaded machine):
 180 descriptors of 128 KiB took 22-70 ms, 5,760 descriptors of 4 KiB (one per plane per block)
 105-200 ms. The UCX backend of nixl-cu13 1.5.1 ignores the count of a strided (N x 5)
-descriptor list (only the first element moved), so strided descriptors are not used.
+descriptor list (only the first element moved), so strided descriptors are not used. On a
+sliding-window model the decode side READs the blocks behind every window in the full-attention
+layers' planes only, and blocks it released not at all (engine/kv_trim.py); one transfer either
+way.
 
 Progress. NIXL's own progress thread busy-polls (its Python API fixes the delay at 0): measured,
 an idle agent burnt ~0.5 of a core, which on a 2-core worker host is most of a prefill's share.

@@ -125,8 +125,10 @@ async def disaggregated(
     request_id: str,
     ids: list[int],
     max_tokens: int,
+    kv_transport: worker_pb2.KvTransport | None = None,
 ) -> tuple[worker_pb2.PrefillResponse, list[worker_pb2.DecodeFrame]]:
-    """The gateway's sequence: Decode (admit) -> Prefill with kv_target -> the rest of Decode."""
+    """The gateway's sequence: Decode (admit) -> Prefill with kv_target (the decode worker's
+    trim passed on, when it sent one) -> the rest of Decode."""
     stream = decode.stub.Decode(
         worker_pb2.DecodeRequest(
             request_id=request_id,
@@ -149,6 +151,8 @@ async def disaggregated(
                 dp_rank=0,
                 transfer_ticket=admitted.transfer_ticket,
                 skip_blocks=admitted.cached_blocks,
+                trim_blocks=admitted.trim_blocks if admitted.HasField("trim_blocks") else None,
+                kv_transport=kv_transport,
             ),
         )
     )
