@@ -53,12 +53,5 @@ class KvTrim:
             return 0
         return max(0, (num_prompt_tokens - self.window + 1) // block_size)
 
-    def layers_of(self, block: int, trim_blocks: int) -> tuple[int, ...] | None:
-        """The layers of a block that travel: None = all of them (the block is not trimmed),
-        () = none (every layer windowed), else the full-attention layers."""
-        if block >= trim_blocks or self.window is None:
-            return None
-        return self.full_layers
-
 
 NO_TRIM = KvTrim(num_layers=0, window=None, full_layers=())
