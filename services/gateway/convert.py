@@ -239,6 +239,8 @@ def prefill_request(job: WorkerJob, dp_rank: int, kv: KvDestination | None) -> w
         )
         if kv.transport is KvTransport.NIXL:  # unset means the gRPC push, for any worker version
             msg.kv_target.kv_transport = worker_pb2.KV_TRANSPORT_NIXL
+        if kv.trim_blocks is not None:  # a 1.7 or older prefill worker ignores it: sends all
+            msg.kv_target.trim_blocks = kv.trim_blocks
     return msg
 
 
@@ -254,6 +256,7 @@ def decode_event(frame: worker_pb2.DecodeFrame) -> DecodeEvent:
         finish_reason=finish_reason_from_pb(frame.finish_reason),
         transfer_ticket=frame.transfer_ticket,
         cached_blocks=frame.cached_blocks,
+        trim_blocks=frame.trim_blocks if frame.HasField("trim_blocks") else None,
         local_cached_tokens=frame.local_cached_tokens,
         transferred_cached_tokens=frame.transferred_cached_tokens,
         logprobs=logprobs_from_pb(frame.logprobs),

@@ -352,6 +352,7 @@ class Dispatcher:
                 admitted.transfer_ticket,
                 admitted.cached_blocks,
                 negotiate_kv_transport(prefill.capabilities, decode.capabilities),
+                admitted.trim_blocks,
             )
             state.advance(RequestStatus.PREFILLING)
             attempt.start(prefill.address)

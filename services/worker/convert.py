@@ -94,6 +94,7 @@ def prefill_call_from_pb(pb: worker_pb2.PrefillRequest) -> PrefillCall:
             dp_rank=t.dp_rank,
             transfer_ticket=t.transfer_ticket,
             skip_blocks=t.skip_blocks,
+            trim_blocks=t.trim_blocks if t.HasField("trim_blocks") else 0,
             transport=_transport_from_pb(t.kv_transport)
             if t.HasField("kv_transport")
             else KvTransport.GRPC_PUSH,
@@ -167,6 +168,8 @@ def decode_event_to_pb(e: DecodeEvent) -> worker_pb2.DecodeFrame:
     )
     if e.generated_tokens is not None:  # FINAL only; unset (not 0) on the other frames
         frame.generated_tokens = e.generated_tokens
+    if e.trim_blocks:  # ADMITTED on a windowed model only
+        frame.trim_blocks = e.trim_blocks
     return frame
 
 
@@ -176,7 +179,9 @@ def kv_chunk_from_pb(pb: worker_pb2.KvChunk) -> IncomingKvChunk:
         transfer_ticket=pb.transfer_ticket,
         dp_rank=pb.dp_rank,
         layout=kv_layout_from_pb(pb.layout) if pb.HasField("layout") else None,
-        chunk=KvBlocksChunk(first_block=pb.first_block, num_blocks=pb.num_blocks, data=pb.data),
+        chunk=KvBlocksChunk(
+            first_block=pb.first_block, num_blocks=pb.num_blocks, data=pb.data, layers=tuple(pb.kv_layers)
+        ),
         last=pb.last,
         num_tokens=pb.num_tokens,
         first_token_id=pb.first_token_id if pb.HasField("first_token_id") else None,
@@ -232,6 +237,7 @@ def kv_chunk_to_pb(
         num_blocks=chunk.num_blocks,
         data=chunk.data,
         layout=layout,
+        kv_layers=chunk.layers,
     )
     if last is not None:
         num_tokens, first_token_id, generated_tokens = last

@@ -266,11 +266,12 @@ class WorkerCore:
             try:
                 if call.local_prefill:
                     handle = self.engine.add_request(request)
-                    ticket, cached_blocks, local_cached = "", 0, 0
+                    ticket, cached_blocks, local_cached, trim_blocks = "", 0, 0, 0
                 else:
                     admission, handle = self.engine.admit_remote(request)
                     ticket, cached_blocks = admission.transfer_ticket, admission.num_cached_blocks
                     local_cached = admission.num_local_cached_tokens
+                    trim_blocks = admission.num_trim_blocks
                 yield DecodeEvent(
                     request_id=rid,
                     kind=FrameKind.ADMITTED,
@@ -279,6 +280,7 @@ class WorkerCore:
                     transferred_cached_tokens=0,
                     transfer_ticket=ticket,
                     cached_blocks=cached_blocks,
+                    trim_blocks=trim_blocks,
                 )
                 async for out in handle:
                     if last is None:
@@ -402,8 +404,10 @@ class WorkerCore:
             )
         timeout_s = self._kv_read_timeout_s
 
-        def read(src_offset: int, dp_rank: int, block_ids: list[int]) -> int:
-            return nixl.read(source, src_offset, dp_rank, block_ids, timeout_s)
+        def read(
+            src_offset: int, dp_rank: int, block_ids: list[int], num_trimmed: int, layers: tuple[int, ...]
+        ) -> int:
+            return nixl.read(source, src_offset, dp_rank, block_ids, timeout_s, num_trimmed, layers)
 
         start = time.perf_counter_ns()
         with tracer().start_as_current_span("kv_read") as span:

@@ -29,7 +29,9 @@ CAPABILITIES = (
 # 1.6 added SamplingParams.structured (capability "structured_outputs").
 # 1.7 added KvTarget.kv_transport, KvChunk.nixl_source and the NIXL fields of PushKvResponse and
 # PrefillResponse (a worker whose NIXL agent is up also advertises shared.cluster.NIXL_CAPABILITY).
-PROTO_VERSION = "1.7"
+# 1.8 added DecodeFrame.trim_blocks, KvTarget.trim_blocks and KvChunk.kv_layers (a handoff moves
+# only the KV the decode side can still read past its sliding windows; engine/kv_trim.py).
+PROTO_VERSION = "1.8"
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,9 @@ class KvTargetSpec:
     transfer_ticket: str
     skip_blocks: int  # leading full prompt blocks the decode side already holds (count)
     transport: KvTransport = KvTransport.GRPC_PUSH  # negotiated by the gateway
+    # leading prompt blocks of which only the full-attention layers are sent, none when every
+    # layer is windowed (count; the decode side's engine/kv_trim.py); 0: every block whole
+    trim_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -96,6 +101,7 @@ class DecodeEvent:
     transfer_ticket: str = ""
     cached_blocks: int = 0
     logprobs: tuple[TokenLogprobs, ...] = ()  # per generated token of the frame (when asked)
+    trim_blocks: int = 0  # ADMITTED: Admission.num_trim_blocks (0: sent unset)
 
 
 @dataclass(frozen=True)

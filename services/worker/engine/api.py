@@ -139,18 +139,25 @@ class Admission:
     transfer_ticket: str
     num_cached_blocks: int  # leading full prompt blocks already in this rank's prefix cache
     num_local_cached_tokens: int
+    # leading prompt blocks wholly behind every sliding window at the first decode position
+    # (engine/kv_trim.py): of these only the full-attention layers' K/V is needed (none when
+    # every layer is windowed); 0 = every block is needed whole
+    num_trim_blocks: int = 0
 
 
 @dataclass(frozen=True)
 class KvBlocksChunk:
     """Serialized KV of blocks [first_block, first_block + num_blocks) of one request.
 
-    data: for each block, for each layer, K then V, each [num_kv_heads, block_size, head_dim] in
-    the layout dtype, C order (the layout described in worker.proto's KvChunk)."""
+    data: for each block, for each layer (of `layers`, when set), K then V, each
+    [num_kv_heads, block_size, head_dim] in the layout dtype, C order (the layout described in
+    worker.proto's KvChunk)."""
 
     first_block: int
     num_blocks: int
     data: bytes
+    # the layers data holds, ascending (a trimmed handoff: engine/kv_trim.py); () = every layer
+    layers: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -268,16 +275,22 @@ class Engine(Protocol):
         transfer_ticket: str,
         first_block: int,
         num_blocks: int,
-        read: Callable[[int, int, list[int]], int],
+        read: Callable[[int, int, list[int], int, tuple[int, ...]], int],
     ) -> int:
         """Fill the reserved blocks [first_block, first_block + num_blocks) of the request by
-        read(source_offset, dp_rank, pool_block_ids) (the blocks it already holds from its own
-        prefix cache are skipped: source_offset says how many); returns read's bytes. Runs under
-        the rank's lock, so an abort cannot free the blocks while they are written."""
+        read(source_offset, dp_rank, pool_block_ids, num_trimmed, layers) (the blocks it already
+        holds from its own prefix cache, and those it released behind every window, are skipped:
+        source_offset says how many; the first num_trimmed of pool_block_ids are read only in
+        `layers`, the full-attention ones); returns read's bytes. An abort cannot free the blocks
+        while they are written."""
 
-    def export_kv(self, request_id: str, skip_blocks: int, max_chunk_bytes: int) -> Iterator[KvBlocksChunk]:
+    def export_kv(
+        self, request_id: str, skip_blocks: int, max_chunk_bytes: int, trim_blocks: int = 0
+    ) -> Iterator[KvBlocksChunk]:
         """Serialized KV of a finished PREFILL_ONLY request's prompt blocks from skip_blocks on
-        (the last block may be partial: it carries num_prompt_tokens % block_size valid rows)."""
+        (the last block may be partial: it carries num_prompt_tokens % block_size valid rows);
+        of the first trim_blocks (the decode side's Admission.num_trim_blocks) only the
+        full-attention layers, nothing when every layer is windowed."""
 
     def release(self, request_id: str) -> None:
         """Free a PREFILL_ONLY request's held blocks (they stay in the prefix cache)."""

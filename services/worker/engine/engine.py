@@ -8,6 +8,7 @@ delivers its outputs on that loop. Every other method may be called from any thr
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import sys
 import time
@@ -36,6 +37,7 @@ from services.worker.engine.detokenizer import (
     hidden_token_ids,
 )
 from services.worker.engine.handle import OutputHandle
+from services.worker.engine.kv_trim import KvTrim
 from services.worker.engine.model_runner import (
     ModelRunner,
     kv_layout_of,
@@ -255,7 +257,12 @@ class PagedEngine:
             if speculation is not None:
                 spec_tokens = cfg.spec_max_batch_tokens or _DEFAULT_SPEC_BATCH_TOKENS.get(device.type, 512)
             scheduler = Scheduler(
-                blocks, budget, cfg.max_num_seqs, spec_tokens, model_variants.kv_window_tokens(model.config)
+                blocks,
+                budget,
+                cfg.max_num_seqs,
+                spec_tokens,
+                model_variants.kv_window_tokens(model.config),
+                KvTrim.of(model_variants.attention_windows(model.config)),
             )
             if speculation is not None and cfg.spec_step_cost:
                 prior = calibrate(runner, cfg.num_speculative_tokens)
@@ -458,7 +465,7 @@ class PagedEngine:
         transfer_ticket: str,
         first_block: int,
         num_blocks: int,
-        read: Callable[[int, int, list[int]], int],
+        read: Callable[[int, int, list[int], int, tuple[int, ...]], int],
     ) -> int:
         return self._rank_of_ticket(transfer_ticket).import_kv_direct(
             transfer_ticket, first_block, num_blocks, read
@@ -470,13 +477,22 @@ class PagedEngine:
                 return rank
         return None
 
-    def export_kv(self, request_id: str, skip_blocks: int, max_chunk_bytes: int) -> Iterator[KvBlocksChunk]:
+    def export_kv(
+        self, request_id: str, skip_blocks: int, max_chunk_bytes: int, trim_blocks: int = 0
+    ) -> Iterator[KvBlocksChunk]:
         rank = self._rank_of_request(request_id)
         if rank is None:
             raise NotFound(f"unknown request {request_id!r}")
-        indices = rank.export_blocks(request_id, skip_blocks)
-        per_chunk = max(1, max_chunk_bytes // rank.runner.bytes_per_block)
-        return rank.iter_export(request_id, indices, per_chunk)
+        per_layer = rank.runner.bytes_per_block // rank.runner.layout.num_layers
+        return itertools.chain.from_iterable(
+            rank.iter_export(
+                request_id,
+                indices,
+                max(1, max_chunk_bytes // (per_layer * len(layers or range(rank.runner.layout.num_layers)))),
+                layers,
+            )
+            for indices, layers in rank.export_parts(request_id, skip_blocks, trim_blocks)
+        )
 
     def release(self, request_id: str) -> None:
         rank = self._rank_of_request(request_id)

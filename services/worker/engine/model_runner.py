@@ -427,21 +427,32 @@ class ModelRunner:
         # every block of the pool (the scratch block of static decode steps too)
         return self.kv_cache.view(lay.num_layers, 2, lay.num_kv_heads, -1, lay.block_size, lay.head_dim)
 
-    def read_blocks(self, block_ids: list[int]) -> bytes:
-        """Blocks in the wire layout: per block, per layer, K then V [kv_heads, block_size, D]."""
+    def read_blocks(self, block_ids: list[int], layers: tuple[int, ...] | None = None) -> bytes:
+        """Blocks in the wire layout: per block, per layer (of `layers`; None: all), K then V
+        [kv_heads, block_size, D]."""
         idx = torch.tensor(block_ids, device=self.device)
-        data = self._by_block().index_select(3, idx)  # [L, 2, H, n, bs, D]
+        pool = self._by_block()
+        if layers is not None:
+            pool = pool.index_select(0, torch.tensor(layers, device=self.device))
+        data = pool.index_select(3, idx)  # [L, 2, H, n, bs, D]
         data = data.permute(3, 0, 1, 2, 4, 5).contiguous().cpu()  # [n, L, 2, H, bs, D]
         return data.view(torch.uint8).numpy().tobytes()
 
-    def write_blocks(self, block_ids: list[int], data: bytes) -> None:
+    def write_blocks(self, block_ids: list[int], data: bytes, layers: tuple[int, ...] | None = None) -> None:
+        """The inverse of read_blocks: only `layers` (None: all) of the blocks are written."""
         lay = self.layout
         n = len(block_ids)
+        num_layers = lay.num_layers if layers is None else len(layers)
         raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        arr = raw.view(self.dtype).view(n, lay.num_layers, 2, lay.num_kv_heads, lay.block_size, lay.head_dim)
+        arr = raw.view(self.dtype).view(n, num_layers, 2, lay.num_kv_heads, lay.block_size, lay.head_dim)
         arr = arr.permute(1, 2, 3, 0, 4, 5).to(self.device)  # [L, 2, H, n, bs, D]
         idx = torch.tensor(block_ids, device=self.device)
-        self._by_block().index_copy_(3, idx, arr)
+        pool = self._by_block()
+        if layers is None:
+            pool.index_copy_(3, idx, arr)
+            return
+        for j, layer in enumerate(layers):
+            pool[layer].index_copy_(2, idx, arr[j])
 
 
 def _sample(logits: torch.Tensor, sampled_seqs: list[ScheduledSeq]) -> list[list[int]]:

@@ -111,6 +111,10 @@ class Request:
     # attention window (Scheduler.kv_window_tokens): their block_ids entries are no longer held
     # and are only ever read masked out (never hashed, exported or freed again)
     num_released_blocks: int = 0
+    # leading prompt blocks of a DECODE_REMOTE request whose handoff was trimmed (kv_trim.py):
+    # their windowed layers' K/V (every layer's, when all are windowed) never arrived here, so
+    # they are never registered in the prefix cache
+    num_trimmed_blocks: int = 0
     last_block_hash: int | None = None  # chain hash of block num_hashed_blocks - 1
     _finish_reason: FinishReason | None = None
     abort_requested: bool = False

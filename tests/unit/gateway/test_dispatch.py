@@ -185,6 +185,41 @@ async def test_kv_transport_is_nixl_only_when_both_workers_offer_it() -> None:
         ]
 
 
+async def test_the_decode_workers_trim_reaches_the_prefill_worker_and_changes_no_usage() -> None:
+    """DecodeFrame.trim_blocks (1.8) is passed on as KvTarget.trim_blocks, separate from
+    skip_blocks (cached_blocks), and usage stays the prefill worker's figures; a frame without
+    it (an older decode worker) leaves KvTarget.trim_blocks unset (an older prefill worker
+    ignores it either way)."""
+    from services.gateway import convert
+    from shared.proto import worker_pb2
+
+    admitted = dataclasses.replace(ADMITTED, trim_blocks=5)
+    workers = FakeWorkers(
+        streams={DECODE.address: [FakeStream([admitted, final("d", 1)])]},
+        prefills={PREFILL.address: [PrefillResult("a", (1,), 1, None, local_cached_tokens=8)]},
+    )
+    frames, _ = await run(FakeScheduler([disagg()]), workers)
+    kv = KvDestination(DECODE.address, 1, "t-1", 1, trim_blocks=5)
+    assert workers.prefill_calls == [(PREFILL.address, kv)]
+    assert all(f.cached_tokens == 8 for f in frames)
+
+    assert (
+        convert.decode_event(
+            worker_pb2.DecodeFrame(kind=worker_pb2.DECODE_FRAME_KIND_ADMITTED, trim_blocks=5)
+        ).trim_blocks
+        == 5
+    )
+    assert (
+        convert.decode_event(worker_pb2.DecodeFrame(kind=worker_pb2.DECODE_FRAME_KIND_ADMITTED)).trim_blocks
+        is None
+    )
+    job = WorkerJob("r", (1, 2), Sampling(max_tokens=4), False)
+    target = convert.prefill_request(job, 0, kv).kv_target
+    assert target.HasField("trim_blocks") and (target.trim_blocks, target.skip_blocks) == (5, 1)
+    untrimmed = KvDestination(DECODE.address, 1, "t-1", 1)
+    assert not convert.prefill_request(job, 0, untrimmed).kv_target.HasField("trim_blocks")
+
+
 async def test_disaggregated_path() -> None:
     workers = FakeWorkers(
         streams={DECODE.address: [FakeStream([ADMITTED, tokens("b", 2), tokens("", 3), final("d", 3)])]},
