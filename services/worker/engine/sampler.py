@@ -286,3 +286,26 @@ def scaled_logits(logits: torch.Tensor, params: Sequence[SamplingConfig]) -> tor
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         scaled = torch.empty_like(scaled).scatter_(1, sorted_idx, sorted_logits)
     return scaled
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: Sequence[int], ks: Sequence[int]) -> list[TokenLogprobs]:
+    """Prompt logprobs: logits [n, vocab] at n prompt positions (the model's raw output, no
+    processor applied), targets[i] the prompt token that follows position i, ks[i] how many
+    most likely alternatives row i reports. Each row's log_softmax in float32 is that of the
+    raw model distribution (vLLM's prompt logprobs); rows are independent of each other, so a
+    prompt gets the same values however it was split into chunks or batched."""
+    n = logits.shape[0]
+    if n == 0:
+        return []
+    logp = logits.float().log_softmax(dim=-1)
+    idx = torch.tensor(list(targets), dtype=torch.long, device=logits.device)
+    chosen = logp.gather(1, idx[:, None])[:, 0].tolist()
+    max_k = max(ks)
+    top_vals, top_ids = logp.topk(max_k, dim=-1) if max_k > 0 else (logp[:, :0], logp[:, :0].long())
+    vals_l, ids_l = top_vals.tolist(), top_ids.tolist()
+    return [
+        TokenLogprobs(
+            int(t), float(chosen[i]), tuple(zip(ids_l[i][: ks[i]], vals_l[i][: ks[i]], strict=True))
+        )
+        for i, t in enumerate(targets)
+    ]
