@@ -20,6 +20,7 @@ CAPABILITIES = (
     "sampling_penalties",
     "logprobs",
     "structured_outputs",
+    "prompt_logprobs",
 )
 # Contract version implemented: 1.0 = compat/v1.0; 1.1 added the optional generated_tokens fields;
 # 1.2 added KvChunk.draft_token_ids and RankLoad's speculative-decoding counts.
@@ -29,7 +30,9 @@ CAPABILITIES = (
 # 1.6 added SamplingParams.structured (capability "structured_outputs").
 # 1.7 added KvTarget.kv_transport, KvChunk.nixl_source and the NIXL fields of PushKvResponse and
 # PrefillResponse (a worker whose NIXL agent is up also advertises shared.cluster.NIXL_CAPABILITY).
-PROTO_VERSION = "1.7"
+# 1.9 added SamplingParams.prompt_logprobs and the prompt logprobs of PrefillResponse / DecodeFrame
+# (capability "prompt_logprobs"); max_tokens may be 0 with them (the prompt is only scored).
+PROTO_VERSION = "1.9"
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,8 @@ class PrefillResult:
     prefill_ns: int
     kv_transfer_ns: int
     logprobs: tuple[TokenLogprobs, ...] = ()  # the first token's, when sampling.logprobs is set
+    # with sampling.prompt_logprobs: one entry per prompt token from the second on
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
     kv_transport: KvTransport | None = None  # None: no KV moved
 
 
@@ -96,6 +101,8 @@ class DecodeEvent:
     transfer_ticket: str = ""
     cached_blocks: int = 0
     logprobs: tuple[TokenLogprobs, ...] = ()  # per generated token of the frame (when asked)
+    # with sampling.prompt_logprobs, on the first frame after a local prefill only
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 @dataclass(frozen=True)
