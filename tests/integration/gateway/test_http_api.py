@@ -442,7 +442,7 @@ async def test_echo_prompt_logprobs_through_the_openai_client(bpe: HttpStack) ->
         prompt_part = glp.token_logprobs[: len(lp.tokens)]
         assert all(
             a == b or abs(a - b) <= 1e-5 for a, b in zip(prompt_part[1:], lp.token_logprobs[1:], strict=True)
-        )  # type: ignore[operator]
+        )
         chunks = [c async for c in await client.completions.create(**fields, stream=True)]
         assert "".join(c.choices[0].text for c in chunks if c.choices) == both.choices[0].text
         streamed = [
@@ -465,7 +465,7 @@ async def test_echo_prompt_logprobs_through_the_openai_client(bpe: HttpStack) ->
     assert [e.token_id for e in done.prompt_logprobs] == list(done.prompt_token_ids[1:])
     assert all(
         abs(e.logprob - x) <= 1e-5 for e, x in zip(done.prompt_logprobs, scored["unified"][1:], strict=True)
-    )  # type: ignore[operator]
+    )
     # refused: max_tokens 0 without echo, echo on chat, prompt_logprobs out of range (gRPC)
     with pytest.raises(openai.BadRequestError) as bad:
         await client.completions.create(model="", prompt="hi", max_tokens=0)
