@@ -758,8 +758,8 @@ async def test_errors_surface_as_openai_exceptions(bpe: HttpStack) -> None:
         await client.chat.completions.create(model="", messages=CHAT, temperature=-1)
     assert "temperature" in bad.value.message
     with pytest.raises(openai.BadRequestError) as bad:
-        await client.completions.create(model="", prompt="hi", echo=True)
-    assert bad.value.body["param"] == "echo"  # type: ignore[index]
+        await client.completions.create(model="", prompt="hi", best_of=2)
+    assert bad.value.body["param"] == "best_of"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError) as bad:
         await client.chat.completions.create(model="", messages=CHAT, max_tokens=10_000)
     assert "max_model_len" in bad.value.message
