@@ -338,6 +338,12 @@ def _echoed_logprobs(
     return conv.joined_logprobs(prompt, generated)
 
 
+def _text_logprobs(c: Completion, token_text: Callable[[int], str], echo: bool) -> m.CompletionLogprobs:
+    """A completions choice's logprobs (with echo, the prompt's first)."""
+    generated = conv.completion_logprobs(c.logprobs, token_text)
+    return _echoed_logprobs(c, token_text, generated) if echo else generated
+
+
 def _completion_body(
     plan: Plan,
     done: list[Completion],
@@ -379,13 +385,7 @@ def _completion_body(
                 index=i,
                 text=(echoes[i] if echoes else "") + c.text,
                 finish_reason=c.finish_reason.value,
-                logprobs=(
-                    None
-                    if not wants[i]
-                    else _echoed_logprobs(c, token_text, conv.completion_logprobs(c.logprobs, token_text))
-                    if echoes
-                    else conv.completion_logprobs(c.logprobs, token_text)
-                ),
+                logprobs=_text_logprobs(c, token_text, echo=bool(echoes)) if wants[i] else None,
             )
             for i, c in enumerate(done)
         ],
