@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from services.worker.engine.api import FinishReason, RequestKind, RequestOutput, SamplingConfig, TokenLogprobs
-from services.worker.engine.sampler import TokenHistory, sample, sample_with_logprobs
+from services.worker.engine.sampler import TokenHistory, prompt_logprobs, sample, sample_with_logprobs
 from shared.errors import InvalidArgument
 from tests.unit.engine.conftest import EngineFactory, collect, greedy, handoff_run, request, tokens_of
 
@@ -56,6 +56,21 @@ def test_logprobs_are_those_of_the_processed_distribution() -> None:
     assert len(hot.top) == 20 and [v for _, v in hot.top] == sorted((v for _, v in hot.top), reverse=True)
     assert math.isclose(hot.logprob, float(ref_hot[hot.token_id]), rel_tol=1e-5)
     assert sum(math.exp(v) for _, v in hot.top) <= 1.0 + 1e-6
+
+
+def test_prompt_logprobs_are_the_raw_log_softmax_row_by_row() -> None:
+    """Each position's target logprob and top-k of log_softmax(logits), k per row, also across
+    the slices a long chunk is computed in."""
+    torch.manual_seed(2)
+    logits = torch.randn(600, 30) * 3
+    targets = [i % 30 for i in range(600)]
+    ks = [i % 4 for i in range(600)]
+    got = prompt_logprobs(logits, targets, ks)
+    want = logits.log_softmax(-1)
+    assert [lp.token_id for lp in got] == targets
+    for i, lp in enumerate(got):
+        assert abs(lp.logprob - float(want[i, targets[i]])) <= 1e-6
+        assert [t for t, _ in lp.top] == want[i].topk(ks[i]).indices.tolist()
 
 
 PROMPT = tuple(random.Random(5).randrange(3, 450) for _ in range(29))
