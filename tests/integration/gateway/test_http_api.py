@@ -456,6 +456,10 @@ async def test_echo_prompt_logprobs_through_the_openai_client(bpe: HttpStack) ->
         a == b or abs(a - b) <= 1e-5  # type: ignore[operator]
         for a, b in zip(scored["disaggregated"], scored["unified"], strict=True)
     )
+    # several prompts and n > 1: every choice echoes its own prompt (as OpenAI and vLLM)
+    many = await client.completions.create(model="", prompt=["Hi there", "Bye"], n=2, max_tokens=0, echo=True)
+    assert [c.text for c in many.choices] == ["Hi there", "Hi there", "Bye", "Bye"]
+    assert many.usage is not None and many.usage.completion_tokens == 0
     # the gRPC API: prompt_logprobs, the prompt's ids and one entry per token after the first
     done = await stack.stub.Complete(
         gateway_pb2.GenerateRequest(prompt=LONG_PROMPT, max_tokens=0, prompt_logprobs=2)
