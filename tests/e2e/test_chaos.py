@@ -202,6 +202,12 @@ async def test_kill9_of_a_decode_worker_mid_stream_migrates_every_stream(two_dec
         )
         os.kill(_pid_listening_on(victim), signal.SIGKILL)
         disturbed = await asyncio.gather(*tasks)
+        survivor = next(a for a in decode_workers if a != victim)
+        async with grpc.aio.insecure_channel(survivor) as wch:
+            load = await worker_pb2_grpc.WorkerStub(wch).GetLoad(
+                worker_pb2.GetLoadRequest(), timeout=5, metadata=stack.internal_metadata
+            )
+        assert sum(r.spec_draft_tokens for r in load.ranks) > 0, "speculation is on: proposals verified"
     gateway_log = (stack.log_dir / "gateway.log").read_text()
     assert gateway_log.count('"event": "migrating"') >= 1, "no stream was on the killed worker"
     _assert_same_as_undisturbed(undisturbed, disturbed)
