@@ -127,6 +127,7 @@ class DecodeEvent:
     local_cached_tokens: int = 0
     transferred_cached_tokens: int = 0
     logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # prompt tokens from the second on (local prefill)
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,7 @@ class PrefillResult:
     finish_reason: FinishReason | None = None
     local_cached_tokens: int = 0
     logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # prompt tokens from the second on
 
 
 class DecodeStream(Protocol):

@@ -55,6 +55,7 @@ def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingConfig:
         min_tokens=pb.min_tokens,
         logprobs=pb.logprobs if pb.HasField("logprobs") else None,
         structured=structured_from_pb(pb.structured) if pb.HasField("structured") else None,
+        prompt_logprobs=pb.prompt_logprobs if pb.HasField("prompt_logprobs") else None,
     )
 
 
@@ -140,6 +141,7 @@ def _prefill_result_to_pb(r: PrefillResult) -> worker_pb2.PrefillResponse:
         prefill_ns=r.prefill_ns,
         kv_transfer_ns=r.kv_transfer_ns,
         logprobs=logprobs_to_pb(r.logprobs),
+        prompt_logprobs=logprobs_to_pb(r.prompt_logprobs),
     )
 
 
@@ -165,6 +167,7 @@ def decode_event_to_pb(e: DecodeEvent) -> worker_pb2.DecodeFrame:
         local_cached_tokens=e.local_cached_tokens,
         transferred_cached_tokens=e.transferred_cached_tokens,
         logprobs=logprobs_to_pb(e.logprobs),
+        prompt_logprobs=logprobs_to_pb(e.prompt_logprobs),
     )
     if e.generated_tokens is not None:  # FINAL only; unset (not 0) on the other frames
         frame.generated_tokens = e.generated_tokens

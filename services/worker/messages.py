@@ -20,6 +20,7 @@ CAPABILITIES = (
     "sampling_penalties",
     "logprobs",
     "structured_outputs",
+    "prompt_logprobs",
 )
 # Contract version implemented: 1.0 = compat/v1.0; 1.1 added the optional generated_tokens fields;
 # 1.2 added KvChunk.draft_token_ids and RankLoad's speculative-decoding counts.
@@ -31,7 +32,9 @@ CAPABILITIES = (
 # PrefillResponse (a worker whose NIXL agent is up also advertises shared.cluster.NIXL_CAPABILITY).
 # 1.8 added DecodeFrame.trim_blocks, KvTarget.trim_blocks and KvChunk.kv_layers (a handoff moves
 # only the KV the decode side can still read past its sliding windows; engine/kv_trim.py).
-PROTO_VERSION = "1.8"
+# 1.9 added SamplingParams.prompt_logprobs and the prompt logprobs of PrefillResponse / DecodeFrame
+# (capability "prompt_logprobs"); max_tokens may be 0 with them (the prompt is only scored).
+PROTO_VERSION = "1.9"
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,8 @@ class PrefillResult:
     prefill_ns: int
     kv_transfer_ns: int
     logprobs: tuple[TokenLogprobs, ...] = ()  # the first token's, when sampling.logprobs is set
+    # with sampling.prompt_logprobs: one entry per prompt token from the second on
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
     kv_transport: KvTransport | None = None  # None: no KV moved
 
 
@@ -102,6 +107,8 @@ class DecodeEvent:
     cached_blocks: int = 0
     logprobs: tuple[TokenLogprobs, ...] = ()  # per generated token of the frame (when asked)
     trim_blocks: int = 0  # ADMITTED: Admission.num_trim_blocks (0: sent unset)
+    # with sampling.prompt_logprobs, on the first frame after a local prefill only
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,13 @@ class SamplingConfig:
     logprobs: int | None = None
     # the output must match this (engine/structured.py); None = unconstrained
     structured: StructuredOutput | None = None
+    # per prompt token after the first: its log-probability and this many most likely
+    # alternatives (0-20) under the raw model distribution (log_softmax of the model's logits:
+    # no temperature, penalties, bias or grammar, as vLLM's prompt logprobs). The prefill
+    # computes the whole prompt for them (its prefix-cache hits are not used) and they come with
+    # the request's first output; with them max_tokens may be 0 (nothing is generated: the
+    # request ends after its prefill with LENGTH). None = no prompt logprobs
+    prompt_logprobs: int | None = None
 
     @property
     def needs_history(self) -> bool:
@@ -129,6 +136,9 @@ class RequestOutput:
     draft_token_ids: tuple[int, ...] = ()
     # with SamplingConfig.logprobs: one entry per new_token_ids token, in order
     new_logprobs: tuple[TokenLogprobs, ...] = ()
+    # with SamplingConfig.prompt_logprobs, on the first output after the prefill only: one entry
+    # per prompt token from the second on (the first has no logprob: nothing precedes it)
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -96,6 +96,10 @@ def _eos_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
 
+# alternatives per prompt token (SamplingConfig.prompt_logprobs; OpenAI's top logprobs limit)
+MAX_PROMPT_LOGPROBS = 20
+
+
 class PagedEngine:
     """Continuous batching over a paged KV cache, one step loop per DP rank."""
 
@@ -373,8 +377,16 @@ class PagedEngine:
         if any(not 0 <= t < self.vocab_size for t in request.prompt_token_ids):
             raise InvalidArgument(f"prompt token ids must be in [0, {self.vocab_size})")
         sp = request.sampling
-        if sp.max_tokens < 1:
-            raise InvalidArgument("sampling.max_tokens must be >= 1")
+        if sp.prompt_logprobs is not None and not 0 <= sp.prompt_logprobs <= MAX_PROMPT_LOGPROBS:
+            raise InvalidArgument(
+                f"sampling.prompt_logprobs must be in [0, {MAX_PROMPT_LOGPROBS}], got {sp.prompt_logprobs}"
+            )
+        # max_tokens 0: only to score the prompt (prompt logprobs), never on a decode-only request
+        scores_prompt = sp.prompt_logprobs is not None and request.kind is not RequestKind.DECODE_REMOTE
+        if sp.max_tokens < (0 if scores_prompt else 1):
+            raise InvalidArgument(
+                "sampling.max_tokens must be >= 1 (0 only with prompt_logprobs, to score the prompt)"
+            )
         if sp.temperature < 0:
             raise InvalidArgument(f"sampling.temperature must be >= 0, got {sp.temperature}")
         if not 0.0 < sp.top_p <= 1.0:

@@ -271,6 +271,7 @@ class Rank:
         start = r.num_computed_tokens
         drafts = r.spec_token_ids[: s.num_draft_tokens]
         num_logits = 1 + len(drafts) if s.samples else 0
+        prompt_offset, prompt_targets = r.prompt_targets(start, s.num_new_tokens)
         return ScheduledSeq(
             token_ids=r.token_ids[start : start + s.num_new_tokens] + drafts,
             start_pos=start,
@@ -282,6 +283,8 @@ class Rank:
             draw_seeds=tuple(r.draw_seed(j) for j in range(num_logits)),
             history=r.token_history(self.eos_token_ids) if s.samples else None,
             allowed=r.grammar.masks(drafts) if r.grammar is not None and s.samples else None,
+            prompt_targets=prompt_targets,
+            prompt_offset=prompt_offset,
         )
 
     def _postprocess(
@@ -298,21 +301,30 @@ class Rank:
             if req.num_computed_tokens < req.num_prompt_tokens:
                 req.num_prefill_chunks += 1
                 req.prefill_ns += elapsed_ns
+            req.prompt_logprobs.extend(seq.prompt_logprobs)
             if not s.samples:
                 self.scheduler.on_computed(req, s.num_new_tokens)
                 continue
             targets = next(runs)
+            if req.sampling.max_tokens <= 0:
+                # prompt logprobs only (max_tokens 0): the prompt is computed, nothing is drawn
+                targets = []
             proposals = req.spec_token_ids[: s.num_draft_tokens]
-            run = accept_run(proposals, targets)
+            run = accept_run(proposals, targets) if targets else []
             if proposals:
                 accepted = len(run) - 1
                 self._spec_stats.record(len(proposals), accepted)
                 req.spec = policy.after_verify(req.spec, len(proposals), accepted)
             req.spec_token_ids = []
-            _, reason = req.append_output_tokens(run, self.eos_token_ids, self.max_model_len, seq.logprobs)
+            if run:
+                _, reason = req.append_output_tokens(
+                    run, self.eos_token_ids, self.max_model_len, seq.logprobs
+                )
+            else:
+                reason = finish_rule(req.num_counted_towards_max, req.sampling.max_tokens, None)
             # K/V is valid for the step's tokens and the accepted proposals (the last token of
             # the run is new); a run cut short by a stop has every appended token computed
-            computed = min(req.num_computed_tokens + s.num_new_tokens + len(run) - 1, req.num_tokens)
+            computed = min(req.num_computed_tokens + s.num_new_tokens + max(0, len(run) - 1), req.num_tokens)
             self.scheduler.on_computed(req, computed - req.num_computed_tokens)
             if proposals:
                 self.scheduler.rollback(req)
@@ -328,7 +340,7 @@ class Rank:
             else:
                 req.spec_token_ids = self._propose(req) or []
                 out = self._output(req, finished=False)
-                if out.new_token_ids or out.text_delta:
+                if out.new_token_ids or out.text_delta or out.prompt_logprobs:
                     self._emit(req, out, outputs)
 
     def _propose(self, req: Request) -> list[int] | None:
@@ -374,6 +386,7 @@ class Rank:
             prefill_ns=req.prefill_ns,
             draft_token_ids=tuple(drafts or ()),
             new_logprobs=new_logprobs,
+            prompt_logprobs=req.take_prompt_logprobs(),
         )
 
     def _emit(self, req: Request, out: RequestOutput, outputs: Outputs) -> None:

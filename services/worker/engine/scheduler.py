@@ -222,8 +222,10 @@ class Scheduler:
         if req.block_ids:  # KV imported (DECODE_REMOTE): blocks already held
             n = min(req.num_uncomputed_tokens, budget)
             return n if self._grow(req, req.num_computed_tokens + n) else 0
-        # at least the last token is computed so there are logits to sample from
-        cached = self.blocks.lookup_prefix(req.token_ids, (req.num_tokens - 1) // bs)
+        # at least the last token is computed so there are logits to sample from; a request that
+        # still needs its prompt logprobs computes the whole prompt (its blocks are cached after)
+        max_hit_blocks = 0 if req.wants_prompt_logprobs else (req.num_tokens - 1) // bs
+        cached = self.blocks.lookup_prefix(req.token_ids, max_hit_blocks)
         num_cached_tokens = len(cached) * bs
         n = min(req.num_tokens - num_cached_tokens, budget)
         need = self.blocks.blocks_needed(num_cached_tokens + n) - len(cached)
