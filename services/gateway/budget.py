@@ -15,7 +15,8 @@ from services.gateway.validation import resolve_max_tokens
 
 @dataclass(frozen=True)
 class MaxTokens:
-    """The client's max_tokens (validated >= 1 when set) and the default for an unset one."""
+    """The client's max_tokens (validated: >= 1 when set, or 0 to only score the prompt) and the
+    default for an unset one."""
 
     requested: int | None
     default: int

@@ -229,6 +229,8 @@ class Dispatcher:
                 max_tokens=max_tokens - len(generated),
                 first_output_index=len(generated),
                 unshown_tail_tokens=state.unshown_tail_tokens if generated else 0,
+                # a migrated run's prompt logprobs already went out with the first frame
+                prompt_logprobs=None if state.migrations else req.sampling.prompt_logprobs,
             ),
             # Always: the ids of the tokens generated so far are what a migration resumes from.
             # The client gets them only when it asked (OutputFrame, from state.return_token_ids).
@@ -244,9 +246,12 @@ class Dispatcher:
         if placement.mode is ServingMode.DISAGGREGATED:
             if placement.prefill is None:
                 raise FailedPrecondition("the scheduler chose disaggregated serving without a prefill worker")
-            frames = self._runs.disaggregated(
-                state, attempt, placement.prefill, placement.decode, job, deadline_s
-            )
+            if max_tokens == 0:  # only the prompt is scored: no decode worker, no KV handoff
+                frames = self._runs.prefill_only(state, attempt, placement.prefill, job, deadline_s)
+            else:
+                frames = self._runs.disaggregated(
+                    state, attempt, placement.prefill, placement.decode, job, deadline_s
+                )
         else:
             frames = self._runs.aggregated(state, attempt, placement.decode, job, deadline_s)
         async with contextlib.aclosing(frames):

@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.gateway import http_convert as conv
 from services.gateway import http_models as m
-from services.gateway import observe
+from services.gateway import http_responses, observe
 from services.gateway.http_body import read_json, read_request_id
 from services.gateway.http_choices import ChoiceRun
 from services.gateway.http_errors import (
@@ -151,9 +151,12 @@ class HttpApi:
             span.end()
             observe.record_error(grpc.StatusCode.CANCELLED.name)
             return Response(status_code=499)  # nobody reads it: the client is gone
+        echoes = http_responses.echoes(plan, self._service.decode)
         if not plan.stream:
             span.end()
-            payload = completion_body(plan, result, request_id, created, chat, self._service.token_text)
+            payload = completion_body(
+                plan, result, request_id, created, chat, self._service.token_text, echoes
+            )
             return JSONResponse(payload.model_dump(), headers=headers)
 
         def close() -> None:
@@ -161,7 +164,9 @@ class HttpApi:
             span.end()
 
         return EventStream(
-            events(plan, run, result, request_id, created, chat, self._service.token_text), close, headers
+            events(plan, run, result, request_id, created, chat, self._service.token_text, echoes),
+            close,
+            headers,
         )
 
     def _fail(self, exc: BaseException, request_id: str) -> JSONResponse:

@@ -7,6 +7,7 @@ responses: http_responses.py / http_stream.py; errors: http_errors.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ _SEED_STRIDE = 0x9E3779B97F4A7C15  # odd: choice j's seed = seed + j * stride (m
 # (tools, tool_choice and parallel_tool_calls are chat fields; on completions they land here.)
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "prompt_logprobs": (None, 0),
-    "echo": (None, False),
+    "echo": (None, False),  # chat only: completions implement it
     "suffix": (None, ""),
     "best_of": (None, 1),
     "min_p": (None, 0),
@@ -58,6 +59,7 @@ class Plan:
     stream: bool
     include_usage: bool
     tools: ToolParsing | None = None  # chat with tools: how every choice's output is read
+    echo: bool = False  # completions: each choice's text (and logprobs) starts with its prompt
 
 
 # --- requests ---
@@ -256,6 +258,7 @@ def chat_plan(req: m.ChatCompletionRequest, request_id: str, tool_format: Format
 def completion_plan(req: m.CompletionRequest, request_id: str) -> Plan:
     common = _common(req, req.max_tokens)
     common["logprobs"] = req.logprobs  # range checked by the domain (names "logprobs")
+    common["prompt_logprobs"] = _echo_prompt_logprobs(req)
     prompt = req.prompt
     per_prompt: list[dict[str, Any]]
     if isinstance(prompt, str):
@@ -271,4 +274,22 @@ def completion_plan(req: m.CompletionRequest, request_id: str) -> Plan:
     for k, fields in enumerate(per_prompt):
         if any(t < 0 for t in fields.get("prompt_token_ids", ())):
             raise InvalidField(f"prompt {k} has a negative token id", "prompt")
-    return _plan(req, per_prompt, common, request_id)
+    return dataclasses.replace(_plan(req, per_prompt, common, request_id), echo=req.echo)
+
+
+def _echo_prompt_logprobs(req: m.CompletionRequest) -> int | None:
+    """echo (as in OpenAI and vLLM, also with n > 1 and stream): with logprobs k the prompt's
+    tokens get theirs too (k alternatives each); max_tokens 0 only scores the prompt (then the
+    domain needs prompt logprobs, 0 alternatives when logprobs is unset). Without echo,
+    max_tokens 0 is refused."""
+    if not req.echo:
+        if req.max_tokens == 0:
+            raise InvalidField(
+                "max_tokens 0 is only allowed with echo: true (to score the prompt); "
+                "set max_tokens >= 1 or leave it unset",
+                "max_tokens",
+            )
+        return None
+    if req.logprobs is not None:
+        return req.logprobs
+    return 0 if req.max_tokens == 0 else None

@@ -1,6 +1,7 @@
 """The domain's results as OpenAI HTTP responses: a whole (non-streamed) chat or text completion,
-usage over a request's choices, logprobs, tool calls, finish reasons, response ids and the model
-list. The streamed form of the same results is `http_stream.py`."""
+usage over a request's choices, logprobs, completions' echo (the prompt and its logprobs first),
+tool calls, finish reasons, response ids and the model list. The streamed form of the same
+results is `http_stream.py`."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from services.gateway import tool_calls
 from services.gateway.accounting import Usage
 from services.gateway.http_convert import Plan
 from services.gateway.ports import ModelCard
-from services.gateway.request import Completion, TokenLogprob
+from services.gateway.request import Completion, GenerateInput, OutputFrame, TokenLogprob
 from services.gateway.tool_calls import ToolCall
 from shared.cluster import FinishReason
 
@@ -81,6 +82,61 @@ def completion_logprobs(
     )
 
 
+def prompt_completion_logprobs(
+    prompt_token_ids: Sequence[int], prompt_logprobs: Sequence[TokenLogprob], token_text: Callable[[int], str]
+) -> m.CompletionLogprobs:
+    """Echo's part of the legacy completions logprobs: every prompt token, the first with a null
+    logprob and null alternatives (nothing precedes it; as OpenAI and vLLM), the others with
+    their logprob and alternatives under the raw model distribution. Empty without them."""
+    if not prompt_logprobs:
+        return m.CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+    rest = completion_logprobs(prompt_logprobs, token_text, len(token_text(prompt_token_ids[0])))
+    assert rest.top_logprobs is not None
+    return m.CompletionLogprobs(
+        tokens=[token_text(prompt_token_ids[0]), *rest.tokens],
+        token_logprobs=[None, *rest.token_logprobs],
+        top_logprobs=[None, *rest.top_logprobs],
+        text_offset=[0, *rest.text_offset],
+    )
+
+
+def joined_logprobs(first: m.CompletionLogprobs, then: m.CompletionLogprobs) -> m.CompletionLogprobs:
+    """Two runs of completions logprobs as one (echo: the prompt's, then the generated ones)."""
+    return m.CompletionLogprobs(
+        tokens=first.tokens + then.tokens,
+        token_logprobs=first.token_logprobs + then.token_logprobs,
+        top_logprobs=(first.top_logprobs or []) + (then.top_logprobs or []),
+        text_offset=first.text_offset + then.text_offset,
+    )
+
+
+def echo_text(inp: GenerateInput, decode: Callable[[tuple[int, ...]], str]) -> str:
+    """The echoed prompt: the string the client sent, or its token ids' text."""
+    return inp.prompt if inp.prompt else decode(inp.prompt_token_ids)
+
+
+def echoes(plan: Plan, decode: Callable[[tuple[int, ...]], str]) -> list[str] | None:
+    """Completions with echo: each choice's prompt text (None without echo)."""
+    return [echo_text(inp, decode) for inp in plan.inputs] if plan.echo else None
+
+
+def echoed_logprobs(
+    c: Completion | OutputFrame, token_text: Callable[[int], str], generated: m.CompletionLogprobs
+) -> m.CompletionLogprobs:
+    """Echo with logprobs: the prompt tokens' entries, then the generated ones (whose
+    text_offset continues after the prompt's token texts)."""
+    prompt = prompt_completion_logprobs(c.prompt_token_ids, c.prompt_logprobs, token_text)
+    shift = sum(len(t) for t in prompt.tokens)
+    generated = generated.model_copy(update={"text_offset": [o + shift for o in generated.text_offset]})
+    return joined_logprobs(prompt, generated)
+
+
+def _text_logprobs(c: Completion, token_text: Callable[[int], str], echo: bool) -> m.CompletionLogprobs:
+    """A completions choice's logprobs (with echo, the prompt's first)."""
+    generated = completion_logprobs(c.logprobs, token_text)
+    return echoed_logprobs(c, token_text, generated) if echo else generated
+
+
 def response_tool_calls(calls: Sequence[tool_calls.ToolCall]) -> list[m.ResponseToolCall]:
     return [
         m.ResponseToolCall(id=c.id, function=m.ResponseFunctionCall(name=c.name, arguments=c.arguments))
@@ -114,6 +170,7 @@ def completion_body(
     created: int,
     chat: bool,
     token_text: Callable[[int], str],
+    echoes: list[str] | None = None,
 ) -> m.ChatCompletion | m.Completion:
     total = usage(plan, [c.usage for c in done])
     model = done[0].model
@@ -145,9 +202,9 @@ def completion_body(
         choices=[
             m.CompletionChoice(
                 index=i,
-                text=c.text,
+                text=(echoes[i] if echoes else "") + c.text,
                 finish_reason=c.finish_reason.value,
-                logprobs=completion_logprobs(c.logprobs, token_text) if wants[i] else None,
+                logprobs=_text_logprobs(c, token_text, echo=bool(echoes)) if wants[i] else None,
             )
             for i, c in enumerate(done)
         ],

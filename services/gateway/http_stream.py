@@ -63,11 +63,13 @@ async def events(
     created: int,
     chat: bool,
     token_text: Callable[[int], str],
+    echoes: list[str] | None = None,
 ) -> AsyncIterator[str]:
     """The SSE body: (chat) a role chunk per choice, one chunk per frame with text (the last one
     of a choice carries finish_reason), the usage chunk when asked, then [DONE]. An error after
     the stream started ends it with one `data: {"error": {...}}` event and no [DONE]. With
-    logprobs, a chunk carries those of the tokens since the previous chunk of its choice."""
+    logprobs, a chunk carries those of the tokens since the previous chunk of its choice. With
+    echo (completions), a choice's first chunk starts with its prompt (and the prompt's logprobs)."""
     model = first[0][1].model
     exclude = None if plan.include_usage else {"usage"}
     usages: list[Any] = [None] * len(plan.inputs)
@@ -77,6 +79,8 @@ async def events(
     offsets = [0] * len(plan.inputs)  # completions' text_offset: where the next token's text starts
     parsers = [plan.tools.parser() if plan.tools else None for _ in plan.inputs]
     calls_sent = [0] * len(plan.inputs)  # the next tool call's index, per choice
+    # per choice: the prompt text not yet sent (echo), None once sent
+    to_echo: list[str | None] | None = list(echoes) if echoes else None
 
     def deltas(index: int, text: str, reason: str | None) -> tuple[list[dict[str, Any]], str | None]:
         """A chat frame's deltas (content, or each tool call as its name, then its arguments)
@@ -106,8 +110,12 @@ async def events(
         reason: str | None = None
         text = ""
         logprobs: list[TokenLogprob] = []
+        echo_frame: OutputFrame | None = None  # the choice's first frame, with echo
         if frame is not None:
             reason, text = resp.finish_reason(frame.finish_reason), frame.text
+            pending_echo = to_echo[index] if to_echo is not None else None
+            if to_echo is not None and pending_echo is not None:
+                text, to_echo[index], echo_frame = pending_echo + text, None, frame
             if frame.usage is not None:
                 usages[index] = frame.usage
             pending[index].extend(frame.logprobs)
@@ -145,6 +153,8 @@ async def events(
         text_lp = None
         if wants[index]:
             text_lp = resp.completion_logprobs(logprobs, token_text, offsets[index])
+            if echo_frame is not None:
+                text_lp = resp.echoed_logprobs(echo_frame, token_text, text_lp)
             offsets[index] += sum(len(t) for t in text_lp.tokens)
         text_choice = m.CompletionChunkChoice(index=index, text=text, finish_reason=reason, logprobs=text_lp)
         return _sse(

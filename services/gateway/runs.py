@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -93,6 +94,7 @@ class WorkerRuns:
                 admitted.transfer_ticket,
                 admitted.cached_blocks,
                 negotiate_kv_transport(prefill.capabilities, decode.capabilities),
+                admitted.trim_blocks,
             )
             state.advance(RequestStatus.PREFILLING)
             attempt.start(prefill.address)
@@ -115,18 +117,52 @@ class WorkerRuns:
                 stream.cancel()
                 await self._aborter.abort_all([decode.address], job.request_id)
                 state.finish()
-                yield frame(state, OutputFrameKind.FINAL, reply.text, reply.token_ids, reply.logprobs)
+                yield _with_prompt_logprobs(
+                    state,
+                    frame(state, OutputFrameKind.FINAL, reply.text, reply.token_ids, reply.logprobs),
+                    reply.prompt_logprobs,
+                )
                 return
             # 3. The first token goes to the client at once (TTFT); decode continues.
             kind = (
                 OutputFrameKind.CONTINUATION if state.handed_off else OutputFrameKind.FIRST
             )  # migrated: goes on
             state.advance(RequestStatus.DECODING)
-            yield frame(state, kind, reply.text, reply.token_ids, reply.logprobs)
+            yield _with_prompt_logprobs(
+                state, frame(state, kind, reply.text, reply.token_ids, reply.logprobs), reply.prompt_logprobs
+            )
             relayed = _relay(state, stream, decode, deadline_s, prefilled_here=False)
             async with contextlib.aclosing(relayed):
                 async for out in relayed:
                     yield out
+
+    async def prefill_only(
+        self,
+        state: RequestState,
+        attempt: Attempt,
+        prefill: WorkerTarget,
+        job: WorkerJob,
+        deadline_s: float | None,
+    ) -> AsyncGenerator[OutputFrame, None]:
+        """max_tokens 0 (prompt logprobs only): the prefill worker runs the prompt with no KV
+        target, so it frees the KV at once; no decode worker is involved."""
+        attempt.start(prefill.address)
+        state.advance(RequestStatus.PREFILLING)
+        reply = await within(self._workers.prefill(prefill, job, None, remaining_s(deadline_s)), deadline_s)
+        state.record_cache(local_tokens=reply.local_cached_tokens, transferred_tokens=0)
+        state.record_output(
+            FrameSource.PREFILL_REPLY,
+            reply.text,
+            reply.token_ids,
+            reply.generated_tokens,
+            reply.finish_reason,
+        )
+        state.finish()
+        yield _with_prompt_logprobs(
+            state,
+            frame(state, OutputFrameKind.FINAL, reply.text, reply.token_ids, reply.logprobs),
+            reply.prompt_logprobs,
+        )
 
     async def aggregated(
         self,
@@ -204,14 +240,20 @@ async def _relay(
                 event.finish_reason,
             )
             state.finish()
-            yield frame(state, OutputFrameKind.FINAL, event.text, event.token_ids, event.logprobs)
+            yield _with_prompt_logprobs(
+                state,
+                frame(state, OutputFrameKind.FINAL, event.text, event.token_ids, event.logprobs),
+                event.prompt_logprobs,
+            )
             return
         # TOKENS frames: counts ride on FINAL only, so any count here is ignored by design.
         state.record_output(FrameSource.DECODE_TOKENS, event.text, event.token_ids, None, None)
         kind = OutputFrameKind.CONTINUATION if state.handed_off else OutputFrameKind.FIRST
         if state.status < RequestStatus.DECODING:
             state.advance(RequestStatus.DECODING)
-        yield frame(state, kind, event.text, event.token_ids, event.logprobs)
+        yield _with_prompt_logprobs(
+            state, frame(state, kind, event.text, event.token_ids, event.logprobs), event.prompt_logprobs
+        )
 
 
 def frame(
@@ -236,3 +278,14 @@ def frame(
         usage=state.usage if final else None,
         logprobs=logprobs,
     )
+
+
+def _with_prompt_logprobs(
+    state: RequestState, out: OutputFrame, prompt_logprobs: tuple[TokenLogprob, ...]
+) -> OutputFrame:
+    """The frame carrying the prompt logprobs a worker returned, with the prompt's ids (so a
+    client sees which token each is for); other frames unchanged. (A prompt of one token has
+    no entries, so no frame carries them.)"""
+    if not prompt_logprobs:
+        return out
+    return dataclasses.replace(out, prompt_token_ids=state.prompt_token_ids, prompt_logprobs=prompt_logprobs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import pytest
 
 from shared.cluster import NIXL_CAPABILITY
 from shared.proto import (
+    common_pb2,
     gateway_pb2,
     gateway_pb2_grpc,
     load_monitor_pb2,
@@ -126,7 +128,9 @@ def two_decode_stack(tiny_bpe_model: Path, tmp_path_factory: pytest.TempPathFact
     with running_processes(
         str(tiny_bpe_model),
         tmp_path_factory.mktemp("logs-chaos"),
-        up_args=["--prefill-workers", "2", "--decode-workers", "2"],
+        # n-gram speculation on every worker: the migrations below carry logprobs, penalty counts
+        # and a grammar's state with speculation on (proposals verified, rejected tails rolled back)
+        up_args=["--prefill-workers", "2", "--decode-workers", "2", "--worker-arg=--speculative=ngram"],
     ) as stack:
         yield stack
 
@@ -147,7 +151,14 @@ async def test_the_chaos_stack_moves_kv_over_nixl_where_it_loads(two_decode_stac
         assert NIXL_CAPABILITY in info.capabilities, address
 
 
-PROMPTS = ["The cache keeps", "Disaggregated serving moves", "A worker died while", "Tokens flow from"]
+PROMPTS = [
+    "The cache keeps",
+    "Disaggregated serving moves",
+    "A worker died while",
+    "Tokens flow from",
+    "The grammar holds while",
+]
+GRAMMAR = r"[a-z ]+"  # the last stream's structured output (regex): its matcher state migrates too
 # Long enough that every stream still runs when the victim is picked and stopped: with the tiny
 # model a 160-token stream ended in ~0.2 s, sometimes before the first GetLoad saw it.
 STREAM_TOKENS = 1000
@@ -155,6 +166,8 @@ STREAM_TOKENS = 1000
 
 def _request(i: int) -> gateway_pb2.GenerateRequest:
     sampling: dict[str, Any] = dict(temperature=0) if i % 2 == 0 else dict(temperature=1.0, seed=1234 + i)
+    if i == 4:
+        sampling = dict(temperature=1.0, seed=99, structured=common_pb2.StructuredOutput(regex=GRAMMAR))
     if i >= 2:  # penalty counts and logprobs survive the migration too
         sampling.update(
             presence_penalty=0.4, frequency_penalty=0.2, repetition_penalty=1.1, logit_bias={7: 2.0}
@@ -189,6 +202,12 @@ async def test_kill9_of_a_decode_worker_mid_stream_migrates_every_stream(two_dec
         )
         os.kill(_pid_listening_on(victim), signal.SIGKILL)
         disturbed = await asyncio.gather(*tasks)
+        survivor = next(a for a in decode_workers if a != victim)
+        async with grpc.aio.insecure_channel(survivor) as wch:
+            load = await worker_pb2_grpc.WorkerStub(wch).GetLoad(
+                worker_pb2.GetLoadRequest(), timeout=5, metadata=stack.internal_metadata
+            )
+        assert sum(r.spec_draft_tokens for r in load.ranks) > 0, "speculation is on: proposals verified"
     gateway_log = (stack.log_dir / "gateway.log").read_text()
     assert gateway_log.count('"event": "migrating"') >= 1, "no stream was on the killed worker"
     _assert_same_as_undisturbed(undisturbed, disturbed)
@@ -224,6 +243,8 @@ def _assert_same_as_undisturbed(undisturbed: list[Any], disturbed: list[Any]) ->
         assert len(got_lp) == len(want_lp) == (STREAM_TOKENS if i >= 2 else 0), i
         assert [lp.token_id for lp in got_lp] == [lp.token_id for lp in want_lp], i
         assert all(abs(a.logprob - b.logprob) <= 1e-5 for a, b in zip(got_lp, want_lp, strict=True)), i
+        if i == 4:
+            assert re.fullmatch(GRAMMAR, "".join(f.text for f in got)), i
 
 
 async def _used_tokens(addresses: list[str], metadata: Metadata) -> dict[str, int]:

@@ -8,6 +8,7 @@ delivers its outputs on that loop. Every other method may be called from any thr
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import sys
 import time
@@ -36,6 +37,7 @@ from services.worker.engine.detokenizer import (
     hidden_token_ids,
 )
 from services.worker.engine.handle import OutputHandle
+from services.worker.engine.kv_trim import KvTrim
 from services.worker.engine.model_runner import (
     ModelRunner,
     kv_layout_of,
@@ -92,6 +94,10 @@ def _eos_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
     if getattr(tokenizer, "eos_token_id", None) is not None:
         ids.append(int(tokenizer.eos_token_id))
     return tuple(dict.fromkeys(ids))
+
+
+# alternatives per prompt token (SamplingConfig.prompt_logprobs; OpenAI's top logprobs limit)
+MAX_PROMPT_LOGPROBS = 20
 
 
 class PagedEngine:
@@ -255,7 +261,12 @@ class PagedEngine:
             if speculation is not None:
                 spec_tokens = cfg.spec_max_batch_tokens or _DEFAULT_SPEC_BATCH_TOKENS.get(device.type, 512)
             scheduler = Scheduler(
-                blocks, budget, cfg.max_num_seqs, spec_tokens, model_variants.kv_window_tokens(model.config)
+                blocks,
+                budget,
+                cfg.max_num_seqs,
+                spec_tokens,
+                model_variants.kv_window_tokens(model.config),
+                KvTrim.of(model_variants.attention_windows(model.config)),
             )
             if speculation is not None and cfg.spec_step_cost:
                 prior = calibrate(runner, cfg.num_speculative_tokens)
@@ -366,8 +377,16 @@ class PagedEngine:
         if any(not 0 <= t < self.vocab_size for t in request.prompt_token_ids):
             raise InvalidArgument(f"prompt token ids must be in [0, {self.vocab_size})")
         sp = request.sampling
-        if sp.max_tokens < 1:
-            raise InvalidArgument("sampling.max_tokens must be >= 1")
+        if sp.prompt_logprobs is not None and not 0 <= sp.prompt_logprobs <= MAX_PROMPT_LOGPROBS:
+            raise InvalidArgument(
+                f"sampling.prompt_logprobs must be in [0, {MAX_PROMPT_LOGPROBS}], got {sp.prompt_logprobs}"
+            )
+        # max_tokens 0: only to score the prompt (prompt logprobs), never on a decode-only request
+        scores_prompt = sp.prompt_logprobs is not None and request.kind is not RequestKind.DECODE_REMOTE
+        if sp.max_tokens < (0 if scores_prompt else 1):
+            raise InvalidArgument(
+                "sampling.max_tokens must be >= 1 (0 only with prompt_logprobs, to score the prompt)"
+            )
         if sp.temperature < 0:
             raise InvalidArgument(f"sampling.temperature must be >= 0, got {sp.temperature}")
         if not 0.0 < sp.top_p <= 1.0:
@@ -458,7 +477,7 @@ class PagedEngine:
         transfer_ticket: str,
         first_block: int,
         num_blocks: int,
-        read: Callable[[int, int, list[int]], int],
+        read: Callable[[int, int, list[int], int, tuple[int, ...]], int],
     ) -> int:
         return self._rank_of_ticket(transfer_ticket).import_kv_direct(
             transfer_ticket, first_block, num_blocks, read
@@ -470,13 +489,22 @@ class PagedEngine:
                 return rank
         return None
 
-    def export_kv(self, request_id: str, skip_blocks: int, max_chunk_bytes: int) -> Iterator[KvBlocksChunk]:
+    def export_kv(
+        self, request_id: str, skip_blocks: int, max_chunk_bytes: int, trim_blocks: int = 0
+    ) -> Iterator[KvBlocksChunk]:
         rank = self._rank_of_request(request_id)
         if rank is None:
             raise NotFound(f"unknown request {request_id!r}")
-        indices = rank.export_blocks(request_id, skip_blocks)
-        per_chunk = max(1, max_chunk_bytes // rank.runner.bytes_per_block)
-        return rank.iter_export(request_id, indices, per_chunk)
+        per_layer = rank.runner.bytes_per_block // rank.runner.layout.num_layers
+        return itertools.chain.from_iterable(
+            rank.iter_export(
+                request_id,
+                indices,
+                max(1, max_chunk_bytes // (per_layer * len(layers or range(rank.runner.layout.num_layers)))),
+                layers,
+            )
+            for indices, layers in rank.export_parts(request_id, skip_blocks, trim_blocks)
+        )
 
     def release(self, request_id: str) -> None:
         rank = self._rank_of_request(request_id)

@@ -150,6 +150,7 @@ class Rank:
                 transfer_ticket=ticket,
                 num_cached_blocks=num_cached_blocks,
                 num_local_cached_tokens=req.num_local_cached_tokens,
+                num_trim_blocks=req.num_trimmed_blocks,
             )
 
     # ---- the step loop -------------------------------------------------------------------
@@ -270,6 +271,7 @@ class Rank:
         start = r.num_computed_tokens
         drafts = r.spec_token_ids[: s.num_draft_tokens]
         num_logits = 1 + len(drafts) if s.samples else 0
+        prompt_offset, prompt_targets = r.prompt_targets(start, s.num_new_tokens)
         return ScheduledSeq(
             token_ids=r.token_ids[start : start + s.num_new_tokens] + drafts,
             start_pos=start,
@@ -281,6 +283,8 @@ class Rank:
             draw_seeds=tuple(r.draw_seed(j) for j in range(num_logits)),
             history=r.token_history(self.eos_token_ids) if s.samples else None,
             allowed=r.grammar.masks(drafts) if r.grammar is not None and s.samples else None,
+            prompt_targets=prompt_targets,
+            prompt_offset=prompt_offset,
         )
 
     def _postprocess(
@@ -297,21 +301,30 @@ class Rank:
             if req.num_computed_tokens < req.num_prompt_tokens:
                 req.num_prefill_chunks += 1
                 req.prefill_ns += elapsed_ns
+            req.prompt_logprobs.extend(seq.prompt_logprobs)
             if not s.samples:
                 self.scheduler.on_computed(req, s.num_new_tokens)
                 continue
             targets = next(runs)
+            if req.sampling.max_tokens <= 0:
+                # prompt logprobs only (max_tokens 0): the prompt is computed, nothing is drawn
+                targets = []
             proposals = req.spec_token_ids[: s.num_draft_tokens]
-            run = accept_run(proposals, targets)
+            run = accept_run(proposals, targets) if targets else []
             if proposals:
                 accepted = len(run) - 1
                 self._spec_stats.record(len(proposals), accepted)
                 req.spec = policy.after_verify(req.spec, len(proposals), accepted)
             req.spec_token_ids = []
-            _, reason = req.append_output_tokens(run, self.eos_token_ids, self.max_model_len, seq.logprobs)
+            if run:
+                _, reason = req.append_output_tokens(
+                    run, self.eos_token_ids, self.max_model_len, seq.logprobs
+                )
+            else:
+                reason = finish_rule(req.num_counted_towards_max, req.sampling.max_tokens, None)
             # K/V is valid for the step's tokens and the accepted proposals (the last token of
             # the run is new); a run cut short by a stop has every appended token computed
-            computed = min(req.num_computed_tokens + s.num_new_tokens + len(run) - 1, req.num_tokens)
+            computed = min(req.num_computed_tokens + s.num_new_tokens + max(0, len(run) - 1), req.num_tokens)
             self.scheduler.on_computed(req, computed - req.num_computed_tokens)
             if proposals:
                 self.scheduler.rollback(req)
@@ -327,7 +340,7 @@ class Rank:
             else:
                 req.spec_token_ids = self._propose(req) or []
                 out = self._output(req, finished=False)
-                if out.new_token_ids or out.text_delta:
+                if out.new_token_ids or out.text_delta or out.prompt_logprobs:
                     self._emit(req, out, outputs)
 
     def _propose(self, req: Request) -> list[int] | None:
@@ -373,6 +386,7 @@ class Rank:
             prefill_ns=req.prefill_ns,
             draft_token_ids=tuple(drafts or ()),
             new_logprobs=new_logprobs,
+            prompt_logprobs=req.take_prompt_logprobs(),
         )
 
     def _emit(self, req: Request, out: RequestOutput, outputs: Outputs) -> None:
@@ -459,6 +473,20 @@ class Rank:
             req = self._held(request_id)
             return [req.block_ids[i] for i in indices]
 
+    def export_parts(
+        self, request_id: str, skip_blocks: int, trim_blocks: int
+    ) -> list[tuple[list[int], tuple[int, ...]]]:
+        """The prompt blocks from skip_blocks on as (block indices, layers; () = every layer):
+        of the first trim_blocks (the decode side's kv_trim) only the full-attention layers, none
+        when every layer is windowed. A model without windows sends everything."""
+        indices = self.export_blocks(request_id, skip_blocks)
+        trim = self.scheduler.kv_trim
+        if trim.window is None or trim_blocks <= 0:
+            return [(indices, ())]
+        trimmed = [i for i in indices if i < trim_blocks]
+        parts = [(trimmed, trim.full_layers)] if trimmed and trim.full_layers else []
+        return [*parts, ([i for i in indices if i >= trim_blocks], ())]
+
     def _held(self, request_id: str) -> Request:
         req = self._requests.get(request_id)
         if req is None:
@@ -468,14 +496,14 @@ class Rank:
         return req
 
     def iter_export(
-        self, request_id: str, indices: list[int], blocks_per_chunk: int
+        self, request_id: str, indices: list[int], blocks_per_chunk: int, layers: tuple[int, ...] = ()
     ) -> Iterator[KvBlocksChunk]:
         for start in range(0, len(indices), blocks_per_chunk):
             part = indices[start : start + blocks_per_chunk]
             with self.lock:
                 req = self._held(request_id)
-                data = self.runner.read_blocks([req.block_ids[i] for i in part])
-            yield KvBlocksChunk(first_block=part[0], num_blocks=len(part), data=data)
+                data = self.runner.read_blocks([req.block_ids[i] for i in part], layers or None)
+            yield KvBlocksChunk(first_block=part[0], num_blocks=len(part), data=data, layers=layers)
 
     # ---- KV import (DECODE_REMOTE) -------------------------------------------------------
     def _ticket(self, ticket: str) -> Request:
@@ -493,26 +521,45 @@ class Rank:
                 raise InvalidArgument(
                     f"blocks [{chunk.first_block}, {end}) outside the prompt's {num_prompt_blocks} blocks"
                 )
-            if len(chunk.data) != chunk.num_blocks * self.runner.bytes_per_block:
-                raise InvalidArgument(
-                    f"chunk has {len(chunk.data)} bytes, expected "
-                    f"{chunk.num_blocks * self.runner.bytes_per_block}"
-                )
-            # leading blocks that came from our own prefix cache are shared: never overwrite
-            skip = max(0, req.num_hashed_blocks - chunk.first_block)
-            if skip >= chunk.num_blocks:
+            self._check_layers(req, chunk.layers, end)
+            num_layers = self.runner.layout.num_layers
+            bpb = self.runner.bytes_per_block // num_layers * len(chunk.layers or range(num_layers))
+            if len(chunk.data) != chunk.num_blocks * bpb:
+                raise InvalidArgument(f"chunk has {len(chunk.data)} bytes, expected {chunk.num_blocks * bpb}")
+            # leading blocks that came from our own prefix cache are shared: never overwrite;
+            # blocks released at admission (behind every window) are not ours: their data is
+            # dropped (an older prefill worker sends them)
+            start = max(chunk.first_block, req.num_hashed_blocks, req.num_released_blocks)
+            if start >= end:
                 return
-            bpb = self.runner.bytes_per_block
-            targets = req.block_ids[chunk.first_block + skip : end]
-            self.runner.write_blocks(targets, chunk.data[skip * bpb :])
+            skip = start - chunk.first_block
+            self.runner.write_blocks(req.block_ids[start:end], chunk.data[skip * bpb :], chunk.layers or None)
+
+    def _check_layers(self, req: Request, layers: tuple[int, ...], end: int) -> None:
+        """A layer subset is only for trimmed blocks, and holds every full-attention layer."""
+        if not layers:
+            return
+        full = self.scheduler.kv_trim.full_layers
+        if list(layers) != sorted(set(layers)) or layers[-1] >= self.runner.layout.num_layers:
+            raise InvalidArgument(f"chunk layers {list(layers)} are not ascending layer indices")
+        if end > req.num_trimmed_blocks or not set(full) <= set(layers):
+            raise InvalidArgument(
+                f"chunk carries layers {list(layers)} of blocks up to {end}: only the first "
+                f"{req.num_trimmed_blocks} blocks may leave out layers, never layers {list(full)}"
+            )
 
     def import_kv_direct(
-        self, ticket: str, first_block: int, num_blocks: int, read: Callable[[int, int, list[int]], int]
+        self,
+        ticket: str,
+        first_block: int,
+        num_blocks: int,
+        read: Callable[[int, int, list[int], int, tuple[int, ...]], int],
     ) -> int:
         """The reserved blocks [first_block, first_block + num_blocks) filled by `read` (a NIXL
-        READ), outside the lock so the step loop and aborts never wait for a transfer; an abort
-        meanwhile ends the request at once but its blocks are freed only after `read` returns,
-        so a freed (and reused) block is never written."""
+        READ: read(source_offset, dp_rank, block_ids, num_trimmed, layers), the first
+        num_trimmed of block_ids only in `layers`), outside the lock so the step loop and aborts
+        never wait for a transfer; an abort meanwhile ends the request at once but its blocks are
+        freed only after `read` returns, so a freed (and reused) block is never written."""
         with self.lock:
             req = self._ticket(ticket)
             num_prompt_blocks = self.blocks.blocks_needed(req.num_prompt_tokens)
@@ -523,12 +570,16 @@ class Rank:
                 )
             if req.kv_import_in_flight:
                 raise InvalidArgument(f"a KV import of request {req.request_id!r} is already under way")
-            # leading blocks that came from our own prefix cache are shared: never overwrite
-            skip = min(max(0, req.num_hashed_blocks - first_block), num_blocks)
-            targets = req.block_ids[first_block + skip : end]
+            # leading blocks that came from our own prefix cache are shared: never overwrite;
+            # released ones (behind every window) are not read at all; trimmed ones only in
+            # their full-attention layers
+            start = min(max(first_block, req.num_hashed_blocks, req.num_released_blocks), end)
+            targets = req.block_ids[start:end]
+            num_trimmed = max(0, min(req.num_trimmed_blocks, end) - start)
+            layers = self.scheduler.kv_trim.full_layers if num_trimmed else ()
             req.kv_import_in_flight = True
         try:
-            return read(skip, self.dp_rank, targets)
+            return read(start - first_block, self.dp_rank, targets, num_trimmed, layers)
         finally:
             with self.lock:
                 req.kv_import_in_flight = False
