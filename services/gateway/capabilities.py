@@ -4,8 +4,8 @@ ignore the field): WorkerLacksFeature, retried elsewhere like a capacity refusal
 
 from __future__ import annotations
 
+from services.gateway.inputs import Sampling
 from services.gateway.ports import Placement, WorkerLacksFeature
-from services.gateway.request import Sampling
 
 
 # the worker capability (services/worker/messages.py) each optional sampling feature needs

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from services.gateway.accounting import Usage
+from services.gateway.inputs import ChatTurn, GenerateInput, Sampling, TokenLogprob
 from services.gateway.ports import (
     DecodeEvent,
     KvDestination,
@@ -16,15 +17,7 @@ from services.gateway.ports import (
     WorkerJob,
     WorkerTarget,
 )
-from services.gateway.request import (
-    ChatTurn,
-    Completion,
-    GenerateInput,
-    OutputFrame,
-    OutputFrameKind,
-    Sampling,
-    TokenLogprob,
-)
+from services.gateway.request import Completion, OutputFrame, OutputFrameKind
 from shared.cluster import KvTransport
 from shared.cluster_convert import (
     decode_frame_kind_from_pb,

@@ -25,6 +25,7 @@ from services.gateway.aborts import Aborter
 from services.gateway.breaker import CircuitBreakers, backoff_s
 from services.gateway.budget import MaxTokens
 from services.gateway.capabilities import check_capabilities
+from services.gateway.inputs import Sampling
 from services.gateway.membership import MembershipWatch
 from services.gateway.ports import (
     ScheduleQuery,
@@ -35,7 +36,7 @@ from services.gateway.ports import (
     WorkerOutOfCapacity,
     WorkerUnavailable,
 )
-from services.gateway.request import OutputFrame, OutputFrameKind, RequestState, RequestStatus, Sampling
+from services.gateway.request import OutputFrame, OutputFrameKind, RequestState, RequestStatus
 from services.gateway.runs import Attempt, WorkerRuns, frame
 from shared.block_hash import block_hashes
 from shared.cluster import FinishReason, ServingMode

@@ -10,7 +10,7 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from services.gateway.http_errors import REQUEST_ID_HEADER, Refusal, refusal
-from services.gateway.request import new_request_id
+from services.gateway.inputs import new_request_id
 from services.gateway.validation import InvalidField, validate_request_id
 from shared.errors import InvalidArgument
 

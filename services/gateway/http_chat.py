@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from services.gateway import http_models as m
 from services.gateway import tool_calls
-from services.gateway.request import ChatCallTurn, ChatTurn
+from services.gateway.inputs import ChatCallTurn, ChatTurn
 from services.gateway.tool_calls import Format, Tool
 from services.gateway.validation import InvalidField
 from shared.structured_output import InvalidStructuredOutput, StructuredOutput, grammar_of

@@ -8,7 +8,8 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-from services.gateway.request import Completion, GenerateInput, OutputFrame, OutputFrameKind
+from services.gateway.inputs import GenerateInput
+from services.gateway.request import Completion, OutputFrame, OutputFrameKind
 from services.gateway.service import GatewayService
 
 

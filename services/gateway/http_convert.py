@@ -16,7 +16,7 @@ from typing import Any
 from services.gateway import http_chat, tool_calls
 from services.gateway import http_models as m
 from services.gateway.http_chat import ToolParsing
-from services.gateway.request import GenerateInput
+from services.gateway.inputs import GenerateInput
 from services.gateway.tool_calls import Format
 from services.gateway.validation import MAX_LOGPROBS, InvalidField
 from shared.structured_output import InvalidStructuredOutput, StructuredOutput, grammar_of

@@ -11,8 +11,9 @@ from services.gateway import http_models as m
 from services.gateway import tool_calls
 from services.gateway.accounting import Usage
 from services.gateway.http_convert import Plan
+from services.gateway.inputs import GenerateInput, TokenLogprob
 from services.gateway.ports import ModelCard
-from services.gateway.request import Completion, GenerateInput, OutputFrame, TokenLogprob
+from services.gateway.request import Completion, OutputFrame
 from services.gateway.tool_calls import ToolCall
 from shared.cluster import FinishReason
 

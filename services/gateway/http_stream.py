@@ -22,7 +22,8 @@ from services.gateway import observe
 from services.gateway.http_choices import ChoiceRun
 from services.gateway.http_convert import Plan
 from services.gateway.http_errors import http_error
-from services.gateway.request import OutputFrame, TokenLogprob
+from services.gateway.inputs import TokenLogprob
+from services.gateway.request import OutputFrame
 
 log = structlog.get_logger(__name__)
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from services.gateway.request import Sampling, TokenLogprob
+from services.gateway.inputs import Sampling, TokenLogprob
 from shared.cluster import DecodeFrameKind, FinishReason, KvTransport, ServingMode
 from shared.errors import ResourceExhausted, Unavailable
 

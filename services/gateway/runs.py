@@ -17,6 +17,7 @@ from typing import TypeVar
 from services.gateway.aborts import Aborter
 from services.gateway.accounting import FrameSource
 from services.gateway.deadline import remaining_s, within
+from services.gateway.inputs import TokenLogprob
 from services.gateway.membership import MembershipWatch, Watched
 from services.gateway.ports import (
     DecodeEvent,
@@ -29,13 +30,7 @@ from services.gateway.ports import (
     WorkerTarget,
     WorkerUnavailable,
 )
-from services.gateway.request import (
-    OutputFrame,
-    OutputFrameKind,
-    RequestState,
-    RequestStatus,
-    TokenLogprob,
-)
+from services.gateway.request import OutputFrame, OutputFrameKind, RequestState, RequestStatus
 from shared.cluster import DecodeFrameKind, negotiate_kv_transport
 
 T = TypeVar("T")

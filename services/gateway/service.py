@@ -17,19 +17,10 @@ from services.gateway.admission import Admission
 from services.gateway.breaker import CircuitBreakers
 from services.gateway.budget import MaxTokens
 from services.gateway.dispatch import Dispatcher, PreparedRequest
+from services.gateway.inputs import GenerateInput, Sampling, TokenLogprob, new_request_id
 from services.gateway.membership import MembershipWatch
 from services.gateway.ports import MembershipSource, ModelCard, SchedulerClient, WorkerClient
-from services.gateway.request import (
-    Completion,
-    GenerateInput,
-    OutputFrame,
-    OutputFrameKind,
-    RequestState,
-    RequestStatus,
-    Sampling,
-    TokenLogprob,
-    new_request_id,
-)
+from services.gateway.request import Completion, OutputFrame, OutputFrameKind, RequestState, RequestStatus
 from services.gateway.settings import GatewaySettings
 from services.gateway.tokenization import PromptTokenizer
 from services.gateway.tool_calls import Format

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from services.gateway.request import GenerateInput
+from services.gateway.inputs import GenerateInput
 from shared.errors import InvalidArgument, NotFound
 from shared.structured_output import InvalidStructuredOutput, grammar_of
 

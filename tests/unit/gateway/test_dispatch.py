@@ -14,6 +14,7 @@ import pytest
 from services.gateway.budget import MaxTokens
 from services.gateway.capabilities import needed_capabilities
 from services.gateway.dispatch import Dispatcher, PreparedRequest
+from services.gateway.inputs import Sampling, TokenLogprob
 from services.gateway.ports import (
     DecodeEvent,
     KvDestination,
@@ -26,14 +27,7 @@ from services.gateway.ports import (
     WorkerTarget,
     WorkerUnavailable,
 )
-from services.gateway.request import (
-    OutputFrame,
-    OutputFrameKind,
-    RequestState,
-    RequestStatus,
-    Sampling,
-    TokenLogprob,
-)
+from services.gateway.request import OutputFrame, OutputFrameKind, RequestState, RequestStatus
 from shared.cluster import NIXL_CAPABILITY, DecodeFrameKind, FinishReason, KvTransport, ServingMode
 from shared.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
 from shared.structured_output import StructuredOutput

@@ -13,7 +13,7 @@ from services.gateway import http_errors as herr
 from services.gateway import http_models as m
 from services.gateway import http_responses as resp
 from services.gateway.accounting import CacheStats, Usage
-from services.gateway.request import ChatTurn, TokenLogprob
+from services.gateway.inputs import ChatTurn, TokenLogprob
 from services.gateway.validation import InvalidField
 from shared import errors
 from shared.structured_output import StructuredOutput

@@ -13,7 +13,7 @@ import pytest
 from services.gateway import http_convert as conv
 from services.gateway import http_models as m
 from services.gateway.http_chat import ToolParsing
-from services.gateway.request import ChatCallTurn, ChatTurn
+from services.gateway.inputs import ChatCallTurn, ChatTurn
 from services.gateway.service import GatewayService
 from services.gateway.settings import GatewaySettings
 from services.gateway.tokenization import PromptTokenizer
