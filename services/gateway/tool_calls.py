@@ -330,9 +330,9 @@ class ToolCallParser:
                 obj, end = json.JSONDecoder().raw_decode(body)
             except json.JSONDecodeError:
                 if final and self._open is not None:  # a streamed call cut short (max_tokens):
-                    opened, self._open = self._open, None  # a call with the arguments written
+                    cut, self._open = self._open, None  # a call with the arguments written
                     self._buf, self._in_call = "", False
-                    self._call(ToolCall(opened.id, opened.name, body[opened.args_start :]), out)
+                    self._call(ToolCall(cut.id, cut.name, body[cut.args_start :]), out)
                     return
                 if final:  # never completed: all of it is content
                     self._in_call = False
