@@ -18,7 +18,7 @@ from starlette.types import Receive, Scope, Send
 
 from services.gateway import http_models as m
 from services.gateway import http_responses as resp
-from services.gateway import observe
+from services.gateway import observe, tool_calls
 from services.gateway.http_choices import ChoiceRun
 from services.gateway.http_convert import Plan
 from services.gateway.http_errors import http_error
@@ -80,6 +80,7 @@ async def events(
     offsets = [0] * len(plan.inputs)  # completions' text_offset: where the next token's text starts
     parsers = [plan.tools.parser() if plan.tools else None for _ in plan.inputs]
     calls_sent = [0] * len(plan.inputs)  # the next tool call's index, per choice
+    opened: list[set[str]] = [set() for _ in plan.inputs]  # ids of calls streamed piecewise
     # per choice: the prompt text not yet sent (echo), None once sent
     to_echo: list[str | None] | None = list(echoes) if echoes else None
 
@@ -95,13 +96,22 @@ async def events(
             if isinstance(event, str):
                 out.append({"content": event})
                 continue
+            if isinstance(event, tool_calls.ArgumentsDelta):  # of the call opened last
+                k = calls_sent[index] - 1
+                out.append({"tool_calls": [{"index": k, "function": {"arguments": event.text}}]})
+                continue
+            if isinstance(event, tool_calls.ToolCall) and event.id in opened[index]:
+                continue  # streamed piecewise already: its CallStart and arguments went out
             k = calls_sent[index]
             calls_sent[index] += 1
             function = {"name": event.name, "arguments": ""}
             out.append(
                 {"tool_calls": [{"index": k, "id": event.id, "type": "function", "function": function}]}
             )
-            out.append({"tool_calls": [{"index": k, "function": {"arguments": event.arguments}}]})
+            if isinstance(event, tool_calls.CallStart):
+                opened[index].add(event.id)
+            else:
+                out.append({"tool_calls": [{"index": k, "function": {"arguments": event.arguments}}]})
         if reason is not None:
             reason = resp.chat_finish_reason(reason, parser.num_calls > 0)
         return out, reason

@@ -4,6 +4,7 @@ or go away, as an operator expects when something is killed with SIGKILL."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -15,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import jsonschema
+import openai
 import pytest
 
 from shared.cluster import NIXL_CAPABILITY
@@ -191,17 +194,29 @@ async def _stream(
 
 async def test_kill9_of_a_decode_worker_mid_stream_migrates_every_stream(two_decode_stack: Stack) -> None:
     """Streams on a decode worker killed with SIGKILL complete on the other one: the same text
-    and token ids as an undisturbed run (greedy and seeded), exact usage."""
+    and token ids as an undisturbed run (greedy and seeded), exact usage; so does a tool call
+    through the OpenAI client (its grammar's state migrates), all with speculation on."""
     stack = two_decode_stack
     base = stack.port_base
+    client = openai.AsyncOpenAI(base_url=stack.http_base_url, api_key="none", max_retries=0)
     async with grpc.aio.insecure_channel(stack.gateway) as ch:
         stub = gateway_pb2_grpc.GatewayStub(ch)
         decode_workers = [f"127.0.0.1:{base + 20}", f"127.0.0.1:{base + 21}"]
-        undisturbed, tasks, victim = await _streams_and_their_busiest_worker(
-            stub, decode_workers, stack.internal_metadata
-        )
+        undisturbed = [await _stream(stub, i) for i in range(len(PROMPTS))]
+        undisturbed_call = await _tool_call(client, "tool-call-undisturbed")
+        # the tool call starts alone, so the decode worker running a request is the one it is on:
+        # that worker is killed, so this call surely migrates (with the gRPC streams beside it)
+        call_started = asyncio.Event()
+        call = asyncio.ensure_future(_tool_call(client, "tool-call-migrated", call_started))
+        await asyncio.wait_for(call_started.wait(), 60)
+        victim = await _the_one_running(decode_workers, stack.internal_metadata, within_s=30)
+        started = [asyncio.Event() for _ in PROMPTS]
+        tasks = [asyncio.ensure_future(_stream(stub, i, started[i])) for i in range(len(PROMPTS))]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+        assert not call.done(), "the tool call ended before the kill: make its argument longer"
         os.kill(_pid_listening_on(victim), signal.SIGKILL)
         disturbed = await asyncio.gather(*tasks)
+        migrated_call = await call
         survivor = next(a for a in decode_workers if a != victim)
         async with grpc.aio.insecure_channel(survivor) as wch:
             load = await worker_pb2_grpc.WorkerStub(wch).GetLoad(
@@ -211,6 +226,57 @@ async def test_kill9_of_a_decode_worker_mid_stream_migrates_every_stream(two_dec
     gateway_log = (stack.log_dir / "gateway.log").read_text()
     assert gateway_log.count('"event": "migrating"') >= 1, "no stream was on the killed worker"
     _assert_same_as_undisturbed(undisturbed, disturbed)
+    # the tool call (HTTP, openai client, named function, speculation on) migrated and came out
+    # as undisturbed: the same arguments, valid against the schema, finish_reason, exact usage
+    migrations = [json.loads(line) for line in gateway_log.splitlines() if '"event": "migrating"' in line]
+    assert any(m.get("request_id") == "tool-call-migrated" for m in migrations), migrations
+    assert migrated_call == undisturbed_call
+    name, arguments, reason, _ = migrated_call
+    assert (name, reason) == ("write_down", "tool_calls")
+    jsonschema.validate(json.loads(arguments), TOOL_PARAMS)
+
+
+# A named function whose one argument is a long string: the grammar keeps the call running
+# (1,000 characters or more: hundreds of the tiny tokenizer's tokens) long enough to be migrated.
+TOOL_PARAMS: dict[str, Any] = {
+    "type": "object",
+    "properties": {"text": {"type": "string", "minLength": 1000}},
+    "required": ["text"],
+    "additionalProperties": False,
+}
+
+
+async def _tool_call(
+    client: openai.AsyncOpenAI, request_id: str, started: asyncio.Event | None = None
+) -> tuple[str, str, str | None, tuple[int, int]]:
+    """A streamed chat tool call: (function name, arguments reassembled from the deltas,
+    finish_reason, (prompt, completion) tokens of the usage)."""
+    stream = await client.chat.completions.create(
+        model="",
+        messages=[{"role": "user", "content": "Write it down."}],
+        tools=[{"type": "function", "function": {"name": "write_down", "parameters": TOOL_PARAMS}}],
+        tool_choice={"type": "function", "function": {"name": "write_down"}},
+        max_tokens=1500,  # the prompt (tools in the template) is ~520 tokens of 2,048
+        temperature=1.0,
+        seed=11,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_headers={"X-Request-Id": request_id},
+    )
+    name, arguments, reason, usage = "", "", None, (0, 0)
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = (chunk.usage.prompt_tokens, chunk.usage.completion_tokens)
+        if not chunk.choices:
+            continue
+        if started is not None:
+            started.set()  # the gateway answered: the request is scheduled
+        for tc in chunk.choices[0].delta.tool_calls or ():
+            if tc.function is not None:
+                name += tc.function.name or ""
+                arguments += tc.function.arguments or ""
+        reason = chunk.choices[0].finish_reason or reason
+    return name, arguments, reason, usage
 
 
 async def _streams_and_their_busiest_worker(
@@ -275,6 +341,17 @@ async def _running(addresses: list[str], metadata: Metadata) -> dict[str, int]:
                 continue
         out[address] = sum(r.num_running for r in load.ranks)
     return out
+
+
+async def _the_one_running(addresses: list[str], metadata: Metadata, within_s: float) -> str:
+    """The address of the one worker running a request (polled until one is, within_s)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        running = [a for a, n in (await _running(addresses, metadata)).items() if n > 0]
+        if len(running) == 1:
+            return running[0]
+        assert not running and time.monotonic() < deadline, running
+        await asyncio.sleep(0.02)
 
 
 async def _all_freed(addresses: list[str], within_s: float, metadata: Metadata) -> dict[str, int]:

@@ -685,6 +685,14 @@ async def test_tool_calls_through_the_openai_client(bpe: HttpStack) -> None:
                 [(call.function.name, call.function.arguments)],
                 "tool_calls",
             )
+            pieces = [
+                tc.function.arguments
+                for c in chunks
+                if c.choices
+                for tc in c.choices[0].delta.tool_calls or ()
+                if tc.function is not None and tc.function.arguments
+            ]
+            assert len(pieces) > 1, pieces  # a forced call's arguments stream as they are written
             assert got.usage is not None and chunks[-1].usage is not None
             # exact usage (cached tokens differ: the second request finds the first's prefix)
             assert (
