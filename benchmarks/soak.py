@@ -23,7 +23,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from services import up
+from services import up, up_processes, up_shape
 from shared.model_store import resolve_model
 from shared.proto import gateway_pb2, gateway_pb2_grpc
 
@@ -144,7 +144,7 @@ def main() -> None:
     log_dir = Path(tempfile.mkdtemp(prefix="pdserve-soak-"))
     up_args = ["--model", model, "--port-base", str(base), "--log-dir", str(log_dir), "--torch-threads", "1"]
     args = up._parse([*up_args, *a.up_arg])
-    children = up._children(args, model)
+    children = up_shape.children(args, model)
     print(
         f"soak: {a.minutes} min, concurrency {a.concurrency}, model {Path(model).name}, "
         f"up args {a.up_arg or 'none'}; "
@@ -154,9 +154,9 @@ def main() -> None:
         flush=True,
     )
     for child in children:
-        up._start(child, str(log_dir))
+        up_processes.start(child, str(log_dir))
     try:
-        problem = up._wait_ready(children, 2, 600, threading.Event(), None)
+        problem = up_processes.wait_ready(children, 2, 600, threading.Event(), None)
         if problem:
             raise SystemExit(f"soak: the stack did not come up: {problem}")
         t0 = time.monotonic()
@@ -172,7 +172,7 @@ def main() -> None:
 
         counts = asyncio.run(load(f"127.0.0.1:{base}", a.minutes, a.concurrency, sample, a.sample_s))
     finally:
-        up._stop_all(children, grace_s=30)
+        up_processes.stop_all(children, grace_s=30)
     print(f"requests: {counts}")
     ok_all = True
     for name, points in series.items():

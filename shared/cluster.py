@@ -1,5 +1,6 @@
 """The cluster's shared vocabulary, defined once: worker role, KV layout, per-rank load, worker
-info, load snapshots, finish reason and serving mode (no grpc here).
+info, load snapshots, finish reason, serving mode and the kinds of a Decode stream's frames (no
+grpc here).
 
 Every service speaks of these the same way; `shared.cluster_convert` is the only place they meet
 the generated protobuf stubs.
@@ -36,6 +37,15 @@ class FinishReason(enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+
+
+class DecodeFrameKind(enum.Enum):
+    """A frame of a worker's Decode stream (worker.proto DecodeFrameKind): what the decode worker
+    sends and the gateway reads. Not the gateway's frames to its clients (OutputFrameKind)."""
+
+    ADMITTED = "admitted"  # admission: the transfer ticket and the blocks already cached
+    TOKENS = "tokens"  # generated text (and token ids when asked)
+    FINAL = "final"  # the last one: finish reason and the worker's generated_tokens
 
 
 class ServingMode(enum.Enum):

@@ -7,6 +7,7 @@ unknown value means); a worker entry with an unknown role is refused with Invali
 from __future__ import annotations
 
 from shared.cluster import (
+    DecodeFrameKind,
     FinishReason,
     KvLayout,
     LoadSnapshot,
@@ -18,7 +19,7 @@ from shared.cluster import (
     sum_rank_loads,
 )
 from shared.errors import InvalidArgument
-from shared.proto import common_pb2, load_monitor_pb2, scheduler_pb2
+from shared.proto import common_pb2, load_monitor_pb2, scheduler_pb2, worker_pb2
 
 _ROLE_FROM_PB = {
     common_pb2.WORKER_ROLE_PREFILL: Role.PREFILL,
@@ -40,6 +41,13 @@ _MODE_FROM_PB = {
     scheduler_pb2.SERVING_MODE_LOCAL_PREFILL: ServingMode.LOCAL_PREFILL,
 }
 _MODE_TO_PB = {mode: pb for pb, mode in _MODE_FROM_PB.items()}
+
+_DECODE_KIND_FROM_PB = {
+    worker_pb2.DECODE_FRAME_KIND_ADMITTED: DecodeFrameKind.ADMITTED,
+    worker_pb2.DECODE_FRAME_KIND_TOKENS: DecodeFrameKind.TOKENS,
+    worker_pb2.DECODE_FRAME_KIND_FINAL: DecodeFrameKind.FINAL,
+}
+_DECODE_KIND_TO_PB = {kind: pb for pb, kind in _DECODE_KIND_FROM_PB.items()}
 
 
 # --- enums ---
@@ -69,6 +77,15 @@ def serving_mode_to_pb(mode: ServingMode) -> scheduler_pb2.ServingMode:
 def serving_mode_from_pb(value: int) -> ServingMode | None:
     """None for UNSPECIFIED or a mode this version does not know."""
     return _MODE_FROM_PB.get(value)  # type: ignore[call-overload]
+
+
+def decode_frame_kind_to_pb(kind: DecodeFrameKind) -> worker_pb2.DecodeFrameKind:
+    return _DECODE_KIND_TO_PB[kind]
+
+
+def decode_frame_kind_from_pb(value: int) -> DecodeFrameKind | None:
+    """None for UNSPECIFIED or a kind this version does not know."""
+    return _DECODE_KIND_FROM_PB.get(value)  # type: ignore[call-overload]
 
 
 # --- records ---

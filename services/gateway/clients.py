@@ -13,7 +13,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.gateway import convert
 from services.gateway.ports import (
     DecodeEvent,
-    DecodeEventKind,
     KvDestination,
     ModelCard,
     Placement,
@@ -27,6 +26,7 @@ from services.gateway.ports import (
 )
 from shared import errors
 from shared.channels import ChannelCache
+from shared.cluster import DecodeFrameKind
 from shared.grpc_errors import ERROR_BY_STATUS, error_from_rpc
 from shared.proto import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -117,7 +117,7 @@ class GrpcDecodeStream:
             event = convert.decode_event(frame)
         except ValueError as exc:
             raise errors.FailedPrecondition(f"decode worker {self._target.worker_id}: {exc}") from None
-        if event.kind is DecodeEventKind.FINAL:
+        if event.kind is DecodeFrameKind.FINAL:
             await self._finish()
         return event
 

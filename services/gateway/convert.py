@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from services.gateway.accounting import Usage
+from services.gateway.inputs import ChatTurn, GenerateInput, Sampling, TokenLogprob
 from services.gateway.ports import (
     DecodeEvent,
-    DecodeEventKind,
     KvDestination,
     ModelCard,
     Placement,
@@ -17,29 +17,21 @@ from services.gateway.ports import (
     WorkerJob,
     WorkerTarget,
 )
-from services.gateway.request import (
-    ChatTurn,
-    Completion,
-    FrameKind,
-    GenerateInput,
-    OutputFrame,
-    Sampling,
-    TokenLogprob,
-)
+from services.gateway.request import Completion, OutputFrame, OutputFrameKind
 from shared.cluster import KvTransport
-from shared.cluster_convert import finish_reason_from_pb, finish_reason_to_pb, serving_mode_from_pb
+from shared.cluster_convert import (
+    decode_frame_kind_from_pb,
+    finish_reason_from_pb,
+    finish_reason_to_pb,
+    serving_mode_from_pb,
+)
 from shared.proto import common_pb2, gateway_pb2, scheduler_pb2, worker_pb2
 from shared.structured_output_pb import structured_from_pb, structured_to_pb
 
 _FRAME_KIND_TO_PB = {
-    FrameKind.FIRST: gateway_pb2.FRAME_KIND_FIRST,
-    FrameKind.CONTINUATION: gateway_pb2.FRAME_KIND_CONTINUATION,
-    FrameKind.FINAL: gateway_pb2.FRAME_KIND_FINAL,
-}
-_DECODE_KIND_FROM_PB = {
-    worker_pb2.DECODE_FRAME_KIND_ADMITTED: DecodeEventKind.ADMITTED,
-    worker_pb2.DECODE_FRAME_KIND_TOKENS: DecodeEventKind.TOKENS,
-    worker_pb2.DECODE_FRAME_KIND_FINAL: DecodeEventKind.FINAL,
+    OutputFrameKind.FIRST: gateway_pb2.FRAME_KIND_FIRST,
+    OutputFrameKind.CONTINUATION: gateway_pb2.FRAME_KIND_CONTINUATION,
+    OutputFrameKind.FINAL: gateway_pb2.FRAME_KIND_FINAL,
 }
 
 
@@ -252,7 +244,7 @@ def prefill_request(job: WorkerJob, dp_rank: int, kv: KvDestination | None) -> w
 
 
 def decode_event(frame: worker_pb2.DecodeFrame) -> DecodeEvent:
-    kind = _DECODE_KIND_FROM_PB.get(frame.kind)
+    kind = decode_frame_kind_from_pb(frame.kind)
     if kind is None:
         raise ValueError(f"decode frame of unknown kind {frame.kind}")
     return DecodeEvent(

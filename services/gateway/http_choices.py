@@ -8,7 +8,8 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-from services.gateway.request import Completion, FrameKind, GenerateInput, OutputFrame
+from services.gateway.inputs import GenerateInput
+from services.gateway.request import Completion, OutputFrame, OutputFrameKind
 from services.gateway.service import GatewayService
 
 
@@ -87,7 +88,7 @@ class ChoiceRun:
         event = await self._events.get()
         if event.error is not None:
             raise event.error
-        if event.frame is not None and event.frame.kind is FrameKind.FINAL:
+        if event.frame is not None and event.frame.kind is OutputFrameKind.FINAL:
             self._finals += 1
         return event
 

@@ -6,13 +6,12 @@ shared.errors classes; `Retryable` ones name the worker so a retry can exclude i
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from services.gateway.request import Sampling, TokenLogprob
-from shared.cluster import FinishReason, KvTransport, ServingMode
+from services.gateway.inputs import Sampling, TokenLogprob
+from shared.cluster import DecodeFrameKind, FinishReason, KvTransport, ServingMode
 from shared.errors import ResourceExhausted, Unavailable
 
 
@@ -104,17 +103,11 @@ class KvDestination:
     trim_blocks: int | None = None
 
 
-class DecodeEventKind(enum.Enum):
-    ADMITTED = "admitted"
-    TOKENS = "tokens"
-    FINAL = "final"
-
-
 @dataclass(frozen=True)
 class DecodeEvent:
     """One DecodeFrame. generated_tokens is None when the field is absent (HasField false)."""
 
-    kind: DecodeEventKind
+    kind: DecodeFrameKind
     text: str = ""
     token_ids: tuple[int, ...] = ()
     generated_tokens: int | None = None

@@ -1,108 +1,19 @@
-"""One request as the gateway sees it: the client's input, the validated job, and the request
-state that owns everything relayed so far (text pieces, token ids, counts) with derived figures."""
+"""One request as the gateway sees it once it runs: its status (an enum whose order means
+something, the allowed transitions), the frames and completion it answers with, and the request
+state that owns everything relayed so far (text pieces, token ids, counts) with derived figures.
+What a request is made of (the client's input, the validated sampling) is `inputs.py`."""
 
 from __future__ import annotations
 
 import enum
 import itertools
 import time
-import uuid
 from dataclasses import dataclass, field
 
 from services.gateway import accounting
 from services.gateway.accounting import CacheStats, FrameSource, Segment, Usage, WorkerCount
-from services.gateway.tool_calls import Tool
+from services.gateway.inputs import TokenLogprob
 from shared.cluster import FinishReason
-from shared.structured_output import StructuredOutput
-
-
-@dataclass(frozen=True)
-class ChatCallTurn:
-    """A tool call an earlier assistant turn made; `arguments` is a JSON object as text."""
-
-    id: str
-    name: str
-    arguments: str
-
-
-@dataclass(frozen=True)
-class ChatTurn:
-    role: str
-    content: str
-    tool_calls: tuple[ChatCallTurn, ...] = ()  # assistant turns that called tools
-    tool_call_id: str = ""  # tool turns: the call this is the result of
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """One generated token's log-probability and the most likely tokens at its position (most
-    likely first; natural log; -inf for a token that top-k / top-p ruled out)."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob)
-
-
-@dataclass(frozen=True)
-class GenerateInput:
-    """The client's GenerateRequest, unvalidated; None means the optional field was not set."""
-
-    model: str = ""
-    prompt: str = ""
-    prompt_token_ids: tuple[int, ...] = ()
-    messages: tuple[ChatTurn, ...] = ()
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    return_token_ids: bool = False
-    request_id: str = ""
-    include_stop_in_output: bool = False
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), in the client's order
-    min_tokens: int | None = None
-    logprobs: int | None = None  # alternatives per token (0-20); None = no logprobs
-    structured: StructuredOutput | None = None  # what the output must match
-    tools: tuple[Tool, ...] = ()  # offered to the model in the chat prompt
-    # score the prompt: alternatives per prompt token (0-20); None = no prompt logprobs. With it
-    # max_tokens may be 0 (only the prompt runs)
-    prompt_logprobs: int | None = None
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """Validated sampling/stop parameters, as the workers get them."""
-
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    include_stop_in_output: bool = False
-    first_output_index: int = 0  # > 0 when a migrated request resumes after that many tokens
-    unshown_tail_tokens: int = 0  # of those, the last ones whose text was not shown (held back)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0  # 1 = off
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by token id
-    min_tokens: int = 0  # counted from output index 0 (unchanged by a migration)
-    logprobs: int | None = None  # alternatives per token (0-20); None = no logprobs
-    structured: StructuredOutput | None = None  # what the output must match (validated)
-    # alternatives per prompt token (0-20) of the raw model distribution; None = none
-    prompt_logprobs: int | None = None
-
-
-def new_request_id() -> str:
-    return uuid.uuid4().hex
 
 
 class RequestStatus(enum.IntEnum):
@@ -154,7 +65,10 @@ class InvalidTransition(RuntimeError):
     """A bug: the request life tried a status change the table does not allow."""
 
 
-class FrameKind(enum.Enum):
+class OutputFrameKind(enum.Enum):
+    """A frame of the gateway's stream to its client (gateway.proto FrameKind). The workers'
+    Decode frames are another vocabulary: shared.cluster.DecodeFrameKind."""
+
     FIRST = "first"
     CONTINUATION = "continuation"
     FINAL = "final"
@@ -165,7 +79,7 @@ class OutputFrame:
     """One frame for the client. finish_reason and usage are set on the FINAL frame only."""
 
     request_id: str
-    kind: FrameKind
+    kind: OutputFrameKind
     text: str
     token_ids: tuple[int, ...]
     prompt_tokens: int
@@ -217,7 +131,7 @@ class RequestState:
     model: str
     arrival_s: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
-    max_tokens: int = 0  # set when scheduled (depends on the chosen workers' max_model_len)
+    max_tokens: int = 0  # the resolved budget, set when scheduled (budget.MaxTokens.resolve)
     attempts: int = 0  # Schedule calls made
     migrations: int = 0  # times the request moved on after its decode worker failed mid-stream
     _pieces: list[_Piece] = field(default_factory=list)

@@ -15,20 +15,12 @@ from opentelemetry import trace
 from services.gateway import observe
 from services.gateway.admission import Admission
 from services.gateway.breaker import CircuitBreakers
+from services.gateway.budget import MaxTokens
 from services.gateway.dispatch import Dispatcher, PreparedRequest
+from services.gateway.inputs import GenerateInput, Sampling, TokenLogprob, new_request_id
 from services.gateway.membership import MembershipWatch
 from services.gateway.ports import MembershipSource, ModelCard, SchedulerClient, WorkerClient
-from services.gateway.request import (
-    Completion,
-    FrameKind,
-    GenerateInput,
-    OutputFrame,
-    RequestState,
-    RequestStatus,
-    Sampling,
-    TokenLogprob,
-    new_request_id,
-)
+from services.gateway.request import Completion, OutputFrame, OutputFrameKind, RequestState, RequestStatus
 from services.gateway.settings import GatewaySettings
 from services.gateway.tokenization import PromptTokenizer
 from services.gateway.tool_calls import Format
@@ -122,9 +114,7 @@ class GatewayService:
         else:
             prompt = tok.encode_prompt(inp.prompt)
         validate_token_ids(prompt, inp.stop_token_ids, tok.vocab_size, inp.logit_bias)
-        requested = inp.max_tokens
         sampling = Sampling(
-            max_tokens=requested if requested is not None else self._settings.default_max_tokens,
             temperature=1.0 if inp.temperature is None else float(inp.temperature),
             top_p=1.0 if inp.top_p is None else float(inp.top_p),
             top_k=inp.top_k or 0,
@@ -147,8 +137,7 @@ class GatewayService:
             model=inp.model,
             prompt_token_ids=prompt,
             sampling=sampling,
-            requested_max_tokens=requested,
-            default_max_tokens=self._settings.default_max_tokens,
+            max_tokens=MaxTokens(inp.max_tokens, self._settings.default_max_tokens),
             return_token_ids=inp.return_token_ids,
         )
 
@@ -193,7 +182,7 @@ class GatewayService:
                     log.info(
                         "request_start",
                         prompt_tokens=state.num_prompt_tokens,
-                        max_tokens=prepared.requested_max_tokens,
+                        max_tokens=prepared.max_tokens.requested,
                         **(self._prompt_fields(inp) if self._settings.log_prompts else {}),
                     )
                     try:
@@ -233,7 +222,7 @@ class GatewayService:
                 logprobs.extend(frame.logprobs)
                 if frame.prompt_token_ids:
                     prompt = frame
-                if frame.kind is FrameKind.FINAL:
+                if frame.kind is OutputFrameKind.FINAL:
                     final = frame
         assert final is not None and final.usage is not None and final.finish_reason is not None
         return Completion(

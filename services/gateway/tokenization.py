@@ -11,7 +11,7 @@ from typing import Any
 import structlog
 
 from services.gateway import tool_calls
-from services.gateway.request import ChatTurn
+from services.gateway.inputs import ChatTurn
 from services.gateway.tool_calls import Format, Tool
 from shared.errors import InvalidArgument
 

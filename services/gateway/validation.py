@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from services.gateway.request import GenerateInput
+from services.gateway.inputs import GenerateInput
 from shared.errors import InvalidArgument, NotFound
 from shared.structured_output import InvalidStructuredOutput, grammar_of
 
@@ -22,9 +22,10 @@ MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs limit)
 
 
 class InvalidField(InvalidArgument):
-    """INVALID_ARGUMENT about one request field (the HTTP face reports it as error.param)."""
+    """INVALID_ARGUMENT about one request field, on both faces (the HTTP face reports it as
+    OpenAI's error.param; None: about the request as a whole, e.g. a body that is not JSON)."""
 
-    def __init__(self, message: str, param: str) -> None:
+    def __init__(self, message: str, param: str | None) -> None:
         super().__init__(message)
         self.param = param
 

@@ -1,10 +1,11 @@
 """The scheduler's decision: for one request, the serving mode, the workers and their DP ranks.
 
 State (all behind one lock, so every decision is one atomic step):
-- the last load snapshot, turned into candidate pools per model and role (rebuilt per snapshot);
+- the last load snapshot, turned into candidate pools per model and role (rebuilt per snapshot;
+  `pools.py`);
 - reservations: prompt tokens routed to each (worker, rank) since its last load report;
 - the prefix index (which worker served which prefix blocks recently);
-- round-robin turns and the random generator.
+- round-robin turns and the random generator (`pickers.py`, around the pure `policies.py`).
 
 Modes: DISAGGREGATED when a decode worker has a compatible prefill worker (same model id and KV
 layout: layers, heads, head dim, block size, dtype); LOCAL_PREFILL instead when the prompt's part
@@ -16,19 +17,21 @@ workers, `policies.unified_split`). Unified workers are picked with the prefill 
 prefix cache matters most), decode workers with the decode policy.
 
 Workers flagged stale by the load-monitor are routed to only when no fresh worker of the same
-model and role exists.
+model and role exists. A request nothing can serve gets Unavailable naming what is missing
+(`unroutable.py`).
 """
 
 from __future__ import annotations
 
-import heapq
 import random
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.scheduler import policies
+from services.scheduler import policies, unroutable
+from services.scheduler.pickers import Pickers
+from services.scheduler.pools import ModelPools, Pool, PoolWorker, build_pools
 from services.scheduler.prefix_index import PrefixIndex
 from services.scheduler.reservations import Reservations
 from services.scheduler.types import (
@@ -38,7 +41,7 @@ from services.scheduler.types import (
     Target,
     WorkerView,
 )
-from shared.cluster import KvLayout, LoadSnapshot, RankLoad, Role, ServingMode, WorkerInfo
+from shared.cluster import LoadSnapshot, ServingMode
 from shared.errors import InvalidArgument, Unavailable
 from shared.metrics import PREFILL_MODE, SCHEDULE_DECISIONS, SCHEDULE_SECONDS
 
@@ -75,102 +78,6 @@ class Policies:
             raise ValueError("reservation_grace_s must be >= 0")
 
 
-class _Worker:
-    """One worker of the snapshot with its live token counts (reported + reserved)."""
-
-    __slots__ = ("info", "rank_tokens", "ranks", "slots", "stale")
-
-    def __init__(
-        self, info: WorkerInfo, ranks: tuple[RankLoad, ...], reserved: list[int], stale: bool
-    ) -> None:
-        self.info = info
-        self.ranks = ranks
-        self.stale = stale
-        self.rank_tokens = [r.num_used_tokens + q for r, q in zip(ranks, reserved, strict=True)]
-        self.slots: list[tuple[_Pool, int]] = []  # (pool, index) entries that mirror its total
-
-
-class _Pool:
-    """Candidates of one model and role, with their total tokens in a parallel list. Loads only
-    grow between snapshots (reservations), so the largest is a running max and the least loaded
-    comes from a heap with lazy deletion: O(log n) per decision instead of a scan."""
-
-    __slots__ = ("_heap", "index_of", "key", "loads", "max_load", "workers")
-
-    def __init__(self, key: str, workers: list[_Worker], mirror: bool) -> None:
-        self.key = key  # names the round-robin turn
-        self.workers = workers
-        self.loads = [sum(w.rank_tokens) for w in workers]
-        self.max_load = max(self.loads, default=0)
-        self._heap = [(load, i) for i, load in enumerate(self.loads)]
-        heapq.heapify(self._heap)
-        self.index_of = {w.info.worker_id: i for i, w in enumerate(workers)}
-        if mirror:
-            for i, w in enumerate(workers):
-                w.slots.append((self, i))
-
-    def add(self, index: int, tokens: int) -> None:
-        load = self.loads[index] + tokens
-        self.loads[index] = load
-        if load > self.max_load:
-            self.max_load = load
-        heapq.heappush(self._heap, (load, index))
-
-    def least_loaded(self) -> int:
-        """Index of the candidate with the fewest tokens (lowest index on ties)."""
-        heap, loads = self._heap, self.loads
-        while heap[0][0] != loads[heap[0][1]]:  # an entry from before a reservation
-            heapq.heappop(heap)
-        return heap[0][1]
-
-
-@dataclass
-class _ModelPools:
-    pairable_decode: _Pool  # decode workers with at least one compatible prefill worker
-    prefill_by_layout: dict[KvLayout, _Pool]
-    unified: _Pool
-    decode: _Pool  # every decode worker (AGGREGATED when the model has no prefill worker)
-    num_workers: int
-
-
-def _prefer_fresh(workers: list[_Worker]) -> list[_Worker]:
-    fresh = [w for w in workers if not w.stale]
-    return fresh or workers
-
-
-def _build_pools(workers: Iterable[_Worker], mirror: bool) -> dict[str, _ModelPools]:
-    by_model: dict[str, dict[Role, list[_Worker]]] = {}
-    for w in workers:
-        roles = by_model.setdefault(w.info.model_id, {role: [] for role in Role})
-        roles[w.info.role].append(w)
-    pools: dict[str, _ModelPools] = {}
-    for model, roles in sorted(by_model.items()):
-        prefill = _prefer_fresh(roles[Role.PREFILL])
-        decode = _prefer_fresh(roles[Role.DECODE])
-        by_layout: dict[KvLayout, list[_Worker]] = {}
-        for w in prefill:
-            by_layout.setdefault(w.info.kv_layout, []).append(w)
-        pairable = [w for w in decode if w.info.kv_layout in by_layout]
-        pools[model] = _ModelPools(
-            pairable_decode=_Pool(f"{model}/decode", pairable, mirror),
-            prefill_by_layout={
-                layout: _Pool(f"{model}/prefill", ws, mirror) for layout, ws in by_layout.items()
-            },
-            unified=_Pool(f"{model}/unified", _prefer_fresh(roles[Role.UNIFIED]), mirror),
-            # Only used when the model has no prefill worker at all (then nothing is pairable).
-            decode=_Pool(f"{model}/decode", [] if by_layout else decode, mirror),
-            num_workers=sum(len(ws) for ws in roles.values()),
-        )
-    return pools
-
-
-def _layout_text(layout: KvLayout) -> str:
-    return (
-        f"{layout.dtype} block_size={layout.block_size} layers={layout.num_layers} "
-        f"kv_heads={layout.num_kv_heads} head_dim={layout.head_dim}"
-    )
-
-
 class Router:
     """Routing decisions over the latest load snapshot. Thread-safe; `schedule` never blocks on
     I/O."""
@@ -188,28 +95,16 @@ class Router:
         self._rng = random.Random(seed)
         self._reservations = Reservations()
         self._prefix = PrefixIndex(prefix_entries_per_worker)
-        self._workers: dict[str, _Worker] = {}
-        self._pools: dict[str, _ModelPools] = {}
+        self._workers: dict[str, PoolWorker] = {}
+        self._pools: dict[str, ModelPools] = {}
         self._default_model = ""
-        self._turns: dict[str, int] = {}
-        self._rank_turns: dict[str, int] = {}
         self._stale = False
         self._has_snapshot = False
-        self._pickers: dict[str, Callable[[_Pool, RequestFeatures], int]] = {
-            "round_robin": self._pick_round_robin,
-            "random": self._pick_random,
-            "power_of_two": self._pick_power_of_two,
-            "cache_aware": self._pick_cache_aware,
-        }
-        self._rank_pickers: dict[str, Callable[[_Worker, RequestFeatures], int]] = {
-            "min_tokens": lambda w, f: policies.min_tokens(w.rank_tokens),
-            "round_robin": self._rank_round_robin,
-            "hash": lambda w, f: policies.rank_hash(f.request_id, w.info.dp_size),
-        }
+        self._pickers = Pickers(self._rng, self._prefix, self.policies.balance)
         p = self.policies
-        self._pick_prefill = self._pickers[p.prefill]
-        self._pick_decode = self._pickers[p.decode]
-        self._pick_rank = self._rank_pickers[p.dp_rank]
+        self._pick_prefill = self._pickers.worker(p.prefill)
+        self._pick_decode = self._pickers.worker(p.decode)
+        self._pick_rank = self._pickers.rank(p.dp_rank)
         # Resolved once: labels() costs a dict lookup under a lock per call.
         self._counted = {
             role: SCHEDULE_DECISIONS.labels(role=role, policy=name)
@@ -234,7 +129,7 @@ class Router:
         with self._lock:
             now = self._clock()
             grace_s = self.policies.reservation_grace_s
-            workers: dict[str, _Worker] = {}
+            workers: dict[str, PoolWorker] = {}
             for wl in snapshot.workers:
                 info = wl.info
                 wid = info.worker_id
@@ -245,12 +140,12 @@ class Router:
                     wid, now - wl.age_ms / 1000.0 - grace_s, [r.num_waiting for r in wl.ranks]
                 )
                 reserved = self._reservations.totals(wid, info.dp_size)
-                workers[wid] = _Worker(info, wl.ranks, reserved, wl.stale)
+                workers[wid] = PoolWorker(info, wl.ranks, reserved, wl.stale)
             for wid in [w for w in self._workers if w not in workers]:
                 self._forget(wid)
             self._reservations.retain(set(workers))
             self._workers = workers
-            self._pools = _build_pools(workers.values(), mirror=True)
+            self._pools = build_pools(workers.values(), mirror=True)
             self._default_model = max(self._pools, key=lambda m: (self._pools[m].num_workers, m), default="")
             self._stale = False
             self._has_snapshot = True
@@ -276,17 +171,21 @@ class Router:
             pools = self._pools
             if f.exclude_worker_ids:
                 kept = (w for w in self._workers.values() if w.info.worker_id not in f.exclude_worker_ids)
-                pools = _build_pools(kept, mirror=False)
+                pools = build_pools(kept, mirror=False)
             model = f.model or self._default_model
             mp = pools.get(model)
             if mp is None:
-                raise Unavailable(self._missing_model(f))
+                raise Unavailable(
+                    unroutable.missing_model(
+                        f, self._workers, self._pools, self._default_model, self._has_snapshot, self._stale
+                    )
+                )
             decision = self._decide(f, model, mp)
         self._count(decision)
         SCHEDULE_SECONDS.observe(time.perf_counter() - start)
         return decision
 
-    def _decide(self, f: RequestFeatures, model: str, mp: _ModelPools) -> Decision:
+    def _decide(self, f: RequestFeatures, model: str, mp: ModelPools) -> Decision:
         hashes = f.prefix_block_hashes
         if mp.pairable_decode.workers:
             decode = mp.pairable_decode.workers[self._pick_decode(mp.pairable_decode, f)]
@@ -312,19 +211,19 @@ class Router:
         elif mp.decode.workers and not mp.prefill_by_layout:
             worker = mp.decode.workers[self._pick_decode(mp.decode, f)]
         else:
-            raise Unavailable(self._missing_pair(f, model))
+            raise Unavailable(unroutable.missing_pair(f, model, self._workers, self._stale))
         rank = self._reserve_rank(worker, f)
         self._prefix.record(worker.info.worker_id, hashes)
         return self._decision(ServingMode.AGGREGATED, model, None, (worker, rank))
 
-    def _uncached_tokens(self, f: RequestFeatures, w: _Worker) -> int:
+    def _uncached_tokens(self, f: RequestFeatures, w: PoolWorker) -> int:
         """Prompt tokens not already cached on `w` (by the prefix index: sampled, recent)."""
         hit = (
             self._prefix.matched_blocks(f.prefix_block_hashes, w.info.worker_id) * w.info.kv_layout.block_size
         )
         return f.prompt_tokens - min(hit, f.prompt_tokens)
 
-    def _split_unified(self, f: RequestFeatures, model: str, pool: _Pool) -> Decision | None:
+    def _split_unified(self, f: RequestFeatures, model: str, pool: Pool) -> Decision | None:
         """A long prompt's prefill on one unified worker, its decode on another (or None)."""
         threshold = self.policies.unified_disaggregate_threshold
         if threshold <= 0 or len(pool.workers) < 2:
@@ -346,7 +245,7 @@ class Router:
             ServingMode.DISAGGREGATED, model, (prefill, prefill_rank), (decode, decode_rank)
         )
 
-    def _reserve_rank(self, w: _Worker, f: RequestFeatures) -> int:
+    def _reserve_rank(self, w: PoolWorker, f: RequestFeatures) -> int:
         """Pick the rank and add the prompt tokens to its reservation (caller holds the lock)."""
         rank = self._pick_rank(w, f)
         tokens = f.prompt_tokens
@@ -360,8 +259,8 @@ class Router:
         self,
         mode: ServingMode,
         model: str,
-        prefill: tuple[_Worker, int] | None,
-        decode: tuple[_Worker, int],
+        prefill: tuple[PoolWorker, int] | None,
+        decode: tuple[PoolWorker, int],
     ) -> Decision:
         chosen = [decode] if prefill is None else [prefill, decode]
         lens = [w.info.max_model_len for w, _ in chosen if w.info.max_model_len > 0]
@@ -382,36 +281,6 @@ class Router:
             self._counted["unified" if d.mode is ServingMode.AGGREGATED else "decode"].inc()
             self._counted["dp_rank"].inc()
         self._mode_counted[d.mode].inc()
-
-    # --- worker pickers (index into pool.workers) ---
-
-    def _pick_round_robin(self, pool: _Pool, f: RequestFeatures) -> int:
-        turn = self._turns.get(pool.key, 0)
-        self._turns[pool.key] = turn + 1
-        return policies.round_robin(len(pool.workers), turn)
-
-    def _pick_random(self, pool: _Pool, f: RequestFeatures) -> int:
-        return policies.random_pick(len(pool.workers), self._rng)
-
-    def _pick_power_of_two(self, pool: _Pool, f: RequestFeatures) -> int:
-        return policies.power_of_two(pool.loads, self._rng)
-
-    def _pick_cache_aware(self, pool: _Pool, f: RequestFeatures) -> int:
-        matched: list[int] = []
-        share = 0.0
-        if f.prefix_block_hashes:
-            ids, depth = self._prefix.longest_match(f.prefix_block_hashes, pool.index_of)
-            matched = policies.candidates_holding(ids, pool.index_of)
-            share = depth / len(f.prefix_block_hashes)
-        return policies.cache_aware(
-            pool.loads, matched, self.policies.balance, pool.least_loaded(), pool.max_load, share
-        )
-
-    def _rank_round_robin(self, w: _Worker, f: RequestFeatures) -> int:
-        wid = w.info.worker_id
-        turn = self._rank_turns.get(wid, 0)
-        self._rank_turns[wid] = turn + 1
-        return policies.rank_round_robin(w.info.dp_size, turn)
 
     # --- state ---
 
@@ -436,42 +305,9 @@ class Router:
 
     def _forget(self, worker_id: str) -> None:
         self._prefix.forget(worker_id)
-        self._rank_turns.pop(worker_id, None)
+        self._pickers.forget(worker_id)
         self._reservations.forget(worker_id)
 
-    # --- error messages (name what is missing) ---
 
-    def _stale_note(self) -> str:
-        return " (the load-monitor is unreachable; routing on its last snapshot)" if self._stale else ""
-
-    def _missing_model(self, f: RequestFeatures) -> str:
-        if not self._workers:
-            if not self._has_snapshot:
-                return "no load snapshot received from the load-monitor yet" + self._stale_note()
-            return "no workers are registered with the load-monitor" + self._stale_note()
-        served = sorted(self._pools)
-        if f.model and f.model not in served:
-            return f"model {f.model!r} is not served by any worker; served models: {served}"
-        return f"every worker of model {f.model or self._default_model!r} is excluded by the request"
-
-    def _missing_pair(self, f: RequestFeatures, model: str) -> str:
-        ws = [w for w in self._workers.values() if w.info.model_id == model]
-        prefill = [w for w in ws if w.info.role is Role.PREFILL]
-        decode = [w for w in ws if w.info.role is Role.DECODE]
-        excluded = [w for w in ws if w.info.worker_id in f.exclude_worker_ids]
-        if not decode and not [w for w in ws if w.info.role is Role.UNIFIED]:
-            msg = f"model {model!r} has {len(prefill)} prefill worker(s) but no decode or unified worker"
-        else:
-            p_layouts = sorted({_layout_text(w.info.kv_layout) for w in prefill})
-            d_layouts = sorted({_layout_text(w.info.kv_layout) for w in decode})
-            msg = (
-                f"no compatible prefill/decode pair for model {model!r}: prefill KV layouts "
-                f"{p_layouts}, decode KV layouts {d_layouts} (they must match)"
-            )
-        if excluded:
-            msg += f"; {len(excluded)} worker(s) excluded by the request"
-        return msg + self._stale_note()
-
-
-def _target(w: _Worker, rank: int) -> Target:
+def _target(w: PoolWorker, rank: int) -> Target:
     return Target(w.info.worker_id, w.info.address, rank, w.info.capabilities)

@@ -19,7 +19,7 @@ from pathlib import Path
 from shared.cluster_auth import TOKEN_HEADER
 
 ROOT = Path(__file__).resolve().parents[2]
-# Offsets used by services/up.py (gateway +0, scheduler +1, load-monitor +2, prefill +10,
+# Offsets used by services/up_shape.py (gateway +0, scheduler +1, load-monitor +2, prefill +10,
 # decode +20, unified +30, the gateway's HTTP API +40, metrics +50..+80).
 _OFFSETS = (0, 1, 2, 10, 20, 30, 40, 50, 51, 52, 60, 70, 80)
 
@@ -188,7 +188,7 @@ def running_processes(
     """The stack `pdserve up` would start (same flags, ports and arguments), but started by this
     process directly: no supervisor stops everything when one service dies, so chaos tests can
     kill services one by one. Stopped with SIGTERM (SIGKILL after 30 s) at the end."""
-    from services import up
+    from services import up, up_processes, up_shape
 
     base = free_port_base()
     args = up._parse(
@@ -204,12 +204,12 @@ def running_processes(
             *up_args,
         ]
     )
-    children = up._children(args, model)
+    children = up_shape.children(args, model)
     for child in children:
-        up._start(child, str(log_dir))
+        up_processes.start(child, str(log_dir))
     try:
         num_workers = sum(args.worker_counts.values())
-        problem = up._wait_ready(children, num_workers, ready_timeout_s, threading.Event(), None)
+        problem = up_processes.wait_ready(children, num_workers, ready_timeout_s, threading.Event(), None)
         stack = Stack(
             gateway=f"127.0.0.1:{base}",
             scheduler=f"127.0.0.1:{base + 1}",
@@ -226,4 +226,4 @@ def running_processes(
             raise RuntimeError(f"the stack did not come up: {problem}\n{stack.logs()}")
         yield stack
     finally:
-        up._stop_all(children, grace_s=30.0)
+        up_processes.stop_all(children, grace_s=30.0)

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from services import up
+from services import up, up_processes, up_shape
 
 
-def _children(*argv: str) -> list[up.Child]:
-    return up._children(up._parse(["--port-base", "40000", *argv]), "/models/m")
+def _children(*argv: str) -> list[up_shape.Child]:
+    return up_shape.children(up._parse(["--port-base", "40000", *argv]), "/models/m")
 
 
 def test_default_is_one_prefill_and_one_decode_worker() -> None:
@@ -129,7 +129,7 @@ def test_stop_order_gateway_then_all_workers_at_once_then_scheduler_and_load_mon
     log: list[tuple[str, str]] = []
     for child in children:
         child.proc = _Proc(child.name, log)  # type: ignore[assignment]
-    up._stop_all(children, grace_s=1.0)
+    up_processes.stop_all(children, grace_s=1.0)
     workers = {c.name for c in children if "worker" in c.name}
     assert log[:2] == [("term", "gateway"), ("exited", "gateway")]
     # every worker is signalled before any of them is waited for

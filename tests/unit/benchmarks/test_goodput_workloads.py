@@ -140,7 +140,9 @@ def test_http_base_url_is_found_in_the_ready_output() -> None:
 
 
 def test_command_line_defaults_and_refusals() -> None:
-    from benchmarks.bench_goodput import default_out, parse_args, requests_at
+    from benchmarks.bench_goodput import parse_args
+    from benchmarks.goodput.cli import default_out
+    from benchmarks.goodput.harness import requests_at
 
     full, quick = parse_args([]), parse_args(["--quick"])
     assert full.configs == list(configs.CONFIG_NAMES) and full.workloads == list(WORKLOADS)

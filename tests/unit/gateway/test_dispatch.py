@@ -11,10 +11,12 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from services.gateway.dispatch import Dispatcher, PreparedRequest, needed_capabilities
+from services.gateway.budget import MaxTokens
+from services.gateway.capabilities import needed_capabilities
+from services.gateway.dispatch import Dispatcher, PreparedRequest
+from services.gateway.inputs import Sampling, TokenLogprob
 from services.gateway.ports import (
     DecodeEvent,
-    DecodeEventKind,
     KvDestination,
     ModelCard,
     Placement,
@@ -25,15 +27,8 @@ from services.gateway.ports import (
     WorkerTarget,
     WorkerUnavailable,
 )
-from services.gateway.request import (
-    FrameKind,
-    OutputFrame,
-    RequestState,
-    RequestStatus,
-    Sampling,
-    TokenLogprob,
-)
-from shared.cluster import NIXL_CAPABILITY, FinishReason, KvTransport, ServingMode
+from services.gateway.request import OutputFrame, OutputFrameKind, RequestState, RequestStatus
+from shared.cluster import NIXL_CAPABILITY, DecodeFrameKind, FinishReason, KvTransport, ServingMode
 from shared.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
 from shared.structured_output import StructuredOutput
 
@@ -43,16 +38,16 @@ DECODE2 = WorkerTarget("d2", "decode:2", 0)
 PROMPT_LPS = tuple(TokenLogprob(t, -1.0 - t) for t in range(1, 20))  # a 20-token prompt's entries
 
 ADMITTED = DecodeEvent(
-    DecodeEventKind.ADMITTED, transfer_ticket="t-1", cached_blocks=1, local_cached_tokens=4
+    DecodeFrameKind.ADMITTED, transfer_ticket="t-1", cached_blocks=1, local_cached_tokens=4
 )
 
 
 def tokens(text: str, *ids: int) -> DecodeEvent:
-    return DecodeEvent(DecodeEventKind.TOKENS, text=text, token_ids=ids)
+    return DecodeEvent(DecodeFrameKind.TOKENS, text=text, token_ids=ids)
 
 
 def final(text: str = "", count: int | None = None, reason: FinishReason = FinishReason.STOP) -> DecodeEvent:
-    return DecodeEvent(DecodeEventKind.FINAL, text=text, generated_tokens=count, finish_reason=reason)
+    return DecodeEvent(DecodeFrameKind.FINAL, text=text, generated_tokens=count, finish_reason=reason)
 
 
 class FakeStream:
@@ -159,9 +154,8 @@ def prepared(max_tokens: int | None = 8, prompt_len: int = 20) -> PreparedReques
         request_id="req-1",
         model="",
         prompt_token_ids=tuple(range(prompt_len)),
-        sampling=Sampling(max_tokens=max_tokens or 256),
-        requested_max_tokens=max_tokens,
-        default_max_tokens=256,
+        sampling=Sampling(),
+        max_tokens=MaxTokens(max_tokens, 256),
         return_token_ids=True,
     )
 
@@ -236,10 +230,10 @@ async def test_disaggregated_path() -> None:
     sched = FakeScheduler([disagg()])
     frames, state = await run(sched, workers)
     assert [f.kind for f in frames] == [
-        FrameKind.FIRST,
-        FrameKind.CONTINUATION,
-        FrameKind.CONTINUATION,
-        FrameKind.FINAL,
+        OutputFrameKind.FIRST,
+        OutputFrameKind.CONTINUATION,
+        OutputFrameKind.CONTINUATION,
+        OutputFrameKind.FINAL,
     ]
     assert "".join(f.text for f in frames) == "abd"
     assert workers.decode_calls == [(DECODE.address, False, 8)]
@@ -262,7 +256,7 @@ async def test_prefill_finishes_request_aborts_decode() -> None:
         prefills={PREFILL.address: [PrefillResult("", (), 0, FinishReason.STOP)]},
     )
     frames, _state = await run(FakeScheduler([disagg()]), workers)
-    assert [f.kind for f in frames] == [FrameKind.FINAL]
+    assert [f.kind for f in frames] == [OutputFrameKind.FINAL]
     assert frames[0].usage is not None and frames[0].usage.completion_tokens == 0
     assert frames[0].finish_reason is FinishReason.STOP
     assert stream.cancelled
@@ -273,12 +267,16 @@ async def test_aggregated_path_first_frame_is_first() -> None:
     workers = FakeWorkers(
         streams={
             DECODE.address: [
-                FakeStream([DecodeEvent(DecodeEventKind.ADMITTED), tokens("x"), tokens("y"), final("", 2)])
+                FakeStream([DecodeEvent(DecodeFrameKind.ADMITTED), tokens("x"), tokens("y"), final("", 2)])
             ]
         }
     )
     frames, _ = await run(FakeScheduler([agg()]), workers)
-    assert [f.kind for f in frames] == [FrameKind.FIRST, FrameKind.CONTINUATION, FrameKind.FINAL]
+    assert [f.kind for f in frames] == [
+        OutputFrameKind.FIRST,
+        OutputFrameKind.CONTINUATION,
+        OutputFrameKind.FINAL,
+    ]
     assert workers.decode_calls == [(DECODE.address, True, 8)]
 
 
@@ -498,7 +496,7 @@ async def test_max_tokens_0_disaggregated_runs_the_prefill_alone() -> None:
     assert workers.prefill_calls == [(PREFILL.address, None)] and workers.decode_calls == []
     assert workers.aborts == [] and workers.jobs[0].sampling.prompt_logprobs == 1
     (frame,) = frames
-    assert frame.kind is FrameKind.FINAL and frame.finish_reason is FinishReason.LENGTH
+    assert frame.kind is OutputFrameKind.FINAL and frame.finish_reason is FinishReason.LENGTH
     assert frame.usage is not None and frame.usage.completion_tokens == 0
     assert frame.prompt_logprobs == PROMPT_LPS and frame.prompt_token_ids == req.prompt_token_ids
     assert state.status is RequestStatus.FINISHED_LENGTH
@@ -538,7 +536,9 @@ async def test_decode_failure_mid_stream_migrates_and_continues_exactly() -> Non
     state = RequestState(req.request_id, req.prompt_token_ids, False, "m")
     frames = [f async for f in Dispatcher(sched, workers, 4).run(req, state, None)]
     assert "".join(f.text for f in frames) == "abcdef"
-    assert [f.kind for f in frames] == [FrameKind.FIRST] + [FrameKind.CONTINUATION] * 4 + [FrameKind.FINAL]
+    assert [f.kind for f in frames] == [OutputFrameKind.FIRST] + [OutputFrameKind.CONTINUATION] * 4 + [
+        OutputFrameKind.FINAL
+    ]
     assert all(f.token_ids == () for f in frames), "ids only when the client asked"
     assert sched.queries[1].exclude_worker_ids == ("d1",)
     assert sched.queries[1].prompt_tokens == 23 and sched.queries[1].max_tokens == 4
@@ -589,7 +589,7 @@ async def test_worker_death_after_the_last_token_finishes_without_a_new_run() ->
     )
     sched = FakeScheduler([disagg()])
     frames, _state = await run(sched, workers, prepared(max_tokens=2))
-    assert frames[-1].kind is FrameKind.FINAL and frames[-1].finish_reason is FinishReason.LENGTH
+    assert frames[-1].kind is OutputFrameKind.FINAL and frames[-1].finish_reason is FinishReason.LENGTH
     assert frames[-1].usage is not None and frames[-1].usage.completion_tokens == 2
     assert len(sched.queries) == 1
 

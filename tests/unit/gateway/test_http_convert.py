@@ -9,9 +9,12 @@ import grpc
 import pytest
 
 from services.gateway import http_convert as conv
+from services.gateway import http_errors as herr
 from services.gateway import http_models as m
+from services.gateway import http_responses as resp
 from services.gateway.accounting import CacheStats, Usage
-from services.gateway.request import ChatTurn, TokenLogprob
+from services.gateway.inputs import ChatTurn, TokenLogprob
+from services.gateway.validation import InvalidField
 from shared import errors
 from shared.structured_output import StructuredOutput
 
@@ -74,7 +77,7 @@ def test_n_and_prompts_fan_out_with_derived_seeds() -> None:
     ],
 )
 def test_chat_refusals_name_the_field(kw: dict[str, Any], param: str) -> None:
-    with pytest.raises(conv.InvalidParam) as err:
+    with pytest.raises(InvalidField) as err:
         chat(**kw)
     assert err.value.param == param
 
@@ -91,7 +94,7 @@ def test_penalties_bias_and_min_tokens_reach_the_domain_input() -> None:
     assert inp.logit_bias == ((7, 5.0), (12, -100.0)) and inp.min_tokens == 3
     (plain,) = completion(prompt="x").inputs
     assert plain.logit_bias == () and plain.min_tokens is None and plain.presence_penalty is None
-    with pytest.raises(conv.InvalidParam) as err:
+    with pytest.raises(InvalidField) as err:
         chat(logit_bias={"seven": 1})
     assert err.value.param == "logit_bias"
 
@@ -107,18 +110,18 @@ def test_logprobs_fields_and_their_json() -> None:
         {"logprobs": True, "top_logprobs": 21},
         {"logprobs": True, "top_logprobs": -1},
     ):
-        with pytest.raises(conv.InvalidParam) as err:
+        with pytest.raises(InvalidField) as err:
             chat(**kw)
         assert err.value.param == "top_logprobs"
     texts = {1: "a", 2: "bc", 3: "\u00e9"}
     lps = [TokenLogprob(1, -0.5, ((1, -0.5), (2, float("-inf")))), TokenLogprob(3, -1.25, ())]
-    body = conv.chat_logprobs(lps, texts.__getitem__)
+    body = resp.chat_logprobs(lps, texts.__getitem__)
     assert body.content is not None and [e.token for e in body.content] == ["a", "\u00e9"]
-    assert body.content[0].top_logprobs[1].logprob == conv.LOGPROB_FLOOR  # JSON has no -inf
+    assert body.content[0].top_logprobs[1].logprob == resp.LOGPROB_FLOOR  # JSON has no -inf
     assert body.content[1].bytes == [0xC3, 0xA9]
-    legacy = conv.completion_logprobs(lps, texts.__getitem__, text_offset=10)
+    legacy = resp.completion_logprobs(lps, texts.__getitem__, text_offset=10)
     assert legacy.tokens == ["a", "\u00e9"] and legacy.token_logprobs == [-0.5, -1.25]
-    assert legacy.top_logprobs == [{"a": -0.5, "bc": conv.LOGPROB_FLOOR}, {}]
+    assert legacy.top_logprobs == [{"a": -0.5, "bc": resp.LOGPROB_FLOOR}, {}]
     assert legacy.text_offset == [10, 11]
 
 
@@ -151,16 +154,16 @@ def test_response_format_and_guided_fields_become_a_constraint() -> None:
         ({"guided_choice": ["a", ""]}, "guided_choice"),
         ({"guided_json": schema, "response_format": {"type": "json_object"}}, "guided_json"),
     ):
-        with pytest.raises(conv.InvalidParam) as err:
+        with pytest.raises(InvalidField) as err:
             chat(**kw)
         assert err.value.param == param, kw
 
 
 def test_completion_refusals() -> None:
     for prompt in ([], [-1]):
-        with pytest.raises(conv.InvalidParam):
+        with pytest.raises(InvalidField):
             completion(prompt=prompt)
-    with pytest.raises(conv.InvalidParam, match="choices"):
+    with pytest.raises(InvalidField, match="choices"):
         completion(prompt=["a"] * 9, n=8)
 
 
@@ -173,18 +176,18 @@ def test_echo_plan_and_prompt_logprobs_layout() -> None:
     assert completion(prompt="ab", echo=True, max_tokens=0).inputs[0].prompt_logprobs == 0
     assert completion(prompt="ab", echo=True).inputs[0].prompt_logprobs is None
     assert not completion(prompt="ab").echo
-    with pytest.raises(conv.InvalidParam, match="only allowed with echo") as err:
+    with pytest.raises(InvalidField, match="only allowed with echo") as err:
         completion(prompt="ab", max_tokens=0)
     assert err.value.param == "max_tokens"
-    assert conv.echo_text(plan.inputs[0], lambda ids: "never") == "ab"
+    assert resp.echo_text(plan.inputs[0], lambda ids: "never") == "ab"
     text = {1: "a", 2: "bc", 3: "d"}
-    lp = conv.prompt_completion_logprobs(
+    lp = resp.prompt_completion_logprobs(
         (1, 2, 3), (TokenLogprob(2, -1.0, ((3, -0.5),)), TokenLogprob(3, -float("inf"))), text.__getitem__
     )
     assert lp.tokens == ["a", "bc", "d"] and lp.text_offset == [0, 1, 3]
-    assert lp.token_logprobs == [None, -1.0, conv.LOGPROB_FLOOR]
+    assert lp.token_logprobs == [None, -1.0, resp.LOGPROB_FLOOR]
     assert lp.top_logprobs == [None, {"d": -0.5}, {}]
-    assert conv.prompt_completion_logprobs((1,), (), text.__getitem__).tokens == []
+    assert resp.prompt_completion_logprobs((1,), (), text.__getitem__).tokens == []
 
 
 def test_unsupported_fields_refused_unknown_ignored() -> None:
@@ -196,7 +199,7 @@ def test_unsupported_fields_refused_unknown_ignored() -> None:
         ("tools", [{"type": "function"}]),
         ("guided_grammar", "start: 'a'"),
     ):
-        with pytest.raises(conv.InvalidParam) as err:
+        with pytest.raises(InvalidField) as err:
             conv.unsupported_and_unknown({name: value})
         assert err.value.param == name and name in str(err.value)
 
@@ -209,7 +212,7 @@ def test_usage_counts_each_prompt_once() -> None:
         Usage(6, 1, CacheStats(0, 4)),
         Usage(6, 2, CacheStats(0, 4)),
     ]
-    u = conv.usage(plan, usages)
+    u = resp.usage(plan, usages)
     assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (16, 11, 27)
     assert u.prompt_tokens_details.cached_tokens == 4 + 4
 
@@ -228,20 +231,20 @@ def test_usage_counts_each_prompt_once() -> None:
     ],
 )
 def test_errors_map_to_http(exc: Exception, status: int, retry_after: bool) -> None:
-    e = conv.http_error(exc)
+    e = herr.http_error(exc)
     assert e.status == status
     assert ("Retry-After" in e.headers) == retry_after
     if status == 500:
         assert "detail" not in e.body.error.message and e.is_internal
     else:
         assert e.body.error.message == str(exc)
-    assert conv.http_error(errors.NotFound("model 'x' is not served here")).body.error.param == "model"
-    assert conv.HTTP_BY_STATUS[grpc.StatusCode.UNAUTHENTICATED][0] == 401
+    assert herr.http_error(errors.NotFound("model 'x' is not served here")).body.error.param == "model"
+    assert herr.HTTP_BY_STATUS[grpc.StatusCode.UNAUTHENTICATED][0] == 401
 
 
 def test_retry_after_follows_the_admission_hint() -> None:
     from services.gateway.admission import Overloaded
 
-    assert conv.http_error(Overloaded("busy", 2.5)).headers == {"Retry-After": "3"}
-    assert conv.http_error(Overloaded("busy", 0.2)).headers == {"Retry-After": "1"}
-    assert conv.http_error(Overloaded("busy", 2.5)).status == 429
+    assert herr.http_error(Overloaded("busy", 2.5)).headers == {"Retry-After": "3"}
+    assert herr.http_error(Overloaded("busy", 0.2)).headers == {"Retry-After": "1"}
+    assert herr.http_error(Overloaded("busy", 2.5)).status == 429

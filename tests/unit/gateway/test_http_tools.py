@@ -12,11 +12,13 @@ import pytest
 
 from services.gateway import http_convert as conv
 from services.gateway import http_models as m
-from services.gateway.request import ChatCallTurn, ChatTurn
+from services.gateway.http_chat import ToolParsing
+from services.gateway.inputs import ChatCallTurn, ChatTurn
 from services.gateway.service import GatewayService
 from services.gateway.settings import GatewaySettings
 from services.gateway.tokenization import PromptTokenizer
 from services.gateway.tool_calls import Tool
+from services.gateway.validation import InvalidField
 
 PARAMS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "d", "parameters": PARAMS}}
@@ -35,7 +37,7 @@ def test_auto_offers_the_tools_and_parses_freely() -> None:
     assert json.loads(inp.tools[0].parameters) == PARAMS and inp.tools[0].description == "d"
     assert json.loads(inp.tools[1].parameters) == {"type": "object", "properties": {}}
     assert inp.structured is None
-    assert plan.tools == conv.ToolParsing("hermes", forced=False)
+    assert plan.tools == ToolParsing("hermes", forced=False)
     assert chat(tools=[WEATHER], tool_choice="auto").tools == plan.tools
 
 
@@ -49,7 +51,7 @@ def test_none_leaves_tools_out() -> None:
 def test_required_and_named_force_a_call_with_a_schema(fmt: str) -> None:
     key = "parameters" if fmt == "llama3_json" else "arguments"
     required = chat(fmt, tools=[WEATHER, TIME], tool_choice="required")
-    assert required.tools == conv.ToolParsing(fmt, forced=True)  # type: ignore[arg-type]
+    assert required.tools == ToolParsing(fmt, forced=True)  # type: ignore[arg-type]
     spec = required.inputs[0].structured
     assert spec is not None and spec.kind == "json_schema"
     assert [v["properties"]["name"]["const"] for v in json.loads(spec.spec)["anyOf"]] == [
@@ -134,13 +136,13 @@ BAD: list[tuple[dict[str, Any], str]] = [
 
 @pytest.mark.parametrize(("kw", "param"), BAD)
 def test_bad_tool_inputs_name_the_field(kw: dict[str, Any], param: str) -> None:
-    with pytest.raises(conv.InvalidParam) as err:
+    with pytest.raises(InvalidField) as err:
         chat(**kw)
     assert err.value.param == param
 
 
 def test_tools_on_completions_are_refused() -> None:
-    with pytest.raises(conv.InvalidParam) as err:
+    with pytest.raises(InvalidField) as err:
         conv.unsupported_and_unknown({"tools": [WEATHER]})
     assert err.value.param == "tools"
 

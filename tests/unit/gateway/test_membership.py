@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from services.gateway.dispatch import Dispatcher, PreparedRequest
 from services.gateway.membership import MembershipWatch
 from services.gateway.ports import KvDestination, PrefillResult, WorkerGone, WorkerJob, WorkerTarget
-from services.gateway.request import FrameKind, OutputFrame, RequestState, RequestStatus
+from services.gateway.request import OutputFrame, OutputFrameKind, RequestState, RequestStatus
 from shared.cluster import FinishReason
 from tests.unit.gateway.test_dispatch import (
     ADMITTED,
@@ -173,7 +173,9 @@ async def test_a_stream_on_a_stopped_worker_that_left_membership_migrates_exactl
     frames = await _frames(Dispatcher(sched, workers, 4, membership=watch), req, state)
     assert "".join(f.text for f in frames) == "abcdef"
     assert [t for f in frames for t in f.token_ids] == [1, 2, 3, 4, 5]  # the FINAL carried none
-    assert [f.kind for f in frames] == [FrameKind.FIRST] + [FrameKind.CONTINUATION] * 4 + [FrameKind.FINAL]
+    assert [f.kind for f in frames] == [OutputFrameKind.FIRST] + [OutputFrameKind.CONTINUATION] * 4 + [
+        OutputFrameKind.FINAL
+    ]
     assert sched.queries[1].exclude_worker_ids == ("d1",)
     assert sched.queries[1].prompt_tokens == 23 and sched.queries[1].max_tokens == 4
     resumed = [j for j in workers.jobs if j.request_id != "req-1"]
@@ -248,7 +250,7 @@ async def test_a_decode_worker_gone_during_the_prefill_is_retried_before_the_han
     state = RequestState(req.request_id, req.prompt_token_ids, True, "m")
     frames = await _frames(Dispatcher(sched, workers, 4, membership=watch), req, state)
     assert "".join(f.text for f in frames) == "abc"
-    assert frames[0].kind is FrameKind.FIRST and state.migrations == 0 and state.attempts == 2
+    assert frames[0].kind is OutputFrameKind.FIRST and state.migrations == 0 and state.attempts == 2
     assert sched.queries[1].exclude_worker_ids == ("d1",)
     assert workers.stuck_cancelled
     assert PREFILL.address in workers.aborts and DECODE.address in workers.aborts

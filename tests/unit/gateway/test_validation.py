@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from services.gateway.request import ChatTurn, GenerateInput
+from services.gateway.inputs import ChatTurn, GenerateInput
 from services.gateway.validation import (
     InvalidField,
     Limits,

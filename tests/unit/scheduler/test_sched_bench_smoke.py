@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from benchmarks.bench_sched import SIM_POLICIES, SimConfig, bench_decisions, make_trace, simulate
+from benchmarks.sched.config import SIM_POLICIES, SimConfig, make_trace
+from benchmarks.sched.decisions import bench_decisions
+from benchmarks.sched.sim import simulate
 
 
 def test_simulation_min_tokens_balances_best() -> None:

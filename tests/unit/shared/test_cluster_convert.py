@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from shared import cluster_convert as cc
 from shared.cluster import (
+    DecodeFrameKind,
     FinishReason,
     KvLayout,
     LoadSnapshot,
@@ -23,7 +24,7 @@ from shared.cluster import (
     WorkerLoad,
 )
 from shared.errors import InvalidArgument
-from shared.proto import common_pb2, load_monitor_pb2, scheduler_pb2
+from shared.proto import common_pb2, load_monitor_pb2, scheduler_pb2, worker_pb2
 
 BIG = 2**40  # beyond 32 bits: the uint64 fields must carry it
 
@@ -80,12 +81,18 @@ def test_serving_mode_round_trip(mode: ServingMode) -> None:
     assert cc.serving_mode_from_pb(cc.serving_mode_to_pb(mode)) is mode
 
 
+@pytest.mark.parametrize("kind", list(DecodeFrameKind))
+def test_decode_frame_kind_round_trip(kind: DecodeFrameKind) -> None:
+    assert cc.decode_frame_kind_from_pb(cc.decode_frame_kind_to_pb(kind)) is kind
+
+
 @pytest.mark.parametrize(
     ("pb_enum", "from_pb"),
     [
         (common_pb2.WorkerRole, cc.role_from_pb),
         (common_pb2.FinishReason, cc.finish_reason_from_pb),
         (scheduler_pb2.ServingMode, cc.serving_mode_from_pb),
+        (worker_pb2.DecodeFrameKind, cc.decode_frame_kind_from_pb),
     ],
 )
 def test_every_proto_value_has_a_member_and_unknown_ones_read_as_none(

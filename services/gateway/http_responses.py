@@ -1,0 +1,213 @@
+"""The domain's results as OpenAI HTTP responses: a whole (non-streamed) chat or text completion,
+usage over a request's choices, logprobs, completions' echo (the prompt and its logprobs first),
+tool calls, finish reasons, response ids and the model list. The streamed form of the same
+results is `http_stream.py`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from services.gateway import http_models as m
+from services.gateway import tool_calls
+from services.gateway.accounting import Usage
+from services.gateway.http_convert import Plan
+from services.gateway.inputs import GenerateInput, TokenLogprob
+from services.gateway.ports import ModelCard
+from services.gateway.request import Completion, OutputFrame
+from services.gateway.tool_calls import ToolCall
+from shared.cluster import FinishReason
+
+# JSON has no -inf: a token top-k / top-p ruled out gets this logprob instead (as in vLLM)
+LOGPROB_FLOOR = -9999.0
+
+
+def finish_reason(reason: FinishReason | None) -> str | None:
+    return None if reason is None else reason.value
+
+
+def usage(plan: Plan, usages: Sequence[Usage]) -> m.Usage:
+    """OpenAI's usage of all choices: each prompt counted once (its choices share it), completion
+    tokens summed; cached_tokens of a prompt = the fewest any of its choices found cached."""
+    prompt_tokens = cached = completion = 0
+    for group in sorted(set(plan.groups)):
+        members = [u for g, u in zip(plan.groups, usages, strict=True) if g == group]
+        prompt_tokens += members[0].prompt_tokens
+        cached += min(u.cached_tokens for u in members)
+    completion = sum(u.completion_tokens for u in usages)
+    return m.Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion,
+        total_tokens=prompt_tokens + completion,
+        prompt_tokens_details=m.PromptTokensDetails(cached_tokens=cached),
+    )
+
+
+def _logprob(value: float) -> float:
+    return value if value > LOGPROB_FLOOR else LOGPROB_FLOOR  # -inf (and NaN) -> the floor
+
+
+def chat_logprobs(logprobs: Sequence[TokenLogprob], token_text: Callable[[int], str]) -> m.ChatLogprobs:
+    """OpenAI chat's logprobs.content: per token its text, UTF-8 bytes, logprob, alternatives."""
+
+    def entry(token_id: int, value: float) -> m.TopLogprob:
+        text = token_text(token_id)
+        return m.TopLogprob(token=text, logprob=_logprob(value), bytes=list(text.encode()))
+
+    content = []
+    for lp in logprobs:
+        chosen = entry(lp.token_id, lp.logprob)
+        top = [entry(t, v) for t, v in lp.top]
+        content.append(
+            m.ChatTokenLogprob(
+                token=chosen.token, logprob=chosen.logprob, bytes=chosen.bytes, top_logprobs=top
+            )
+        )
+    return m.ChatLogprobs(content=content)
+
+
+def completion_logprobs(
+    logprobs: Sequence[TokenLogprob], token_text: Callable[[int], str], text_offset: int = 0
+) -> m.CompletionLogprobs:
+    """The legacy completions logprobs: parallel lists; text_offset counts characters of the
+    token texts from `text_offset` (where the previous chunk's tokens ended)."""
+    tokens = [token_text(lp.token_id) for lp in logprobs]
+    offsets = []
+    for text in tokens:
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return m.CompletionLogprobs(
+        tokens=tokens,
+        token_logprobs=[_logprob(lp.logprob) for lp in logprobs],
+        top_logprobs=[{token_text(t): _logprob(v) for t, v in lp.top} for lp in logprobs],
+        text_offset=offsets,
+    )
+
+
+def prompt_completion_logprobs(
+    prompt_token_ids: Sequence[int], prompt_logprobs: Sequence[TokenLogprob], token_text: Callable[[int], str]
+) -> m.CompletionLogprobs:
+    """Echo's part of the legacy completions logprobs: every prompt token, the first with a null
+    logprob and null alternatives (nothing precedes it; as OpenAI and vLLM), the others with
+    their logprob and alternatives under the raw model distribution. Empty without them."""
+    if not prompt_logprobs:
+        return m.CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+    rest = completion_logprobs(prompt_logprobs, token_text, len(token_text(prompt_token_ids[0])))
+    assert rest.top_logprobs is not None
+    return m.CompletionLogprobs(
+        tokens=[token_text(prompt_token_ids[0]), *rest.tokens],
+        token_logprobs=[None, *rest.token_logprobs],
+        top_logprobs=[None, *rest.top_logprobs],
+        text_offset=[0, *rest.text_offset],
+    )
+
+
+def joined_logprobs(first: m.CompletionLogprobs, then: m.CompletionLogprobs) -> m.CompletionLogprobs:
+    """Two runs of completions logprobs as one (echo: the prompt's, then the generated ones)."""
+    return m.CompletionLogprobs(
+        tokens=first.tokens + then.tokens,
+        token_logprobs=first.token_logprobs + then.token_logprobs,
+        top_logprobs=(first.top_logprobs or []) + (then.top_logprobs or []),
+        text_offset=first.text_offset + then.text_offset,
+    )
+
+
+def echo_text(inp: GenerateInput, decode: Callable[[tuple[int, ...]], str]) -> str:
+    """The echoed prompt: the string the client sent, or its token ids' text."""
+    return inp.prompt if inp.prompt else decode(inp.prompt_token_ids)
+
+
+def echoes(plan: Plan, decode: Callable[[tuple[int, ...]], str]) -> list[str] | None:
+    """Completions with echo: each choice's prompt text (None without echo)."""
+    return [echo_text(inp, decode) for inp in plan.inputs] if plan.echo else None
+
+
+def echoed_logprobs(
+    c: Completion | OutputFrame, token_text: Callable[[int], str], generated: m.CompletionLogprobs
+) -> m.CompletionLogprobs:
+    """Echo with logprobs: the prompt tokens' entries, then the generated ones (whose
+    text_offset continues after the prompt's token texts)."""
+    prompt = prompt_completion_logprobs(c.prompt_token_ids, c.prompt_logprobs, token_text)
+    shift = sum(len(t) for t in prompt.tokens)
+    generated = generated.model_copy(update={"text_offset": [o + shift for o in generated.text_offset]})
+    return joined_logprobs(prompt, generated)
+
+
+def _text_logprobs(c: Completion, token_text: Callable[[int], str], echo: bool) -> m.CompletionLogprobs:
+    """A completions choice's logprobs (with echo, the prompt's first)."""
+    generated = completion_logprobs(c.logprobs, token_text)
+    return echoed_logprobs(c, token_text, generated) if echo else generated
+
+
+def response_tool_calls(calls: Sequence[tool_calls.ToolCall]) -> list[m.ResponseToolCall]:
+    return [
+        m.ResponseToolCall(id=c.id, function=m.ResponseFunctionCall(name=c.name, arguments=c.arguments))
+        for c in calls
+    ]
+
+
+def chat_finish_reason(reason: str, called: bool) -> str:
+    """OpenAI's finish_reason: tool_calls when the model stopped after calling tools."""
+    return "tool_calls" if called and reason == FinishReason.STOP.value else reason
+
+
+def chat_id(request_id: str) -> str:
+    return f"chatcmpl-{request_id}"
+
+
+def completion_id(request_id: str) -> str:
+    return f"cmpl-{request_id}"
+
+
+def model_list(cards: Sequence[ModelCard], created: int) -> m.ModelList:
+    return m.ModelList(
+        data=[m.ModelCard(id=c.id, created=created, max_model_len=c.max_model_len or None) for c in cards]
+    )
+
+
+def completion_body(
+    plan: Plan,
+    done: list[Completion],
+    request_id: str,
+    created: int,
+    chat: bool,
+    token_text: Callable[[int], str],
+    echoes: list[str] | None = None,
+) -> m.ChatCompletion | m.Completion:
+    total = usage(plan, [c.usage for c in done])
+    model = done[0].model
+    wants = [inp.logprobs is not None for inp in plan.inputs]
+    if chat:
+        choices = []
+        for i, c in enumerate(done):
+            content: str | None = c.text
+            calls: list[ToolCall] = []
+            if plan.tools is not None:
+                content, calls = tool_calls.parse(c.text, plan.tools.fmt, plan.tools.forced)
+            choices.append(
+                m.ChatChoice(
+                    index=i,
+                    message=m.AssistantMessage(
+                        content=content, tool_calls=response_tool_calls(calls) or None
+                    ),
+                    finish_reason=chat_finish_reason(c.finish_reason.value, bool(calls)),
+                    logprobs=chat_logprobs(c.logprobs, token_text) if wants[i] else None,
+                )
+            )
+        return m.ChatCompletion(
+            id=chat_id(request_id), created=created, model=model, choices=choices, usage=total
+        )
+    return m.Completion(
+        id=completion_id(request_id),
+        created=created,
+        model=model,
+        choices=[
+            m.CompletionChoice(
+                index=i,
+                text=(echoes[i] if echoes else "") + c.text,
+                finish_reason=c.finish_reason.value,
+                logprobs=_text_logprobs(c, token_text, echo=bool(echoes)) if wants[i] else None,
+            )
+            for i, c in enumerate(done)
+        ],
+        usage=total,
+    )

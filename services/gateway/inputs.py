@@ -1,0 +1,104 @@
+"""What a gateway request is made of: the client's input (`GenerateInput`, built alike by the gRPC
+face, convert.py, and the HTTP face, http_convert.py; None means an optional field was not set),
+chat turns, per-token logprobs, and the validated sampling/stop parameters the workers get
+(`Sampling`). The request's max_tokens is owned by `budget.MaxTokens`."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from services.gateway.tool_calls import Tool
+from shared.structured_output import StructuredOutput
+
+
+@dataclass(frozen=True)
+class ChatCallTurn:
+    """A tool call an earlier assistant turn made; `arguments` is a JSON object as text."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class ChatTurn:
+    role: str
+    content: str
+    tool_calls: tuple[ChatCallTurn, ...] = ()  # assistant turns that called tools
+    tool_call_id: str = ""  # tool turns: the call this is the result of
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability and the most likely tokens at its position (most
+    likely first; natural log; -inf for a token that top-k / top-p ruled out)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob)
+
+
+@dataclass(frozen=True)
+class GenerateInput:
+    """The client's GenerateRequest, unvalidated; None means the optional field was not set."""
+
+    model: str = ""
+    prompt: str = ""
+    prompt_token_ids: tuple[int, ...] = ()
+    messages: tuple[ChatTurn, ...] = ()
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+    request_id: str = ""
+    include_stop_in_output: bool = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), in the client's order
+    min_tokens: int | None = None
+    logprobs: int | None = None  # alternatives per token (0-20); None = no logprobs
+    structured: StructuredOutput | None = None  # what the output must match
+    tools: tuple[Tool, ...] = ()  # offered to the model in the chat prompt
+    # score the prompt: alternatives per prompt token (0-20); None = no prompt logprobs. With it
+    # max_tokens may be 0 (only the prompt runs)
+    prompt_logprobs: int | None = None
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Validated sampling/stop parameters, as the workers get them."""
+
+    # This run's budget (tokens): set only when the dispatcher builds a run's job, from the
+    # request's resolved max_tokens (RequestState.max_tokens; budget.py) less the tokens generated
+    # before the run. 0 in PreparedRequest.sampling, which holds no budget.
+    max_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_in_output: bool = False
+    first_output_index: int = 0  # > 0 when a migrated request resumes after that many tokens
+    unshown_tail_tokens: int = 0  # of those, the last ones whose text was not shown (held back)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by token id
+    min_tokens: int = 0  # counted from output index 0 (unchanged by a migration)
+    logprobs: int | None = None  # alternatives per token (0-20); None = no logprobs
+    structured: StructuredOutput | None = None  # what the output must match (validated)
+    # alternatives per prompt token (0-20) of the raw model distribution; None = none
+    prompt_logprobs: int | None = None
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex

@@ -1,0 +1,176 @@
+"""The shape of a `pdserve up` stack: which child processes (load-monitor, scheduler, the workers
+of each kind, gateway), the port each listens on (port-base + a fixed offset per service), and the
+flags and environment each gets, including the flags that several workers on one GPU need."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+PORT_OFFSETS = {
+    "gateway": 0,
+    "scheduler": 1,
+    "load-monitor": 2,
+    "prefill-worker": 10,
+    "decode-worker": 20,
+    "worker": 30,
+}
+HTTP_OFFSET = 40  # the gateway's OpenAI-compatible HTTP API listens on base + HTTP_OFFSET
+METRICS_OFFSET = 50  # metrics port = base + METRICS_OFFSET + offset, when --metrics
+MAX_WORKERS_PER_KIND = 10  # worker i of a kind listens on base + offset + i (offsets 10 apart)
+CLUSTER_TOKEN_ENV = "PDSERVE_CLUSTER_TOKEN"  # how children get the cluster token (never argv)
+WORKER_MODULES = {
+    "prefill-worker": "services.prefill_worker",
+    "decode-worker": "services.decode_worker",
+    "worker": "services.worker",
+}
+
+
+@dataclass
+class Child:
+    name: str
+    module: str
+    address: str
+    args: list[str]
+    env: dict[str, str] | None = None  # added to this process's environment (secrets: not in argv)
+    proc: subprocess.Popen[bytes] | None = None
+    log_path: Path | None = None
+
+
+def worker_counts(a: argparse.Namespace) -> dict[str, int]:
+    """How many workers of each kind (child name prefix -> count); exits with a one-line error
+    for a shape the stack cannot serve."""
+    if a.unified or a.unified_workers > 0:
+        counts = {"worker": max(1, a.unified_workers)}
+    else:
+        counts = {"prefill-worker": a.prefill_workers, "decode-worker": a.decode_workers}
+    for kind, n in counts.items():
+        if not 1 <= n <= MAX_WORKERS_PER_KIND:
+            raise SystemExit(f"pdserve up: {kind}s must be between 1 and {MAX_WORKERS_PER_KIND}, got {n}")
+    return counts
+
+
+def _graphs_flag(a: argparse.Namespace) -> list[str]:
+    """`--no-cuda-graphs` when several worker processes share the GPU. Every worker of `up` runs
+    on the same device, and without MPS the GPU time-slices between processes: an eager prefill
+    worker's ~1,000 small kernels per step each wait behind the other process's graph replays.
+    Measured on an H200 (benchmarks/results/goodput-cuda-graphs-notes.md): disaggregated chat at
+    30 req/s met the TTFT SLO for 3.8 % of requests with graphs against 100 % without, while one
+    process with graphs did better than without (TTFT p90 1.14 s vs 1.94 s at 20 req/s)."""
+    several = sum(a.worker_counts.values()) > 1
+    return ["--no-cuda-graphs"] if several and a.device != "cpu" else []
+
+
+# the share of the GPU's memory all of up's workers use together (each worker's own default)
+GPU_MEMORY_UTILIZATION = 0.9
+
+
+def _memory_flag(a: argparse.Namespace) -> list[str]:
+    """`--gpu-memory-utilization` split evenly when several worker processes share the GPU:
+    each worker sizes its KV pool from its share of the device (engine/memory.py), so the first
+    one to start cannot take the memory the others need. A --worker-arg given later wins."""
+    workers = sum(a.worker_counts.values())
+    if workers < 2 or a.device == "cpu":
+        return []
+    share = int(GPU_MEMORY_UTILIZATION / workers * 1000) / 1000  # rounded down: never over 0.9
+    return ["--gpu-memory-utilization", f"{share:g}"]
+
+
+def worker_name(kind: str, index: int) -> str:
+    """`decode-worker`, `decode-worker-1`, ...: the first keeps the plain name (and port)."""
+    return kind if index == 0 else f"{kind}-{index}"
+
+
+def children(a: argparse.Namespace, model_path: str) -> list[Child]:
+    def port(name: str) -> int:
+        kind, _, index = name.rpartition("-") if name[-1].isdigit() else (name, "", "0")
+        return a.port_base + PORT_OFFSETS[kind] + int(index)
+
+    def addr(name: str) -> str:
+        return f"{a.host}:{port(name)}"
+
+    tls = [
+        *(["--tls-cert-file", a.tls_cert_file, "--tls-key-file", a.tls_key_file] if a.tls_cert_file else []),
+        *(["--tls-ca-file", a.tls_ca_file] if a.tls_ca_file else []),
+        *(["--tls-server-name", a.tls_server_name] if a.tls_server_name else []),
+    ]
+
+    def common(name: str) -> list[str]:
+        metrics = port(name) + METRICS_OFFSET if a.metrics else -1
+        return ["--listen", addr(name), "--metrics-port", str(metrics), "--log-level", a.log_level, *tls]
+
+    worker_common = [
+        "--load-monitor-address",
+        addr("load-monitor"),
+        "--model",
+        model_path,
+        "--model-cache-dir",
+        a.model_cache_dir,
+        "--device",
+        a.device,
+        "--dtype",
+        a.dtype,
+        "--dp-size",
+        str(a.dp_size),
+        "--block-size",
+        str(a.block_size),
+        "--torch-threads",
+        str(a.torch_threads),
+        *_graphs_flag(a),
+        *_memory_flag(a),
+        *a.worker_arg,  # after ours: a --worker-arg=--cuda-graphs wins
+    ]
+    stack = [
+        Child(
+            "load-monitor",
+            "services.load_monitor",
+            addr("load-monitor"),
+            [*common("load-monitor"), *a.load_monitor_arg],
+        ),
+        Child(
+            "scheduler",
+            "services.scheduler",
+            addr("scheduler"),
+            [*common("scheduler"), "--load-monitor-address", addr("load-monitor"), *a.scheduler_arg],
+        ),
+    ]
+    for kind, count in a.worker_counts.items():
+        role = ["--role", "unified"] if kind == "worker" else []
+        own = {"prefill-worker": a.prefill_worker_arg, "decode-worker": a.decode_worker_arg}.get(kind, [])
+        for index in range(count):
+            name = worker_name(kind, index)
+            stack.append(
+                Child(
+                    name,
+                    WORKER_MODULES[kind],
+                    addr(name),
+                    [*common(name), *role, "--advertise-address", addr(name), *worker_common, *own],
+                )
+            )
+    stack.append(
+        Child(
+            "gateway",
+            "services.gateway",
+            addr("gateway"),
+            [
+                *common("gateway"),
+                "--scheduler-address",
+                addr("scheduler"),
+                "--model",
+                model_path,
+                "--model-cache-dir",
+                a.model_cache_dir,
+                "--block-size",
+                str(a.block_size),
+                "--http-port",
+                str(a.port_base + HTTP_OFFSET),
+                *a.gateway_arg,
+            ],
+            env={"PDSERVE_API_KEYS": ",".join(a.api_key)} if a.api_key else None,
+        )
+    )
+    for child in stack:  # in the environment, not argv: /proc/<pid>/cmdline is world-readable
+        child.env = {**(child.env or {}), CLUSTER_TOKEN_ENV: a.cluster_token}
+    return stack
