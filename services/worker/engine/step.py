@@ -4,16 +4,20 @@ iteration of the step loop plans, runs and applies.
     plan = scheduler.schedule()                 # StepPlan: who computes how many tokens
     speculation.propose(plan)                   # the proposals this step verifies
     batch = plan_batch(plan, eos_token_ids)     # snapshots: the runner reads no Request
-    output = StepOutput(runner.execute(batch))  # tokens sampled per sampling sequence
+    output = StepOutput(batch, runner.execute(batch), ...)  # samples per sampling sequence
     speculation.after_verify(plan, output)      # sampled targets -> accepted runs
     updates = scheduler.update(plan, output)    # tokens appended, KV progress, finish rule
+    # the rank ends what ended, then
+    speculation.after_update(updates)           # next proposals of what goes on
+    speculation.draft_round(...)                # with a draft model: its passes, unlocked
 
-Everything but `runner.execute` runs under the rank's lock (rank.py).
+Everything but `runner.execute` and the draft model's passes runs under the rank's lock
+(rank.py). With speculation off, `speculation` is spec/speculation.NoSpeculation.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from services.worker.engine.api import FinishReason
@@ -34,8 +38,6 @@ class StepOutput:
     runs: list[list[int]]
     elapsed_ns: int = 0  # wall-clock time of the forward pass (nanoseconds)
     cost_ns: int = 0  # what it cost the step thread (spec/calibrate.step_clock; nanoseconds)
-    # per sampling sequence: how many of its verified proposals were accepted (after_verify)
-    accepted: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
