@@ -227,8 +227,8 @@ class DraftProposer:
 
 def fit_to_room(wants: Sequence[tuple[Request, int]], room: int) -> list[tuple[Request, int]]:
     """Cut decoding requests' wanted proposals to `room` in all, best recent acceptance first
-    (the order in which the scheduler gives verification room): the draft's forward passes for
-    proposals the next step could not verify would be wasted. Handoffs (HELD, verified on the
+    (the order in which Speculation.propose gives verification room): the draft's forward
+    passes for proposals the next step could not verify would be wasted. Handoffs (HELD, verified on the
     decode worker) keep theirs."""
     decoding = sorted(
         (w for w in wants if w[0].status is RequestStatus.RUNNING),

@@ -15,8 +15,8 @@ a step that verifies anything (calibrated at start-up, spec/calibrate.py, then o
 rank's decode steps). `token_savings_ms` says what one more accepted token of each sequence
 saves, and `plan_drafts` verifies proposal j of a request only when a**j (a: the request's
 per-position acceptance, `position_acceptance`) times that saving exceeds per_token, and a
-step's proposals only when together they are expected to save more than verify. The scheduler
-also applies a hard cap (Scheduler.max_spec_batch_tokens).
+step's proposals only when together they are expected to save more than verify. Speculation
+also applies a hard cap (Speculation.max_spec_batch_tokens).
 """
 
 from __future__ import annotations
