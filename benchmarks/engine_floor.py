@@ -207,12 +207,8 @@ def measure(
     from services.worker.engine import cpu_kernels
     from services.worker.engine.api import EngineConfig
     from services.worker.engine.backend import ModelBackend
-    from services.worker.engine.model_runner import (
-        ModelRunner,
-        kv_layout_of,
-        load_model,
-        resolve_dtype,
-    )
+    from services.worker.engine.model_loading import kv_layout_of, load_model, resolve_dtype
+    from services.worker.engine.model_runner import ModelRunner
     from services.worker.engine.options import BackendOptions
 
     device = torch.device(device_name)

@@ -84,7 +84,8 @@ def main() -> None:
     args = ap.parse_args()
     from benchmarks.engine_floor import cpu_features
     from services.worker.engine.backend import ModelBackend
-    from services.worker.engine.model_runner import ModelRunner, kv_layout_of, load_model
+    from services.worker.engine.model_loading import kv_layout_of, load_model
+    from services.worker.engine.model_runner import ModelRunner
     from services.worker.engine.options import BackendOptions
     from shared.model_store import resolve_model
 

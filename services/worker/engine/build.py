@@ -16,7 +16,8 @@ from services.worker.engine import memory, model_variants
 from services.worker.engine.api import EngineConfig, KvLayout
 from services.worker.engine.backend import ModelBackend
 from services.worker.engine.block_manager import BlockManager
-from services.worker.engine.model_runner import ModelRunner, kv_layout_of, load_model, resolve_dtype
+from services.worker.engine.model_loading import kv_layout_of, load_model, resolve_dtype
+from services.worker.engine.model_runner import ModelRunner
 from services.worker.engine.rank import Rank
 from services.worker.engine.scheduler import Scheduler
 from services.worker.engine.spec.calibrate import calibrate

@@ -14,7 +14,6 @@ import torch
 from services.worker.engine import (
     attention,
     cpu_kernels,
-    cpu_linear,
     model_variants,
     step_inputs,
 )
@@ -24,11 +23,8 @@ from services.worker.engine.backend import BackendOptions, ModelBackend
 from services.worker.engine.decode_graphs import DecodeGraphs, DecodeSeq
 from services.worker.engine.lean_llama import LeanLlama
 from services.worker.engine.sampler import TokenHistory, apply_allowed, sample, sample_with_logprobs
-from shared.model_store import load_causal_lm
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -53,50 +49,6 @@ class ScheduledSeq:
     allowed: torch.Tensor | None = None
     # filled by the runner when sampling.logprobs is set: one entry per sampled position
     logprobs: list[TokenLogprobs] = field(default_factory=list)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name not in _DTYPES:
-        raise ValueError(f"unknown dtype {name!r}")
-    return _DTYPES[name]
-
-
-def load_model(
-    model_path: str, device: torch.device, dtype: torch.dtype, prepack: bool = True, row_copy: bool = False
-) -> Any:
-    """transformers' own model class with our attention; on CPU its linear layers prepacked
-    for oneDNN unless `prepack` is False, with `row_copy` also as a copy for steps of few rows
-    (see cpu_linear). Raises model_variants.UnsupportedAttention (before loading weights) for
-    a model whose attention the engine cannot reproduce exactly."""
-    from transformers import AutoConfig
-
-    model_variants.check_supported(AutoConfig.from_pretrained(model_path))
-    attention.register()
-    # a folder's weights, or a random-weight model built on the device (`random:` models)
-    model = load_causal_lm(model_path, device, dtype=dtype, attn_implementation=attention.ATTN_IMPLEMENTATION)
-    model_variants.check_loaded(model)
-    model.eval()
-    # serving never differentiates: no autograd state in the weights (torch.compile'd layers
-    # would otherwise trace for training)
-    model.requires_grad_(False)
-    if prepack:
-        cpu_linear.prepack_linears(model, row_copy)
-    return model
-
-
-def kv_layout_of(model_config: Any, block_size: int, dtype: torch.dtype) -> KvLayout:
-    cfg = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    num_heads = cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
-    return KvLayout(
-        num_layers=cfg.num_hidden_layers,
-        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or num_heads,
-        head_dim=head_dim,
-        block_size=block_size,
-        dtype=str(dtype).removeprefix("torch."),
-    )
 
 
 class ModelRunner:

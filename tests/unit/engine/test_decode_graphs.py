@@ -18,7 +18,8 @@ from services.worker.engine import build as build_module
 from services.worker.engine.api import SamplingConfig
 from services.worker.engine.backend import CudaOptions, ModelBackend
 from services.worker.engine.decode_graphs import DecodeSeq, bucket
-from services.worker.engine.model_runner import ModelRunner, ScheduledSeq, kv_layout_of, load_model
+from services.worker.engine.model_loading import kv_layout_of, load_model
+from services.worker.engine.model_runner import ModelRunner, ScheduledSeq
 from services.worker.engine.options import BackendOptions
 from tests.support.tiny_models import build_tiny_draft
 from tests.unit.engine.conftest import EngineFactory, greedy_tokens

@@ -19,7 +19,8 @@ from services.worker.engine.api import SamplingConfig
 from services.worker.engine.attention import AttentionBackend
 from services.worker.engine.backend import ModelBackend
 from services.worker.engine.lean_llama import LeanLlama
-from services.worker.engine.model_runner import ModelRunner, ScheduledSeq, kv_layout_of, load_model
+from services.worker.engine.model_loading import kv_layout_of, load_model
+from services.worker.engine.model_runner import ModelRunner, ScheduledSeq
 from services.worker.engine.options import BackendOptions
 
 GREEDY = SamplingConfig(max_tokens=1, temperature=0.0)

@@ -36,7 +36,8 @@ import torch
 
 from services.worker.engine.api import SamplingConfig
 from services.worker.engine.block_manager import BlockManager
-from services.worker.engine.model_runner import ModelRunner, ScheduledSeq, load_model
+from services.worker.engine.model_loading import load_model
+from services.worker.engine.model_runner import ModelRunner, ScheduledSeq
 from services.worker.engine.request import Request, RequestStatus
 from shared.block_hash import chain_hash
 from shared.errors import InvalidArgument
