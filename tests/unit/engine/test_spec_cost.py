@@ -12,12 +12,12 @@ import pytest
 from services.worker.engine.api import EngineRequest, KvLayout, SamplingConfig
 from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.model_runner import ScheduledSeq
-from services.worker.engine.request import Request, SpecRecord
+from services.worker.engine.request import Request
 from services.worker.engine.scheduler import Scheduler
 from services.worker.engine.spec import policy
 from services.worker.engine.spec.calibrate import calibrate
 from services.worker.engine.spec.ngram import NgramProposer
-from services.worker.engine.spec.policy import StepCost, StepCostModel
+from services.worker.engine.spec.policy import SpecRecord, StepCost, StepCostModel
 from services.worker.engine.spec.speculation import Speculation
 from tests.unit.engine.conftest import EngineFactory, drain, greedy, request, tokens_of
 

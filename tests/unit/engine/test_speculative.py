@@ -22,10 +22,11 @@ from services.worker.engine.api import (
     SamplingConfig,
 )
 from services.worker.engine.block_manager import BlockManager
-from services.worker.engine.request import Request, SpecRecord
+from services.worker.engine.request import Request
 from services.worker.engine.scheduler import ScheduledRequest, Scheduler
 from services.worker.engine.spec import policy
 from services.worker.engine.spec.ngram import NgramProposer
+from services.worker.engine.spec.policy import SpecRecord
 from services.worker.engine.spec.speculation import Speculation
 from services.worker.engine.spec.stats import SpecStats
 from services.worker.engine.spec.verify import accept_run

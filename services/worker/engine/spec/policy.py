@@ -1,5 +1,6 @@
-"""How many tokens to propose for a request, and how many of them a step verifies (pure
-functions of the request's record and of a step-cost model; nothing here reads a clock).
+"""Each request's speculation record (`SpecRecord`), how many tokens to propose for it, and how
+many of them a step verifies (pure functions of the record and of a step-cost model; nothing
+here reads a clock).
 
 Per request: a moving average of its acceptance; when it stays low the request proposes nothing
 for a while (doubling back-off up to MAX_BACKOFF_STEPS), then probes again.
@@ -26,7 +27,21 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from services.worker.engine.request import SpecRecord
+
+@dataclasses.dataclass(frozen=True)
+class SpecRecord:
+    """One request's speculative-decoding record, for its back-off (Request.spec; replaced by
+    the functions below, never mutated)."""
+
+    num_draft_tokens: int = 0  # proposals verified (count)
+    num_accepted_tokens: int = 0  # of which accepted (count)
+    recent_acceptance: float = 1.0  # moving average of accepted / proposed per verify (ratio)
+    skip_steps: int = 0  # steps left without proposals (back-off)
+    backoff_steps: int = 0  # length of the last back-off (steps; doubles while acceptance stays low)
+    # decayed counts of accepted and of tried proposal positions (policy.position_acceptance)
+    accept_weight: float = 0.0
+    trial_weight: float = 0.0
+
 
 # below this moving-average acceptance (ratio) a request backs off
 LOW_ACCEPTANCE = 0.3
