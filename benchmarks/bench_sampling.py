@@ -12,6 +12,12 @@ wall time when other processes share the cores) and its ratio; and the sampler a
 (median of 200 calls, --sampler-calls). The issue's targets: logprobs <= 1.05x the plain step,
 half JSON schema <= 1.1x.
 
+Prompt logprobs (completions echo scoring): one request's prefill of --prefill-tokens (512)
+tokens alone on the engine, plain (the first token sampled) vs with prompt_logprobs 5 (the LM
+head, log_softmax and top-5 at every prompt position, then the first token) vs prompt_logprobs
+5 with max_tokens 0 (scoring only), interleaved rounds (--prefill-rounds), median wall and
+CPU time per prefill and their ratios to plain. --skip-decode runs only this part.
+
 Writes benchmarks/results/sampling.json.
 """
 
@@ -74,6 +80,45 @@ async def _round(
     return statistics.median(gaps), cpu_s / max(len(t) for t in times)
 
 
+async def _prefill(
+    engine: Any, prompt: tuple[int, ...], sampling: SamplingConfig, tag: str
+) -> tuple[float, float]:
+    """One request alone: (wall s, process CPU s) from add_request to its last output."""
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    async for _ in engine.add_request(EngineRequest(tag, prompt, sampling)):
+        pass
+    return time.perf_counter() - t0, time.process_time() - cpu0
+
+
+PREFILL_VARIANTS: dict[str, dict[str, Any]] = {
+    "plain": {"max_tokens": 1},
+    "prompt_logprobs_5": {"max_tokens": 1, "prompt_logprobs": 5},
+    "prompt_logprobs_5_max_tokens_0": {"max_tokens": 0, "prompt_logprobs": 5},
+}
+
+
+async def _prefill_rounds(engine: Any, prompt: tuple[int, ...], rounds: int) -> dict[str, Any]:
+    wall: dict[str, list[float]] = {name: [] for name in PREFILL_VARIANTS}
+    cpu: dict[str, list[float]] = {name: [] for name in PREFILL_VARIANTS}
+    await _prefill(engine, prompt, SamplingConfig(max_tokens=1, prompt_logprobs=5), "prefill-warm")
+    for r in range(rounds):
+        for name, extra in PREFILL_VARIANTS.items():
+            w, c = await _prefill(engine, prompt, SamplingConfig(temperature=0.0, **extra), f"{name}-{r}")
+            wall[name].append(w)
+            cpu[name].append(c)
+    wall_ms = {name: round(statistics.median(v) * 1e3, 1) for name, v in wall.items()}
+    cpu_ms = {name: round(statistics.median(v) * 1e3, 1) for name, v in cpu.items()}
+    return {
+        "prompt_tokens": len(prompt),
+        "rounds": rounds,
+        "wall_ms": wall_ms,
+        "wall_ratio_vs_plain": {name: round(v / wall_ms["plain"], 3) for name, v in wall_ms.items()},
+        "cpu_ms": cpu_ms,
+        "cpu_ratio_vs_plain": {name: round(v / cpu_ms["plain"], 3) for name, v in cpu_ms.items()},
+        "rounds_wall_ms": {name: [round(x * 1e3, 1) for x in v] for name, v in wall.items()},
+    }
+
+
 def _sampler_alone(vocab: int, n: int, calls: int) -> dict[str, float]:
     torch.manual_seed(0)
     logits = torch.randn(n, vocab)
@@ -105,6 +150,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--sampler-calls", type=int, default=200)
+    parser.add_argument("--prefill-tokens", type=int, default=512, help="prompt logprobs part (tokens)")
+    parser.add_argument("--prefill-rounds", type=int, default=3)
+    parser.add_argument("--skip-decode", action="store_true", help="only the prompt logprobs part")
     parser.add_argument("--out", default="benchmarks/results/sampling.json")
     args = parser.parse_args(argv)
     if args.model == "default":
@@ -115,6 +163,9 @@ def main(argv: list[str] | None = None) -> None:
         EngineConfig(
             model_path=args.model,
             kv_cache_tokens=8192,
+            # the prefills of the prompt-logprobs part in one chunk (0: the device's default, 512
+            # on CPU)
+            max_batch_tokens=args.prefill_tokens if args.prefill_tokens > 512 else 0,
             torch_threads=args.threads,
             enable_prefix_caching=False,
         )
@@ -128,8 +179,13 @@ def main(argv: list[str] | None = None) -> None:
     ]
     steps: dict[str, list[float]] = {name: [] for name in VARIANTS}
     cpus: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    long_prompt = tuple(rng.randrange(3, top_id) for _ in range(args.prefill_tokens))
+    prefill: dict[str, Any] = {}
 
     async def go() -> None:
+        prefill.update(await _prefill_rounds(engine, long_prompt, args.prefill_rounds))
+        if args.skip_decode:
+            return
         await _round(engine, [p[:16] for p in prompts[:2]], SamplingConfig(max_tokens=4), "warm")
         for r in range(args.rounds):
             for name, extra in VARIANTS.items():
@@ -145,6 +201,13 @@ def main(argv: list[str] | None = None) -> None:
         asyncio.run(go())
     finally:
         engine.shutdown()
+    if args.skip_decode:
+        print(
+            json.dumps(
+                {"cpu": torch.backends.cpu.get_cpu_capability(), "prompt_logprobs_prefill": prefill}, indent=2
+            )
+        )
+        return
     step_ms = {name: round(statistics.median(v) * 1e3, 2) for name, v in steps.items()}
     cpu_ms = {name: round(statistics.median(v) * 1e3, 2) for name, v in cpus.items()}
     result = {
@@ -159,6 +222,7 @@ def main(argv: list[str] | None = None) -> None:
         "cpu_ratio_vs_plain": {name: round(v / cpu_ms["plain"], 3) for name, v in cpu_ms.items()},
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "sampler_alone_ms": _sampler_alone(vocab, args.num_requests, args.sampler_calls),
+        "prompt_logprobs_prefill": prefill,
     }
     print(json.dumps(result, indent=2))
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

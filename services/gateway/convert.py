@@ -68,6 +68,7 @@ def generate_input(req: gateway_pb2.GenerateRequest) -> GenerateInput:
         min_tokens=req.min_tokens if req.HasField("min_tokens") else None,
         logprobs=req.logprobs if req.HasField("logprobs") else None,
         structured=structured_from_pb(req.structured) if req.HasField("structured") else None,
+        prompt_logprobs=req.prompt_logprobs if req.HasField("prompt_logprobs") else None,
     )
 
 
@@ -111,6 +112,8 @@ def generate_response(frame: OutputFrame) -> gateway_pb2.GenerateResponse:
         cached_tokens=frame.cached_tokens,
         model=frame.model,
         logprobs=logprobs_to_pb(frame.logprobs),
+        prompt_token_ids=frame.prompt_token_ids,
+        prompt_logprobs=logprobs_to_pb(frame.prompt_logprobs),
     )
     if frame.usage is not None:
         msg.usage.CopyFrom(usage_to_pb(frame.usage))
@@ -126,6 +129,8 @@ def complete_response(done: Completion) -> gateway_pb2.CompleteResponse:
         usage=usage_to_pb(done.usage),
         model=done.model,
         logprobs=logprobs_to_pb(done.logprobs),
+        prompt_token_ids=done.prompt_token_ids,
+        prompt_logprobs=logprobs_to_pb(done.prompt_logprobs),
     )
 
 
@@ -206,6 +211,8 @@ def sampling_to_pb(s: Sampling) -> common_pb2.SamplingParams:
         msg.logprobs = s.logprobs
     if s.structured is not None:
         msg.structured.CopyFrom(structured_to_pb(s.structured))
+    if s.prompt_logprobs is not None:
+        msg.prompt_logprobs = s.prompt_logprobs
     return msg
 
 
@@ -239,6 +246,8 @@ def prefill_request(job: WorkerJob, dp_rank: int, kv: KvDestination | None) -> w
         )
         if kv.transport is KvTransport.NIXL:  # unset means the gRPC push, for any worker version
             msg.kv_target.kv_transport = worker_pb2.KV_TRANSPORT_NIXL
+        if kv.trim_blocks is not None:  # a 1.7 or older prefill worker ignores it: sends all
+            msg.kv_target.trim_blocks = kv.trim_blocks
     return msg
 
 
@@ -254,9 +263,11 @@ def decode_event(frame: worker_pb2.DecodeFrame) -> DecodeEvent:
         finish_reason=finish_reason_from_pb(frame.finish_reason),
         transfer_ticket=frame.transfer_ticket,
         cached_blocks=frame.cached_blocks,
+        trim_blocks=frame.trim_blocks if frame.HasField("trim_blocks") else None,
         local_cached_tokens=frame.local_cached_tokens,
         transferred_cached_tokens=frame.transferred_cached_tokens,
         logprobs=logprobs_from_pb(frame.logprobs),
+        prompt_logprobs=logprobs_from_pb(frame.prompt_logprobs),
     )
 
 
@@ -268,4 +279,5 @@ def prefill_result(resp: worker_pb2.PrefillResponse) -> PrefillResult:
         finish_reason=finish_reason_from_pb(resp.finish_reason),
         local_cached_tokens=resp.local_cached_tokens,
         logprobs=logprobs_from_pb(resp.logprobs),
+        prompt_logprobs=logprobs_from_pb(resp.prompt_logprobs),
     )

@@ -112,6 +112,8 @@ def needed_capabilities(s: Sampling) -> set[str]:
         needed.add("logprobs")
     if s.structured is not None:
         needed.add("structured_outputs")
+    if s.prompt_logprobs is not None:
+        needed.add("prompt_logprobs")
     return needed
 
 
@@ -298,6 +300,8 @@ class Dispatcher:
                 max_tokens=max_tokens - len(generated),
                 first_output_index=len(generated),
                 unshown_tail_tokens=state.unshown_tail_tokens if generated else 0,
+                # a migrated run's prompt logprobs already went out with the first frame
+                prompt_logprobs=None if state.migrations else req.sampling.prompt_logprobs,
             ),
             # Always: the ids of the tokens generated so far are what a migration resumes from.
             # The client gets them only when it asked (OutputFrame, from state.return_token_ids).
@@ -313,7 +317,12 @@ class Dispatcher:
         if placement.mode is ServingMode.DISAGGREGATED:
             if placement.prefill is None:
                 raise FailedPrecondition("the scheduler chose disaggregated serving without a prefill worker")
-            frames = self._disaggregated(state, attempt, placement.prefill, placement.decode, job, deadline_s)
+            if max_tokens == 0:  # only the prompt is scored: no decode worker, no KV handoff
+                frames = self._prefill_only(state, attempt, placement.prefill, job, deadline_s)
+            else:
+                frames = self._disaggregated(
+                    state, attempt, placement.prefill, placement.decode, job, deadline_s
+                )
         else:
             frames = self._aggregated(state, attempt, placement.decode, job, deadline_s)
         async with contextlib.aclosing(frames):
@@ -352,6 +361,7 @@ class Dispatcher:
                 admitted.transfer_ticket,
                 admitted.cached_blocks,
                 negotiate_kv_transport(prefill.capabilities, decode.capabilities),
+                admitted.trim_blocks,
             )
             state.advance(RequestStatus.PREFILLING)
             attempt.start(prefill.address)
@@ -374,16 +384,54 @@ class Dispatcher:
                 stream.cancel()
                 await self._abort_all([decode.address], job.request_id)
                 state.finish()
-                yield self._frame(state, FrameKind.FINAL, reply.text, reply.token_ids, reply.logprobs)
+                yield _with_prompt_logprobs(
+                    state,
+                    self._frame(state, FrameKind.FINAL, reply.text, reply.token_ids, reply.logprobs),
+                    reply.prompt_logprobs,
+                )
                 return
             # 3. The first token goes to the client at once (TTFT); decode continues.
             kind = FrameKind.CONTINUATION if state.handed_off else FrameKind.FIRST  # migrated: goes on
             state.advance(RequestStatus.DECODING)
-            yield self._frame(state, kind, reply.text, reply.token_ids, reply.logprobs)
+            yield _with_prompt_logprobs(
+                state,
+                self._frame(state, kind, reply.text, reply.token_ids, reply.logprobs),
+                reply.prompt_logprobs,
+            )
             relayed = self._relay(state, stream, decode, deadline_s, prefilled_here=False)
             async with contextlib.aclosing(relayed):
                 async for frame in relayed:
                     yield frame
+
+    async def _prefill_only(
+        self,
+        state: RequestState,
+        attempt: _Attempt,
+        prefill: WorkerTarget,
+        job: WorkerJob,
+        deadline_s: float | None,
+    ) -> AsyncGenerator[OutputFrame, None]:
+        """max_tokens 0 (prompt logprobs only): the prefill worker runs the prompt with no KV
+        target, so it frees the KV at once; no decode worker is involved."""
+        attempt.start(prefill.address)
+        state.advance(RequestStatus.PREFILLING)
+        reply = await self._within(
+            self._workers.prefill(prefill, job, None, self._remaining(deadline_s)), deadline_s
+        )
+        state.record_cache(local_tokens=reply.local_cached_tokens, transferred_tokens=0)
+        state.record_output(
+            FrameSource.PREFILL_REPLY,
+            reply.text,
+            reply.token_ids,
+            reply.generated_tokens,
+            reply.finish_reason,
+        )
+        state.finish()
+        yield _with_prompt_logprobs(
+            state,
+            self._frame(state, FrameKind.FINAL, reply.text, reply.token_ids, reply.logprobs),
+            reply.prompt_logprobs,
+        )
 
     async def _aggregated(
         self,
@@ -461,14 +509,22 @@ class Dispatcher:
                     event.finish_reason,
                 )
                 state.finish()
-                yield self._frame(state, FrameKind.FINAL, event.text, event.token_ids, event.logprobs)
+                yield _with_prompt_logprobs(
+                    state,
+                    self._frame(state, FrameKind.FINAL, event.text, event.token_ids, event.logprobs),
+                    event.prompt_logprobs,
+                )
                 return
             # TOKENS frames: counts ride on FINAL only, so any count here is ignored by design.
             state.record_output(FrameSource.DECODE_TOKENS, event.text, event.token_ids, None, None)
             kind = FrameKind.CONTINUATION if state.handed_off else FrameKind.FIRST
             if state.status < RequestStatus.DECODING:
                 state.advance(RequestStatus.DECODING)
-            yield self._frame(state, kind, event.text, event.token_ids, event.logprobs)
+            yield _with_prompt_logprobs(
+                state,
+                self._frame(state, kind, event.text, event.token_ids, event.logprobs),
+                event.prompt_logprobs,
+            )
 
     def _frame(
         self,
@@ -556,3 +612,16 @@ class Dispatcher:
     @staticmethod
     def _deadline_error() -> DeadlineExceeded:
         return DeadlineExceeded("the request ran past its deadline and was aborted on the workers")
+
+
+def _with_prompt_logprobs(
+    state: RequestState, frame: OutputFrame, prompt_logprobs: tuple[TokenLogprob, ...]
+) -> OutputFrame:
+    """The frame carrying the prompt logprobs a worker returned, with the prompt's ids (so a
+    client sees which token each is for); other frames unchanged. (A prompt of one token has
+    no entries, so no frame carries them.)"""
+    if not prompt_logprobs:
+        return frame
+    return dataclasses.replace(
+        frame, prompt_token_ids=state.prompt_token_ids, prompt_logprobs=prompt_logprobs
+    )

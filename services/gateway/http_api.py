@@ -197,9 +197,12 @@ class HttpApi:
             span.end()
             observe.record_error(grpc.StatusCode.CANCELLED.name)
             return Response(status_code=499)  # nobody reads it: the client is gone
+        echoes = _echoes(plan, self._service.decode)
         if not plan.stream:
             span.end()
-            payload = _completion_body(plan, result, request_id, created, chat, self._service.token_text)
+            payload = _completion_body(
+                plan, result, request_id, created, chat, self._service.token_text, echoes
+            )
             return JSONResponse(payload.model_dump(), headers=headers)
 
         def close() -> None:
@@ -207,7 +210,9 @@ class HttpApi:
             span.end()
 
         return EventStream(
-            _events(plan, run, result, request_id, created, chat, self._service.token_text), close, headers
+            _events(plan, run, result, request_id, created, chat, self._service.token_text, echoes),
+            close,
+            headers,
         )
 
     def _fail(self, exc: BaseException, request_id: str) -> JSONResponse:
@@ -317,6 +322,28 @@ async def _unless_disconnected(request: Request, task: asyncio.Future[Any], run:
     return None
 
 
+def _echoes(plan: Plan, decode: Callable[[tuple[int, ...]], str]) -> list[str] | None:
+    """Completions with echo: each choice's prompt text (None without echo)."""
+    return [conv.echo_text(inp, decode) for inp in plan.inputs] if plan.echo else None
+
+
+def _echoed_logprobs(
+    c: Completion | OutputFrame, token_text: Callable[[int], str], generated: m.CompletionLogprobs
+) -> m.CompletionLogprobs:
+    """Echo with logprobs: the prompt tokens' entries, then the generated ones (whose
+    text_offset continues after the prompt's token texts)."""
+    prompt = conv.prompt_completion_logprobs(c.prompt_token_ids, c.prompt_logprobs, token_text)
+    shift = sum(len(t) for t in prompt.tokens)
+    generated = generated.model_copy(update={"text_offset": [o + shift for o in generated.text_offset]})
+    return conv.joined_logprobs(prompt, generated)
+
+
+def _text_logprobs(c: Completion, token_text: Callable[[int], str], echo: bool) -> m.CompletionLogprobs:
+    """A completions choice's logprobs (with echo, the prompt's first)."""
+    generated = conv.completion_logprobs(c.logprobs, token_text)
+    return _echoed_logprobs(c, token_text, generated) if echo else generated
+
+
 def _completion_body(
     plan: Plan,
     done: list[Completion],
@@ -324,6 +351,7 @@ def _completion_body(
     created: int,
     chat: bool,
     token_text: Callable[[int], str],
+    echoes: list[str] | None = None,
 ) -> m.ChatCompletion | m.Completion:
     usage = conv.usage(plan, [c.usage for c in done])
     model = done[0].model
@@ -355,9 +383,9 @@ def _completion_body(
         choices=[
             m.CompletionChoice(
                 index=i,
-                text=c.text,
+                text=(echoes[i] if echoes else "") + c.text,
                 finish_reason=c.finish_reason.value,
-                logprobs=conv.completion_logprobs(c.logprobs, token_text) if wants[i] else None,
+                logprobs=_text_logprobs(c, token_text, echo=bool(echoes)) if wants[i] else None,
             )
             for i, c in enumerate(done)
         ],
@@ -373,11 +401,13 @@ async def _events(
     created: int,
     chat: bool,
     token_text: Callable[[int], str],
+    echoes: list[str] | None = None,
 ) -> AsyncIterator[str]:
     """The SSE body: (chat) a role chunk per choice, one chunk per frame with text (the last one
     of a choice carries finish_reason), the usage chunk when asked, then [DONE]. An error after
     the stream started ends it with one `data: {"error": {...}}` event and no [DONE]. With
-    logprobs, a chunk carries those of the tokens since the previous chunk of its choice."""
+    logprobs, a chunk carries those of the tokens since the previous chunk of its choice. With
+    echo (completions), a choice's first chunk starts with its prompt (and the prompt's logprobs)."""
     model = first[0][1].model
     exclude = None if plan.include_usage else {"usage"}
     usages: list[Any] = [None] * len(plan.inputs)
@@ -387,6 +417,9 @@ async def _events(
     offsets = [0] * len(plan.inputs)  # completions' text_offset: where the next token's text starts
     parsers = [plan.tools.parser() if plan.tools else None for _ in plan.inputs]
     calls_sent = [0] * len(plan.inputs)  # the next tool call's index, per choice
+    opened: list[set[str]] = [set() for _ in plan.inputs]  # ids of calls streamed piecewise
+    # per choice: the prompt text not yet sent (echo), None once sent
+    to_echo: list[str | None] | None = list(echoes) if echoes else None
 
     def deltas(index: int, text: str, reason: str | None) -> tuple[list[dict[str, Any]], str | None]:
         """A chat frame's deltas (content, or each tool call as its name, then its arguments)
@@ -400,13 +433,22 @@ async def _events(
             if isinstance(event, str):
                 out.append({"content": event})
                 continue
+            if isinstance(event, tool_calls.ArgumentsDelta):  # of the call opened last
+                k = calls_sent[index] - 1
+                out.append({"tool_calls": [{"index": k, "function": {"arguments": event.text}}]})
+                continue
+            if isinstance(event, tool_calls.ToolCall) and event.id in opened[index]:
+                continue  # streamed piecewise already: its CallStart and arguments went out
             k = calls_sent[index]
             calls_sent[index] += 1
             function = {"name": event.name, "arguments": ""}
             out.append(
                 {"tool_calls": [{"index": k, "id": event.id, "type": "function", "function": function}]}
             )
-            out.append({"tool_calls": [{"index": k, "function": {"arguments": event.arguments}}]})
+            if isinstance(event, tool_calls.CallStart):
+                opened[index].add(event.id)
+            else:
+                out.append({"tool_calls": [{"index": k, "function": {"arguments": event.arguments}}]})
         if reason is not None:
             reason = conv.chat_finish_reason(reason, parser.num_calls > 0)
         return out, reason
@@ -416,8 +458,12 @@ async def _events(
         reason: str | None = None
         text = ""
         logprobs: list[TokenLogprob] = []
+        echo_frame: OutputFrame | None = None  # the choice's first frame, with echo
         if frame is not None:
             reason, text = conv.finish_reason(frame.finish_reason), frame.text
+            pending_echo = to_echo[index] if to_echo is not None else None
+            if to_echo is not None and pending_echo is not None:
+                text, to_echo[index], echo_frame = pending_echo + text, None, frame
             if frame.usage is not None:
                 usages[index] = frame.usage
             pending[index].extend(frame.logprobs)
@@ -455,6 +501,8 @@ async def _events(
         text_lp = None
         if wants[index]:
             text_lp = conv.completion_logprobs(logprobs, token_text, offsets[index])
+            if echo_frame is not None:
+                text_lp = _echoed_logprobs(echo_frame, token_text, text_lp)
             offsets[index] += sum(len(t) for t in text_lp.tokens)
         text_choice = m.CompletionChunkChoice(index=index, text=text, finish_reason=reason, logprobs=text_lp)
         return _sse(

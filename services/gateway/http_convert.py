@@ -6,6 +6,7 @@ names) is checked here."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -37,7 +38,7 @@ _SEED_STRIDE = 0x9E3779B97F4A7C15  # odd: choice j's seed = seed + j * stride (m
 # (tools, tool_choice and parallel_tool_calls are chat fields; on completions they land here.)
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "prompt_logprobs": (None, 0),
-    "echo": (None, False),
+    "echo": (None, False),  # chat only: completions implement it
     "suffix": (None, ""),
     "best_of": (None, 1),
     "min_p": (None, 0),
@@ -73,6 +74,7 @@ class Plan:
     stream: bool
     include_usage: bool
     tools: ToolParsing | None = None  # chat with tools: how every choice's output is read
+    echo: bool = False  # completions: each choice's text (and logprobs) starts with its prompt
 
 
 @dataclass(frozen=True)
@@ -381,6 +383,7 @@ def chat_plan(req: m.ChatCompletionRequest, request_id: str, tool_format: Format
 def completion_plan(req: m.CompletionRequest, request_id: str) -> Plan:
     common = _common(req, req.max_tokens)
     common["logprobs"] = req.logprobs  # range checked by the domain (names "logprobs")
+    common["prompt_logprobs"] = _echo_prompt_logprobs(req)
     prompt = req.prompt
     per_prompt: list[dict[str, Any]]
     if isinstance(prompt, str):
@@ -396,7 +399,30 @@ def completion_plan(req: m.CompletionRequest, request_id: str) -> Plan:
     for k, fields in enumerate(per_prompt):
         if any(t < 0 for t in fields.get("prompt_token_ids", ())):
             raise InvalidParam(f"prompt {k} has a negative token id", "prompt")
-    return _plan(req, per_prompt, common, request_id)
+    return dataclasses.replace(_plan(req, per_prompt, common, request_id), echo=req.echo)
+
+
+def _echo_prompt_logprobs(req: m.CompletionRequest) -> int | None:
+    """echo (as in OpenAI and vLLM, also with n > 1 and stream): with logprobs k the prompt's
+    tokens get theirs too (k alternatives each); max_tokens 0 only scores the prompt (then the
+    domain needs prompt logprobs, 0 alternatives when logprobs is unset). Without echo,
+    max_tokens 0 is refused."""
+    if not req.echo:
+        if req.max_tokens == 0:
+            raise InvalidParam(
+                "max_tokens 0 is only allowed with echo: true (to score the prompt); "
+                "set max_tokens >= 1 or leave it unset",
+                "max_tokens",
+            )
+        return None
+    if req.logprobs is not None:
+        return req.logprobs
+    return 0 if req.max_tokens == 0 else None
+
+
+def echo_text(inp: GenerateInput, decode: Callable[[tuple[int, ...]], str]) -> str:
+    """The echoed prompt: the string the client sent, or its token ids' text."""
+    return inp.prompt if inp.prompt else decode(inp.prompt_token_ids)
 
 
 # --- responses ---
@@ -459,6 +485,34 @@ def completion_logprobs(
         token_logprobs=[_logprob(lp.logprob) for lp in logprobs],
         top_logprobs=[{token_text(t): _logprob(v) for t, v in lp.top} for lp in logprobs],
         text_offset=offsets,
+    )
+
+
+def prompt_completion_logprobs(
+    prompt_token_ids: Sequence[int], prompt_logprobs: Sequence[TokenLogprob], token_text: Callable[[int], str]
+) -> m.CompletionLogprobs:
+    """Echo's part of the legacy completions logprobs: every prompt token, the first with a null
+    logprob and null alternatives (nothing precedes it; as OpenAI and vLLM), the others with
+    their logprob and alternatives under the raw model distribution. Empty without them."""
+    if not prompt_logprobs:
+        return m.CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+    rest = completion_logprobs(prompt_logprobs, token_text, len(token_text(prompt_token_ids[0])))
+    assert rest.top_logprobs is not None
+    return m.CompletionLogprobs(
+        tokens=[token_text(prompt_token_ids[0]), *rest.tokens],
+        token_logprobs=[None, *rest.token_logprobs],
+        top_logprobs=[None, *rest.top_logprobs],
+        text_offset=[0, *rest.text_offset],
+    )
+
+
+def joined_logprobs(first: m.CompletionLogprobs, then: m.CompletionLogprobs) -> m.CompletionLogprobs:
+    """Two runs of completions logprobs as one (echo: the prompt's, then the generated ones)."""
+    return m.CompletionLogprobs(
+        tokens=first.tokens + then.tokens,
+        token_logprobs=first.token_logprobs + then.token_logprobs,
+        top_logprobs=(first.top_logprobs or []) + (then.top_logprobs or []),
+        text_offset=first.text_offset + then.text_offset,
     )
 
 

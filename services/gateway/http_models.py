@@ -92,6 +92,9 @@ class CompletionRequest(_GenerationRequest):
     # a string, several strings (one set of choices each), token ids, or several lists of token ids
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, description="0-20 alternatives per token")
+    # the prompt's text before the completion; with logprobs, the prompt tokens' logprobs first
+    # (the first token's null); with max_tokens 0 only the prompt is scored
+    echo: bool = False
 
 
 # --- responses ---

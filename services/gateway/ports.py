@@ -100,6 +100,8 @@ class KvDestination:
     transfer_ticket: str
     skip_blocks: int
     transport: KvTransport = KvTransport.GRPC_PUSH  # negotiated from both workers' capabilities
+    # the decode worker's DecodeFrame.trim_blocks, passed on (None: it sent none, 1.7 or older)
+    trim_blocks: int | None = None
 
 
 class DecodeEventKind(enum.Enum):
@@ -119,9 +121,13 @@ class DecodeEvent:
     finish_reason: FinishReason | None = None
     transfer_ticket: str = ""
     cached_blocks: int = 0
+    # ADMITTED: leading prompt blocks the decode worker reads only in full-attention layers
+    # (None: unset, every block is read)
+    trim_blocks: int | None = None
     local_cached_tokens: int = 0
     transferred_cached_tokens: int = 0
     logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # prompt tokens from the second on (local prefill)
 
 
 @dataclass(frozen=True)
@@ -134,6 +140,7 @@ class PrefillResult:
     finish_reason: FinishReason | None = None
     local_cached_tokens: int = 0
     logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # prompt tokens from the second on
 
 
 class DecodeStream(Protocol):

@@ -70,6 +70,9 @@ class GenerateInput:
     logprobs: int | None = None  # alternatives per token (0-20); None = no logprobs
     structured: StructuredOutput | None = None  # what the output must match
     tools: tuple[Tool, ...] = ()  # offered to the model in the chat prompt
+    # score the prompt: alternatives per prompt token (0-20); None = no prompt logprobs. With it
+    # max_tokens may be 0 (only the prompt runs)
+    prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,8 @@ class Sampling:
     min_tokens: int = 0  # counted from output index 0 (unchanged by a migration)
     logprobs: int | None = None  # alternatives per token (0-20); None = no logprobs
     structured: StructuredOutput | None = None  # what the output must match (validated)
+    # alternatives per prompt token (0-20) of the raw model distribution; None = none
+    prompt_logprobs: int | None = None
 
 
 def new_request_id() -> str:
@@ -169,6 +174,10 @@ class OutputFrame:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     logprobs: tuple[TokenLogprob, ...] = ()  # per generated token of the frame, when asked
+    # with prompt_logprobs, on the first frame only: the prompt's ids and one entry per prompt
+    # token from the second on (prompt_token_ids[1:]; the first has none)
+    prompt_token_ids: tuple[int, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -182,6 +191,9 @@ class Completion:
     usage: Usage
     model: str
     logprobs: tuple[TokenLogprob, ...] = ()  # per generated token, when asked
+    # with prompt_logprobs: as on OutputFrame
+    prompt_token_ids: tuple[int, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -140,6 +140,7 @@ class GatewayService:
             min_tokens=inp.min_tokens or 0,
             logprobs=inp.logprobs,
             structured=inp.structured,
+            prompt_logprobs=inp.prompt_logprobs,
         )
         return PreparedRequest(
             request_id=inp.request_id or new_request_id(),
@@ -222,6 +223,7 @@ class GatewayService:
         text: list[str] = []
         token_ids: list[int] = []
         logprobs: list[TokenLogprob] = []
+        prompt: OutputFrame | None = None  # the frame with the prompt logprobs
         final: OutputFrame | None = None
         frames = self.generate(inp, client_timeout_s)
         async with contextlib.aclosing(frames):
@@ -229,6 +231,8 @@ class GatewayService:
                 text.append(frame.text)
                 token_ids.extend(frame.token_ids)
                 logprobs.extend(frame.logprobs)
+                if frame.prompt_token_ids:
+                    prompt = frame
                 if frame.kind is FrameKind.FINAL:
                     final = frame
         assert final is not None and final.usage is not None and final.finish_reason is not None
@@ -240,6 +244,8 @@ class GatewayService:
             final.usage,
             final.model,
             tuple(logprobs),
+            prompt.prompt_token_ids if prompt is not None else (),
+            prompt.prompt_logprobs if prompt is not None else (),
         )
 
     async def list_models(self) -> list[ModelCard]:
@@ -254,6 +260,10 @@ class GatewayService:
         if self._tokenizer is None:
             return "hermes"
         return self._tokenizer.tool_call_format()
+
+    def decode(self, token_ids: tuple[int, ...]) -> str:
+        """Token ids' text (an echoed prompt given as token ids)."""
+        return self._require_tokenizer().decode(token_ids)
 
     def token_text(self, token_id: int) -> str:
         """A generated token's text on its own (for logprobs)."""

@@ -49,6 +49,10 @@ class PromptTokenizer:
                 self._token_texts[token_id] = text
         return text
 
+    def decode(self, token_ids: tuple[int, ...]) -> str:
+        """The text of token ids (special tokens kept, as a prompt shows them)."""
+        return str(self._tok.decode(list(token_ids)))
+
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self._tok, "chat_template", None))

@@ -141,7 +141,67 @@ def _call_of_object(obj: Any) -> ToolCall | None:
     return ToolCall(new_call_id(), obj["name"], json.dumps(args, ensure_ascii=False))
 
 
-Event = str | ToolCall  # content text, or a complete call
+@dataclass(frozen=True)
+class CallStart:
+    """A forced call's id and name, known before its arguments are complete (streaming)."""
+
+    id: str
+    name: str
+
+
+@dataclass(frozen=True)
+class ArgumentsDelta:
+    """The next piece of the open call's arguments, as the model wrote them."""
+
+    text: str
+
+
+# content text; a complete call (after its CallStart and ArgumentsDeltas when it was streamed
+# piecewise: then its arguments are their concatenation and its id the CallStart's)
+Event = str | ToolCall | CallStart | ArgumentsDelta
+
+# the head of a forced call's body up to its arguments' value: {"name": "<name>", "arguments": (or
+# "parameters"), in the order the call's schema writes them; a JSON string's escapes allowed
+_FORCED_HEAD = re.compile(
+    r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)'
+)
+
+
+@dataclass
+class _OpenCall:
+    """A forced call streamed piecewise: its id, where its arguments start in the body, how far
+    they are sent, and the scan state of the arguments' JSON (nesting depth, inside a string)."""
+
+    id: str
+    name: str
+    args_start: int
+    sent: int = 0  # characters of the arguments emitted
+    scanned: int = 0  # characters of the arguments scanned
+    depth: int = 0
+    in_string: bool = False
+    escaped: bool = False
+    args_end: int | None = None  # length of the arguments, once their closing brace is seen
+
+    def advance(self, args: str) -> None:
+        """Scan `args` (the body from args_start) from `scanned` on, up to the object's end."""
+        while self.args_end is None and self.scanned < len(args):
+            c = args[self.scanned]
+            self.scanned += 1
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif c == "\\":
+                    self.escaped = True
+                elif c == '"':
+                    self.in_string = False
+            elif c == '"':
+                self.in_string = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.args_end = self.scanned
 
 
 class ToolCallParser:
@@ -161,6 +221,9 @@ class ToolCallParser:
 
     def __init__(self, fmt: Format, forced: bool = False) -> None:
         self._json_calls = forced or fmt == "llama3_json"
+        # a forced call (the grammar makes the output one) streams its arguments as they come
+        self._forced = forced
+        self._open: _OpenCall | None = None
         self._buf = ""  # text not yet decided
         self._in_call = False  # _buf holds (the start of) a call's body
         self._plain = False  # JSON mode only: the output is plain text from here on
@@ -261,9 +324,16 @@ class ToolCallParser:
                 self._in_call = True
                 self._call_start = len(self._buf) - len(head)
             body = self._buf[self._call_start :]
+            if self._forced:
+                self._stream_forced(body, out)
             try:
                 obj, end = json.JSONDecoder().raw_decode(body)
             except json.JSONDecodeError:
+                if final and self._open is not None:  # a streamed call cut short (max_tokens):
+                    cut, self._open = self._open, None  # a call with the arguments written
+                    self._buf, self._in_call = "", False
+                    self._call(ToolCall(cut.id, cut.name, body[cut.args_start :]), out)
+                    return
                 if final:  # never completed: all of it is content
                     self._in_call = False
                     self._plain = True
@@ -274,9 +344,31 @@ class ToolCallParser:
                 self._in_call = False
                 self._plain = True
                 continue
+            opened, self._open = self._open, None
+            if opened is not None and opened.args_end is not None:  # streamed: as sent
+                call = ToolCall(
+                    opened.id, call.name, body[opened.args_start : opened.args_start + opened.args_end]
+                )
             self._buf = body[end:]
             self._in_call = False
             self._call(call, out)
+
+    def _stream_forced(self, body: str, out: list[Event]) -> None:
+        """A forced call's CallStart once its name is written, then each new piece of its
+        arguments (a grammar guarantees the call completes, so nothing sent is taken back)."""
+        if self._open is None:
+            head = _FORCED_HEAD.match(body)
+            if head is None:
+                return
+            self._open = _OpenCall(new_call_id(), json.loads(head.group(1)), head.end())
+            out.append(CallStart(self._open.id, self._open.name))
+        call = self._open
+        args = body[call.args_start :]
+        call.advance(args)
+        upto = call.args_end if call.args_end is not None else len(args)
+        if upto > call.sent:
+            out.append(ArgumentsDelta(args[call.sent : upto]))
+            call.sent = upto
 
 
 def _partial_suffix(text: str, marker: str) -> int:
@@ -292,5 +384,5 @@ def parse(text: str, fmt: Format, forced: bool = False) -> tuple[str | None, lis
     parser = ToolCallParser(fmt, forced)
     events = parser.feed(text) + parser.finish()
     calls = [e for e in events if isinstance(e, ToolCall)]
-    content = "".join(e for e in events if isinstance(e, str))
+    content = "".join(e for e in events if isinstance(e, str))  # (CallStart / deltas: in calls)
     return (content or None) if calls else content, calls

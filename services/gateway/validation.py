@@ -64,8 +64,7 @@ def validate_input(req: GenerateInput, limits: Limits, served_model: str) -> Non
             raise InvalidArgument(
                 f"messages[{i}].role is {turn.role!r}; it must be one of {', '.join(CHAT_ROLES)}"
             )
-    if req.max_tokens is not None and req.max_tokens < 1:
-        raise InvalidArgument(f"max_tokens must be >= 1 (or unset for the default), got {req.max_tokens}")
+    validate_prompt_logprobs(req)
     if req.temperature is not None and not (math.isfinite(req.temperature) and req.temperature >= 0):
         raise InvalidArgument(f"temperature must be a finite number >= 0 (0 = greedy), got {req.temperature}")
     if req.top_p is not None and not (math.isfinite(req.top_p) and 0 < req.top_p <= 1):
@@ -93,6 +92,26 @@ def validate_input(req: GenerateInput, limits: Limits, served_model: str) -> Non
             f"logprobs (alternatives per token) must be in [0, {MAX_LOGPROBS}], got {req.logprobs}",
             "logprobs",
         )
+
+
+def validate_prompt_logprobs(req: GenerateInput) -> None:
+    """prompt_logprobs' range, and max_tokens: >= 1, or 0 to only score the prompt (with
+    prompt_logprobs)."""
+    if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= MAX_LOGPROBS:
+        raise InvalidField(
+            f"prompt_logprobs (alternatives per prompt token) must be in [0, {MAX_LOGPROBS}], "
+            f"got {req.prompt_logprobs}",
+            "prompt_logprobs",
+        )
+    if req.max_tokens is None or req.max_tokens >= 1:
+        return
+    if req.max_tokens == 0 and req.prompt_logprobs is not None:
+        return
+    raise InvalidField(
+        f"max_tokens must be >= 1 (or unset for the default), got {req.max_tokens}; 0 is allowed "
+        "only to score the prompt (with prompt_logprobs; over HTTP, completions with echo)",
+        "max_tokens",
+    )
 
 
 def validate_penalties(req: GenerateInput) -> None:

@@ -55,6 +55,7 @@ def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingConfig:
         min_tokens=pb.min_tokens,
         logprobs=pb.logprobs if pb.HasField("logprobs") else None,
         structured=structured_from_pb(pb.structured) if pb.HasField("structured") else None,
+        prompt_logprobs=pb.prompt_logprobs if pb.HasField("prompt_logprobs") else None,
     )
 
 
@@ -94,6 +95,7 @@ def prefill_call_from_pb(pb: worker_pb2.PrefillRequest) -> PrefillCall:
             dp_rank=t.dp_rank,
             transfer_ticket=t.transfer_ticket,
             skip_blocks=t.skip_blocks,
+            trim_blocks=t.trim_blocks if t.HasField("trim_blocks") else 0,
             transport=_transport_from_pb(t.kv_transport)
             if t.HasField("kv_transport")
             else KvTransport.GRPC_PUSH,
@@ -139,6 +141,7 @@ def _prefill_result_to_pb(r: PrefillResult) -> worker_pb2.PrefillResponse:
         prefill_ns=r.prefill_ns,
         kv_transfer_ns=r.kv_transfer_ns,
         logprobs=logprobs_to_pb(r.logprobs),
+        prompt_logprobs=logprobs_to_pb(r.prompt_logprobs),
     )
 
 
@@ -164,9 +167,12 @@ def decode_event_to_pb(e: DecodeEvent) -> worker_pb2.DecodeFrame:
         local_cached_tokens=e.local_cached_tokens,
         transferred_cached_tokens=e.transferred_cached_tokens,
         logprobs=logprobs_to_pb(e.logprobs),
+        prompt_logprobs=logprobs_to_pb(e.prompt_logprobs),
     )
     if e.generated_tokens is not None:  # FINAL only; unset (not 0) on the other frames
         frame.generated_tokens = e.generated_tokens
+    if e.trim_blocks:  # ADMITTED on a windowed model only
+        frame.trim_blocks = e.trim_blocks
     return frame
 
 
@@ -176,7 +182,9 @@ def kv_chunk_from_pb(pb: worker_pb2.KvChunk) -> IncomingKvChunk:
         transfer_ticket=pb.transfer_ticket,
         dp_rank=pb.dp_rank,
         layout=kv_layout_from_pb(pb.layout) if pb.HasField("layout") else None,
-        chunk=KvBlocksChunk(first_block=pb.first_block, num_blocks=pb.num_blocks, data=pb.data),
+        chunk=KvBlocksChunk(
+            first_block=pb.first_block, num_blocks=pb.num_blocks, data=pb.data, layers=tuple(pb.kv_layers)
+        ),
         last=pb.last,
         num_tokens=pb.num_tokens,
         first_token_id=pb.first_token_id if pb.HasField("first_token_id") else None,
@@ -232,6 +240,7 @@ def kv_chunk_to_pb(
         num_blocks=chunk.num_blocks,
         data=chunk.data,
         layout=layout,
+        kv_layers=chunk.layers,
     )
     if last is not None:
         num_tokens, first_token_id, generated_tokens = last

@@ -131,6 +131,7 @@ class WorkerCore:
             handle = self.engine.add_request(request)
             token_ids: list[int] = []
             logprobs: list[TokenLogprobs] = []
+            prompt_logprobs: list[TokenLogprobs] = []
             text: list[str] = []
             last: RequestOutput | None = None
             try:
@@ -140,6 +141,7 @@ class WorkerCore:
                     last = out
                     token_ids.extend(out.new_token_ids)
                     logprobs.extend(out.new_logprobs)
+                    prompt_logprobs.extend(out.prompt_logprobs)
                     text.append(out.text_delta)
                     if out.finished:
                         break
@@ -184,6 +186,7 @@ class WorkerCore:
                 kv_transfer_ns=int(pushed.seconds * 1e9) if pushed else 0,
                 kv_transport=pushed.transport if pushed else None,
                 logprobs=tuple(logprobs),
+                prompt_logprobs=tuple(prompt_logprobs),
             )
 
     async def _push(self, call: PrefillCall, out: RequestOutput, first_token_id: int | None) -> KvPushResult:
@@ -251,11 +254,12 @@ class WorkerCore:
             try:
                 if call.local_prefill:
                     handle = self.engine.add_request(request)
-                    ticket, cached_blocks, local_cached = "", 0, 0
+                    ticket, cached_blocks, local_cached, trim_blocks = "", 0, 0, 0
                 else:
                     admission, handle = self.engine.admit_remote(request)
                     ticket, cached_blocks = admission.transfer_ticket, admission.num_cached_blocks
                     local_cached = admission.num_local_cached_tokens
+                    trim_blocks = admission.num_trim_blocks
                 yield DecodeEvent(
                     request_id=rid,
                     kind=FrameKind.ADMITTED,
@@ -264,6 +268,7 @@ class WorkerCore:
                     transferred_cached_tokens=0,
                     transfer_ticket=ticket,
                     cached_blocks=cached_blocks,
+                    trim_blocks=trim_blocks,
                 )
                 async for out in handle:
                     if last is None:
@@ -273,7 +278,12 @@ class WorkerCore:
                         completion.append(out.text_delta)
                     if out.finished:
                         break
-                    if out.text_delta or out.new_logprobs or (ids and out.new_token_ids):
+                    if (
+                        out.text_delta
+                        or out.new_logprobs
+                        or out.prompt_logprobs
+                        or (ids and out.new_token_ids)
+                    ):
                         yield decode_event(rid, FrameKind.TOKENS, out, ids)
                 done = True
                 yield final_event(rid, last, ids, len(request.prompt_token_ids))

@@ -25,6 +25,7 @@ def decode_event(request_id: str, kind: FrameKind, out: RequestOutput, return_to
         generated_tokens=out.num_generated_tokens if final else None,
         finish_reason=(out.finish_reason or FinishReason.ABORT) if final else None,
         logprobs=out.new_logprobs,
+        prompt_logprobs=out.prompt_logprobs,
     )
 
 
@@ -50,5 +51,6 @@ def final_event(
         text="",
         token_ids=(),
         logprobs=(),
+        prompt_logprobs=(),
         finish_reason=FinishReason.ABORT,
     )

@@ -15,7 +15,10 @@ mostly one run): 180 descriptors for SmolLM2 (30 layers x 2 x 3 heads) when the 
 Measured on a 2-core CPU (one process, two agents, 512 tokens = 22.5 MiB fp32, a loaded machine):
 180 descriptors of 128 KiB took 22-70 ms, 5,760 descriptors of 4 KiB (one per plane per block)
 105-200 ms. The UCX backend of nixl-cu13 1.5.1 ignores the count of a strided (N x 5)
-descriptor list (only the first element moved), so strided descriptors are not used.
+descriptor list (only the first element moved), so strided descriptors are not used. On a
+sliding-window model the decode side READs the blocks behind every window in the full-attention
+layers' planes only, and blocks it released not at all (engine/kv_trim.py); one transfer either
+way.
 
 Progress. NIXL's own progress thread busy-polls (its Python API fixes the delay at 0): measured,
 an idle agent burnt ~0.5 of a core, which on a 2-core worker host is most of a prefill's share.
@@ -85,13 +88,19 @@ def plane_descriptors(
     device_id: int,
     starts: list[int],
     counts: list[int],
+    layers: tuple[int, ...] | None = None,
 ) -> np.ndarray:
-    """N x 3 (address, bytes, device id): for every (layer, K/V, head) plane, one region per run
-    of blocks (run i starts at block starts[i] and covers counts[i] blocks)."""
+    """N x 3 (address, bytes, device id): for every (layer, K/V, head) plane (of `layers` only,
+    when set: a trimmed handoff, engine/kv_trim.py), one region per run of blocks (run i starts
+    at block starts[i] and covers counts[i] blocks)."""
     block_bytes = layout.block_size * layout.head_dim * itemsize
     plane_bytes = pool_slots * layout.head_dim * itemsize
-    num_planes = layout.num_layers * 2 * layout.num_kv_heads
-    planes = np.arange(num_planes, dtype=np.uint64)[:, None] * np.uint64(plane_bytes)
+    per_layer = 2 * layout.num_kv_heads  # planes of one layer, consecutive in the pool
+    plane_ids = np.arange(layout.num_layers * per_layer, dtype=np.uint64)
+    if layers is not None:
+        plane_ids = plane_ids.reshape(layout.num_layers, per_layer)[list(layers)].reshape(-1)
+    num_planes = len(plane_ids)
+    planes = plane_ids[:, None] * np.uint64(plane_bytes)
     offsets = np.asarray(starts, dtype=np.uint64)[None, :] * np.uint64(block_bytes)
     descs = np.empty((num_planes, len(starts), 3), dtype=np.uint64)
     descs[:, :, 0] = np.uint64(pool_address) + planes + offsets
@@ -147,10 +156,18 @@ class NixlKvAgent:
         )
 
     def read(
-        self, source: NixlSource, src_offset: int, dp_rank: int, block_ids: list[int], timeout_s: float
+        self,
+        source: NixlSource,
+        src_offset: int,
+        dp_rank: int,
+        block_ids: list[int],
+        timeout_s: float,
+        num_trimmed: int = 0,
+        layers: tuple[int, ...] = (),
     ) -> int:
         """READ source.block_ids[src_offset : src_offset + len(block_ids)] into this worker's
-        blocks block_ids of rank dp_rank; returns the bytes read.
+        blocks block_ids of rank dp_rank, the first num_trimmed of them only in `layers` (the
+        full-attention layers of a trimmed handoff, engine/kv_trim.py); returns the bytes read.
 
         Raises KvTransferFailed when the READ fails or is not done within timeout_s (the
         transfer is then released: NIXL cancels what is still in flight)."""
@@ -159,30 +176,48 @@ class NixlKvAgent:
             raise errors.InvalidArgument(
                 f"NIXL source has {len(source.block_ids)} blocks, {src_offset + len(block_ids)} needed"
             )
-        if not block_ids:
-            return 0
         pool = self._pools[dp_rank]
         itemsize = pool.element_size()
-        runs = block_runs(src, block_ids)
-        starts_src, starts_dst, counts = zip(*runs, strict=True)
-        remote = plane_descriptors(
-            source.pool_address,
-            source.pool_slots,
-            self._layout,
-            itemsize,
-            source.device_id,
-            list(starts_src),
-            list(counts),
-        )
-        local = plane_descriptors(
-            pool.data_ptr(),
-            pool.shape[3],
-            self._layout,
-            itemsize,
-            max(pool.get_device(), 0),
-            list(starts_dst),
-            list(counts),
-        )
+        num_trimmed = min(num_trimmed, len(block_ids)) if layers else 0
+        # (source blocks, our blocks, layers; None = all): the trimmed blocks, then the rest
+        parts: list[tuple[list[int], list[int], tuple[int, ...] | None]] = [
+            (src[:num_trimmed], block_ids[:num_trimmed], layers),
+            (src[num_trimmed:], block_ids[num_trimmed:], None),
+        ]
+        remote_parts: list[np.ndarray] = []
+        local_parts: list[np.ndarray] = []
+        for part_src, part_dst, part_layers in parts:
+            if not part_dst:
+                continue
+            runs = block_runs(part_src, part_dst)
+            starts_src, starts_dst, counts = zip(*runs, strict=True)
+            remote_parts.append(
+                plane_descriptors(
+                    source.pool_address,
+                    source.pool_slots,
+                    self._layout,
+                    itemsize,
+                    source.device_id,
+                    list(starts_src),
+                    list(counts),
+                    part_layers,
+                )
+            )
+            local_parts.append(
+                plane_descriptors(
+                    pool.data_ptr(),
+                    pool.shape[3],
+                    self._layout,
+                    itemsize,
+                    max(pool.get_device(), 0),
+                    list(starts_dst),
+                    list(counts),
+                    part_layers,
+                )
+            )
+        if not local_parts:
+            return 0
+        remote, local = np.concatenate(remote_parts), np.concatenate(local_parts)
         mem = "DRAM" if pool.device.type == "cpu" else "VRAM"
         with self._lock:
             try:

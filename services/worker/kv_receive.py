@@ -143,8 +143,10 @@ class KvReceiver:
             )
         timeout_s = self._kv_read_timeout_s
 
-        def read(src_offset: int, dp_rank: int, block_ids: list[int]) -> int:
-            return nixl.read(source, src_offset, dp_rank, block_ids, timeout_s)
+        def read(
+            src_offset: int, dp_rank: int, block_ids: list[int], num_trimmed: int, layers: tuple[int, ...]
+        ) -> int:
+            return nixl.read(source, src_offset, dp_rank, block_ids, timeout_s, num_trimmed, layers)
 
         start = time.perf_counter_ns()
         with tracer().start_as_current_span("kv_read") as span:

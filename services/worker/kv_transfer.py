@@ -128,7 +128,9 @@ class GrpcKvSender:
     async def send(self, handoff: KvHandoff, target: KvTargetSpec) -> KvPushResult:
         chunks: Iterator[KvBlocksChunk] = iter(())
         if handoff.first_token_id is not None:
-            chunks = self._engine.export_kv(handoff.request_id, target.skip_blocks, self._chunk_bytes)
+            chunks = self._engine.export_kv(
+                handoff.request_id, target.skip_blocks, self._chunk_bytes, target.trim_blocks
+            )
         return await self._pusher.push(
             request_id=handoff.request_id,
             target=target,

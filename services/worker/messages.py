@@ -20,6 +20,7 @@ CAPABILITIES = (
     "sampling_penalties",
     "logprobs",
     "structured_outputs",
+    "prompt_logprobs",
 )
 # Contract version implemented: 1.0 = compat/v1.0; 1.1 added the optional generated_tokens fields;
 # 1.2 added KvChunk.draft_token_ids and RankLoad's speculative-decoding counts.
@@ -29,7 +30,11 @@ CAPABILITIES = (
 # 1.6 added SamplingParams.structured (capability "structured_outputs").
 # 1.7 added KvTarget.kv_transport, KvChunk.nixl_source and the NIXL fields of PushKvResponse and
 # PrefillResponse (a worker whose NIXL agent is up also advertises shared.cluster.NIXL_CAPABILITY).
-PROTO_VERSION = "1.7"
+# 1.8 added DecodeFrame.trim_blocks, KvTarget.trim_blocks and KvChunk.kv_layers (a handoff moves
+# only the KV the decode side can still read past its sliding windows; engine/kv_trim.py).
+# 1.9 added SamplingParams.prompt_logprobs and the prompt logprobs of PrefillResponse / DecodeFrame
+# (capability "prompt_logprobs"); max_tokens may be 0 with them (the prompt is only scored).
+PROTO_VERSION = "1.9"
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,9 @@ class KvTargetSpec:
     transfer_ticket: str
     skip_blocks: int  # leading full prompt blocks the decode side already holds (count)
     transport: KvTransport = KvTransport.GRPC_PUSH  # negotiated by the gateway
+    # leading prompt blocks of which only the full-attention layers are sent, none when every
+    # layer is windowed (count; the decode side's engine/kv_trim.py); 0: every block whole
+    trim_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -64,6 +72,8 @@ class PrefillResult:
     prefill_ns: int
     kv_transfer_ns: int
     logprobs: tuple[TokenLogprobs, ...] = ()  # the first token's, when sampling.logprobs is set
+    # with sampling.prompt_logprobs: one entry per prompt token from the second on
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
     kv_transport: KvTransport | None = None  # None: no KV moved
 
 
@@ -96,6 +106,9 @@ class DecodeEvent:
     transfer_ticket: str = ""
     cached_blocks: int = 0
     logprobs: tuple[TokenLogprobs, ...] = ()  # per generated token of the frame (when asked)
+    trim_blocks: int = 0  # ADMITTED: Admission.num_trim_blocks (0: sent unset)
+    # with sampling.prompt_logprobs, on the first frame after a local prefill only
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,9 @@ or go away, as an operator expects when something is killed with SIGKILL."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,10 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import jsonschema
+import openai
 import pytest
 
 from shared.cluster import NIXL_CAPABILITY
 from shared.proto import (
+    common_pb2,
     gateway_pb2,
     gateway_pb2_grpc,
     load_monitor_pb2,
@@ -126,7 +131,9 @@ def two_decode_stack(tiny_bpe_model: Path, tmp_path_factory: pytest.TempPathFact
     with running_processes(
         str(tiny_bpe_model),
         tmp_path_factory.mktemp("logs-chaos"),
-        up_args=["--prefill-workers", "2", "--decode-workers", "2"],
+        # n-gram speculation on every worker: the migrations below carry logprobs, penalty counts
+        # and a grammar's state with speculation on (proposals verified, rejected tails rolled back)
+        up_args=["--prefill-workers", "2", "--decode-workers", "2", "--worker-arg=--speculative=ngram"],
     ) as stack:
         yield stack
 
@@ -147,7 +154,14 @@ async def test_the_chaos_stack_moves_kv_over_nixl_where_it_loads(two_decode_stac
         assert NIXL_CAPABILITY in info.capabilities, address
 
 
-PROMPTS = ["The cache keeps", "Disaggregated serving moves", "A worker died while", "Tokens flow from"]
+PROMPTS = [
+    "The cache keeps",
+    "Disaggregated serving moves",
+    "A worker died while",
+    "Tokens flow from",
+    "The grammar holds while",
+]
+GRAMMAR = r"[a-z ]+"  # the last stream's structured output (regex): its matcher state migrates too
 # Long enough that every stream still runs when the victim is picked and stopped: with the tiny
 # model a 160-token stream ended in ~0.2 s, sometimes before the first GetLoad saw it.
 STREAM_TOKENS = 1000
@@ -155,6 +169,8 @@ STREAM_TOKENS = 1000
 
 def _request(i: int) -> gateway_pb2.GenerateRequest:
     sampling: dict[str, Any] = dict(temperature=0) if i % 2 == 0 else dict(temperature=1.0, seed=1234 + i)
+    if i == 4:
+        sampling = dict(temperature=1.0, seed=99, structured=common_pb2.StructuredOutput(regex=GRAMMAR))
     if i >= 2:  # penalty counts and logprobs survive the migration too
         sampling.update(
             presence_penalty=0.4, frequency_penalty=0.2, repetition_penalty=1.1, logit_bias={7: 2.0}
@@ -178,20 +194,89 @@ async def _stream(
 
 async def test_kill9_of_a_decode_worker_mid_stream_migrates_every_stream(two_decode_stack: Stack) -> None:
     """Streams on a decode worker killed with SIGKILL complete on the other one: the same text
-    and token ids as an undisturbed run (greedy and seeded), exact usage."""
+    and token ids as an undisturbed run (greedy and seeded), exact usage; so does a tool call
+    through the OpenAI client (its grammar's state migrates), all with speculation on."""
     stack = two_decode_stack
     base = stack.port_base
+    client = openai.AsyncOpenAI(base_url=stack.http_base_url, api_key="none", max_retries=0)
     async with grpc.aio.insecure_channel(stack.gateway) as ch:
         stub = gateway_pb2_grpc.GatewayStub(ch)
         decode_workers = [f"127.0.0.1:{base + 20}", f"127.0.0.1:{base + 21}"]
-        undisturbed, tasks, victim = await _streams_and_their_busiest_worker(
-            stub, decode_workers, stack.internal_metadata
-        )
+        undisturbed = [await _stream(stub, i) for i in range(len(PROMPTS))]
+        undisturbed_call = await _tool_call(client, "tool-call-undisturbed")
+        # the tool call starts alone, so the decode worker running a request is the one it is on:
+        # that worker is killed, so this call surely migrates (with the gRPC streams beside it)
+        call_started = asyncio.Event()
+        call = asyncio.ensure_future(_tool_call(client, "tool-call-migrated", call_started))
+        await asyncio.wait_for(call_started.wait(), 60)
+        victim = await _the_one_running(decode_workers, stack.internal_metadata, within_s=30)
+        started = [asyncio.Event() for _ in PROMPTS]
+        tasks = [asyncio.ensure_future(_stream(stub, i, started[i])) for i in range(len(PROMPTS))]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+        assert not call.done(), "the tool call ended before the kill: make its argument longer"
         os.kill(_pid_listening_on(victim), signal.SIGKILL)
         disturbed = await asyncio.gather(*tasks)
+        migrated_call = await call
+        survivor = next(a for a in decode_workers if a != victim)
+        async with grpc.aio.insecure_channel(survivor) as wch:
+            load = await worker_pb2_grpc.WorkerStub(wch).GetLoad(
+                worker_pb2.GetLoadRequest(), timeout=5, metadata=stack.internal_metadata
+            )
+        assert sum(r.spec_draft_tokens for r in load.ranks) > 0, "speculation is on: proposals verified"
     gateway_log = (stack.log_dir / "gateway.log").read_text()
     assert gateway_log.count('"event": "migrating"') >= 1, "no stream was on the killed worker"
     _assert_same_as_undisturbed(undisturbed, disturbed)
+    # the tool call (HTTP, openai client, named function, speculation on) migrated and came out
+    # as undisturbed: the same arguments, valid against the schema, finish_reason, exact usage
+    migrations = [json.loads(line) for line in gateway_log.splitlines() if '"event": "migrating"' in line]
+    assert any(m.get("request_id") == "tool-call-migrated" for m in migrations), migrations
+    assert migrated_call == undisturbed_call
+    name, arguments, reason, _ = migrated_call
+    assert (name, reason) == ("write_down", "tool_calls")
+    jsonschema.validate(json.loads(arguments), TOOL_PARAMS)
+
+
+# A named function whose one argument is a long string: the grammar keeps the call running
+# (1,000 characters or more: hundreds of the tiny tokenizer's tokens) long enough to be migrated.
+TOOL_PARAMS: dict[str, Any] = {
+    "type": "object",
+    "properties": {"text": {"type": "string", "minLength": 1000}},
+    "required": ["text"],
+    "additionalProperties": False,
+}
+
+
+async def _tool_call(
+    client: openai.AsyncOpenAI, request_id: str, started: asyncio.Event | None = None
+) -> tuple[str, str, str | None, tuple[int, int]]:
+    """A streamed chat tool call: (function name, arguments reassembled from the deltas,
+    finish_reason, (prompt, completion) tokens of the usage)."""
+    stream = await client.chat.completions.create(
+        model="",
+        messages=[{"role": "user", "content": "Write it down."}],
+        tools=[{"type": "function", "function": {"name": "write_down", "parameters": TOOL_PARAMS}}],
+        tool_choice={"type": "function", "function": {"name": "write_down"}},
+        max_tokens=1500,  # the prompt (tools in the template) is ~520 tokens of 2,048
+        temperature=1.0,
+        seed=11,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_headers={"X-Request-Id": request_id},
+    )
+    name, arguments, reason, usage = "", "", None, (0, 0)
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = (chunk.usage.prompt_tokens, chunk.usage.completion_tokens)
+        if not chunk.choices:
+            continue
+        if started is not None:
+            started.set()  # the gateway answered: the request is scheduled
+        for tc in chunk.choices[0].delta.tool_calls or ():
+            if tc.function is not None:
+                name += tc.function.name or ""
+                arguments += tc.function.arguments or ""
+        reason = chunk.choices[0].finish_reason or reason
+    return name, arguments, reason, usage
 
 
 async def _streams_and_their_busiest_worker(
@@ -224,6 +309,8 @@ def _assert_same_as_undisturbed(undisturbed: list[Any], disturbed: list[Any]) ->
         assert len(got_lp) == len(want_lp) == (STREAM_TOKENS if i >= 2 else 0), i
         assert [lp.token_id for lp in got_lp] == [lp.token_id for lp in want_lp], i
         assert all(abs(a.logprob - b.logprob) <= 1e-5 for a, b in zip(got_lp, want_lp, strict=True)), i
+        if i == 4:
+            assert re.fullmatch(GRAMMAR, "".join(f.text for f in got)), i
 
 
 async def _used_tokens(addresses: list[str], metadata: Metadata) -> dict[str, int]:
@@ -254,6 +341,17 @@ async def _running(addresses: list[str], metadata: Metadata) -> dict[str, int]:
                 continue
         out[address] = sum(r.num_running for r in load.ranks)
     return out
+
+
+async def _the_one_running(addresses: list[str], metadata: Metadata, within_s: float) -> str:
+    """The address of the one worker running a request (polled until one is, within_s)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        running = [a for a, n in (await _running(addresses, metadata)).items() if n > 0]
+        if len(running) == 1:
+            return running[0]
+        assert not running and time.monotonic() < deadline, running
+        await asyncio.sleep(0.02)
 
 
 async def _all_freed(addresses: list[str], within_s: float, metadata: Metadata) -> dict[str, int]:

@@ -69,7 +69,7 @@ def test_banner_keys_and_both_faces(keyed_stack: Stack) -> None:
 def test_sampling_features_through_the_process_stack(keyed_stack: Stack) -> None:
     """Penalties, logit_bias, min_tokens, logprobs and a JSON schema through `pdserve up`'s
     gateway and worker processes with the openai client: the output validates, one logprob per
-    counted token."""
+    counted token; echo scoring returns every prompt token's logprob."""
     client = openai.OpenAI(base_url=keyed_stack.http_base_url, api_key=KEY, max_retries=0)
     schema = {
         "type": "object",
@@ -104,6 +104,17 @@ def test_sampling_features_through_the_process_stack(keyed_stack: Stack) -> None
             extra_body={"response_format": {"type": "xml"}},
         )
     assert bad.value.body["param"] == "response_format"  # type: ignore[index]
+    # log-likelihood scoring as evaluation harnesses send it: echo + logprobs + max_tokens 0
+    scored = client.completions.create(
+        model="", prompt="Paris is the capital of France", max_tokens=0, echo=True, logprobs=1
+    )
+    text = scored.choices[0]
+    assert text.text == "Paris is the capital of France" and text.finish_reason == "length"
+    assert scored.usage is not None and scored.usage.completion_tokens == 0
+    lp = text.logprobs
+    assert lp is not None and lp.token_logprobs is not None and lp.tokens is not None
+    assert len(lp.tokens) == len(lp.token_logprobs) == scored.usage.prompt_tokens
+    assert lp.token_logprobs[0] is None and all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
 
 
 def test_tool_calls_through_the_process_stack(keyed_stack: Stack) -> None:

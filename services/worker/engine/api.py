@@ -74,6 +74,13 @@ class SamplingConfig:
     logprobs: int | None = None
     # the output must match this (engine/structured.py); None = unconstrained
     structured: StructuredOutput | None = None
+    # per prompt token after the first: its log-probability and this many most likely
+    # alternatives (0-20) under the raw model distribution (log_softmax of the model's logits:
+    # no temperature, penalties, bias or grammar, as vLLM's prompt logprobs). The prefill
+    # computes the whole prompt for them (its prefix-cache hits are not used) and they come with
+    # the request's first output; with them max_tokens may be 0 (nothing is generated: the
+    # request ends after its prefill with LENGTH). None = no prompt logprobs
+    prompt_logprobs: int | None = None
 
     @property
     def needs_history(self) -> bool:
@@ -130,6 +137,9 @@ class RequestOutput:
     draft_token_ids: tuple[int, ...] = ()
     # with SamplingConfig.logprobs: one entry per new_token_ids token, in order
     new_logprobs: tuple[TokenLogprobs, ...] = ()
+    # with SamplingConfig.prompt_logprobs, on the first output after the prefill only: one entry
+    # per prompt token from the second on (the first has no logprob: nothing precedes it)
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -140,18 +150,25 @@ class Admission:
     transfer_ticket: str
     num_cached_blocks: int  # leading full prompt blocks already in this rank's prefix cache
     num_local_cached_tokens: int
+    # leading prompt blocks wholly behind every sliding window at the first decode position
+    # (engine/kv_trim.py): of these only the full-attention layers' K/V is needed (none when
+    # every layer is windowed); 0 = every block is needed whole
+    num_trim_blocks: int = 0
 
 
 @dataclass(frozen=True)
 class KvBlocksChunk:
     """Serialized KV of blocks [first_block, first_block + num_blocks) of one request.
 
-    data: for each block, for each layer, K then V, each [num_kv_heads, block_size, head_dim] in
-    the layout dtype, C order (the layout described in worker.proto's KvChunk)."""
+    data: for each block, for each layer (of `layers`, when set), K then V, each
+    [num_kv_heads, block_size, head_dim] in the layout dtype, C order (the layout described in
+    worker.proto's KvChunk)."""
 
     first_block: int
     num_blocks: int
     data: bytes
+    # the layers data holds, ascending (a trimmed handoff: engine/kv_trim.py); () = every layer
+    layers: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -233,16 +250,22 @@ class Engine(Protocol):
         transfer_ticket: str,
         first_block: int,
         num_blocks: int,
-        read: Callable[[int, int, list[int]], int],
+        read: Callable[[int, int, list[int], int, tuple[int, ...]], int],
     ) -> int:
         """Fill the reserved blocks [first_block, first_block + num_blocks) of the request by
-        read(source_offset, dp_rank, pool_block_ids) (the blocks it already holds from its own
-        prefix cache are skipped: source_offset says how many); returns read's bytes. Runs under
-        the rank's lock, so an abort cannot free the blocks while they are written."""
+        read(source_offset, dp_rank, pool_block_ids, num_trimmed, layers) (the blocks it already
+        holds from its own prefix cache, and those it released behind every window, are skipped:
+        source_offset says how many; the first num_trimmed of pool_block_ids are read only in
+        `layers`, the full-attention ones); returns read's bytes. An abort cannot free the blocks
+        while they are written."""
 
-    def export_kv(self, request_id: str, skip_blocks: int, max_chunk_bytes: int) -> Iterator[KvBlocksChunk]:
+    def export_kv(
+        self, request_id: str, skip_blocks: int, max_chunk_bytes: int, trim_blocks: int = 0
+    ) -> Iterator[KvBlocksChunk]:
         """Serialized KV of a finished PREFILL_ONLY request's prompt blocks from skip_blocks on
-        (the last block may be partial: it carries num_prompt_tokens % block_size valid rows)."""
+        (the last block may be partial: it carries num_prompt_tokens % block_size valid rows);
+        of the first trim_blocks (the decode side's Admission.num_trim_blocks) only the
+        full-attention layers, nothing when every layer is windowed."""
 
     def release(self, request_id: str) -> None:
         """Free a PREFILL_ONLY request's held blocks (they stay in the prefix cache)."""

@@ -16,6 +16,7 @@ from services.worker.engine import memory, model_variants
 from services.worker.engine.api import EngineConfig, KvLayout
 from services.worker.engine.backend import ModelBackend
 from services.worker.engine.block_manager import BlockManager
+from services.worker.engine.kv_trim import KvTrim
 from services.worker.engine.model_loading import kv_layout_of, load_model, resolve_dtype
 from services.worker.engine.model_runner import ModelRunner
 from services.worker.engine.rank import Rank
@@ -168,6 +169,7 @@ class RankBuilder:
             budget,
             cfg.max_num_seqs,
             model_variants.kv_window_tokens(model.config),
+            KvTrim.of(model_variants.attention_windows(model.config)),
             eos_token_ids=frozenset(self.eos_token_ids),
             max_model_len=self.max_model_len,
         )

@@ -8,6 +8,7 @@ delivers its outputs on that loop. Every other method may be called from any thr
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import sys
 from collections.abc import Callable, Iterator
@@ -55,6 +56,10 @@ log = logging.getLogger(__name__)
 # 8-sequence decode step with 2 ranks (SmolLM2, CPU).
 _GIL_SWITCH_INTERVAL_S = 0.0005
 _SPECULATIVE_METHODS = ("off", "ngram", "draft")
+
+
+# alternatives per prompt token (SamplingConfig.prompt_logprobs; OpenAI's top logprobs limit)
+MAX_PROMPT_LOGPROBS = 20
 
 
 class PagedEngine:
@@ -151,8 +156,16 @@ class PagedEngine:
         if any(not 0 <= t < self.vocab_size for t in request.prompt_token_ids):
             raise InvalidArgument(f"prompt token ids must be in [0, {self.vocab_size})")
         sp = request.sampling
-        if sp.max_tokens < 1:
-            raise InvalidArgument("sampling.max_tokens must be >= 1")
+        if sp.prompt_logprobs is not None and not 0 <= sp.prompt_logprobs <= MAX_PROMPT_LOGPROBS:
+            raise InvalidArgument(
+                f"sampling.prompt_logprobs must be in [0, {MAX_PROMPT_LOGPROBS}], got {sp.prompt_logprobs}"
+            )
+        # max_tokens 0: only to score the prompt (prompt logprobs), never on a decode-only request
+        scores_prompt = sp.prompt_logprobs is not None and request.kind is not RequestKind.DECODE_REMOTE
+        if sp.max_tokens < (0 if scores_prompt else 1):
+            raise InvalidArgument(
+                "sampling.max_tokens must be >= 1 (0 only with prompt_logprobs, to score the prompt)"
+            )
         if sp.temperature < 0:
             raise InvalidArgument(f"sampling.temperature must be >= 0, got {sp.temperature}")
         if not 0.0 < sp.top_p <= 1.0:
@@ -243,7 +256,7 @@ class PagedEngine:
         transfer_ticket: str,
         first_block: int,
         num_blocks: int,
-        read: Callable[[int, int, list[int]], int],
+        read: Callable[[int, int, list[int], int, tuple[int, ...]], int],
     ) -> int:
         return self._rank_of_ticket(transfer_ticket).handoff.import_kv_direct(
             transfer_ticket, first_block, num_blocks, read
@@ -255,13 +268,22 @@ class PagedEngine:
                 return rank
         return None
 
-    def export_kv(self, request_id: str, skip_blocks: int, max_chunk_bytes: int) -> Iterator[KvBlocksChunk]:
+    def export_kv(
+        self, request_id: str, skip_blocks: int, max_chunk_bytes: int, trim_blocks: int = 0
+    ) -> Iterator[KvBlocksChunk]:
         rank = self._rank_of_request(request_id)
         if rank is None:
             raise NotFound(f"unknown request {request_id!r}")
-        indices = rank.handoff.export_blocks(request_id, skip_blocks)
-        per_chunk = max(1, max_chunk_bytes // rank.runner.bytes_per_block)
-        return rank.handoff.iter_export(request_id, indices, per_chunk)
+        per_layer = rank.runner.bytes_per_block // rank.runner.layout.num_layers
+        return itertools.chain.from_iterable(
+            rank.handoff.iter_export(
+                request_id,
+                indices,
+                max(1, max_chunk_bytes // (per_layer * len(layers or range(rank.runner.layout.num_layers)))),
+                layers,
+            )
+            for indices, layers in rank.handoff.export_parts(request_id, skip_blocks, trim_blocks)
+        )
 
     def release(self, request_id: str) -> None:
         rank = self._rank_of_request(request_id)

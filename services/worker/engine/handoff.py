@@ -48,6 +48,7 @@ class Handoff:
                 transfer_ticket=ticket,
                 num_cached_blocks=num_cached_blocks,
                 num_local_cached_tokens=req.num_local_cached_tokens,
+                num_trim_blocks=req.num_trimmed_blocks,
             )
 
     def forget(self, req: Request) -> None:
@@ -72,23 +73,45 @@ class Handoff:
                 raise InvalidArgument(
                     f"blocks [{chunk.first_block}, {end}) outside the prompt's {num_prompt_blocks} blocks"
                 )
-            bpb = rank.runner.bytes_per_block
+            self._check_layers(req, chunk.layers, end)
+            num_layers = rank.runner.layout.num_layers
+            bpb = rank.runner.bytes_per_block // num_layers * len(chunk.layers or range(num_layers))
             if len(chunk.data) != chunk.num_blocks * bpb:
                 raise InvalidArgument(f"chunk has {len(chunk.data)} bytes, expected {chunk.num_blocks * bpb}")
-            # leading blocks that came from our own prefix cache are shared: never overwrite
-            skip = max(0, req.num_hashed_blocks - chunk.first_block)
-            if skip >= chunk.num_blocks:
+            # leading blocks that came from our own prefix cache are shared: never overwrite;
+            # blocks released at admission (behind every window) are not ours: their data is
+            # dropped (an older prefill worker sends them)
+            start = max(chunk.first_block, req.num_hashed_blocks, req.num_released_blocks)
+            if start >= end:
                 return
-            targets = req.block_ids[chunk.first_block + skip : end]
-            rank.runner.write_blocks(targets, chunk.data[skip * bpb :])
+            skip = start - chunk.first_block
+            rank.runner.write_blocks(req.block_ids[start:end], chunk.data[skip * bpb :], chunk.layers or None)
+
+    def _check_layers(self, req: Request, layers: tuple[int, ...], end: int) -> None:
+        """A layer subset is only for trimmed blocks, and holds every full-attention layer."""
+        if not layers:
+            return
+        full = self.rank.scheduler.kv_trim.full_layers
+        if list(layers) != sorted(set(layers)) or layers[-1] >= self.rank.runner.layout.num_layers:
+            raise InvalidArgument(f"chunk layers {list(layers)} are not ascending layer indices")
+        if end > req.num_trimmed_blocks or not set(full) <= set(layers):
+            raise InvalidArgument(
+                f"chunk carries layers {list(layers)} of blocks up to {end}: only the first "
+                f"{req.num_trimmed_blocks} blocks may leave out layers, never layers {list(full)}"
+            )
 
     def import_kv_direct(
-        self, ticket: str, first_block: int, num_blocks: int, read: Callable[[int, int, list[int]], int]
+        self,
+        ticket: str,
+        first_block: int,
+        num_blocks: int,
+        read: Callable[[int, int, list[int], int, tuple[int, ...]], int],
     ) -> int:
         """The reserved blocks [first_block, first_block + num_blocks) filled by `read` (a NIXL
-        READ), outside the lock so the step loop and aborts never wait for a transfer; an abort
-        meanwhile ends the request at once but its blocks are freed only after `read` returns,
-        so a freed (and reused) block is never written."""
+        READ: read(source_offset, dp_rank, block_ids, num_trimmed, layers), the first
+        num_trimmed of block_ids only in `layers`), outside the lock so the step loop and aborts
+        never wait for a transfer; an abort meanwhile ends the request at once but its blocks are
+        freed only after `read` returns, so a freed (and reused) block is never written."""
         rank = self.rank
         with rank.lock:
             req = self._ticket(ticket)
@@ -100,12 +123,16 @@ class Handoff:
                 )
             if req.kv_import_in_flight:
                 raise InvalidArgument(f"a KV import of request {req.request_id!r} is already under way")
-            # leading blocks that came from our own prefix cache are shared: never overwrite
-            skip = min(max(0, req.num_hashed_blocks - first_block), num_blocks)
-            targets = req.block_ids[first_block + skip : end]
+            # leading blocks that came from our own prefix cache are shared: never overwrite;
+            # released ones (behind every window) are not read at all; trimmed ones only in
+            # their full-attention layers
+            start = min(max(first_block, req.num_hashed_blocks, req.num_released_blocks), end)
+            targets = req.block_ids[start:end]
+            num_trimmed = max(0, min(req.num_trimmed_blocks, end) - start)
+            layers = rank.scheduler.kv_trim.full_layers if num_trimmed else ()
             req.kv_import_in_flight = True
         try:
-            return read(skip, rank.dp_rank, targets)
+            return read(start - first_block, rank.dp_rank, targets, num_trimmed, layers)
         finally:
             with rank.lock:
                 req.kv_import_in_flight = False
@@ -176,12 +203,26 @@ class Handoff:
             req = self._held(request_id)
             return [req.block_ids[i] for i in indices]
 
+    def export_parts(
+        self, request_id: str, skip_blocks: int, trim_blocks: int
+    ) -> list[tuple[list[int], tuple[int, ...]]]:
+        """The prompt blocks from skip_blocks on as (block indices, layers; () = every layer):
+        of the first trim_blocks (the decode side's kv_trim) only the full-attention layers, none
+        when every layer is windowed. A model without windows sends everything."""
+        indices = self.export_blocks(request_id, skip_blocks)
+        trim = self.rank.scheduler.kv_trim
+        if trim.window is None or trim_blocks <= 0:
+            return [(indices, ())]
+        trimmed = [i for i in indices if i < trim_blocks]
+        parts = [(trimmed, trim.full_layers)] if trimmed and trim.full_layers else []
+        return [*parts, ([i for i in indices if i >= trim_blocks], ())]
+
     def iter_export(
-        self, request_id: str, indices: list[int], blocks_per_chunk: int
+        self, request_id: str, indices: list[int], blocks_per_chunk: int, layers: tuple[int, ...] = ()
     ) -> Iterator[KvBlocksChunk]:
         for start in range(0, len(indices), blocks_per_chunk):
             part = indices[start : start + blocks_per_chunk]
             with self.rank.lock:
                 req = self._held(request_id)
-                data = self.rank.runner.read_blocks([req.block_ids[i] for i in part])
-            yield KvBlocksChunk(first_block=part[0], num_blocks=len(part), data=data)
+                data = self.rank.runner.read_blocks([req.block_ids[i] for i in part], layers or None)
+            yield KvBlocksChunk(first_block=part[0], num_blocks=len(part), data=data, layers=layers)

@@ -22,7 +22,13 @@ from services.worker.engine.attention import AttentionBackend
 from services.worker.engine.backend import BackendOptions, ModelBackend
 from services.worker.engine.decode_graphs import DecodeGraphs, DecodeSeq
 from services.worker.engine.lean_llama import LeanLlama
-from services.worker.engine.sampler import TokenHistory, apply_allowed, sample, sample_with_logprobs
+from services.worker.engine.sampler import (
+    TokenHistory,
+    apply_allowed,
+    prompt_logprobs,
+    sample,
+    sample_with_logprobs,
+)
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +55,13 @@ class ScheduledSeq:
     allowed: torch.Tensor | None = None
     # filled by the runner when sampling.logprobs is set: one entry per sampled position
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # --- prompt logprobs (SamplingConfig.prompt_logprobs; owned by the request-life side) ---
+    # the prompt tokens that follow the chunk's positions prompt_offset, prompt_offset + 1, ...
+    # (empty: none wanted in this chunk); the runner computes the raw model distribution there
+    prompt_targets: tuple[int, ...] = ()
+    prompt_offset: int = 0  # index in token_ids of the first position with a prompt target
+    # filled by the runner: one entry per prompt_targets token
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -165,7 +178,10 @@ class ModelRunner:
         if (
             graphs is not None
             and seqs
-            and all(s.sample and graphs.fits(len(s.token_ids), s.num_logits) for s in seqs)
+            and all(
+                s.sample and not s.prompt_targets and graphs.fits(len(s.token_ids), s.num_logits)
+                for s in seqs
+            )
         ):
             # decode steps, verify steps, short prompts: every sequence a few tokens, all sampled
             decoded = graphs.run(
@@ -178,6 +194,8 @@ class ModelRunner:
             # nothing to sample (only non-final prefill chunks): skip the LM head entirely
             self._forward(input_ids, positions, meta, None)
             return []
+        if any(s.prompt_targets for s in seqs):
+            return self._execute_with_prompt_logprobs(seqs, input_ids, positions, meta, logits_idx)
         # --- speculative decoding: logits selection and sampling (request-life side) ---
         sampled_seqs = [s for s in seqs if s.sample]
         counts = [s.num_logits for s in sampled_seqs]
@@ -192,6 +210,42 @@ class ModelRunner:
         logits = self._forward(input_ids, positions, meta, logits_idx)
         assert logits is not None  # [sum(counts), vocab]
         return _sample(logits, sampled_seqs)
+
+    def _execute_with_prompt_logprobs(
+        self,
+        seqs: list[ScheduledSeq],
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: attention.PagedAttentionMetadata,
+        last_rows: torch.Tensor,
+    ) -> list[list[int]]:
+        """A step where some prefill chunks want prompt logprobs: the LM head runs at their
+        prompt positions too (the rows a chunk's tokens are packed into end at its last row);
+        the sampled rows are sampled as usual, the prompt rows get prompt_logprobs."""
+        with_rows = [s for s in seqs if s.sample or s.prompt_targets]
+        sample_rows: list[int] = []
+        prompt_rows: list[int] = []
+        for s, last in zip(with_rows, last_rows.tolist(), strict=True):
+            if s.sample:
+                sample_rows.extend(range(last - s.num_logits + 1, last + 1))
+            if s.prompt_targets:
+                first = last - len(s.token_ids) + 1 + s.prompt_offset
+                prompt_rows.extend(range(first, first + len(s.prompt_targets)))
+        idx = torch.tensor(sample_rows + prompt_rows, device=last_rows.device)
+        logits = self._forward(input_ids, positions, meta, idx)
+        assert logits is not None
+        prompt_seqs = [s for s in with_rows if s.prompt_targets]
+        lps = prompt_logprobs(
+            logits[len(sample_rows) :],
+            [t for s in prompt_seqs for t in s.prompt_targets],
+            [s.sampling.prompt_logprobs or 0 for s in prompt_seqs for _ in s.prompt_targets],
+        )
+        pos = 0
+        for s in prompt_seqs:
+            s.prompt_logprobs = lps[pos : pos + len(s.prompt_targets)]
+            pos += len(s.prompt_targets)
+        sampled_seqs = [s for s in seqs if s.sample]
+        return _sample(logits[: len(sample_rows)], sampled_seqs) if sampled_seqs else []
 
     def _forward(
         self,
@@ -241,21 +295,32 @@ class ModelRunner:
         # every block of the pool (the scratch block of static decode steps too)
         return self.kv_cache.view(lay.num_layers, 2, lay.num_kv_heads, -1, lay.block_size, lay.head_dim)
 
-    def read_blocks(self, block_ids: list[int]) -> bytes:
-        """Blocks in the wire layout: per block, per layer, K then V [kv_heads, block_size, D]."""
+    def read_blocks(self, block_ids: list[int], layers: tuple[int, ...] | None = None) -> bytes:
+        """Blocks in the wire layout: per block, per layer (of `layers`; None: all), K then V
+        [kv_heads, block_size, D]."""
         idx = torch.tensor(block_ids, device=self.device)
-        data = self._by_block().index_select(3, idx)  # [L, 2, H, n, bs, D]
+        pool = self._by_block()
+        if layers is not None:
+            pool = pool.index_select(0, torch.tensor(layers, device=self.device))
+        data = pool.index_select(3, idx)  # [L, 2, H, n, bs, D]
         data = data.permute(3, 0, 1, 2, 4, 5).contiguous().cpu()  # [n, L, 2, H, bs, D]
         return data.view(torch.uint8).numpy().tobytes()
 
-    def write_blocks(self, block_ids: list[int], data: bytes) -> None:
+    def write_blocks(self, block_ids: list[int], data: bytes, layers: tuple[int, ...] | None = None) -> None:
+        """The inverse of read_blocks: only `layers` (None: all) of the blocks are written."""
         lay = self.layout
         n = len(block_ids)
+        num_layers = lay.num_layers if layers is None else len(layers)
         raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        arr = raw.view(self.dtype).view(n, lay.num_layers, 2, lay.num_kv_heads, lay.block_size, lay.head_dim)
+        arr = raw.view(self.dtype).view(n, num_layers, 2, lay.num_kv_heads, lay.block_size, lay.head_dim)
         arr = arr.permute(1, 2, 3, 0, 4, 5).to(self.device)  # [L, 2, H, n, bs, D]
         idx = torch.tensor(block_ids, device=self.device)
-        self._by_block().index_copy_(3, idx, arr)
+        pool = self._by_block()
+        if layers is None:
+            pool.index_copy_(3, idx, arr)
+            return
+        for j, layer in enumerate(layers):
+            pool[layer].index_copy_(2, idx, arr[j])
 
 
 def _sample(logits: torch.Tensor, sampled_seqs: list[ScheduledSeq]) -> list[list[int]]:

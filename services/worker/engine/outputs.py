@@ -36,4 +36,5 @@ def request_output(req: Request, finished: bool, drafts: list[int] | None = None
         prefill_ns=req.prefill_ns,
         draft_token_ids=tuple(drafts or ()),
         new_logprobs=new_logprobs,
+        prompt_logprobs=req.take_prompt_logprobs(),
     )

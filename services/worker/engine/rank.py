@@ -213,7 +213,7 @@ class Rank:
                     self._emit(req, request_output(req, finished=True, drafts=drafts), outputs)
             elif u.reason is None:
                 out = request_output(req, finished=False)
-                if out.new_token_ids or out.text_delta:
+                if out.new_token_ids or out.text_delta or out.prompt_logprobs:
                     self._emit(req, out, outputs)
 
     def _emit(self, req: Request, out: RequestOutput, outputs: Outputs) -> None:

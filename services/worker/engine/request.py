@@ -112,6 +112,10 @@ class Request:
     # attention window (Scheduler.kv_window_tokens): their block_ids entries are no longer held
     # and are only ever read masked out (never hashed, exported or freed again)
     num_released_blocks: int = 0
+    # leading prompt blocks of a DECODE_REMOTE request whose handoff was trimmed (kv_trim.py):
+    # their windowed layers' K/V (every layer's, when all are windowed) never arrived here, so
+    # they are never registered in the prefix cache
+    num_trimmed_blocks: int = 0
     last_block_hash: int | None = None  # chain hash of block num_hashed_blocks - 1
     _finish_reason: FinishReason | None = None
     abort_requested: bool = False
@@ -135,6 +139,10 @@ class Request:
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
     # structured output: the matcher fed every output token (engine/structured.py)
     grammar: GrammarState | None = None
+    # with sampling.prompt_logprobs: entry i for prompt token i + 1, computed by the prefill (a
+    # preempted request that recomputes its prompt does not compute them again)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False  # they left with an output (the first after the prefill)
 
     @classmethod
     def from_engine_request(
@@ -290,6 +298,41 @@ class Request:
             eos = () if sp.ignore_eos else tuple(sorted(eos_token_ids))
             stop_ids = eos + sp.stop_token_ids
         return TokenHistory(tuple(self.token_ids), sp.first_output_index + self.num_output_tokens, stop_ids)
+
+    # ---- prompt logprobs -----------------------------------------------------------------
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs are asked for and not all computed yet: the prefill computes every
+        prompt token (no prefix-cache hits). Never for DECODE_REMOTE: its prefill worker has them."""
+        return (
+            self.sampling.prompt_logprobs is not None
+            and self.kind is not RequestKind.DECODE_REMOTE
+            and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+        )
+
+    def prompt_targets(self, start: int, num_tokens: int) -> tuple[int, tuple[int, ...]]:
+        """For a chunk computing positions [start, start + num_tokens): (offset in the chunk of
+        the first position whose prompt logprob is still missing, the prompt tokens that follow
+        that position and the next ones); (0, ()) when the chunk needs none."""
+        if not self.wants_prompt_logprobs:
+            return 0, ()
+        first = max(start, len(self.prompt_logprobs))
+        end = min(start + num_tokens, self.num_prompt_tokens - 1)
+        if first >= end:
+            return 0, ()
+        return first - start, self.prompt_token_ids[first + 1 : end + 1]
+
+    def take_prompt_logprobs(self) -> tuple[TokenLogprobs, ...]:
+        """The prompt logprobs, once, when they are complete (for the request's next output)."""
+        if (
+            self.prompt_logprobs_sent
+            or self.sampling.prompt_logprobs is None
+            or self.kind is RequestKind.DECODE_REMOTE
+            or len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+        ):
+            return ()
+        self.prompt_logprobs_sent = True
+        return tuple(self.prompt_logprobs)
 
     # ---- derived counts ------------------------------------------------------------------
     @property

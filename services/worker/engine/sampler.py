@@ -286,3 +286,38 @@ def scaled_logits(logits: torch.Tensor, params: Sequence[SamplingConfig]) -> tor
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         scaled = torch.empty_like(scaled).scatter_(1, sorted_idx, sorted_logits)
     return scaled
+
+
+# prompt logprobs are computed over at most this many positions at a time: a float32 copy of
+# [rows, vocab] logits per slice (~50 MB for a 49k vocabulary) instead of one of a whole chunk's
+_PROMPT_LOGPROBS_ROWS = 256
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: Sequence[int], ks: Sequence[int]) -> list[TokenLogprobs]:
+    """Prompt logprobs: logits [n, vocab] at n prompt positions (the model's raw output, no
+    processor applied), targets[i] the prompt token that follows position i, ks[i] how many
+    most likely alternatives row i reports. Each row's log_softmax in float32 is that of the
+    raw model distribution (vLLM's prompt logprobs); rows are independent of each other, so a
+    prompt gets the same values however it was split into chunks or batched."""
+    out: list[TokenLogprobs] = []
+    for first in range(0, logits.shape[0], _PROMPT_LOGPROBS_ROWS):
+        end = first + _PROMPT_LOGPROBS_ROWS
+        out.extend(_prompt_logprobs_rows(logits[first:end], targets[first:end], ks[first:end]))
+    return out
+
+
+def _prompt_logprobs_rows(
+    logits: torch.Tensor, targets: Sequence[int], ks: Sequence[int]
+) -> list[TokenLogprobs]:
+    logp = logits.float().log_softmax(dim=-1)
+    idx = torch.tensor(list(targets), dtype=torch.long, device=logits.device)
+    chosen = logp.gather(1, idx[:, None])[:, 0].tolist()
+    max_k = max(ks)
+    top_vals, top_ids = logp.topk(max_k, dim=-1) if max_k > 0 else (logp[:, :0], logp[:, :0].long())
+    vals_l, ids_l = top_vals.tolist(), top_ids.tolist()
+    return [
+        TokenLogprobs(
+            int(t), float(chosen[i]), tuple(zip(ids_l[i][: ks[i]], vals_l[i][: ks[i]], strict=True))
+        )
+        for i, t in enumerate(targets)
+    ]

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 from services.worker.engine.api import RequestKind
 from services.worker.engine.block_manager import BlockManager
-from services.worker.engine.request import Request, RequestStatus
+from services.worker.engine.kv_trim import NO_TRIM, KvTrim
+from services.worker.engine.request import Request, RequestStatus, finish_rule
 from services.worker.engine.step import StepOutput, StepUpdate
 from shared.block_hash import chain_hash
 from shared.errors import ResourceExhausted
@@ -55,6 +56,7 @@ class Scheduler:
         max_batch_tokens: int,
         max_num_seqs: int,
         kv_window_tokens: int | None = None,
+        kv_trim: KvTrim = NO_TRIM,
         eos_token_ids: frozenset[int] = frozenset(),
         max_model_len: int = 0,
     ) -> None:
@@ -65,6 +67,8 @@ class Scheduler:
         # every layer's attention window is at most this many tokens (model_variants
         # .kv_window_tokens); None: some layer attends to every token, nothing is given back
         self.kv_window_tokens = kv_window_tokens
+        # what of a prompt's KV a DECODE_REMOTE request does not need moved (kv_trim.py)
+        self.kv_trim = kv_trim
         # the finish rule's inputs (update): the model's EOS ids and longest sequence (tokens)
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
@@ -122,6 +126,7 @@ class Scheduler:
         req.block_ids = []
         req.num_computed_tokens = 0
         req.num_released_blocks = 0
+        req.num_trimmed_blocks = 0
         req.num_hashed_blocks = 0
         req.last_block_hash = None
 
@@ -170,8 +175,10 @@ class Scheduler:
         if req.block_ids:  # KV imported (DECODE_REMOTE): blocks already held
             n = min(req.num_uncomputed_tokens, budget)
             return n if self.grow(req, req.num_computed_tokens + n) else 0
-        # at least the last token is computed so there are logits to sample from
-        cached = self.blocks.lookup_prefix(req.token_ids, (req.num_tokens - 1) // bs)
+        # at least the last token is computed so there are logits to sample from; a request that
+        # still needs its prompt logprobs computes the whole prompt (its blocks are cached after)
+        max_hit_blocks = 0 if req.wants_prompt_logprobs else (req.num_tokens - 1) // bs
+        cached = self.blocks.lookup_prefix(req.token_ids, max_hit_blocks)
         num_cached_tokens = len(cached) * bs
         n = min(req.num_tokens - num_cached_tokens, budget)
         need = self.blocks.blocks_needed(num_cached_tokens + n) - len(cached)
@@ -202,15 +209,24 @@ class Scheduler:
             if req.num_computed_tokens < req.num_prompt_tokens:
                 req.num_prefill_chunks += 1
                 req.prefill_ns += output.elapsed_ns
+            req.prompt_logprobs.extend(seq.prompt_logprobs)
             if not s.samples:
                 self.on_computed(req, s.num_new_tokens)
                 continue
             run = next(runs)
+            if req.sampling.max_tokens <= 0:
+                # prompt logprobs only (max_tokens 0): the prompt is computed, nothing is drawn
+                run = []
             req.spec_token_ids = []
-            _, reason = req.append_output_tokens(run, self.eos_token_ids, self.max_model_len, seq.logprobs)
+            if run:
+                _, reason = req.append_output_tokens(
+                    run, self.eos_token_ids, self.max_model_len, seq.logprobs
+                )
+            else:
+                reason = finish_rule(req.num_counted_towards_max, req.sampling.max_tokens, None)
             # K/V is valid for the step's tokens and the accepted proposals (the last token of
             # the run is new); a run cut short by a stop has every appended token computed
-            computed = min(req.num_computed_tokens + s.num_new_tokens + len(run) - 1, req.num_tokens)
+            computed = min(req.num_computed_tokens + s.num_new_tokens + max(0, len(run) - 1), req.num_tokens)
             self.on_computed(req, computed - req.num_computed_tokens)
             if s.num_draft_tokens:
                 self.rollback(req)
@@ -271,33 +287,61 @@ class Scheduler:
 
     # ---- DECODE_REMOTE -------------------------------------------------------------------
     def reserve_remote(self, req: Request) -> int:
-        """Blocks for the prompt + first token; returns leading prompt blocks found cached."""
+        """Blocks for the prompt + first token; returns leading prompt blocks found cached.
+
+        Sets req.num_trimmed_blocks (kv_trim.py): the leading blocks wholly behind every window
+        at the first decode position. When every layer is windowed they are not held at all
+        (released at once, as _release_behind_window would at that position): their entries
+        are placeholders, never read unmasked, written, hashed or freed."""
         bs = self.block_size
-        cached = self.blocks.lookup_prefix(req.prompt_token_ids, req.num_prompt_tokens // bs)
-        need = self.blocks.blocks_needed(req.num_prompt_tokens + 1) - len(cached)
-        if not self.blocks.can_allocate(need, cached):
+        n = req.num_prompt_tokens
+        cached = self.blocks.lookup_prefix(req.prompt_token_ids, n // bs)
+        trim = self.kv_trim.trim_blocks(n, bs)
+        released = trim if self.kv_trim.releases else 0
+        held_cached = cached[released:]
+        head = max(len(cached), released)  # leading entries not newly allocated
+        need = self.blocks.blocks_needed(n + 1) - head
+        if not self.blocks.can_allocate(need, held_cached):
             raise ResourceExhausted("KV pool full: cannot reserve blocks for the request")
-        self.blocks.take(cached)
-        req.block_ids = list(cached)
-        req.block_ids += self.blocks.allocate(need, cached[-1] if cached else None, self._want_blocks(req))
+        self.blocks.take(held_cached)
+        req.block_ids = list(cached) + [-1] * (head - len(cached))
+        req.block_ids += self.blocks.allocate(
+            need, held_cached[-1] if held_cached else None, self._want_blocks(req)
+        )
+        for i in range(len(cached), head):  # released, never held: any valid id, masked out
+            req.block_ids[i] = req.block_ids[head]
+        req.num_released_blocks = released
+        req.num_trimmed_blocks = trim
         req.num_hashed_blocks = len(cached)
         req.last_block_hash = self.blocks.block_hash(cached[-1]) if cached else None
         req.stats_fixed = True
         req.num_local_cached_tokens = len(cached) * bs
-        self.blocks.record_query(req.num_prompt_tokens, len(cached) * bs)
+        self.blocks.record_query(n, len(cached) * bs)
         return len(cached)
 
     def recompute_remote(self, req: Request) -> None:
         """Its KV transfer failed: it keeps its reserved blocks and the handoff token, and
         computes everything after its own prefix-cache hits (what the failed import wrote is
-        never trusted: only blocks it computes get hashed), chunked like any prompt."""
-        req.num_computed_tokens = req.num_hashed_blocks * self.block_size
+        never trusted: only blocks it computes get hashed), chunked like any prompt. Blocks it
+        never held (a trimmed handoff on an all-windowed model) are needed again for that: it
+        starts over like a preempted request (prefix lookup, fresh blocks)."""
+        req.num_trimmed_blocks = 0
+        if req.num_released_blocks > 0:
+            self._drop_blocks(req)
+        else:
+            req.num_computed_tokens = req.num_hashed_blocks * self.block_size
         req.kv_arrived()
         self.add(req)
 
     def start_remote(self, req: Request) -> None:
-        """All prompt KV is in place: decode from the handoff token."""
+        """All prompt KV is in place: decode from the handoff token. Trimmed blocks are passed
+        over by the hash chain without being registered: no later request may find them."""
         req.num_computed_tokens = req.num_prompt_tokens
+        bs = self.block_size
+        while req.num_hashed_blocks < req.num_trimmed_blocks:
+            k = req.num_hashed_blocks
+            req.last_block_hash = chain_hash(req.last_block_hash, req.token_ids[k * bs : (k + 1) * bs])
+            req.num_hashed_blocks = k + 1
         self.hash_full_blocks(req)
         req.kv_arrived()
         self.add(req)

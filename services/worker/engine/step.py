@@ -56,6 +56,7 @@ def snapshot(s: ScheduledRequest, eos_token_ids: frozenset[int]) -> ScheduledSeq
     start = r.num_computed_tokens
     drafts = r.spec_token_ids[: s.num_draft_tokens]
     num_logits = 1 + len(drafts) if s.samples else 0
+    prompt_offset, prompt_targets = r.prompt_targets(start, s.num_new_tokens)
     return ScheduledSeq(
         token_ids=r.token_ids[start : start + s.num_new_tokens] + drafts,
         start_pos=start,
@@ -67,6 +68,8 @@ def snapshot(s: ScheduledRequest, eos_token_ids: frozenset[int]) -> ScheduledSeq
         draw_seeds=tuple(r.draw_seed(j) for j in range(num_logits)),
         history=r.token_history(eos_token_ids) if s.samples else None,
         allowed=r.grammar.masks(drafts) if r.grammar is not None and s.samples else None,
+        prompt_targets=prompt_targets,
+        prompt_offset=prompt_offset,
     )
 
 

@@ -65,7 +65,7 @@ def build(
         attn.append(_seq_attention(q_start, n, s.start_pos, kv_start, block_tensor, None, dev))
     # logits rows in the caller's order of the sampling sequences
     first_pos = {i: a.q_start + a.q_len - 1 for i, a in zip(order, attn, strict=True)}
-    logits_idx = [first_pos[i] for i, s in enumerate(seqs) if s.sample]
+    logits_idx = [first_pos[i] for i, s in enumerate(seqs) if s.sample or s.prompt_targets]
     spans = None
     if runner.cpu_attention_kernel and decode_idx:
         # the decode sequences' block tables (padded with 0) and context lengths
@@ -138,7 +138,7 @@ def _build_batched(
             for p in nonempty
         ]
 
-    logits_idx = [last_pos[i] for i, s in enumerate(seqs) if s.sample]
+    logits_idx = [last_pos[i] for i, s in enumerate(seqs) if s.sample or s.prompt_targets]
     meta = attention.PagedAttentionMetadata(
         kv_cache=runner.kv_cache,
         block_size=bs,

@@ -19,7 +19,7 @@ import pytest
 import pytest_asyncio
 
 from shared import metrics
-from shared.proto import gateway_pb2, gateway_pb2_grpc
+from shared.proto import common_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb2
 from tests.support.tiny_models import build_tiny_model
 
 from .http_stack import HttpStack, gateway_on, http_stack
@@ -399,6 +399,94 @@ async def test_logprobs_through_the_openai_client(
     await stack.wait_idle()
 
 
+# --- echo: prompt logprobs (log-likelihood scoring) ---
+async def test_echo_prompt_logprobs_through_the_openai_client(bpe: HttpStack) -> None:
+    """echo + logprobs + max_tokens 0 (how evaluation harnesses score a prompt): the prompt's
+    text, every prompt token with its logprob (the first null) and alternatives, finish_reason
+    length, no completion tokens; disaggregated it needs no decode worker at all. With
+    generation the prompt's entries come first, unary as streamed; disaggregated equals
+    unified to 1e-5; the gRPC API returns the same numbers; bad combinations are 400s."""
+    stack, client = bpe, aclient(bpe)
+    scored: dict[str, list[float | None]] = {}
+    for mode in MODES:
+        stack.router.mode = mode
+        decode = stack.router.targets["decode"]
+        # disaggregated max_tokens 0: a decode worker that cannot be reached is never needed
+        stack.router.targets["decode"] = scheduler_pb2.WorkerTarget(worker_id="gone", address="127.0.0.1:9")
+        try:
+            score = await client.completions.create(
+                model="", prompt=LONG_PROMPT, max_tokens=0, echo=True, logprobs=2, temperature=0
+            )
+        finally:
+            stack.router.targets["decode"] = decode
+        choice = score.choices[0]
+        assert choice.text == LONG_PROMPT and choice.finish_reason == "length"
+        assert score.usage is not None and score.usage.completion_tokens == 0
+        lp = choice.logprobs
+        assert lp is not None and lp.tokens and lp.token_logprobs and lp.top_logprobs and lp.text_offset
+        assert len(lp.tokens) == score.usage.prompt_tokens
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert all(v is not None and v <= 0.0 for v in lp.token_logprobs[1:])
+        assert all(alt is not None and 1 <= len(alt) <= 2 for alt in lp.top_logprobs[1:])
+        assert lp.text_offset == [sum(len(t) for t in lp.tokens[:k]) for k in range(len(lp.tokens))]
+        scored[mode] = lp.token_logprobs
+        # with generation: the prompt's entries, then one per generated token; streamed the same
+        fields: dict[str, Any] = dict(
+            model="", prompt=LONG_PROMPT, max_tokens=4, echo=True, logprobs=1, temperature=0
+        )
+        both = await client.completions.create(**fields)
+        glp = both.choices[0].logprobs
+        assert both.usage is not None and glp is not None and glp.token_logprobs is not None
+        assert both.choices[0].text.startswith(LONG_PROMPT) and len(both.choices[0].text) > len(LONG_PROMPT)
+        assert glp.tokens is not None and len(glp.tokens) == len(lp.tokens) + both.usage.completion_tokens
+        prompt_part = glp.token_logprobs[: len(lp.tokens)]
+        assert all(
+            a == b or abs(a - b) <= 1e-5 for a, b in zip(prompt_part[1:], lp.token_logprobs[1:], strict=True)
+        )
+        chunks = [c async for c in await client.completions.create(**fields, stream=True)]
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == both.choices[0].text
+        streamed = [
+            t
+            for c in chunks
+            if c.choices and c.choices[0].logprobs
+            for t in c.choices[0].logprobs.tokens or []
+        ]
+        assert streamed == glp.tokens
+    assert all(
+        a == b or abs(a - b) <= 1e-5  # type: ignore[operator]
+        for a, b in zip(scored["disaggregated"], scored["unified"], strict=True)
+    )
+    # several prompts and n > 1: every choice echoes its own prompt (as OpenAI and vLLM)
+    many = await client.completions.create(model="", prompt=["Hi there", "Bye"], n=2, max_tokens=0, echo=True)
+    assert [c.text for c in many.choices] == ["Hi there", "Hi there", "Bye", "Bye"]
+    assert many.usage is not None and many.usage.completion_tokens == 0
+    # the gRPC API: prompt_logprobs, the prompt's ids and one entry per token after the first
+    done = await stack.stub.Complete(
+        gateway_pb2.GenerateRequest(prompt=LONG_PROMPT, max_tokens=0, prompt_logprobs=2)
+    )
+    assert done.finish_reason == common_pb2.FINISH_REASON_LENGTH and done.usage.completion_tokens == 0
+    assert len(done.prompt_token_ids) == done.usage.prompt_tokens == len(done.prompt_logprobs) + 1
+    assert [e.token_id for e in done.prompt_logprobs] == list(done.prompt_token_ids[1:])
+    assert all(
+        abs(e.logprob - x) <= 1e-5 for e, x in zip(done.prompt_logprobs, scored["unified"][1:], strict=True)
+    )
+    # refused: max_tokens 0 without echo, echo on chat, prompt_logprobs out of range (gRPC)
+    with pytest.raises(openai.BadRequestError) as bad:
+        await client.completions.create(model="", prompt="hi", max_tokens=0)
+    assert bad.value.body["param"] == "max_tokens"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as bad:
+        await client.chat.completions.create(model="", messages=CHAT, max_tokens=2, extra_body={"echo": True})
+    assert bad.value.body["param"] == "echo"  # type: ignore[index]
+    for request, words in (
+        (gateway_pb2.GenerateRequest(prompt="hi", max_tokens=0), "0 is allowed only to score the prompt"),
+        (gateway_pb2.GenerateRequest(prompt="hi", prompt_logprobs=21), "prompt_logprobs"),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stack.stub.Complete(request)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in (err.value.details() or "")
+    await stack.wait_idle()
+
+
 # --- structured outputs ---
 SCHEMAS: list[dict[str, Any]] = [
     {
@@ -597,6 +685,14 @@ async def test_tool_calls_through_the_openai_client(bpe: HttpStack) -> None:
                 [(call.function.name, call.function.arguments)],
                 "tool_calls",
             )
+            pieces = [
+                tc.function.arguments
+                for c in chunks
+                if c.choices
+                for tc in c.choices[0].delta.tool_calls or ()
+                if tc.function is not None and tc.function.arguments
+            ]
+            assert len(pieces) > 1, pieces  # a forced call's arguments stream as they are written
             assert got.usage is not None and chunks[-1].usage is not None
             # exact usage (cached tokens differ: the second request finds the first's prefix)
             assert (
@@ -674,8 +770,8 @@ async def test_errors_surface_as_openai_exceptions(bpe: HttpStack) -> None:
         await client.chat.completions.create(model="", messages=CHAT, temperature=-1)
     assert "temperature" in bad.value.message
     with pytest.raises(openai.BadRequestError) as bad:
-        await client.completions.create(model="", prompt="hi", echo=True)
-    assert bad.value.body["param"] == "echo"  # type: ignore[index]
+        await client.completions.create(model="", prompt="hi", best_of=2)
+    assert bad.value.body["param"] == "best_of"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError) as bad:
         await client.chat.completions.create(model="", messages=CHAT, max_tokens=10_000)
     assert "max_model_len" in bad.value.message

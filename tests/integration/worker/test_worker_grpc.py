@@ -125,8 +125,10 @@ async def disaggregated(
     request_id: str,
     ids: list[int],
     max_tokens: int,
+    kv_transport: worker_pb2.KvTransport | None = None,
 ) -> tuple[worker_pb2.PrefillResponse, list[worker_pb2.DecodeFrame]]:
-    """The gateway's sequence: Decode (admit) -> Prefill with kv_target -> the rest of Decode."""
+    """The gateway's sequence: Decode (admit) -> Prefill with kv_target (the decode worker's
+    trim passed on, when it sent one) -> the rest of Decode."""
     stream = decode.stub.Decode(
         worker_pb2.DecodeRequest(
             request_id=request_id,
@@ -149,6 +151,8 @@ async def disaggregated(
                 dp_rank=0,
                 transfer_ticket=admitted.transfer_ticket,
                 skip_blocks=admitted.cached_blocks,
+                trim_blocks=admitted.trim_blocks if admitted.HasField("trim_blocks") else None,
+                kv_transport=kv_transport,
             ),
         )
     )
@@ -367,7 +371,7 @@ async def test_info_and_get_load(decode: RunningWorker, tiny_model: Path) -> Non
     assert info.kv_layout.head_dim == 16
     assert set(info.capabilities) >= {"generated_tokens", "kv_block_skip", "local_prefill"}
     # 1.3 first_output_index, 1.4 penalties, 1.5 logprobs, 1.6 structured, 1.7 kv_transport
-    assert info.proto_version == "1.7"
+    assert info.proto_version == "1.9"
     assert info.max_model_len == MAX_MODEL_LEN
     assert info.device == "cpu"
 

@@ -1,6 +1,7 @@
 """Attention variants through real workers: a windowed model (Gemma 2's alternating 8-token
-window, soft-caps) served disaggregated and unified gives transformers' greedy tokens on a
-prompt longer than its window; a model whose attention the engine cannot reproduce (attention
+window, soft-caps) served disaggregated (its handoff trimmed to what the decode worker can still
+read, over the gRPC push and NIXL) and unified gives transformers' greedy tokens on a prompt
+longer than its window; a model whose attention the engine cannot reproduce (attention
 sinks, chunked local attention) ends the worker at start with one error line naming the field."""
 
 from __future__ import annotations
@@ -39,6 +40,19 @@ async def test_windowed_model_disaggregated_and_unified_match_transformers(windo
     ):
         reply, frames = await disaggregated(prefill, decode, "w1", ids, max_tokens)
         assert list(reply.token_ids) + token_ids_of(frames) == want
+        # Of the 7 prompt blocks (4 tokens) the first (27 - 8 + 1) // 4 = 5 lie behind the window
+        # at the first decode position: only their full-attention layer (1 of 2) travels.
+        assert frames[0].trim_blocks == 5
+        layout = decode.app.engine.kv_layout  # type: ignore[union-attr]
+        layer_bytes = 2 * layout.num_kv_heads * layout.block_size * layout.head_dim * 4
+        assert reply.kv_bytes_sent == (5 * 1 + 2 * 2) * layer_bytes
+        if decode.app.nixl is not None and prefill.app.nixl is not None:  # the same over NIXL
+            reply, frames = await disaggregated(
+                prefill, decode, "w2", ids, max_tokens, kv_transport=worker_pb2.KV_TRANSPORT_NIXL
+            )
+            assert reply.kv_transport == worker_pb2.KV_TRANSPORT_NIXL
+            assert list(reply.token_ids) + token_ids_of(frames) == want
+            assert reply.kv_bytes_sent == (5 * 1 + 2 * 2) * layer_bytes
         unified_frames = await collect(
             unified.stub.Decode(
                 worker_pb2.DecodeRequest(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -137,16 +138,39 @@ def assert_same_outputs(off: list[RequestOutput], on: list[RequestOutput]) -> No
     assert on[-1].num_generated_tokens == off[-1].num_generated_tokens
 
 
+@dataclass
+class HandoffStats:
+    """What a handoff_run moved: blocks (one count per block, whatever its layers), block-layers
+    (blocks x layers carried) and bytes."""
+
+    blocks: int = 0
+    block_layers: int = 0
+    bytes: int = 0
+
+
 async def handoff_run(
-    prefill: Engine, decode: Engine, rid: str, prompt: tuple[int, ...], sampling: SamplingConfig
+    prefill: Engine,
+    decode: Engine,
+    rid: str,
+    prompt: tuple[int, ...],
+    sampling: SamplingConfig,
+    stats: HandoffStats | None = None,
+    trim: bool = True,
 ) -> tuple[RequestOutput, list[RequestOutput]]:
     """One request prefilled on `prefill` and decoded on `decode`, its KV and proposals handed
-    over as the workers do: (the prefill's output, the decode's outputs)."""
+    over as the workers do (the decode side's trim passed on unless `trim` is False, as with an
+    older prefill worker): (the prefill's output, the decode's outputs)."""
     (first,) = await collect(
         prefill.add_request(request(rid, prompt, sampling, kind=RequestKind.PREFILL_ONLY))
     )
     admission, handle = decode.admit_remote(request(rid, prompt, sampling, kind=RequestKind.DECODE_REMOTE))
-    for chunk in prefill.export_kv(rid, admission.num_cached_blocks, max_chunk_bytes=20_000):
+    num_trim = admission.num_trim_blocks if trim else 0
+    num_layers = prefill.kv_layout.num_layers
+    for chunk in prefill.export_kv(rid, admission.num_cached_blocks, 20_000, num_trim):
+        if stats is not None:
+            stats.blocks += chunk.num_blocks
+            stats.block_layers += chunk.num_blocks * len(chunk.layers or range(num_layers))
+            stats.bytes += len(chunk.data)
         decode.import_kv(admission.transfer_ticket, chunk)
     prefill.release(rid)
     decode.finish_import(

@@ -7,13 +7,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+from typing import Any
 
 import pytest
 import torch
 
-from services.worker.engine.api import RequestOutput, SamplingConfig, TokenLogprobs
-from services.worker.engine.sampler import TokenHistory, sample, sample_with_logprobs
-from tests.unit.engine.conftest import EngineFactory, collect, handoff_run, request, tokens_of
+from services.worker.engine.api import FinishReason, RequestKind, RequestOutput, SamplingConfig, TokenLogprobs
+from services.worker.engine.sampler import TokenHistory, prompt_logprobs, sample, sample_with_logprobs
+from shared.errors import InvalidArgument
+from tests.unit.engine.conftest import EngineFactory, collect, greedy, handoff_run, request, tokens_of
 
 
 def test_logprobs_are_those_of_the_processed_distribution() -> None:
@@ -54,6 +56,21 @@ def test_logprobs_are_those_of_the_processed_distribution() -> None:
     assert len(hot.top) == 20 and [v for _, v in hot.top] == sorted((v for _, v in hot.top), reverse=True)
     assert math.isclose(hot.logprob, float(ref_hot[hot.token_id]), rel_tol=1e-5)
     assert sum(math.exp(v) for _, v in hot.top) <= 1.0 + 1e-6
+
+
+def test_prompt_logprobs_are_the_raw_log_softmax_row_by_row() -> None:
+    """Each position's target logprob and top-k of log_softmax(logits), k per row, also across
+    the slices a long chunk is computed in."""
+    torch.manual_seed(2)
+    logits = torch.randn(600, 30) * 3
+    targets = [i % 30 for i in range(600)]
+    ks = [i % 4 for i in range(600)]
+    got = prompt_logprobs(logits, targets, ks)
+    want = logits.log_softmax(-1)
+    assert [lp.token_id for lp in got] == targets
+    for i, lp in enumerate(got):
+        assert abs(lp.logprob - float(want[i, targets[i]])) <= 1e-6
+        assert [t for t, _ in lp.top] == want[i].topk(ks[i]).indices.tolist()
 
 
 PROMPT = tuple(random.Random(5).randrange(3, 450) for _ in range(29))
@@ -106,3 +123,51 @@ async def test_logprobs_agree_unified_disaggregated_migrated_speculative(
     _assert_close(_logprobs(on), _logprobs(off))
     if sampling.temperature == 0.0:  # (random weights: sampled tokens rarely repeat the prompt)
         assert spec.spec_stats(0).num_accepted_tokens > 0
+
+
+def _assert_prompt_logprobs(
+    got: tuple[TokenLogprobs, ...], logp: torch.Tensor, prompt: tuple[int, ...], k: int, tol: float
+) -> None:
+    """got[i] is prompt token i + 1's logprob under logp[i] (log_softmax at position i)."""
+    assert [lp.token_id for lp in got] == list(prompt[1:])
+    for i, lp in enumerate(got):
+        assert abs(lp.logprob - float(logp[i, prompt[i + 1]])) <= tol
+        assert len(lp.top) == k
+        assert [t for t, _ in lp.top] == logp[i].topk(k).indices.tolist()
+
+
+async def test_prompt_logprobs_are_the_raw_model_distribution_whatever_the_chunks_cache_and_handoff(
+    make_engine: EngineFactory, tiny_bpe: Any
+) -> None:
+    """Prompt logprobs (echo scoring): the raw model's log_softmax at every prompt position, the
+    same in one chunk or many, with the prompt in the prefix cache (it is computed again), on a
+    prefill worker (PREFILL_ONLY) as unified; max_tokens 0 generates nothing and ends LENGTH."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_bpe), dtype=torch.float32)
+    with torch.no_grad():
+        ref = model(torch.tensor([list(PROMPT)])).logits[0].float().log_softmax(-1)
+    one_chunk, chunked = make_engine(), make_engine(max_batch_tokens=8)
+    score = SamplingConfig(max_tokens=0, temperature=0.0, prompt_logprobs=3)
+    (out,) = await collect(one_chunk.add_request(request("a", PROMPT, score)))
+    assert out.finished and out.finish_reason is FinishReason.LENGTH
+    assert out.num_generated_tokens == 0 and out.new_token_ids == () and out.text_delta == ""
+    _assert_prompt_logprobs(out.prompt_logprobs, ref, PROMPT, 3, 1e-4)
+    # many chunks, and the prompt already in that engine's prefix cache: the same values
+    await collect(chunked.add_request(request("warm", PROMPT, greedy(2))))
+    (cut,) = await collect(chunked.add_request(request("b", PROMPT, score)))
+    _assert_close(list(cut.prompt_logprobs), list(out.prompt_logprobs))
+    # with generation: prompt logprobs on the first output only, the tokens unchanged
+    gen = dataclasses.replace(score, max_tokens=4, ignore_eos=True, logprobs=1)
+    outs = await collect(one_chunk.add_request(request("c", PROMPT, gen)))
+    plain = await collect(one_chunk.add_request(request("d", PROMPT, greedy(4, ignore_eos=True))))
+    assert tokens_of(outs) == tokens_of(plain)
+    assert outs[0].prompt_logprobs and all(not o.prompt_logprobs for o in outs[1:])
+    _assert_close(list(outs[0].prompt_logprobs), list(out.prompt_logprobs))
+    # a prefill worker computes them (with or without generation); max_tokens 0 holds no handoff
+    (held,) = await collect(chunked.add_request(request("e", PROMPT, gen, kind=RequestKind.PREFILL_ONLY)))
+    _assert_close(list(held.prompt_logprobs), list(out.prompt_logprobs))
+    assert held.finish_reason is None and len(held.new_token_ids) == 1
+    chunked.release("e")
+    with pytest.raises(InvalidArgument, match="max_tokens"):
+        one_chunk.add_request(request("f", PROMPT, greedy(0)))

@@ -21,6 +21,7 @@ from services.worker.engine.api import RequestOutput
 from tests.support.tiny_models import FAMILIES, WINDOW
 from tests.unit.engine.conftest import (
     EngineFactory,
+    HandoffStats,
     collect,
     greedy,
     greedy_tokens,
@@ -124,12 +125,63 @@ async def test_windowed_family_on_the_batched_backend(
 async def test_disaggregated_matches_transformers(
     family: str, tiny_family: Callable[[str], Path], make_engine: EngineFactory
 ) -> None:
-    """Prefilled on one engine (in chunks), KV handed over, decoded on another."""
+    """Prefilled on one engine (in chunks), KV handed over, decoded on another, moving only what
+    the decode side can still read (engine/kv_trim.py): of the 41-token prompt's 11 blocks the
+    first (41 - 8 + 1) // 4 = 8 lie wholly behind every 8-token window at the first decode
+    position, so they carry only the full-attention layers (nothing on an all-windowed model).
+    Then on the decode engine: a handoff from an older prefill worker (which sends every block
+    whole), a second handoff and local prefills whose prompts share the first's blocks (prefix
+    lookups over blocks that arrived trimmed) all stay token-identical."""
+    from transformers import AutoConfig
+
+    from services.worker.engine.model_variants import attention_windows
+
     path = tiny_family(family)
     prefill, decode = make_engine(path, **BASE, max_batch_tokens=12), make_engine(path, **BASE)
-    prompt = random_prompt(27, 21)
-    first, rest = await handoff_run(prefill, decode, "d", prompt, greedy(NEW_TOKENS, ignore_eos=True))
+    prompt = random_prompt(41, 21)
+    stats = HandoffStats()
+    first, rest = await handoff_run(prefill, decode, "d", prompt, greedy(NEW_TOKENS, ignore_eos=True), stats)
     assert list(first.new_token_ids) + tokens_of(rest) == list(_reference(str(path), prompt))
+
+    windows = attention_windows(AutoConfig.from_pretrained(str(path)))
+    num_layers, num_full = len(windows), windows.count(None)
+    trimmed = 8 if family != "llama" else 0
+    layout = decode.kv_layout
+    layer_bytes = 2 * layout.num_kv_heads * layout.block_size * layout.head_dim * 4  # fp32
+    assert stats.block_layers == (11 - trimmed) * num_layers + trimmed * num_full
+    assert stats.bytes == stats.block_layers * layer_bytes
+    assert stats.blocks == (11 if num_full else 11 - trimmed)
+    if family != "llama":
+        assert stats.bytes < 11 * num_layers * layer_bytes
+
+    # An older prefill worker ignores the trim and sends every block whole: the decode side
+    # writes what it holds and drops the blocks it released.
+    old = HandoffStats()
+    first3, rest3 = await handoff_run(
+        prefill, decode, "d3", prompt, greedy(NEW_TOKENS, ignore_eos=True), old, trim=False
+    )
+    assert list(first3.new_token_ids) + tokens_of(rest3) == list(_reference(str(path), prompt))
+    # (the first handoff's blocks are no prefix hits here, so all 11 travel; llama hits 10)
+    assert old.block_layers == (1 if family == "llama" else 11) * num_layers
+    # Later requests on the decode engine sharing the first prompt's first 24 tokens (6 blocks,
+    # all trimmed above): a shorter one whose window still reads blocks 4 and 5, handed over;
+    # the same served locally; the whole first prompt again. A prefix hit on trimmed blocks
+    # would read layers that never arrived: they are never hits; blocks computed here are.
+    shorter = prompt[:24] + random_prompt(2, 22)
+    second, rest2 = await handoff_run(
+        prefill, decode, "d2", shorter, greedy(NEW_TOKENS, ignore_eos=True), HandoffStats()
+    )
+    assert list(second.new_token_ids) + tokens_of(rest2) == list(_reference(str(path), shorter))
+    for rid, p, hits in (("l1", shorter, 0), ("l2", prompt, 24)):
+        # windowed: l1 finds nothing (blocks 0-5 arrived trimmed), l2 the 6 blocks l1 computed
+        # here in full, not block 6 (trimmed); llama finds whatever is not evicted yet
+        outs = await collect(decode.add_request(request(rid, p, greedy(NEW_TOKENS, ignore_eos=True))))
+        assert tokens_of(outs) == list(_reference(str(path), p)), rid
+        if family != "llama":
+            assert outs[-1].num_local_cached_tokens == hits, rid
+
+    for engine in (prefill, decode):
+        assert engine.num_free_blocks(0) == engine.num_total_blocks(0)
 
 
 def test_windowed_families_really_have_windows_shorter_than_the_prompts(

@@ -25,7 +25,14 @@ from services.gateway.ports import (
     WorkerTarget,
     WorkerUnavailable,
 )
-from services.gateway.request import FrameKind, OutputFrame, RequestState, RequestStatus, Sampling
+from services.gateway.request import (
+    FrameKind,
+    OutputFrame,
+    RequestState,
+    RequestStatus,
+    Sampling,
+    TokenLogprob,
+)
 from shared.cluster import NIXL_CAPABILITY, FinishReason, KvTransport, ServingMode
 from shared.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
 from shared.structured_output import StructuredOutput
@@ -33,6 +40,7 @@ from shared.structured_output import StructuredOutput
 PREFILL = WorkerTarget("p1", "prefill:1", 0)
 DECODE = WorkerTarget("d1", "decode:1", 1)
 DECODE2 = WorkerTarget("d2", "decode:2", 0)
+PROMPT_LPS = tuple(TokenLogprob(t, -1.0 - t) for t in range(1, 20))  # a 20-token prompt's entries
 
 ADMITTED = DecodeEvent(
     DecodeEventKind.ADMITTED, transfer_ticket="t-1", cached_blocks=1, local_cached_tokens=4
@@ -183,6 +191,41 @@ async def test_kv_transport_is_nixl_only_when_both_workers_offer_it() -> None:
         assert workers.prefill_calls == [
             (PREFILL.address, KvDestination(decode.address, 1, "t-1", 1, transport))
         ]
+
+
+async def test_the_decode_workers_trim_reaches_the_prefill_worker_and_changes_no_usage() -> None:
+    """DecodeFrame.trim_blocks (1.8) is passed on as KvTarget.trim_blocks, separate from
+    skip_blocks (cached_blocks), and usage stays the prefill worker's figures; a frame without
+    it (an older decode worker) leaves KvTarget.trim_blocks unset (an older prefill worker
+    ignores it either way)."""
+    from services.gateway import convert
+    from shared.proto import worker_pb2
+
+    admitted = dataclasses.replace(ADMITTED, trim_blocks=5)
+    workers = FakeWorkers(
+        streams={DECODE.address: [FakeStream([admitted, final("d", 1)])]},
+        prefills={PREFILL.address: [PrefillResult("a", (1,), 1, None, local_cached_tokens=8)]},
+    )
+    frames, _ = await run(FakeScheduler([disagg()]), workers)
+    kv = KvDestination(DECODE.address, 1, "t-1", 1, trim_blocks=5)
+    assert workers.prefill_calls == [(PREFILL.address, kv)]
+    assert all(f.cached_tokens == 8 for f in frames)
+
+    assert (
+        convert.decode_event(
+            worker_pb2.DecodeFrame(kind=worker_pb2.DECODE_FRAME_KIND_ADMITTED, trim_blocks=5)
+        ).trim_blocks
+        == 5
+    )
+    assert (
+        convert.decode_event(worker_pb2.DecodeFrame(kind=worker_pb2.DECODE_FRAME_KIND_ADMITTED)).trim_blocks
+        is None
+    )
+    job = WorkerJob("r", (1, 2), Sampling(max_tokens=4), False)
+    target = convert.prefill_request(job, 0, kv).kv_target
+    assert target.HasField("trim_blocks") and (target.trim_blocks, target.skip_blocks) == (5, 1)
+    untrimmed = KvDestination(DECODE.address, 1, "t-1", 1)
+    assert not convert.prefill_request(job, 0, untrimmed).kv_target.HasField("trim_blocks")
 
 
 async def test_disaggregated_path() -> None:
@@ -439,6 +482,28 @@ async def test_second_cancel_while_aborting_still_ends_the_state() -> None:
     assert sorted(workers.aborts) == sorted([DECODE.address, PREFILL.address])
 
 
+async def test_max_tokens_0_disaggregated_runs_the_prefill_alone() -> None:
+    """Prompt scoring (max_tokens 0 with prompt logprobs): one Prefill with no KV target, no
+    decode worker called or aborted, a FINAL frame with the prompt logprobs, LENGTH, 0 tokens."""
+    workers = FakeWorkers(
+        prefills={
+            PREFILL.address: [PrefillResult("", (), 0, FinishReason.LENGTH, prompt_logprobs=PROMPT_LPS)]
+        }
+    )
+    req = prepared(max_tokens=0)
+    req = dataclasses.replace(
+        req, sampling=dataclasses.replace(req.sampling, max_tokens=0, prompt_logprobs=1)
+    )
+    frames, state = await run(FakeScheduler([disagg()]), workers, req)
+    assert workers.prefill_calls == [(PREFILL.address, None)] and workers.decode_calls == []
+    assert workers.aborts == [] and workers.jobs[0].sampling.prompt_logprobs == 1
+    (frame,) = frames
+    assert frame.kind is FrameKind.FINAL and frame.finish_reason is FinishReason.LENGTH
+    assert frame.usage is not None and frame.usage.completion_tokens == 0
+    assert frame.prompt_logprobs == PROMPT_LPS and frame.prompt_token_ids == req.prompt_token_ids
+    assert state.status is RequestStatus.FINISHED_LENGTH
+
+
 # --- migration after handoff ---
 
 
@@ -452,12 +517,22 @@ async def test_decode_failure_mid_stream_migrates_and_continues_exactly() -> Non
             ],
             DECODE2.address: [FakeStream([ADMITTED, tokens("e", 5), final("f", 3, FinishReason.LENGTH)])],
         },
-        prefills={PREFILL.address: [PrefillResult("a", (1,), 1, None), PrefillResult("d", (4,), 1, None)]},
+        prefills={
+            PREFILL.address: [
+                PrefillResult("a", (1,), 1, None, prompt_logprobs=PROMPT_LPS),
+                PrefillResult("d", (4,), 1, None),
+            ]
+        },
     )
     sched = FakeScheduler([disagg(DECODE), disagg(DECODE2)])
     req = prepared(max_tokens=7, prompt_len=20)
     penalized = dataclasses.replace(
-        req.sampling, presence_penalty=0.5, repetition_penalty=1.2, logit_bias=((9, 3.0),), min_tokens=6
+        req.sampling,
+        presence_penalty=0.5,
+        repetition_penalty=1.2,
+        logit_bias=((9, 3.0),),
+        min_tokens=6,
+        prompt_logprobs=2,
     )
     req = dataclasses.replace(req, sampling=penalized)
     state = RequestState(req.request_id, req.prompt_token_ids, False, "m")
@@ -476,6 +551,10 @@ async def test_decode_failure_mid_stream_migrates_and_continues_exactly() -> Non
         assert (job.sampling.presence_penalty, job.sampling.repetition_penalty) == (0.5, 1.2)
         assert job.sampling.logit_bias == ((9, 3.0),) and job.sampling.min_tokens == 6
     assert all(j.return_token_ids for j in workers.jobs), "workers always return ids to the gateway"
+    # prompt logprobs: asked of the first run only, on the first frame only (with the prompt's ids)
+    assert [j.sampling.prompt_logprobs for j in workers.jobs] == [2, 2, None, None]
+    assert frames[0].prompt_logprobs == PROMPT_LPS and frames[0].prompt_token_ids == tuple(range(20))
+    assert not any(f.prompt_logprobs or f.prompt_token_ids for f in frames[1:])
     usage = frames[-1].usage
     assert usage is not None and usage.completion_tokens == 7  # 3 before + 1 (prefill) + 3 (decode)
     assert frames[-1].finish_reason is FinishReason.LENGTH

@@ -164,11 +164,34 @@ def test_completion_refusals() -> None:
         completion(prompt=["a"] * 9, n=8)
 
 
+def test_echo_plan_and_prompt_logprobs_layout() -> None:
+    """echo: logprobs k asks the prompt's too; max_tokens 0 only with echo (then prompt logprobs,
+    0 alternatives without logprobs); the prompt's entries: the first token null, then each
+    with its alternatives, offsets over the token texts."""
+    plan = completion(prompt="ab", echo=True, logprobs=2, max_tokens=0)
+    assert plan.echo and plan.inputs[0].prompt_logprobs == 2 and plan.inputs[0].max_tokens == 0
+    assert completion(prompt="ab", echo=True, max_tokens=0).inputs[0].prompt_logprobs == 0
+    assert completion(prompt="ab", echo=True).inputs[0].prompt_logprobs is None
+    assert not completion(prompt="ab").echo
+    with pytest.raises(conv.InvalidParam, match="only allowed with echo") as err:
+        completion(prompt="ab", max_tokens=0)
+    assert err.value.param == "max_tokens"
+    assert conv.echo_text(plan.inputs[0], lambda ids: "never") == "ab"
+    text = {1: "a", 2: "bc", 3: "d"}
+    lp = conv.prompt_completion_logprobs(
+        (1, 2, 3), (TokenLogprob(2, -1.0, ((3, -0.5),)), TokenLogprob(3, -float("inf"))), text.__getitem__
+    )
+    assert lp.tokens == ["a", "bc", "d"] and lp.text_offset == [0, 1, 3]
+    assert lp.token_logprobs == [None, -1.0, conv.LOGPROB_FLOOR]
+    assert lp.top_logprobs == [None, {"d": -0.5}, {}]
+    assert conv.prompt_completion_logprobs((1,), (), text.__getitem__).tokens == []
+
+
 def test_unsupported_fields_refused_unknown_ignored() -> None:
     assert conv.unsupported_and_unknown({"echo": False, "tools": [], "vendor_x": 1}) == ["vendor_x"]
     assert conv.unsupported_and_unknown({"tool_choice": "none", "best_of": 1}) == []
     for name, value in (
-        ("echo", True),
+        ("echo", True),  # on chat (completions declare it)
         ("prompt_logprobs", 1),
         ("tools", [{"type": "function"}]),
         ("guided_grammar", "start: 'a'"),

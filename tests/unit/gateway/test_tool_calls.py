@@ -1,6 +1,7 @@
 """The tool-call parsers (Hermes and Llama-3 JSON, free and forced): whole outputs and the same
 outputs fed in every kind of fragment give the same content and calls; text around calls stays
-content; what does not parse stays content; the forcing schema and the prompt preamble."""
+content; what does not parse stays content; a forced call's arguments stream piecewise; the
+forcing schema and the prompt preamble."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import jsonschema
 import pytest
 
 from services.gateway.tool_calls import (
+    ArgumentsDelta,
+    CallStart,
     Tool,
     ToolCall,
     ToolCallParser,
@@ -137,6 +140,43 @@ def test_text_is_not_held_longer_than_needed() -> None:
     assert parser.feed("box> and") == [" <toolbox> and"]
     llama = ToolCallParser("llama3_json")
     assert llama.feed("Sure") == ["Sure"]
+
+
+FORCED_BODY = '{"name": "get_weather", "arguments": {"city": "Os\\"lo {}", "days": [1, {"x": "]"}]}}'
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "llama3_json"])
+def test_a_forced_calls_arguments_stream_as_they_are_written(fmt: str) -> None:
+    """Fed a character at a time: CallStart once the name is written, then arguments deltas
+    while they are written (escapes, braces and brackets inside strings included), whose
+    concatenation is the final call's arguments, the same id, exactly the unary result; the
+    object's closing brace is not part of them."""
+    body = FORCED_BODY.replace('"arguments"', '"parameters"') if fmt == "llama3_json" else FORCED_BODY
+    parser = ToolCallParser(fmt, forced=True)  # type: ignore[arg-type]
+    events = [(i, e) for i, ch in enumerate(body) for e in parser.feed(ch)] + [
+        (len(body), e) for e in parser.finish()
+    ]
+    starts = [(i, e) for i, e in events if isinstance(e, CallStart)]
+    deltas = [(i, e) for i, e in events if isinstance(e, ArgumentsDelta)]
+    calls = [(i, e) for i, e in events if isinstance(e, ToolCall)]
+    assert [e.name for _, e in starts] == ["get_weather"] and len(calls) == 1
+    assert starts[0][0] == body.index("{", 1)  # as soon as the arguments' opening brace comes
+    assert len(deltas) > 10 and deltas[-1][0] < calls[0][0]  # sent before the call completes
+    call = calls[0][1]
+    assert call.id == starts[0][1].id
+    assert "".join(e.text for _, e in deltas) == call.arguments == body[body.index("{", 1) : -1]
+    assert json.loads(call.arguments) == {"city": 'Os"lo {}', "days": [1, {"x": "]"}]}
+    _, whole = parse(body, fmt, forced=True)  # type: ignore[arg-type]
+    assert [(c.name, c.arguments) for c in whole] == [(call.name, call.arguments)]
+    # cut short (max_tokens): still the call, with the arguments written so far, unary alike
+    cut = body[:-12]
+    parser = ToolCallParser(fmt, forced=True)  # type: ignore[arg-type]
+    events2 = [e for ch in cut for e in parser.feed(ch)] + parser.finish()
+    sent = "".join(e.text for e in events2 if isinstance(e, ArgumentsDelta))
+    assert [(e.name, e.arguments) for e in events2 if isinstance(e, ToolCall)] == [("get_weather", sent)]
+    assert not [e for e in events2 if isinstance(e, str)]
+    content, calls2 = parse(cut, fmt, forced=True)  # type: ignore[arg-type]
+    assert content is None and [(c.name, c.arguments) for c in calls2] == [("get_weather", sent)]
 
 
 @pytest.mark.parametrize("fmt", ["hermes", "llama3_json"])

@@ -50,10 +50,20 @@ def test_model_name_matches() -> None:
     check(model=MODEL, prompt="x")
 
 
-@pytest.mark.parametrize("value", [0])
+@pytest.mark.parametrize("value", [0, -1])
 def test_max_tokens_must_be_positive(value: int) -> None:
     with pytest.raises(InvalidArgument, match="max_tokens must be >= 1"):
         check(prompt="x", max_tokens=value)
+
+
+def test_max_tokens_0_only_scores_the_prompt() -> None:
+    check(prompt="x", max_tokens=0, prompt_logprobs=0)
+    with pytest.raises(InvalidArgument, match="max_tokens must be >= 1"):
+        check(prompt="x", max_tokens=-1, prompt_logprobs=0)
+    for value in (-1, 21):
+        with pytest.raises(InvalidArgument, match=r"prompt_logprobs .* must be in \[0, 20\]") as err:
+            check(prompt="x", prompt_logprobs=value)
+        assert getattr(err.value, "param", None) == "prompt_logprobs"
 
 
 @pytest.mark.parametrize("value", [-0.1, math.inf, math.nan])

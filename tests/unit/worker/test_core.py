@@ -72,7 +72,9 @@ class FakeEngine:
             ]
         )
 
-    def export_kv(self, request_id: str, skip_blocks: int, max_chunk_bytes: int) -> Iterator[KvBlocksChunk]:
+    def export_kv(
+        self, request_id: str, skip_blocks: int, max_chunk_bytes: int, trim_blocks: int = 0
+    ) -> Iterator[KvBlocksChunk]:
         self.calls.append(("export", request_id, skip_blocks))
         yield KvBlocksChunk(first_block=skip_blocks, num_blocks=1, data=b"\0" * 8)
 

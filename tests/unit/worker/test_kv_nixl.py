@@ -50,6 +50,42 @@ def test_plane_descriptors_cover_each_plane_of_each_run() -> None:
     assert total == planes * 3 * block_bytes  # every byte of the 3 blocks, once
 
 
+def test_plane_descriptors_of_a_layer_subset_skip_the_other_layers_planes() -> None:
+    """A trimmed handoff READs only the full-attention layers' planes (layer 1 here): its
+    2 x 3 planes start after layer 0's."""
+    slots, item = 16, 4
+    descs = plane_descriptors(1000, slots, LAYOUT, item, 0, [3], [2], layers=(1,))
+    block_bytes = LAYOUT.block_size * LAYOUT.head_dim * item
+    plane_bytes = slots * LAYOUT.head_dim * item
+    per_layer = 2 * LAYOUT.num_kv_heads
+    assert descs.shape == (per_layer, 3)
+    assert descs[:, 0].tolist() == [1000 + (per_layer + p) * plane_bytes + 3 * block_bytes for p in range(6)]
+    assert descs[:, 1].tolist() == [2 * block_bytes] * per_layer
+    every = plane_descriptors(1000, slots, LAYOUT, item, 0, [3], [2], layers=(0, 1))
+    assert every.tolist() == plane_descriptors(1000, slots, LAYOUT, item, 0, [3], [2]).tolist()
+
+
+def test_trimmed_chunks_carry_their_layers_through_protobuf() -> None:
+    target = KvTargetSpec(address="d:1", dp_rank=0, transfer_ticket="t", skip_blocks=0, trim_blocks=5)
+    chunk = KvBlocksChunk(first_block=0, num_blocks=5, data=b"\1" * 8, layers=(1, 3))
+    pb = convert.kv_chunk_to_pb("r", target, kv_layout_to_pb(LAYOUT), chunk)
+    assert list(pb.kv_layers) == [1, 3]
+    assert convert.kv_chunk_from_pb(pb).chunk == chunk
+    whole = KvBlocksChunk(first_block=5, num_blocks=1, data=b"\1" * 8)
+    assert (
+        convert.kv_chunk_from_pb(convert.kv_chunk_to_pb("r", target, kv_layout_to_pb(LAYOUT), whole)).chunk
+        == whole
+    )
+    request = worker_pb2.PrefillRequest(
+        request_id="r", prompt_token_ids=[1], kv_target=worker_pb2.KvTarget(address="d:1", trim_blocks=5)
+    )
+    call = convert.prefill_call_from_pb(request)
+    assert call.kv_target is not None and call.kv_target.trim_blocks == 5
+    request.kv_target.ClearField("trim_blocks")  # an older gateway or decode worker
+    call = convert.prefill_call_from_pb(request)
+    assert call.kv_target is not None and call.kv_target.trim_blocks == 0
+
+
 def test_nixl_fields_round_trip() -> None:
     source = NixlSource(
         agent_name="pdserve-a",

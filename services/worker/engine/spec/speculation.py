@@ -178,7 +178,7 @@ class Speculation(NoSpeculation):
         for i, s in enumerate(sampling):
             req = s.request
             proposals = req.spec_token_ids[: s.num_draft_tokens]
-            if not proposals:
+            if not proposals or req.sampling.max_tokens <= 0:  # max_tokens 0: nothing is drawn
                 continue
             run = accept_run(proposals, output.runs[i])
             accepted = len(run) - 1
