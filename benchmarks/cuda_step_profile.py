@@ -21,7 +21,10 @@ from typing import Any
 import torch
 
 from benchmarks.engine_floor import time_decode_steps
-from services.worker.engine.model_runner import ModelRunner, kv_layout_of, load_model
+from services.worker.engine.backend import ModelBackend
+from services.worker.engine.model_loading import kv_layout_of, load_model
+from services.worker.engine.model_runner import ModelRunner
+from services.worker.engine.options import BackendOptions
 from shared.model_store import resolve_model
 
 RESULTS = Path(__file__).parent / "results"
@@ -35,9 +38,9 @@ def profile(model_name: str, seqs: int, context: int, fused: bool | None) -> dic
     model = load_model(str(resolve_model(model_name)), dev, torch.bfloat16)
     layout = kv_layout_of(model.config, 16, torch.bfloat16)
     per_seq = -(-(context + 1) // 16)
-    runner = ModelRunner(
-        model, layout, seqs * per_seq + 1, dev, torch.bfloat16, decode_graphs=True, fused=fused
-    )
+    # static steps as CUDA graphs; fused False: the torch-only path (--no-cuda-kernels)
+    backend = ModelBackend.choose(BackendOptions(cuda_kernels=fused is not False), dev)
+    runner = ModelRunner(model, layout, seqs * per_seq + 1, dev, torch.bfloat16, backend=backend)
     step_s, _ = time_decode_steps(runner, seqs, context)
     steps = 5
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:

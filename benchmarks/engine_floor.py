@@ -206,12 +206,10 @@ def measure(
     """The whole probe (run in its own process: it sets torch's thread count)."""
     from services.worker.engine import cpu_kernels
     from services.worker.engine.api import EngineConfig
-    from services.worker.engine.model_runner import (
-        ModelRunner,
-        kv_layout_of,
-        load_model,
-        resolve_dtype,
-    )
+    from services.worker.engine.backend import ModelBackend
+    from services.worker.engine.model_loading import kv_layout_of, load_model, resolve_dtype
+    from services.worker.engine.model_runner import ModelRunner
+    from services.worker.engine.options import BackendOptions
 
     device = torch.device(device_name)
     dtype = resolve_dtype(dtype_name, device)
@@ -309,8 +307,7 @@ def measure(
                 max(batches) * per_seq_blocks + 1,
                 device,
                 dtype,
-                decode_graphs=True,
-                fused=fused,
+                backend=ModelBackend.choose(BackendOptions(cuda_kernels=fused is not False), device),
             )
             graph_rows = []
             for batch, r in zip(batches, rows, strict=True):

@@ -83,7 +83,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     args = ap.parse_args()
     from benchmarks.engine_floor import cpu_features
-    from services.worker.engine.model_runner import ModelRunner, kv_layout_of, load_model
+    from services.worker.engine.backend import ModelBackend
+    from services.worker.engine.model_loading import kv_layout_of, load_model
+    from services.worker.engine.model_runner import ModelRunner
+    from services.worker.engine.options import BackendOptions
     from shared.model_store import resolve_model
 
     torch.set_num_threads(1)
@@ -94,8 +97,15 @@ def main() -> None:
     blocks = max(args.batches) * per_seq + 1
     # the same model object under both forwards (each runner has its own KV pool)
     runners = {
-        "lean": ModelRunner(model, layout, blocks, device, dtype, lean_forward=True),
-        "transformers": ModelRunner(model, layout, blocks, device, dtype, lean_forward=False),
+        name: ModelRunner(
+            model,
+            layout,
+            blocks,
+            device,
+            dtype,
+            backend=ModelBackend.choose(BackendOptions(lean_forward=lean, cuda_graphs=False), device),
+        )
+        for name, lean in (("lean", True), ("transformers", False))
     }
     for runner in runners.values():
         runner.warm_up()

@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import dataclasses
 import enum
-import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping
 from typing import Any
 
@@ -22,8 +21,9 @@ from services.worker.engine.api import (
     RequestOutput,
     TokenLogprobs,
 )
-from services.worker.engine.spec.stats import SpecStats
-from services.worker.kv_nixl import KvTransferFailed, NixlKvAgent
+from services.worker.frames import decode_event, final_event
+from services.worker.kv_nixl import NixlKvAgent
+from services.worker.kv_receive import KvLoadFailurePolicy, KvReceiver
 from services.worker.kv_transfer import GrpcKvSender
 from services.worker.messages import (
     DecodeCall,
@@ -38,6 +38,7 @@ from services.worker.messages import (
     PrefillCall,
     PrefillResult,
 )
+from services.worker.rank_metrics import RankMetrics
 from shared import errors, metrics
 from shared.cluster import FinishReason, KvTransport, RankLoad, WorkerInfo
 from shared.tracing import tracer
@@ -51,18 +52,6 @@ class Phase(enum.Enum):
     PREFILL = "prefill"
     PUSHING = "pushing"  # its KV is being pushed to a decode worker (a drain lets it end)
     DECODE = "decode"
-
-
-def _layout_str(layout: object) -> str:
-    d = dataclasses.asdict(layout)  # type: ignore[call-overload]
-    return ", ".join(f"{k}={v}" for k, v in d.items())
-
-
-class KvLoadFailurePolicy(enum.Enum):
-    """What a decode worker does when a NIXL READ of a request's KV fails or times out."""
-
-    RECOMPUTE = "recompute"  # keep the request and the first token; prefill the prompt here
-    RETRY_PREFILL = "retry-prefill"  # abort it here: the handoff fails, the gateway reschedules
 
 
 class WorkerCore:
@@ -87,18 +76,14 @@ class WorkerCore:
             KvTransport.GRPC_PUSH: GrpcKvSender(engine, pusher, kv_chunk_bytes)
         }
         self._senders.update(senders or {})
-        self._nixl = nixl
-        self._kv_load_failure_policy = kv_load_failure_policy
-        self._kv_read_timeout_s = kv_read_timeout_s
+        self._receiver = KvReceiver(engine, nixl, kv_load_failure_policy, kv_read_timeout_s)
         self._log_prompts = log_prompts
         # only requests with a live RPC
         self._active: dict[str, Phase] = {}
         self._idle = asyncio.Event()
         self._idle.set()
         self._draining = False
-        # per rank, engine counters already exported to Prometheus (cumulative)
-        self._preemptions_seen: dict[int, int] = {}
-        self._spec_seen: dict[int, SpecStats] = {}
+        self._rank_metrics = RankMetrics(engine)
 
     # ----- bookkeeping -----
 
@@ -299,9 +284,9 @@ class WorkerCore:
                         or out.prompt_logprobs
                         or (ids and out.new_token_ids)
                     ):
-                        yield _decode_event(rid, FrameKind.TOKENS, out, ids)
+                        yield decode_event(rid, FrameKind.TOKENS, out, ids)
                 done = True
-                yield _final_event(rid, last, ids, len(request.prompt_token_ids))
+                yield final_event(rid, last, ids, len(request.prompt_token_ids))
             finally:
                 if not done:
                     self.engine.abort(rid)
@@ -319,128 +304,9 @@ class WorkerCore:
     # ----- PushKv (receiving side) -----
 
     async def receive_kv(self, chunks: AsyncIterator[IncomingKvChunk]) -> KvReceipt:
-        """Import one request's KV chunks (or, over NIXL, READ the blocks its one chunk names);
-        the last one starts decoding.
-
-        A transfer that breaks after the engine accepted KV aborts the request (its Decode stream
-        ends with ABORT and its blocks are freed); it could never complete otherwise. A failed
-        NIXL READ follows --kv-load-failure-policy: recompute here, or abort (retry-prefill)."""
+        """Import one request's KV (kv_receive.py); the last chunk starts decoding."""
         self._require(self.identity.role.decodes, "PushKv (roles that serve it: decode, unified)")
-        ours = self.engine.kv_layout
-        request_id: str | None = None
-        ticket = ""
-        bytes_received = blocks_received = 0
-        read_ns: int | None = None
-        recomputing = False
-        started = done = False
-        try:
-            async for c in chunks:
-                if request_id is None:
-                    request_id, ticket = c.request_id, c.transfer_ticket
-                    if c.layout is None:
-                        raise errors.InvalidArgument("the first KvChunk must carry the layout")
-                elif c.transfer_ticket != ticket:
-                    raise errors.InvalidArgument(
-                        "every KvChunk of one PushKv stream must carry the same transfer_ticket"
-                    )
-                if done:
-                    raise errors.InvalidArgument("KvChunk received after the chunk marked last")
-                if c.layout is not None and c.layout != ours:
-                    raise errors.FailedPrecondition(
-                        f"KV layout mismatch: the sender has ({_layout_str(c.layout)}), this "
-                        f"worker has ({_layout_str(ours)}); pair workers with the same model, "
-                        "dtype and block size"
-                    )
-                if c.nixl_source is not None:
-                    if not c.last or c.chunk.data:
-                        raise errors.InvalidArgument(
-                            "a KvChunk with nixl_source is the only one, marked last, with no data"
-                        )
-                    if c.first_token_id is not None and c.nixl_source.block_ids:
-                        started = True
-                        read_ns, nbytes = await self._read_nixl(ticket, c)
-                        recomputing = read_ns is None
-                        bytes_received += nbytes
-                        blocks_received += 0 if recomputing else len(c.nixl_source.block_ids)
-                elif c.chunk.num_blocks:
-                    self.engine.import_kv(ticket, c.chunk)
-                    started = True
-                bytes_received += len(c.chunk.data)
-                blocks_received += c.chunk.num_blocks if c.nixl_source is None else 0
-                if c.last:
-                    # An old (v1.0) prefill worker sends no count: it always generated 1 token.
-                    prefill_generated = 1 if c.generated_tokens is None else c.generated_tokens
-                    started = True
-                    self.engine.finish_import(
-                        ticket,
-                        c.num_tokens,
-                        c.first_token_id,
-                        prefill_generated,
-                        c.draft_token_ids,
-                        recompute=recomputing,
-                    )
-                    done = True
-            if request_id is None:
-                raise errors.InvalidArgument("PushKv stream carried no KvChunk")
-            if not done:
-                raise errors.InvalidArgument("PushKv stream ended without a KvChunk marked last")
-        except BaseException:
-            if started and request_id is not None:
-                self.engine.abort(request_id)
-            raise
-        metrics.KV_TRANSFER_BYTES.labels(direction="received").inc(bytes_received)
-        log.debug("kv_received", request_id=request_id, bytes=bytes_received, blocks=blocks_received)
-        return KvReceipt(
-            bytes_received=bytes_received,
-            blocks_received=blocks_received,
-            read_ns=read_ns,
-            recomputing=recomputing,
-        )
-
-    async def _read_nixl(self, ticket: str, c: IncomingKvChunk) -> tuple[int | None, int]:
-        """READ the blocks c.nixl_source names into the request's reserved blocks, in a worker
-        thread (the event loop keeps serving). Returns (read_ns, bytes), or (None, 0) when the
-        READ failed and the policy is to recompute. A cancelled call leaves the READ to end on
-        its own (bounded by --kv-read-timeout-s); the blocks are freed only after it."""
-        source = c.nixl_source
-        assert source is not None
-        nixl = self._nixl
-        if nixl is None:
-            raise errors.FailedPrecondition(
-                "this worker has no NIXL agent (nixl-cu13 missing or failed to start); "
-                "send the KV over the gRPC push"
-            )
-        timeout_s = self._kv_read_timeout_s
-
-        def read(
-            src_offset: int, dp_rank: int, block_ids: list[int], num_trimmed: int, layers: tuple[int, ...]
-        ) -> int:
-            return nixl.read(source, src_offset, dp_rank, block_ids, timeout_s, num_trimmed, layers)
-
-        start = time.perf_counter_ns()
-        with tracer().start_as_current_span("kv_read") as span:
-            span.set_attribute("pdserve.kv_transport", KvTransport.NIXL.value)
-            span.set_attribute("pdserve.source_agent", source.agent_name)
-            try:
-                nbytes = await asyncio.to_thread(
-                    self.engine.import_kv_direct, ticket, source.first_block, len(source.block_ids), read
-                )
-            except KvTransferFailed as exc:
-                nixl.forget(source.agent_name)
-                metrics.KV_TRANSFER_FAILURES.labels(transport=KvTransport.NIXL.value, side="read").inc()
-                span.set_attribute("pdserve.error", str(exc))
-                policy = self._kv_load_failure_policy
-                log.warning("kv_read_failed", error=str(exc), policy=policy.value)
-                if policy is KvLoadFailurePolicy.RETRY_PREFILL:
-                    raise
-                metrics.KV_TRANSFER_RECOMPUTES.inc()
-                span.set_attribute("pdserve.kv_recomputing", True)
-                return None, 0
-            elapsed_ns = time.perf_counter_ns() - start
-            span.set_attribute("pdserve.bytes", nbytes)
-            span.set_attribute("pdserve.kv_read_seconds", elapsed_ns / 1e9)
-        metrics.KV_TRANSFER_READ_SECONDS.observe(elapsed_ns / 1e9)
-        return elapsed_ns, nbytes
+        return await self._receiver.receive(chunks)
 
     # ----- Abort, loads -----
 
@@ -453,46 +319,8 @@ class WorkerCore:
         return self.engine.rank_loads()
 
     def refresh_metrics(self) -> None:
-        """Update the per-rank gauges and counters from the engine (called periodically and on
-        GetLoad); the engine's cumulative counts become Prometheus counter increments."""
-        for load in self.engine.rank_loads():
-            dp_rank = load.dp_rank
-            rank = str(dp_rank)
-            total = self.engine.num_total_blocks(dp_rank)
-            free = self.engine.num_free_blocks(dp_rank)
-            metrics.KV_USAGE_RATIO.labels(dp_rank=rank).set((total - free) / total if total else 0.0)
-            metrics.RANK_USED_TOKENS.labels(dp_rank=rank).set(load.num_used_tokens)
-            metrics.RANK_RUNNING.labels(dp_rank=rank).set(load.num_running)
-            metrics.RANK_WAITING.labels(dp_rank=rank).set(load.num_waiting)
-            metrics.RANK_WAITING_PROMPT_TOKENS.labels(dp_rank=rank).set(
-                self.engine.num_waiting_prompt_tokens(dp_rank)
-            )
-            preempted = self.engine.num_preemptions(dp_rank)
-            seen = self._preemptions_seen.get(dp_rank, 0)
-            if preempted > seen:
-                metrics.PREEMPTIONS.labels(dp_rank=rank).inc(preempted - seen)
-                self._preemptions_seen[dp_rank] = preempted
-            self._export_spec_stats(dp_rank)
-
-    def _export_spec_stats(self, dp_rank: int) -> None:
-        now = self.engine.spec_stats(dp_rank)
-        seen = self._spec_seen.get(dp_rank, SpecStats())
-        rank = str(dp_rank)
-        for counter, new, old in (
-            (metrics.SPEC_DRAFTS, now.num_drafts, seen.num_drafts),
-            (metrics.SPEC_DRAFT_TOKENS, now.num_draft_tokens, seen.num_draft_tokens),
-            (metrics.SPEC_ACCEPTED_TOKENS, now.num_accepted_tokens, seen.num_accepted_tokens),
-        ):
-            if new > old:
-                counter.labels(dp_rank=rank).inc(new - old)
-        for pos, count in enumerate(now.accepted_per_position):
-            before = seen.accepted_per_position[pos] if pos < len(seen.accepted_per_position) else 0
-            if count > before:
-                metrics.SPEC_ACCEPTED_PER_POSITION.labels(dp_rank=rank, position=str(pos)).inc(count - before)
-        if now.step_cost_ms is not None:
-            for term, ms in zip(("fixed", "per_seq", "per_token", "verify"), now.step_cost_ms, strict=True):
-                metrics.SPEC_STEP_COST_MS.labels(dp_rank=rank, term=term).set(ms)
-        self._spec_seen[dp_rank] = now
+        """Update the per-rank gauges and counters from the engine (rank_metrics.py)."""
+        self._rank_metrics.refresh()
 
     # ----- drain -----
 
@@ -539,50 +367,3 @@ def _record_transfer(span: Any, result: KvPushResult) -> None:
     metrics.KV_TRANSFER_REQUEST_SECONDS.labels(transport=transport).observe(result.seconds)
     if result.bytes_sent and result.seconds > 0:
         metrics.KV_TRANSFER_BANDWIDTH.labels(transport=transport).observe(result.bytes_sent / result.seconds)
-
-
-def _decode_event(
-    request_id: str, kind: FrameKind, out: RequestOutput, return_token_ids: bool
-) -> DecodeEvent:
-    """A TOKENS or FINAL frame from an engine output (FINAL carries the count and reason)."""
-    final = kind is FrameKind.FINAL
-    return DecodeEvent(
-        request_id=request_id,
-        kind=kind,
-        prompt_tokens=out.num_prompt_tokens,
-        local_cached_tokens=out.num_local_cached_tokens,
-        transferred_cached_tokens=out.num_transferred_tokens,
-        text=out.text_delta,
-        token_ids=out.new_token_ids if return_token_ids else (),
-        generated_tokens=out.num_generated_tokens if final else None,
-        finish_reason=(out.finish_reason or FinishReason.ABORT) if final else None,
-        logprobs=out.new_logprobs,
-        prompt_logprobs=out.prompt_logprobs,
-    )
-
-
-def _final_event(
-    request_id: str, last: RequestOutput | None, return_token_ids: bool, prompt_tokens: int
-) -> DecodeEvent:
-    """The one builder of the FINAL frame: from the terminal output, or (a handle that ended
-    without one) an ABORT that keeps the last figures seen."""
-    if last is not None and last.finished:
-        return _decode_event(request_id, FrameKind.FINAL, last, return_token_ids)
-    if last is None:
-        return DecodeEvent(
-            request_id=request_id,
-            kind=FrameKind.FINAL,
-            prompt_tokens=prompt_tokens,
-            local_cached_tokens=0,
-            transferred_cached_tokens=0,
-            generated_tokens=0,
-            finish_reason=FinishReason.ABORT,
-        )
-    return dataclasses.replace(
-        _decode_event(request_id, FrameKind.FINAL, last, return_token_ids),
-        text="",
-        token_ids=(),
-        logprobs=(),
-        prompt_logprobs=(),
-        finish_reason=FinishReason.ABORT,
-    )

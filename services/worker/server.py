@@ -15,9 +15,10 @@ from collections.abc import Callable, Sequence
 
 import structlog
 
-from services.worker.core import KvLoadFailurePolicy, WorkerCore
-from services.worker.engine.api import Engine, EngineConfig
+from services.worker.core import WorkerCore
+from services.worker.engine.api import Engine, EngineConfig, engine_options
 from services.worker.kv_nixl import NixlKvAgent
+from services.worker.kv_receive import KvLoadFailurePolicy
 from services.worker.kv_transfer import GrpcKvPusher, NixlKvSender
 from services.worker.messages import CAPABILITIES, PROTO_VERSION
 from services.worker.registration import Registration
@@ -161,35 +162,19 @@ class WorkerApp:
             draft_path = str(resolved)
         device = resolve_device(s.device)
         dtype = resolve_dtype(s.dtype, device)
+        prefill = s.role is Role.PREFILL
         config = EngineConfig(
             model_path=str(path),
             device=device,
             dtype=dtype,
-            dp_size=s.dp_size,
-            block_size=s.block_size,
-            kv_cache_tokens=s.kv_cache_tokens,
-            gpu_memory_utilization=s.gpu_memory_utilization,
-            max_batch_tokens=s.max_batch_tokens,
-            max_num_seqs=s.max_num_seqs,
-            max_model_len=s.max_model_len,
-            torch_threads=s.torch_threads,
-            cpu_prepack=s.cpu_prepack,
-            cpu_row_copy=s.cpu_row_copy and s.role is not Role.PREFILL,  # prefill: many rows
-            lean_forward=s.lean_forward,
-            cpu_attention_kernel=s.cpu_attention_kernel,
-            cuda_graphs=s.cuda_graphs,
-            cuda_kernels=s.cuda_kernels,
-            # a prefill worker runs prompts, hardly ever a static step: no capture at start
-            cuda_graph_warm_tokens=0 if s.role is Role.PREFILL else s.cuda_graph_warm_tokens,
-            cpu_kernel_cache_entries=s.cpu_kernel_cache_entries,
-            speculative=s.speculative,
-            num_speculative_tokens=s.num_speculative_tokens,
-            spec_ngram_min=s.spec_ngram_min,
-            spec_ngram_max=s.spec_ngram_max,
-            spec_max_batch_tokens=s.spec_max_batch_tokens,
-            spec_step_cost=s.spec_step_cost,
             draft_model_path=draft_path,
-            draft_kv_cache_tokens=s.draft_kv_cache_tokens,
+            **engine_options(
+                s,
+                # a prefill worker runs prompts (many rows), hardly ever a static step: no row
+                # copy of the weights, no graph capture at start
+                cpu_row_copy=s.cpu_row_copy and not prefill,
+                cuda_graph_warm_tokens=0 if prefill else s.cuda_graph_warm_tokens,
+            ),
         )
         log.info("model_loading", path=str(path), device=device, dtype=dtype, dp_size=s.dp_size)
         # Off the event loop, so health checks are answered (NOT_SERVING) while loading.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.worker.engine.options import EngineOptions
 from shared.addresses import normalize_address
 from shared.cluster import Role
 from shared.settings import field
@@ -22,8 +23,11 @@ _ROLE_DEFAULT_PORT = -2
 
 
 @dataclass(frozen=True)
-class WorkerSettings(TlsSettings):
+class WorkerSettings(TlsSettings, EngineOptions):
     """pdserve worker: runs a model; prefill, decode or both (unified)."""
+
+    # The engine's options (batch and pool sizes, the model backend's, speculation's) are
+    # embedded from engine/options.py: their flags, env vars and defaults are declared there.
 
     role: Role = field(Role.UNIFIED, "What this worker does: prefill, decode or unified")  # noqa: RUF009 (an enum member is immutable)
     listen: str = field("", "host:port to serve gRPC on; empty = the role's default port")
@@ -46,98 +50,10 @@ class WorkerSettings(TlsSettings):
         "Model and KV dtype; auto = float32 on CPU, bfloat16 on CUDA",
         choices=("auto", "float32", "bfloat16", "float16"),
     )
-    dp_size: int = field(1, "Data-parallel ranks (model replicas) in this process")
-    block_size: int = field(16, "Tokens per KV block")
-    kv_cache_tokens: int = field(
-        0,
-        "KV pool size per rank (tokens); 0 = what --gpu-memory-utilization leaves (CUDA), else "
-        "from free memory",
-    )
-    gpu_memory_utilization: float = field(
-        0.9,
-        "On CUDA, the share of the GPU's memory this worker may use in all (weights, the largest "
-        "step measured at start, graphs, KV cache); the KV pool gets the rest. pdserve up splits "
-        "it between workers that share a GPU",
-    )
-    max_batch_tokens: int = field(
-        0, "Tokens per forward pass (decode + prefill chunks); 0 = 512 on CPU, 2048 on CUDA"
-    )
-    max_num_seqs: int = field(64, "Running requests per rank")
-    max_model_len: int = field(0, "Longest prompt + generation (tokens); 0 = the model's limit")
-    torch_threads: int = field(0, "torch intra-op threads; 0 = torch default")
-    cpu_prepack: bool = field(
-        True,
-        "On CPU, pack linear-layer weights once for oneDNN (faster at every batch size; "
-        "--no-cpu-prepack = torch's default matmul)",
-    )
-    cpu_row_copy: bool = field(
-        True,
-        "On CPU in fp32, with --cpu-prepack: also keep every linear weight as panels for a "
-        "kernel that runs steps of up to 16 rows (decoding up to 16 sequences) near the memory "
-        "bandwidth (built once with g++, cached on disk; costs a second copy of the weights in "
-        "memory; a prefill worker never keeps it)",
-    )
-    cpu_attention_kernel: bool = field(
-        True,
-        "On CPU in fp32: decode attention of all decoding sequences of a layer in one call of a "
-        "C++ kernel (built once with g++, cached on disk) instead of one SDPA call per sequence",
-    )
-    lean_forward: bool = field(
-        True,
-        "Llama-architecture models: run the layers as one flat loop of kernel calls (same "
-        "numbers as transformers' modules, about half the ops per decode step); "
-        "--no-lean-forward = transformers' own forward",
-    )
-    cuda_graphs: bool = field(
-        True,
-        "On CUDA, replay decode-only steps as CUDA graphs (one per batch and context bucket; "
-        "needs the lean forward); ignored on CPU. --no-cuda-graphs when other processes share "
-        "this GPU: without MPS their kernels then wait for time slices behind the graphs",
-    )
-    cuda_kernels: bool = field(
-        True,
-        "On CUDA, attention reads the paged KV pool in place (FlexAttention) and Llama layers run "
-        "fused and torch.compile'd (compiled at start, seconds); --no-cuda-kernels = the "
-        "torch-only eager path, which gathers each step's KV",
-    )
-    cuda_graph_warm_tokens: int = field(
-        1024,
-        "With --cuda-graphs: capture at start the graphs of every batch size up to --max-num-seqs "
-        "and every context up to this many tokens (longer ones, or all with 0, are captured on "
-        "first use; a prefill worker uses 0)",
-    )
-    cpu_kernel_cache_entries: int = field(
-        64,
-        "On CPU, oneDNN kernels kept per cache (one per input shape, ~0.3 MiB each); bounds the "
-        "memory that prompts of many lengths add over time",
-    )
-    speculative: str = field(
-        "off",
-        "Speculative decoding: off, ngram (prompt lookup over the prompt and output), or draft "
-        "(a smaller model with the same tokenizer proposes: --draft-model)",
-        choices=("off", "ngram", "draft"),
-    )
     draft_model: str = field(
         "",
         "The draft model of --speculative draft: a local folder or 'default', resolved like "
         "--model; it must share the target's tokenizer",
-    )
-    draft_kv_cache_tokens: int = field(
-        0, "The draft model's KV pool per rank (tokens); 0 = as many tokens as the target's pool"
-    )
-    num_speculative_tokens: int = field(5, "Tokens proposed per sequence per step (k)")
-    spec_ngram_min: int = field(2, "Shortest suffix n-gram looked up by ngram speculation (tokens)")
-    spec_ngram_max: int = field(4, "Longest suffix n-gram looked up by ngram speculation (tokens)")
-    spec_max_batch_tokens: int = field(
-        0,
-        "Proposals are verified only while a step has at most this many tokens (the per-step "
-        "back-off); 0 = 32 on CPU, 512 on CUDA",
-    )
-    spec_step_cost: bool = field(
-        True,
-        "Learn the step time per token (at start-up, then online) and verify only the proposals "
-        "whose expected acceptance pays for their verification; off = every proposal up to "
-        "--spec-max-batch-tokens",
     )
     load_monitor_address: str = field("", "host:port of the load-monitor; empty = don't register")
     advertise_address: str = field(

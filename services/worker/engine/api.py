@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import enum
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import torch
 
 # The cluster types this contract speaks in (defined once, in shared.cluster).
+from services.worker.engine.options import EngineOptions
 from services.worker.engine.spec.stats import SpecStats
 from shared.cluster import FinishReason, KvLayout, RankLoad
 from shared.structured_output import StructuredOutput
@@ -171,63 +172,27 @@ class KvBlocksChunk:
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    model_path: str
+class EngineConfig(EngineOptions):
+    """What an engine runs: the model and where, plus every option of options.EngineOptions
+    (the backend's, speculation's, batch and pool sizes; their help texts are there)."""
+
+    model_path: str = field(kw_only=True)
     device: str = "cpu"  # "cpu" | "cuda" | "auto"
     dtype: str = "float32"  # "float32" | "bfloat16" | "float16" | "auto"
-    dp_size: int = 1
-    block_size: int = 16  # tokens per KV block
-    kv_cache_tokens: int = 0  # KV pool size per rank (tokens); 0 = from kv_memory_fraction
     kv_memory_fraction: float = 0.3  # CPU: of free host memory, when kv_cache_tokens == 0
-    # CUDA: the share of the GPU's memory this worker may use in all (weights, the largest step,
-    # graphs, KV); the KV pool gets the rest, measured at start (engine/memory.py)
-    gpu_memory_utilization: float = 0.9
-    max_batch_tokens: int = 0  # tokens per forward pass (decode + prefill chunks); 0 = by device
-    max_num_seqs: int = 64  # running requests per rank
-    max_model_len: int = 0  # 0 = the model's max_position_embeddings
-    torch_threads: int = 0  # 0 = torch default
-    cpu_prepack: bool = True  # CPU: oneDNN-prepacked linear weights (engine/cpu_linear.py)
-    # CPU, fp32, with cpu_prepack: a second copy of every linear weight as panels for
-    # engine/cpu_kernels.py, which runs steps of up to 16 rows (decoding up to 16 sequences)
-    cpu_row_copy: bool = True
-    # CPU, fp32: decode attention of a layer's single-token sequences in one call of
-    # engine/cpu_kernels.py's kernel instead of one SDPA call per sequence
-    cpu_attention_kernel: bool = True
-    # Llama-architecture models: the flat forward loop of engine/lean_llama.py instead of
-    # transformers' module tree (same numbers, ~half the ops per step)
-    lean_forward: bool = True
-    # CUDA: decode-only steps padded to a few static shapes and replayed as CUDA graphs
-    # (engine/decode_graphs.py); needs the lean forward; ignored on CPU
-    cuda_graphs: bool = True
-    # with cuda_graphs: graphs captured at start for every batch bucket up to max_num_seqs and
-    # every context bucket up to this many tokens per sequence (longer contexts, or all with 0:
-    # on first use)
-    cuda_graph_warm_tokens: int = 1024
-    # CUDA: attention reads the paged pool in place (FlexAttention) and the lean forward runs
-    # fused, torch.compile'd layers (engine/flex_paged.py, lean_llama.py); False: the torch-only
-    # eager path (KV gathered per step)
-    cuda_kernels: bool = True
-    # CPU: entries in each of oneDNN's kernel caches (one per input shape, ~0.3 MiB each);
-    # bounds the memory that prompts of many lengths would otherwise add (cpu_linear)
-    cpu_kernel_cache_entries: int = 64
     enable_prefix_caching: bool = True
-    # speculative decoding (engine/spec): "off" | "ngram" | "draft"
-    speculative: str = "off"
-    # speculative "draft": the draft model's folder (same tokenizer as the target) and its own KV
-    # pool per rank (tokens; 0 = as many tokens as the target's pool)
+    # speculative "draft": the draft model's folder (same tokenizer as the target)
     draft_model_path: str = ""
-    draft_kv_cache_tokens: int = 0
-    num_speculative_tokens: int = 5  # proposals per sequence per step (k)
-    spec_ngram_min: int = 2  # shortest suffix n-gram looked up (tokens)
-    spec_ngram_max: int = 4  # longest suffix n-gram looked up (tokens)
-    # per-step back-off: proposals are verified only while a step has at most this many tokens
-    # in all (beyond it verification is no longer free); 0 = by device (CPU 32, CUDA 512)
-    spec_max_batch_tokens: int = 0
-    # per-step cost model (spec/policy.py): learn the step time at start-up and online, and
-    # verify only the proposals whose expected yield pays for their verification; False =
-    # every proposal up to spec_max_batch_tokens
-    spec_step_cost: bool = True
     extra: dict[str, str] = field(default_factory=dict)
+
+
+def engine_options(source: EngineOptions, **changes: Any) -> dict[str, Any]:
+    """The EngineOptions fields of `source` (e.g. a worker's settings) as keyword arguments of
+    EngineConfig, with `changes` applied: a config embeds the options, never copies them by
+    hand."""
+    values = {f.name: getattr(source, f.name) for f in fields(EngineOptions)}
+    values.update(changes)
+    return values
 
 
 class RequestHandle(Protocol):

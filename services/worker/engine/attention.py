@@ -4,6 +4,9 @@
 loaded with attn_implementation="pdserve_paged" call `paged_attention_forward` in every layer with
 our per-step `paged_meta` (forward kwargs flow down to the attention function).
 
+The BATCHED backend's groups are built and attended in attention_batched.py; the one attention
+call both backends make (SDPA, or soft-capped op for op) is sdpa.py.
+
 Pool layout (one tensor per rank): [num_layers, 2 (K, V), num_kv_heads, num_blocks * block_size,
 head_dim], i.e. per layer and head a flat array of token slots (slot = block * block_size + row).
 Each step first writes the packed tokens' K/V to their slots (one index_copy_ per layer), then
@@ -46,9 +49,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 
 from services.worker.engine import cpu_kernels, model_variants
+from services.worker.engine.attention_batched import BatchedGroup, batched_attention, group_attention
+from services.worker.engine.sdpa import attend
 
 if TYPE_CHECKING:
     from services.worker.engine.flex_paged import FlexPagedStep
@@ -79,22 +83,6 @@ class SeqAttention:
     # than the layer's window, else None (a lone query, or causal over the step's own K/V)
     mask: torch.Tensor | None
     first_key: int = 0  # keys before it are behind the layer's window: never read
-
-
-@dataclass
-class BatchedGroup:
-    """Sequences attended in one padded call (BATCHED backend). B sequences, query rows padded
-    to `q_max`, keys to `num_blocks_max * block_size`."""
-
-    q_index: torch.Tensor | None  # [B * q_max] packed position of each query row (padding:
-    # 0); None when the rows are the packed tokens themselves (a decode-only step)
-    block_table: torch.Tensor  # [B * num_blocks_max] block ids (padding: block 0, masked)
-    mask: torch.Tensor  # [B, 1, q_max * rep, L] additive (0 / -inf), rows ordered (query, rep)
-    out_rows: torch.Tensor | None  # [n] padded row (b * q_max + i) of each of its packed tokens
-    out_positions: torch.Tensor | None  # [n] packed positions of its tokens (None: 0..T-1)
-    num_seqs: int
-    q_max: int
-    num_blocks_max: int
 
 
 @dataclass
@@ -145,38 +133,6 @@ def _context(pool: torch.Tensor, s: SeqAttention, block_size: int) -> torch.Tens
     return by_block.index_select(1, s.blocks).view(1, heads, -1, dim)[:, :, s.first_key : s.ctx_len]
 
 
-def _attend(
-    q: torch.Tensor,  # [..., heads, q_len, D]
-    k: torch.Tensor,  # [..., kv_heads, keys, D]
-    v: torch.Tensor,
-    scale: float | None,
-    softcap: float | None,
-    mask: torch.Tensor | None = None,  # bool (True: visible) or additive, broadcast to the scores
-    is_causal: bool = False,
-) -> torch.Tensor:
-    """SDPA, or with a soft-cap transformers' eager attention op for op (matmul, scale, cap,
-    mask, fp32 softmax, matmul): SDPA has no soft-cap."""
-    rep = q.shape[-3] // k.shape[-3]
-    if softcap is None:
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=rep > 1
-        )
-    if rep > 1:  # transformers' repeat_kv: query head h reads KV head h // rep
-        k = k.repeat_interleave(rep, dim=-3)
-        v = v.repeat_interleave(rep, dim=-3)
-    w = torch.matmul(q, k.transpose(-2, -1)) * (scale if scale is not None else q.shape[-1] ** -0.5)
-    w = w / softcap
-    w = torch.tanh(w)
-    w = w * softcap
-    if is_causal:
-        n = q.shape[-2]
-        mask = torch.ones(n, k.shape[-2], dtype=torch.bool, device=q.device).tril(k.shape[-2] - n)
-    if mask is not None:
-        w = w.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else w + mask
-    w = torch.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(w, v)
-
-
 def paged_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,  # [1, heads, T, head_dim]
@@ -201,7 +157,7 @@ def paged_attention_forward(
     layer_kv[0].index_copy_(1, meta.slots, key[0])
     layer_kv[1].index_copy_(1, meta.slots, value[0])
     if meta.groups is not None:
-        return _batched(query, layer_kv, meta, meta.groups, scaling, softcap), None
+        return batched_attention(query, layer_kv, meta.block_size, meta.groups, scaling, softcap), None
     return _per_seq(query, key, value, layer_kv, meta, scaling, softcap), None
 
 
@@ -217,109 +173,6 @@ def _verify_window(layer: int, meta: PagedAttentionMetadata, kwargs: dict[str, A
             f"layer {layer} attends with sliding_window={kwargs['sliding_window']!r}, but the engine "
             f"read {expected!r} from the model config: this family's windows are not supported"
         )
-
-
-# ---- BATCHED ---------------------------------------------------------------------------------
-def _batched(
-    query: torch.Tensor,
-    layer_kv: torch.Tensor,
-    meta: PagedAttentionMetadata,
-    groups: list[BatchedGroup],
-    scaling: float | None,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    _, num_heads, num_tokens, head_dim = query.shape
-    kv_heads = layer_kv.shape[1]
-    bs = meta.block_size
-    if len(groups) == 1 and groups[0].out_positions is None:
-        return _group_attention(query[0], layer_kv, bs, groups[0], kv_heads, scaling, softcap).unsqueeze(0)
-    out = query.new_empty(num_tokens, num_heads, head_dim)
-    for g in groups:
-        assert g.out_positions is not None
-        out.index_copy_(
-            0, g.out_positions, _group_attention(query[0], layer_kv, bs, g, kv_heads, scaling, softcap)
-        )
-    return out.unsqueeze(0)
-
-
-def _group_attention(
-    query: torch.Tensor,
-    layer_kv: torch.Tensor,
-    block_size: int,
-    g: BatchedGroup,
-    kv_heads: int,
-    scaling: float | None,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """query [heads, T, D] -> [n, heads, D] for the group's packed tokens (in packed order)."""
-    num_heads, _, head_dim = query.shape
-    rep = num_heads // kv_heads
-    b, q_max = g.num_seqs, g.q_max
-    # queries [B, kv_heads, q_max * rep, D]; row (i, r) is query token i of head kv * rep + r
-    q = query if g.q_index is None else query.index_select(1, g.q_index)
-    q = q.reshape(kv_heads, rep, b, q_max, head_dim).permute(2, 0, 3, 1, 4)
-    q = q.reshape(b, kv_heads, q_max * rep, head_dim)
-    # keys/values of whole blocks: [2, kv_heads, B * num_blocks_max, block_size, D]
-    _, _, slots, _ = layer_kv.shape
-    kv = layer_kv.view(2, kv_heads, slots // block_size, block_size, head_dim)
-    kv = kv.index_select(2, g.block_table)
-    kv = kv.view(2, kv_heads, b, g.num_blocks_max * block_size, head_dim).transpose(1, 2)
-    o = _attend(q, kv[0], kv[1], scaling, softcap, mask=g.mask)
-    # [B, kv_heads, q_max, rep, D] -> [B * q_max, heads, D]
-    o = o.view(b, kv_heads, q_max, rep, head_dim).transpose(1, 2).reshape(b * q_max, num_heads, head_dim)
-    return o if g.out_rows is None else o.index_select(0, g.out_rows)
-
-
-def build_batched_group(
-    seqs: list[tuple[int, int, int, list[int]]],
-    block_size: int,
-    q_per_kv: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    covers_all: bool,
-    window: int | None = None,
-) -> BatchedGroup:
-    """One group from (q_start, q_len, start_pos, block_ids) per sequence, block_ids covering
-    start_pos + q_len tokens. `covers_all`: the group holds every packed token, in this order
-    (its output then needs no scatter). `window`: the layers' attention window (None: full)."""
-    b = len(seqs)
-    q_max = max(n for _, n, _, _ in seqs)
-    nb_max = max(-(-(start + n) // block_size) for _, n, start, _ in seqs)
-    q_index: list[int] = []
-    table: list[int] = []
-    rows: list[int] = []
-    positions: list[int] = []
-    for i, (q_start, n, start, blocks) in enumerate(seqs):
-        q_index.extend(range(q_start, q_start + n))
-        q_index.extend([0] * (q_max - n))
-        nb = -(-(start + n) // block_size)
-        table.extend(blocks[:nb])
-        table.extend([0] * (nb_max - nb))
-        rows.extend(range(i * q_max, i * q_max + n))
-        positions.extend(range(q_start, q_start + n))
-    starts = torch.tensor([start for _, _, start, _ in seqs], device=device)
-    # query row i of sequence b (position start_b + i) sees keys 0..start_b + i; padding rows
-    # (i >= q_len) see a few finite keys too (never all -inf: no NaN) and are dropped
-    q_pos = starts[:, None] + torch.arange(q_max, device=device)[None, :]  # [B, q_max]
-    key_pos = torch.arange(nb_max * block_size, device=device)[None, None, :]
-    visible = key_pos <= q_pos[:, :, None]
-    if window is not None:  # and within the window (a padding row still sees its own position)
-        visible &= key_pos > q_pos[:, :, None] - window
-    if q_max > 1 and q_per_kv > 1:
-        visible = visible.repeat_interleave(q_per_kv, dim=1)
-    mask = torch.zeros(visible.shape, dtype=dtype, device=device)
-    mask.masked_fill_(~visible, float("-inf"))
-    identity_rows = covers_all and q_max == 1
-    return BatchedGroup(
-        q_index=None if identity_rows else torch.tensor(q_index, device=device),
-        block_table=torch.tensor(table, device=device),
-        mask=mask.unsqueeze(1),
-        out_rows=None if identity_rows else torch.tensor(rows, device=device),
-        out_positions=None if covers_all else torch.tensor(positions, device=device),
-        num_seqs=b,
-        q_max=q_max,
-        num_blocks_max=nb_max,
-    )
 
 
 # ---- PER_SEQ ---------------------------------------------------------------------------------
@@ -352,11 +205,11 @@ def _per_seq(
             k = key[:, :, s.q_start : s.q_start + s.q_len]
             v = value[:, :, s.q_start : s.q_start + s.q_len]
             # causal over its own K/V, or masked where it reaches past the layer's window
-            o = _attend(q, k, v, scaling, softcap, mask=s.mask, is_causal=s.mask is None)
+            o = attend(q, k, v, scaling, softcap, mask=s.mask, is_causal=s.mask is None)
         else:
             k = _context(k_pool, s, bs)
             v = _context(v_pool, s, bs)
-            o = _attend(q, k, v, scaling, softcap, mask=s.mask)
+            o = attend(q, k, v, scaling, softcap, mask=s.mask)
         out[s.q_start : s.q_start + s.q_len] = o[0].transpose(0, 1)
     return out.unsqueeze(0)
 
@@ -427,9 +280,12 @@ def decode_attention(
         else:
             k = _context(k_pool, s, block_size)
             v = _context(v_pool, s, block_size)
-        outs.append(_attend(q, k, v, scaling, softcap))
+        outs.append(attend(q, k, v, scaling, softcap))
     return torch.cat(outs)
 
+
+# the BATCHED backend's per-group call, under its former name (benchmarks/cuda_attention.py)
+_group_attention = group_attention
 
 _registered = False
 

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from services.worker.engine import attention
+from services.worker.engine import attention, attention_batched
 from services.worker.engine.flex_paged import FlexPagedStep
 from services.worker.engine.lean_llama import LeanLlama
 
@@ -292,7 +292,7 @@ class DecodeGraphs:
         b = e.block_table.shape[0] // nb
         keys = nb * self.block_size
 
-        def group(window: int | None) -> attention.BatchedGroup:
+        def group(window: int | None) -> attention_batched.BatchedGroup:
             visible = e.key_index[None, :] < e.ctx_lens[:, None]  # [B * Q, keys]
             if window is not None:  # a row at position p = ctx_len - 1 sees p - window + 1 .. p
                 visible &= e.key_index[None, :] >= e.ctx_lens[:, None] - window
@@ -304,7 +304,7 @@ class DecodeGraphs:
                 # attention.py orders a sequence's rows (query, head of its KV group)
                 rep = self.lean.num_heads // self.lean.num_kv_heads
                 mask4 = mask.view(b, 1, q, 1, keys).expand(b, 1, q, rep, keys).reshape(b, 1, q * rep, keys)
-            return attention.BatchedGroup(
+            return attention_batched.BatchedGroup(
                 q_index=None,
                 block_table=e.block_table,
                 mask=mask4,

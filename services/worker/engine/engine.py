@@ -11,14 +11,13 @@ import asyncio
 import itertools
 import logging
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from services.worker.engine import cpu_linear, memory, model_variants
+from services.worker.engine import cpu_linear
 from services.worker.engine.api import (
     Admission,
     EngineConfig,
@@ -29,7 +28,7 @@ from services.worker.engine.api import (
     RequestHandle,
     RequestKind,
 )
-from services.worker.engine.block_manager import BlockManager
+from services.worker.engine.build import RankBuilder
 from services.worker.engine.detokenizer import (
     DetokenizedText,
     IncrementalDetokenizer,
@@ -37,20 +36,9 @@ from services.worker.engine.detokenizer import (
     hidden_token_ids,
 )
 from services.worker.engine.handle import OutputHandle
-from services.worker.engine.kv_trim import KvTrim
-from services.worker.engine.model_runner import (
-    ModelRunner,
-    kv_layout_of,
-    load_model,
-    resolve_dtype,
-)
-from services.worker.engine.rank import Rank, Speculation
+from services.worker.engine.rank import Rank
 from services.worker.engine.request import Request
-from services.worker.engine.scheduler import Scheduler
-from services.worker.engine.spec.calibrate import calibrate
-from services.worker.engine.spec.draft import DraftProposer, check_same_tokenizer, load_draft_model
-from services.worker.engine.spec.ngram import NgramProposer
-from services.worker.engine.spec.policy import StepCostModel
+from services.worker.engine.spec.draft import check_same_tokenizer
 from services.worker.engine.spec.stats import SpecStats
 from services.worker.engine.structured import Grammars
 from shared.errors import (
@@ -58,7 +46,6 @@ from shared.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
-    ResourceExhausted,
 )
 
 log = logging.getLogger(__name__)
@@ -68,32 +55,7 @@ log = logging.getLogger(__name__)
 # interval (CPython default 5 ms), hundreds of times a step. 0.5 ms measured 127 -> ~97 ms per
 # 8-sequence decode step with 2 ranks (SmolLM2, CPU).
 _GIL_SWITCH_INTERVAL_S = 0.0005
-# Default per-step token budget by device type. A CPU core is compute-bound from ~64 rows on
-# (SmolLM2 fp32: ~2.3 ms per token in the linear layers at 64 rows and at 2048), so larger
-# chunks only stall running decodes longer (a 2048-token step takes ~6.5 s on one core, 512
-# ~1.6 s); GPUs want big chunks to fill their cores.
-_DEFAULT_BATCH_TOKENS = {"cpu": 512, "cuda": 2048}
-# Default per-step cap on tokens while proposals are verified (the per-step back-off of
-# speculation). On CPU every extra row costs compute: at 8 sequences with k=8 (SmolLM2 fp32, a
-# loaded 2-core AVX2 machine, `make bench-spec`) a 64-token cap gave 1.03x and 32 gave 1.30x;
-# a GPU stays memory-bound much longer.
-_DEFAULT_SPEC_BATCH_TOKENS = {"cpu": 32, "cuda": 512}
-# the start-up calibration counts as this many decode steps in the online step-cost fit
-_STEP_COST_PRIOR_WEIGHT = 5.0
 _SPECULATIVE_METHODS = ("off", "ngram", "draft")
-
-
-def _eos_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
-    ids: list[int] = []
-    for src in (getattr(model, "generation_config", None), model.config):
-        eos = getattr(src, "eos_token_id", None) if src is not None else None
-        if isinstance(eos, int):
-            ids.append(eos)
-        elif isinstance(eos, (list, tuple)):
-            ids.extend(int(e) for e in eos)
-    if getattr(tokenizer, "eos_token_id", None) is not None:
-        ids.append(int(tokenizer.eos_token_id))
-    return tuple(dict.fromkeys(ids))
 
 
 # alternatives per prompt token (SamplingConfig.prompt_logprobs; OpenAI's top logprobs limit)
@@ -134,30 +96,6 @@ class PagedEngine:
         self._stopped = False
 
     # ---- lifecycle -----------------------------------------------------------------------
-    def _device_for(self, dp_rank: int) -> torch.device:
-        want = self.config.device
-        if want == "auto":
-            want = "cuda" if torch.cuda.is_available() else "cpu"
-        if want == "cuda":
-            if not torch.cuda.is_available():
-                raise FailedPrecondition("device cuda requested but CUDA is not available")
-            gpus = torch.cuda.device_count()
-            if dp_rank == gpus:  # once, at the first rank that shares a GPU
-                # measured on one H200 (README, goodput on a GPU): two ranks of one process on one
-                # GPU share a Python thread's launches, and TTFT collapsed under load
-                log.warning(
-                    "%d DP ranks on %d GPU(s): ranks share a GPU and its launching process; "
-                    "prefer one rank per GPU, or more workers",
-                    self.config.dp_size,
-                    gpus,
-                )
-            return torch.device("cuda", dp_rank % gpus)
-        return torch.device(want)
-
-    def _graphs_on(self, device: torch.device) -> bool:
-        """Whether decode steps on `device` replay as CUDA graphs (the target's and the draft's)."""
-        return self.config.cuda_graphs and device.type == "cuda"
-
     def start(self) -> None:
         if self._started:
             return
@@ -178,174 +116,15 @@ class PagedEngine:
                 first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
                 raise InvalidArgument(f"cannot load draft model {cfg.draft_model_path}: {first}") from exc
             check_same_tokenizer(self.tokenizer, draft_tokenizer, cfg.draft_model_path)
-        for dp_rank in range(cfg.dp_size):
-            device = self._device_for(dp_rank)
-            dtype = resolve_dtype(cfg.dtype, device)
-            cuda = device.type == "cuda"
-            allocated_before = torch.cuda.memory_allocated(device) if cuda else 0
-            try:
-                model = load_model(
-                    cfg.model_path, device, dtype, prepack=cfg.cpu_prepack, row_copy=cfg.cpu_row_copy
-                )
-            except torch.OutOfMemoryError:
-                free, total = torch.cuda.mem_get_info(device)
-                raise ResourceExhausted(
-                    f"the model {self.model_id} does not fit on {device}: out of memory while loading it "
-                    f"in {dtype} ({free / 2**30:.1f} of {total / 2**30:.1f} GiB free)"
-                ) from None
-            if dp_rank == 0:
-                text_cfg = model.config.get_text_config()
-                self.kv_layout = kv_layout_of(model.config, cfg.block_size, dtype)
-                self.max_model_len = cfg.max_model_len or int(text_cfg.max_position_embeddings)
-                self.eos_token_ids = _eos_ids(model, self.tokenizer)
-                self.vocab_size = int(text_cfg.vocab_size)
-            draft_model: Any = None
-            draft_layout: KvLayout | None = None
-            if cfg.speculative == "draft":
-                draft_model = load_draft_model(
-                    cfg.draft_model_path, device, dtype, cfg.cpu_prepack, self.vocab_size, cfg.cpu_row_copy
-                )
-                draft_layout = kv_layout_of(draft_model.config, cfg.block_size, dtype)
-            gpu = None
-            if cuda and cfg.kv_cache_tokens == 0:
-                prefill_tokens = cfg.max_batch_tokens or _DEFAULT_BATCH_TOKENS["cuda"]
-                gpu = memory.measure_gpu(
-                    model,
-                    self.kv_layout,
-                    device,
-                    dtype,
-                    allocated_before,
-                    prefill_tokens,
-                    cfg,
-                    self.max_model_len,
-                )
-            num_blocks = memory.pool_blocks(
-                cfg,
-                self.max_model_len,
-                [
-                    self.kv_layout,
-                    *([draft_layout] if draft_layout and cfg.draft_kv_cache_tokens == 0 else []),
-                ],
-                dtype,
-                device,
-                gpu,
-            )
-            runner = ModelRunner(
-                model,
-                self.kv_layout,
-                num_blocks,
-                device,
-                dtype,
-                lean_forward=cfg.lean_forward,
-                decode_graphs=self._graphs_on(device),
-                spec_tokens=cfg.num_speculative_tokens if cfg.speculative != "off" else 0,
-                cpu_attention_kernel=cfg.cpu_attention_kernel,
-                cuda_kernels=cfg.cuda_kernels,
-                max_model_len=self.max_model_len,
-            )
-            runner.warm_up()
-            self._prepare_graphs(runner, f"rank {dp_rank}")
-            blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-            budget = cfg.max_batch_tokens or _DEFAULT_BATCH_TOKENS.get(device.type, 2048)
-            speculation = None
-            spec_tokens = 0
-            if cfg.speculative == "ngram":
-                speculation = Speculation(
-                    NgramProposer(cfg.spec_ngram_min, cfg.spec_ngram_max), cfg.num_speculative_tokens
-                )
-            elif draft_model is not None and draft_layout is not None:
-                speculation = Speculation(
-                    self._draft_proposer(draft_model, draft_layout, num_blocks, device, dtype, budget),
-                    cfg.num_speculative_tokens,
-                )
-            if speculation is not None:
-                spec_tokens = cfg.spec_max_batch_tokens or _DEFAULT_SPEC_BATCH_TOKENS.get(device.type, 512)
-            scheduler = Scheduler(
-                blocks,
-                budget,
-                cfg.max_num_seqs,
-                spec_tokens,
-                model_variants.kv_window_tokens(model.config),
-                KvTrim.of(model_variants.attention_windows(model.config)),
-            )
-            if speculation is not None and cfg.spec_step_cost:
-                prior = calibrate(runner, cfg.num_speculative_tokens)
-                log.info("rank %d step cost (calibrated): %s", dp_rank, prior)
-                scheduler.step_cost = StepCostModel(prior, prior_weight=_STEP_COST_PRIOR_WEIGHT)
-            self._ranks.append(
-                Rank(
-                    dp_rank,
-                    runner,
-                    blocks,
-                    scheduler,
-                    self.eos_token_ids,
-                    self.max_model_len,
-                    self.vocab_size,
-                    speculation,
-                )
-            )
-            log.info(
-                "rank %d ready: %s %s, %d KV blocks of %d tokens",
-                dp_rank,
-                device,
-                dtype,
-                num_blocks,
-                cfg.block_size,
-            )
+        builder = RankBuilder(cfg, self.tokenizer, self.model_id)
+        self._ranks = [builder.build(dp_rank) for dp_rank in range(cfg.dp_size)]
+        self.kv_layout = builder.kv_layout
+        self.max_model_len = builder.max_model_len
+        self.eos_token_ids = builder.eos_token_ids
+        self.vocab_size = builder.vocab_size
         for rank in self._ranks:
             rank.start()
         self._started = True
-
-    def _prepare_graphs(self, runner: ModelRunner, what: str) -> None:
-        """Capture the runner's CUDA graphs now (decode_graphs.py), not while serving."""
-        if runner.graphs is None:
-            return
-        t0 = time.perf_counter()
-        n = runner.graphs.prepare(self.config.max_num_seqs, self.config.cuda_graph_warm_tokens)
-        log.info("%s: %d CUDA graphs captured in %.1f s", what, n, time.perf_counter() - t0)
-
-    def _draft_proposer(
-        self,
-        model: Any,
-        layout: KvLayout,
-        target_blocks: int,
-        device: torch.device,
-        dtype: torch.dtype,
-        max_batch_tokens: int,
-    ) -> DraftProposer:
-        """The draft model's runner and its own KV pool: draft_kv_cache_tokens, else as many
-        tokens as the target's pool (every token the target holds, the draft can hold)."""
-        cfg = self.config
-        num_blocks = (
-            -(-cfg.draft_kv_cache_tokens // cfg.block_size) if cfg.draft_kv_cache_tokens else target_blocks
-        )
-        runner = ModelRunner(
-            model,
-            layout,
-            num_blocks,
-            device,
-            dtype,
-            lean_forward=cfg.lean_forward,
-            # its proposal steps (1 row) and catch-up steps (up to k + 1 rows)
-            decode_graphs=self._graphs_on(device),
-            spec_tokens=cfg.num_speculative_tokens,
-            cpu_attention_kernel=cfg.cpu_attention_kernel,
-            cuda_kernels=cfg.cuda_kernels,
-            max_model_len=self.max_model_len,
-        )
-        runner.warm_up()
-        self._prepare_graphs(runner, "draft model")
-        max_len = min(self.max_model_len, int(model.config.get_text_config().max_position_embeddings))
-        log.info(
-            "draft model %s: %d KV blocks of %d tokens", cfg.draft_model_path, num_blocks, cfg.block_size
-        )
-        return DraftProposer(
-            runner,
-            BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching),
-            max_catchup_tokens=max_batch_tokens,
-            max_model_len=max_len,
-            vocab_size=self.vocab_size,
-        )
 
     def shutdown(self) -> None:
         self._stopped = True
@@ -439,7 +218,7 @@ class PagedEngine:
             raise InvalidArgument("admit_remote takes DECODE_REMOTE requests")
         rank = self._validate(request)
         req, handle = self._new_request(request, rank)
-        return rank.admit_remote(req, handle), handle
+        return rank.handoff.admit_remote(req, handle), handle
 
     def _rank_of_ticket(self, ticket: str) -> Rank:
         head = ticket.split("-", 1)[0]
@@ -448,7 +227,7 @@ class PagedEngine:
         raise NotFound(f"unknown transfer ticket {ticket!r}")
 
     def import_kv(self, transfer_ticket: str, chunk: KvBlocksChunk) -> None:
-        self._rank_of_ticket(transfer_ticket).import_kv(transfer_ticket, chunk)
+        self._rank_of_ticket(transfer_ticket).handoff.import_kv(transfer_ticket, chunk)
 
     def finish_import(
         self,
@@ -459,7 +238,7 @@ class PagedEngine:
         draft_token_ids: tuple[int, ...] = (),
         recompute: bool = False,
     ) -> None:
-        self._rank_of_ticket(transfer_ticket).finish_import(
+        self._rank_of_ticket(transfer_ticket).handoff.finish_import(
             transfer_ticket, num_tokens, first_token_id, prefill_generated_tokens, draft_token_ids, recompute
         )
 
@@ -470,7 +249,7 @@ class PagedEngine:
         rank = self._rank_of_request(request_id)
         if rank is None:
             raise NotFound(f"unknown request {request_id!r}")
-        return rank.dp_rank, rank.export_block_ids(request_id, skip_blocks)
+        return rank.dp_rank, rank.handoff.export_block_ids(request_id, skip_blocks)
 
     def import_kv_direct(
         self,
@@ -479,7 +258,7 @@ class PagedEngine:
         num_blocks: int,
         read: Callable[[int, int, list[int], int, tuple[int, ...]], int],
     ) -> int:
-        return self._rank_of_ticket(transfer_ticket).import_kv_direct(
+        return self._rank_of_ticket(transfer_ticket).handoff.import_kv_direct(
             transfer_ticket, first_block, num_blocks, read
         )
 
@@ -497,13 +276,13 @@ class PagedEngine:
             raise NotFound(f"unknown request {request_id!r}")
         per_layer = rank.runner.bytes_per_block // rank.runner.layout.num_layers
         return itertools.chain.from_iterable(
-            rank.iter_export(
+            rank.handoff.iter_export(
                 request_id,
                 indices,
                 max(1, max_chunk_bytes // (per_layer * len(layers or range(rank.runner.layout.num_layers)))),
                 layers,
             )
-            for indices, layers in rank.export_parts(request_id, skip_blocks, trim_blocks)
+            for indices, layers in rank.handoff.export_parts(request_id, skip_blocks, trim_blocks)
         )
 
     def release(self, request_id: str) -> None:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from services.worker.engine.api import EngineConfig, KvLayout, SamplingConfig
+from services.worker.engine.backend import ModelBackend
 from shared.errors import ResourceExhausted
 
 log = logging.getLogger(__name__)
@@ -135,6 +136,7 @@ def measure_gpu(
     prefill_tokens: int,
     cfg: EngineConfig,
     max_model_len: int,
+    backend: ModelBackend,
 ) -> GpuBudget:
     """The rank's weights (what loading it allocated: `allocated_before` was read before), the
     device's free memory, and the peak activations of the largest step the settings allow: one
@@ -150,8 +152,7 @@ def measure_gpu(
         blocks,
         device,
         dtype,
-        lean_forward=cfg.lean_forward,
-        cuda_kernels=cfg.cuda_kernels,
+        backend=backend,
         max_model_len=max_model_len,
     )
     greedy = SamplingConfig(max_tokens=1, temperature=0.0)

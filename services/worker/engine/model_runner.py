@@ -4,7 +4,6 @@ prefill or decode this step."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -12,9 +11,15 @@ from typing import Any
 
 import torch
 
-from services.worker.engine import attention, cpu_kernels, cpu_linear, flex_paged, model_variants
+from services.worker.engine import (
+    attention,
+    cpu_kernels,
+    model_variants,
+    step_inputs,
+)
 from services.worker.engine.api import KvLayout, SamplingConfig, TokenLogprobs
 from services.worker.engine.attention import AttentionBackend
+from services.worker.engine.backend import BackendOptions, ModelBackend
 from services.worker.engine.decode_graphs import DecodeGraphs, DecodeSeq
 from services.worker.engine.lean_llama import LeanLlama
 from services.worker.engine.sampler import (
@@ -24,16 +29,8 @@ from services.worker.engine.sampler import (
     sample,
     sample_with_logprobs,
 )
-from shared.model_store import load_causal_lm
 
 log = logging.getLogger(__name__)
-
-# BATCHED backend: sequences with at most this many new tokens (decode, speculative verify,
-# short chunks) share one padded call; longer prefill chunks share a second one, so a decode
-# row is never padded to a prefill chunk's length.
-_SHORT_QUERY = 32
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -67,50 +64,6 @@ class ScheduledSeq:
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name not in _DTYPES:
-        raise ValueError(f"unknown dtype {name!r}")
-    return _DTYPES[name]
-
-
-def load_model(
-    model_path: str, device: torch.device, dtype: torch.dtype, prepack: bool = True, row_copy: bool = False
-) -> Any:
-    """transformers' own model class with our attention; on CPU its linear layers prepacked
-    for oneDNN unless `prepack` is False, with `row_copy` also as a copy for steps of few rows
-    (see cpu_linear). Raises model_variants.UnsupportedAttention (before loading weights) for
-    a model whose attention the engine cannot reproduce exactly."""
-    from transformers import AutoConfig
-
-    model_variants.check_supported(AutoConfig.from_pretrained(model_path))
-    attention.register()
-    # a folder's weights, or a random-weight model built on the device (`random:` models)
-    model = load_causal_lm(model_path, device, dtype=dtype, attn_implementation=attention.ATTN_IMPLEMENTATION)
-    model_variants.check_loaded(model)
-    model.eval()
-    # serving never differentiates: no autograd state in the weights (torch.compile'd layers
-    # would otherwise trace for training)
-    model.requires_grad_(False)
-    if prepack:
-        cpu_linear.prepack_linears(model, row_copy)
-    return model
-
-
-def kv_layout_of(model_config: Any, block_size: int, dtype: torch.dtype) -> KvLayout:
-    cfg = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    num_heads = cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
-    return KvLayout(
-        num_layers=cfg.num_hidden_layers,
-        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or num_heads,
-        head_dim=head_dim,
-        block_size=block_size,
-        dtype=str(dtype).removeprefix("torch."),
-    )
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -120,26 +73,18 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         attention_backend: AttentionBackend | None = None,
-        lean_forward: bool = True,
-        decode_graphs: bool = False,
+        backend: ModelBackend | None = None,
         spec_tokens: int = 0,
-        cpu_attention_kernel: bool = True,
-        cuda_kernels: bool = True,
         max_model_len: int = 0,
-        fused: bool | None = None,
     ) -> None:
-        """decode_graphs: decode and verify steps run as static-shape steps
-        (engine/decode_graphs.py), captured as CUDA graphs on CUDA and run eagerly elsewhere
-        (tests); needs the lean forward, ignored without it. spec_tokens: k of speculative
-        decoding (its verify steps get buckets of k + 1 rows per sequence).
-        cpu_attention_kernel: on CPU in fp32, decode attention of every single-token sequence
-        of a layer in one call of engine/cpu_kernels.py's kernel (where it is built) instead of
-        one SDPA call per sequence.
-        cuda_kernels: on CUDA, the lean forward's fused layers (lean_llama.py, torch.compile)
-        and static steps whose attention reads the pool in place (flex_paged.py) where
-        FlexAttention is available; False: the torch-only eager path. `fused` overrides the choice
-        (tests: True runs the same path eagerly on CPU). max_model_len: the longest sequence
-        (tokens), which sizes the static steps' block tables (0: the whole pool)."""
+        """backend: the forward path and its options (backend.py); None = the lean forward with
+        the CPU attention kernel, on CUDA with FlexAttention where available, no static steps.
+        spec_tokens: k of speculative decoding (static verify steps get buckets of k + 1 rows
+        per sequence). max_model_len: the longest sequence (tokens), which sizes the static
+        steps' block tables (0: the whole pool)."""
+        if backend is None:
+            backend = ModelBackend.choose(BackendOptions(cuda_graphs=False), device)
+        self.backend = backend
         self.model = model
         self.layout = layout
         self.device = device
@@ -153,7 +98,7 @@ class ModelRunner:
             tuple(windows) if any(w is not None for w in windows) else ()
         )
         self.cpu_attention_kernel = (
-            cpu_attention_kernel
+            backend.cpu.attention_kernel
             and model_variants.attention_softcap(model.config) is None  # the kernel does not cap
             and device.type == "cpu"
             and dtype == torch.float32
@@ -162,11 +107,10 @@ class ModelRunner:
         )
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.q_per_kv = int(cfg.num_attention_heads) // layout.num_kv_heads
-        lean = lean_forward and LeanLlama.supports(model)
-        use_graphs = decode_graphs and lean
-        if fused is None:
-            fused = device.type == "cuda" and cuda_kernels and flex_paged.available()
-        self.fused = lean and fused
+        # a model the lean loop does not cover runs transformers' forward
+        lean = backend.lean and LeanLlama.supports(model)
+        use_graphs = backend.cuda.graphs and lean
+        self.fused = lean and backend.cuda.kernels
         # zeros, not empty: stale rows of reused blocks are never read, but keep them finite.
         # Static decode steps get one more block (index num_blocks, never handed out): their
         # padding sequences write and read it.
@@ -223,138 +167,8 @@ class ModelRunner:
     def _build_metadata(
         self, seqs: list[ScheduledSeq]
     ) -> tuple[torch.Tensor, torch.Tensor, attention.PagedAttentionMetadata, torch.Tensor]:
-        if self.attention_backend is AttentionBackend.BATCHED:
-            return self._build_batched_metadata(seqs)
-        bs = self.layout.block_size
-        dev = self.device
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        attn: list[attention.SeqAttention] = []
-        # single-token sequences first: attention batches their bookkeeping
-        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].token_ids) != 1)
-        decode_idx: list[int] = []
-        decode_tables: list[list[int]] = []  # block ids of each single-token sequence
-        for i in order:
-            s = seqs[i]
-            q_start = len(input_ids)
-            n = len(s.token_ids)
-            ctx = s.start_pos + n
-            input_ids.extend(s.token_ids)
-            pos = range(s.start_pos, ctx)
-            positions.extend(pos)
-            blocks = s.block_ids[: -(-ctx // bs)]
-            slots.extend(blocks[p // bs] * bs + p % bs for p in pos)
-            fresh = s.start_pos == 0
-            kv_start: int | None = None
-            block_tensor: torch.Tensor | None = None
-            if n == 1:
-                decode_idx.append(q_start)
-                decode_tables.append(blocks)
-            if not fresh or n == 1:
-                if blocks[-1] - blocks[0] == len(blocks) - 1 and _consecutive(blocks):
-                    kv_start = blocks[0] * bs
-                else:
-                    block_tensor = torch.tensor(blocks, device=dev)
-            attn.append(_seq_attention(q_start, n, s.start_pos, kv_start, block_tensor, None, dev))
-        # logits rows in the caller's order of the sampling sequences
-        first_pos = {i: a.q_start + a.q_len - 1 for i, a in zip(order, attn, strict=True)}
-        logits_idx = [first_pos[i] for i, s in enumerate(seqs) if s.sample or s.prompt_targets]
-        spans = None
-        if self.cpu_attention_kernel and decode_idx:
-            # the decode sequences' block tables (padded with 0) and context lengths
-            width = max(len(t) for t in decode_tables)
-            spans = (
-                torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.int64),
-                torch.tensor([a.ctx_len for a in attn[: len(decode_idx)]], dtype=torch.int64),
-            )
-        meta = attention.PagedAttentionMetadata(
-            kv_cache=self.kv_cache,
-            block_size=bs,
-            slots=torch.tensor(slots, device=dev),
-            seqs=attn,
-            decode_idx=torch.tensor(decode_idx, device=dev) if decode_idx else None,
-            num_decode=len(decode_idx),
-            decode_spans=spans,
-            layer_windows=self.layer_windows,
-        )
-        max_ctx = max(a.ctx_len for a in attn) if self.layer_windows else 0
-        for window in sorted({w for w in self.layer_windows if w is not None}):
-            if max_ctx <= window:  # no query of the step reaches past the window
-                meta.windowed[window] = meta
-                continue
-            w_attn = [
-                _seq_attention(a.q_start, a.q_len, a.ctx_len - a.q_len, a.kv_start, a.blocks, window, dev)
-                for a in attn
-            ]
-            starts = None
-            if spans is not None:
-                starts = torch.tensor([a.first_key for a in w_attn[: len(decode_idx)]], dtype=torch.int64)
-            meta.windowed[window] = dataclasses.replace(meta, seqs=w_attn, decode_starts=starts, windowed={})
-        return (
-            torch.tensor([input_ids], device=dev),
-            torch.tensor([positions], device=dev),
-            meta,
-            torch.tensor(logits_idx, device=dev),
-        )
-
-    def _build_batched_metadata(
-        self, seqs: list[ScheduledSeq]
-    ) -> tuple[torch.Tensor, torch.Tensor, attention.PagedAttentionMetadata, torch.Tensor]:
-        bs = self.layout.block_size
-        dev = self.device
-        # short queries first, then long chunks; each part is one attention call per layer
-        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].token_ids) > _SHORT_QUERY)
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        parts: tuple[list[tuple[int, int, int, list[int]]], ...] = ([], [])
-        last_pos: dict[int, int] = {}
-        for i in order:
-            s = seqs[i]
-            q_start = len(input_ids)
-            n = len(s.token_ids)
-            input_ids.extend(s.token_ids)
-            pos = range(s.start_pos, s.start_pos + n)
-            positions.extend(pos)
-            blocks = s.block_ids
-            slots.extend(blocks[p // bs] * bs + p % bs for p in pos)
-            parts[n > _SHORT_QUERY].append((q_start, n, s.start_pos, blocks))
-            last_pos[i] = q_start + n - 1
-        nonempty = [p for p in parts if p]
-
-        def groups_for(window: int | None) -> list[attention.BatchedGroup]:
-            return [
-                attention.build_batched_group(
-                    p, bs, self.q_per_kv, self.dtype, dev, covers_all=len(nonempty) == 1, window=window
-                )
-                for p in nonempty
-            ]
-
-        logits_idx = [last_pos[i] for i, s in enumerate(seqs) if s.sample or s.prompt_targets]
-        meta = attention.PagedAttentionMetadata(
-            kv_cache=self.kv_cache,
-            block_size=bs,
-            slots=torch.tensor(slots, device=dev),
-            seqs=[],
-            decode_idx=None,
-            num_decode=0,
-            groups=groups_for(None),
-            layer_windows=self.layer_windows,
-        )
-        max_ctx = max(s.start_pos + len(s.token_ids) for s in seqs) if self.layer_windows else 0
-        for window in sorted({w for w in self.layer_windows if w is not None}):
-            meta.windowed[window] = (
-                meta
-                if max_ctx <= window
-                else dataclasses.replace(meta, groups=groups_for(window), windowed={})
-            )
-        return (
-            torch.tensor([input_ids], device=dev),
-            torch.tensor([positions], device=dev),
-            meta,
-            torch.tensor(logits_idx, device=dev),
-        )
+        """The packed step's inputs and attention metadata (step_inputs.py)."""
+        return step_inputs.build(self, seqs)
 
     @torch.inference_mode()
     def execute(self, seqs: list[ScheduledSeq]) -> list[list[int]]:
@@ -541,33 +355,3 @@ def _sample(logits: torch.Tensor, sampled_seqs: list[ScheduledSeq]) -> list[list
             s.logprobs = [lp for lp in logprobs[pos : pos + s.num_logits] if lp is not None]
         pos += s.num_logits
     return tokens
-
-
-def _seq_attention(
-    q_start: int,
-    n: int,
-    start_pos: int,
-    kv_start: int | None,
-    blocks: torch.Tensor | None,
-    window: int | None,
-    dev: torch.device,
-) -> attention.SeqAttention:
-    """One sequence's PER_SEQ attention for layers with `window` (None: full): query i (position
-    start_pos + i) sees keys max(0, start_pos + i - window + 1) .. start_pos + i; keys before
-    the first query's first visible one are not read at all (first_key)."""
-    ctx = start_pos + n
-    fresh = start_pos == 0 and n > 1
-    first_key = 0 if window is None else max(0, start_pos - window + 1)
-    mask: torch.Tensor | None = None
-    if n > 1 and (not fresh or (window is not None and ctx > window)):
-        q_pos = torch.arange(start_pos, ctx, device=dev)[:, None]
-        k_pos = torch.arange(first_key, ctx, device=dev)[None, :]
-        mask = k_pos <= q_pos
-        if window is not None:
-            mask &= k_pos > q_pos - window
-    return attention.SeqAttention(q_start, n, ctx, fresh, kv_start, blocks, mask, first_key)
-
-
-def _consecutive(blocks: list[int]) -> bool:
-    first = blocks[0]
-    return all(b == first + i for i, b in enumerate(blocks))

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from services.worker.engine.api import EngineRequest, FinishReason, RequestKind, SamplingConfig, TokenLogprobs
 from services.worker.engine.sampler import TokenHistory
+from services.worker.engine.spec.policy import SpecRecord
 
 if TYPE_CHECKING:
     import torch
@@ -363,20 +364,6 @@ class Request:
     def is_decoding(self) -> bool:
         """Its whole prompt is computed: each step computes its last token (+ proposals)."""
         return self.num_computed_tokens >= self.num_prompt_tokens
-
-
-@dataclass(frozen=True)
-class SpecRecord:
-    """One request's speculative-decoding record, for its back-off (engine/spec/policy.py)."""
-
-    num_draft_tokens: int = 0  # proposals verified (count)
-    num_accepted_tokens: int = 0  # of which accepted (count)
-    recent_acceptance: float = 1.0  # moving average of accepted / proposed per verify (ratio)
-    skip_steps: int = 0  # steps left without proposals (back-off)
-    backoff_steps: int = 0  # length of the last back-off (steps; doubles while acceptance stays low)
-    # decayed counts of accepted and of tried proposal positions (policy.position_acceptance)
-    accept_weight: float = 0.0
-    trial_weight: float = 0.0
 
 
 def _mix_seed(seed: int, index: int) -> int:

@@ -1,8 +1,8 @@
 """One rank's scheduler: waiting/running queues, the per-step token budget (chunked prefill),
-block allocation with prefix-cache lookup, preemption by recompute (newest first), and the room
-speculative proposals get in a step.
+block allocation with prefix-cache lookup, preemption by recompute (newest first).
 
-`schedule()` picks what runs in the next forward pass; `on_computed()` records KV progress,
+`schedule()` plans the next forward pass (a StepPlan); `update(plan, output)` applies what it
+produced (engine/step.py has the whole step). `on_computed()` records KV progress,
 registers newly full blocks in the prefix cache and, on models whose every layer has a sliding
 window, gives back the blocks wholly behind it (`kv_window_tokens`); `rollback()` frees the blocks
 only rejected proposals used. All calls happen under the rank's lock.
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from services.worker.engine.api import RequestKind
 from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.kv_trim import NO_TRIM, KvTrim
-from services.worker.engine.request import Request, RequestStatus
-from services.worker.engine.spec import policy
+from services.worker.engine.request import Request, RequestStatus, finish_rule
+from services.worker.engine.step import StepOutput, StepUpdate
 from shared.block_hash import chain_hash
 from shared.errors import ResourceExhausted
 
@@ -40,10 +40,13 @@ class ScheduledRequest:
 
 
 @dataclass
-class SchedulerOutput:
+class StepPlan:
+    """What one step computes, in order (the runner executes it, `update` applies it)."""
+
     scheduled: list[ScheduledRequest]
     # requests that cannot fit in the pool even alone (they are finished by the caller)
     unfittable: list[Request]
+    budget_left: int = 0  # tokens of the step's budget left (room for proposals to verify)
 
 
 class Scheduler:
@@ -52,25 +55,23 @@ class Scheduler:
         block_manager: BlockManager,
         max_batch_tokens: int,
         max_num_seqs: int,
-        max_spec_batch_tokens: int = 0,
         kv_window_tokens: int | None = None,
         kv_trim: KvTrim = NO_TRIM,
+        eos_token_ids: frozenset[int] = frozenset(),
+        max_model_len: int = 0,
     ) -> None:
         self.blocks = block_manager
         self.block_size = block_manager.block_size
         self.max_batch_tokens = max_batch_tokens
         self.max_num_seqs = max_num_seqs
-        # per-step back-off of speculation: proposals are verified only while the step has at
-        # most this many tokens in all (beyond it verification is no longer free); 0 = never
-        self.max_spec_batch_tokens = max_spec_batch_tokens
         # every layer's attention window is at most this many tokens (model_variants
         # .kv_window_tokens); None: some layer attends to every token, nothing is given back
         self.kv_window_tokens = kv_window_tokens
         # what of a prompt's KV a DECODE_REMOTE request does not need moved (kv_trim.py)
         self.kv_trim = kv_trim
-        # the rank's learned step time (spec/policy.py); None = proposals fill the cap, best
-        # recent acceptance first
-        self.step_cost: policy.StepCostModel | None = None
+        # the finish rule's inputs (update): the model's EOS ids and longest sequence (tokens)
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0  # since start (count of preempt events)
@@ -95,7 +96,8 @@ class Scheduler:
         self.waiting.append(req)
 
     # ---- scheduling ----------------------------------------------------------------------
-    def _grow(self, req: Request, num_tokens: int) -> bool:
+    def grow(self, req: Request, num_tokens: int) -> bool:
+        """Give the request the blocks `num_tokens` need (no preemption); False when short."""
         need = self.blocks.blocks_needed(num_tokens) - len(req.block_ids)
         if need <= 0:
             return True
@@ -128,7 +130,7 @@ class Scheduler:
         req.num_hashed_blocks = 0
         req.last_block_hash = None
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self) -> StepPlan:
         budget = self.max_batch_tokens
         scheduled: list[ScheduledRequest] = []
         unfittable: list[Request] = []
@@ -138,7 +140,7 @@ class Scheduler:
             req = self.running[i]
             n = min(req.num_uncomputed_tokens, budget)
             fits = True
-            while not self._grow(req, req.num_computed_tokens + n):
+            while not self.grow(req, req.num_computed_tokens + n):
                 victim = max(self.running[i:], key=lambda r: r.arrival_seq)
                 if victim is req and not scheduled and len(self.running) == 1:
                     unfittable.append(req)  # alone and still too big: never fits
@@ -165,63 +167,14 @@ class Scheduler:
             req.mark_running()
             scheduled.append(ScheduledRequest(req, n))
             budget -= n
-        self._schedule_drafts(scheduled, budget)
-        return SchedulerOutput(scheduled, unfittable)
-
-    def _schedule_drafts(self, scheduled: list[ScheduledRequest], budget: int) -> None:
-        """Give decoding requests room to verify their proposals: no more than what is left of
-        the token budget, capped per step by max_spec_batch_tokens, and with a step-cost model
-        only the proposals whose expected yield pays for their verification (policy.plan_drafts);
-        without one, best recent acceptance first. Proposals never preempt anything and never
-        delay a prefill: without room they are dropped."""
-        step_tokens = sum(s.num_new_tokens for s in scheduled)
-        room = min(budget, self.max_spec_batch_tokens - step_tokens)
-        candidates = [
-            s for s in scheduled if s.request.spec_token_ids and s.samples and s.request.is_decoding
-        ]
-        if self.step_cost is not None:
-            cost = self.step_cost.cost
-            sampling = [s for s in scheduled if s.samples]
-            savings = policy.token_savings_ms(
-                cost,
-                step_tokens,
-                [s.request.sampling.max_tokens - s.request.num_counted_towards_max for s in sampling],
-                saturated=bool(self.waiting),
-            )
-            saving_of = {id(s): v for s, v in zip(sampling, savings, strict=True)}
-            plan = policy.plan_drafts(
-                cost.per_token_ms,
-                [
-                    (
-                        len(s.request.spec_token_ids),
-                        policy.position_acceptance(s.request.spec),
-                        saving_of[id(s)],
-                    )
-                    for s in candidates
-                ],
-                room,
-                cost.verify_ms,
-            )
-        else:
-            candidates.sort(key=lambda s: -s.request.spec.recent_acceptance)
-            plan = []
-            for s in candidates:
-                d = min(len(s.request.spec_token_ids), max(room, 0))
-                plan.append(d)
-                room -= d
-        for s, d in zip(candidates, plan, strict=True):
-            req = s.request
-            if d > 0 and self._grow(req, req.num_computed_tokens + s.num_new_tokens + d):
-                s.num_draft_tokens = d
-            else:
-                req.spec_token_ids = []  # no room this step: proposed again after it
+        return StepPlan(scheduled, unfittable, budget)
 
     def _admit_waiting(self, req: Request, budget: int) -> int:
         """Give a waiting request blocks (prefix hits first); returns tokens scheduled or 0."""
         bs = self.block_size
         if req.block_ids:  # KV imported (DECODE_REMOTE): blocks already held
             n = min(req.num_uncomputed_tokens, budget)
-            return n if self._grow(req, req.num_computed_tokens + n) else 0
+            return n if self.grow(req, req.num_computed_tokens + n) else 0
         # at least the last token is computed so there are logits to sample from; a request that
         # still needs its prompt logprobs computes the whole prompt (its blocks are cached after)
         max_hit_blocks = 0 if req.wants_prompt_logprobs else (req.num_tokens - 1) // bs
@@ -244,6 +197,45 @@ class Scheduler:
         return n
 
     # ---- after the forward pass ----------------------------------------------------------
+    def update(self, plan: StepPlan, output: StepOutput) -> list[StepUpdate]:
+        """Apply a step: prefill progress, each sampling request's accepted run (output.runs)
+        through the finish rule, the KV it made valid, the blocks only rejected proposals used;
+        a PREFILL_ONLY request leaves the queues HELD with its blocks. Returns the sampling
+        requests in order, each with its finish reason (None: it goes on)."""
+        updates: list[StepUpdate] = []
+        runs = iter(output.runs)
+        for s, seq in zip(plan.scheduled, output.batch, strict=True):
+            req = s.request
+            if req.num_computed_tokens < req.num_prompt_tokens:
+                req.num_prefill_chunks += 1
+                req.prefill_ns += output.elapsed_ns
+            req.prompt_logprobs.extend(seq.prompt_logprobs)
+            if not s.samples:
+                self.on_computed(req, s.num_new_tokens)
+                continue
+            run = next(runs)
+            if req.sampling.max_tokens <= 0:
+                # prompt logprobs only (max_tokens 0): the prompt is computed, nothing is drawn
+                run = []
+            req.spec_token_ids = []
+            if run:
+                _, reason = req.append_output_tokens(
+                    run, self.eos_token_ids, self.max_model_len, seq.logprobs
+                )
+            else:
+                reason = finish_rule(req.num_counted_towards_max, req.sampling.max_tokens, None)
+            # K/V is valid for the step's tokens and the accepted proposals (the last token of
+            # the run is new); a run cut short by a stop has every appended token computed
+            computed = min(req.num_computed_tokens + s.num_new_tokens + max(0, len(run) - 1), req.num_tokens)
+            self.on_computed(req, computed - req.num_computed_tokens)
+            if s.num_draft_tokens:
+                self.rollback(req)
+            if req.kind is RequestKind.PREFILL_ONLY:
+                self.remove(req, keep_blocks=True)
+                req.hold(reason)
+            updates.append(StepUpdate(req, reason))
+        return updates
+
     def on_computed(self, req: Request, num_new_tokens: int) -> None:
         req.num_computed_tokens += num_new_tokens
         self.hash_full_blocks(req)

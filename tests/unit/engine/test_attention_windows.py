@@ -18,7 +18,9 @@ import torch.nn.functional as F
 from services.worker.engine import cpu_kernels
 from services.worker.engine.api import KvLayout, SamplingConfig
 from services.worker.engine.attention import AttentionBackend, paged_attention_forward
+from services.worker.engine.backend import ModelBackend
 from services.worker.engine.model_runner import ModelRunner, ScheduledSeq
+from services.worker.engine.options import BackendOptions
 
 GREEDY = SamplingConfig(max_tokens=1, temperature=0.0)
 HEADS, KV_HEADS, HEAD_DIM = 6, 2, 16
@@ -91,7 +93,13 @@ def _check(path: str, bs: int, window: int, softcap: float | None = None) -> Non
     num_blocks = 4096 // bs
     layout = KvLayout(num_layers=2, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, block_size=bs, dtype="float32")
     runner = ModelRunner(
-        _model(window, softcap), layout, num_blocks, CPU, torch.float32, backend, cpu_attention_kernel=kernel
+        _model(window, softcap),
+        layout,
+        num_blocks,
+        CPU,
+        torch.float32,
+        backend,
+        backend=ModelBackend.choose(BackendOptions(cpu_attention_kernel=kernel), CPU),
     )
     gen = torch.Generator().manual_seed(bs + window)
     runner.kv_cache.copy_(torch.randn(runner.kv_cache.shape, generator=gen))

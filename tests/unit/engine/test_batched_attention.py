@@ -14,12 +14,8 @@ import torch
 
 from services.worker.engine.api import KvLayout, SamplingConfig
 from services.worker.engine.attention import AttentionBackend, paged_attention_forward
-from services.worker.engine.model_runner import (
-    ModelRunner,
-    ScheduledSeq,
-    kv_layout_of,
-    load_model,
-)
+from services.worker.engine.model_loading import kv_layout_of, load_model
+from services.worker.engine.model_runner import ModelRunner, ScheduledSeq
 from tests.unit.engine.conftest import hf_greedy
 
 GREEDY = SamplingConfig(max_tokens=1, temperature=0.0)

@@ -222,7 +222,9 @@ def test_runner_uses_the_kernel_for_decode_steps_and_matches_sdpa() -> None:
 
     from services.worker.engine.api import KvLayout, SamplingConfig
     from services.worker.engine.attention import AttentionBackend, paged_attention_forward
+    from services.worker.engine.backend import ModelBackend
     from services.worker.engine.model_runner import ModelRunner, ScheduledSeq
+    from services.worker.engine.options import BackendOptions
 
     heads, kv_heads, dim, bs = 6, 2, 16, 4
     layout = KvLayout(num_layers=2, num_kv_heads=kv_heads, head_dim=dim, block_size=bs, dtype="float32")
@@ -247,7 +249,7 @@ def test_runner_uses_the_kernel_for_decode_steps_and_matches_sdpa() -> None:
             CPU_DEVICE,
             torch.float32,
             AttentionBackend.PER_SEQ,
-            cpu_attention_kernel=use_kernel,
+            backend=ModelBackend.choose(BackendOptions(cpu_attention_kernel=use_kernel), CPU_DEVICE),
         )
         runner.kv_cache.copy_(pool)
         _, _, meta, _ = runner._build_metadata(step)

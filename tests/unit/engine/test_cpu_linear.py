@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from services.worker.engine import cpu_linear
-from services.worker.engine.model_runner import load_model
+from services.worker.engine.model_loading import load_model
 
 pytestmark = pytest.mark.skipif(
     not cpu_linear.prepack_available(torch.device("cpu"), torch.float32),

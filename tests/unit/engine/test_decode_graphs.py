@@ -7,16 +7,20 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from services.worker.engine import engine as engine_module
+from services.worker.engine import build as build_module
 from services.worker.engine.api import SamplingConfig
+from services.worker.engine.backend import CudaOptions, ModelBackend
 from services.worker.engine.decode_graphs import DecodeSeq, bucket
-from services.worker.engine.model_runner import ModelRunner, ScheduledSeq, kv_layout_of, load_model
+from services.worker.engine.model_loading import kv_layout_of, load_model
+from services.worker.engine.model_runner import ModelRunner, ScheduledSeq
+from services.worker.engine.options import BackendOptions
 from tests.support.tiny_models import build_tiny_draft
 from tests.unit.engine.conftest import EngineFactory, greedy_tokens
 
@@ -28,6 +32,14 @@ NUM_BLOCKS = 96
 def test_bucket_is_the_next_power_of_two() -> None:
     assert [bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 33)] == [1, 2, 4, 4, 8, 8, 16, 64]
     assert bucket(1, 4) == 4 and bucket(5, 4) == 8
+
+
+def _backend(device: torch.device, static_steps: bool, fused: bool | None) -> ModelBackend:
+    """The lean forward on `device`, with static steps or not; `fused` True: the CUDA layout
+    (fused layers, FlexAttention in place), run eagerly on CPU; None: the device's default."""
+    base = ModelBackend.choose(BackendOptions(cuda_graphs=False), device)
+    kernels = base.cuda.kernels if fused is None else fused
+    return replace(base, cuda=CudaOptions(graphs=static_steps, kernels=kernels))
 
 
 def _runners(
@@ -42,7 +54,9 @@ def _runners(
     run eagerly on CPU; None: the device's default."""
     model = load_model(str(model_path), device, torch.float32)
     layout = kv_layout_of(model.config, BLOCK, torch.float32)
-    plain = ModelRunner(model, layout, NUM_BLOCKS, device, torch.float32, fused=False)
+    plain = ModelRunner(
+        model, layout, NUM_BLOCKS, device, torch.float32, backend=_backend(device, False, False)
+    )
     static_model = (
         load_model(str(model_path), device, torch.float32, prepack=False) if fused is not False else model
     )
@@ -52,9 +66,8 @@ def _runners(
         NUM_BLOCKS,
         device,
         torch.float32,
-        decode_graphs=True,
+        backend=_backend(device, True, fused),
         spec_tokens=spec_tokens,
-        fused=fused,
         max_model_len=max_model_len,
     )
     assert static.graphs is not None and plain.graphs is None
@@ -377,10 +390,13 @@ async def test_engine_on_static_steps_keeps_greedy_identity(
         }
     prompts = _spec_prompts()
     want = await greedy_tokens(make_engine(), prompts, 24)
-    real = engine_module.ModelRunner
-    monkeypatch.setattr(
-        engine_module, "ModelRunner", lambda *a, **kw: real(*a, **{**kw, "decode_graphs": True})
-    )
+    real = build_module.ModelRunner
+
+    def with_static_steps(*a: Any, **kw: Any) -> ModelRunner:
+        backend = kw["backend"]
+        return real(*a, **{**kw, "backend": replace(backend, cuda=replace(backend.cuda, graphs=True))})
+
+    monkeypatch.setattr(build_module, "ModelRunner", with_static_steps)
     on = make_engine(**spec)
     assert await greedy_tokens(on, prompts, 24) == want
     assert on.num_free_blocks(0) == on.num_total_blocks(0)

@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 
 from benchmarks import engine_floor
-from services.worker.engine.model_runner import ModelRunner, kv_layout_of, load_model
+from services.worker.engine.model_loading import kv_layout_of, load_model
+from services.worker.engine.model_runner import ModelRunner
 
 
 def _linear_weight_bytes(model: torch.nn.Module) -> int:

@@ -17,11 +17,19 @@ from benchmarks.step_profile import OpCounter
 from services.worker.engine import model_runner
 from services.worker.engine.api import SamplingConfig
 from services.worker.engine.attention import AttentionBackend
+from services.worker.engine.backend import ModelBackend
 from services.worker.engine.lean_llama import LeanLlama
-from services.worker.engine.model_runner import ModelRunner, ScheduledSeq, kv_layout_of, load_model
+from services.worker.engine.model_loading import kv_layout_of, load_model
+from services.worker.engine.model_runner import ModelRunner, ScheduledSeq
+from services.worker.engine.options import BackendOptions
 
 GREEDY = SamplingConfig(max_tokens=1, temperature=0.0)
 CPU = torch.device("cpu")
+
+
+def _lean(lean: bool, device: torch.device) -> ModelBackend:
+    """The lean forward (or transformers' with False) on `device`, no static steps."""
+    return ModelBackend.choose(BackendOptions(lean_forward=lean, cuda_graphs=False), device)
 
 
 def _steps(bs: int) -> list[list[ScheduledSeq]]:
@@ -108,7 +116,7 @@ def _both_forwards(
     blocks = max(b for step in steps for s in step for b in s.block_ids) + 1
     runs = []
     for lean in (True, False):
-        runner = ModelRunner(model, layout, blocks, device, dtype, backend, lean_forward=lean)
+        runner = ModelRunner(model, layout, blocks, device, dtype, backend, backend=_lean(lean, device))
         assert (runner.lean is not None) is lean
         runs.append(_run(runner, steps, monkeypatch))
     return runs[0], runs[1]
@@ -210,7 +218,7 @@ def test_a_decode_step_dispatches_far_fewer_ops(tiny_bpe: Path) -> None:
     layout = kv_layout_of(model.config, 4, torch.float32)
     counts = {}
     for lean in (True, False):
-        runner = ModelRunner(model, layout, 16, CPU, torch.float32, lean_forward=lean)
+        runner = ModelRunner(model, layout, 16, CPU, torch.float32, backend=_lean(lean, CPU))
         runner.execute([ScheduledSeq([5, 6, 7, 8, 9], 0, [0, 1, 2], True, GREEDY, None)])
         counter = OpCounter()
         with counter:

@@ -1,6 +1,6 @@
-"""Model runner: the zero-copy path (consecutive blocks) and the gather path (scattered blocks)
-give the same tokens, for a fresh prefill, a later prefill chunk and decode steps; KV bytes
-round-trip through the wire layout."""
+"""Model runner: the backend flags choose one forward path; the zero-copy path (consecutive
+blocks) and the gather path (scattered blocks) give the same tokens, for a fresh prefill, a later
+prefill chunk and decode steps; KV bytes round-trip through the wire layout."""
 
 from __future__ import annotations
 
@@ -9,14 +9,28 @@ from pathlib import Path
 import torch
 
 from services.worker.engine.api import SamplingConfig
-from services.worker.engine.model_runner import (
-    ModelRunner,
-    ScheduledSeq,
-    kv_layout_of,
-    load_model,
-)
+from services.worker.engine.backend import CpuOptions, CudaOptions, ForwardPath, ModelBackend
+from services.worker.engine.model_loading import kv_layout_of, load_model
+from services.worker.engine.model_runner import ModelRunner, ScheduledSeq
+from services.worker.engine.options import BackendOptions
 
 GREEDY = SamplingConfig(max_tokens=1, temperature=0.0)
+
+
+def test_the_backend_flags_choose_one_forward_path() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")  # no GPU needed to choose
+    assert ModelBackend.choose(BackendOptions(), cpu) == ModelBackend(
+        ForwardPath.LEAN_CPU, cpu=CpuOptions(prepack=True, row_copy=True, attention_kernel=True)
+    )
+    plain = ModelBackend.choose(BackendOptions(lean_forward=False, cpu_attention_kernel=False), cpu)
+    assert plain.path is ForwardPath.TRANSFORMERS and not plain.cpu.attention_kernel
+    assert plain.cuda == CudaOptions()  # CUDA options never apply on a CPU
+    gpu = ModelBackend.choose(BackendOptions(cpu_prepack=True), cuda)
+    assert gpu.path is ForwardPath.LEAN_CUDA and gpu.cuda.graphs and gpu.cpu == CpuOptions()
+    assert not gpu.without_graphs().cuda.graphs and gpu.without_graphs().path is gpu.path
+    assert not ModelBackend.choose(BackendOptions(cuda_graphs=False), cuda).cuda.graphs
+    eager = ModelBackend.choose(BackendOptions(lean_forward=False), cuda)
+    assert eager == ModelBackend(ForwardPath.TRANSFORMERS)
 
 
 def _runner(path: Path) -> ModelRunner:

@@ -144,7 +144,8 @@ def test_a_window_the_config_reading_misses_is_refused_at_warm_up(
     import torch
 
     from services.worker.engine import model_variants
-    from services.worker.engine.model_runner import ModelRunner, kv_layout_of, load_model
+    from services.worker.engine.model_loading import kv_layout_of, load_model
+    from services.worker.engine.model_runner import ModelRunner
 
     cpu = torch.device("cpu")
     model = load_model(str(tiny_family("qwen2_windowed")), cpu, torch.float32)  # layer 1 windowed

@@ -12,11 +12,13 @@ import pytest
 from services.worker.engine.api import EngineRequest, KvLayout, SamplingConfig
 from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.model_runner import ScheduledSeq
-from services.worker.engine.request import Request, SpecRecord
+from services.worker.engine.request import Request
 from services.worker.engine.scheduler import Scheduler
 from services.worker.engine.spec import policy
 from services.worker.engine.spec.calibrate import calibrate
-from services.worker.engine.spec.policy import StepCost, StepCostModel
+from services.worker.engine.spec.ngram import NgramProposer
+from services.worker.engine.spec.policy import SpecRecord, StepCost, StepCostModel
+from services.worker.engine.spec.speculation import Speculation
 from tests.unit.engine.conftest import EngineFactory, drain, greedy, request, tokens_of
 
 # SmolLM2-135M fp32 on one core of the project's 2-core CPU machines (docs/architecture.md)
@@ -173,10 +175,9 @@ def _start(sched: Scheduler, reqs: list[Request]) -> None:
     assert all(r.is_decoding for r in reqs)
 
 
-def test_scheduler_applies_the_cost_plan() -> None:
-    sched = Scheduler(
-        BlockManager(64, 4, False), max_batch_tokens=256, max_num_seqs=8, max_spec_batch_tokens=256
-    )
+def test_speculation_applies_the_cost_plan() -> None:
+    sched = Scheduler(BlockManager(64, 4, False), max_batch_tokens=256, max_num_seqs=8)
+    spec = Speculation(NgramProposer(2, 4), 4, sched, 256, max_model_len=1024, vocab_size=512)
     reqs = [_decoding(sched, f"r{i}", 7) for i in range(4)]
     _start(sched, reqs)
     good = SpecRecord()
@@ -185,24 +186,27 @@ def test_scheduler_applies_the_cost_plan() -> None:
     reqs[0].spec = good  # accepts whole runs; the others have no history (prior 0.5)
     for r in reqs:
         r.spec_token_ids = [5, 6, 7, 8]
-    sched.step_cost = StepCostModel(StepCost(fixed_ms=20.0, per_seq_ms=2.0, per_token_ms=3.0))
-    planned = {s.request.request_id: s.num_draft_tokens for s in sched.schedule().scheduled}
+    spec.step_cost = StepCostModel(StepCost(fixed_ms=20.0, per_seq_ms=2.0, per_token_ms=3.0))
+    plan = sched.schedule()
+    spec.propose(plan)
+    planned = {s.request.request_id: s.num_draft_tokens for s in plan.scheduled}
     # a step of 4 is 28 ms, 7 ms per request: the good one's 4 proposals pay (0.9**4 * 7 > 3), a
     # prior-0.5 request's first pays (3.5 > 3) and its second does not (1.75)
     assert planned == {"r0": 4, "r1": 1, "r2": 1, "r3": 1}
     assert [len(r.spec_token_ids) for r in reqs] == [4, 4, 4, 4]  # proposals kept for the verify
 
 
-def test_scheduler_drops_proposals_that_do_not_pay() -> None:
-    sched = Scheduler(
-        BlockManager(64, 4, False), max_batch_tokens=256, max_num_seqs=8, max_spec_batch_tokens=256
-    )
+def test_speculation_drops_proposals_that_do_not_pay() -> None:
+    sched = Scheduler(BlockManager(64, 4, False), max_batch_tokens=256, max_num_seqs=8)
+    spec = Speculation(NgramProposer(2, 4), 4, sched, 256, max_model_len=1024, vocab_size=512)
     reqs = [_decoding(sched, f"r{i}", 7) for i in range(2)]
     _start(sched, reqs)
     for r in reqs:
         r.spec_token_ids = [5, 6, 7]
-    sched.step_cost = StepCostModel(StepCost(fixed_ms=1.0, per_seq_ms=1.0, per_token_ms=50.0))
-    assert [s.num_draft_tokens for s in sched.schedule().scheduled] == [0, 0]
+    spec.step_cost = StepCostModel(StepCost(fixed_ms=1.0, per_seq_ms=1.0, per_token_ms=50.0))
+    plan = sched.schedule()
+    spec.propose(plan)
+    assert [s.num_draft_tokens for s in plan.scheduled] == [0, 0]
     assert [r.spec_token_ids for r in reqs] == [[], []]  # dropped: proposed again after the step
 
 
@@ -210,7 +214,7 @@ async def test_cost_model_on_keeps_greedy_identity_and_calibrates(make_engine: E
     off = make_engine()
     on = make_engine(speculative="ngram", num_speculative_tokens=4, spec_ngram_min=1)
     rank = on._ranks[0]  # type: ignore[attr-defined]
-    cost = rank.scheduler.step_cost
+    cost = rank.speculation.step_cost
     assert cost is not None and cost.prior != StepCostModel().prior  # calibrated at start-up
     rng = random.Random(3)
     reqs = []

@@ -120,7 +120,8 @@ def test_plan_catches_up_in_budgeted_chunks_and_never_takes_what_the_pool_lacks(
 def _proposer(model_path: Path, num_blocks: int = 48, prefix_caching: bool = False) -> DraftProposer:
     import torch
 
-    from services.worker.engine.model_runner import ModelRunner, kv_layout_of, load_model
+    from services.worker.engine.model_loading import kv_layout_of, load_model
+    from services.worker.engine.model_runner import ModelRunner
 
     cpu = torch.device("cpu")
     model = load_model(str(model_path), cpu, torch.float32)

@@ -22,10 +22,12 @@ from services.worker.engine.api import (
     SamplingConfig,
 )
 from services.worker.engine.block_manager import BlockManager
-from services.worker.engine.request import Request, SpecRecord
-from services.worker.engine.scheduler import Scheduler
+from services.worker.engine.request import Request
+from services.worker.engine.scheduler import ScheduledRequest, Scheduler
 from services.worker.engine.spec import policy
 from services.worker.engine.spec.ngram import NgramProposer
+from services.worker.engine.spec.policy import SpecRecord
+from services.worker.engine.spec.speculation import Speculation
 from services.worker.engine.spec.stats import SpecStats
 from services.worker.engine.spec.verify import accept_run
 from tests.unit.engine.conftest import (
@@ -153,6 +155,17 @@ def test_spec_stats_count_per_position() -> None:
     assert stats.acceptance_rate == 6 / 7
 
 
+def _verifying(sched: Scheduler, max_spec_batch_tokens: int) -> Speculation:
+    return Speculation(NgramProposer(2, 4), 5, sched, max_spec_batch_tokens, 1024, vocab_size=512)
+
+
+def _schedule(sched: Scheduler, spec: Speculation) -> list[ScheduledRequest]:
+    """One step's plan with the proposals it verifies."""
+    plan = sched.schedule()
+    spec.propose(plan)
+    return plan.scheduled
+
+
 def _running(sched: Scheduler, prompt_len: int) -> Request:
     req = Request.from_engine_request(
         EngineRequest("r", tuple(range(prompt_len)), SamplingConfig(max_tokens=50))
@@ -166,10 +179,10 @@ def _running(sched: Scheduler, prompt_len: int) -> Request:
 
 def test_proposals_get_blocks_and_rejected_ones_give_them_back() -> None:
     bm = BlockManager(16, 4, True)
-    sched = Scheduler(bm, max_batch_tokens=64, max_num_seqs=4, max_spec_batch_tokens=64)
+    sched = Scheduler(bm, max_batch_tokens=64, max_num_seqs=4)
     req = _running(sched, 7)  # 8 tokens, 7 computed: 2 blocks
     req.spec_token_ids = [2, 3, 4, 5, 6]
-    (s,) = sched.schedule().scheduled
+    (s,) = _schedule(sched, _verifying(sched, 64))
     assert (s.num_new_tokens, s.num_draft_tokens) == (1, 5)
     assert len(req.block_ids) == 4  # room for positions up to 12
     # verify: 1 proposal accepted, then the target's own token
@@ -183,15 +196,15 @@ def test_proposals_get_blocks_and_rejected_ones_give_them_back() -> None:
 
 def test_proposals_never_preempt_and_respect_the_step_cap() -> None:
     bm = BlockManager(3, 4, False)
-    sched = Scheduler(bm, max_batch_tokens=64, max_num_seqs=4, max_spec_batch_tokens=64)
+    sched = Scheduler(bm, max_batch_tokens=64, max_num_seqs=4)
     req = _running(sched, 7)
     req.spec_token_ids = [2, 3, 4, 5, 6]  # needs 4 blocks in all, the pool has 3... and 1 free
-    (s,) = sched.schedule().scheduled
+    (s,) = _schedule(sched, _verifying(sched, 64))
     assert s.num_draft_tokens == 0 and req.spec_token_ids == []  # dropped, nothing preempted
-    capped = Scheduler(BlockManager(16, 4, False), 64, 4, max_spec_batch_tokens=3)
+    capped = Scheduler(BlockManager(16, 4, False), 64, 4)
     req = _running(capped, 7)
     req.spec_token_ids = [2, 3, 4, 5, 6]
-    (s,) = capped.schedule().scheduled
+    (s,) = _schedule(capped, _verifying(capped, 3))
     assert s.num_draft_tokens == 2  # 1 token + 2 proposals = the step cap of 3
 
 

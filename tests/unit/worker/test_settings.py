@@ -1,9 +1,14 @@
-"""Worker settings: per-role default ports, flags over env, validation."""
+"""Worker settings: per-role default ports, flags over env, validation, the engine's options
+embedded and passed on whole."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+from services.worker.engine.api import EngineConfig, engine_options
+from services.worker.engine.options import EngineOptions
 from services.worker.settings import WorkerSettings
 from shared.cluster import Role
 from shared.settings import parse_settings
@@ -125,3 +130,18 @@ def test_draft_speculation_settings() -> None:
     }
     s = parse_settings(WorkerSettings, [], env=env)
     assert (s.speculative, s.draft_model, s.draft_kv_cache_tokens) == ("draft", "/m/d", 4096)
+
+
+def test_every_engine_option_reaches_the_engine_config() -> None:
+    argv = ["--no-lean-forward", "--speculative", "ngram", "--max-num-seqs", "7"]
+    s = parse_settings(WorkerSettings, argv, env={"PDSERVE_CPU_KERNEL_CACHE_ENTRIES": "3"})
+    cfg = EngineConfig(model_path="m", **engine_options(s, cuda_graph_warm_tokens=0))
+    for f in dataclasses.fields(EngineOptions):
+        want = 0 if f.name == "cuda_graph_warm_tokens" else getattr(s, f.name)
+        assert getattr(cfg, f.name) == want, f.name
+    assert (cfg.lean_forward, cfg.speculative, cfg.max_num_seqs, cfg.cpu_kernel_cache_entries) == (
+        False,
+        "ngram",
+        7,
+        3,
+    )

@@ -36,7 +36,8 @@ import torch
 
 from services.worker.engine.api import SamplingConfig
 from services.worker.engine.block_manager import BlockManager
-from services.worker.engine.model_runner import ModelRunner, ScheduledSeq, load_model
+from services.worker.engine.model_loading import load_model
+from services.worker.engine.model_runner import ModelRunner, ScheduledSeq
 from services.worker.engine.request import Request, RequestStatus
 from shared.block_hash import chain_hash
 from shared.errors import InvalidArgument
@@ -227,8 +228,8 @@ class DraftProposer:
 
 def fit_to_room(wants: Sequence[tuple[Request, int]], room: int) -> list[tuple[Request, int]]:
     """Cut decoding requests' wanted proposals to `room` in all, best recent acceptance first
-    (the order in which the scheduler gives verification room): the draft's forward passes for
-    proposals the next step could not verify would be wasted. Handoffs (HELD, verified on the
+    (the order in which Speculation.propose gives verification room): the draft's forward
+    passes for proposals the next step could not verify would be wasted. Handoffs (HELD, verified on the
     decode worker) keep theirs."""
     decoding = sorted(
         (w for w in wants if w[0].status is RequestStatus.RUNNING),

@@ -1,5 +1,6 @@
-"""How many tokens to propose for a request, and how many of them a step verifies (pure
-functions of the request's record and of a step-cost model; nothing here reads a clock).
+"""Each request's speculation record (`SpecRecord`), how many tokens to propose for it, and how
+many of them a step verifies (pure functions of the record and of a step-cost model; nothing
+here reads a clock).
 
 Per request: a moving average of its acceptance; when it stays low the request proposes nothing
 for a while (doubling back-off up to MAX_BACKOFF_STEPS), then probes again.
@@ -15,8 +16,8 @@ a step that verifies anything (calibrated at start-up, spec/calibrate.py, then o
 rank's decode steps). `token_savings_ms` says what one more accepted token of each sequence
 saves, and `plan_drafts` verifies proposal j of a request only when a**j (a: the request's
 per-position acceptance, `position_acceptance`) times that saving exceeds per_token, and a
-step's proposals only when together they are expected to save more than verify. The scheduler
-also applies a hard cap (Scheduler.max_spec_batch_tokens).
+step's proposals only when together they are expected to save more than verify. Speculation
+also applies a hard cap (Speculation.max_spec_batch_tokens).
 """
 
 from __future__ import annotations
@@ -26,7 +27,21 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from services.worker.engine.request import SpecRecord
+
+@dataclasses.dataclass(frozen=True)
+class SpecRecord:
+    """One request's speculative-decoding record, for its back-off (Request.spec; replaced by
+    the functions below, never mutated)."""
+
+    num_draft_tokens: int = 0  # proposals verified (count)
+    num_accepted_tokens: int = 0  # of which accepted (count)
+    recent_acceptance: float = 1.0  # moving average of accepted / proposed per verify (ratio)
+    skip_steps: int = 0  # steps left without proposals (back-off)
+    backoff_steps: int = 0  # length of the last back-off (steps; doubles while acceptance stays low)
+    # decayed counts of accepted and of tried proposal positions (policy.position_acceptance)
+    accept_weight: float = 0.0
+    trial_weight: float = 0.0
+
 
 # below this moving-average acceptance (ratio) a request backs off
 LOW_ACCEPTANCE = 0.3

@@ -1,0 +1,59 @@
+"""Loading a model for the engine: transformers' own class with the paged attention registered,
+checked against the attention variants the engine reproduces (model_variants.py), its linear
+layers prepacked on CPU (cpu_linear.py); its KV layout; dtype names."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from services.worker.engine import attention, cpu_linear, model_variants
+from services.worker.engine.api import KvLayout
+from shared.model_store import load_causal_lm
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}")
+    return _DTYPES[name]
+
+
+def load_model(
+    model_path: str, device: torch.device, dtype: torch.dtype, prepack: bool = True, row_copy: bool = False
+) -> Any:
+    """transformers' own model class with our attention; on CPU its linear layers prepacked
+    for oneDNN unless `prepack` is False, with `row_copy` also as a copy for steps of few rows
+    (see cpu_linear). Raises model_variants.UnsupportedAttention (before loading weights) for
+    a model whose attention the engine cannot reproduce exactly."""
+    from transformers import AutoConfig
+
+    model_variants.check_supported(AutoConfig.from_pretrained(model_path))
+    attention.register()
+    # a folder's weights, or a random-weight model built on the device (`random:` models)
+    model = load_causal_lm(model_path, device, dtype=dtype, attn_implementation=attention.ATTN_IMPLEMENTATION)
+    model_variants.check_loaded(model)
+    model.eval()
+    # serving never differentiates: no autograd state in the weights (torch.compile'd layers
+    # would otherwise trace for training)
+    model.requires_grad_(False)
+    if prepack:
+        cpu_linear.prepack_linears(model, row_copy)
+    return model
+
+
+def kv_layout_of(model_config: Any, block_size: int, dtype: torch.dtype) -> KvLayout:
+    cfg = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    num_heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
+    return KvLayout(
+        num_layers=cfg.num_hidden_layers,
+        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or num_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=str(dtype).removeprefix("torch."),
+    )

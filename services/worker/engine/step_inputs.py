@@ -1,0 +1,192 @@
+"""A packed step's inputs from its scheduled sequences: input_ids and positions [1, T] (no
+padding), the slot of every new token, the rows whose logits are sampled, and the attention
+metadata of the runner's backend (attention.py): PER_SEQ (single-token sequences first, their
+block tables for the CPU decode kernel, zero-copy views of consecutive blocks) or BATCHED (short
+queries and long chunks in two padded groups), with a variant per attention window the step
+reaches past."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+
+from services.worker.engine import attention, attention_batched
+from services.worker.engine.attention import AttentionBackend
+
+if TYPE_CHECKING:
+    from services.worker.engine.model_runner import ModelRunner, ScheduledSeq
+
+# BATCHED backend: sequences with at most this many new tokens (decode, speculative verify,
+# short chunks) share one padded call; longer prefill chunks share a second one, so a decode
+# row is never padded to a prefill chunk's length.
+_SHORT_QUERY = 32
+
+
+def build(
+    runner: ModelRunner, seqs: list[ScheduledSeq]
+) -> tuple[torch.Tensor, torch.Tensor, attention.PagedAttentionMetadata, torch.Tensor]:
+    """input_ids [1, T], position_ids [1, T], the attention metadata of the runner's backend,
+    and the packed rows whose logits are sampled (in the order of the sampling sequences)."""
+    if runner.attention_backend is AttentionBackend.BATCHED:
+        return _build_batched(runner, seqs)
+    bs = runner.layout.block_size
+    dev = runner.device
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    attn: list[attention.SeqAttention] = []
+    # single-token sequences first: attention batches their bookkeeping
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].token_ids) != 1)
+    decode_idx: list[int] = []
+    decode_tables: list[list[int]] = []  # block ids of each single-token sequence
+    for i in order:
+        s = seqs[i]
+        q_start = len(input_ids)
+        n = len(s.token_ids)
+        ctx = s.start_pos + n
+        input_ids.extend(s.token_ids)
+        pos = range(s.start_pos, ctx)
+        positions.extend(pos)
+        blocks = s.block_ids[: -(-ctx // bs)]
+        slots.extend(blocks[p // bs] * bs + p % bs for p in pos)
+        fresh = s.start_pos == 0
+        kv_start: int | None = None
+        block_tensor: torch.Tensor | None = None
+        if n == 1:
+            decode_idx.append(q_start)
+            decode_tables.append(blocks)
+        if not fresh or n == 1:
+            if blocks[-1] - blocks[0] == len(blocks) - 1 and _consecutive(blocks):
+                kv_start = blocks[0] * bs
+            else:
+                block_tensor = torch.tensor(blocks, device=dev)
+        attn.append(_seq_attention(q_start, n, s.start_pos, kv_start, block_tensor, None, dev))
+    # logits rows in the caller's order of the sampling sequences
+    first_pos = {i: a.q_start + a.q_len - 1 for i, a in zip(order, attn, strict=True)}
+    logits_idx = [first_pos[i] for i, s in enumerate(seqs) if s.sample or s.prompt_targets]
+    spans = None
+    if runner.cpu_attention_kernel and decode_idx:
+        # the decode sequences' block tables (padded with 0) and context lengths
+        width = max(len(t) for t in decode_tables)
+        spans = (
+            torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.int64),
+            torch.tensor([a.ctx_len for a in attn[: len(decode_idx)]], dtype=torch.int64),
+        )
+    meta = attention.PagedAttentionMetadata(
+        kv_cache=runner.kv_cache,
+        block_size=bs,
+        slots=torch.tensor(slots, device=dev),
+        seqs=attn,
+        decode_idx=torch.tensor(decode_idx, device=dev) if decode_idx else None,
+        num_decode=len(decode_idx),
+        decode_spans=spans,
+        layer_windows=runner.layer_windows,
+    )
+    max_ctx = max(a.ctx_len for a in attn) if runner.layer_windows else 0
+    for window in sorted({w for w in runner.layer_windows if w is not None}):
+        if max_ctx <= window:  # no query of the step reaches past the window
+            meta.windowed[window] = meta
+            continue
+        w_attn = [
+            _seq_attention(a.q_start, a.q_len, a.ctx_len - a.q_len, a.kv_start, a.blocks, window, dev)
+            for a in attn
+        ]
+        starts = None
+        if spans is not None:
+            starts = torch.tensor([a.first_key for a in w_attn[: len(decode_idx)]], dtype=torch.int64)
+        meta.windowed[window] = dataclasses.replace(meta, seqs=w_attn, decode_starts=starts, windowed={})
+    return (
+        torch.tensor([input_ids], device=dev),
+        torch.tensor([positions], device=dev),
+        meta,
+        torch.tensor(logits_idx, device=dev),
+    )
+
+
+def _build_batched(
+    runner: ModelRunner, seqs: list[ScheduledSeq]
+) -> tuple[torch.Tensor, torch.Tensor, attention.PagedAttentionMetadata, torch.Tensor]:
+    bs = runner.layout.block_size
+    dev = runner.device
+    # short queries first, then long chunks; each part is one attention call per layer
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].token_ids) > _SHORT_QUERY)
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    parts: tuple[list[tuple[int, int, int, list[int]]], ...] = ([], [])
+    last_pos: dict[int, int] = {}
+    for i in order:
+        s = seqs[i]
+        q_start = len(input_ids)
+        n = len(s.token_ids)
+        input_ids.extend(s.token_ids)
+        pos = range(s.start_pos, s.start_pos + n)
+        positions.extend(pos)
+        blocks = s.block_ids
+        slots.extend(blocks[p // bs] * bs + p % bs for p in pos)
+        parts[n > _SHORT_QUERY].append((q_start, n, s.start_pos, blocks))
+        last_pos[i] = q_start + n - 1
+    nonempty = [p for p in parts if p]
+
+    def groups_for(window: int | None) -> list[attention_batched.BatchedGroup]:
+        return [
+            attention_batched.build_batched_group(
+                p, bs, runner.q_per_kv, runner.dtype, dev, covers_all=len(nonempty) == 1, window=window
+            )
+            for p in nonempty
+        ]
+
+    logits_idx = [last_pos[i] for i, s in enumerate(seqs) if s.sample or s.prompt_targets]
+    meta = attention.PagedAttentionMetadata(
+        kv_cache=runner.kv_cache,
+        block_size=bs,
+        slots=torch.tensor(slots, device=dev),
+        seqs=[],
+        decode_idx=None,
+        num_decode=0,
+        groups=groups_for(None),
+        layer_windows=runner.layer_windows,
+    )
+    max_ctx = max(s.start_pos + len(s.token_ids) for s in seqs) if runner.layer_windows else 0
+    for window in sorted({w for w in runner.layer_windows if w is not None}):
+        meta.windowed[window] = (
+            meta if max_ctx <= window else dataclasses.replace(meta, groups=groups_for(window), windowed={})
+        )
+    return (
+        torch.tensor([input_ids], device=dev),
+        torch.tensor([positions], device=dev),
+        meta,
+        torch.tensor(logits_idx, device=dev),
+    )
+
+
+def _seq_attention(
+    q_start: int,
+    n: int,
+    start_pos: int,
+    kv_start: int | None,
+    blocks: torch.Tensor | None,
+    window: int | None,
+    dev: torch.device,
+) -> attention.SeqAttention:
+    """One sequence's PER_SEQ attention for layers with `window` (None: full): query i (position
+    start_pos + i) sees keys max(0, start_pos + i - window + 1) .. start_pos + i; keys before
+    the first query's first visible one are not read at all (first_key)."""
+    ctx = start_pos + n
+    fresh = start_pos == 0 and n > 1
+    first_key = 0 if window is None else max(0, start_pos - window + 1)
+    mask: torch.Tensor | None = None
+    if n > 1 and (not fresh or (window is not None and ctx > window)):
+        q_pos = torch.arange(start_pos, ctx, device=dev)[:, None]
+        k_pos = torch.arange(first_key, ctx, device=dev)[None, :]
+        mask = k_pos <= q_pos
+        if window is not None:
+            mask &= k_pos > q_pos - window
+    return attention.SeqAttention(q_start, n, ctx, fresh, kv_start, blocks, mask, first_key)
+
+
+def _consecutive(blocks: list[int]) -> bool:
+    first = blocks[0]
+    return all(b == first + i for i, b in enumerate(blocks))

@@ -1,0 +1,61 @@
+"""The per-rank Prometheus figures of a worker: gauges (KV usage, tokens in use, running, waiting,
+the prefill backlog) set from the engine, and the engine's cumulative counts (preemptions,
+speculation) exported as counter increments, each counted once."""
+
+from __future__ import annotations
+
+from services.worker.engine.api import Engine
+from services.worker.engine.spec.stats import SpecStats
+from shared import metrics
+
+
+class RankMetrics:
+    """Exports one engine's per-rank figures (call `refresh` periodically and on GetLoad)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        # per rank, engine counters already exported to Prometheus (cumulative)
+        self._preemptions_seen: dict[int, int] = {}
+        self._spec_seen: dict[int, SpecStats] = {}
+
+    def refresh(self) -> None:
+        """Update the per-rank gauges and counters from the engine (called periodically and on
+        GetLoad); the engine's cumulative counts become Prometheus counter increments."""
+        for load in self.engine.rank_loads():
+            dp_rank = load.dp_rank
+            rank = str(dp_rank)
+            total = self.engine.num_total_blocks(dp_rank)
+            free = self.engine.num_free_blocks(dp_rank)
+            metrics.KV_USAGE_RATIO.labels(dp_rank=rank).set((total - free) / total if total else 0.0)
+            metrics.RANK_USED_TOKENS.labels(dp_rank=rank).set(load.num_used_tokens)
+            metrics.RANK_RUNNING.labels(dp_rank=rank).set(load.num_running)
+            metrics.RANK_WAITING.labels(dp_rank=rank).set(load.num_waiting)
+            metrics.RANK_WAITING_PROMPT_TOKENS.labels(dp_rank=rank).set(
+                self.engine.num_waiting_prompt_tokens(dp_rank)
+            )
+            preempted = self.engine.num_preemptions(dp_rank)
+            seen = self._preemptions_seen.get(dp_rank, 0)
+            if preempted > seen:
+                metrics.PREEMPTIONS.labels(dp_rank=rank).inc(preempted - seen)
+                self._preemptions_seen[dp_rank] = preempted
+            self._export_spec(dp_rank)
+
+    def _export_spec(self, dp_rank: int) -> None:
+        now = self.engine.spec_stats(dp_rank)
+        seen = self._spec_seen.get(dp_rank, SpecStats())
+        rank = str(dp_rank)
+        for counter, new, old in (
+            (metrics.SPEC_DRAFTS, now.num_drafts, seen.num_drafts),
+            (metrics.SPEC_DRAFT_TOKENS, now.num_draft_tokens, seen.num_draft_tokens),
+            (metrics.SPEC_ACCEPTED_TOKENS, now.num_accepted_tokens, seen.num_accepted_tokens),
+        ):
+            if new > old:
+                counter.labels(dp_rank=rank).inc(new - old)
+        for pos, count in enumerate(now.accepted_per_position):
+            before = seen.accepted_per_position[pos] if pos < len(seen.accepted_per_position) else 0
+            if count > before:
+                metrics.SPEC_ACCEPTED_PER_POSITION.labels(dp_rank=rank, position=str(pos)).inc(count - before)
+        if now.step_cost_ms is not None:
+            for term, ms in zip(("fixed", "per_seq", "per_token", "verify"), now.step_cost_ms, strict=True):
+                metrics.SPEC_STEP_COST_MS.labels(dp_rank=rank, term=term).set(ms)
+        self._spec_seen[dp_rank] = now
