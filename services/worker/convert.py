@@ -14,7 +14,6 @@ from services.worker.engine.api import (
 from services.worker.messages import (
     DecodeCall,
     DecodeEvent,
-    FrameKind,
     IncomingKvChunk,
     KvReceipt,
     KvTargetSpec,
@@ -22,15 +21,15 @@ from services.worker.messages import (
     PrefillCall,
     PrefillResult,
 )
-from shared.cluster import KvTransport, RankLoad
+from shared.cluster import DecodeFrameKind, KvTransport, RankLoad
 from shared.cluster_convert import finish_reason_to_pb, kv_layout_from_pb, rank_load_to_pb
 from shared.proto import common_pb2, worker_pb2
 from shared.structured_output_pb import structured_from_pb
 
 _FRAME_KIND_TO_PB = {
-    FrameKind.ADMITTED: worker_pb2.DECODE_FRAME_KIND_ADMITTED,
-    FrameKind.TOKENS: worker_pb2.DECODE_FRAME_KIND_TOKENS,
-    FrameKind.FINAL: worker_pb2.DECODE_FRAME_KIND_FINAL,
+    DecodeFrameKind.ADMITTED: worker_pb2.DECODE_FRAME_KIND_ADMITTED,
+    DecodeFrameKind.TOKENS: worker_pb2.DECODE_FRAME_KIND_TOKENS,
+    DecodeFrameKind.FINAL: worker_pb2.DECODE_FRAME_KIND_FINAL,
 }
 
 

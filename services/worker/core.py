@@ -28,7 +28,6 @@ from services.worker.kv_transfer import GrpcKvSender
 from services.worker.messages import (
     DecodeCall,
     DecodeEvent,
-    FrameKind,
     IncomingKvChunk,
     KvHandoff,
     KvPusher,
@@ -40,7 +39,7 @@ from services.worker.messages import (
 )
 from services.worker.rank_metrics import RankMetrics
 from shared import errors, metrics
-from shared.cluster import FinishReason, KvTransport, RankLoad, WorkerInfo
+from shared.cluster import DecodeFrameKind, FinishReason, KvTransport, RankLoad, WorkerInfo
 from shared.tracing import tracer
 
 log = structlog.get_logger(__name__)
@@ -262,7 +261,7 @@ class WorkerCore:
                     trim_blocks = admission.num_trim_blocks
                 yield DecodeEvent(
                     request_id=rid,
-                    kind=FrameKind.ADMITTED,
+                    kind=DecodeFrameKind.ADMITTED,
                     prompt_tokens=len(request.prompt_token_ids),
                     local_cached_tokens=local_cached,
                     transferred_cached_tokens=0,
@@ -284,7 +283,7 @@ class WorkerCore:
                         or out.prompt_logprobs
                         or (ids and out.new_token_ids)
                     ):
-                        yield decode_event(rid, FrameKind.TOKENS, out, ids)
+                        yield decode_event(rid, DecodeFrameKind.TOKENS, out, ids)
                 done = True
                 yield final_event(rid, last, ids, len(request.prompt_token_ids))
             finally:

@@ -7,13 +7,15 @@ from __future__ import annotations
 import dataclasses
 
 from services.worker.engine.api import RequestOutput
-from services.worker.messages import DecodeEvent, FrameKind
-from shared.cluster import FinishReason
+from services.worker.messages import DecodeEvent
+from shared.cluster import DecodeFrameKind, FinishReason
 
 
-def decode_event(request_id: str, kind: FrameKind, out: RequestOutput, return_token_ids: bool) -> DecodeEvent:
+def decode_event(
+    request_id: str, kind: DecodeFrameKind, out: RequestOutput, return_token_ids: bool
+) -> DecodeEvent:
     """A TOKENS or FINAL frame from an engine output (FINAL carries the count and reason)."""
-    final = kind is FrameKind.FINAL
+    final = kind is DecodeFrameKind.FINAL
     return DecodeEvent(
         request_id=request_id,
         kind=kind,
@@ -35,11 +37,11 @@ def final_event(
     """The one builder of the FINAL frame: from the terminal output, or (a handle that ended
     without one) an ABORT that keeps the last figures seen."""
     if last is not None and last.finished:
-        return decode_event(request_id, FrameKind.FINAL, last, return_token_ids)
+        return decode_event(request_id, DecodeFrameKind.FINAL, last, return_token_ids)
     if last is None:
         return DecodeEvent(
             request_id=request_id,
-            kind=FrameKind.FINAL,
+            kind=DecodeFrameKind.FINAL,
             prompt_tokens=prompt_tokens,
             local_cached_tokens=0,
             transferred_cached_tokens=0,
@@ -47,7 +49,7 @@ def final_event(
             finish_reason=FinishReason.ABORT,
         )
     return dataclasses.replace(
-        decode_event(request_id, FrameKind.FINAL, last, return_token_ids),
+        decode_event(request_id, DecodeFrameKind.FINAL, last, return_token_ids),
         text="",
         token_ids=(),
         logprobs=(),

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
 from services.worker.engine.api import EngineRequest, KvBlocksChunk, TokenLogprobs
-from shared.cluster import FinishReason, KvLayout, KvTransport
+from shared.cluster import DecodeFrameKind, FinishReason, KvLayout, KvTransport
 
 # Capabilities this worker advertises at registration and in Info (worker.proto WorkerInfo).
 CAPABILITIES = (
@@ -84,18 +83,12 @@ class DecodeCall:
     return_token_ids: bool
 
 
-class FrameKind(enum.Enum):
-    ADMITTED = "admitted"
-    TOKENS = "tokens"
-    FINAL = "final"
-
-
 @dataclass(frozen=True)
 class DecodeEvent:
     """One Decode stream frame. generated_tokens and finish_reason are set on FINAL only."""
 
     request_id: str
-    kind: FrameKind
+    kind: DecodeFrameKind
     prompt_tokens: int
     local_cached_tokens: int
     transferred_cached_tokens: int

@@ -6,8 +6,8 @@ from typing import Any
 
 from services.worker import convert
 from services.worker.engine.api import KvBlocksChunk
-from services.worker.messages import DecodeEvent, FrameKind, KvTargetSpec, PrefillResult
-from shared.cluster import FinishReason, KvLayout
+from services.worker.messages import DecodeEvent, KvTargetSpec, PrefillResult
+from shared.cluster import DecodeFrameKind, FinishReason, KvLayout
 from shared.cluster_convert import kv_layout_to_pb
 from shared.proto import common_pb2, worker_pb2
 
@@ -67,12 +67,12 @@ def test_generated_tokens_only_on_final_frames() -> None:
     base: dict[str, Any] = dict(
         request_id="r", prompt_tokens=4, local_cached_tokens=0, transferred_cached_tokens=4
     )
-    tokens = convert.decode_event_to_pb(DecodeEvent(kind=FrameKind.TOKENS, text="a", **base))
+    tokens = convert.decode_event_to_pb(DecodeEvent(kind=DecodeFrameKind.TOKENS, text="a", **base))
     assert not tokens.HasField("generated_tokens")
     assert tokens.kind == worker_pb2.DECODE_FRAME_KIND_TOKENS
     assert tokens.transferred_cached_tokens == 4
     final = convert.decode_event_to_pb(
-        DecodeEvent(kind=FrameKind.FINAL, generated_tokens=0, finish_reason=FinishReason.LENGTH, **base)
+        DecodeEvent(kind=DecodeFrameKind.FINAL, generated_tokens=0, finish_reason=FinishReason.LENGTH, **base)
     )
     assert final.HasField("generated_tokens") and final.generated_tokens == 0
     assert final.finish_reason == common_pb2.FINISH_REASON_LENGTH
