@@ -121,6 +121,21 @@ async def test_windowed_family_on_the_batched_backend(
     await _check_batched_requests(engine, path)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", WINDOWED)
+async def test_windowed_family_on_cuda_matches_transformers(
+    family: str, tiny_family: Callable[[str], Path], make_engine: EngineFactory
+) -> None:
+    """CUDA's defaults (graphs by batch size; on the lean loop FlexAttention over the pool with a
+    mask per window, fused layers), fp32, prompts longer than the windows, several batched:
+    transformers' greedy tokens, and every block back in the pool."""
+    path = tiny_family(family)
+    engine = make_engine(path, **BASE, device="cuda", dtype="float32")
+    await _check_batched_requests(engine, path)
+    assert engine.num_free_blocks(0) == engine.num_total_blocks(0)
+
+
 @pytest.mark.parametrize("family", ["llama", *WINDOWED])
 async def test_disaggregated_matches_transformers(
     family: str, tiny_family: Callable[[str], Path], make_engine: EngineFactory
