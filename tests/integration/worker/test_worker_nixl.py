@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import torch
 from services.worker.kv_nixl import KvTransferFailed, NixlKvAgent
 from shared.cluster import NIXL_CAPABILITY, KvLayout
 from shared.proto import common_pb2, worker_pb2
+from tests.support.nixl import progressed
 
 from .harness import RunningWorker, collect, running_worker, sampling, worker_settings
 from .test_worker_grpc import ADMITTED, FINAL, prompt_ids, token_ids_of, wait_blocks_free
@@ -199,20 +199,8 @@ def test_a_read_the_peer_never_serves_times_out() -> None:
         dst.read(source, 0, 0, [3, 4, 6], timeout_s=0.3)
     dst.forget(source.agent_name)
 
-    done = threading.Event()
-
-    def serve() -> None:
-        while not done.is_set():
-            src.progress()
-            time.sleep(0.001)
-
-    server = threading.Thread(target=serve)
-    server.start()
-    try:
+    with progressed(src):
         nbytes = dst.read(source, 0, 0, [3, 4, 6], timeout_s=10)
-    finally:
-        done.set()
-        server.join()
     assert nbytes == 3 * layout.num_layers * 2 * layout.num_kv_heads * layout.block_size * layout.head_dim * 4
     by_block = (layout.num_layers, 2, layout.num_kv_heads, 8, layout.block_size, layout.head_dim)
     got, want = dst_pool.view(by_block)[:, :, :, [3, 4, 6]], src_pool.view(by_block)[:, :, :, [1, 2, 5]]

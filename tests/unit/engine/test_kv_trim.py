@@ -4,8 +4,6 @@ reads (windowed Mistral: every layer windowed; Gemma 2: layer 0 windowed, layer 
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,6 +14,7 @@ from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.kv_trim import KvTrim
 from services.worker.engine.request import Request
 from services.worker.engine.scheduler import Scheduler
+from tests.support.nixl import progressed
 from tests.unit.engine.conftest import (
     EngineFactory,
     collect,
@@ -135,25 +134,13 @@ async def test_nixl_reads_only_the_planes_the_decode_side_reads(
     assert admission.num_trim_blocks == 8
     dp_rank, block_ids = prefill.export_block_ids("n", admission.num_cached_blocks)
     source = src.source(dp_rank, block_ids, admission.num_cached_blocks)
-    done = threading.Event()
-
-    def serve() -> None:  # the prefill worker progresses its agent while the READ runs
-        while not done.is_set():
-            src.progress()
-            time.sleep(0.001)
-
-    server = threading.Thread(target=serve)
-    server.start()
-    try:
+    with progressed(src):  # the prefill worker progresses its agent while the READ runs
         nbytes = decode.import_kv_direct(
             admission.transfer_ticket,
             source.first_block,
             len(block_ids),
             lambda off, rank, ids, trimmed, layers: dst.read(source, off, rank, ids, 10.0, trimmed, layers),
         )
-    finally:
-        done.set()
-        server.join()
     prefill.release("n")
     decode.finish_import(
         admission.transfer_ticket, len(prompt), first.new_token_ids[0], first.num_generated_tokens
