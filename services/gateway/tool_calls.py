@@ -175,16 +175,15 @@ class _OpenCall:
     id: str
     name: str
     args_start: int
-    sent: int = 0  # characters of the arguments emitted
-    scanned: int = 0  # characters of the arguments scanned
+    scanned: int = 0  # characters of the arguments scanned (and so sent)
     depth: int = 0
     in_string: bool = False
     escaped: bool = False
-    args_end: int | None = None  # length of the arguments, once their closing brace is seen
+    closed: bool = False  # the arguments' closing brace was seen (scanned: their length)
 
     def advance(self, args: str) -> None:
         """Scan `args` (the body from args_start) from `scanned` on, up to the object's end."""
-        while self.args_end is None and self.scanned < len(args):
+        while not self.closed and self.scanned < len(args):
             c = args[self.scanned]
             self.scanned += 1
             if self.in_string:
@@ -201,7 +200,7 @@ class _OpenCall:
             elif c in "}]":
                 self.depth -= 1
                 if self.depth == 0:
-                    self.args_end = self.scanned
+                    self.closed = True
 
 
 class ToolCallParser:
@@ -345,9 +344,9 @@ class ToolCallParser:
                 self._plain = True
                 continue
             opened, self._open = self._open, None
-            if opened is not None and opened.args_end is not None:  # streamed: as sent
+            if opened is not None and opened.closed:  # streamed: as sent
                 call = ToolCall(
-                    opened.id, call.name, body[opened.args_start : opened.args_start + opened.args_end]
+                    opened.id, call.name, body[opened.args_start : opened.args_start + opened.scanned]
                 )
             self._buf = body[end:]
             self._in_call = False
@@ -364,11 +363,10 @@ class ToolCallParser:
             out.append(CallStart(self._open.id, self._open.name))
         call = self._open
         args = body[call.args_start :]
+        sent = call.scanned
         call.advance(args)
-        upto = call.args_end if call.args_end is not None else len(args)
-        if upto > call.sent:
-            out.append(ArgumentsDelta(args[call.sent : upto]))
-            call.sent = upto
+        if call.scanned > sent:
+            out.append(ArgumentsDelta(args[sent : call.scanned]))
 
 
 def _partial_suffix(text: str, marker: str) -> int:
