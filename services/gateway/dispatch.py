@@ -7,8 +7,10 @@ resumes at the next output index, so the client's stream goes on with no token l
 (up to `migration_limit` times). A decode worker that leaves the cluster's membership while it
 carries a stream (lease expired, e.g. a SIGSTOPped process whose connection stays open) is found
 by `membership.MembershipWatch`, which abandons the stream: it migrates the same way. The request's
-max_tokens is resolved here, once per placement before handoff (`budget.py`). No grpc here:
-workers and the scheduler are reached through the ports in `ports.py`."""
+max_tokens is resolved here, once, before the first Schedule call, against the model's smallest
+max_model_len as last listed (`model_cards.py`), and only refitted to a placement whose workers
+accept less (`budget.py`). No grpc here: workers and the scheduler are reached through the ports
+in `ports.py`."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from services.gateway.budget import MaxTokens
 from services.gateway.capabilities import check_capabilities
 from services.gateway.inputs import Sampling
 from services.gateway.membership import MembershipWatch
+from services.gateway.model_cards import ModelCards
 from services.gateway.ports import (
     ScheduleQuery,
     SchedulerClient,
@@ -60,7 +63,7 @@ class PreparedRequest:
     model: str
     prompt_token_ids: tuple[int, ...]
     sampling: Sampling  # the same for every run; a run's max_tokens is set when its job is built
-    max_tokens: MaxTokens  # resolved against the chosen workers (RequestState.max_tokens)
+    max_tokens: MaxTokens  # resolved once before scheduling (Dispatcher.run; budget.py)
     return_token_ids: bool
 
 
@@ -80,10 +83,14 @@ class Dispatcher:
         migration_limit: int = DEFAULT_MIGRATION_LIMIT,
         breakers: CircuitBreakers | None = None,
         membership: MembershipWatch | None = None,
+        model_cards: ModelCards | None = None,
     ) -> None:
         """`breakers`: per-worker circuit breakers shared by every request (None: none).
-        `membership`: watches the decode workers carrying streams (None: not watched)."""
+        `membership`: watches the decode workers carrying streams (None: not watched).
+        `model_cards`: the cluster's models, whose max_model_len a budget is resolved against
+        (None: cards fetched from `scheduler`)."""
         self._scheduler = scheduler
+        self.model_cards = model_cards or ModelCards(scheduler)
         self._block_size = block_size
         self._control_timeout_s = control_timeout_s
         self._migration_limit = migration_limit
@@ -96,6 +103,14 @@ class Dispatcher:
     ) -> AsyncGenerator[OutputFrame, None]:
         """Frames for the client, the last one FINAL. Raises shared.errors on failure, after
         aborting whatever was started. deadline_s is on the time.monotonic() clock."""
+        try:  # before any Schedule call: nothing to undo
+            budget = await self._resolve_budget(req, state, deadline_s)
+        except asyncio.CancelledError:
+            state.finish(FinishReason.ABORT)
+            raise
+        except BaseException:
+            state.fail()
+            raise
         hashes = tuple(block_hashes(req.prompt_token_ids, self._block_size))
         exclude: list[str] = []
         tries = 0
@@ -104,7 +119,7 @@ class Dispatcher:
             attempt = Attempt(attempt_request_id(req.request_id, tries))
             try:
                 avoid = tuple(dict.fromkeys([*exclude, *self._breakers.exclusions()]))
-                frames = self._attempt(req, state, attempt, hashes, avoid, deadline_s)
+                frames = self._attempt(req, state, attempt, budget, hashes, avoid, deadline_s)
                 async with contextlib.aclosing(frames):
                     async for out in frames:
                         yield out
@@ -151,6 +166,16 @@ class Dispatcher:
                 await self._undo(attempt)
                 raise
 
+    async def _resolve_budget(
+        self, req: PreparedRequest, state: RequestState, deadline_s: float | None
+    ) -> int:
+        """The request's budget (tokens), resolved once against the smallest max_model_len of its
+        model's workers as last listed (the served model when it names none); raises
+        InvalidArgument when the prompt or an explicit max_tokens does not fit."""
+        timeout_s = deadline.control_timeout_s(deadline_s, self._control_timeout_s)
+        max_model_len = await self.model_cards.max_model_len(req.model or state.model, timeout_s)
+        return req.max_tokens.resolve(len(req.prompt_token_ids), max_model_len)
+
     def _record_success(self, attempt: Attempt) -> None:
         placement = attempt.placement
         if placement is not None:
@@ -187,6 +212,7 @@ class Dispatcher:
         req: PreparedRequest,
         state: RequestState,
         attempt: Attempt,
+        budget: int,
         hashes: tuple[int, ...],
         exclude: tuple[str, ...],
         deadline_s: float | None,
@@ -204,7 +230,7 @@ class Dispatcher:
             model=req.model,
             prompt_tokens=len(prompt),
             prefix_block_hashes=hashes,
-            max_tokens=(state.max_tokens if generated else req.max_tokens.bound) - len(generated),
+            max_tokens=(state.max_tokens if generated else budget) - len(generated),
             exclude_worker_ids=exclude,
         )
         with tracer().start_as_current_span("schedule") as span:
@@ -214,12 +240,12 @@ class Dispatcher:
             span.set_attribute("pdserve.mode", placement.mode.value)
         attempt.placement = placement
         check_capabilities(req.sampling, placement)
-        # The budget is resolved on the first placement of each try before handoff (a retry may
-        # land on workers with another max_model_len); a migration keeps it.
+        # Each try before handoff refits the budget to its placement's workers (the only re-check:
+        # they may accept less than the figure it was resolved against); a migration keeps it.
         max_tokens = (
             state.max_tokens
             if state.migrations
-            else req.max_tokens.resolve(len(req.prompt_token_ids), placement.max_model_len)
+            else req.max_tokens.refit(budget, len(req.prompt_token_ids), placement.max_model_len)
         )
         state.mark_scheduled(max_tokens)
         job = WorkerJob(

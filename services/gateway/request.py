@@ -131,7 +131,7 @@ class RequestState:
     model: str
     arrival_s: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
-    max_tokens: int = 0  # the resolved budget, set when scheduled (budget.MaxTokens.resolve)
+    max_tokens: int = 0  # the budget of the run's placement, set when scheduled (budget.py)
     attempts: int = 0  # Schedule calls made
     migrations: int = 0  # times the request moved on after its decode worker failed mid-stream
     _pieces: list[_Piece] = field(default_factory=list)

@@ -19,6 +19,7 @@ from services.gateway.budget import MaxTokens
 from services.gateway.dispatch import Dispatcher, PreparedRequest
 from services.gateway.inputs import GenerateInput, Sampling, TokenLogprob, new_request_id
 from services.gateway.membership import MembershipWatch
+from services.gateway.model_cards import ModelCards
 from services.gateway.ports import MembershipSource, ModelCard, SchedulerClient, WorkerClient
 from services.gateway.request import Completion, OutputFrame, OutputFrameKind, RequestState, RequestStatus
 from services.gateway.settings import GatewaySettings
@@ -43,7 +44,6 @@ class GatewayService:
         """`membership`: where the membership of decode workers carrying streams is checked
         (None: not checked)."""
         self._settings = settings
-        self._scheduler = scheduler
         self._tokenizer = tokenizer
         self._limits = Limits(settings.max_stop_strings, settings.max_stop_string_chars)
         self.membership = (
@@ -51,6 +51,7 @@ class GatewayService:
             if membership is None
             else MembershipWatch(membership, settings.membership_poll_s, settings.membership_probe_timeout_s)
         )
+        self.model_cards = ModelCards(scheduler)
         self.dispatcher = Dispatcher(
             scheduler,
             workers,
@@ -59,6 +60,7 @@ class GatewayService:
             migration_limit=settings.migration_limit,
             breakers=CircuitBreakers(settings.breaker_failures, settings.breaker_cooldown_s),
             membership=self.membership,
+            model_cards=self.model_cards,
         )
         self.admission = Admission(
             settings.max_inflight_requests, settings.max_queued_requests, settings.max_queue_wait_s
@@ -94,8 +96,10 @@ class GatewayService:
         await self.dispatcher.wait_for_aborts(timeout_s=5.0)
 
     async def close(self) -> None:
-        """After the server stopped: let pending Abort calls finish, stop the membership watch."""
+        """After the server stopped: let pending Abort calls finish, stop the membership watch
+        and the model cards' refresh."""
         await self.dispatcher.wait_for_aborts(timeout_s=5.0)
+        await self.model_cards.close()
         if self.membership is not None:
             await self.membership.close()
 
@@ -238,7 +242,8 @@ class GatewayService:
         )
 
     async def list_models(self) -> list[ModelCard]:
-        return list(await self._scheduler.list_models())
+        """Fresh from the scheduler (and cached for resolving budgets: model_cards.py)."""
+        return await self.model_cards.fetch()
 
     @property
     def tool_call_format(self) -> Format:

@@ -410,6 +410,30 @@ async def test_max_model_len_from_schedule_response(cluster: Cluster) -> None:
     assert c.decode.decode_requests == []
 
 
+async def test_budget_resolved_on_the_listed_max_model_len_before_scheduling(cluster: Cluster) -> None:
+    """The cluster lists model tiny at 8 tokens (its smallest worker): an explicit max_tokens that
+    does not fit is refused before any Schedule call; an unset one is resolved to what fits (4 of
+    the default 256), which is what the scheduler is told and the worker gets."""
+    c = cluster
+    c.scheduler.state = scheduler_pb2.GetStateResponse(
+        workers=[
+            scheduler_pb2.SchedulerWorker(info=common_pb2.WorkerInfo(model_id="tiny", max_model_len=n))
+            for n in (8, 16)
+        ]
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await complete(c, prompt_token_ids=[1, 2, 3, 4], max_tokens=5)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "max_tokens <= 4" in (err.value.details() or "")
+    assert c.scheduler.requests == [] and c.decode.decode_requests == []
+    c.scheduler.responses.append(aggregated(c.decode, max_model_len=8))
+    c.decode.decode_scripts.append([admitted(), tokens("ab", 5), tokens("cd", 6), final("", 4, LENGTH)])
+    resp = await complete(c, prompt_token_ids=[1, 2, 3, 4])
+    assert c.scheduler.requests[0].max_tokens == 4
+    assert c.decode.decode_requests[0].sampling.max_tokens == 4
+    assert resp.finish_reason == LENGTH and resp.usage.completion_tokens == 4
+
+
 async def test_duplicate_in_flight_request_id(cluster: Cluster) -> None:
     c = cluster
     release = asyncio.Event()

@@ -129,6 +129,7 @@ class FakeWorkers:
 class FakeScheduler:
     placements: list[Placement | Exception]
     queries: list[ScheduleQuery] = field(default_factory=list)
+    cards: list[ModelCard] = field(default_factory=list)  # what ListModels lists
 
     async def schedule(self, query: ScheduleQuery, timeout_s: float | None) -> Placement:
         self.queries.append(query)
@@ -138,7 +139,7 @@ class FakeScheduler:
         return item
 
     async def list_models(self) -> Sequence[ModelCard]:
-        return []
+        return self.cards
 
 
 def disagg(decode: WorkerTarget = DECODE, max_model_len: int = 0) -> Placement:
@@ -385,20 +386,42 @@ async def test_no_retry_after_handoff_with_migration_disabled() -> None:
     assert state.status is RequestStatus.FAILED
 
 
-async def test_max_model_len_checked_before_any_worker_call() -> None:
+# (max_model_len the model's card lists before scheduling, the placement's max_model_len);
+# 0 = unknown. The budget is resolved on the card; the placement is only a re-check.
+LISTED = (24, 24)  # known before scheduling
+PLACED_ONLY = (0, 24)  # the card says nothing: only the placement's workers limit it
+SHRUNK = (100, 24)  # membership changed between the listing and the placement
+
+
+@pytest.mark.parametrize(("listed", "placed"), [LISTED, PLACED_ONLY, SHRUNK])
+async def test_explicit_max_tokens_too_large_refused_before_any_worker_call(listed: int, placed: int) -> None:
+    """20 prompt tokens + max_tokens 8 > 24: refused (INVALID_ARGUMENT, the same message) before
+    the Schedule call when the model's card tells, else on the placement; never a worker call."""
+    sched = FakeScheduler([disagg(max_model_len=placed)], cards=[ModelCard("m", listed)] if listed else [])
     workers = FakeWorkers()
-    with pytest.raises(InvalidArgument, match="exceeds the model's max_model_len"):
-        await run(FakeScheduler([disagg(max_model_len=24)]), workers, prepared(max_tokens=8, prompt_len=20))
-    assert workers.decode_calls == [] and workers.aborts == []
+    req = prepared(max_tokens=8, prompt_len=20)
+    state = RequestState(req.request_id, req.prompt_token_ids, req.return_token_ids, "m")
+    too_long = r"exceeds the model's max_model_len \(24\); set max_tokens <= 4"
+    with pytest.raises(InvalidArgument, match=too_long):
+        _ = [f async for f in Dispatcher(sched, workers, block_size=4).run(req, state, None)]
+    assert len(sched.queries) == (0 if listed == placed else 1)  # no Schedule call when listed
+    assert workers.decode_calls == [] and workers.prefill_calls == [] and workers.aborts == []
+    assert state.status is RequestStatus.FAILED
 
 
-async def test_unset_max_tokens_shortened_to_fit() -> None:
+@pytest.mark.parametrize(("listed", "placed"), [LISTED, PLACED_ONLY, SHRUNK])
+async def test_unset_max_tokens_shortened_to_fit(listed: int, placed: int) -> None:
+    """An unset max_tokens (default 256) with a 20-token prompt on 24-token workers: 4 tokens.
+    The scheduler is told the budget resolved on the model's card (4, or 80 on a 100-token card,
+    or the default when nothing is listed); the workers get the placement's figure."""
     workers = FakeWorkers(
         streams={DECODE.address: [FakeStream([ADMITTED, final("", 3)])]},
         prefills={PREFILL.address: [PrefillResult("a", (), 1, None)]},
     )
-    frames, _ = await run(FakeScheduler([disagg(max_model_len=24)]), workers, prepared(max_tokens=None))
-    assert workers.decode_calls[0][2] == 4
+    sched = FakeScheduler([disagg(max_model_len=placed)], cards=[ModelCard("m", listed)] if listed else [])
+    frames, state = await run(sched, workers, prepared(max_tokens=None))
+    assert sched.queries[0].max_tokens == {24: 4, 100: 80, 0: 256}[listed]
+    assert workers.decode_calls[0][2] == 4 and state.max_tokens == 4
     assert frames[-1].finish_reason is FinishReason.LENGTH
     assert frames[-1].usage is not None and frames[-1].usage.completion_tokens == 4
 
