@@ -102,10 +102,12 @@ def cuda_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 1
     return nbytes / best
 
 
-def gemm_flops(device: torch.device, size: int = 1024, repeats: int = 3) -> float:
-    """fp32 matmul FLOP/s of one thread (CPU) or the device: best of `repeats`."""
-    a = torch.randn(size, size, device=device)
-    b = torch.randn(size, size, device=device)
+def gemm_flops(
+    device: torch.device, size: int = 1024, repeats: int = 3, dtype: torch.dtype = torch.float32
+) -> float:
+    """Matmul FLOP/s of one thread (CPU) or the device, in `dtype`: best of `repeats`."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     torch.mm(a, b)
     best = float("inf")
@@ -194,6 +196,62 @@ def time_decode_steps(runner: Any, batch: int, context: int, steps: int = 8) -> 
     return statistics.median(times), statistics.median(cpu_times)
 
 
+# the prompt chunk of the mixed step (tokens)
+MIXED_PREFILL_TOKENS = 512
+
+
+def time_mixed_step(runner: Any, decode: int, prefill: int, context: int, steps: int = 6) -> float:
+    """Median wall seconds of a mixed step as chunked prefill schedules it: `decode` sequences
+    decoding one token over `context` cached tokens plus one prompt chunk of `prefill` tokens,
+    packed into one forward (graphs never cover it: it runs eager)."""
+    from services.worker.engine.api import SamplingConfig
+    from services.worker.engine.model_runner import ScheduledSeq
+
+    bs = runner.layout.block_size
+    per_seq = -(-(context + 1) // bs)
+    chunk_blocks = -(-prefill // bs)
+    if decode * per_seq + chunk_blocks > runner.num_blocks:
+        raise ValueError(f"{decode} x {context} + {prefill} tokens do not fit {runner.num_blocks} blocks")
+    greedy = SamplingConfig(max_tokens=1, temperature=0.0)
+    seqs = [
+        ScheduledSeq([100 + i], context, list(range(i * per_seq, (i + 1) * per_seq)), True, greedy, None)
+        for i in range(decode)
+    ]
+    first = decode * per_seq
+    seqs.append(ScheduledSeq([7] * prefill, 0, list(range(first, first + chunk_blocks)), True, greedy, None))
+    cuda = runner.device.type == "cuda"
+    sync = (lambda: torch.cuda.synchronize(runner.device)) if cuda else (lambda: None)
+    for _ in range(2 if cuda else 1):
+        runner.execute(seqs)
+    times = []
+    for _ in range(steps if cuda else 3):  # on a CPU one such step takes ~1.5 s
+        sync()
+        t0 = time.perf_counter()
+        runner.execute(seqs)
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def mixed_row(
+    runner: Any, model: Any, bandwidth: float, flops: float, decode: int, prefill: int, context: int
+) -> dict[str, Any]:
+    """One mixed step against its roofline: the max of reading the weights and the decode rows'
+    KV once, and the FLOPs of every row (prefill rows attend to about half their chunk)."""
+    step = time_mixed_step(runner, decode, prefill, context)
+    kv_per_token = runner.bytes_per_block // runner.layout.block_size
+    read = weight_bytes_per_step(model, decode + prefill) + decode * (context + 1) * kv_per_token
+    work = flops_per_step(model, decode, context) + flops_per_step(model, prefill, prefill // 2)
+    roofline = max(read / bandwidth, work / flops)
+    return {
+        "decode_seqs": decode,
+        "prefill_tokens": prefill,
+        "step_ms": round(step * 1e3, 2),
+        "roofline_ms": round(roofline * 1e3, 2),
+        "vs_roofline": round(step / roofline, 2),
+    }
+
+
 def measure(
     model_path: str,
     device_name: str,
@@ -244,7 +302,9 @@ def measure(
         bandwidth = single
     torch.set_num_threads(threads if threads > 0 else 1)
     out["step_threads"] = torch.get_num_threads()
-    flops = gemm_flops(device)
+    # on a GPU in the model's dtype and big enough to fill the device (a 1024^3 fp32 product
+    # read 28.7 TFLOP/s on an H200 that does ~790 in bf16)
+    flops = gemm_flops(device, 8192, dtype=dtype) if device.type == "cuda" else gemm_flops(device)
     out["gemm_gflop_s"] = round(flops / 1e9, 1)
     t0 = time.perf_counter()
     # the engine's defaults: oneDNN-packed weights and, in fp32, their panel copy for <= 16 rows
@@ -252,7 +312,9 @@ def measure(
     out["cpu_row_copy"] = any(getattr(m, "row_weight", None) is not None for m in model.modules())
     layout = kv_layout_of(model.config, block_size, dtype)
     per_seq_blocks = -(-(context + 1) // block_size)
-    runner = ModelRunner(model, layout, max(batches) * per_seq_blocks + 1, device, dtype)
+    # room for the largest decode batch and the mixed step's prompt chunk
+    pool_blocks = max(batches) * per_seq_blocks + 1 + -(-MIXED_PREFILL_TOKENS // block_size)
+    runner = ModelRunner(model, layout, pool_blocks, device, dtype)
     runner.warm_up()
     out["runner_start_s"] = round(time.perf_counter() - t0, 2)
     kv_per_token = runner.bytes_per_block // block_size
@@ -278,12 +340,34 @@ def measure(
             }
         )
     out["steps"] = rows
+    # a mixed prefill + decode step (chunked prefill): 8 (or fewer) decoding sequences and a
+    # 512-token chunk, eager; on CUDA the default backend's (graphs cannot hold it)
+    mixed_decode = min(8, max(batches))
+    mixed_runner = runner
+    if device.type == "cuda":
+        mixed_runner = ModelRunner(
+            model,
+            layout,
+            pool_blocks,
+            device,
+            dtype,
+            backend=ModelBackend.choose(BackendOptions(), device),
+        )
+    try:
+        out["mixed_step"] = mixed_row(
+            mixed_runner, model, bandwidth, flops, mixed_decode, MIXED_PREFILL_TOKENS, context
+        )
+    except ValueError as e:  # a pool too small for it
+        out["mixed_step"] = {"skipped": str(e)}
+    if mixed_runner is not runner:
+        del mixed_runner
+        torch.cuda.empty_cache()
     if out["cpu_row_copy"]:
         # the same 1- to 8-sequence steps on oneDNN's kernel alone (--no-cpu-row-copy), same run
         for mod in model.modules():
             if getattr(mod, "row_weight", None) is not None:
                 mod.row_weight = None
-        plain = ModelRunner(model, layout, max(batches) * per_seq_blocks + 1, device, dtype)
+        plain = ModelRunner(model, layout, pool_blocks, device, dtype)
         ab = []
         for batch in (b for b in (1, 2, 4, 8, 16) if b <= max(batches)):  # what the pools hold
             with_copy, _ = time_decode_steps(runner, batch, context)
@@ -304,7 +388,7 @@ def measure(
             graphs = ModelRunner(
                 model,
                 layout,
-                max(batches) * per_seq_blocks + 1,
+                pool_blocks,
                 device,
                 dtype,
                 backend=ModelBackend.choose(BackendOptions(cuda_kernels=fused is not False), device),
@@ -348,7 +432,8 @@ def format_report(probe: dict[str, Any]) -> list[str]:
         + f", {bw['all_cores']:.1f} "
         f"GB/s with {bw['all_core_threads']} threads"
         + (f", {bw['device']:.0f} GB/s device" if "device" in bw else ""),
-        f"fp32 GEMM: {probe['gemm_gflop_s']:.0f} GFLOP/s with {probe['step_threads']} thread(s)",
+        f"{'fp32' if probe.get('device', 'cpu') == 'cpu' else probe['dtype']} GEMM: "
+        f"{probe['gemm_gflop_s']:.0f} GFLOP/s with {probe['step_threads']} thread(s)",
         *(
             [
                 "CPU kernels (engine/cpu_kernels.py): "
@@ -376,6 +461,12 @@ def format_report(probe: dict[str, Any]) -> list[str]:
         lines.append(
             f"  {a['seqs']:>3} seqs: {a['with_row_copy_ms']:.1f} ms with the row copy, "
             f"{a['without_ms']:.1f} ms without (--no-cpu-row-copy): {a['speedup']:.2f}x"
+        )
+    m = probe.get("mixed_step")
+    if m and "step_ms" in m:
+        lines.append(
+            f"  mixed step ({m['decode_seqs']} decoding + a {m['prefill_tokens']}-token prefill chunk, "
+            f"eager): {m['step_ms']:.1f} ms, roofline {m['roofline_ms']:.1f} ms: {m['vs_roofline']:.2f}x"
         )
     for g in probe.get("steps_cuda_graphs", []):
         lines.append(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from benchmarks import engine_floor
@@ -86,7 +87,13 @@ def test_decode_step_timing_and_report(tiny_bpe: Path) -> None:
     }
     probe["row_copy_steps"] = [{"seqs": 1, "with_row_copy_ms": 30.0, "without_ms": 60.0, "speedup": 2.0}]
     probe["cpu_kernels"] = {"available": True, "load_s": 0.2}
+    # a mixed step: 2 decoding sequences + a 16-token prompt chunk in one forward
+    probe["mixed_step"] = mixed = engine_floor.mixed_row(runner, model, 10e9, 50e9, 2, 16, 20)
+    assert mixed["step_ms"] > 0 and mixed["roofline_ms"] > 0
+    with pytest.raises(ValueError, match="do not fit"):
+        engine_floor.time_mixed_step(runner, 3, 160, 20)
     lines = engine_floor.format_report(probe)
+    assert any("mixed step (2 decoding + a 16-token prefill chunk, eager)" in line for line in lines)
     assert any("built or loaded in 0.2 s" in line for line in lines)
     assert any("3 seqs" in line and "2.00x" in line for line in lines)
     assert any("with the row copy" in line and "60.0 ms without" in line for line in lines)
