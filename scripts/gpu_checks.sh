@@ -24,7 +24,10 @@ rc=0
 TAG=${GPU_TAG:-$($PY -c 'import re, torch; print(re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower().replace("nvidia", "")).strip("-"))')}
 if [[ $what == tests || $what == all ]]; then
   # every test marked gpu (they skip without CUDA, so on a GPU machine none may skip)
-  $PY -m pytest -q -ra -p no:cacheprovider --continue-on-collection-errors -m gpu tests || rc=1
+  # -v and a per-test limit: a GPU window is short, so a hanging test must not hide the others,
+  # and `timeout -s INT` around this script still gets pytest's summary of the failures so far
+  $PY -m pytest -v -ra --tb=short --durations=15 -p no:cacheprovider --continue-on-collection-errors \
+    --timeout "${GPU_TEST_TIMEOUT_S:-120}" -m gpu tests || rc=1
 fi
 if [[ $what == engine || $what == all ]]; then
   $PY -m benchmarks.bench_engine --device cuda --dtype bfloat16 \
