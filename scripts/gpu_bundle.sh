@@ -11,13 +11,16 @@
 #     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 #   mkdir -p ~/.cache/pdserve/models && cp -r .gpu/models/* ~/.cache/pdserve/models/
 #   RESULTS_DIR=$OUT GPU_TAG=h200 scripts/gpu_checks.sh tests   (then big, serving)
-# nixl-cu13 (59 MB) does not fit beside them: a NIXL-on-GPU check carries it in a call of its own.
+#   .gpu/nixl.tar.xz  nixl-cu13 trimmed to the KV READ's needs (scripts/nixl_bundle.sh, 8.3 MB);
+#                 on the device: tar -C /tmp/site -xJf .gpu/nixl.tar.xz (the wheel, 59 MB, would not
+#                 fit beside the rest)
+# Not carried: grpcio-tools (shared/gen travels built) and hf-xet (the image has it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 # the pins the H100/H200 images lacked (found by importing pdserve there, 2026-11)
 NEEDED="annotated-doc annotated-types anyio click fastapi googleapis-common-protos grpcio
-grpcio-health-checking grpcio-reflection grpcio-tools hf-xet httpcore httpcore2 httptools httpx2
+grpcio-health-checking grpcio-reflection httpcore httpcore2 httptools httpx2
 huggingface-hub llguidance opentelemetry-api opentelemetry-exporter-otlp-common
 opentelemetry-exporter-otlp-proto-common opentelemetry-exporter-otlp-proto-grpc
 opentelemetry-instrumentation opentelemetry-instrumentation-grpc opentelemetry-proto
@@ -41,6 +44,7 @@ for m in llama-8b smollm2; do  # add qwen2.5-7b here when a check needs it
 done
 mkdir -p .gpu/models
 cp -r ~/.cache/pdserve/models/random-{llama-8b,smollm2} .gpu/models/
+scripts/nixl_bundle.sh "" .gpu/nixl.tar.xz
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >>.git/info/exclude
 grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >>.git/info/exclude
 du -sh .whl .gpu
