@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks, for a machine with CUDA (CI has none): the CUDA tests, then the benchmarks with
 # --device cuda. Results go to their own files (*-cuda*.json) so CPU figures are never mixed in.
-#   scripts/gpu_checks.sh [tests|engine|spec|goodput|big|serving|all]   PYTHON=... RESULTS_DIR=... GPU_TAG=...
+#   scripts/gpu_checks.sh [tests|engine|spec|goodput|big|serving|stack|all]   PYTHON=... RESULTS_DIR=... GPU_TAG=...
 # `all` is tests + engine + spec (a few minutes); `goodput` is a reduced chat sweep of three serving
 # configurations on the GPU (about 6 minutes on an H200), run on its own. A GPU serves chat at
 # 10-30 req/s, so the sweep starts at 2x the one-at-a-time rate and triples.
@@ -9,8 +9,12 @@
 # the GPU, nothing downloaded): decode attention in place vs gathered, then bench-engine with the
 # decode step vs its floor at 1/8/16/64 sequences, pdserve vs HF padded / generate_batch and vs
 # its own torch-only path. `serving`: that model through `pdserve up` over HTTP, unified and
-# disaggregated, one request at a time and 64 at once. Result files carry GPU_TAG (default: the
-# GPU's name, e.g. h200).
+# disaggregated, one request at a time and 64 at once. `stack` (issue 27, item 6): that model in
+# three stacks one after another (disaggregated over NIXL, over the gRPC push, unified; two
+# workers share the GPU in the first two): KV handoff / prefill time and TTFT disaggregated /
+# unified at 512 and 2,048 prompt tokens, against the targets (5 %, 1.1x at 2,048); about 3-4
+# minutes on an H200, mostly the three starts. Result files carry GPU_TAG (default: the GPU's
+# name, e.g. h200).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -58,5 +62,10 @@ fi
 if [[ $what == serving ]]; then
   $PY -m benchmarks.bench_serving --model random:llama-8b --device cuda --dtype bfloat16 \
     --out "$RES/serving-llama-8b-$TAG.json" || rc=1
+fi
+if [[ $what == stack ]]; then
+  $PY -m benchmarks.bench_stack --device cuda --dtype bfloat16 --model random:llama-8b \
+    --lengths 512,2048 --reps 2 --ready-timeout-s 300 \
+    --out "$RES/stack-cuda-llama-8b-$TAG.json" || rc=1
 fi
 exit $rc
