@@ -24,7 +24,10 @@ def _needs_cuda() -> None:
 
 
 async def test_auto_device_and_dtype_on_cuda(tiny_model: Path) -> None:
-    async with running_worker(worker_settings(tiny_model, "unified", device="auto", dtype="auto")) as w:
+    # max_num_seqs 4: graphs for 4 batch sizes at start, not 64 (a GPU window is short)
+    async with running_worker(
+        worker_settings(tiny_model, "unified", device="auto", dtype="auto", max_num_seqs=4)
+    ) as w:
         info = await w.stub.Info(worker_pb2.InfoRequest())
         assert info.device == "cuda"
         assert info.kv_layout.dtype == "bfloat16"
@@ -32,7 +35,7 @@ async def test_auto_device_and_dtype_on_cuda(tiny_model: Path) -> None:
 
 async def test_disaggregated_equals_unified_on_cuda(tiny_model: Path) -> None:
     ids = prompt_ids(tiny_model)
-    cuda = dict(device="cuda", dtype="float32")
+    cuda = dict(device="cuda", dtype="float32", max_num_seqs=4)
     async with (
         running_worker(worker_settings(tiny_model, "prefill", **cuda)) as p,
         running_worker(worker_settings(tiny_model, "decode", **cuda)) as d,
