@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks, for a machine with CUDA (CI has none): the CUDA tests, then the benchmarks with
 # --device cuda. Results go to their own files (*-cuda*.json) so CPU figures are never mixed in.
-#   scripts/gpu_checks.sh [tests|engine|spec|goodput|big|serving|stack|all]   PYTHON=... RESULTS_DIR=... GPU_TAG=...
+#   scripts/gpu_checks.sh [tests|engine|spec|goodput|big|serving|stack|window|all]   PYTHON=... RESULTS_DIR=... GPU_TAG=...
 # `all` is tests + engine + spec (a few minutes); `goodput` is a reduced chat sweep of three serving
 # configurations on the GPU (about 6 minutes on an H200), run on its own. A GPU serves chat at
 # 10-30 req/s, so the sweep starts at 2x the one-at-a-time rate and triples.
@@ -61,6 +61,21 @@ if [[ $what == big ]]; then
 fi
 if [[ $what == serving ]]; then
   $PY -m benchmarks.bench_serving --model random:llama-8b --device cuda --dtype bfloat16 \
+    --out "$RES/serving-llama-8b-$TAG.json" || rc=1
+fi
+if [[ $what == window ]]; then
+  # One short lease (about 6 minutes on an H200): the CUDA tests on 4 processes, bench-stack at
+  # 2,048 tokens over both transports, and the unified stack served one request at a time and 64
+  # at once. Each part has its own limit (SIGINT: pytest and bench-stack still write what they
+  # have), so a slow one never takes the later ones' time. NIXL comes from .gpu/nixl.tar.xz
+  # (scripts/nixl_bundle.sh) unpacked on PYTHONPATH.
+  timeout -s INT "${T_TESTS:-120}" $PY -m pytest -v -ra --tb=short --durations=15 -p no:cacheprovider \
+    -n 4 --timeout 100 -m gpu tests || rc=1
+  timeout -s INT "${T_STACK:-170}" $PY -m benchmarks.bench_stack --device cuda --dtype bfloat16 \
+    --model random:llama-8b --lengths 2048 --reps 2 --ready-timeout-s 150 \
+    --out "$RES/stack-cuda-llama-8b-$TAG.json" || rc=1
+  timeout -s INT "${T_SERVING:-80}" $PY -m benchmarks.bench_serving --model random:llama-8b \
+    --device cuda --dtype bfloat16 --configs unified --sequential 2 --burst 64 \
     --out "$RES/serving-llama-8b-$TAG.json" || rc=1
 fi
 if [[ $what == stack ]]; then
