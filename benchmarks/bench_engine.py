@@ -21,10 +21,11 @@ Then the floor probe (benchmarks/engine_floor.py): memory read bandwidth (one co
 the CPU capability torch reports, and one rank's pure decode step for 1, 8 and 16 sequences next
 to its floor (weights + KV bytes read per step / single-core bandwidth).
 
-Writes benchmarks/results/engine.json: tokens_per_s (per contender), ratio_vs_hf_sequential,
-ratio_vs_hf_padded, ratio_vs_hf_continuous, ratio_lean_vs_transformers_forward (null when that
-contender did not run), cpu (what
-torch reports), decode_step_vs_floor (8 sequences per rank), floor (the probe), details.
+Writes benchmarks/results/engine-<machine class>.json (engine-cpu-avx512.json,
+engine-cuda-h200.json; benchmarks/result_names.py): tokens_per_s (per contender),
+ratio_vs_hf_sequential, ratio_vs_hf_padded, ratio_vs_hf_continuous,
+ratio_lean_vs_transformers_forward (null when that contender did not run), cpu (what torch
+reports), decode_step_vs_floor (8 sequences per rank), floor (the probe), details.
 This module is the command and each contender's subprocess; the parts are in `benchmarks/engine/`.
 """
 

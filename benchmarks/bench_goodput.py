@@ -16,8 +16,9 @@ workload (seeded, text from a bundled corpus):
     python -m benchmarks.bench_goodput --base-url http://HOST:PORT/v1   (any OpenAI-compatible server)
     make bench-goodput [GOODPUT_ARGS=...]
 
-Writes benchmarks/results/goodput.json (goodput-quick.json with --quick, goodput-cuda.json with
---device cuda) and the plots beside it (goodput.png, goodput-latency.png, goodput-itl.png).
+Writes benchmarks/results/goodput-<machine class>.json (goodput-cpu-avx512.json, goodput-cuda-h200.json
+with --device cuda on an H200; -quick with --quick) and the plots beside it (<stem>.png,
+<stem>-latency.png, <stem>-itl.png).
 """
 
 # This module is the command (its docstring is --help's text); the parts are in

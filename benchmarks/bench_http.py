@@ -14,7 +14,8 @@ and the HTTP/gRPC ratios (target: HTTP TPOT within 1.05x of gRPC's).
 
     python -m benchmarks.bench_http [--quick]     (make bench-http)
 
-Writes benchmarks/results/http.json (http-quick.json with --quick), with the machine it ran on.
+Writes benchmarks/results/http-<machine class>.json (http-cpu-avx2.json; -quick with --quick), with
+the machine it ran on.
 """
 
 from __future__ import annotations
@@ -33,10 +34,9 @@ from typing import Any
 import grpc
 import httpx
 
+from benchmarks.result_names import result_path
 from shared.proto import gateway_pb2, gateway_pb2_grpc
 from tests.support.stack import running_stack
-
-RESULTS = Path(__file__).parent / "results" / "http.json"
 
 
 def _prompt(n: int, salt: int) -> list[int]:
@@ -237,7 +237,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a small smoke run")
     args = parser.parse_args()
     result = asyncio.run(main_async(args))
-    out = RESULTS.with_name("http-quick.json") if args.quick else RESULTS
+    out = result_path("http", "cpu", args.quick)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")

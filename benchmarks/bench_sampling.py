@@ -18,7 +18,7 @@ head, log_softmax and top-5 at every prompt position, then the first token) vs p
 5 with max_tokens 0 (scoring only), interleaved rounds (--prefill-rounds), median wall and
 CPU time per prefill and their ratios to plain. --skip-decode runs only this part.
 
-Writes benchmarks/results/sampling.json.
+Writes benchmarks/results/sampling-<machine class>.json (sampling-cpu-avx512.json).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.result_names import result_path
 from services.worker.engine import create_engine
 from services.worker.engine.api import EngineConfig, EngineRequest, SamplingConfig
 from services.worker.engine.sampler import TokenHistory, sample, sample_with_logprobs
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prefill-tokens", type=int, default=512, help="prompt logprobs part (tokens)")
     parser.add_argument("--prefill-rounds", type=int, default=3)
     parser.add_argument("--skip-decode", action="store_true", help="only the prompt logprobs part")
-    parser.add_argument("--out", default="benchmarks/results/sampling.json")
+    parser.add_argument("--out", default="", help="default benchmarks/results/sampling-<machine class>.json")
     args = parser.parse_args(argv)
     if args.model == "default":
         from shared.model_store import resolve_model
@@ -225,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
         "prompt_logprobs_prefill": prefill,
     }
     print(json.dumps(result, indent=2))
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    (Path(args.out) if args.out else result_path("sampling")).write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ rank policies end to end on real CPU workers (when the worker service is there).
     power_of_two decode, min_tokens ranks) over 500 prefill + 500 decode workers x 8 ranks with
     prefix hashes of the same prompt mix, plus the same through gRPC on loopback.
 
-Writes benchmarks/results/sched.json (max_mean_ratio per policy, decision_p99_us, details).
+Writes benchmarks/results/sched-<machine class>.json, e.g. sched-cpu-avx512.json (max_mean_ratio per
+policy, decision_p99_us, details).
 This module is the command; the parts are in `benchmarks/sched/` (config, sim, decisions, e2e,
 report).
 """
@@ -33,8 +34,9 @@ import asyncio
 import sys
 from pathlib import Path
 
+from benchmarks.result_names import result_path
 from benchmarks.sched import report
-from benchmarks.sched.config import RESULTS, SimConfig
+from benchmarks.sched.config import SimConfig
 from benchmarks.sched.decisions import bench_decisions, bench_grpc
 from benchmarks.sched.e2e import run_e2e
 from benchmarks.sched.sim import run_load_sweep, run_seed_sweep, run_simulation
@@ -46,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--decisions", type=int, default=20_000, help="timed Router.schedule calls")
     p.add_argument("--grpc-calls", type=int, default=2_000, help="timed Schedule RPCs; 0 skips")
     p.add_argument("--e2e", choices=("auto", "skip"), default="auto", help="real-worker run")
-    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--out", type=Path, help="default benchmarks/results/sched-<machine class>.json")
     a = p.parse_args(argv)
 
     cfg = SimConfig(num_requests=a.requests)
@@ -76,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
         )
 
     checks = report.targets(sim, dec)
-    report.write(a.out, cfg, sim, dec, seeds, sweep, grpc_lat, e2e, checks)
+    report.write(a.out or result_path("sched"), cfg, sim, dec, seeds, sweep, grpc_lat, e2e, checks)
 
 
 if __name__ == "__main__":

@@ -11,12 +11,13 @@ Each at concurrency 1 (requests one after another) and 8 (8 requests arriving to
 Reported per (workload, concurrency, mode): aggregate tokens/s (generated tokens / wall time,
 prefill included; `speedup` is its ratio), decode tokens/s (after each first token),
 TPOT p50/p90 (per request: (last token - first token) / (tokens - 1)), TTFT p50, the acceptance
-rate (accepted / proposed tokens) and the ratios ngram / off. Writes benchmarks/results/spec.json
-(`speedup` = {"grounded": {"c1", "c8"}, "open": {"c1", "c8"}}, tokens/s ngram / off) and
-benchmarks/results/spec.png, and records the machine (CPU capability, cores, torch version, load
-average): numbers taken on a shared, loaded machine are noisy. `speedup_cpu` is the same ratio per
-CPU second of the process (steadier there); `--repeat N` runs each case N times, off and ngram
-alternating, and reports the totals; ends with each ratio against its target (issue 13).
+rate (accepted / proposed tokens) and the ratios ngram / off. Writes
+benchmarks/results/spec-<machine class>.json (spec-cpu-avx512.json; `speedup` = {"grounded":
+{"c1", "c8"}, "open": {"c1", "c8"}}, tokens/s ngram / off) and the .png beside it, and records
+the machine (CPU capability, cores, torch version, load average): numbers taken on a shared,
+loaded machine are noisy. `speedup_cpu` is the same ratio per CPU second of the process
+(steadier there); `--repeat N` runs each case N times, off and ngram alternating, and reports the
+totals; ends with each ratio against its target (issue 13).
 This module is the command; the parts are in `benchmarks/spec/` (config, run, report).
 """
 

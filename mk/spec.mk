@@ -1,5 +1,6 @@
 # Speculative decoding benchmark: speculation off vs ngram, grounded and open-ended workloads,
-# concurrency 1 and 8, on the default model (CPU fp32); writes benchmarks/results/spec.json + .png.
+# concurrency 1 and 8, on the default model (CPU fp32); writes benchmarks/results/spec-<machine class>.json + .png
+# (spec-cpu-avx512.json; benchmarks/result_names.py).
 #   make bench-spec                       full run (several minutes on 2 cores)
 #   make bench-spec SPEC_BENCH_ARGS=--quick
 #   make bench-spec SPEC_BENCH_ARGS="--repeat 3"     steadier ratios on a shared machine

@@ -35,14 +35,14 @@ if [[ $what == tests || $what == all ]]; then
 fi
 if [[ $what == engine || $what == all ]]; then
   $PY -m benchmarks.bench_engine --device cuda --dtype bfloat16 \
-    --output "$RES/engine-cuda.json" || rc=1
+    --output "$RES/engine-cuda-$TAG.json" || rc=1
 fi
 if [[ $what == spec || $what == all ]]; then
   # n-gram speculation on CUDA: its verify steps (k + 1 rows) replay as CUDA graphs; next to a
   # ~3.5 ms step the host's proposal time matters, so it is measured on this host too
   $PY -m benchmarks.ngram_proposer --out "$RES/ngram-proposer-cuda-host.json" || rc=1
   $PY -m benchmarks.bench_spec --device cuda --max-tokens 96 --num-speculative-tokens 5 --repeat 2 \
-    --output "$RES/spec-cuda.json" || rc=1
+    --output "$RES/spec-cuda-$TAG.json" || rc=1
 fi
 if [[ $what == goodput ]]; then
   $PY -m benchmarks.bench_goodput --device cuda --workloads chat \
@@ -50,7 +50,7 @@ if [[ $what == goodput ]]; then
     --quiet-requests 4 --start-factor 2 --growth 3 --max-points 4 --duration-s 15 \
     --min-requests 24 --max-requests 80 --max-send-s 20 --request-timeout-s 60 \
     --note "GPU: reduced chat sweep (scripts/gpu_checks.sh goodput)" \
-    --out "$RES/goodput-cuda.json" || rc=1
+    --out "$RES/goodput-cuda-$TAG.json" || rc=1
 fi
 if [[ $what == big ]]; then
   $PY -m benchmarks.cuda_attention --out "$RES/cuda-attention-$TAG.json" || rc=1

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parents[1] / "results" / "engine.json"
 # pdserve_eager: the engine with --no-cuda-graphs (CUDA only, where pdserve replays its decode
 # steps as CUDA graphs; left out on CPU, where both are the same engine). pdserve_no_row_copy: the
 # engine with --no-cpu-row-copy (CPU only: every step on oneDNN, no panel kernel)
@@ -76,7 +74,10 @@ def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
         help="skip the bandwidth probe and decode-step-vs-floor measurement",
     )
     parser.add_argument(
-        "--output", default="", help=f"default {RESULTS} ({RESULTS.stem}-quick.json with --quick)"
+        "--output",
+        default="",
+        help="default benchmarks/results/engine-<machine class>.json (-quick with --quick; e.g. "
+        "engine-cpu-avx512.json, engine-cuda-h200.json)",
     )
     parser.add_argument("--child-timeout-s", type=float, default=900)
     parser.add_argument("--contender", help=argparse.SUPPRESS)
@@ -86,8 +87,6 @@ def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
     if args.quick:
         args.num_requests, args.min_prompt, args.max_prompt = 4, 16, 64
         args.new_tokens, args.prefix_tokens = 8, 64
-    if not args.output:
-        args.output = str(RESULTS.with_name("engine-quick.json") if args.quick else RESULTS)
     if args.engine_dp_size <= 0:
         cpu_ranks = min(2, os.cpu_count() or 1)
         args.engine_dp_size = cpu_ranks if args.device == "cpu" else 1

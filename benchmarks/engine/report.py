@@ -1,6 +1,6 @@
 """The engine benchmark's report: the contenders' table, the ratios against transformers, the
-prefix-cache and engine-start lines, the floor probe, and benchmarks/results/engine.json (same
-keys as ever)."""
+prefix-cache and engine-start lines, the floor probe, and the results file
+(benchmarks/results/engine-<machine class>.json unless --output; same keys as ever)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import argparse
 import json
 from pathlib import Path
 from typing import Any
+
+from benchmarks.result_names import result_path
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -96,6 +98,7 @@ def write(
         },
         "details": results,
     }
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.output}")
+    out = Path(args.output) if args.output else result_path("engine", args.device, args.quick)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")

@@ -11,8 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.goodput import configs, workloads
-
-RESULTS = Path(__file__).resolve().parents[1] / "results"
+from benchmarks.result_names import result_path
 
 
 def _csv(kind: Callable[[str], Any]) -> Callable[[str], list[Any]]:
@@ -107,7 +106,9 @@ def parse_args(argv: Sequence[str] | None, description: str) -> argparse.Namespa
         "--quick-max-tokens", type=int, default=16, help="--quick caps outputs at this many tokens"
     )
     p.add_argument(
-        "--out", default="", help="result file (default benchmarks/results/goodput[-cuda][-quick].json)"
+        "--out",
+        default="",
+        help="result file (default benchmarks/results/goodput-<machine class>[-quick].json)",
     )
     p.add_argument("--no-plots", action="store_true")
     p.add_argument(
@@ -161,5 +162,5 @@ def parse_args(argv: Sequence[str] | None, description: str) -> argparse.Namespa
 
 
 def default_out(a: argparse.Namespace) -> Path:
-    stem = "goodput" + ("-cuda" if a.device == "cuda" else "") + ("-quick" if a.quick else "")
-    return RESULTS / f"{stem}.json"
+    """benchmarks/results/goodput-<machine class>[-quick].json, e.g. goodput-cuda-h200.json."""
+    return result_path("goodput", a.device, a.quick)

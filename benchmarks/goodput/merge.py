@@ -1,6 +1,6 @@
 """Merging goodput result documents: runs of one workload at a time (or of extra
 configurations such as `conditional@N` measured later under the same SLOs) become the one
-`goodput.json` that the README and the main plot come from.
+`goodput-<machine class>.json` that the README and the main plot come from.
 
 Rules (a merge never mixes figures measured under different SLOs or on different CPUs):
 - a workload's SLO comes from the first document that has the workload; a later document with

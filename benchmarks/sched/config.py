@@ -1,15 +1,13 @@
 """What the scheduling benchmark runs: the simulated cluster (`SimConfig`) and its seeded Poisson
-trace, the end-to-end run's shape (`E2EConfig`), the policies compared and the results file."""
+trace, the end-to-end run's shape (`E2EConfig`), and the policies compared."""
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from pathlib import Path
 
 from shared.cluster import KvLayout
 
-RESULTS = Path(__file__).resolve().parents[1] / "results" / "sched.json"
 SIM_POLICIES = ("round_robin", "random", "hash", "min_tokens")
 E2E_POLICIES = ("round_robin", "hash", "min_tokens")
 BLOCK_SIZE = 16

@@ -1,5 +1,5 @@
 """The scheduling benchmark's report: its targets (checked and printed) and the results document
-written to benchmarks/results/sched.json (same keys as ever: max_mean_ratio per policy,
+written to benchmarks/results/sched-<machine class>.json (same keys as ever: max_mean_ratio per policy,
 decision_p99_us, details, the machine)."""
 
 from __future__ import annotations

@@ -4,9 +4,6 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
-
-RESULTS = Path(__file__).resolve().parents[1] / "results" / "spec.json"
 
 PASSAGE = (
     "The Meridian Bridge opened in 1932 after six years of construction. It spans 1,240 metres "
@@ -104,7 +101,11 @@ def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
         "default: SmolLM2-135M is the smallest model available offline, so no smaller draft exists",
     )
     parser.add_argument("--quick", action="store_true", help="a smoke run: few short requests")
-    parser.add_argument("--output", default=str(RESULTS))
+    parser.add_argument(
+        "--output",
+        default="",
+        help="default benchmarks/results/spec-<machine class>.json (-quick with --quick), the plot beside it",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.max_tokens, args.requests_c1, args.concurrency = 24, 1, 2

@@ -1,6 +1,6 @@
 """The speculative decoding benchmark's report: the results document (speedups, the targets,
-every case, the configuration, the machine), spec.json and spec.png beside it, and the target
-lines printed at the end."""
+every case, the configuration, the machine) in spec-<machine class>.json, the plot beside it,
+and the target lines printed at the end."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from benchmarks.result_names import result_path
 from benchmarks.spec.config import TARGETS
 from benchmarks.spec.run import machine
 
@@ -91,7 +92,7 @@ def write(args: argparse.Namespace, results: dict[str, Any], path: str, dtype: s
         },
         "machine": machine(),
     }
-    out = Path(args.output)
+    out = Path(args.output) if args.output else result_path("spec", args.device, args.quick)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     png = out.with_suffix(".png")

@@ -139,7 +139,8 @@ def test_http_base_url_is_found_in_the_ready_output() -> None:
     assert configs.http_base_url("pdserve is up: gateway 127.0.0.1:57000") is None
 
 
-def test_command_line_defaults_and_refusals() -> None:
+def test_command_line_defaults_and_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks import result_names
     from benchmarks.bench_goodput import parse_args
     from benchmarks.goodput.cli import default_out
     from benchmarks.goodput.harness import requests_at
@@ -147,8 +148,11 @@ def test_command_line_defaults_and_refusals() -> None:
     full, quick = parse_args([]), parse_args(["--quick"])
     assert full.configs == list(configs.CONFIG_NAMES) and full.workloads == list(WORKLOADS)
     assert (full.max_points, quick.max_points) == (8, 3) and full.dtype == "float32"
-    assert default_out(full).name == "goodput.json" and default_out(quick).name == "goodput-quick.json"
-    assert default_out(parse_args(["--device", "cuda"])).name == "goodput-cuda.json"
+    # the result file is named after the machine class (benchmarks/result_names.py)
+    monkeypatch.setattr(result_names, "machine_class", lambda device: f"{device}-x")
+    assert default_out(full).name == "goodput-cpu-x.json"
+    assert default_out(quick).name == "goodput-cpu-x-quick.json"
+    assert default_out(parse_args(["--device", "cuda"])).name == "goodput-cuda-x.json"
     assert parse_args(["--device", "cuda"]).dtype == "bfloat16"
     tuned = parse_args(["--configs", "conditional@64,disaggregated"])
     assert tuned.configs == ["conditional@64", "disaggregated"]
