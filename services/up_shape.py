@@ -56,9 +56,10 @@ def _graphs_flag(a: argparse.Namespace) -> list[str]:
     """`--no-cuda-graphs` when several worker processes share the GPU. Every worker of `up` runs
     on the same device, and without MPS the GPU time-slices between processes: an eager prefill
     worker's ~1,000 small kernels per step each wait behind the other process's graph replays.
-    Measured on an H200 (benchmarks/results/goodput-cuda-graphs-notes.md): disaggregated chat at
-    30 req/s met the TTFT SLO for 3.8 % of requests with graphs against 100 % without, while one
-    process with graphs did better than without (TTFT p90 1.14 s vs 1.94 s at 20 req/s)."""
+    Measured on an H200 (benchmarks/results/goodput-cuda-graphs-notes.md at commit cfd4600, and
+    docs/benchmarks.md): disaggregated chat at 30 req/s met the TTFT SLO for 3.8 % of requests
+    with graphs against 100 % without, while one process with graphs did better than without
+    (TTFT p90 1.14 s vs 1.94 s at 20 req/s)."""
     several = sum(a.worker_counts.values()) > 1
     return ["--no-cuda-graphs"] if several and a.device != "cpu" else []
 

@@ -29,7 +29,7 @@ torch's softmax, then the probability-weighted V rows (AVX-512: the outputs held
 over a block's rows). While it reads a block it asks for the sequence's next one, a row per
 token (blocks lie anywhere in the pool, where the hardware prefetcher does not follow). 8
 sequences of 319 tokens over 30 layers (SmolLM2's shapes, one core, pools on huge pages;
-`python -m benchmarks.attention_kernel`, `attention-kernel-2026-11-26.json`): 7.4 ms (AVX-512) /
+`python -m benchmarks.attention_kernel`, `attention-kernel-cpu-avx512.json`): 7.4 ms (AVX-512) /
 7.8 ms (AVX2) with consecutive blocks, 13.7 / 12.2 with shuffled ones, 4.6 / 6.5 from cache,
 against 20.7 / 30.4 / 15.3 for SDPA per sequence (the path without the kernel); before the
 prefetch the kernel took 8.3 / 16.0 (AVX-512, consecutive / shuffled). Its results are not

@@ -8,8 +8,9 @@ the step's small index tensors into that bucket's static buffers and runs the le
 them; on CUDA the bucket's run is captured once as a CUDA graph and replayed after that.
 
 Why: on a GPU a decode step of a small model is ~1,000 kernel launches issued by one Python
-thread. On an H200 (engine-cuda.json, 2026-11-26) SmolLM2's 8-sequence step took 15.4 ms, all of
-it CPU time, against 0.08 ms to read its weights and KV once; replayed as a graph, 3.5 ms.
+thread. On an H200 (benchmarks/results/engine-cuda.json at commit 0c9a862, 2026-11-26) SmolLM2's
+8-sequence step took 15.4 ms, all of it CPU time, against 0.08 ms to read its weights and KV once;
+replayed as a graph, 3.5 ms.
 
 Invariants:
 - Padding rows (a sequence's rows past its tokens, and whole padding sequences) write their K/V
