@@ -45,6 +45,7 @@ import torch
 from services.worker.engine import attention, attention_batched
 from services.worker.engine.flex_paged import FlexPagedStep
 from services.worker.engine.lean_llama import LeanLlama
+from services.worker.engine.pinned import Staging
 
 _MIN_BLOCK_BUCKET = 4  # blocks per sequence in the smallest bucket (64 tokens at block size 16)
 
@@ -75,6 +76,8 @@ class _Bucket:
     logits: torch.Tensor | None = None  # [B * Q, vocab] the graph's output buffer
     graph: Any = None  # torch.cuda.CUDAGraph once captured
     replays: int = 0  # steps run on this bucket
+    packed: torch.Tensor | None = None  # the five host-filled buffers above, as one tensor
+    staging: Staging | None = None  # its host side (pinned on CUDA)
 
 
 @dataclass(frozen=True)
@@ -191,19 +194,27 @@ class DecodeGraphs:
     def _new_bucket(self, b: int, q: int, nb: int) -> _Bucket:
         dev = self.device
         rows = b * q
+        # the host-filled buffers are views of one tensor: a step's values arrive in one copy
+        # (from a pinned staging buffer on CUDA, pinned.py). Layout: input_ids, positions, slots,
+        # ctx_lens [rows each], block_table [b * nb]
+        packed = torch.empty(4 * rows + b * nb, dtype=torch.long, device=dev)
         e = _Bucket(
-            input_ids=torch.zeros(rows, dtype=torch.long, device=dev),
-            positions=torch.zeros(rows, dtype=torch.long, device=dev),
+            input_ids=packed[:rows].zero_(),
+            positions=packed[rows : 2 * rows].zero_(),
             # a new bucket is all padding: its first run (a capture at start) writes only the
             # scratch block
-            slots=torch.full((rows,), self.scratch_block * self.block_size, dtype=torch.long, device=dev),
-            ctx_lens=torch.ones(rows, dtype=torch.long, device=dev),
-            block_table=torch.full((b * nb,), self.scratch_block, dtype=torch.long, device=dev),
+            slots=packed[2 * rows : 3 * rows].fill_(self.scratch_block * self.block_size),
+            ctx_lens=packed[3 * rows : 4 * rows].fill_(1),
+            block_table=packed[4 * rows :].fill_(self.scratch_block),
             key_index=torch.arange(nb * self.block_size, device=dev),
             logits_idx=torch.arange(rows, device=dev),
             num_blocks=nb,
             q=q,
         )
+        e.packed = packed
+        # with FlexAttention only input_ids, positions and slots are read (the step's own
+        # buffers hold the tables and lengths), so only they are copied
+        e.staging = Staging(3 * rows if self.flex_blocks else packed.numel(), torch.long, dev)
         if self.flex_blocks:
             # compiled on CUDA (captured with the step); FlexAttention's reference elsewhere
             e.flex = FlexPagedStep.new(
@@ -221,51 +232,43 @@ class DecodeGraphs:
         return e
 
     def _fill(self, e: _Bucket, seqs: Sequence[DecodeSeq]) -> None:
-        """Host-side values of the step into the bucket's buffers (one copy each)."""
+        """Host-side values of the step into the bucket's buffers: written into a staging
+        buffer (pinned on CUDA) through a numpy view, then one copy."""
         bs, nb, q, scratch = self.block_size, e.num_blocks, e.q, self.scratch_block
         b = e.block_table.shape[0] // nb
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        ctx: list[int] = []
+        rows = b * q
+        flex = e.flex is not None
+        assert e.staging is not None and e.packed is not None
+        numel = 3 * rows if flex else e.packed.numel()
+        arr = e.staging.acquire(numel)
+        ids, pos, slots = arr[:rows], arr[rows : 2 * rows], arr[2 * rows : 3 * rows]
+        ids[:] = 0
+        pos[:] = 0
+        slots[:] = scratch * bs
+        ctx: list[list[int]] = []  # per real sequence its Q rows' context lengths (padding: 1)
         tables: list[Sequence[int]] = []  # each sequence's blocks, covering its last row
-        for s in seqs:
+        for i, s in enumerate(seqs):
             n = len(s.token_ids)
-            ids.extend(s.token_ids)
-            for p in range(s.position, s.position + n):
-                pos.append(p)
-                slots.append(s.block_ids[p // bs] * bs + p % bs)
-                ctx.append(p + 1)
-            pad = q - n
-            ids.extend([0] * pad)
-            pos.extend([0] * pad)
-            slots.extend([scratch * bs] * pad)
-            ctx.extend([1] * pad)
+            r = i * q
+            lens = [1] * q
+            for j in range(n):
+                p = s.position + j
+                ids[r + j] = s.token_ids[j]
+                pos[r + j] = p
+                slots[r + j] = s.block_ids[p // bs] * bs + p % bs
+                lens[j] = p + 1
+            ctx.append(lens)
             tables.append(s.block_ids[: -(-(s.position + n) // bs)])
-        pad_rows = (b - len(seqs)) * q
-        ids.extend([0] * pad_rows)
-        pos.extend([0] * pad_rows)
-        slots.extend([scratch * bs] * pad_rows)
-        ctx.extend([1] * pad_rows)
         if e.flex is not None:  # it pads the tables itself (to the width of a whole sequence)
-            e.flex.fill(tables, [ctx[i * q : (i + 1) * q] for i in range(len(seqs))], scratch)
-            buffers: tuple[tuple[torch.Tensor, list[int]], ...] = (
-                (e.input_ids, ids),
-                (e.positions, pos),
-                (e.slots, slots),
-            )
+            e.flex.fill(tables, ctx, scratch)
         else:
-            table = [x for t in tables for x in (*t, *[scratch] * (nb - len(t)))]
-            table.extend([scratch] * (nb * (b - len(seqs))))
-            buffers = (
-                (e.input_ids, ids),
-                (e.positions, pos),
-                (e.slots, slots),
-                (e.ctx_lens, ctx),
-                (e.block_table, table),
-            )
-        for buf, values in buffers:
-            buf.copy_(torch.tensor(values, dtype=torch.long), non_blocking=True)
+            ctx_arr, table_arr = arr[3 * rows : 4 * rows], arr[4 * rows :]
+            ctx_arr[:] = 1
+            table_arr[:] = scratch
+            for i, (t, lens) in enumerate(zip(tables, ctx, strict=True)):
+                ctx_arr[i * q : (i + 1) * q] = lens
+                table_arr[i * nb : i * nb + len(t)] = t
+        e.staging.copy_to(e.packed[:numel], numel)
 
     def _step(self, e: _Bucket) -> torch.Tensor:
         """The lean forward on the bucket's buffers; only device ops (capturable)."""

@@ -22,6 +22,7 @@ from services.worker.engine.attention import AttentionBackend
 from services.worker.engine.backend import BackendOptions, ModelBackend
 from services.worker.engine.decode_graphs import DecodeGraphs, DecodeSeq
 from services.worker.engine.lean_llama import LeanLlama
+from services.worker.engine.pinned import Staging
 from services.worker.engine.sampler import (
     TokenHistory,
     apply_allowed,
@@ -133,6 +134,8 @@ class ModelRunner:
             if lean
             else None
         )
+        # eager steps' index inputs on CUDA: one pinned buffer, grown as needed (step_inputs.py)
+        self.input_staging = Staging(4096, torch.long, device)
         # FlexAttention's block tables: as wide as the longest sequence (or the whole pool)
         table_blocks = -(-max_model_len // layout.block_size) if max_model_len > 0 else num_blocks
         self.graphs = (
