@@ -45,7 +45,7 @@ import torch
 from services.worker.engine import attention, attention_batched
 from services.worker.engine.flex_paged import FlexPagedStep
 from services.worker.engine.lean_llama import LeanLlama
-from services.worker.engine.pinned import Staging
+from services.worker.engine.pinned import Staging, to_device
 
 _MIN_BLOCK_BUCKET = 4  # blocks per sequence in the smallest bucket (64 tokens at block size 16)
 
@@ -162,7 +162,7 @@ class DecodeGraphs:
             for i, s in enumerate(seqs)
             for j in range(len(s.token_ids) - s.num_logits, len(s.token_ids))
         ]
-        return e.logits.index_select(0, torch.tensor(rows, device=self.device))
+        return e.logits.index_select(0, to_device(rows, self.device))
 
     @torch.inference_mode()
     def prepare(self, max_seqs: int, max_context_tokens: int) -> int:

@@ -22,13 +22,13 @@ from services.worker.engine.attention import AttentionBackend
 from services.worker.engine.backend import BackendOptions, ModelBackend
 from services.worker.engine.decode_graphs import DecodeGraphs, DecodeSeq
 from services.worker.engine.lean_llama import LeanLlama
-from services.worker.engine.pinned import Staging
+from services.worker.engine.pinned import Staging, to_device
 from services.worker.engine.sampler import (
     TokenHistory,
     apply_allowed,
     prompt_logprobs,
     sample,
-    sample_with_logprobs,
+    sample_with_logprobs_to_host,
 )
 
 log = logging.getLogger(__name__)
@@ -234,7 +234,7 @@ class ModelRunner:
             if s.prompt_targets:
                 first = last - len(s.token_ids) + 1 + s.prompt_offset
                 prompt_rows.extend(range(first, first + len(s.prompt_targets)))
-        idx = torch.tensor(sample_rows + prompt_rows, device=last_rows.device)
+        idx = to_device(sample_rows + prompt_rows, last_rows.device)
         logits = self._forward(input_ids, positions, meta, idx)
         assert logits is not None
         prompt_seqs = [s for s in with_rows if s.prompt_targets]
@@ -326,8 +326,11 @@ class ModelRunner:
             pool[layer].index_copy_(2, idx, arr[j])
 
 
-def _sample(logits: torch.Tensor, sampled_seqs: list[ScheduledSeq]) -> list[list[int]]:
-    """logits [sum of num_logits, vocab], each sequence's rows in order -> its drawn tokens."""
+def _sampler_inputs(
+    logits: torch.Tensor, sampled_seqs: list[ScheduledSeq]
+) -> tuple[torch.Tensor, list[Any], list[Any], list[int | None], list[Any]]:
+    """Per sampled row its parameters, generator, seed and history; logits with the structured
+    outputs' masks applied."""
     params = [s.sampling for s in sampled_seqs for _ in range(s.num_logits)]
     gens = [s.generator for s in sampled_seqs for _ in range(s.num_logits)]
     seeds = [
@@ -345,16 +348,35 @@ def _sample(logits: torch.Tensor, sampled_seqs: list[ScheduledSeq]) -> list[list
             s.allowed[j] if s.allowed is not None else None for s in sampled_seqs for j in range(s.num_logits)
         ]
         logits = apply_allowed(logits, masks)
-    if any(p.logprobs is not None for p in params):
-        drawn, logprobs = sample_with_logprobs(logits, params, gens, seeds, histories)
-    else:
-        drawn, logprobs = sample(logits, params, gens, seeds, histories), []
-    flat = [int(t) for t in drawn.tolist()]
+    return logits, params, gens, seeds, histories
+
+
+def _draw(logits: torch.Tensor, sampled_seqs: list[ScheduledSeq]) -> torch.Tensor:
+    """The drawn ids [sum of num_logits] on the logits' device (no logprobs: `_sample`)."""
+    logits, params, gens, seeds, histories = _sampler_inputs(logits, sampled_seqs)
+    return sample(logits, params, gens, seeds, histories)
+
+
+def _split(flat: list[int], sampled_seqs: list[ScheduledSeq]) -> list[list[int]]:
+    """Flat drawn ids -> each sequence's num_logits tokens."""
     tokens: list[list[int]] = []
     pos = 0
     for s in sampled_seqs:
         tokens.append(flat[pos : pos + s.num_logits])
-        if logprobs:
-            s.logprobs = [lp for lp in logprobs[pos : pos + s.num_logits] if lp is not None]
         pos += s.num_logits
     return tokens
+
+
+def _sample(logits: torch.Tensor, sampled_seqs: list[ScheduledSeq]) -> list[list[int]]:
+    """logits [sum of num_logits, vocab], each sequence's rows in order -> its drawn tokens,
+    each sequence's logprobs filled when asked. The step's one device-to-host copy: the drawn
+    ids (with their logprobs, packed, when asked)."""
+    if not any(s.sampling.logprobs is not None for s in sampled_seqs):
+        return _split([int(t) for t in _draw(logits, sampled_seqs).tolist()], sampled_seqs)
+    logits, params, gens, seeds, histories = _sampler_inputs(logits, sampled_seqs)
+    _, flat, logprobs = sample_with_logprobs_to_host(logits, params, gens, seeds, histories)
+    pos = 0
+    for s in sampled_seqs:
+        s.logprobs = [lp for lp in logprobs[pos : pos + s.num_logits] if lp is not None]
+        pos += s.num_logits
+    return _split(flat, sampled_seqs)

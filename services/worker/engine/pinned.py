@@ -64,3 +64,15 @@ class Staging:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
             self._events[self._current] = event
+
+
+def to_device(values: Any, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A small host list (sampling parameters, row indices) as a tensor on `device` without a
+    synchronizing copy: on CUDA it goes through pinned memory (torch's host allocator keeps that
+    block until the copy is done) with a non-blocking copy; elsewhere it is the host tensor.
+    `torch.tensor(values, device="cuda")` would copy from pageable memory, which waits for
+    every kernel queued before it."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
