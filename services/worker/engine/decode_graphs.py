@@ -134,9 +134,11 @@ class DecodeGraphs:
         """Whether a sequence's part of a step can run here."""
         return 1 <= num_logits <= num_tokens <= self.max_q
 
-    def run(self, seqs: Sequence[DecodeSeq]) -> torch.Tensor:
+    def run(self, seqs: Sequence[DecodeSeq], input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [sum of num_logits, vocab] (each sequence's trailing rows, in order), K/V of
-        the new tokens written."""
+        the new tokens written. input_ids: decode steps only (one token per sequence), the
+        sequences' tokens as a device tensor [len(seqs)] (the previous step's drawn ids, async
+        scheduling), copied on the device over the host's placeholders."""
         b = len(seqs)
         bs = self.block_size
         need = max(-(-(s.position + len(s.token_ids)) // bs) for s in seqs)
@@ -145,6 +147,10 @@ class DecodeGraphs:
         key = (bucket(b), q, self._blocks_key(need))
         e = self.buckets.get(key) or self._new_bucket(*key)
         self._fill(e, seqs)
+        if input_ids is not None:
+            if q != 1:
+                raise ValueError("device-side input ids are for decode steps (one token per sequence)")
+            e.input_ids[:b].copy_(input_ids)
         if not self.capture:
             e.logits = self._step(e)
         elif e.graph is None:

@@ -65,6 +65,35 @@ class ScheduledSeq:
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
+@dataclass
+class PendingSample:
+    """A step's drawn ids on their way to the host (async scheduling): on CUDA a non-blocking
+    copy into pinned memory and an event recorded after it, so the host can prepare the next
+    step meanwhile; on CPU the ids are already there."""
+
+    ids: torch.Tensor  # [n] long on the device: the next step's input ids
+    host: torch.Tensor  # [n] long on the host (pinned on CUDA), valid once `event` completed
+    event: Any  # torch.cuda.Event, or None (CPU)
+    seqs: list[ScheduledSeq]
+
+    @staticmethod
+    def start(ids: torch.Tensor, seqs: list[ScheduledSeq]) -> PendingSample:
+        if ids.device.type != "cuda":
+            return PendingSample(ids, ids, None, seqs)
+        host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+        host.copy_(ids, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(ids.device))
+        return PendingSample(ids, host, event, seqs)
+
+    def tokens(self) -> list[list[int]]:
+        """Each seq's drawn token, once the step is done (waits for it: the step's one
+        device-to-host copy)."""
+        if self.event is not None:
+            self.event.synchronize()
+        return _split([int(t) for t in self.host.tolist()], self.seqs)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -213,6 +242,32 @@ class ModelRunner:
         logits = self._forward(input_ids, positions, meta, logits_idx)
         assert logits is not None  # [sum(counts), vocab]
         return _sample(logits, sampled_seqs)
+
+    @torch.inference_mode()
+    def execute_async(self, seqs: list[ScheduledSeq], input_ids: torch.Tensor | None = None) -> PendingSample:
+        """A decode step (async scheduling, rank.py) queued on the device: every seq one new
+        token, sampled, without logprobs or prompt logprobs. Returns at once with the drawn ids
+        on their way to the host (`PendingSample.tokens` waits for them). input_ids: the seqs'
+        tokens as a device tensor [len(seqs)] (the previous step's `PendingSample.ids`, whose
+        rows are these seqs in order): their token_ids are then placeholders."""
+        if not all(
+            len(s.token_ids) == 1 and s.sample and not s.prompt_targets and s.sampling.logprobs is None
+            for s in seqs
+        ):
+            raise ValueError("execute_async runs decode steps without logprobs")
+        graphs = self.graphs
+        if graphs is not None and all(graphs.fits(1, s.num_logits) for s in seqs):
+            logits = graphs.run([DecodeSeq(s.token_ids, s.start_pos, s.block_ids) for s in seqs], input_ids)
+        else:
+            ids, positions, meta, logits_idx = self._build_metadata(seqs)
+            meta.verify_variants = self._verify_variants
+            if input_ids is not None:
+                # every sequence has one token, so the packed rows are the seqs in order
+                ids[0, : len(seqs)].copy_(input_ids)
+            out = self._forward(ids, positions, meta, logits_idx)
+            assert out is not None
+            logits = out
+        return PendingSample.start(_draw(logits, seqs), seqs)
 
     def _execute_with_prompt_logprobs(
         self,
