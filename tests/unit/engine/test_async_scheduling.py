@@ -9,8 +9,9 @@ import asyncio
 from typing import Any
 
 import pytest
+import torch
 
-from services.worker.engine.api import Engine, RequestOutput, SamplingConfig
+from services.worker.engine.api import Engine, RequestHandle, RequestOutput, SamplingConfig
 from tests.unit.engine.conftest import EngineFactory, collect, greedy, request, tokens_of
 
 PROMPTS = [tuple(range(3 + i, 12 + 3 * i)) for i in range(5)]
@@ -41,11 +42,22 @@ async def _run(engine: Engine, eos: int, stop: int) -> list[list[RequestOutput]]
         SamplingConfig(max_tokens=40, temperature=1.5, top_k=50, seed=6, stop_token_ids=(eos + 7,)),
         greedy(9),
     ]
+    decoding = asyncio.Event()
+
+    async def first_of(handle: RequestHandle) -> list[RequestOutput]:
+        outs: list[RequestOutput] = []
+        async for out in handle:
+            outs.append(out)
+            if len(tokens_of(outs)) >= 5:
+                decoding.set()
+        decoding.set()
+        return outs
+
     first = [
-        asyncio.ensure_future(collect(engine.add_request(request(f"a{i}", p, sp))))
+        asyncio.ensure_future(first_of(engine.add_request(request(f"a{i}", p, sp))))
         for i, (p, sp) in enumerate(zip(PROMPTS, samplings, strict=True))
     ]
-    await asyncio.sleep(0.3)  # the first wave is decoding
+    await decoding.wait()  # the first wave is decoding (tokens never depend on the batch)
     second = [
         asyncio.ensure_future(collect(engine.add_request(request(f"b{i}", p[::-1], sp))))
         for i, (p, sp) in enumerate(zip(PROMPTS, samplings[::-1], strict=True))
@@ -65,12 +77,25 @@ async def test_async_scheduling_gives_the_same_streams(
     make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     sync = make_engine(async_scheduling=False)
+    await _check_same_streams(sync, make_engine(async_scheduling=True), monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_cuda_async_scheduling_gives_the_same_streams(
+    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On CUDA (graphs, FlexAttention, pinned copies; fp32): the overlap changes no stream."""
+    sync = make_engine(device="cuda", dtype="float32", async_scheduling=False)
+    await _check_same_streams(sync, make_engine(device="cuda", dtype="float32"), monkeypatch)
+
+
+async def _check_same_streams(sync: Engine, on: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     eos = sync.eos_token_ids[0]
     probe_req = request("probe", PROMPTS[1], greedy(30, ignore_eos=True))
     probe = tokens_of(await collect(sync.add_request(probe_req)))
     stop = probe[len(probe) // 2]  # a token the greedy stream meets mid-run
     want = await _run(sync, eos, stop)
-    on = make_engine(async_scheduling=True)
     overlapped = _count_overlapped(on, monkeypatch)
     got = await _run(on, eos, stop)
     assert [tokens_of(o) for o in got] == [tokens_of(o) for o in want]

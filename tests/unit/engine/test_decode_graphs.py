@@ -512,3 +512,40 @@ def test_a_cuda_graph_decode_step_never_synchronizes(tiny_bpe: Path) -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert [[int(t)] for t in drawn.tolist()] == want
+
+
+@pytest.mark.parametrize("path", ["eager", "static", "flex"])
+def test_async_decode_steps_take_their_ids_from_the_device(tiny_bpe: Path, path: str) -> None:
+    """Async scheduling's runner side (ModelRunner.execute_async): decode steps whose input ids
+    are the previous step's draws on the device (the host's token ids are placeholders) give the
+    tokens of steps built from the host's ids, on the eager and the static (torch, FlexAttention)
+    paths."""
+    plain, static = _runners(tiny_bpe, torch.device("cpu"), fused=path == "flex")
+    runner = plain if path == "eager" else static
+    prompts = [list(range(7, 7 + n)) for n in (3, 9, 14)]
+    tables = [[90, 3, 51, 7, 22, 60], list(range(10, 16)), [1, 88, 40, 41, 2, 70, 71]]
+    want = _decode_together(plain, prompts, tables, 8)
+    first = runner.execute(
+        [ScheduledSeq(p, 0, t, True, GREEDY, None) for p, t in zip(prompts, tables, strict=True)]
+    )
+    pending = None
+    got: list[list[int]] = [list(t) for t in first]
+    for step in range(8):
+        seqs = [
+            ScheduledSeq(
+                [0 if pending is not None else got[i][-1]],
+                len(p) + step,
+                t,
+                True,
+                GREEDY,
+                None,
+            )
+            for i, (p, t) in enumerate(zip(prompts, tables, strict=True))
+        ]
+        pending = runner.execute_async(seqs, None if pending is None else pending.ids)
+        for out, new in zip(got, pending.tokens(), strict=True):
+            out.extend(new)
+    # (the reference run stops the first two sequences halfway)
+    assert [g[: len(w)] for w, g in zip(want, got, strict=True)] == want and len(want[2]) == 9
+    if path != "eager":
+        assert static.graphs is not None and any(e.replays for e in static.graphs.buckets.values())
