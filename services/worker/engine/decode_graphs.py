@@ -29,6 +29,11 @@ reads each sequence's blocks in place through block tables as wide as the longes
 captured at start cover every context. Without it (the torch-only fallback) a bucket also has
 NB blocks per sequence, gathered into a padded buffer (attention.py's BATCHED backend).
 
+A bucket's host-filled buffers are views of one tensor, filled from a reused staging buffer
+(pinned on CUDA, pinned.py) in one non-blocking copy per step; with async scheduling a decode
+step's input ids are then overwritten on the device by the previous step's draws (`run`'s
+`input_ids`), so the step needs no token from the host.
+
 On CPU the same static step runs eagerly (`capture=False`): the tests check padding, masking and
 the scratch block there, so only capture and replay need a GPU.
 """
