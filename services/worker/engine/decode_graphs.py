@@ -55,6 +55,11 @@ from services.worker.engine.pinned import Staging, to_device
 _MIN_BLOCK_BUCKET = 4  # blocks per sequence in the smallest bucket (64 tokens at block size 16)
 
 
+def _segment(rows: int) -> int:
+    """Elements (int64) from one packed buffer's start to the next one's: 16-byte aligned."""
+    return -(-rows // 2) * 2
+
+
 def bucket(n: int, minimum: int = 1) -> int:
     """The smallest power of two >= max(n, minimum)."""
     size = max(1, minimum)
@@ -207,16 +212,18 @@ class DecodeGraphs:
         rows = b * q
         # the host-filled buffers are views of one tensor: a step's values arrive in one copy
         # (from a pinned staging buffer on CUDA, pinned.py). Layout: input_ids, positions, slots,
-        # ctx_lens [rows each], block_table [b * nb]
-        packed = torch.empty(4 * rows + b * nb, dtype=torch.long, device=dev)
+        # ctx_lens [rows each, every one starting 16-byte aligned: compiled kernels may assume
+        # aligned inputs], block_table [b * nb]
+        seg = _segment(rows)
+        packed = torch.empty(4 * seg + b * nb, dtype=torch.long, device=dev)
         e = _Bucket(
             input_ids=packed[:rows].zero_(),
-            positions=packed[rows : 2 * rows].zero_(),
+            positions=packed[seg : seg + rows].zero_(),
             # a new bucket is all padding: its first run (a capture at start) writes only the
             # scratch block
-            slots=packed[2 * rows : 3 * rows].fill_(self.scratch_block * self.block_size),
-            ctx_lens=packed[3 * rows : 4 * rows].fill_(1),
-            block_table=packed[4 * rows :].fill_(self.scratch_block),
+            slots=packed[2 * seg : 2 * seg + rows].fill_(self.scratch_block * self.block_size),
+            ctx_lens=packed[3 * seg : 3 * seg + rows].fill_(1),
+            block_table=packed[4 * seg :].fill_(self.scratch_block),
             key_index=torch.arange(nb * self.block_size, device=dev),
             logits_idx=torch.arange(rows, device=dev),
             num_blocks=nb,
@@ -225,7 +232,7 @@ class DecodeGraphs:
         e.packed = packed
         # with FlexAttention only input_ids, positions and slots are read (the step's own
         # buffers hold the tables and lengths), so only they are copied
-        e.staging = Staging(3 * rows if self.flex_blocks else packed.numel(), torch.long, dev)
+        e.staging = Staging(3 * seg if self.flex_blocks else packed.numel(), torch.long, dev)
         if self.flex_blocks:
             # compiled on CUDA (captured with the step); FlexAttention's reference elsewhere
             e.flex = FlexPagedStep.new(
@@ -250,9 +257,10 @@ class DecodeGraphs:
         rows = b * q
         flex = e.flex is not None
         assert e.staging is not None and e.packed is not None
-        numel = 3 * rows if flex else e.packed.numel()
+        seg = _segment(rows)
+        numel = 3 * seg if flex else e.packed.numel()
         arr = e.staging.acquire(numel)
-        ids, pos, slots = arr[:rows], arr[rows : 2 * rows], arr[2 * rows : 3 * rows]
+        ids, pos, slots = arr[:rows], arr[seg : seg + rows], arr[2 * seg : 2 * seg + rows]
         ids[:] = 0
         pos[:] = 0
         slots[:] = scratch * bs
@@ -273,7 +281,7 @@ class DecodeGraphs:
         if e.flex is not None:  # it pads the tables itself (to the width of a whole sequence)
             e.flex.fill(tables, ctx, scratch)
         else:
-            ctx_arr, table_arr = arr[3 * rows : 4 * rows], arr[4 * rows :]
+            ctx_arr, table_arr = arr[3 * seg : 3 * seg + rows], arr[4 * seg :]
             ctx_arr[:] = 1
             table_arr[:] = scratch
             for i, (t, lens) in enumerate(zip(tables, ctx, strict=True)):

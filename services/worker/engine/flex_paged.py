@@ -118,11 +118,13 @@ class FlexPagedStep:
 
         b, bs = num_seqs, block_size
         # the host-filled buffers are views of one int32 tensor (one copy per step, pinned.py):
-        # kv_num_blocks [B], kv_indices [B * W], ctx_lens [B * Q]
-        packed = torch.empty(b + b * width + b * q_rows, dtype=torch.int32, device=device)
+        # kv_num_blocks [B], kv_indices [B * W], ctx_lens [B * Q], each starting 16-byte aligned
+        # (the compiled kernel may assume aligned inputs)
+        at_idx, at_ctx = _segment(b), _segment(b) + _segment(b * width)
+        packed = torch.empty(at_ctx + b * q_rows, dtype=torch.int32, device=device)
         kv_num_blocks = packed[:b].fill_(1).view(b, 1, 1)
-        kv_indices = packed[b : b + b * width].fill_(scratch_block).view(b, 1, 1, width)
-        ctx_lens = packed[b + b * width :].fill_(1).view(b, q_rows)
+        kv_indices = packed[at_idx : at_idx + b * width].fill_(scratch_block).view(b, 1, 1, width)
+        ctx_lens = packed[at_ctx:].fill_(1).view(b, q_rows)
         logical = torch.full((b, num_pool_blocks), -1, dtype=torch.int32, device=device)
 
         def mask_for(window: int | None) -> Any:
@@ -166,8 +168,9 @@ class FlexPagedStep:
         and each row's context length (Q values; padding rows 1). Sequences past len(tables)
         are padding."""
         b, w, q = self.num_seqs, self.width, self.q_rows
+        at_idx, at_ctx = _segment(b), _segment(b) + _segment(b * w)
         arr = self.staging.acquire(self.packed.numel())
-        nums, idx, ctx = arr[:b], arr[b : b + b * w], arr[b + b * w :]
+        nums, idx, ctx = arr[:b], arr[at_idx : at_idx + b * w], arr[at_ctx:]
         nums[:] = 1
         idx[:] = scratch_block
         ctx[:] = 1
@@ -216,6 +219,11 @@ class FlexPagedStep:
             enable_gqa=heads != k_pool.shape[0],
         )
         return out.transpose(1, 2).reshape(rows, heads, dim)
+
+
+def _segment(n: int) -> int:
+    """Elements (int32) from one packed buffer's start to the next one's: 16-byte aligned."""
+    return -(-n // 4) * 4
 
 
 def _drop_stale(table: Sequence[int], scratch_block: int) -> list[int]:

@@ -16,6 +16,7 @@ plain memcpy done when `copy_to` returns.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -64,6 +65,21 @@ class Staging:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
             self._events[self._current] = event
+
+    def pack(self, parts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Several index lists as tensors on the device, in one copy: views of one new device
+        tensor, each starting 16-byte aligned (compiled kernels may assume aligned inputs)."""
+        align = max(1, 16 // torch.empty((), dtype=self.dtype).element_size())
+        starts = [0]
+        for p in parts:
+            starts.append(starts[-1] + -(-len(p) // align) * align)
+        total = starts[-1]
+        arr = self.acquire(total)
+        for p, at in zip(parts, starts, strict=False):
+            arr[at : at + len(p)] = p
+        packed = torch.empty(max(1, total), dtype=self.dtype, device=self.device)
+        self.copy_to(packed[:total], total)
+        return [packed[at : at + len(p)] for p, at in zip(parts, starts, strict=False)]
 
 
 def to_device(values: Any, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:

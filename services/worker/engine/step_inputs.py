@@ -162,18 +162,7 @@ def _index_tensors(runner: ModelRunner, parts: tuple[list[int], ...]) -> list[to
     views of one device tensor; on CPU each is a tensor of its own (no copy at all)."""
     if runner.device.type != "cuda":
         return [torch.tensor(p, dtype=torch.long) for p in parts]
-    total = sum(len(p) for p in parts)
-    staging = runner.input_staging
-    arr = staging.acquire(total)
-    packed = torch.empty(max(1, total), dtype=torch.long, device=runner.device)
-    out: list[torch.Tensor] = []
-    at = 0
-    for p in parts:
-        arr[at : at + len(p)] = p
-        out.append(packed[at : at + len(p)])
-        at += len(p)
-    staging.copy_to(packed[:total], total)
-    return out
+    return runner.input_staging.pack(parts)
 
 
 def _seq_attention(

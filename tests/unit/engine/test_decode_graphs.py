@@ -549,3 +549,18 @@ def test_async_decode_steps_take_their_ids_from_the_device(tiny_bpe: Path, path:
     assert [g[: len(w)] for w, g in zip(want, got, strict=True)] == want and len(want[2]) == 9
     if path != "eager":
         assert static.graphs is not None and any(e.replays for e in static.graphs.buckets.values())
+
+
+def test_staging_packs_index_lists_into_one_copy() -> None:
+    """pinned.Staging (CUDA's eager step inputs; here on CPU): the lists come back as aligned
+    views of one tensor, buffers grow past their size, and a later step's lists (the other
+    buffer, then this one again) never change an earlier step's tensors."""
+    from services.worker.engine.pinned import Staging
+
+    staging = Staging(4, torch.long, torch.device("cpu"))
+    steps = [[[1, 2, 3], [4], [], [5, 6]], [list(range(9)), [7]], [[8, 9], [10, 11, 12]]]
+    got = [staging.pack(parts) for parts in steps]
+    for parts, tensors in zip(steps, got, strict=True):
+        assert [t.tolist() for t in tensors] == parts
+        assert all(t.data_ptr() % 16 == 0 for t in tensors if t.numel())
+        assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
