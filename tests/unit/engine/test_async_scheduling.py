@@ -40,7 +40,7 @@ async def _run(engine: Engine, eos: int, stop: int) -> list[list[RequestOutput]]
         greedy(30, ignore_eos=True, stop_token_ids=(stop,)),
         SamplingConfig(max_tokens=40, temperature=1.3, top_p=0.95, seed=5),
         SamplingConfig(max_tokens=40, temperature=1.5, top_k=50, seed=6, stop_token_ids=(eos + 7,)),
-        greedy(9),
+        greedy(20),  # ends at the EOS token set by _check_same_streams
     ]
     decoding = asyncio.Event()
 
@@ -90,12 +90,23 @@ async def test_cuda_async_scheduling_gives_the_same_streams(
     await _check_same_streams(sync, make_engine(device="cuda", dtype="float32"), monkeypatch)
 
 
+async def _probe(engine: Engine, prompt: tuple[int, ...]) -> list[int]:
+    return tokens_of(await collect(engine.add_request(request("probe", prompt, greedy(30, ignore_eos=True)))))
+
+
 async def _check_same_streams(sync: Engine, on: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    eos = sync.eos_token_ids[0]
-    probe_req = request("probe", PROMPTS[1], greedy(30, ignore_eos=True))
-    probe = tokens_of(await collect(sync.add_request(probe_req)))
+    probe = await _probe(sync, PROMPTS[1])
     stop = probe[len(probe) // 2]  # a token the greedy stream meets mid-run
+    # EOS: a token PROMPTS[4]'s greedy stream meets a few tokens in (the tiny model's own EOS
+    # may never come), set on both engines' ranks
+    probe = await _probe(sync, PROMPTS[4])
+    eos = next((t for t in probe[3:] if t not in probe[:3]), probe[-1])
+    for engine in (sync, on):
+        rank = engine._ranks[0]  # type: ignore[attr-defined]
+        rank.eos_token_ids = rank.scheduler.eos_token_ids = frozenset({eos})
     want = await _run(sync, eos, stop)
+    ended = want[4][-1].finish_reason
+    assert 3 <= len(tokens_of(want[4])) < 20 and ended is not None and ended.value == "stop"  # by EOS
     overlapped = _count_overlapped(on, monkeypatch)
     got = await _run(on, eos, stop)
     assert [tokens_of(o) for o in got] == [tokens_of(o) for o in want]
