@@ -252,6 +252,33 @@ def mixed_row(
     }
 
 
+def time_async_decode_steps(runner: Any, batch: int, context: int, steps: int = 16) -> float:
+    """Wall seconds per pure decode step in a pipelined loop, as the engine's async scheduling
+    runs them (ModelRunner.execute_async): step k+1 is queued, its input ids taken from step
+    k's draws on the device, before step k's ids are read back. The same sequences as
+    `time_decode_steps` (each step rewrites the same slot)."""
+    from services.worker.engine.api import SamplingConfig
+    from services.worker.engine.model_runner import ScheduledSeq
+
+    bs = runner.layout.block_size
+    per_seq = -(-(context + 1) // bs)
+    greedy = SamplingConfig(max_tokens=1, temperature=0.0)
+    seqs = [
+        ScheduledSeq([100 + i], context, list(range(i * per_seq, (i + 1) * per_seq)), True, greedy, None)
+        for i in range(batch)
+    ]
+    for _ in range(2):
+        runner.execute_async(seqs).tokens()
+    t0 = time.perf_counter()
+    pending = runner.execute_async(seqs)
+    for _ in range(steps - 1):
+        queued = runner.execute_async(seqs, pending.ids)
+        pending.tokens()
+        pending = queued
+    pending.tokens()
+    return (time.perf_counter() - t0) / steps
+
+
 def measure(
     model_path: str,
     device_name: str,
@@ -396,12 +423,15 @@ def measure(
             graph_rows = []
             for batch, r in zip(batches, rows, strict=True):
                 step, step_cpu = time_decode_steps(graphs, batch, context)
+                pipelined = time_async_decode_steps(graphs, batch, context)
                 graph_rows.append(
                     {
                         "seqs": batch,
                         "step_ms": round(step * 1e3, 3),
                         "step_cpu_ms": round(step_cpu * 1e3, 2),
                         "vs_floor": round(step * 1e3 / r["floor_ms"], 2),
+                        # per step in async scheduling's pipelined loop (--async-scheduling)
+                        "async_step_ms": round(pipelined * 1e3, 3),
                     }
                 )
             out[key] = graph_rows
@@ -472,5 +502,6 @@ def format_report(probe: dict[str, Any]) -> list[str]:
         lines.append(
             f"  {g['seqs']:>3} seqs as a CUDA graph: {g['step_ms']:7.2f} ms wall "
             f"({g['step_cpu_ms']:.2f} ms CPU): {g['vs_floor']:.2f}x its floor"
+            + (f"; pipelined (async scheduling) {g['async_step_ms']:.2f} ms" if "async_step_ms" in g else "")
         )
     return lines

@@ -195,7 +195,10 @@ class RankBuilder:
                 prior = calibrate(runner, cfg.num_speculative_tokens)
                 log.info("rank %d step cost (calibrated): %s", dp_rank, prior)
                 speculation.step_cost = StepCostModel(prior, prior_weight=_STEP_COST_PRIOR_WEIGHT)
-        rank = Rank(dp_rank, runner, blocks, scheduler, self.eos_token_ids, speculation)
+        overlap = cfg.async_scheduling if cfg.async_scheduling is not None else device.type == "cuda"
+        rank = Rank(
+            dp_rank, runner, blocks, scheduler, self.eos_token_ids, speculation, async_scheduling=overlap
+        )
         log.info(
             "rank %d ready: %s %s, %d KV blocks of %d tokens",
             dp_rank,

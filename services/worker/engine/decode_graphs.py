@@ -30,6 +30,11 @@ reads each sequence's blocks in place through block tables as wide as the longes
 captured at start cover every context. Without it (the torch-only fallback) a bucket also has
 NB blocks per sequence, gathered into a padded buffer (attention.py's BATCHED backend).
 
+A bucket's host-filled buffers are views of one tensor, filled from a reused staging buffer
+(pinned on CUDA, pinned.py) in one non-blocking copy per step; with async scheduling a decode
+step's input ids are then overwritten on the device by the previous step's draws (`run`'s
+`input_ids`), so the step needs no token from the host.
+
 On CPU the same static step runs eagerly (`capture=False`): the tests check padding, masking and
 the scratch block there, so only capture and replay need a GPU.
 """
@@ -46,8 +51,14 @@ import torch
 from services.worker.engine import attention, attention_batched
 from services.worker.engine.flex_paged import FlexPagedStep
 from services.worker.engine.lean_llama import LeanLlama
+from services.worker.engine.pinned import Staging, to_device
 
 _MIN_BLOCK_BUCKET = 4  # blocks per sequence in the smallest bucket (64 tokens at block size 16)
+
+
+def _segment(rows: int) -> int:
+    """Elements (int64) from one packed buffer's start to the next one's: 16-byte aligned."""
+    return -(-rows // 2) * 2
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -76,6 +87,8 @@ class _Bucket:
     logits: torch.Tensor | None = None  # [B * Q, vocab] the graph's output buffer
     graph: Any = None  # torch.cuda.CUDAGraph once captured
     replays: int = 0  # steps run on this bucket
+    packed: torch.Tensor | None = None  # the five host-filled buffers above, as one tensor
+    staging: Staging | None = None  # its host side (pinned on CUDA)
 
 
 @dataclass(frozen=True)
@@ -132,9 +145,11 @@ class DecodeGraphs:
         """Whether a sequence's part of a step can run here."""
         return 1 <= num_logits <= num_tokens <= self.max_q
 
-    def run(self, seqs: Sequence[DecodeSeq]) -> torch.Tensor:
+    def run(self, seqs: Sequence[DecodeSeq], input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [sum of num_logits, vocab] (each sequence's trailing rows, in order), K/V of
-        the new tokens written."""
+        the new tokens written. input_ids: decode steps only (one token per sequence), the
+        sequences' tokens as a device tensor [len(seqs)] (the previous step's drawn ids, async
+        scheduling), copied on the device over the host's placeholders."""
         b = len(seqs)
         bs = self.block_size
         need = max(-(-(s.position + len(s.token_ids)) // bs) for s in seqs)
@@ -143,6 +158,10 @@ class DecodeGraphs:
         key = (bucket(b), q, self._blocks_key(need))
         e = self.buckets.get(key) or self._new_bucket(*key)
         self._fill(e, seqs)
+        if input_ids is not None:
+            if q != 1:
+                raise ValueError("device-side input ids are for decode steps (one token per sequence)")
+            e.input_ids[:b].copy_(input_ids)
         if not self.capture:
             e.logits = self._step(e)
         elif e.graph is None:
@@ -160,7 +179,7 @@ class DecodeGraphs:
             for i, s in enumerate(seqs)
             for j in range(len(s.token_ids) - s.num_logits, len(s.token_ids))
         ]
-        return e.logits.index_select(0, torch.tensor(rows, device=self.device))
+        return e.logits.index_select(0, to_device(rows, self.device))
 
     @torch.inference_mode()
     def prepare(self, max_seqs: int, max_context_tokens: int) -> int:
@@ -192,19 +211,29 @@ class DecodeGraphs:
     def _new_bucket(self, b: int, q: int, nb: int) -> _Bucket:
         dev = self.device
         rows = b * q
+        # the host-filled buffers are views of one tensor: a step's values arrive in one copy
+        # (from a pinned staging buffer on CUDA, pinned.py). Layout: input_ids, positions, slots,
+        # ctx_lens [rows each, every one starting 16-byte aligned: compiled kernels may assume
+        # aligned inputs], block_table [b * nb]
+        seg = _segment(rows)
+        packed = torch.empty(4 * seg + b * nb, dtype=torch.long, device=dev)
         e = _Bucket(
-            input_ids=torch.zeros(rows, dtype=torch.long, device=dev),
-            positions=torch.zeros(rows, dtype=torch.long, device=dev),
+            input_ids=packed[:rows].zero_(),
+            positions=packed[seg : seg + rows].zero_(),
             # a new bucket is all padding: its first run (a capture at start) writes only the
             # scratch block
-            slots=torch.full((rows,), self.scratch_block * self.block_size, dtype=torch.long, device=dev),
-            ctx_lens=torch.ones(rows, dtype=torch.long, device=dev),
-            block_table=torch.full((b * nb,), self.scratch_block, dtype=torch.long, device=dev),
+            slots=packed[2 * seg : 2 * seg + rows].fill_(self.scratch_block * self.block_size),
+            ctx_lens=packed[3 * seg : 3 * seg + rows].fill_(1),
+            block_table=packed[4 * seg :].fill_(self.scratch_block),
             key_index=torch.arange(nb * self.block_size, device=dev),
             logits_idx=torch.arange(rows, device=dev),
             num_blocks=nb,
             q=q,
         )
+        e.packed = packed
+        # with FlexAttention only input_ids, positions and slots are read (the step's own
+        # buffers hold the tables and lengths), so only they are copied
+        e.staging = Staging(3 * seg if self.flex_blocks else packed.numel(), torch.long, dev)
         if self.flex_blocks:
             # compiled on CUDA (captured with the step); FlexAttention's reference elsewhere
             e.flex = FlexPagedStep.new(
@@ -222,51 +251,44 @@ class DecodeGraphs:
         return e
 
     def _fill(self, e: _Bucket, seqs: Sequence[DecodeSeq]) -> None:
-        """Host-side values of the step into the bucket's buffers (one copy each)."""
+        """Host-side values of the step into the bucket's buffers: written into a staging
+        buffer (pinned on CUDA) through a numpy view, then one copy."""
         bs, nb, q, scratch = self.block_size, e.num_blocks, e.q, self.scratch_block
         b = e.block_table.shape[0] // nb
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        ctx: list[int] = []
+        rows = b * q
+        flex = e.flex is not None
+        assert e.staging is not None and e.packed is not None
+        seg = _segment(rows)
+        numel = 3 * seg if flex else e.packed.numel()
+        arr = e.staging.acquire(numel)
+        ids, pos, slots = arr[:rows], arr[seg : seg + rows], arr[2 * seg : 2 * seg + rows]
+        ids[:] = 0
+        pos[:] = 0
+        slots[:] = scratch * bs
+        ctx: list[list[int]] = []  # per real sequence its Q rows' context lengths (padding: 1)
         tables: list[Sequence[int]] = []  # each sequence's blocks, covering its last row
-        for s in seqs:
+        for i, s in enumerate(seqs):
             n = len(s.token_ids)
-            ids.extend(s.token_ids)
-            for p in range(s.position, s.position + n):
-                pos.append(p)
-                slots.append(s.block_ids[p // bs] * bs + p % bs)
-                ctx.append(p + 1)
-            pad = q - n
-            ids.extend([0] * pad)
-            pos.extend([0] * pad)
-            slots.extend([scratch * bs] * pad)
-            ctx.extend([1] * pad)
+            r = i * q
+            lens = [1] * q
+            for j in range(n):
+                p = s.position + j
+                ids[r + j] = s.token_ids[j]
+                pos[r + j] = p
+                slots[r + j] = s.block_ids[p // bs] * bs + p % bs
+                lens[j] = p + 1
+            ctx.append(lens)
             tables.append(s.block_ids[: -(-(s.position + n) // bs)])
-        pad_rows = (b - len(seqs)) * q
-        ids.extend([0] * pad_rows)
-        pos.extend([0] * pad_rows)
-        slots.extend([scratch * bs] * pad_rows)
-        ctx.extend([1] * pad_rows)
         if e.flex is not None:  # it pads the tables itself (to the width of a whole sequence)
-            e.flex.fill(tables, [ctx[i * q : (i + 1) * q] for i in range(len(seqs))], scratch)
-            buffers: tuple[tuple[torch.Tensor, list[int]], ...] = (
-                (e.input_ids, ids),
-                (e.positions, pos),
-                (e.slots, slots),
-            )
+            e.flex.fill(tables, ctx, scratch)
         else:
-            table = [x for t in tables for x in (*t, *[scratch] * (nb - len(t)))]
-            table.extend([scratch] * (nb * (b - len(seqs))))
-            buffers = (
-                (e.input_ids, ids),
-                (e.positions, pos),
-                (e.slots, slots),
-                (e.ctx_lens, ctx),
-                (e.block_table, table),
-            )
-        for buf, values in buffers:
-            buf.copy_(torch.tensor(values, dtype=torch.long), non_blocking=True)
+            ctx_arr, table_arr = arr[3 * seg : 3 * seg + rows], arr[4 * seg :]
+            ctx_arr[:] = 1
+            table_arr[:] = scratch
+            for i, (t, lens) in enumerate(zip(tables, ctx, strict=True)):
+                ctx_arr[i * q : (i + 1) * q] = lens
+                table_arr[i * nb : i * nb + len(t)] = t
+        e.staging.copy_to(e.packed[:numel], numel)
 
     def _step(self, e: _Bucket) -> torch.Tensor:
         """The lean forward on the bucket's buffers; only device ops (capturable)."""

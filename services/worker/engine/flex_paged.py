@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from services.worker.engine.pinned import Staging
+
 log = logging.getLogger(__name__)
 
 
@@ -94,6 +96,8 @@ class FlexPagedStep:
     # FlexAttention's BlockMask over these buffers, per attention window (None: full attention)
     block_masks: dict[int | None, Any]
     compiled: bool  # the Triton kernel (CUDA); False: FlexAttention's reference (any device)
+    packed: torch.Tensor  # kv_num_blocks, kv_indices and ctx_lens as one flat tensor (views)
+    staging: Staging  # its host side (pinned on CUDA)
 
     @staticmethod
     def new(
@@ -113,9 +117,14 @@ class FlexPagedStep:
         from torch.nn.attention.flex_attention import BlockMask
 
         b, bs = num_seqs, block_size
-        kv_num_blocks = torch.ones((b, 1, 1), dtype=torch.int32, device=device)
-        kv_indices = torch.full((b, 1, 1, width), scratch_block, dtype=torch.int32, device=device)
-        ctx_lens = torch.ones((b, q_rows), dtype=torch.int32, device=device)
+        # the host-filled buffers are views of one int32 tensor (one copy per step, pinned.py):
+        # kv_num_blocks [B], kv_indices [B * W], ctx_lens [B * Q], each starting 16-byte aligned
+        # (the compiled kernel may assume aligned inputs)
+        at_idx, at_ctx = _segment(b), _segment(b) + _segment(b * width)
+        packed = torch.empty(at_ctx + b * q_rows, dtype=torch.int32, device=device)
+        kv_num_blocks = packed[:b].fill_(1).view(b, 1, 1)
+        kv_indices = packed[at_idx : at_idx + b * width].fill_(scratch_block).view(b, 1, 1, width)
+        ctx_lens = packed[at_ctx:].fill_(1).view(b, q_rows)
         logical = torch.full((b, num_pool_blocks), -1, dtype=torch.int32, device=device)
 
         def mask_for(window: int | None) -> Any:
@@ -138,7 +147,18 @@ class FlexPagedStep:
 
         masks = {w: mask_for(w) for w in (None, *windows)}
         return FlexPagedStep(
-            b, q_rows, width, bs, kv_num_blocks, kv_indices, ctx_lens, logical, masks, compiled
+            b,
+            q_rows,
+            width,
+            bs,
+            kv_num_blocks,
+            kv_indices,
+            ctx_lens,
+            logical,
+            masks,
+            compiled,
+            packed,
+            Staging(packed.numel(), torch.int32, torch.device(device)),
         )
 
     def fill(
@@ -147,27 +167,24 @@ class FlexPagedStep:
         """Host values of a step: per real sequence its block table (covering its longest row)
         and each row's context length (Q values; padding rows 1). Sequences past len(tables)
         are padding."""
-        b, w = self.num_seqs, self.width
-        nums: list[int] = []
-        idx: list[int] = []
-        ctx: list[int] = []
+        b, w, q = self.num_seqs, self.width, self.q_rows
+        at_idx, at_ctx = _segment(b), _segment(b) + _segment(b * w)
+        arr = self.staging.acquire(self.packed.numel())
+        nums, idx, ctx = arr[:b], arr[at_idx : at_idx + b * w], arr[at_ctx:]
+        nums[:] = 1
+        idx[:] = scratch_block
+        ctx[:] = 1
         windowed = len(self.block_masks) > 1
-        for table, lens in zip(tables, ctx_lens, strict=True):
+        for i, (table, lens) in enumerate(zip(tables, ctx_lens, strict=True)):
             if windowed and len(set(table)) != len(table):
                 table = _drop_stale(table, scratch_block)
             n = len(table)
             if n > w:
                 raise ValueError(f"a block table of {n} blocks exceeds the bucket's {w}")
-            nums.append(n)
-            idx.extend(table)
-            idx.extend([scratch_block] * (w - n))
-            ctx.extend(lens)
-        pad = b - len(tables)
-        nums.extend([1] * pad)
-        idx.extend([scratch_block] * (w * pad))
-        ctx.extend([1] * (self.q_rows * pad))
-        for buf, values in ((self.kv_num_blocks, nums), (self.kv_indices, idx), (self.ctx_lens, ctx)):
-            buf.copy_(torch.tensor(values, dtype=buf.dtype).view(buf.shape), non_blocking=True)
+            nums[i] = n
+            idx[i * w : i * w + n] = table
+            ctx[i * q : (i + 1) * q] = lens
+        self.staging.copy_to(self.packed, self.packed.numel())
 
     def prepare(self) -> None:
         """Device-side, once per step before the layers (capturable): the physical-to-logical
@@ -202,6 +219,11 @@ class FlexPagedStep:
             enable_gqa=heads != k_pool.shape[0],
         )
         return out.transpose(1, 2).reshape(rows, heads, dim)
+
+
+def _segment(n: int) -> int:
+    """Elements (int32) from one packed buffer's start to the next one's: 16-byte aligned."""
+    return -(-n // 4) * 4
 
 
 def _drop_stale(table: Sequence[int], scratch_block: int) -> list[int]:

@@ -22,12 +22,13 @@ from services.worker.engine.attention import AttentionBackend
 from services.worker.engine.backend import BackendOptions, ModelBackend
 from services.worker.engine.decode_graphs import DecodeGraphs, DecodeSeq
 from services.worker.engine.lean_llama import LeanLlama
+from services.worker.engine.pinned import Staging, to_device
 from services.worker.engine.sampler import (
     TokenHistory,
     apply_allowed,
     prompt_logprobs,
     sample,
-    sample_with_logprobs,
+    sample_with_logprobs_to_host,
 )
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,35 @@ class ScheduledSeq:
     prompt_offset: int = 0  # index in token_ids of the first position with a prompt target
     # filled by the runner: one entry per prompt_targets token
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+@dataclass
+class PendingSample:
+    """A step's drawn ids on their way to the host (async scheduling): on CUDA a non-blocking
+    copy into pinned memory and an event recorded after it, so the host can prepare the next
+    step meanwhile; on CPU the ids are already there."""
+
+    ids: torch.Tensor  # [n] long on the device: the next step's input ids
+    host: torch.Tensor  # [n] long on the host (pinned on CUDA), valid once `event` completed
+    event: Any  # torch.cuda.Event, or None (CPU)
+    seqs: list[ScheduledSeq]
+
+    @staticmethod
+    def start(ids: torch.Tensor, seqs: list[ScheduledSeq]) -> PendingSample:
+        if ids.device.type != "cuda":
+            return PendingSample(ids, ids, None, seqs)
+        host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+        host.copy_(ids, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(ids.device))
+        return PendingSample(ids, host, event, seqs)
+
+    def tokens(self) -> list[list[int]]:
+        """Each seq's drawn token, once the step is done (waits for it: the step's one
+        device-to-host copy)."""
+        if self.event is not None:
+            self.event.synchronize()
+        return _split([int(t) for t in self.host.tolist()], self.seqs)
 
 
 class ModelRunner:
@@ -133,6 +163,8 @@ class ModelRunner:
             if lean
             else None
         )
+        # eager steps' index inputs on CUDA: one pinned buffer, grown as needed (step_inputs.py)
+        self.input_staging = Staging(4096, torch.long, device)
         # FlexAttention's block tables: as wide as the longest sequence (or the whole pool)
         table_blocks = -(-max_model_len // layout.block_size) if max_model_len > 0 else num_blocks
         self.graphs = (
@@ -211,6 +243,32 @@ class ModelRunner:
         assert logits is not None  # [sum(counts), vocab]
         return _sample(logits, sampled_seqs)
 
+    @torch.inference_mode()
+    def execute_async(self, seqs: list[ScheduledSeq], input_ids: torch.Tensor | None = None) -> PendingSample:
+        """A decode step (async scheduling, rank.py) queued on the device: every seq one new
+        token, sampled, without logprobs or prompt logprobs. Returns at once with the drawn ids
+        on their way to the host (`PendingSample.tokens` waits for them). input_ids: the seqs'
+        tokens as a device tensor [len(seqs)] (the previous step's `PendingSample.ids`, whose
+        rows are these seqs in order): their token_ids are then placeholders."""
+        if not all(
+            len(s.token_ids) == 1 and s.sample and not s.prompt_targets and s.sampling.logprobs is None
+            for s in seqs
+        ):
+            raise ValueError("execute_async runs decode steps without logprobs")
+        graphs = self.graphs
+        if graphs is not None and all(graphs.fits(1, s.num_logits) for s in seqs):
+            logits = graphs.run([DecodeSeq(s.token_ids, s.start_pos, s.block_ids) for s in seqs], input_ids)
+        else:
+            ids, positions, meta, logits_idx = self._build_metadata(seqs)
+            meta.verify_variants = self._verify_variants
+            if input_ids is not None:
+                # every sequence has one token, so the packed rows are the seqs in order
+                ids[0, : len(seqs)].copy_(input_ids)
+            out = self._forward(ids, positions, meta, logits_idx)
+            assert out is not None
+            logits = out
+        return PendingSample.start(_draw(logits, seqs), seqs)
+
     def _execute_with_prompt_logprobs(
         self,
         seqs: list[ScheduledSeq],
@@ -231,7 +289,7 @@ class ModelRunner:
             if s.prompt_targets:
                 first = last - len(s.token_ids) + 1 + s.prompt_offset
                 prompt_rows.extend(range(first, first + len(s.prompt_targets)))
-        idx = torch.tensor(sample_rows + prompt_rows, device=last_rows.device)
+        idx = to_device(sample_rows + prompt_rows, last_rows.device)
         logits = self._forward(input_ids, positions, meta, idx)
         assert logits is not None
         prompt_seqs = [s for s in with_rows if s.prompt_targets]
@@ -323,8 +381,11 @@ class ModelRunner:
             pool[layer].index_copy_(2, idx, arr[j])
 
 
-def _sample(logits: torch.Tensor, sampled_seqs: list[ScheduledSeq]) -> list[list[int]]:
-    """logits [sum of num_logits, vocab], each sequence's rows in order -> its drawn tokens."""
+def _sampler_inputs(
+    logits: torch.Tensor, sampled_seqs: list[ScheduledSeq]
+) -> tuple[torch.Tensor, list[Any], list[Any], list[int | None], list[Any]]:
+    """Per sampled row its parameters, generator, seed and history; logits with the structured
+    outputs' masks applied."""
     params = [s.sampling for s in sampled_seqs for _ in range(s.num_logits)]
     gens = [s.generator for s in sampled_seqs for _ in range(s.num_logits)]
     seeds = [
@@ -342,16 +403,35 @@ def _sample(logits: torch.Tensor, sampled_seqs: list[ScheduledSeq]) -> list[list
             s.allowed[j] if s.allowed is not None else None for s in sampled_seqs for j in range(s.num_logits)
         ]
         logits = apply_allowed(logits, masks)
-    if any(p.logprobs is not None for p in params):
-        drawn, logprobs = sample_with_logprobs(logits, params, gens, seeds, histories)
-    else:
-        drawn, logprobs = sample(logits, params, gens, seeds, histories), []
-    flat = [int(t) for t in drawn.tolist()]
+    return logits, params, gens, seeds, histories
+
+
+def _draw(logits: torch.Tensor, sampled_seqs: list[ScheduledSeq]) -> torch.Tensor:
+    """The drawn ids [sum of num_logits] on the logits' device (no logprobs: `_sample`)."""
+    logits, params, gens, seeds, histories = _sampler_inputs(logits, sampled_seqs)
+    return sample(logits, params, gens, seeds, histories)
+
+
+def _split(flat: list[int], sampled_seqs: list[ScheduledSeq]) -> list[list[int]]:
+    """Flat drawn ids -> each sequence's num_logits tokens."""
     tokens: list[list[int]] = []
     pos = 0
     for s in sampled_seqs:
         tokens.append(flat[pos : pos + s.num_logits])
-        if logprobs:
-            s.logprobs = [lp for lp in logprobs[pos : pos + s.num_logits] if lp is not None]
         pos += s.num_logits
     return tokens
+
+
+def _sample(logits: torch.Tensor, sampled_seqs: list[ScheduledSeq]) -> list[list[int]]:
+    """logits [sum of num_logits, vocab], each sequence's rows in order -> its drawn tokens,
+    each sequence's logprobs filled when asked. The step's one device-to-host copy: the drawn
+    ids (with their logprobs, packed, when asked)."""
+    if not any(s.sampling.logprobs is not None for s in sampled_seqs):
+        return _split([int(t) for t in _draw(logits, sampled_seqs).tolist()], sampled_seqs)
+    logits, params, gens, seeds, histories = _sampler_inputs(logits, sampled_seqs)
+    _, flat, logprobs = sample_with_logprobs_to_host(logits, params, gens, seeds, histories)
+    pos = 0
+    for s in sampled_seqs:
+        s.logprobs = [lp for lp in logprobs[pos : pos + s.num_logits] if lp is not None]
+        pos += s.num_logits
+    return _split(flat, sampled_seqs)

@@ -115,5 +115,12 @@ class EngineOptions(BackendOptions, SpecOptions):
         0, "Tokens per forward pass (decode + prefill chunks); 0 = 512 on CPU, 2048 on CUDA"
     )
     max_num_seqs: int = field(64, "Running requests per rank")
+    async_scheduling: bool | None = field(
+        None,
+        "Schedule and launch the next decode step while the device runs the current one (its "
+        "input ids come from the current step's draws on the device; outputs unchanged); off for "
+        "steps with prefill chunks, aborts, logprobs, penalties, min_tokens, structured output "
+        "and with speculative decoding (engine/rank.py). Default (unset): on for CUDA, off on CPU",
+    )
     max_model_len: int = field(0, "Longest prompt + generation (tokens); 0 = the model's limit")
     torch_threads: int = field(0, "torch intra-op threads; 0 = torch default")

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from services.worker.engine.api import SamplingConfig, TokenLogprobs
+from services.worker.engine.pinned import to_device
 
 
 @dataclass(frozen=True)
@@ -67,9 +68,11 @@ def apply_allowed(logits: torch.Tensor, masks: Sequence[torch.Tensor | None]) ->
         assert mask is not None
         n = min(vocab, mask.shape[0])
         allowed[k, :n] = mask[:n]
-    idx = torch.tensor(rows, device=logits.device)
+    idx = to_device(rows, logits.device)
     out = logits.clone()
-    out[idx] = out[idx].masked_fill(~allowed.to(logits.device), float("-inf"))
+    if logits.device.type == "cuda":  # no synchronizing copy from pageable memory
+        allowed = allowed.pin_memory().to(logits.device, non_blocking=True)
+    out[idx] = out[idx].masked_fill(~allowed, float("-inf"))
     return out
 
 
@@ -99,14 +102,14 @@ def process_logits(
             ban_ids.extend(ids)
     if ban_rows:
         out = writable()
-        rows_t, ids_t = torch.tensor(ban_rows, device=device), torch.tensor(ban_ids, device=device)
+        rows_t, ids_t = to_device(ban_rows, device), to_device(ban_ids, device)
         kept = out[rows_t, ids_t]
         out[rows_t, ids_t] = float("-inf")
         # a row left with no token at all (a structured output that may only end now) ends:
         # the constraint wins over min_tokens
+        # (no host read: the kept values are written back where the row died)
         dead = ~torch.isfinite(out[rows_t]).any(dim=-1)
-        if bool(dead.any()):
-            out[rows_t[dead], ids_t[dead]] = kept[dead]
+        out[rows_t, ids_t] = torch.where(dead, kept, out[rows_t, ids_t])
 
     # logit_bias: sparse (row, token, bias) triples added in one indexed op
     bias_rows: list[int] = []
@@ -121,8 +124,8 @@ def process_logits(
     if bias_rows:
         out = writable()
         out.index_put_(
-            (torch.tensor(bias_rows, device=device), torch.tensor(bias_ids, device=device)),
-            torch.tensor(bias_vals, device=device, dtype=out.dtype),
+            (to_device(bias_rows, device), to_device(bias_ids, device)),
+            to_device(bias_vals, device, out.dtype),
             accumulate=True,
         )
 
@@ -150,14 +153,14 @@ def process_logits(
                 out_parts.append(_flat_ids(h.output_token_ids, i, vocab, device))
         if seen_parts:
             seen = torch.unique(torch.cat(seen_parts))
-            rep = torch.tensor([p.repetition_penalty for p in params], device=device, dtype=out.dtype)
+            rep = to_device([p.repetition_penalty for p in params], device, out.dtype)
             rep_of = rep[seen // vocab]
             vals = flat[seen]
             flat[seen] = torch.where(vals > 0, vals / rep_of, vals * rep_of)
         if out_parts:
             occurring, counts = torch.unique(torch.cat(out_parts), return_counts=True)
-            freq = torch.tensor([p.frequency_penalty for p in params], device=device, dtype=out.dtype)
-            pres = torch.tensor([p.presence_penalty for p in params], device=device, dtype=out.dtype)
+            freq = to_device([p.frequency_penalty for p in params], device, out.dtype)
+            pres = to_device([p.presence_penalty for p in params], device, out.dtype)
             row_of = occurring // vocab
             flat[occurring] -= freq[row_of] * counts.to(out.dtype) + pres[row_of]
     return out
@@ -166,7 +169,7 @@ def process_logits(
 def _flat_ids(token_ids: Sequence[int], row: int, vocab: int, device: torch.device) -> torch.Tensor:
     """Indices into a flattened [n, vocab] tensor of row `row`'s tokens (ids outside the
     vocabulary dropped)."""
-    ids = torch.tensor(token_ids, dtype=torch.long, device=device)
+    ids = to_device(list(token_ids), device, torch.long)
     ids = ids[(ids >= 0) & (ids < vocab)]
     return ids + row * vocab
 
@@ -198,6 +201,20 @@ def sample_with_logprobs(
     a sampled row's log_softmax after min_tokens, logit_bias, penalties, temperature, top-k and
     top-p (tokens those cut off have -inf); a greedy row's log_softmax after min_tokens,
     logit_bias and penalties (temperature, top-k and top-p do not change an argmax)."""
+    tokens, _, result = sample_with_logprobs_to_host(logits, params, generators, seeds, histories)
+    return tokens, result
+
+
+def sample_with_logprobs_to_host(
+    logits: torch.Tensor,
+    params: Sequence[SamplingConfig],
+    generators: Sequence[torch.Generator | None],
+    seeds: Sequence[int | None] | None = None,
+    histories: Sequence[TokenHistory | None] | None = None,
+) -> tuple[torch.Tensor, list[int], list[TokenLogprobs | None]]:
+    """`sample_with_logprobs` with the drawn tokens on the host too: the tokens and every
+    logprob travel in one device-to-host copy (packed as float64, exact for token ids and
+    float32 logprobs)."""
     processed = process_logits(logits.float(), params, histories)
     greedy = [p.temperature <= 0.0 for p in params]
     scaled = None if all(greedy) else scaled_logits(processed, params)
@@ -205,26 +222,32 @@ def sample_with_logprobs(
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     result: list[TokenLogprobs | None] = [None] * len(params)
     if not rows:
-        return tokens, result
-    idx = torch.tensor(rows, device=logits.device)
+        return tokens, [int(t) for t in tokens.tolist()], result
+    idx = to_device(rows, logits.device)
     if scaled is None or all(greedy[i] for i in rows):
         dist = processed.index_select(0, idx)
     elif not any(greedy[i] for i in rows):
         dist = scaled.index_select(0, idx)
     else:
-        use_scaled = torch.tensor([not greedy[i] for i in rows], device=logits.device)[:, None]
+        use_scaled = to_device([not greedy[i] for i in rows], logits.device)[:, None]
         dist = torch.where(use_scaled, scaled.index_select(0, idx), processed.index_select(0, idx))
     logp = dist.log_softmax(dim=-1)
     chosen = logp.gather(1, tokens.index_select(0, idx)[:, None])[:, 0]
     max_k = max(params[i].logprobs or 0 for i in rows)
     top_vals, top_ids = logp.topk(max_k, dim=-1) if max_k > 0 else (logp[:, :0], logp[:, :0].long())
-    chosen_l, vals_l, ids_l = chosen.tolist(), top_vals.tolist(), top_ids.tolist()
-    tokens_l = tokens.index_select(0, idx).tolist()
+    n, r = len(params), len(rows)
+    packed = torch.cat(
+        [t.reshape(-1).double() for t in (tokens, chosen, top_vals, top_ids)]
+    ).tolist()  # the one copy: n tokens, r chosen logprobs, r x max_k values, r x max_k ids
+    tokens_l = [int(t) for t in packed[:n]]
+    chosen_l = packed[n : n + r]
+    vals_at, ids_at = n + r, n + r + r * max_k
     for k, i in enumerate(rows):
-        n = params[i].logprobs or 0
-        top = tuple(zip(ids_l[k][:n], vals_l[k][:n], strict=True))
-        result[i] = TokenLogprobs(int(tokens_l[k]), float(chosen_l[k]), top)
-    return tokens, result
+        m = params[i].logprobs or 0
+        vals = packed[vals_at + k * max_k : vals_at + k * max_k + m]
+        ids = [int(t) for t in packed[ids_at + k * max_k : ids_at + k * max_k + m]]
+        result[i] = TokenLogprobs(tokens_l[i], float(chosen_l[k]), tuple(zip(ids, vals, strict=True)))
+    return tokens, tokens_l, result
 
 
 def sample_logits(
@@ -247,8 +270,10 @@ def sample_logits(
     probs = scaled.softmax(dim=-1)
     noise = torch.empty_like(probs)
     unseeded = [i for i, g in enumerate(generators) if g is None]
-    if unseeded:
-        noise[unseeded] = torch.empty(len(unseeded), vocab, device=device).exponential_()
+    if len(unseeded) == len(generators):
+        noise.exponential_()
+    elif unseeded:
+        noise[to_device(unseeded, device)] = torch.empty(len(unseeded), vocab, device=device).exponential_()
     for i, g in enumerate(generators):
         if g is not None:
             seed = seeds[i] if seeds is not None else None
@@ -256,7 +281,7 @@ def sample_logits(
                 g.manual_seed(seed)
             noise[i].exponential_(generator=g)
     sampled = (probs / noise).argmax(dim=-1)
-    greedy_mask = torch.tensor(greedy, device=device)
+    greedy_mask = to_device(greedy, device)
     return torch.where(greedy_mask, logits.argmax(dim=-1), sampled)
 
 
@@ -265,22 +290,22 @@ def scaled_logits(logits: torch.Tensor, params: Sequence[SamplingConfig]) -> tor
     tokens outside top-k and top-p at -inf: the distribution a sampled row draws from."""
     vocab = logits.shape[1]
     device = logits.device
-    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
+    temps = to_device([p.temperature if p.temperature > 0 else 1.0 for p in params], device)
     scaled = logits / temps[:, None]
     top_ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     if any(top_ks):
         max_k = max(top_ks)
-        kth_idx = torch.tensor([k - 1 if k else max_k - 1 for k in top_ks], device=device)
+        kth_idx = to_device([k - 1 if k else max_k - 1 for k in top_ks], device)
         top_vals = scaled.topk(max_k, dim=-1).values
         kth = top_vals.gather(1, kth_idx[:, None])
-        apply = torch.tensor([k > 0 for k in top_ks], device=device)[:, None]
+        apply = to_device([k > 0 for k in top_ks], device)[:, None]
         scaled = scaled.masked_fill(apply & (scaled < kth), float("-inf"))
     top_ps = [p.top_p for p in params]
     if any(0.0 < tp < 1.0 for tp in top_ps):
         sorted_logits, sorted_idx = scaled.sort(dim=-1, descending=True)
         probs_sorted = sorted_logits.softmax(dim=-1)
         cum = probs_sorted.cumsum(dim=-1)
-        tp = torch.tensor([t if 0.0 < t < 1.0 else 1.0 for t in top_ps], device=device)
+        tp = to_device([t if 0.0 < t < 1.0 else 1.0 for t in top_ps], device)
         # drop a token when the mass before it already reaches top_p (the first always stays)
         drop = (cum - probs_sorted) >= tp[:, None]
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
@@ -310,7 +335,7 @@ def _prompt_logprobs_rows(
     logits: torch.Tensor, targets: Sequence[int], ks: Sequence[int]
 ) -> list[TokenLogprobs]:
     logp = logits.float().log_softmax(dim=-1)
-    idx = torch.tensor(list(targets), dtype=torch.long, device=logits.device)
+    idx = to_device(list(targets), logits.device, torch.long)
     chosen = logp.gather(1, idx[:, None])[:, 0].tolist()
     max_k = max(ks)
     top_vals, top_ids = logp.topk(max_k, dim=-1) if max_k > 0 else (logp[:, :0], logp[:, :0].long())

@@ -13,6 +13,10 @@ iteration of the step loop plans, runs and applies.
 
 Everything but `runner.execute` and the draft model's passes runs under the rank's lock
 (rank.py). With speculation off, `speculation` is spec/speculation.NoSpeculation.
+
+With async scheduling (rank.py) a decode step runs as `runner.execute_async(batch, input_ids)`
+instead: step N+1 is planned and queued before step N's tokens are applied, and its snapshots
+hold placeholder tokens (the device copies N's drawn ids into its input).
 """
 
 from __future__ import annotations

@@ -74,12 +74,15 @@ def build(
             torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.int64),
             torch.tensor([a.ctx_len for a in attn[: len(decode_idx)]], dtype=torch.int64),
         )
+    ids_t, pos_t, slots_t, logits_t, decode_t = _index_tensors(
+        runner, (input_ids, positions, slots, logits_idx, decode_idx)
+    )
     meta = attention.PagedAttentionMetadata(
         kv_cache=runner.kv_cache,
         block_size=bs,
-        slots=torch.tensor(slots, device=dev),
+        slots=slots_t,
         seqs=attn,
-        decode_idx=torch.tensor(decode_idx, device=dev) if decode_idx else None,
+        decode_idx=decode_t if decode_idx else None,
         num_decode=len(decode_idx),
         decode_spans=spans,
         layer_windows=runner.layer_windows,
@@ -97,12 +100,7 @@ def build(
         if spans is not None:
             starts = torch.tensor([a.first_key for a in w_attn[: len(decode_idx)]], dtype=torch.int64)
         meta.windowed[window] = dataclasses.replace(meta, seqs=w_attn, decode_starts=starts, windowed={})
-    return (
-        torch.tensor([input_ids], device=dev),
-        torch.tensor([positions], device=dev),
-        meta,
-        torch.tensor(logits_idx, device=dev),
-    )
+    return ids_t[None], pos_t[None], meta, logits_t
 
 
 def _build_batched(
@@ -139,10 +137,11 @@ def _build_batched(
         ]
 
     logits_idx = [last_pos[i] for i, s in enumerate(seqs) if s.sample or s.prompt_targets]
+    ids_t, pos_t, slots_t, logits_t = _index_tensors(runner, (input_ids, positions, slots, logits_idx))
     meta = attention.PagedAttentionMetadata(
         kv_cache=runner.kv_cache,
         block_size=bs,
-        slots=torch.tensor(slots, device=dev),
+        slots=slots_t,
         seqs=[],
         decode_idx=None,
         num_decode=0,
@@ -154,12 +153,16 @@ def _build_batched(
         meta.windowed[window] = (
             meta if max_ctx <= window else dataclasses.replace(meta, groups=groups_for(window), windowed={})
         )
-    return (
-        torch.tensor([input_ids], device=dev),
-        torch.tensor([positions], device=dev),
-        meta,
-        torch.tensor(logits_idx, device=dev),
-    )
+    return ids_t[None], pos_t[None], meta, logits_t
+
+
+def _index_tensors(runner: ModelRunner, parts: tuple[list[int], ...]) -> list[torch.Tensor]:
+    """The step's index lists as long tensors on the runner's device. On CUDA they are written
+    into the runner's pinned staging buffer (pinned.py) and arrive in one non-blocking copy, as
+    views of one device tensor; on CPU each is a tensor of its own (no copy at all)."""
+    if runner.device.type != "cuda":
+        return [torch.tensor(p, dtype=torch.long) for p in parts]
+    return runner.input_staging.pack(parts)
 
 
 def _seq_attention(

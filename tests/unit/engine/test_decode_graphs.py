@@ -6,6 +6,7 @@ static step runs eagerly; on CUDA it is captured and replayed as a CUDA graph (g
 from __future__ import annotations
 
 import random
+import sys
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -427,3 +428,139 @@ async def test_cuda_graph_verify_steps_match_cpu(make_engine: EngineFactory) -> 
     assert graphs is not None and graphs.capture
     assert any(q == 6 and e.replays for (_, q, _), e in graphs.buckets.items())
     assert gpu.num_free_blocks(0) == gpu.num_total_blocks(0)
+
+
+_NO_SYNC_SAMPLING = (
+    GREEDY,
+    SamplingConfig(max_tokens=1, temperature=0.8, top_p=0.9, seed=7),
+    SamplingConfig(max_tokens=1, temperature=1.2, top_k=5, seed=8),
+)
+
+
+def _no_sync_decode_seqs(device: torch.device) -> list[ScheduledSeq]:
+    return [
+        ScheduledSeq(
+            token_ids=[5 + i],
+            start_pos=6,
+            block_ids=[10 + 2 * i, 11 + 2 * i],
+            sample=True,
+            sampling=sp,
+            generator=torch.Generator(device=device) if sp.seed is not None else None,
+            draw_seeds=(sp.seed,) if sp.seed is not None else (),
+        )
+        for i, sp in enumerate(_NO_SYNC_SAMPLING)
+    ]
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["torch", "flex"])
+def test_a_decode_step_reads_back_only_the_sampled_ids(
+    tiny_bpe: Path, monkeypatch: pytest.MonkeyPatch, fused: bool
+) -> None:
+    """Issue 31 item 4: a static decode step (greedy, seeded temperature / top-p / top-k, no
+    logprobs) reads nothing of a tensor on the host but the drawn ids, once, and builds no
+    tensor from a host list on the device (on CUDA a pageable copy that waits for the GPU):
+    guarded on CPU by failing every such call."""
+    _, static = _runners(tiny_bpe, torch.device("cpu"), fused=fused)
+    seqs = _no_sync_decode_seqs(torch.device("cpu"))
+    want = static.execute(seqs)  # the bucket exists; the guarded step reuses it
+    reads: list[int] = []
+    real_tolist, real_tensor = torch.Tensor.tolist, torch.tensor
+
+    def tolist(t: torch.Tensor) -> Any:
+        reads.append(t.numel())
+        return real_tolist(t)
+
+    def forbidden(*_: Any, **__: Any) -> Any:
+        raise AssertionError("a host read of a tensor's value in a decode step")
+
+    def tensor(*args: Any, **kwargs: Any) -> torch.Tensor:
+        # ours only: the CPU reference of FlexAttention (compiled away on CUDA) builds some
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        assert kwargs.get("device") is None or not caller.startswith("services."), (
+            f"{caller} built a tensor from a host list on the device"
+        )
+        return real_tensor(*args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+    monkeypatch.setattr(torch.Tensor, "item", forbidden)
+    monkeypatch.setattr(torch.Tensor, "__bool__", forbidden)
+    monkeypatch.setattr(torch.Tensor, "nonzero", forbidden)
+    monkeypatch.setattr(torch, "tensor", tensor)
+    assert static.execute(seqs) == want  # seeded draws repeat
+    assert reads == [len(seqs)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_graph_decode_step_never_synchronizes(tiny_bpe: Path) -> None:
+    """The same step as a CUDA graph replay with FlexAttention: filling its inputs, the replay
+    and the draw queue no synchronizing call (torch's sync debug mode raises on one); only the
+    drawn ids' copy back waits for the GPU."""
+    from services.worker.engine.model_runner import _draw
+
+    cuda = torch.device("cuda")
+    _, static = _runners(tiny_bpe, cuda, fused=None)
+    seqs = _no_sync_decode_seqs(cuda)
+    graphs = static.graphs
+    assert graphs is not None
+    decode = [DecodeSeq(s.token_ids, s.start_pos, s.block_ids) for s in seqs]
+    want = static.execute(seqs)  # captures the bucket
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        drawn = _draw(graphs.run(decode), seqs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert [[int(t)] for t in drawn.tolist()] == want
+
+
+@pytest.mark.parametrize("path", ["eager", "static", "flex"])
+def test_async_decode_steps_take_their_ids_from_the_device(tiny_bpe: Path, path: str) -> None:
+    """Async scheduling's runner side (ModelRunner.execute_async): decode steps whose input ids
+    are the previous step's draws on the device (the host's token ids are placeholders) give the
+    tokens of steps built from the host's ids, on the eager and the static (torch, FlexAttention)
+    paths."""
+    plain, static = _runners(tiny_bpe, torch.device("cpu"), fused=path == "flex")
+    runner = plain if path == "eager" else static
+    prompts = [list(range(7, 7 + n)) for n in (3, 9, 14)]
+    tables = [[90, 3, 51, 7, 22, 60], list(range(10, 16)), [1, 88, 40, 41, 2, 70, 71]]
+    want = _decode_together(plain, prompts, tables, 8)
+    first = runner.execute(
+        [ScheduledSeq(p, 0, t, True, GREEDY, None) for p, t in zip(prompts, tables, strict=True)]
+    )
+    pending = None
+    got: list[list[int]] = [list(t) for t in first]
+    for step in range(8):
+        seqs = [
+            ScheduledSeq(
+                [0 if pending is not None else got[i][-1]],
+                len(p) + step,
+                t,
+                True,
+                GREEDY,
+                None,
+            )
+            for i, (p, t) in enumerate(zip(prompts, tables, strict=True))
+        ]
+        pending = runner.execute_async(seqs, None if pending is None else pending.ids)
+        for out, new in zip(got, pending.tokens(), strict=True):
+            out.extend(new)
+    # (the reference run stops the first two sequences halfway)
+    assert [g[: len(w)] for w, g in zip(want, got, strict=True)] == want and len(want[2]) == 9
+    if path != "eager":
+        assert static.graphs is not None and any(e.replays for e in static.graphs.buckets.values())
+
+
+def test_staging_packs_index_lists_into_one_copy() -> None:
+    """pinned.Staging (CUDA's eager step inputs; here on CPU): the lists come back as aligned
+    views of one tensor, buffers grow past their size, and a later step's lists (the other
+    buffer, then this one again) never change an earlier step's tensors."""
+    from services.worker.engine.pinned import Staging
+
+    staging = Staging(4, torch.long, torch.device("cpu"))
+    steps = [[[1, 2, 3], [4], [], [5, 6]], [list(range(9)), [7]], [[8, 9], [10, 11, 12]]]
+    got = [staging.pack(parts) for parts in steps]
+    for parts, tensors in zip(steps, got, strict=True):
+        assert [t.tolist() for t in tensors] == parts
+        assert all(t.data_ptr() % 16 == 0 for t in tensors if t.numel())
+        assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
