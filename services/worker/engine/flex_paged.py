@@ -54,6 +54,33 @@ def available() -> bool:
     return True
 
 
+# The smallest pool block (tokens) FlexAttention in place compiles for on a GPU: the block mask's
+# KV block is the pool's block, the Triton kernel's KV tile is at most that block, and Triton's
+# matrix products need tiles of at least 16 along every dimension (blocks of 4 tokens failed on
+# an H200, 2026-11-27: the worker tests used --block-size 4).
+MIN_GPU_BLOCK_SIZE = 16
+
+
+def fits_block_size(block_size: int, device: torch.device) -> bool:
+    """Whether attention in place can read a pool of `block_size`-token blocks on `device`
+    (anywhere but CUDA FlexAttention runs its reference implementation: any size). Logs once
+    per size when it cannot: the rank then runs the torch-only path."""
+    if device.type != "cuda" or block_size % MIN_GPU_BLOCK_SIZE == 0:
+        return True
+    _warn_block_size(block_size)
+    return False
+
+
+@functools.cache
+def _warn_block_size(block_size: int) -> None:
+    log.warning(
+        "--block-size %d: attention in place needs blocks of a multiple of %d tokens on a GPU; "
+        "this rank gathers KV (the torch-only path), slower per step",
+        block_size,
+        MIN_GPU_BLOCK_SIZE,
+    )
+
+
 # FlexAttention compiles once per bucket shape (batch buckets 1..64 x 1 or k + 1 rows, a draft
 # model's too); dynamo's default of 8 compilations per function failed a speculative worker at
 # start on an H200 ("recompile limit exceeded" with fullgraph). Every bucket compiles once, at

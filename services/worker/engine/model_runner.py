@@ -14,6 +14,7 @@ import torch
 from services.worker.engine import (
     attention,
     cpu_kernels,
+    flex_paged,
     model_variants,
     step_inputs,
 )
@@ -140,7 +141,7 @@ class ModelRunner:
         # a model the lean loop does not cover runs transformers' forward
         lean = backend.lean and LeanLlama.supports(model)
         use_graphs = backend.cuda.graphs and lean
-        self.fused = lean and backend.cuda.kernels
+        self.fused = lean and backend.cuda.kernels and flex_paged.fits_block_size(layout.block_size, device)
         # zeros, not empty: stale rows of reused blocks are never read, but keep them finite.
         # Static decode steps get one more block (index num_blocks, never handed out): their
         # padding sequences write and read it.

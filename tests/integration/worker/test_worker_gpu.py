@@ -24,9 +24,10 @@ def _needs_cuda() -> None:
 
 
 async def test_auto_device_and_dtype_on_cuda(tiny_model: Path) -> None:
-    # max_num_seqs 4: graphs for 4 batch sizes at start, not 64 (a GPU window is short)
+    # max_num_seqs 4: graphs for 4 batch sizes at start, not 64 (a GPU window is short); blocks
+    # of 16 tokens: attention in place on a GPU needs a multiple of 16 (the harness uses 4)
     async with running_worker(
-        worker_settings(tiny_model, "unified", device="auto", dtype="auto", max_num_seqs=4)
+        worker_settings(tiny_model, "unified", device="auto", dtype="auto", max_num_seqs=4, block_size=16)
     ) as w:
         info = await w.stub.Info(worker_pb2.InfoRequest())
         assert info.device == "cuda"
@@ -35,7 +36,7 @@ async def test_auto_device_and_dtype_on_cuda(tiny_model: Path) -> None:
 
 async def test_disaggregated_equals_unified_on_cuda(tiny_model: Path) -> None:
     ids = prompt_ids(tiny_model)
-    cuda = dict(device="cuda", dtype="float32", max_num_seqs=4)
+    cuda = dict(device="cuda", dtype="float32", max_num_seqs=4, block_size=16)
     async with (
         running_worker(worker_settings(tiny_model, "prefill", **cuda)) as p,
         running_worker(worker_settings(tiny_model, "decode", **cuda)) as d,

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.worker.engine.flex_paged import FlexPagedStep
+from services.worker.engine.flex_paged import FlexPagedStep, fits_block_size
 
 BS = 16
 POOL_BLOCKS = 40
@@ -112,3 +112,16 @@ def test_a_windowed_layer_sees_only_its_window(window: int) -> None:
             if b == 1:  # no repeated block: the full layer sees everything up to its context
                 want = _reference(q[b * rows + i], k, v, 0, c)
                 torch.testing.assert_close(full[b * rows + i], want, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_in_place_needs_blocks_of_16_tokens_on_a_gpu(caplog: pytest.LogCaptureFixture) -> None:
+    """Triton's tiles are at least 16 wide and the KV tile is at most a pool block: a GPU rank
+    with smaller blocks runs the torch-only path (ModelRunner.fused) and says so once; on CPU
+    FlexAttention's reference implementation takes any block."""
+    cuda = torch.device("cuda")  # a device object: no GPU needed
+    assert fits_block_size(16, cuda) and fits_block_size(32, cuda)
+    assert not fits_block_size(4, cuda) and not fits_block_size(8, cuda)
+    with caplog.at_level("WARNING"):
+        assert not fits_block_size(24, cuda) and not fits_block_size(24, cuda)
+    assert sum("--block-size 24:" in r.getMessage() for r in caplog.records) == 1
+    assert fits_block_size(4, torch.device("cpu")) and fits_block_size(8, torch.device("cpu"))
