@@ -171,6 +171,17 @@ class KvBlocksChunk:
     layers: tuple[int, ...] = ()
 
 
+class KvReadUnsettled(Exception):
+    """A direct KV import's read gave up (timed out) while its transfer may still write the
+    target blocks: the transport could not cancel it. The engine keeps those blocks out of the
+    free pool (a quarantine) until `on_settled`'s callback runs: the transfer is then over (done
+    or failed), so nothing can land in a block another request was given. The transport calls
+    each callback once, from any thread; one registered after the end runs at once."""
+
+    def on_settled(self, callback: Callable[[], None]) -> None:
+        raise NotImplementedError
+
+
 @dataclass(frozen=True)
 class EngineConfig(EngineOptions):
     """What an engine runs: the model and where, plus every option of options.EngineOptions
@@ -257,7 +268,9 @@ class Engine(Protocol):
         holds from its own prefix cache, and those it released behind every window, are skipped:
         source_offset says how many; the first num_trimmed of pool_block_ids are read only in
         `layers`, the full-attention ones); returns read's bytes. An abort cannot free the blocks
-        while they are written."""
+        while they are written; when read raises KvReadUnsettled the blocks it targeted are
+        quarantined until that transfer settles (and a recompute of the request starts over in
+        fresh blocks)."""
 
     def export_kv(
         self, request_id: str, skip_blocks: int, max_chunk_bytes: int, trim_blocks: int = 0

@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from services.worker.engine.api import Admission, FinishReason, KvBlocksChunk
+from services.worker.engine.api import Admission, FinishReason, KvBlocksChunk, KvReadUnsettled
 from services.worker.engine.handle import OutputHandle, deliver_batch
 from services.worker.engine.outputs import Outputs
 from services.worker.engine.request import Request, RequestStatus, finish_rule
@@ -29,6 +29,8 @@ class Handoff:
     def __init__(self, rank: Rank) -> None:
         self.rank = rank
         self.tickets: dict[str, Request] = {}  # DECODE_REMOTE requests waiting for KV
+        # blocks a failed direct import's transfer may still write (held until it settles)
+        self.num_quarantined_blocks = 0
 
     # ---- admission (DECODE_REMOTE) -------------------------------------------------------
     def admit_remote(self, req: Request, handle: OutputHandle) -> Admission:
@@ -111,7 +113,9 @@ class Handoff:
         READ: read(source_offset, dp_rank, block_ids, num_trimmed, layers), the first
         num_trimmed of block_ids only in `layers`), outside the lock so the step loop and aborts
         never wait for a transfer; an abort meanwhile ends the request at once but its blocks are
-        freed only after `read` returns, so a freed (and reused) block is never written."""
+        freed only after `read` returns, so a freed (and reused) block is never written. A read
+        that gives up on a transfer it could not cancel (KvReadUnsettled) leaves its targets
+        quarantined until that transfer settles."""
         rank = self.rank
         with rank.lock:
             req = self._ticket(ticket)
@@ -133,11 +137,31 @@ class Handoff:
             req.kv_import_in_flight = True
         try:
             return read(start - first_block, rank.dp_rank, targets, num_trimmed, layers)
+        except KvReadUnsettled as exc:
+            self._quarantine(req, targets, exc)
+            raise
         finally:
             with rank.lock:
                 req.kv_import_in_flight = False
                 if req.status.is_finished:  # aborted meanwhile: its blocks were kept for us
                     rank.scheduler.remove(req)
+
+    def _quarantine(self, req: Request, targets: list[int], unsettled: KvReadUnsettled) -> None:
+        """The READ may still write `targets`: one extra reference keeps them out of the free
+        pool, whatever becomes of the request, until the transfer settles."""
+        rank = self.rank
+        with rank.lock:
+            rank.blocks.take(targets)
+            self.num_quarantined_blocks += len(targets)
+            req.kv_import_unsettled = True
+
+        def settled() -> None:
+            with rank.lock:
+                rank.blocks.free(targets)
+                self.num_quarantined_blocks -= len(targets)
+                rank.wake()
+
+        unsettled.on_settled(settled)
 
     def finish_import(
         self,
