@@ -240,7 +240,7 @@ async def test_a_prefill_in_several_chunks_pushes_each_chunks_blocks_before_the_
         def execute(plan: Any, batch: Any) -> Any:
             if any(s.samples and s.request.request_id == "e1" for s in plan.scheduled):
                 # the last prompt chunk (it samples the first token): the decode worker has a part?
-                before_last_chunk.append(transport == "grpc" and imported.wait(10))
+                before_last_chunk.append(transport == "grpc" and imported.wait(30))
             return real_execute(plan, batch)
 
         rank._execute = execute
