@@ -181,7 +181,7 @@ class KvPushStream:
         self._queue.put_nowait(GrpcKvPusher._count(self._sent, pb))
         self._queue.put_nowait(None)
         try:
-            await asyncio.wait_for(asyncio.shield(self._call), self._pusher._timeout_s)
+            await asyncio.wait_for(self._call, self._pusher._timeout_s)
         except TimeoutError as exc:
             self.cancel()
             raise errors.Unavailable(
