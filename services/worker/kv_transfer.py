@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Iterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import structlog
@@ -136,7 +136,11 @@ class KvPushStream:
         self._queue: asyncio.Queue[worker_pb2.KvChunk | None] = asyncio.Queue()
         self._sent = {"bytes": 0, "chunks": 0}
         stub = worker_pb2_grpc.WorkerStub(pusher._channels.get(target.address))
-        self._call = asyncio.ensure_future(stub.PushKv(self._messages()))
+        self._rpc = stub.PushKv(self._messages())
+        self._call = asyncio.ensure_future(self._reply())
+
+    async def _reply(self) -> worker_pb2.PushKvResponse:
+        return await self._rpc
 
     async def _messages(self) -> AsyncIterator[worker_pb2.KvChunk]:
         while (pb := await self._queue.get()) is not None:
@@ -183,7 +187,7 @@ class KvPushStream:
         try:
             await asyncio.wait_for(self._call, self._pusher._timeout_s)
         except TimeoutError as exc:
-            self.cancel()
+            self._rpc.cancel()
             raise errors.Unavailable(
                 f"decode worker {self._target.address} did not answer the KV push of request "
                 f"{self._request_id!r} within {self._pusher._timeout_s} s"
@@ -197,8 +201,15 @@ class KvPushStream:
         )
 
     def cancel(self) -> None:
-        """Break the call (the decode worker aborts the request: its KV never completes)."""
-        self._call.cancel()
+        """Break the call: the stream ends unfinished (no message marked last), which the
+        decode worker refuses at once, aborting the request (its KV can never complete).
+        Measured in process: cancelling the client call while its request stream waited reached
+        the server only when the channel closed. A decode worker that never answers: the call
+        is cancelled after the push timeout."""
+        self._queue.put_nowait(None)  # harmless when the stream already ended
+        if not self._call.done():
+            self._call.add_done_callback(_retrieve)  # its error is expected: nobody awaits it
+        asyncio.get_running_loop().call_later(self._pusher._timeout_s, self._rpc.cancel)
 
 
 class GrpcKvSender:
@@ -368,6 +379,11 @@ class NixlKvSender:
             if not task.done():
                 task.cancel()
         return task.result()
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def _push_error(exc: grpc.aio.AioRpcError, target: KvTargetSpec, request_id: str) -> Exception:

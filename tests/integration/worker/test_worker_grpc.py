@@ -270,6 +270,44 @@ async def test_a_prefill_in_several_chunks_pushes_each_chunks_blocks_before_the_
         await wait_blocks_free(prefill)
 
 
+async def test_a_prefill_cancelled_after_an_early_push_aborts_the_decode_request(
+    decode: RunningWorker, tiny_model: Path
+) -> None:
+    """The Prefill call goes away after the decode worker imported a first part of the KV: the
+    PushKv call breaks, the decode worker aborts the request (its KV can never complete) and
+    both workers free every block."""
+    settings = worker_settings(tiny_model, "prefill", max_batch_tokens=BLOCK_SIZE)
+    async with running_worker(settings) as prefill:
+        prefill_engine, decode_engine = prefill.app.engine, decode.app.engine
+        assert prefill_engine is not None and decode_engine is not None
+        imported, cancelled = threading.Event(), threading.Event()
+        real_import = decode_engine.import_kv
+
+        def import_kv(ticket: str, chunk: Any) -> None:
+            real_import(ticket, chunk)
+            imported.set()
+
+        decode_engine.import_kv = import_kv  # type: ignore[method-assign,assignment]
+        rank = prefill_engine._ranks[0]  # type: ignore[attr-defined]
+        real_execute = rank._execute
+
+        def execute(plan: Any, batch: Any) -> Any:
+            if any(s.samples for s in plan.scheduled):  # hold the last chunk until cancelled
+                cancelled.wait(30)
+            return real_execute(plan, batch)
+
+        rank._execute = execute
+        ids = prompt_ids(tiny_model)
+        task = asyncio.ensure_future(disaggregated(prefill, decode, "x1", ids, 8))
+        assert await asyncio.to_thread(imported.wait, 30)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        cancelled.set()
+        await wait_blocks_free(decode)
+        await wait_blocks_free(prefill)
+
+
 async def test_kv_push_skips_blocks_cached_on_the_decode_worker(
     prefill: RunningWorker, decode: RunningWorker, tiny_model: Path
 ) -> None:
