@@ -9,7 +9,9 @@ built on the device), each stack's workers sharing the one GPU (`pdserve up` spl
     worker READs the prefill worker's blocks); the worker's own timings
     (PrefillResponse.prefill_ns / kv_transfer_ns / kv_bytes_sent) give the ratio. kv_transfer_ns
     is the whole handoff as the prefill worker sees it (for NIXL: the PushKv round trip that
-    carries the descriptors, the decode side's READ and its answer).
+    carries the descriptors, the decode side's READ and its answer), after the prefill: for the
+    gRPC push of a prompt prefilled in several chunks (longer than --max-batch-tokens, 512 on
+    CPU) the blocks of all but the last chunk went during the prefill, so only the rest counts.
 (b) TTFT through the gateway (streaming, one request at a time) per prompt length: disaggregated
     over NIXL, disaggregated over the gRPC push (workers with --kv-transport grpc) and unified
     (one worker), as ratios disaggregated / unified. On CPU the three stacks run together and

@@ -24,7 +24,7 @@ from services.worker.engine.api import (
 from services.worker.frames import decode_event, final_event
 from services.worker.kv_nixl import NixlKvAgent
 from services.worker.kv_receive import KvLoadFailurePolicy, KvReceiver
-from services.worker.kv_transfer import GrpcKvSender
+from services.worker.kv_transfer import EarlyKvPush, GrpcKvSender
 from services.worker.messages import (
     DecodeCall,
     DecodeEvent,
@@ -122,8 +122,18 @@ class WorkerCore:
     async def prefill(self, call: PrefillCall) -> PrefillResult:
         """Run the prompt, sample the first token, push the KV to call.kv_target, free the KV."""
         self._require(self.identity.role.prefills, "Prefill (roles that serve it: prefill, unified)")
-        request = dataclasses.replace(call.request, kind=RequestKind.PREFILL_ONLY)
+        grpc_sender = self._senders[KvTransport.GRPC_PUSH]
+        # the gRPC push starts with the prefill's first complete chunk (NIXL: at the end)
+        early_push = (
+            call.kv_target is not None
+            and self._senders.get(call.kv_target.transport, grpc_sender) is grpc_sender
+            and isinstance(grpc_sender, GrpcKvSender)
+        )
+        request = dataclasses.replace(
+            call.request, kind=RequestKind.PREFILL_ONLY, report_prefill_progress=early_push
+        )
         rid = request.request_id
+        early: EarlyKvPush | None = None
         with self._track(rid, Phase.PREFILL), tracer().start_as_current_span("prefill") as span:
             span.set_attribute("pdserve.request_id", rid)
             span.set_attribute("pdserve.prompt_tokens", len(request.prompt_token_ids))
@@ -135,6 +145,12 @@ class WorkerCore:
             last: RequestOutput | None = None
             try:
                 async for out in handle:
+                    if not out.finished and out.num_computed_tokens:  # a prompt chunk is done
+                        if early is None and call.kv_target is not None:
+                            assert isinstance(grpc_sender, GrpcKvSender)
+                            early = grpc_sender.start_early(rid, call.kv_target, self.engine.kv_layout)
+                        if early is not None:
+                            early.ready(out.num_computed_tokens)
                     if last is None:
                         self._record_cache_stats(out)
                     last = out
@@ -146,9 +162,13 @@ class WorkerCore:
                         break
             except BaseException:  # the caller went away (CancelledError) or the engine failed
                 self.engine.abort(rid)
+                if early is not None:
+                    early.cancel()
                 raise
             try:
                 if last is None or last.finish_reason is FinishReason.ABORT:
+                    if early is not None:
+                        early.cancel()
                     raise self._aborted_error(rid)
                 finish = last.finish_reason  # the engine's finish rule; None: decoding goes on
                 span.set_attribute("pdserve.num_chunks", last.num_prefill_chunks)
@@ -159,7 +179,7 @@ class WorkerCore:
                     # so the decode side ends the request at once (FINAL, its count 0).
                     first_token_id = token_ids[-1] if finish is None and token_ids else None
                     self._active[rid] = Phase.PUSHING
-                    pushed = await self._push(call, last, first_token_id)
+                    pushed = await self._push(call, last, first_token_id, early)
             finally:
                 self._release(rid)
             if self._log_prompts:
@@ -188,9 +208,12 @@ class WorkerCore:
                 prompt_logprobs=tuple(prompt_logprobs),
             )
 
-    async def _push(self, call: PrefillCall, out: RequestOutput, first_token_id: int | None) -> KvPushResult:
+    async def _push(
+        self, call: PrefillCall, out: RequestOutput, first_token_id: int | None, early: EarlyKvPush | None
+    ) -> KvPushResult:
         """Hand the KV over (all of it after target.skip_blocks; none when first_token_id is
-        None) by the transport the gateway negotiated, when this worker has it."""
+        None) by the transport the gateway negotiated, when this worker has it; or the rest of
+        an early push's."""
         target = call.kv_target
         assert target is not None
         sender = self._senders.get(target.transport, self._senders[KvTransport.GRPC_PUSH])
@@ -206,7 +229,11 @@ class WorkerCore:
             span.set_attribute("pdserve.target", target.address)
             span.set_attribute("pdserve.kv_transport", sender.transport.value)
             try:
-                result = await sender.send(handoff, target)
+                if early is not None:
+                    span.set_attribute("pdserve.kv_early_blocks", early.num_early_blocks)
+                    result = await early.finish(handoff)
+                else:
+                    result = await sender.send(handoff, target)
             except errors.PdserveError as exc:
                 metrics.KV_TRANSFER_FAILURES.labels(transport=sender.transport.value, side="send").inc()
                 span.set_attribute("pdserve.error", type(exc).__name__)

@@ -28,6 +28,13 @@ millisecond while its handoff is in flight (NixlKvSender). Without the target's 
 never completes, over shared memory (CMA) or TCP alike. Measured between two processes on this
 2-core CPU (22.5 MiB, 180 descriptors): 5.6 ms this way, 13 ms with the spinning thread.
 
+Timeouts. A READ cannot be cancelled: measured with UCX, the bytes of a READ whose handle was
+released (even with its peer's metadata removed) still land once the peer progresses. A READ that
+times out is therefore kept (KvTransferUnsettled) and watched by a reaper thread until
+check_xfer_state says it ended; only then is the handle released and the engine told, which
+keeps the target blocks quarantined until that moment (engine/handoff.py). A killed peer ends it
+at once (NIXL raises NIXL_ERR_REMOTE_DISCONNECT).
+
 No grpc here; `nixl_cu13` is imported lazily, so a worker without it runs with the gRPC push.
 """
 
@@ -36,12 +43,14 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import structlog
 import torch
 
+from services.worker.engine.api import KvReadUnsettled
 from services.worker.messages import NixlSource
 from shared import errors
 from shared.cluster import KvLayout
@@ -49,10 +58,53 @@ from shared.cluster import KvLayout
 log = structlog.get_logger(__name__)
 
 _POLL_S = 50e-6  # between checks of a READ in flight (seconds)
+# between checks of timed-out READs still in flight (seconds): from the first to the longest
+_REAP_FIRST_S, _REAP_MAX_S = 0.002, 0.1
 
 
 class KvTransferFailed(errors.Unavailable):
     """A NIXL READ failed or timed out (the peer died, its memory is gone, it was too slow)."""
+
+
+class KvTransferUnsettled(KvTransferFailed, KvReadUnsettled):
+    """A NIXL READ timed out while still in flight: it may yet land in its target blocks (the
+    engine quarantines them until `on_settled` runs, when the agent saw the transfer end)."""
+
+    def __init__(self, message: str, pending: _PendingRead) -> None:
+        super().__init__(message)
+        self._pending = pending
+
+    def on_settled(self, callback: Callable[[], None]) -> None:
+        self._pending.on_settled(callback)
+
+
+class _PendingRead:
+    """A timed-out READ's handle, kept until the transfer ends (then released), and what to run
+    then (the engine's release of the quarantined blocks)."""
+
+    def __init__(self, handle: Any, peer: str) -> None:
+        self.handle = handle
+        self.peer = peer
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[], None]] = []
+        self._settled = False
+
+    def on_settled(self, callback: Callable[[], None]) -> None:
+        with self._lock:
+            if not self._settled:
+                self._callbacks.append(callback)
+                return
+        callback()
+
+    def settle(self) -> None:
+        with self._lock:
+            self._settled = True
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:  # one failing callback must not keep the others' blocks
+                log.exception("nixl_settle_callback_failed", peer=self.peer)
 
 
 def load_nixl() -> Any | None:
@@ -122,6 +174,11 @@ class NixlKvAgent:
         self._layout = layout
         self._lock = threading.Lock()
         self._remotes: set[str] = set()
+        # timed-out READs still in flight, and peers whose metadata goes once theirs settle
+        # (removing a peer does not stop its transfers: measured, the bytes still land)
+        self._unsettled: list[_PendingRead] = []
+        self._forget_later: set[str] = set()
+        self._reaper: threading.Thread | None = None
         for pool in pools:
             if not pool.is_contiguous():
                 raise ValueError("a KV pool registered with NIXL must be contiguous")
@@ -224,6 +281,7 @@ class NixlKvAgent:
                 if source.agent_name not in self._remotes:
                     self._agent.add_remote_agent(source.agent_metadata)
                     self._remotes.add(source.agent_name)
+                self._forget_later.discard(source.agent_name)
                 handle = self._agent.initialize_xfer(
                     "READ",
                     self._agent.get_xfer_descs(local, mem),
@@ -232,10 +290,19 @@ class NixlKvAgent:
                 )
             except Exception as exc:
                 raise KvTransferFailed(f"NIXL READ from {source.agent_name} could not start: {exc}") from exc
-            try:
-                self._wait(handle, source.agent_name, timeout_s)
-            finally:
-                self._agent.release_xfer_handle(handle)
+            state = self._wait(handle, timeout_s)
+            if state == "PROC":
+                # Releasing the handle would not stop it (measured with UCX: the bytes of a
+                # released READ still land once the peer progresses): keep it until it ends.
+                pending = _PendingRead(handle, source.agent_name)
+                self._unsettled.append(pending)
+                self._start_reaper()
+                raise KvTransferUnsettled(
+                    f"NIXL READ from {source.agent_name} timed out after {timeout_s} s", pending
+                )
+            self._release(handle)
+        if state != "DONE":
+            raise KvTransferFailed(f"NIXL READ from {source.agent_name} failed ({state})")
         return int(local[:, 1].sum())
 
     def progress(self) -> None:
@@ -247,26 +314,83 @@ class NixlKvAgent:
             finally:
                 self._lock.release()
 
-    def _wait(self, handle: Any, peer: str, timeout_s: float) -> None:
+    def _wait(self, handle: Any, timeout_s: float) -> str:
+        """The READ's state once it ended (DONE, or an error), or PROC at the timeout."""
         deadline = time.monotonic() + timeout_s
-        state = self._agent.transfer(handle)
-        while state == "PROC":
-            if time.monotonic() > deadline:
-                raise KvTransferFailed(f"NIXL READ from {peer} timed out after {timeout_s} s")
+        state = self._state(handle, post=True)
+        while state == "PROC" and time.monotonic() <= deadline:
             time.sleep(_POLL_S)
-            state = self._agent.check_xfer_state(handle)
-        if state != "DONE":
-            raise KvTransferFailed(f"NIXL READ from {peer} failed ({state})")
+            state = self._state(handle)
+        return state
+
+    def _state(self, handle: Any, post: bool = False) -> str:
+        """DONE, PROC, or why it failed. NIXL raises rather than answers ERR for some ends
+        (measured: NIXL_ERR_REMOTE_DISCONNECT once the peer process is killed); those are ends
+        too (a dead peer's memory can write nothing any more)."""
+        try:
+            return str(self._agent.transfer(handle) if post else self._agent.check_xfer_state(handle))
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+
+    def _release(self, handle: Any) -> None:
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception as exc:  # the transfer ended: a handle it cannot free leaks, no more
+            log.warning("nixl_release_failed", error=f"{type(exc).__name__}: {exc}")
+
+    def num_unsettled(self) -> int:
+        """Timed-out READs still in flight (their target blocks quarantined)."""
+        with self._lock:
+            return len(self._unsettled)
+
+    def _start_reaper(self) -> None:
+        """(Under the lock.) A thread that watches the timed-out READs until every one ended."""
+        if self._reaper is None or not self._reaper.is_alive():
+            self._reaper = threading.Thread(target=self._reap, name="nixl-reaper", daemon=True)
+            self._reaper.start()
+
+    def _reap(self) -> None:
+        """Check the unsettled READs (their checks also progress this agent), less often the
+        longer they last; release and settle each that ended; stop when none is left."""
+        delay = _REAP_FIRST_S
+        while True:
+            time.sleep(delay)
+            delay = min(delay * 2, _REAP_MAX_S)
+            with self._lock:
+                ended = [p for p in self._unsettled if self._state(p.handle) != "PROC"]
+                for pending in ended:
+                    self._release(pending.handle)
+                self._unsettled = [p for p in self._unsettled if p not in ended]
+                waiting = {p.peer for p in self._unsettled}
+                for peer in self._forget_later - waiting:
+                    self._remove_remote(peer)
+                self._forget_later &= waiting
+                finished = not self._unsettled
+                if finished:
+                    self._reaper = None
+            for pending in ended:
+                log.info("nixl_read_settled", peer=pending.peer)
+                pending.settle()
+            if finished:
+                return
 
     def forget(self, agent_name: str) -> None:
-        """Drop a peer's metadata (after a failed READ: the peer may have restarted)."""
+        """Drop a peer's metadata (after a failed READ: the peer may have restarted); once its
+        unsettled READs ended, when it has some (removed, their state could not be read)."""
         with self._lock:
-            if agent_name in self._remotes:
-                self._remotes.discard(agent_name)
-                try:
-                    self._agent.remove_remote_agent(agent_name)
-                except Exception as exc:
-                    log.debug("nixl_forget_failed", agent=agent_name, error=str(exc))
+            if any(p.peer == agent_name for p in self._unsettled):
+                self._forget_later.add(agent_name)
+            else:
+                self._remove_remote(agent_name)
+
+    def _remove_remote(self, agent_name: str) -> None:
+        """(Under the lock.)"""
+        if agent_name in self._remotes:
+            self._remotes.discard(agent_name)
+            try:
+                self._agent.remove_remote_agent(agent_name)
+            except Exception as exc:
+                log.debug("nixl_forget_failed", agent=agent_name, error=str(exc))
 
 
 def _nbytes(t: torch.Tensor) -> int:

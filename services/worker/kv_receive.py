@@ -132,7 +132,9 @@ class KvReceiver:
         """READ the blocks c.nixl_source names into the request's reserved blocks, in a worker
         thread (the event loop keeps serving). Returns (read_ns, bytes), or (None, 0) when the
         READ failed and the policy is to recompute. A cancelled call leaves the READ to end on
-        its own (bounded by --kv-read-timeout-s); the blocks are freed only after it."""
+        its own (bounded by --kv-read-timeout-s); the blocks are freed only after it, or, when
+        it timed out still in flight, only once NIXL saw that transfer end (quarantined,
+        engine/handoff.py: a late READ never lands in a block another request holds)."""
         source = c.nixl_source
         assert source is not None
         nixl = self._nixl

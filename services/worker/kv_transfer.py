@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Iterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import structlog
@@ -114,6 +114,103 @@ class GrpcKvPusher:
         sent["chunks"] += 1
         return pb
 
+    def open_stream(self, request_id: str, target: KvTargetSpec, layout: KvLayout) -> KvPushStream:
+        """A PushKv call opened now and fed chunk by chunk (the early push of a prefill that
+        runs in several chunks); KvPushStream.finish sends the last one."""
+        if not target.address:
+            raise errors.InvalidArgument("kv_target.address is required")
+        return KvPushStream(self, request_id, target, layout)
+
+
+class KvPushStream:
+    """One PushKv call whose messages are queued as they are ready. It has no gRPC deadline
+    (the prefill it overlaps bounds it: `cancel` when that fails); `finish` waits for the reply
+    at most the pusher's timeout. Messages wait in memory while the link is slower than the
+    prefill (at most the prompt's KV)."""
+
+    def __init__(self, pusher: GrpcKvPusher, request_id: str, target: KvTargetSpec, layout: KvLayout) -> None:
+        self._pusher = pusher
+        self._request_id = request_id
+        self._target = target
+        self._layout_pb = kv_layout_to_pb(layout)
+        self._queue: asyncio.Queue[worker_pb2.KvChunk | None] = asyncio.Queue()
+        self._sent = {"bytes": 0, "chunks": 0}
+        stub = worker_pb2_grpc.WorkerStub(pusher._channels.get(target.address))
+        self._rpc = stub.PushKv(self._messages())
+        self._call = asyncio.ensure_future(self._reply())
+
+    async def _reply(self) -> worker_pb2.PushKvResponse:
+        return await self._rpc
+
+    async def _messages(self) -> AsyncIterator[worker_pb2.KvChunk]:
+        while (pb := await self._queue.get()) is not None:
+            yield pb
+
+    def send(self, chunks: Iterator[KvBlocksChunk]) -> None:
+        """Queue these chunks (none marked last)."""
+        for chunk in chunks:
+            pb = convert.kv_chunk_to_pb(self._request_id, self._target, self._layout_pb, chunk)
+            self._queue.put_nowait(GrpcKvPusher._count(self._sent, pb))
+
+    async def finish(
+        self,
+        chunks: Iterator[KvBlocksChunk],
+        first_block: int,
+        last: tuple[int, int | None, int],
+        draft_token_ids: tuple[int, ...] = (),
+    ) -> KvPushResult:
+        """Queue the remaining chunks, the last carrying last = (num_tokens, first_token_id,
+        generated_tokens) and the proposals (an empty one at first_block when none remain),
+        end the stream and wait for the reply. Raises like GrpcKvPusher.push."""
+        start = time.perf_counter()
+        pending: KvBlocksChunk | None = None
+        try:
+            for chunk in chunks:
+                if pending is not None:
+                    self.send(iter((pending,)))
+                pending = chunk
+        except BaseException:
+            self.cancel()
+            raise
+        if pending is None:
+            pending = KvBlocksChunk(first_block=first_block, num_blocks=0, data=b"")
+        pb = convert.kv_chunk_to_pb(
+            self._request_id,
+            self._target,
+            self._layout_pb,
+            pending,
+            last=last,
+            draft_token_ids=draft_token_ids,
+        )
+        self._queue.put_nowait(GrpcKvPusher._count(self._sent, pb))
+        self._queue.put_nowait(None)
+        try:
+            await asyncio.wait_for(self._call, self._pusher._timeout_s)
+        except TimeoutError as exc:
+            self._rpc.cancel()
+            raise errors.Unavailable(
+                f"decode worker {self._target.address} did not answer the KV push of request "
+                f"{self._request_id!r} within {self._pusher._timeout_s} s"
+            ) from exc
+        except grpc.aio.AioRpcError as exc:
+            raise _push_error(exc, self._target, self._request_id) from exc
+        return KvPushResult(
+            bytes_sent=self._sent["bytes"],
+            num_chunks=self._sent["chunks"],
+            seconds=time.perf_counter() - start,
+        )
+
+    def cancel(self) -> None:
+        """Break the call: the stream ends unfinished (no message marked last), which the
+        decode worker refuses at once, aborting the request (its KV can never complete).
+        Measured in process: cancelling the client call while its request stream waited reached
+        the server only when the channel closed. A decode worker that never answers: the call
+        is cancelled after the push timeout."""
+        self._queue.put_nowait(None)  # harmless when the stream already ended
+        if not self._call.done():
+            self._call.add_done_callback(_retrieve)  # its error is expected: nobody awaits it
+        asyncio.get_running_loop().call_later(self._pusher._timeout_s, self._rpc.cancel)
+
 
 class GrpcKvSender:
     """The gRPC push as a KvSender: the engine's blocks serialized in chunks of ~chunk_bytes."""
@@ -124,6 +221,20 @@ class GrpcKvSender:
         self._engine = engine
         self._pusher = pusher
         self._chunk_bytes = chunk_bytes
+
+    def start_early(self, request_id: str, target: KvTargetSpec, layout: KvLayout) -> EarlyKvPush | None:
+        """The early push of a prefill running in several chunks (None with a pusher that
+        cannot stream, e.g. a test's)."""
+        if not isinstance(self._pusher, GrpcKvPusher):
+            return None
+        return EarlyKvPush(
+            self._engine,
+            self._pusher.open_stream(request_id, target, layout),
+            self._chunk_bytes,
+            target,
+            layout.block_size,
+            request_id,
+        )
 
     async def send(self, handoff: KvHandoff, target: KvTargetSpec) -> KvPushResult:
         chunks: Iterator[KvBlocksChunk] = iter(())
@@ -141,6 +252,65 @@ class GrpcKvSender:
             generated_tokens=handoff.generated_tokens,
             draft_token_ids=handoff.draft_token_ids,
         )
+
+
+class EarlyKvPush:
+    """The gRPC push of one prefill that runs in several chunks: after each chunk's forward
+    pass its complete blocks go out at once (the decode worker imports them while the later
+    chunks compute); the rest, the first token and the counts when the prefill ends. Blocks the
+    decode worker has (target.skip_blocks) are never sent. The PushKv messages are those of the
+    push at the end (any decode worker version imports them: they only come sooner)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        stream: KvPushStream,
+        chunk_bytes: int,
+        target: KvTargetSpec,
+        block_size: int,
+        request_id: str,
+    ) -> None:
+        self._engine = engine
+        self._stream = stream
+        self._chunk_bytes = chunk_bytes
+        self._target = target
+        self._block_size = block_size
+        self._request_id = request_id
+        self.next_block = target.skip_blocks  # blocks before it are sent (or not needed)
+        self.num_early_blocks = 0  # sent before the prefill ended (blocks)
+
+    def ready(self, num_computed_tokens: int) -> None:
+        """The prompt's first num_computed_tokens have their K/V: send the complete blocks."""
+        end = num_computed_tokens // self._block_size
+        if end <= self.next_block:
+            return
+        try:
+            chunks = list(
+                self._engine.export_ready_kv(
+                    self._request_id, self.next_block, end, self._chunk_bytes, self._target.trim_blocks
+                )
+            )
+        except errors.InvalidArgument:  # preempted since: its blocks go when it computed them again
+            return
+        self._stream.send(iter(chunks))
+        self.num_early_blocks += end - self.next_block
+        self.next_block = end
+
+    async def finish(self, handoff: KvHandoff) -> KvPushResult:
+        chunks: Iterator[KvBlocksChunk] = iter(())
+        if handoff.first_token_id is not None:
+            chunks = self._engine.export_kv(
+                self._request_id, self.next_block, self._chunk_bytes, self._target.trim_blocks
+            )
+        return await self._stream.finish(
+            chunks,
+            self.next_block,
+            (handoff.num_tokens, handoff.first_token_id, handoff.generated_tokens),
+            handoff.draft_token_ids,
+        )
+
+    def cancel(self) -> None:
+        self._stream.cancel()
 
 
 class NixlKvSender:
@@ -209,6 +379,11 @@ class NixlKvSender:
             if not task.done():
                 task.cancel()
         return task.result()
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def _push_error(exc: grpc.aio.AioRpcError, target: KvTargetSpec, request_id: str) -> Exception:

@@ -292,8 +292,9 @@ async def test_an_old_decode_worker_gets_the_grpc_push_from_a_nixl_prefill_worke
 ) -> None:
     """A 1.4 prefill worker that offers NIXL, paired with a v1.0 decode worker (no
     kv_transport_nixl capability): the gateway asks for no transport, so the KV arrives as the
-    PushKv chunks with data that the old worker understands."""
-    async with running_worker(worker_settings(tiny_model, "prefill")) as prefill:
+    PushKv chunks with data that the old worker understands; the prompt is prefilled 4 tokens
+    per step, so they start before the prefill ends (the early push: the same messages)."""
+    async with running_worker(worker_settings(tiny_model, "prefill", max_batch_tokens=4)) as prefill:
         caps = list((await prefill.stub.Info(worker_pb2.InfoRequest())).capabilities)
         if prefill.app.nixl is not None:
             assert NIXL_CAPABILITY in caps  # the new side really offers NIXL

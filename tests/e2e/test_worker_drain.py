@@ -34,14 +34,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_worker(model: Path, log_path: Path, grace_s: float) -> tuple[subprocess.Popen[bytes], str]:
+def start_worker(
+    model: Path, log_path: Path, grace_s: float, role: str = "unified", extra: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen[bytes], str]:
+    """`python -m services.worker` on a free port (extra: more flags); (process, address)."""
     address = f"127.0.0.1:{free_port()}"
     cmd = [
         sys.executable,
         "-m",
         "services.worker",
         "--role",
-        "unified",
+        role,
         "--model",
         str(model),
         "--listen",
@@ -60,6 +63,7 @@ def start_worker(model: Path, log_path: Path, grace_s: float) -> tuple[subproces
         str(grace_s),
         "--log-format",
         "json",
+        *extra,
     ]
     log = open(log_path, "wb")  # noqa: SIM115 - closed by the fixture
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)

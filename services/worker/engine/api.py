@@ -110,6 +110,9 @@ class EngineRequest:
     sampling: SamplingConfig
     dp_rank: int = 0
     kind: RequestKind = RequestKind.FULL
+    # PREFILL_ONLY: also yield an output (finished=False, no tokens) after each prompt chunk but
+    # the last, whose num_computed_tokens says how much KV is ready (the early handoff's cue)
+    report_prefill_progress: bool = False
 
 
 @dataclass(frozen=True)
@@ -117,7 +120,8 @@ class RequestOutput:
     """What changed for one request in one step (or the terminal event).
 
     new_token_ids never contains a terminating EOS (it is not counted either). A PREFILL_ONLY
-    request's handle yields exactly one output, finished=True, after its first token: its
+    request's handle yields one output, finished=True, after its first token (after one
+    progress output per earlier prompt chunk with EngineRequest.report_prefill_progress): its
     finish_reason is STOP/LENGTH when the request ended there (EOS, stop, max_tokens, context
     full), else None (decoding continues elsewhere; the KV is held until `release`)."""
 
@@ -140,6 +144,9 @@ class RequestOutput:
     # with SamplingConfig.prompt_logprobs, on the first output after the prefill only: one entry
     # per prompt token from the second on (the first has no logprob: nothing precedes it)
     prompt_logprobs: tuple[TokenLogprobs, ...] = ()
+    # leading tokens whose K/V is computed in the request's blocks (tokens; set on a PREFILL_ONLY
+    # request's progress outputs, EngineRequest.report_prefill_progress)
+    num_computed_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -169,6 +176,17 @@ class KvBlocksChunk:
     data: bytes
     # the layers data holds, ascending (a trimmed handoff: engine/kv_trim.py); () = every layer
     layers: tuple[int, ...] = ()
+
+
+class KvReadUnsettled(Exception):
+    """A direct KV import's read gave up (timed out) while its transfer may still write the
+    target blocks: the transport could not cancel it. The engine keeps those blocks out of the
+    free pool (a quarantine) until `on_settled`'s callback runs: the transfer is then over (done
+    or failed), so nothing can land in a block another request was given. The transport calls
+    each callback once, from any thread; one registered after the end runs at once."""
+
+    def on_settled(self, callback: Callable[[], None]) -> None:
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)
@@ -257,7 +275,17 @@ class Engine(Protocol):
         holds from its own prefix cache, and those it released behind every window, are skipped:
         source_offset says how many; the first num_trimmed of pool_block_ids are read only in
         `layers`, the full-attention ones); returns read's bytes. An abort cannot free the blocks
-        while they are written."""
+        while they are written; when read raises KvReadUnsettled the blocks it targeted are
+        quarantined until that transfer settles (and a recompute of the request starts over in
+        fresh blocks)."""
+
+    def export_ready_kv(
+        self, request_id: str, first_block: int, end_block: int, max_chunk_bytes: int, trim_blocks: int = 0
+    ) -> Iterator[KvBlocksChunk]:
+        """Like export_kv, blocks [first_block, end_block) of a PREFILL_ONLY request still in its
+        prefill: only blocks whose every token's K/V is computed (a progress output's
+        num_computed_tokens // block_size; they never change after). Raises InvalidArgument when
+        they are not (any more: the request was preempted and recomputes)."""
 
     def export_kv(
         self, request_id: str, skip_blocks: int, max_chunk_bytes: int, trim_blocks: int = 0

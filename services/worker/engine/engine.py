@@ -271,6 +271,16 @@ class PagedEngine:
     def export_kv(
         self, request_id: str, skip_blocks: int, max_chunk_bytes: int, trim_blocks: int = 0
     ) -> Iterator[KvBlocksChunk]:
+        return self._export(request_id, skip_blocks, None, max_chunk_bytes, trim_blocks)
+
+    def export_ready_kv(
+        self, request_id: str, first_block: int, end_block: int, max_chunk_bytes: int, trim_blocks: int = 0
+    ) -> Iterator[KvBlocksChunk]:
+        return self._export(request_id, first_block, end_block, max_chunk_bytes, trim_blocks)
+
+    def _export(
+        self, request_id: str, first_block: int, end_block: int | None, max_chunk_bytes: int, trim_blocks: int
+    ) -> Iterator[KvBlocksChunk]:
         rank = self._rank_of_request(request_id)
         if rank is None:
             raise NotFound(f"unknown request {request_id!r}")
@@ -281,8 +291,9 @@ class PagedEngine:
                 indices,
                 max(1, max_chunk_bytes // (per_layer * len(layers or range(rank.runner.layout.num_layers)))),
                 layers,
+                end_block,
             )
-            for indices, layers in rank.handoff.export_parts(request_id, skip_blocks, trim_blocks)
+            for indices, layers in rank.handoff.export_parts(request_id, first_block, trim_blocks, end_block)
         )
 
     def release(self, request_id: str) -> None:

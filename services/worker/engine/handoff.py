@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from services.worker.engine.api import Admission, FinishReason, KvBlocksChunk
+from services.worker.engine.api import Admission, FinishReason, KvBlocksChunk, KvReadUnsettled, RequestKind
 from services.worker.engine.handle import OutputHandle, deliver_batch
 from services.worker.engine.outputs import Outputs
 from services.worker.engine.request import Request, RequestStatus, finish_rule
@@ -29,6 +29,8 @@ class Handoff:
     def __init__(self, rank: Rank) -> None:
         self.rank = rank
         self.tickets: dict[str, Request] = {}  # DECODE_REMOTE requests waiting for KV
+        # blocks a failed direct import's transfer may still write (held until it settles)
+        self.num_quarantined_blocks = 0
 
     # ---- admission (DECODE_REMOTE) -------------------------------------------------------
     def admit_remote(self, req: Request, handle: OutputHandle) -> Admission:
@@ -111,7 +113,9 @@ class Handoff:
         READ: read(source_offset, dp_rank, block_ids, num_trimmed, layers), the first
         num_trimmed of block_ids only in `layers`), outside the lock so the step loop and aborts
         never wait for a transfer; an abort meanwhile ends the request at once but its blocks are
-        freed only after `read` returns, so a freed (and reused) block is never written."""
+        freed only after `read` returns, so a freed (and reused) block is never written. A read
+        that gives up on a transfer it could not cancel (KvReadUnsettled) leaves its targets
+        quarantined until that transfer settles."""
         rank = self.rank
         with rank.lock:
             req = self._ticket(ticket)
@@ -133,11 +137,31 @@ class Handoff:
             req.kv_import_in_flight = True
         try:
             return read(start - first_block, rank.dp_rank, targets, num_trimmed, layers)
+        except KvReadUnsettled as exc:
+            self._quarantine(req, targets, exc)
+            raise
         finally:
             with rank.lock:
                 req.kv_import_in_flight = False
                 if req.status.is_finished:  # aborted meanwhile: its blocks were kept for us
                     rank.scheduler.remove(req)
+
+    def _quarantine(self, req: Request, targets: list[int], unsettled: KvReadUnsettled) -> None:
+        """The READ may still write `targets`: one extra reference keeps them out of the free
+        pool, whatever becomes of the request, until the transfer settles."""
+        rank = self.rank
+        with rank.lock:
+            rank.blocks.take(targets)
+            self.num_quarantined_blocks += len(targets)
+            req.kv_import_unsettled = True
+
+        def settled() -> None:
+            with rank.lock:
+                rank.blocks.free(targets)
+                self.num_quarantined_blocks -= len(targets)
+                rank.wake()
+
+        unsettled.on_settled(settled)
 
     def finish_import(
         self,
@@ -187,14 +211,34 @@ class Handoff:
             raise InvalidArgument(f"request {request_id!r} has no finished prefill to export")
         return req
 
-    def export_blocks(self, request_id: str, skip_blocks: int) -> list[int]:
-        """Indices of the held request's prompt blocks from skip_blocks on."""
+    def _ready(self, request_id: str, end_block: int | None) -> Request:
+        """The held request (end_block None), or a PREFILL_ONLY one whose blocks before
+        end_block are computed (a computed block never changes: the prefill writes later ones)."""
+        if end_block is None:
+            return self._held(request_id)
+        req = self.rank.request(request_id)
+        if req.status is RequestStatus.HELD:
+            return req
+        bs = self.rank.blocks.block_size
+        if req.kind is not RequestKind.PREFILL_ONLY or req.status is not RequestStatus.RUNNING:
+            raise InvalidArgument(f"request {request_id!r} is not a prefill under way")
+        if end_block * bs > req.num_computed_tokens:
+            raise InvalidArgument(
+                f"blocks up to {end_block} of request {request_id!r} are not computed "
+                f"({req.num_computed_tokens} tokens are)"
+            )
+        return req
+
+    def export_blocks(self, request_id: str, skip_blocks: int, end_block: int | None = None) -> list[int]:
+        """Indices of the held request's prompt blocks from skip_blocks on (before end_block,
+        when set: the computed blocks of a prefill under way)."""
         with self.rank.lock:
-            req = self._held(request_id)
+            req = self._ready(request_id, end_block)
             num_blocks = self.rank.blocks.blocks_needed(req.num_prompt_tokens)
+            end = num_blocks if end_block is None else min(end_block, num_blocks)
             if skip_blocks < 0 or skip_blocks > num_blocks:
                 raise InvalidArgument(f"skip_blocks {skip_blocks} out of range 0..{num_blocks}")
-            return list(range(skip_blocks, num_blocks))
+            return list(range(skip_blocks, max(skip_blocks, end)))
 
     def export_block_ids(self, request_id: str, skip_blocks: int) -> list[int]:
         """Pool block ids of the held request's prompt blocks from skip_blocks on."""
@@ -204,12 +248,13 @@ class Handoff:
             return [req.block_ids[i] for i in indices]
 
     def export_parts(
-        self, request_id: str, skip_blocks: int, trim_blocks: int
+        self, request_id: str, skip_blocks: int, trim_blocks: int, end_block: int | None = None
     ) -> list[tuple[list[int], tuple[int, ...]]]:
-        """The prompt blocks from skip_blocks on as (block indices, layers; () = every layer):
-        of the first trim_blocks (the decode side's kv_trim) only the full-attention layers, none
-        when every layer is windowed. A model without windows sends everything."""
-        indices = self.export_blocks(request_id, skip_blocks)
+        """The prompt blocks from skip_blocks on (before end_block, when set) as (block indices,
+        layers; () = every layer): of the first trim_blocks (the decode side's kv_trim) only the
+        full-attention layers, none when every layer is windowed. A model without windows sends
+        everything."""
+        indices = self.export_blocks(request_id, skip_blocks, end_block)
         trim = self.rank.scheduler.kv_trim
         if trim.window is None or trim_blocks <= 0:
             return [(indices, ())]
@@ -218,11 +263,16 @@ class Handoff:
         return [*parts, ([i for i in indices if i >= trim_blocks], ())]
 
     def iter_export(
-        self, request_id: str, indices: list[int], blocks_per_chunk: int, layers: tuple[int, ...] = ()
+        self,
+        request_id: str,
+        indices: list[int],
+        blocks_per_chunk: int,
+        layers: tuple[int, ...] = (),
+        end_block: int | None = None,
     ) -> Iterator[KvBlocksChunk]:
         for start in range(0, len(indices), blocks_per_chunk):
             part = indices[start : start + blocks_per_chunk]
             with self.rank.lock:
-                req = self._held(request_id)
+                req = self._ready(request_id, end_block)
                 data = self.rank.runner.read_blocks([req.block_ids[i] for i in part], layers or None)
             yield KvBlocksChunk(first_block=part[0], num_blocks=len(part), data=data, layers=layers)

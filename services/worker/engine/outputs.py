@@ -37,4 +37,5 @@ def request_output(req: Request, finished: bool, drafts: list[int] | None = None
         draft_token_ids=tuple(drafts or ()),
         new_logprobs=new_logprobs,
         prompt_logprobs=req.take_prompt_logprobs(),
+        num_computed_tokens=req.num_computed_tokens,
     )

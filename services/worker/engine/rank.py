@@ -209,6 +209,7 @@ class Rank:
             outputs = []
             self.speculation.after_verify(plan, output)
             self._apply(self.scheduler.update(plan, output), outputs)
+            self._report_prefill_progress(plan, outputs)
         deliver_batch(outputs)
         if self.speculation.has_round():  # the draft model's proposals for the next step
             outputs = []
@@ -396,6 +397,14 @@ class Rank:
                 out = request_output(req, finished=False)
                 if out.new_token_ids or out.text_delta or out.prompt_logprobs:
                     self._emit(req, out, outputs)
+
+    def _report_prefill_progress(self, plan: StepPlan, outputs: Outputs) -> None:
+        """A progress output for each PREFILL_ONLY request that ran a prompt chunk but not its
+        last one this step (the early KV export's cue; asked for per request)."""
+        for s in plan.scheduled:
+            req = s.request
+            if req.report_prefill_progress and not s.samples and req.status is RequestStatus.RUNNING:
+                self._emit(req, request_output(req, finished=False), outputs)
 
     def _emit(self, req: Request, out: RequestOutput, outputs: Outputs) -> None:
         """Queue an output for the request's handle; the terminal one closes it."""

@@ -129,6 +129,11 @@ class Request:
     # a direct (NIXL) import writes into its blocks outside the rank's lock: they are freed only
     # after it ends, even when the request is aborted meanwhile
     kv_import_in_flight: bool = False
+    # a direct import gave up on a transfer that may still write the blocks it targeted (they
+    # are quarantined until it settles): a recompute must start over in fresh blocks
+    kv_import_unsettled: bool = False
+    # PREFILL_ONLY: an output after each prompt chunk but the last (EngineRequest's flag)
+    report_prefill_progress: bool = False
     # output-delivery cursor: generated tokens already reported in a RequestOutput
     num_reported_tokens: int = 0
     # speculative decoding: proposals for the tokens after token_ids (verified next step; never
@@ -160,6 +165,7 @@ class Request:
             generator=generator,
             _status=status,
             token_ids=list(req.prompt_token_ids),
+            report_prefill_progress=req.report_prefill_progress,
         )
 
     # ---- status: the only ways to change it ----------------------------------------------

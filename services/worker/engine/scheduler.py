@@ -324,9 +324,11 @@ class Scheduler:
         computes everything after its own prefix-cache hits (what the failed import wrote is
         never trusted: only blocks it computes get hashed), chunked like any prompt. Blocks it
         never held (a trimmed handoff on an all-windowed model) are needed again for that: it
-        starts over like a preempted request (prefix lookup, fresh blocks)."""
+        starts over like a preempted request (prefix lookup, fresh blocks); so does one whose
+        failed transfer may still write its blocks (req.kv_import_unsettled: they are
+        quarantined, handoff.py)."""
         req.num_trimmed_blocks = 0
-        if req.num_released_blocks > 0:
+        if req.num_released_blocks > 0 or req.kv_import_unsettled:
             self._drop_blocks(req)
         else:
             req.num_computed_tokens = req.num_hashed_blocks * self.block_size

@@ -208,6 +208,106 @@ async def test_disaggregated_matches_unified_and_hf_generate(
     await wait_blocks_free(prefill)
 
 
+@pytest.mark.parametrize("transport", ["grpc", "nixl"])
+async def test_a_prefill_in_several_chunks_pushes_each_chunks_blocks_before_the_next(
+    decode: RunningWorker, unified: RunningWorker, tiny_model: Path, transport: str
+) -> None:
+    """A prompt prefilled BLOCK_SIZE tokens per step: over the gRPC push each chunk's complete
+    blocks reach the decode worker while later chunks compute (the prefill's last chunk is held
+    until the decode worker imported a first part; without the early push that never happens),
+    the rest with the first token at the end; over NIXL everything is READ at the end. Either
+    way the tokens are unified serving's and every block is freed."""
+    if transport == "nixl":
+        pytest.importorskip("nixl_cu13._api", reason="nixl-cu13 is not installed")
+    settings = worker_settings(tiny_model, "prefill", max_batch_tokens=BLOCK_SIZE)
+    async with running_worker(settings) as prefill:
+        prefill_engine, decode_engine = prefill.app.engine, decode.app.engine
+        assert prefill_engine is not None and decode_engine is not None
+        imported = threading.Event()
+        real_import = decode_engine.import_kv
+        first_parts: list[int] = []
+
+        def import_kv(ticket: str, chunk: Any) -> None:
+            real_import(ticket, chunk)
+            first_parts.append(chunk.first_block)
+            imported.set()
+
+        decode_engine.import_kv = import_kv  # type: ignore[method-assign,assignment]
+        rank = prefill_engine._ranks[0]  # type: ignore[attr-defined]
+        real_execute = rank._execute
+        before_last_chunk: list[bool] = []
+
+        def execute(plan: Any, batch: Any) -> Any:
+            if any(s.samples and s.request.request_id == "e1" for s in plan.scheduled):
+                # the last prompt chunk (it samples the first token): the decode worker has a part?
+                before_last_chunk.append(transport == "grpc" and imported.wait(30))
+            return real_execute(plan, batch)
+
+        rank._execute = execute
+        ids = prompt_ids(tiny_model)
+        kv_transport = worker_pb2.KV_TRANSPORT_NIXL if transport == "nixl" else None
+        reply, frames = await disaggregated(prefill, decode, "e1", ids, 12, kv_transport)
+        assert reply.num_chunks >= 3
+        if transport == "grpc":
+            assert before_last_chunk == [True]
+            assert first_parts[0] == 0 and sorted(first_parts) == first_parts
+        else:
+            assert reply.kv_transport == worker_pb2.KV_TRANSPORT_NIXL and not first_parts
+        assert frames[-1].transferred_cached_tokens == len(ids)
+        expected = await collect(
+            unified.stub.Decode(
+                worker_pb2.DecodeRequest(
+                    request_id="e1-unified",
+                    prompt_token_ids=ids,
+                    sampling=sampling(12),
+                    local_prefill=True,
+                    return_token_ids=True,
+                )
+            )
+        )
+        assert list(reply.token_ids) + token_ids_of(frames) == token_ids_of(expected)
+        await wait_blocks_free(decode)
+        await wait_blocks_free(prefill)
+
+
+async def test_a_prefill_cancelled_after_an_early_push_aborts_the_decode_request(
+    decode: RunningWorker, tiny_model: Path
+) -> None:
+    """The Prefill call goes away after the decode worker imported a first part of the KV: the
+    PushKv call breaks, the decode worker aborts the request (its KV can never complete) and
+    both workers free every block."""
+    settings = worker_settings(tiny_model, "prefill", max_batch_tokens=BLOCK_SIZE)
+    async with running_worker(settings) as prefill:
+        prefill_engine, decode_engine = prefill.app.engine, decode.app.engine
+        assert prefill_engine is not None and decode_engine is not None
+        imported, cancelled = threading.Event(), threading.Event()
+        real_import = decode_engine.import_kv
+
+        def import_kv(ticket: str, chunk: Any) -> None:
+            real_import(ticket, chunk)
+            imported.set()
+
+        decode_engine.import_kv = import_kv  # type: ignore[method-assign,assignment]
+        rank = prefill_engine._ranks[0]  # type: ignore[attr-defined]
+        real_execute = rank._execute
+
+        def execute(plan: Any, batch: Any) -> Any:
+            if any(s.samples for s in plan.scheduled):  # hold the last chunk until cancelled
+                cancelled.wait(30)
+            return real_execute(plan, batch)
+
+        rank._execute = execute
+        ids = prompt_ids(tiny_model)
+        task = asyncio.ensure_future(disaggregated(prefill, decode, "x1", ids, 8))
+        assert await asyncio.to_thread(imported.wait, 30)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        cancelled.set()
+        await wait_blocks_free(decode)
+        await wait_blocks_free(prefill)
+
+
 async def test_kv_push_skips_blocks_cached_on_the_decode_worker(
     prefill: RunningWorker, decode: RunningWorker, tiny_model: Path
 ) -> None:

@@ -34,12 +34,14 @@ async def test_windowed_model_disaggregated_and_unified_match_transformers(windo
     max_tokens = 16
     want = hf_greedy(windowed_model, ids, max_tokens)
     async with (
-        running_worker(worker_settings(windowed_model, "prefill")) as prefill,
+        # 8 tokens per step: the gRPC push starts with the first chunk, trimmed blocks included
+        running_worker(worker_settings(windowed_model, "prefill", max_batch_tokens=8)) as prefill,
         running_worker(worker_settings(windowed_model, "decode")) as decode,
         running_worker(worker_settings(windowed_model, "unified")) as unified,
     ):
         reply, frames = await disaggregated(prefill, decode, "w1", ids, max_tokens)
         assert list(reply.token_ids) + token_ids_of(frames) == want
+        assert reply.num_chunks == 4
         # Of the 7 prompt blocks (4 tokens) the first (27 - 8 + 1) // 4 = 5 lie behind the window
         # at the first decode position: only their full-attention layer (1 of 2) travels.
         assert frames[0].trim_blocks == 5

@@ -5,6 +5,8 @@ serving, descriptors and prefix skipping, the capability, and the failure paths 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -14,12 +16,13 @@ import grpc
 import pytest
 import torch
 
-from services.worker.kv_nixl import KvTransferFailed, NixlKvAgent
+from services.worker.kv_nixl import KvTransferFailed, KvTransferUnsettled, NixlKvAgent
 from shared.cluster import NIXL_CAPABILITY, KvLayout
-from shared.proto import common_pb2, worker_pb2
+from shared.proto import common_pb2, worker_pb2, worker_pb2_grpc
+from tests.e2e.test_worker_drain import start_worker, wait_serving
 from tests.support.nixl import progressed
 
-from .harness import RunningWorker, collect, running_worker, sampling, worker_settings
+from .harness import BLOCK_SIZE, RunningWorker, collect, running_worker, sampling, worker_settings
 from .test_worker_grpc import ADMITTED, FINAL, prompt_ids, token_ids_of, wait_blocks_free
 
 pytest.importorskip("nixl_cu13._api", reason="nixl-cu13 is not installed")
@@ -178,6 +181,116 @@ async def test_abort_during_a_read_frees_the_blocks_after_it(
     await wait_blocks_free(prefill)
 
 
+async def test_a_timed_out_read_quarantines_its_blocks_until_it_settles(
+    prefill: RunningWorker, unified: RunningWorker, tiny_model: Path
+) -> None:
+    """The prefill worker stops progressing its agent, so the decode worker's READ times out
+    still in flight: the request recomputes in fresh blocks (the same tokens as unified) while
+    the blocks the READ targeted stay out of the pool; once the prefill worker progresses again
+    and the READ ends, they are free."""
+    ids = prompt_ids(tiny_model)
+    src = prefill.app.nixl
+    assert src is not None
+    src.progress = lambda: None  # type: ignore[method-assign]
+    async with running_worker(worker_settings(tiny_model, "decode", kv_read_timeout_s=0.3)) as decode:
+        dst, engine = decode.app.nixl, decode.app.engine
+        assert dst is not None and engine is not None
+        reply, frames = await nixl_handoff(prefill, decode, "q1", ids, 12)
+        assert isinstance(reply, worker_pb2.PrefillResponse)
+        assert reply.kv_bytes_sent == 0  # recomputed
+        assert frames[-1].finish_reason != common_pb2.FINISH_REASON_ABORT
+        assert list(reply.token_ids) + token_ids_of(frames) == await unified_tokens(unified, ids, 12)
+        assert dst.num_unsettled() == 1
+        num_targets = -(-len(ids) // engine.kv_layout.block_size)
+        assert engine.num_total_blocks(0) - engine.num_free_blocks(0) == num_targets  # quarantined
+        del src.progress  # the instance's no-op: NixlKvAgent.progress again
+        with progressed(src):
+            await wait_blocks_free(decode)
+        assert dst.num_unsettled() == 0
+        await wait_blocks_free(prefill)
+
+
+@pytest.mark.e2e
+async def test_sigkill_of_the_prefill_process_during_the_read(
+    decode: RunningWorker, unified: RunningWorker, tiny_model: Path, tmp_path: Path
+) -> None:
+    """A prefill worker process is killed with SIGKILL while the decode worker's READ of its
+    blocks is in flight (stopped first, so the READ cannot finish before the kill): the READ
+    fails at once (NIXL reports the peer's disconnect; no timeout is waited for) and the
+    Prefill call fails UNAVAILABLE (the gateway's cue to retry the prefill elsewhere). The
+    decode worker's stream ends clearly within the bound: either aborted (the dead peer's
+    PushKv call was cancelled first) or, by its default --kv-load-failure-policy, recomputed
+    here with the same tokens as unified serving; its blocks are all free again and no READ is
+    left unsettled."""
+    log_path = tmp_path / "prefill.log"
+    proc, address = start_worker(
+        tiny_model, log_path, 5.0, role="prefill", extra=("--block-size", str(BLOCK_SIZE))
+    )
+    try:
+        await asyncio.to_thread(wait_serving, proc, address, log_path)
+        ids = prompt_ids(tiny_model)
+        nixl, engine = decode.app.nixl, decode.app.engine
+        assert nixl is not None and engine is not None
+        real_read, agent = nixl.read, nixl._agent
+        real_transfer = agent.transfer
+        posted: list[str] = []
+
+        def read_while_stopped(*args: Any, **kwargs: Any) -> int:
+            os.kill(proc.pid, signal.SIGSTOP)  # it cannot serve the READ any more
+            return real_read(*args, **kwargs)
+
+        def transfer_then_kill(*args: Any) -> str:
+            state = str(real_transfer(*args))
+            posted.append(state)
+            os.kill(proc.pid, signal.SIGKILL)
+            return state
+
+        nixl.read = read_while_stopped  # type: ignore[method-assign]
+        agent.transfer = transfer_then_kill
+        stream = decode.stub.Decode(
+            worker_pb2.DecodeRequest(
+                request_id="k1", prompt_token_ids=ids, sampling=sampling(12), return_token_ids=True
+            )
+        )
+        admitted = await stream.read()
+        assert admitted.kind == ADMITTED
+        async with grpc.aio.insecure_channel(address) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as died:
+                await worker_pb2_grpc.WorkerStub(channel).Prefill(
+                    worker_pb2.PrefillRequest(
+                        request_id="k1",
+                        prompt_token_ids=ids,
+                        sampling=sampling(12),
+                        return_token_ids=True,
+                        kv_target=worker_pb2.KvTarget(
+                            address=decode.address,
+                            transfer_ticket=admitted.transfer_ticket,
+                            skip_blocks=admitted.cached_blocks,
+                            kv_transport=worker_pb2.KV_TRANSPORT_NIXL,
+                        ),
+                    ),
+                    timeout=60,
+                )
+        assert died.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert posted == ["PROC"]  # the READ was in flight when the process died
+        frames = await asyncio.wait_for(collect(stream), 60)
+        assert frames[-1].kind == FINAL
+        if frames[-1].finish_reason == common_pb2.FINISH_REASON_ABORT:
+            # the dead peer's PushKv call was cancelled before the READ's failure was seen: the
+            # request is aborted here (the gateway, whose Prefill call failed, retries it)
+            assert not token_ids_of(frames)
+        else:  # the failed READ won the race: recomputed here, by the policy
+            assert frames[-1].transferred_cached_tokens == 0
+            assert token_ids_of(frames) == (await unified_tokens(unified, ids, 12))[1:]
+        # bounded; generous for a loaded machine (UCX retries its connection before it gives up)
+        await wait_blocks_free(decode, timeout_s=60)
+        assert nixl.num_unsettled() == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
 async def test_kv_transport_grpc_offers_no_nixl(tiny_model: Path) -> None:
     async with running_worker(worker_settings(tiny_model, "decode", kv_transport="grpc")) as w:
         info = await w.stub.Info(worker_pb2.InfoRequest())
@@ -185,23 +298,44 @@ async def test_kv_transport_grpc_offers_no_nixl(tiny_model: Path) -> None:
         assert w.app.nixl is None
 
 
-def test_a_read_the_peer_never_serves_times_out() -> None:
+def test_a_read_the_peer_never_serves_times_out_and_settles_only_after_it_landed() -> None:
     """Two agents in one process, the source never progressing (as a hung or stopped prefill
-    worker): the READ ends with KvTransferFailed after the timeout instead of hanging; with the
-    source progressing, the same READ moves the blocks byte for byte."""
+    worker): the READ ends with KvTransferUnsettled after the timeout instead of hanging. NIXL
+    cannot cancel it: once the source progresses again its bytes still land (measured with
+    UCX, even after release_xfer_handle or remove_remote_agent), so the agent keeps the handle
+    and says the transfer settled only after that; the engine frees the target blocks then,
+    never before. With the source progressing, a READ moves the blocks byte for byte."""
     layout = KvLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
     shape = (layout.num_layers, 2, layout.num_kv_heads, 8 * layout.block_size, layout.head_dim)
+    by_block = (layout.num_layers, 2, layout.num_kv_heads, 8, layout.block_size, layout.head_dim)
     src_pool, dst_pool = torch.randn(shape), torch.zeros(shape)
     src, dst = NixlKvAgent.create([src_pool], layout), NixlKvAgent.create([dst_pool], layout)
     assert src is not None and dst is not None
     source = src.source(0, [1, 2, 5], first_block=0)
-    with pytest.raises(KvTransferFailed, match="timed out"):
+    with pytest.raises(KvTransferUnsettled, match="timed out") as failed:
         dst.read(source, 0, 0, [3, 4, 6], timeout_s=0.3)
-    dst.forget(source.agent_name)
+    dst.forget(source.agent_name)  # as the receiver does: deferred while the READ is unsettled
+    assert dst.num_unsettled() == 1
+    settled = threading.Event()
+    at_settle: list[torch.Tensor] = []
 
+    def on_settled() -> None:
+        at_settle.append(dst_pool.view(by_block)[:, :, :, [3, 4, 6]].clone())
+        settled.set()
+
+    failed.value.on_settled(on_settled)
+    assert not settled.wait(0.2)  # the source is silent: still in flight, blocks still held
+    want = src_pool.view(by_block)[:, :, :, [1, 2, 5]]
+    with progressed(src):
+        assert settled.wait(10)
+    assert torch.equal(at_settle[0], want)  # the late bytes landed before the blocks went free
+    assert dst.num_unsettled() == 0
+    late: list[str] = []
+    failed.value.on_settled(lambda: late.append("ran"))  # registered after the end: at once
+    assert late == ["ran"]
+
+    dst_pool.zero_()
     with progressed(src):
         nbytes = dst.read(source, 0, 0, [3, 4, 6], timeout_s=10)
     assert nbytes == 3 * layout.num_layers * 2 * layout.num_kv_heads * layout.block_size * layout.head_dim * 4
-    by_block = (layout.num_layers, 2, layout.num_kv_heads, 8, layout.block_size, layout.head_dim)
-    got, want = dst_pool.view(by_block)[:, :, :, [3, 4, 6]], src_pool.view(by_block)[:, :, :, [1, 2, 5]]
-    assert torch.equal(got, want)
+    assert torch.equal(dst_pool.view(by_block)[:, :, :, [3, 4, 6]], want)

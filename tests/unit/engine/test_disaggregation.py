@@ -3,6 +3,7 @@ same tokens as a unified run; the decode side skips blocks already in its prefix
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -112,3 +113,35 @@ async def test_abort_waiting_for_kv(make_engine: EngineFactory) -> None:
     with pytest.raises(NotFound):
         engine.finish_import(admission.transfer_ticket, 40, 5, 1)
     assert engine.num_free_blocks(0) == engine.num_total_blocks(0)
+
+
+async def test_prefill_progress_outputs_and_the_ready_blocks_export(make_engine: EngineFactory) -> None:
+    """A PREFILL_ONLY request that asks for progress, prefilled 32 tokens per step: one output
+    per chunk but the last (no tokens, its computed count), then the first token. The blocks a
+    progress output names export at once (the engine may be computing the next chunk), byte
+    for byte what export_kv gives once held."""
+    prefill = make_engine(max_batch_tokens=32)
+    prompt = _prompt(75, 3)  # 3 chunks: 32 + 32 + 11 tokens; 5 blocks of 16
+    req = dataclasses.replace(
+        request("p", prompt, greedy(4, ignore_eos=True), kind=RequestKind.PREFILL_ONLY),
+        report_prefill_progress=True,
+    )
+    handle = prefill.add_request(req)
+    early: list[KvBlocksChunk] = []
+    progress: list[int] = []
+    async for out in handle:
+        if not out.finished:
+            assert not out.new_token_ids
+            progress.append(out.num_computed_tokens)
+            early += prefill.export_ready_kv("p", 2 * (len(progress) - 1), 2 * len(progress), 1 << 20)
+        else:
+            assert len(out.new_token_ids) == 1
+    assert progress == [32, 64]
+    held = list(prefill.export_kv("p", 0, max_chunk_bytes=1 << 20))
+    sent = b"".join(c.data for c in early)
+    assert sent == b"".join(c.data for c in held)[: len(sent)]
+    assert [c.first_block for c in early] == [0, 2]
+    prefill.release("p")
+    assert prefill.num_free_blocks(0) == prefill.num_total_blocks(0)
+    with pytest.raises(NotFound):
+        list(prefill.export_ready_kv("p", 0, 2, max_chunk_bytes=1 << 20))  # released: gone
