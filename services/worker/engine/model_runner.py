@@ -22,15 +22,10 @@ from services.worker.engine.api import KvLayout, SamplingConfig, TokenLogprobs
 from services.worker.engine.attention import AttentionBackend
 from services.worker.engine.backend import BackendOptions, ModelBackend
 from services.worker.engine.decode_graphs import DecodeGraphs, DecodeSeq
+from services.worker.engine.draws import PendingSample, draw, sample_step
 from services.worker.engine.lean_llama import LeanLlama
 from services.worker.engine.pinned import Staging, to_device
-from services.worker.engine.sampler import (
-    TokenHistory,
-    apply_allowed,
-    prompt_logprobs,
-    sample,
-    sample_with_logprobs_to_host,
-)
+from services.worker.engine.sampler import TokenHistory, prompt_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -64,35 +59,6 @@ class ScheduledSeq:
     prompt_offset: int = 0  # index in token_ids of the first position with a prompt target
     # filled by the runner: one entry per prompt_targets token
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
-
-
-@dataclass
-class PendingSample:
-    """A step's drawn ids on their way to the host (async scheduling): on CUDA a non-blocking
-    copy into pinned memory and an event recorded after it, so the host can prepare the next
-    step meanwhile; on CPU the ids are already there."""
-
-    ids: torch.Tensor  # [n] long on the device: the next step's input ids
-    host: torch.Tensor  # [n] long on the host (pinned on CUDA), valid once `event` completed
-    event: Any  # torch.cuda.Event, or None (CPU)
-    seqs: list[ScheduledSeq]
-
-    @staticmethod
-    def start(ids: torch.Tensor, seqs: list[ScheduledSeq]) -> PendingSample:
-        if ids.device.type != "cuda":
-            return PendingSample(ids, ids, None, seqs)
-        host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-        host.copy_(ids, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(ids.device))
-        return PendingSample(ids, host, event, seqs)
-
-    def tokens(self) -> list[list[int]]:
-        """Each seq's drawn token, once the step is done (waits for it: the step's one
-        device-to-host copy)."""
-        if self.event is not None:
-            self.event.synchronize()
-        return _split([int(t) for t in self.host.tolist()], self.seqs)
 
 
 class ModelRunner:
@@ -220,7 +186,7 @@ class ModelRunner:
             decoded = graphs.run(
                 [DecodeSeq(s.token_ids, s.start_pos, s.block_ids, s.num_logits) for s in seqs]
             )
-            return _sample(decoded, seqs)
+            return sample_step(decoded, seqs)
         input_ids, positions, meta, logits_idx = self._build_metadata(seqs)
         meta.verify_variants = self._verify_variants
         if len(logits_idx) == 0:
@@ -242,7 +208,7 @@ class ModelRunner:
             ).to(logits_idx.device)
         logits = self._forward(input_ids, positions, meta, logits_idx)
         assert logits is not None  # [sum(counts), vocab]
-        return _sample(logits, sampled_seqs)
+        return sample_step(logits, sampled_seqs)
 
     @torch.inference_mode()
     def execute_async(self, seqs: list[ScheduledSeq], input_ids: torch.Tensor | None = None) -> PendingSample:
@@ -268,7 +234,7 @@ class ModelRunner:
             out = self._forward(ids, positions, meta, logits_idx)
             assert out is not None
             logits = out
-        return PendingSample.start(_draw(logits, seqs), seqs)
+        return PendingSample.start(draw(logits, seqs), seqs)
 
     def _execute_with_prompt_logprobs(
         self,
@@ -304,7 +270,7 @@ class ModelRunner:
             s.prompt_logprobs = lps[pos : pos + len(s.prompt_targets)]
             pos += len(s.prompt_targets)
         sampled_seqs = [s for s in seqs if s.sample]
-        return _sample(logits[: len(sample_rows)], sampled_seqs) if sampled_seqs else []
+        return sample_step(logits[: len(sample_rows)], sampled_seqs) if sampled_seqs else []
 
     def _forward(
         self,
@@ -380,59 +346,3 @@ class ModelRunner:
             return
         for j, layer in enumerate(layers):
             pool[layer].index_copy_(2, idx, arr[j])
-
-
-def _sampler_inputs(
-    logits: torch.Tensor, sampled_seqs: list[ScheduledSeq]
-) -> tuple[torch.Tensor, list[Any], list[Any], list[int | None], list[Any]]:
-    """Per sampled row its parameters, generator, seed and history; logits with the structured
-    outputs' masks applied."""
-    params = [s.sampling for s in sampled_seqs for _ in range(s.num_logits)]
-    gens = [s.generator for s in sampled_seqs for _ in range(s.num_logits)]
-    seeds = [
-        (s.draw_seeds[j] if j < len(s.draw_seeds) else None)
-        for s in sampled_seqs
-        for j in range(s.num_logits)
-    ]
-    histories = [
-        (s.history.extended(s.token_ids[len(s.token_ids) - s.num_logits + 1 :][:j]) if s.history else None)
-        for s in sampled_seqs
-        for j in range(s.num_logits)
-    ]
-    if any(s.allowed is not None for s in sampled_seqs):
-        masks = [
-            s.allowed[j] if s.allowed is not None else None for s in sampled_seqs for j in range(s.num_logits)
-        ]
-        logits = apply_allowed(logits, masks)
-    return logits, params, gens, seeds, histories
-
-
-def _draw(logits: torch.Tensor, sampled_seqs: list[ScheduledSeq]) -> torch.Tensor:
-    """The drawn ids [sum of num_logits] on the logits' device (no logprobs: `_sample`)."""
-    logits, params, gens, seeds, histories = _sampler_inputs(logits, sampled_seqs)
-    return sample(logits, params, gens, seeds, histories)
-
-
-def _split(flat: list[int], sampled_seqs: list[ScheduledSeq]) -> list[list[int]]:
-    """Flat drawn ids -> each sequence's num_logits tokens."""
-    tokens: list[list[int]] = []
-    pos = 0
-    for s in sampled_seqs:
-        tokens.append(flat[pos : pos + s.num_logits])
-        pos += s.num_logits
-    return tokens
-
-
-def _sample(logits: torch.Tensor, sampled_seqs: list[ScheduledSeq]) -> list[list[int]]:
-    """logits [sum of num_logits, vocab], each sequence's rows in order -> its drawn tokens,
-    each sequence's logprobs filled when asked. The step's one device-to-host copy: the drawn
-    ids (with their logprobs, packed, when asked)."""
-    if not any(s.sampling.logprobs is not None for s in sampled_seqs):
-        return _split([int(t) for t in _draw(logits, sampled_seqs).tolist()], sampled_seqs)
-    logits, params, gens, seeds, histories = _sampler_inputs(logits, sampled_seqs)
-    _, flat, logprobs = sample_with_logprobs_to_host(logits, params, gens, seeds, histories)
-    pos = 0
-    for s in sampled_seqs:
-        s.logprobs = [lp for lp in logprobs[pos : pos + s.num_logits] if lp is not None]
-        pos += s.num_logits
-    return _split(flat, sampled_seqs)

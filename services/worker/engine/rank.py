@@ -9,24 +9,8 @@ for one update phase. Aborts of scheduled requests are deferred to the step thre
 may be in use by the forward pass in flight). With a draft model (spec/draft.py) a step has a
 second unlocked phase, the draft's forward passes for the next proposals; a PREFILL_ONLY request's
 terminal output waits for them (its handoff proposals), and an abort meanwhile is deferred too.
-
-Async scheduling (`async_scheduling`, issue 31 item 4; vLLM v1's async scheduling): while the
-device runs decode step N, the step thread schedules and launches step N+1 before N's tokens are
-on the host. It assumes every request of N produces one token: N+1's positions, slots and block
-tables are built on the host, its input ids are N's drawn ids copied on the device
-(ModelRunner.execute_async), and N's tokens are applied (appended, finish rule, outputs) once
-N+1 is queued. A request that ended at N (EOS, a stop token or string) has one wasted row in
-N+1, whose token is dropped; its blocks are freed only after N+1 completed (the loop then waits
-for N+1 at once, so nothing in flight reads a freed block and its terminal output goes out after
-the blocks are free). Outputs are the same as without it. The overlap is off for a step (the
-loop waits for step N, applies it, then schedules as usual) when any of these holds: a request
-is waiting to be admitted (prefill chunks, joining requests, imported KV), an abort or cancel is
-pending or the rank stops, the running requests are not exactly N's, a request of N reaches its
-max_tokens or the model's context with N's token, a request's next block cannot be had without
-preemption, or a request wants something the host must know before the next draw or that a
-decode step does not return: logprobs, prompt logprobs, penalties or min_tokens (the token
-history), structured output (the grammar's mask), a PREFILL_ONLY handoff; and always with
-speculative decoding (its proposals depend on the last tokens).
+Async scheduling (decode step N+1 launched before step N's tokens are on the host) is
+async_steps.py.
 """
 
 from __future__ import annotations
@@ -34,16 +18,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 
 from services.worker.engine.api import FinishReason, RankLoad, RequestKind, RequestOutput
+from services.worker.engine.async_steps import AsyncSteps
 from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.handle import OutputHandle, deliver_batch
 from services.worker.engine.handoff import Handoff
-from services.worker.engine.model_runner import ModelRunner, PendingSample, ScheduledSeq
+from services.worker.engine.model_runner import ModelRunner, ScheduledSeq
 from services.worker.engine.outputs import Outputs, request_output
 from services.worker.engine.request import Request, RequestStatus
-from services.worker.engine.scheduler import ScheduledRequest, Scheduler, StepPlan
+from services.worker.engine.scheduler import Scheduler, StepPlan
 from services.worker.engine.spec.calibrate import step_clock
 from services.worker.engine.spec.speculation import NoSpeculation
 from services.worker.engine.spec.stats import SpecStats
@@ -51,18 +35,6 @@ from services.worker.engine.step import StepOutput, StepUpdate, plan_batch
 from shared.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _InFlight:
-    """A decode step queued on the device whose tokens are not applied yet (async scheduling)."""
-
-    plan: StepPlan
-    batch: list[ScheduledSeq]
-    pending: PendingSample
-    t0_ns: int  # perf_counter_ns at its launch
-    # requests that ended while this step was in flight, their blocks freed once it is done
-    ended: list[Request] = field(default_factory=list)
 
 
 class Rank:
@@ -97,8 +69,7 @@ class Rank:
         self._thread: threading.Thread | None = None
         # async scheduling (module docstring): never with speculative decoding
         self.async_scheduling = async_scheduling and type(self.speculation) is NoSpeculation
-        self._in_flight: _InFlight | None = None  # touched by the step thread only
-        self._reading: _InFlight | None = None  # while applying a step: the one still in flight
+        self.pipeline = AsyncSteps(self)
 
     # ---- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -113,6 +84,10 @@ class Rank:
             self._wake.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=30)
+
+    def control_pending(self) -> bool:
+        """Under the lock: an abort or the stop waits for the step thread."""
+        return bool(self._aborts) or self._stopping
 
     def wake(self) -> None:
         """New work for the step loop (under the lock)."""
@@ -167,7 +142,7 @@ class Rank:
             except Exception:  # a bug must not leave callers waiting forever
                 log.exception("step loop failed on rank %d; aborting its requests", self.dp_rank)
                 with self.lock:
-                    self._forget_in_flight()
+                    self.pipeline.forget()
                     outputs: Outputs = []
                     for req in [*self.scheduler.running, *self.scheduler.waiting]:
                         self.finish(req, FinishReason.ABORT, outputs)
@@ -177,8 +152,8 @@ class Rank:
 
     def _step(self) -> bool:
         """One iteration: schedule, execute, update. False once stopped."""
-        if self._in_flight is not None:
-            self._step_in_flight(self._in_flight)
+        if self.pipeline.in_flight is not None:
+            self.pipeline.step(self.pipeline.in_flight)
             return True
         with self.lock:
             outputs: Outputs = []
@@ -199,8 +174,8 @@ class Rank:
                 self._wake.wait(timeout=0.05)
                 return True
         deliver_batch(outputs)
-        if self.async_scheduling and self._launches_async(plan, batch):
-            self._launch(plan, batch, None)
+        if self.async_scheduling and self.pipeline.launches(plan, batch):
+            self.pipeline.launch(plan, batch, None)
             return True
         output = self._execute(plan, batch)
         if output is None:
@@ -208,7 +183,7 @@ class Rank:
         with self.lock:
             outputs = []
             self.speculation.after_verify(plan, output)
-            self._apply(self.scheduler.update(plan, output), outputs)
+            self.apply(self.scheduler.update(plan, output), outputs)
             self._report_prefill_progress(plan, outputs)
         deliver_batch(outputs)
         if self.speculation.has_round():  # the draft model's proposals for the next step
@@ -242,145 +217,7 @@ class Rank:
             cost_sync()
         return StepOutput(batch, sampled, elapsed_ns, cost_clock() - c0)
 
-    # ---- async scheduling (module docstring) ----------------------------------------------
-    def _launches_async(self, plan: StepPlan, batch: list[ScheduledSeq]) -> bool:
-        """Whether a step runs on the async path: decode steps only, of requests that need
-        nothing of the host between two draws (under the lock)."""
-        return (
-            bool(plan.scheduled)
-            and not plan.unfittable
-            and all(s.samples and s.num_new_tokens == 1 and not s.num_draft_tokens for s in plan.scheduled)
-            and all(self._overlappable(s.request) for s in plan.scheduled)
-            and all(not seq.prompt_targets and seq.history is None and seq.allowed is None for seq in batch)
-        )
-
-    @staticmethod
-    def _overlappable(req: Request) -> bool:
-        sp = req.sampling
-        return (
-            req.status is RequestStatus.RUNNING
-            and req.kind is not RequestKind.PREFILL_ONLY
-            and sp.max_tokens > 0
-            and sp.logprobs is None
-            and not sp.needs_history
-            and req.grammar is None
-            and not req.wants_prompt_logprobs
-        )
-
-    def _next_plan(self, f: _InFlight) -> tuple[StepPlan, list[ScheduledSeq]] | None:
-        """Under the lock: step N+1 while step N (f) is in flight, assuming each of N's requests
-        gets one token; None when the overlap is off for this step (module docstring)."""
-        if self._aborts or self._stopping or self.scheduler.waiting:
-            return None
-        reqs = [s.request for s in f.plan.scheduled]
-        if reqs != self.scheduler.running:
-            return None
-        max_len = self.scheduler.max_model_len
-        for r in reqs:
-            if not self._overlappable(r) or r.num_counted_towards_max + 1 >= r.sampling.max_tokens:
-                return None
-            if max_len and r.num_tokens + 1 >= max_len:
-                return None
-        for r in reqs:  # N+1 computes position num_tokens: room for num_tokens + 1 tokens
-            if not self.scheduler.grow(r, r.num_tokens + 1):
-                return None
-        batch = [
-            ScheduledSeq(
-                token_ids=[0],  # a placeholder: the input is N's drawn id, copied on the device
-                start_pos=r.num_tokens,
-                block_ids=list(r.block_ids),
-                sample=True,
-                sampling=r.sampling,
-                generator=r.generator,
-                draw_seeds=(r.draw_seed(1),),  # the draw after N's
-            )
-            for r in reqs
-        ]
-        budget = max(0, self.scheduler.max_batch_tokens - len(reqs))
-        return StepPlan([ScheduledRequest(r, 1) for r in reqs], [], budget), batch
-
-    def _launch(self, plan: StepPlan, batch: list[ScheduledSeq], prev: PendingSample | None) -> bool:
-        """Queue a decode step (unlocked); False when it failed. With nothing in flight before
-        it (prev None) its requests are aborted here; else the caller aborts them once the step
-        before is applied."""
-        t0 = time.perf_counter_ns()
-        try:
-            pending = self.runner.execute_async(batch, None if prev is None else prev.ids)
-        except Exception:
-            log.exception("forward pass failed on rank %d; aborting its batch", self.dp_rank)
-            if prev is None:
-                self._abort_plan(plan)
-            return False
-        self._in_flight = _InFlight(plan, batch, pending, t0)
-        return True
-
-    def _abort_plan(self, plan: StepPlan) -> None:
-        with self.lock:
-            outputs: Outputs = []
-            for s in plan.scheduled:
-                if not s.request.status.is_finished:
-                    self.finish(s.request, FinishReason.ABORT, outputs)
-        deliver_batch(outputs)
-
-    def _step_in_flight(self, f: _InFlight) -> None:
-        """Step N (f) is in flight: launch N+1 when the overlap holds, then apply N; otherwise
-        wait for N and apply it (the next iteration schedules as usual)."""
-        with self.lock:
-            nxt = self._next_plan(f)
-        self._in_flight = None
-        launched = False
-        if nxt is not None:
-            launched = self._launch(nxt[0], nxt[1], f.pending)
-        outputs: Outputs = []
-        tokens = f.pending.tokens()  # waits for step N (the step thread only)
-        g = self._in_flight
-        with self.lock:
-            self._reading = g
-            try:
-                self._apply_step(f, tokens, outputs)
-            finally:
-                self._reading = None
-        if nxt is not None and not launched:
-            deliver_batch(outputs)
-            self._abort_plan(nxt[0])
-            return
-        if g is not None and g.ended:
-            # requests ended at N and N+1 still reads their blocks: wait for it, apply it, then
-            # free them (their terminal outputs go out after)
-            self._in_flight = None
-            tokens = g.pending.tokens()
-            with self.lock:
-                self._apply_step(g, tokens, outputs)
-                for req in g.ended:
-                    self.scheduler.remove(req)
-        deliver_batch(outputs)
-
-    def _apply_step(self, f: _InFlight, tokens: list[list[int]], outputs: Outputs) -> None:
-        """Under the lock: an async step's tokens, for its requests still running (one that
-        ended at the step before had a wasted row)."""
-        live = [
-            (s, seq, run)
-            for s, seq, run in zip(f.plan.scheduled, f.batch, tokens, strict=True)
-            if not s.request.status.is_finished
-        ]
-        plan = StepPlan([s for s, _, _ in live], [], f.plan.budget_left)
-        output = StepOutput([seq for _, seq, _ in live], [run for _, _, run in live])
-        output.elapsed_ns = time.perf_counter_ns() - f.t0_ns
-        self.speculation.after_verify(plan, output)
-        self._apply(self.scheduler.update(plan, output), outputs)
-
-    def _forget_in_flight(self) -> None:
-        """Under the lock, after a failure: nothing is in flight any more (what ended while it
-        was frees its blocks now)."""
-        for f in (self._in_flight, self._reading):
-            if f is not None:
-                for req in f.ended:
-                    self.scheduler.remove(req)
-                f.ended.clear()
-        self._in_flight = None
-        self._reading = None
-
-    def _apply(self, updates: list[StepUpdate], outputs: Outputs) -> None:
+    def apply(self, updates: list[StepUpdate], outputs: Outputs) -> None:
         """After scheduler.update: end what ended, hand speculation the requests that go on,
         send each request's output (a handoff's waits for draft proposals when it has them)."""
         for u in updates:
@@ -418,15 +255,7 @@ class Rank:
         """End a request that is not HELD: free its blocks (after a direct import that still
         writes them, or while an async step in flight still reads them), send its terminal
         output."""
-        reading = self._reading
-        deferred = (
-            reading is not None
-            and not req.kv_import_in_flight
-            and any(s.request is req for s in reading.plan.scheduled)
-        )
-        if deferred:
-            assert reading is not None
-            reading.ended.append(req)  # freed (scheduler.remove) once that step is done
+        deferred = self.pipeline.defers_free(req)
         self.scheduler.remove(req, keep_blocks=req.kv_import_in_flight or deferred)
         self.speculation.drop(req)
         req.finish(reason)

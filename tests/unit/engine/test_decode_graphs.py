@@ -509,10 +509,10 @@ def test_a_cuda_graph_decode_step_never_synchronizes(tiny_bpe: Path) -> None:
     """The same step as a CUDA graph replay with FlexAttention: filling its inputs, the replay
     and the draw queue no synchronizing call (torch's sync debug mode raises on one); only the
     drawn ids' copy back waits for the GPU."""
-    from services.worker.engine.model_runner import _draw
+    from services.worker.engine.draws import draw
 
     cuda = torch.device("cuda")
-    _, static = _runners(tiny_bpe, cuda, fused=None)
+    _, static = _runners(tiny_bpe, cuda, fused=None, block=16)  # in place: blocks of 16
     seqs = _no_sync_decode_seqs(cuda)
     graphs = static.graphs
     assert graphs is not None
@@ -521,7 +521,7 @@ def test_a_cuda_graph_decode_step_never_synchronizes(tiny_bpe: Path) -> None:
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        drawn = _draw(graphs.run(decode), seqs)
+        drawn = draw(graphs.run(decode), seqs)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert [[int(t)] for t in drawn.tolist()] == want

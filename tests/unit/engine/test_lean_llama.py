@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from benchmarks.step_profile import OpCounter
-from services.worker.engine import model_runner
+from services.worker.engine import draws
 from services.worker.engine.api import SamplingConfig
 from services.worker.engine.attention import AttentionBackend
 from services.worker.engine.backend import ModelBackend
@@ -75,13 +75,13 @@ def _run(runner: ModelRunner, steps: list[list[ScheduledSeq]], monkeypatch: pyte
     """Per step: the logits handed to the sampler (None when nothing is sampled), the tokens,
     and finally the KV pool."""
     seen: list[torch.Tensor] = []
-    real_sample = model_runner.sample
+    real_sample = draws.sample
 
     def spy(logits: torch.Tensor, *args: Any) -> torch.Tensor:
         seen.append(logits.clone())
         return real_sample(logits, *args)
 
-    monkeypatch.setattr(model_runner, "sample", spy)
+    monkeypatch.setattr(draws, "sample", spy)
     out: list[Any] = []
     for step in steps:
         before = len(seen)
