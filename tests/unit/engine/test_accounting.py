@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from services.worker.engine import model_runner
+from services.worker.engine import draws
 from services.worker.engine.api import Engine, RequestKind, RequestOutput
 from tests.unit.engine.conftest import (
     EngineFactory,
@@ -42,7 +42,7 @@ def script(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
         # engine warm-ups sample too: they get token 0
         return torch.tensor([tokens.pop(0) if tokens else 0 for _ in params])
 
-    monkeypatch.setattr(model_runner, "sample", scripted)
+    monkeypatch.setattr(draws, "sample", scripted)
     yield tokens
 
 

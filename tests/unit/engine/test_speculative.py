@@ -350,7 +350,7 @@ def scripted_by_index(monkeypatch: pytest.MonkeyPatch) -> dict[int, list[int]]:
     """A sampler that returns script[seed][output index] for seeded rows: the draw seed of each
     row names its output index (Request.draw_seed), so a speculative run and plain decoding get
     the same token at every index. Warm-ups and unseeded rows get token 0."""
-    from services.worker.engine import model_runner
+    from services.worker.engine import draws
     from services.worker.engine.request import _mix_seed
 
     scripts: dict[int, list[int]] = {}
@@ -365,7 +365,7 @@ def scripted_by_index(monkeypatch: pytest.MonkeyPatch) -> dict[int, list[int]]:
             out.append(scripts[key[0]][key[1]] if key is not None else 0)
         return torch.tensor(out)
 
-    monkeypatch.setattr(model_runner, "sample", scripted)
+    monkeypatch.setattr(draws, "sample", scripted)
     return scripts
 
 
