@@ -293,12 +293,15 @@ async def test_a_prefill_in_several_chunks_pushes_each_chunks_blocks_before_the_
         await wait_blocks_free(prefill)
 
 
+@pytest.mark.parametrize("transport", ["grpc", "nixl"])
 async def test_a_prefill_cancelled_after_an_early_push_aborts_the_decode_request(
-    decode: RunningWorker, tiny_model: Path
+    decode: RunningWorker, tiny_model: Path, transport: str
 ) -> None:
-    """The Prefill call goes away after the decode worker imported a first part of the KV: the
-    PushKv call breaks, the decode worker aborts the request (its KV can never complete) and
-    both workers free every block."""
+    """The Prefill call goes away after the decode worker imported (or, NIXL in parts, READ) a
+    first part of the KV: the PushKv call breaks, the decode worker aborts the request (its KV
+    can never complete) and both workers free every block."""
+    if transport == "nixl":
+        pytest.importorskip("nixl_cu13._api", reason="nixl-cu13 is not installed")
     settings = worker_settings(tiny_model, "prefill", max_batch_tokens=BLOCK_SIZE)
     async with running_worker(settings) as prefill:
         prefill_engine, decode_engine = prefill.app.engine, decode.app.engine
@@ -310,7 +313,15 @@ async def test_a_prefill_cancelled_after_an_early_push_aborts_the_decode_request
             real_import(ticket, chunk)
             imported.set()
 
+        real_read = decode_engine.import_kv_direct
+
+        def import_kv_direct(ticket: str, first_block: int, num_blocks: int, read: Any) -> int:
+            nbytes = real_read(ticket, first_block, num_blocks, read)
+            imported.set()
+            return nbytes
+
         decode_engine.import_kv = import_kv  # type: ignore[method-assign,assignment]
+        decode_engine.import_kv_direct = import_kv_direct  # type: ignore[method-assign,assignment]
         rank = prefill_engine._ranks[0]  # type: ignore[attr-defined]
         real_execute = rank._execute
 
@@ -321,7 +332,8 @@ async def test_a_prefill_cancelled_after_an_early_push_aborts_the_decode_request
 
         rank._execute = execute
         ids = prompt_ids(tiny_model)
-        task = asyncio.ensure_future(disaggregated(prefill, decode, "x1", ids, 8))
+        nixl = (worker_pb2.KV_TRANSPORT_NIXL, True) if transport == "nixl" else (None, None)
+        task = asyncio.ensure_future(disaggregated(prefill, decode, "x1", ids, 8, *nixl))
         assert await asyncio.to_thread(imported.wait, 30)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
