@@ -65,6 +65,9 @@ class KvTransport(enum.Enum):
 
 # The capability a worker advertises when its NIXL agent is up and its KV pools are registered.
 NIXL_CAPABILITY = "kv_transport_nixl"
+# A worker that takes (decode side) and sends (prefill side) a NIXL handoff in several PushKv
+# messages, one per prefill chunk (worker.proto KvTarget.nixl_parts, 1.10).
+NIXL_PARTS_CAPABILITY = "kv_nixl_parts"
 
 
 def negotiate_kv_transport(
@@ -75,6 +78,16 @@ def negotiate_kv_transport(
     if NIXL_CAPABILITY in prefill_capabilities and NIXL_CAPABILITY in decode_capabilities:
         return KvTransport.NIXL
     return KvTransport.GRPC_PUSH
+
+
+def negotiate_nixl_parts(prefill_capabilities: Iterable[str], decode_capabilities: Iterable[str]) -> bool:
+    """Whether a NIXL handoff goes in parts (one PushKv message per prefill chunk): both workers
+    advertise it (an older one gets the whole handoff in one message at the end)."""
+    return (
+        negotiate_kv_transport(prefill_capabilities, decode_capabilities) is KvTransport.NIXL
+        and NIXL_PARTS_CAPABILITY in prefill_capabilities
+        and NIXL_PARTS_CAPABILITY in decode_capabilities
+    )
 
 
 @dataclass(frozen=True)

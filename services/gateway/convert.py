@@ -240,6 +240,8 @@ def prefill_request(job: WorkerJob, dp_rank: int, kv: KvDestination | None) -> w
             msg.kv_target.kv_transport = worker_pb2.KV_TRANSPORT_NIXL
         if kv.trim_blocks is not None:  # a 1.7 or older prefill worker ignores it: sends all
             msg.kv_target.trim_blocks = kv.trim_blocks
+        if kv.nixl_parts:  # a 1.9 or older prefill worker ignores it: one message at the end
+            msg.kv_target.nixl_parts = True
     return msg
 
 

@@ -101,6 +101,8 @@ class KvDestination:
     transport: KvTransport = KvTransport.GRPC_PUSH  # negotiated from both workers' capabilities
     # the decode worker's DecodeFrame.trim_blocks, passed on (None: it sent none, 1.7 or older)
     trim_blocks: int | None = None
+    # NIXL descriptors in one message per prefill chunk (both workers advertise kv_nixl_parts)
+    nixl_parts: bool = False
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from services.gateway.ports import (
     WorkerUnavailable,
 )
 from services.gateway.request import OutputFrame, OutputFrameKind, RequestState, RequestStatus
-from shared.cluster import DecodeFrameKind, negotiate_kv_transport
+from shared.cluster import DecodeFrameKind, negotiate_kv_transport, negotiate_nixl_parts
 
 T = TypeVar("T")
 
@@ -90,6 +90,7 @@ class WorkerRuns:
                 admitted.cached_blocks,
                 negotiate_kv_transport(prefill.capabilities, decode.capabilities),
                 admitted.trim_blocks,
+                negotiate_nixl_parts(prefill.capabilities, decode.capabilities),
             )
             state.advance(RequestStatus.PREFILLING)
             attempt.start(prefill.address)

@@ -24,16 +24,18 @@ from services.worker.engine.api import (
 from services.worker.frames import decode_event, final_event
 from services.worker.kv_nixl import NixlKvAgent
 from services.worker.kv_receive import KvLoadFailurePolicy, KvReceiver
-from services.worker.kv_transfer import EarlyKvPush, GrpcKvSender
+from services.worker.kv_transfer import GrpcKvSender
 from services.worker.messages import (
     DecodeCall,
     DecodeEvent,
+    EarlyPush,
     IncomingKvChunk,
     KvHandoff,
     KvPusher,
     KvPushResult,
     KvReceipt,
     KvSender,
+    KvTargetSpec,
     PrefillCall,
     PrefillResult,
 )
@@ -122,18 +124,17 @@ class WorkerCore:
     async def prefill(self, call: PrefillCall) -> PrefillResult:
         """Run the prompt, sample the first token, push the KV to call.kv_target, free the KV."""
         self._require(self.identity.role.prefills, "Prefill (roles that serve it: prefill, unified)")
-        grpc_sender = self._senders[KvTransport.GRPC_PUSH]
-        # the gRPC push starts with the prefill's first complete chunk (NIXL: at the end)
-        early_push = (
-            call.kv_target is not None
-            and self._senders.get(call.kv_target.transport, grpc_sender) is grpc_sender
-            and isinstance(grpc_sender, GrpcKvSender)
-        )
+        target = call.kv_target
+        sender = None if target is None else self._sender(target)
+        # the handoff starts with the prefill's first complete chunk (the gRPC push always, NIXL
+        # when the decode worker takes parts), else at the end
+        early_push = sender is not None and target is not None and sender.takes_early(target)
         request = dataclasses.replace(
             call.request, kind=RequestKind.PREFILL_ONLY, report_prefill_progress=early_push
         )
         rid = request.request_id
-        early: EarlyKvPush | None = None
+        early: EarlyPush | None = None
+        started_early = False
         with self._track(rid, Phase.PREFILL), tracer().start_as_current_span("prefill") as span:
             span.set_attribute("pdserve.request_id", rid)
             span.set_attribute("pdserve.prompt_tokens", len(request.prompt_token_ids))
@@ -146,9 +147,9 @@ class WorkerCore:
             try:
                 async for out in handle:
                     if not out.finished and out.num_computed_tokens:  # a prompt chunk is done
-                        if early is None and call.kv_target is not None:
-                            assert isinstance(grpc_sender, GrpcKvSender)
-                            early = grpc_sender.start_early(rid, call.kv_target, self.engine.kv_layout)
+                        if not started_early and sender is not None and target is not None:
+                            started_early = True
+                            early = sender.start_early(rid, target, self.engine.kv_layout)
                         if early is not None:
                             early.ready(out.num_computed_tokens)
                     if last is None:
@@ -209,14 +210,14 @@ class WorkerCore:
             )
 
     async def _push(
-        self, call: PrefillCall, out: RequestOutput, first_token_id: int | None, early: EarlyKvPush | None
+        self, call: PrefillCall, out: RequestOutput, first_token_id: int | None, early: EarlyPush | None
     ) -> KvPushResult:
         """Hand the KV over (all of it after target.skip_blocks; none when first_token_id is
         None) by the transport the gateway negotiated, when this worker has it; or the rest of
         an early push's."""
         target = call.kv_target
         assert target is not None
-        sender = self._senders.get(target.transport, self._senders[KvTransport.GRPC_PUSH])
+        sender = self._sender(target)
         handoff = KvHandoff(
             request_id=call.request.request_id,
             layout=self.engine.kv_layout,
@@ -249,6 +250,10 @@ class WorkerCore:
             recomputing=result.recomputing,
         )
         return result
+
+    def _sender(self, target: KvTargetSpec) -> KvSender:
+        """The transport the gateway negotiated, when this worker has it; else the gRPC push."""
+        return self._senders.get(target.transport, self._senders[KvTransport.GRPC_PUSH])
 
     def _release(self, request_id: str) -> None:
         """Free a PREFILL_ONLY request's held blocks (they stay in the prefix cache)."""

@@ -1,6 +1,7 @@
 """The decode side of a KV handoff: one PushKv stream's chunks imported into the engine (or,
-over NIXL, the blocks its one chunk names READ into the request's reserved blocks), the layout
-checked against this worker's, the last chunk starting the decode, and what a failed READ does
+over NIXL, the blocks its chunks name READ into the request's reserved blocks: one chunk at the
+end, or one per prefill chunk, KvTarget.nixl_parts, each READ as it arrives), the layout checked
+against this worker's, the last chunk starting the decode, and what a failed READ does
 (--kv-load-failure-policy). No grpc here (the servicer converts the stream)."""
 
 from __future__ import annotations
@@ -51,12 +52,13 @@ class KvReceiver:
         self._kv_read_timeout_s = kv_read_timeout_s
 
     async def receive(self, chunks: AsyncIterator[IncomingKvChunk]) -> KvReceipt:
-        """Import one request's KV chunks (or, over NIXL, READ the blocks its one chunk names);
-        the last one starts decoding.
+        """Import one request's KV chunks (or, over NIXL, READ the blocks each chunk names, one
+        READ at a time, in order); the last one starts decoding.
 
         A transfer that breaks after the engine accepted KV aborts the request (its Decode stream
         ends with ABORT and its blocks are freed); it could never complete otherwise. A failed
-        NIXL READ follows --kv-load-failure-policy: recompute here, or abort (retry-prefill)."""
+        NIXL READ follows --kv-load-failure-policy: recompute here (the later parts are not
+        READ), or abort (retry-prefill)."""
         ours = self.engine.kv_layout
         request_id: str | None = None
         ticket = ""
@@ -64,6 +66,7 @@ class KvReceiver:
         read_ns: int | None = None
         recomputing = False
         started = done = False
+        nixl_stream: bool | None = None  # whether the stream's chunks carry NIXL descriptors
         try:
             async for c in chunks:
                 if request_id is None:
@@ -82,17 +85,26 @@ class KvReceiver:
                         f"worker has ({_layout_str(ours)}); pair workers with the same model, "
                         "dtype and block size"
                     )
+                if nixl_stream is None:
+                    nixl_stream = c.nixl_source is not None
+                elif nixl_stream != (c.nixl_source is not None):
+                    raise errors.InvalidArgument(
+                        "the KvChunks of one PushKv stream carry nixl_source all or none"
+                    )
                 if c.nixl_source is not None:
-                    if not c.last or c.chunk.data:
-                        raise errors.InvalidArgument(
-                            "a KvChunk with nixl_source is the only one, marked last, with no data"
-                        )
-                    if c.first_token_id is not None and c.nixl_source.block_ids:
+                    if c.chunk.data:
+                        raise errors.InvalidArgument("a KvChunk with nixl_source carries no data")
+                    # a part (not last) always; the last unless the request ended at its first
+                    # token; nothing more once a READ failed and this worker recomputes
+                    wanted = not c.last or c.first_token_id is not None
+                    if wanted and c.nixl_source.block_ids and not recomputing:
                         started = True
-                        read_ns, nbytes = await self._read_nixl(ticket, c)
-                        recomputing = read_ns is None
-                        bytes_received += nbytes
-                        blocks_received += 0 if recomputing else len(c.nixl_source.block_ids)
+                        part_ns, nbytes = await self._read_nixl(ticket, c)
+                        recomputing = part_ns is None
+                        if part_ns is not None:
+                            read_ns = (read_ns or 0) + part_ns
+                            bytes_received += nbytes
+                            blocks_received += len(c.nixl_source.block_ids)
                 elif c.chunk.num_blocks:
                     self.engine.import_kv(ticket, c.chunk)
                     started = True

@@ -1,6 +1,8 @@
 """The sending side of the KV transports: the gRPC push (a finished prefill's KV blocks streamed to
-the decode worker over PushKv; every version speaks it) and NIXL (one PushKv message with the
-blocks' descriptors; the decode worker READs them, services/worker/kv_nixl.py)."""
+the decode worker over PushKv; every version speaks it) and NIXL (PushKv messages with the
+blocks' descriptors; the decode worker READs them, services/worker/kv_nixl.py). A prefill in
+several chunks starts either at its first chunk (EarlyKvPush; EarlyNixlPush where the decode
+worker takes NIXL parts, KvTarget.nixl_parts); else everything goes at the end."""
 
 from __future__ import annotations
 
@@ -119,25 +121,44 @@ class GrpcKvPusher:
         runs in several chunks); KvPushStream.finish sends the last one."""
         if not target.address:
             raise errors.InvalidArgument("kv_target.address is required")
-        return KvPushStream(self, request_id, target, layout)
+        return KvPushStream(self._channels, self._timeout_s, request_id, target, layout)
 
 
 class KvPushStream:
     """One PushKv call whose messages are queued as they are ready. It has no gRPC deadline
-    (the prefill it overlaps bounds it: `cancel` when that fails); `finish` waits for the reply
-    at most the pusher's timeout. Messages wait in memory while the link is slower than the
+    (the prefill it overlaps bounds it: `cancel` when that fails); `finish` / `close` wait for
+    the reply at most timeout_s. Messages wait in memory while the link is slower than the
     prefill (at most the prompt's KV)."""
 
-    def __init__(self, pusher: GrpcKvPusher, request_id: str, target: KvTargetSpec, layout: KvLayout) -> None:
-        self._pusher = pusher
+    def __init__(
+        self,
+        channels: ChannelCache,
+        timeout_s: float,
+        request_id: str,
+        target: KvTargetSpec,
+        layout: KvLayout,
+    ) -> None:
+        self._timeout_s = timeout_s
         self._request_id = request_id
         self._target = target
-        self._layout_pb = kv_layout_to_pb(layout)
+        self.layout_pb = kv_layout_to_pb(layout)
         self._queue: asyncio.Queue[worker_pb2.KvChunk | None] = asyncio.Queue()
         self._sent = {"bytes": 0, "chunks": 0}
-        stub = worker_pb2_grpc.WorkerStub(pusher._channels.get(target.address))
+        stub = worker_pb2_grpc.WorkerStub(channels.get(target.address))
         self._rpc = stub.PushKv(self._messages())
         self._call = asyncio.ensure_future(self._reply())
+
+    @property
+    def num_messages(self) -> int:
+        return self._sent["chunks"]
+
+    def done(self) -> bool:
+        """The call ended (answered, failed or cancelled)."""
+        return self._call.done()
+
+    def put(self, pb: worker_pb2.KvChunk) -> None:
+        """Queue one message as it is."""
+        self._queue.put_nowait(GrpcKvPusher._count(self._sent, pb))
 
     async def _reply(self) -> worker_pb2.PushKvResponse:
         return await self._rpc
@@ -149,8 +170,7 @@ class KvPushStream:
     def send(self, chunks: Iterator[KvBlocksChunk]) -> None:
         """Queue these chunks (none marked last)."""
         for chunk in chunks:
-            pb = convert.kv_chunk_to_pb(self._request_id, self._target, self._layout_pb, chunk)
-            self._queue.put_nowait(GrpcKvPusher._count(self._sent, pb))
+            self.put(convert.kv_chunk_to_pb(self._request_id, self._target, self.layout_pb, chunk))
 
     async def finish(
         self,
@@ -177,28 +197,33 @@ class KvPushStream:
         pb = convert.kv_chunk_to_pb(
             self._request_id,
             self._target,
-            self._layout_pb,
+            self.layout_pb,
             pending,
             last=last,
             draft_token_ids=draft_token_ids,
         )
-        self._queue.put_nowait(GrpcKvPusher._count(self._sent, pb))
-        self._queue.put_nowait(None)
-        try:
-            await asyncio.wait_for(self._call, self._pusher._timeout_s)
-        except TimeoutError as exc:
-            self._rpc.cancel()
-            raise errors.Unavailable(
-                f"decode worker {self._target.address} did not answer the KV push of request "
-                f"{self._request_id!r} within {self._pusher._timeout_s} s"
-            ) from exc
-        except grpc.aio.AioRpcError as exc:
-            raise _push_error(exc, self._target, self._request_id) from exc
+        await self.close(pb)
         return KvPushResult(
             bytes_sent=self._sent["bytes"],
             num_chunks=self._sent["chunks"],
             seconds=time.perf_counter() - start,
         )
+
+    async def close(self, last: worker_pb2.KvChunk) -> worker_pb2.PushKvResponse:
+        """Queue the message marked last, end the stream, wait for the reply. Raises like
+        GrpcKvPusher.push."""
+        self.put(last)
+        self._queue.put_nowait(None)
+        try:
+            return await asyncio.wait_for(self._call, self._timeout_s)
+        except TimeoutError as exc:
+            self._rpc.cancel()
+            raise errors.Unavailable(
+                f"decode worker {self._target.address} did not answer the KV push of request "
+                f"{self._request_id!r} within {self._timeout_s} s"
+            ) from exc
+        except grpc.aio.AioRpcError as exc:
+            raise _push_error(exc, self._target, self._request_id) from exc
 
     def cancel(self) -> None:
         """Break the call: the stream ends unfinished (no message marked last), which the
@@ -209,7 +234,7 @@ class KvPushStream:
         self._queue.put_nowait(None)  # harmless when the stream already ended
         if not self._call.done():
             self._call.add_done_callback(_retrieve)  # its error is expected: nobody awaits it
-        asyncio.get_running_loop().call_later(self._pusher._timeout_s, self._rpc.cancel)
+        asyncio.get_running_loop().call_later(self._timeout_s, self._rpc.cancel)
 
 
 class GrpcKvSender:
@@ -221,6 +246,11 @@ class GrpcKvSender:
         self._engine = engine
         self._pusher = pusher
         self._chunk_bytes = chunk_bytes
+
+    def takes_early(self, target: KvTargetSpec) -> bool:
+        """Any decode worker takes the early push (the same messages, sooner); a pusher that
+        cannot stream (e.g. a test's) pushes at the end."""
+        return isinstance(self._pusher, GrpcKvPusher)
 
     def start_early(self, request_id: str, target: KvTargetSpec, layout: KvLayout) -> EarlyKvPush | None:
         """The early push of a prefill running in several chunks (None with a pusher that
@@ -314,9 +344,10 @@ class EarlyKvPush:
 
 
 class NixlKvSender:
-    """NIXL as a KvSender: one PushKv message names the blocks in this worker's registered pool;
-    the decode worker READs them and answers when they landed (or when it gave up and
-    recomputes, by its --kv-load-failure-policy). The blocks stay held until then."""
+    """NIXL as a KvSender: one PushKv message names the blocks in this worker's registered pool
+    (one per prefill chunk where the decode worker takes parts: EarlyNixlPush); the decode
+    worker READs them and answers when they landed (or when it gave up and recomputes, by its
+    --kv-load-failure-policy). The blocks stay held until then."""
 
     transport = KvTransport.NIXL
 
@@ -327,6 +358,19 @@ class NixlKvSender:
         self._agent = agent
         self._channels = channels
         self._timeout_s = timeout_s
+
+    def takes_early(self, target: KvTargetSpec) -> bool:
+        """Only a decode worker that takes the descriptors in parts (KvTarget.nixl_parts, 1.10):
+        an older one refuses a second NIXL message."""
+        return target.nixl_parts
+
+    def start_early(self, request_id: str, target: KvTargetSpec, layout: KvLayout) -> EarlyNixlPush | None:
+        if not target.nixl_parts:
+            return None
+        if not target.address:
+            raise errors.InvalidArgument("kv_target.address is required")
+        stream = KvPushStream(self._channels, self._timeout_s, request_id, target, layout)
+        return EarlyNixlPush(self._engine, self._agent, stream, target, layout.block_size, request_id)
 
     async def send(self, handoff: KvHandoff, target: KvTargetSpec) -> KvPushResult:
         if not target.address:
@@ -357,15 +401,7 @@ class NixlKvSender:
             reply = await self._progressing(stub.PushKv(one(), timeout=self._timeout_s))
         except grpc.aio.AioRpcError as exc:
             raise _push_error(exc, target, rid) from exc
-        recomputing = reply.HasField("recomputing") and reply.recomputing
-        return KvPushResult(
-            bytes_sent=0 if recomputing else reply.bytes_received,
-            num_chunks=1,
-            seconds=time.perf_counter() - start,
-            transport=KvTransport.NIXL,
-            read_seconds=reply.kv_read_ns / 1e9 if reply.HasField("kv_read_ns") else None,
-            recomputing=recomputing,
-        )
+        return _nixl_result(reply, 1, time.perf_counter() - start)
 
     async def _progressing(self, call: Awaitable[_T]) -> _T:
         """Await the call while progressing this agent about every millisecond, so that the
@@ -379,6 +415,107 @@ class NixlKvSender:
             if not task.done():
                 task.cancel()
         return task.result()
+
+
+class EarlyNixlPush:
+    """The NIXL handoff of one prefill that runs in several chunks, to a decode worker that
+    takes it in parts (KvTarget.nixl_parts): after each chunk's forward pass one PushKv message
+    names its complete blocks (the decode worker READs them while the later chunks compute, one
+    READ at a time, in order); the last names the rest and carries the first token and counts.
+    Blocks the decode worker has (target.skip_blocks) are never named. This agent is progressed
+    about every millisecond from the first message until the call ends (a READ needs the
+    target's progress), a cancelled one included (the decode worker sees the end of the stream
+    only after the READ it is doing)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        agent: NixlKvAgent,
+        stream: KvPushStream,
+        target: KvTargetSpec,
+        block_size: int,
+        request_id: str,
+    ) -> None:
+        self._engine = engine
+        self._agent = agent
+        self._stream = stream
+        self._target = target
+        self._block_size = block_size
+        self._request_id = request_id
+        self.next_block = target.skip_blocks  # blocks before it are named (or not needed)
+        self.num_early_blocks = 0  # named before the prefill ended (blocks)
+        self._sent_ids: list[int] = []  # pool block ids named so far, from skip_blocks on
+        self._progress = asyncio.ensure_future(self._progressing())
+
+    async def _progressing(self) -> None:
+        while not self._stream.done():
+            self._agent.progress()
+            await asyncio.sleep(_PROGRESS_INTERVAL_S)
+
+    def ready(self, num_computed_tokens: int) -> None:
+        """The prompt's first num_computed_tokens have their K/V: name the complete blocks."""
+        end = num_computed_tokens // self._block_size
+        if end <= self.next_block:
+            return
+        try:
+            dp_rank, block_ids = self._engine.export_block_ids(self._request_id, self.next_block, end)
+        except errors.InvalidArgument:  # preempted since: its blocks go when it computed them again
+            return
+        source = self._agent.source(dp_rank, block_ids, self.next_block)
+        part = KvBlocksChunk(first_block=self.next_block, num_blocks=len(block_ids), data=b"")
+        pb = convert.kv_chunk_to_pb(
+            self._request_id, self._target, self._stream.layout_pb, part, nixl_source=source
+        )
+        self._stream.put(pb)
+        self._sent_ids.extend(block_ids)
+        self.num_early_blocks += len(block_ids)
+        self.next_block = end
+
+    async def finish(self, handoff: KvHandoff) -> KvPushResult:
+        """The last message (the blocks not named yet) and the decode worker's answer. A prefill
+        preempted after naming blocks computed them again, maybe in other blocks (the ones named
+        were freed): then the last message names every block again, READ over the first ones."""
+        start = time.perf_counter()
+        first = self.next_block
+        block_ids: list[int] = []
+        dp_rank = 0
+        if handoff.first_token_id is not None:
+            try:
+                dp_rank, block_ids = self._engine.export_block_ids(self._request_id, self._target.skip_blocks)
+            except BaseException:
+                self.cancel()  # the stream never ends otherwise (it has no deadline)
+                raise
+            if block_ids[: len(self._sent_ids)] == self._sent_ids:
+                block_ids = block_ids[len(self._sent_ids) :]
+            else:
+                first = self._target.skip_blocks
+        source = self._agent.source(dp_rank, block_ids, first)
+        pb = convert.kv_chunk_to_pb(
+            self._request_id,
+            self._target,
+            self._stream.layout_pb,
+            KvBlocksChunk(first_block=first, num_blocks=len(block_ids), data=b""),
+            last=(handoff.num_tokens, handoff.first_token_id, handoff.generated_tokens),
+            draft_token_ids=handoff.draft_token_ids,
+            nixl_source=source,
+        )
+        reply = await self._stream.close(pb)
+        return _nixl_result(reply, self._stream.num_messages, time.perf_counter() - start)
+
+    def cancel(self) -> None:
+        self._stream.cancel()
+
+
+def _nixl_result(reply: worker_pb2.PushKvResponse, num_messages: int, seconds: float) -> KvPushResult:
+    recomputing = reply.HasField("recomputing") and reply.recomputing
+    return KvPushResult(
+        bytes_sent=0 if recomputing else reply.bytes_received,
+        num_chunks=num_messages,
+        seconds=seconds,
+        transport=KvTransport.NIXL,
+        read_seconds=reply.kv_read_ns / 1e9 if reply.HasField("kv_read_ns") else None,
+        recomputing=recomputing,
+    )
 
 
 def _retrieve(task: asyncio.Future[Any]) -> None:

@@ -33,7 +33,9 @@ CAPABILITIES = (
 # only the KV the decode side can still read past its sliding windows; engine/kv_trim.py).
 # 1.9 added SamplingParams.prompt_logprobs and the prompt logprobs of PrefillResponse / DecodeFrame
 # (capability "prompt_logprobs"); max_tokens may be 0 with them (the prompt is only scored).
-PROTO_VERSION = "1.9"
+# 1.10 added KvTarget.nixl_parts: a NIXL handoff in one PushKv message per prefill chunk, READ as
+# they arrive (capability shared.cluster.NIXL_PARTS_CAPABILITY, "kv_nixl_parts").
+PROTO_VERSION = "1.10"
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,8 @@ class KvTargetSpec:
     # leading prompt blocks of which only the full-attention layers are sent, none when every
     # layer is windowed (count; the decode side's engine/kv_trim.py); 0: every block whole
     trim_blocks: int = 0
+    # NIXL: the decode worker takes the descriptors in several messages, one per prefill chunk
+    nixl_parts: bool = False
 
 
 @dataclass(frozen=True)
@@ -186,11 +190,38 @@ class KvPusher(Protocol):
         ...
 
 
+class EarlyPush(Protocol):
+    """The handoff of one prefill running in several chunks, started at its first chunk
+    (kv_transfer: EarlyKvPush over gRPC, EarlyNixlPush over NIXL)."""
+
+    num_early_blocks: int  # blocks sent before the prefill ended (count)
+
+    def ready(self, num_computed_tokens: int) -> None:
+        """The prompt's first num_computed_tokens have their K/V: send the complete blocks."""
+        ...
+
+    async def finish(self, handoff: KvHandoff) -> KvPushResult:
+        """The rest and the handoff fields; waits for the decode worker's answer."""
+        ...
+
+    def cancel(self) -> None:
+        """The prefill failed: end the stream unfinished (the decode worker aborts)."""
+        ...
+
+
 class KvSender(Protocol):
     """One KV transport's sending side, as the worker core uses it (kv_transfer: the gRPC push
     and NIXL). The blocks stay held on this worker until `send` returns or raises."""
 
     transport: KvTransport
+
+    def takes_early(self, target: KvTargetSpec) -> bool:
+        """Whether a prefill in several chunks hands its KV over as it goes (`start_early`)."""
+        ...
+
+    def start_early(self, request_id: str, target: KvTargetSpec, layout: KvLayout) -> EarlyPush | None:
+        """Open the handoff at the prefill's first chunk (None: at the end after all)."""
+        ...
 
     async def send(self, handoff: KvHandoff, target: KvTargetSpec) -> KvPushResult:
         """Move the KV of handoff.request_id (its blocks from target.skip_blocks on) and the

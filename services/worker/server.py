@@ -25,7 +25,7 @@ from services.worker.registration import Registration
 from services.worker.servicer import WorkerServicer
 from services.worker.settings import WorkerSettings
 from shared.channels import ChannelCache
-from shared.cluster import NIXL_CAPABILITY, KvTransport, Role, WorkerInfo
+from shared.cluster import NIXL_CAPABILITY, NIXL_PARTS_CAPABILITY, KvTransport, Role, WorkerInfo
 from shared.cluster_auth import token_metadata
 from shared.cluster_convert import worker_info_to_pb
 from shared.errors import PdserveError
@@ -183,7 +183,8 @@ class WorkerApp:
         # NIXL: every rank's pool registered once, now that the pools are committed
         if s.kv_transport == "auto":
             self.nixl = NixlKvAgent.create(engine.kv_pools(), engine.kv_layout)
-        capabilities = CAPABILITIES + ((NIXL_CAPABILITY,) if self.nixl is not None else ())
+        nixl = (NIXL_CAPABILITY, NIXL_PARTS_CAPABILITY) if self.nixl is not None else ()
+        capabilities = CAPABILITIES + nixl
         identity = WorkerInfo(
             worker_id=self.worker_id,
             address=self.address,

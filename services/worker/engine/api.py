@@ -259,9 +259,14 @@ class Engine(Protocol):
     def kv_pools(self) -> list[torch.Tensor]:
         """Each rank's KV pool [layers, 2, kv_heads, slots, head_dim] (to register for NIXL)."""
 
-    def export_block_ids(self, request_id: str, skip_blocks: int) -> tuple[int, list[int]]:
+    def export_block_ids(
+        self, request_id: str, skip_blocks: int, end_block: int | None = None
+    ) -> tuple[int, list[int]]:
         """(dp_rank, pool block ids) of a finished PREFILL_ONLY request's prompt blocks from
-        skip_blocks on; they stay valid until `release` (the request holds them)."""
+        skip_blocks on; they stay valid until `release` (the request holds them). With
+        end_block, those before it of a prefill still running, like export_ready_kv (valid
+        while it runs: a preemption frees them, and the request computes them again in blocks
+        that may differ; InvalidArgument when they are not computed)."""
 
     def import_kv_direct(
         self,

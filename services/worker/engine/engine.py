@@ -245,11 +245,13 @@ class PagedEngine:
     def kv_pools(self) -> list[torch.Tensor]:
         return [rank.runner.kv_cache for rank in self._ranks]
 
-    def export_block_ids(self, request_id: str, skip_blocks: int) -> tuple[int, list[int]]:
+    def export_block_ids(
+        self, request_id: str, skip_blocks: int, end_block: int | None = None
+    ) -> tuple[int, list[int]]:
         rank = self._rank_of_request(request_id)
         if rank is None:
             raise NotFound(f"unknown request {request_id!r}")
-        return rank.dp_rank, rank.handoff.export_block_ids(request_id, skip_blocks)
+        return rank.dp_rank, rank.handoff.export_block_ids(request_id, skip_blocks, end_block)
 
     def import_kv_direct(
         self,

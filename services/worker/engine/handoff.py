@@ -240,11 +240,12 @@ class Handoff:
                 raise InvalidArgument(f"skip_blocks {skip_blocks} out of range 0..{num_blocks}")
             return list(range(skip_blocks, max(skip_blocks, end)))
 
-    def export_block_ids(self, request_id: str, skip_blocks: int) -> list[int]:
-        """Pool block ids of the held request's prompt blocks from skip_blocks on."""
-        indices = self.export_blocks(request_id, skip_blocks)
+    def export_block_ids(self, request_id: str, skip_blocks: int, end_block: int | None = None) -> list[int]:
+        """Pool block ids of the held request's prompt blocks from skip_blocks on (before
+        end_block, when set: the computed blocks of a prefill under way)."""
+        indices = self.export_blocks(request_id, skip_blocks, end_block)
         with self.rank.lock:
-            req = self._held(request_id)
+            req = self._ready(request_id, end_block)
             return [req.block_ids[i] for i in indices]
 
     def export_parts(

@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.worker.engine.api import Engine, EngineConfig
 from services.worker.server import WorkerApp, default_engine_factory
+from shared.cluster import NIXL_PARTS_CAPABILITY
 from shared.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from shared.server import CHANNEL_OPTIONS
 from tests.support.reference import hf_greedy, tokenize
@@ -126,6 +127,7 @@ async def disaggregated(
     ids: list[int],
     max_tokens: int,
     kv_transport: worker_pb2.KvTransport | None = None,
+    nixl_parts: bool | None = None,
 ) -> tuple[worker_pb2.PrefillResponse, list[worker_pb2.DecodeFrame]]:
     """The gateway's sequence: Decode (admit) -> Prefill with kv_target (the decode worker's
     trim passed on, when it sent one) -> the rest of Decode."""
@@ -153,6 +155,7 @@ async def disaggregated(
                 skip_blocks=admitted.cached_blocks,
                 trim_blocks=admitted.trim_blocks if admitted.HasField("trim_blocks") else None,
                 kv_transport=kv_transport,
+                nixl_parts=nixl_parts,
             ),
         )
     )
@@ -208,17 +211,22 @@ async def test_disaggregated_matches_unified_and_hf_generate(
     await wait_blocks_free(prefill)
 
 
-@pytest.mark.parametrize("transport", ["grpc", "nixl"])
+@pytest.mark.parametrize("transport", ["grpc", "nixl", "nixl-at-end"])
 async def test_a_prefill_in_several_chunks_pushes_each_chunks_blocks_before_the_next(
     decode: RunningWorker, unified: RunningWorker, tiny_model: Path, transport: str
 ) -> None:
-    """A prompt prefilled BLOCK_SIZE tokens per step: over the gRPC push each chunk's complete
-    blocks reach the decode worker while later chunks compute (the prefill's last chunk is held
-    until the decode worker imported a first part; without the early push that never happens),
-    the rest with the first token at the end; over NIXL everything is READ at the end. Either
-    way the tokens are unified serving's and every block is freed."""
-    if transport == "nixl":
+    """A prompt prefilled BLOCK_SIZE tokens per step: over the gRPC push (and over NIXL with
+    KvTarget.nixl_parts, 1.10) each chunk's complete blocks reach the decode worker while later
+    chunks compute (the prefill's last chunk is held until the decode worker imported, or READ,
+    a first part; without the early handoff that never happens), the rest with the first token
+    at the end. Over NIXL without nixl_parts (what a decode worker without the kv_nixl_parts
+    capability gets) everything is READ at the end, in one message. Either way the tokens are
+    unified serving's and every block is freed."""
+    nixl = transport.startswith("nixl")
+    if nixl:
         pytest.importorskip("nixl_cu13._api", reason="nixl-cu13 is not installed")
+        info = await decode.stub.Info(worker_pb2.InfoRequest())
+        assert NIXL_PARTS_CAPABILITY in info.capabilities
     settings = worker_settings(tiny_model, "prefill", max_batch_tokens=BLOCK_SIZE)
     async with running_worker(settings) as prefill:
         prefill_engine, decode_engine = prefill.app.engine, decode.app.engine
@@ -232,7 +240,16 @@ async def test_a_prefill_in_several_chunks_pushes_each_chunks_blocks_before_the_
             first_parts.append(chunk.first_block)
             imported.set()
 
+        real_read = decode_engine.import_kv_direct
+
+        def import_kv_direct(ticket: str, first_block: int, num_blocks: int, read: Any) -> int:
+            nbytes = real_read(ticket, first_block, num_blocks, read)
+            first_parts.append(first_block)
+            imported.set()
+            return nbytes
+
         decode_engine.import_kv = import_kv  # type: ignore[method-assign,assignment]
+        decode_engine.import_kv_direct = import_kv_direct  # type: ignore[method-assign,assignment]
         rank = prefill_engine._ranks[0]  # type: ignore[attr-defined]
         real_execute = rank._execute
         before_last_chunk: list[bool] = []
@@ -240,19 +257,25 @@ async def test_a_prefill_in_several_chunks_pushes_each_chunks_blocks_before_the_
         def execute(plan: Any, batch: Any) -> Any:
             if any(s.samples and s.request.request_id == "e1" for s in plan.scheduled):
                 # the last prompt chunk (it samples the first token): the decode worker has a part?
-                before_last_chunk.append(transport == "grpc" and imported.wait(30))
+                early = transport != "nixl-at-end"
+                before_last_chunk.append(imported.wait(30) if early else imported.is_set())
             return real_execute(plan, batch)
 
         rank._execute = execute
         ids = prompt_ids(tiny_model)
-        kv_transport = worker_pb2.KV_TRANSPORT_NIXL if transport == "nixl" else None
-        reply, frames = await disaggregated(prefill, decode, "e1", ids, 12, kv_transport)
-        assert reply.num_chunks >= 3
-        if transport == "grpc":
-            assert before_last_chunk == [True]
-            assert first_parts[0] == 0 and sorted(first_parts) == first_parts
-        else:
-            assert reply.kv_transport == worker_pb2.KV_TRANSPORT_NIXL and not first_parts
+        kv_transport = worker_pb2.KV_TRANSPORT_NIXL if nixl else None
+        nixl_parts = True if transport == "nixl" else None
+        reply, frames = await disaggregated(prefill, decode, "e1", ids, 12, kv_transport, nixl_parts)
+        assert reply.num_chunks >= 3  # prefill chunks
+        assert before_last_chunk == [transport != "nixl-at-end"]
+        assert first_parts[0] == 0 and sorted(first_parts) == first_parts
+        if nixl:
+            assert reply.kv_transport == worker_pb2.KV_TRANSPORT_NIXL
+            # every prompt block READ once: one READ per prefill chunk, or one at the end
+            layout = decode_engine.kv_layout
+            block_bytes = layout.num_layers * 2 * layout.num_kv_heads * layout.head_dim * 4
+            assert reply.kv_bytes_sent == -(-len(ids) // layout.block_size) * layout.block_size * block_bytes
+            assert len(first_parts) == (1 if transport == "nixl-at-end" else reply.num_chunks)
         assert frames[-1].transferred_cached_tokens == len(ids)
         expected = await collect(
             unified.stub.Decode(
@@ -270,12 +293,15 @@ async def test_a_prefill_in_several_chunks_pushes_each_chunks_blocks_before_the_
         await wait_blocks_free(prefill)
 
 
+@pytest.mark.parametrize("transport", ["grpc", "nixl"])
 async def test_a_prefill_cancelled_after_an_early_push_aborts_the_decode_request(
-    decode: RunningWorker, tiny_model: Path
+    decode: RunningWorker, tiny_model: Path, transport: str
 ) -> None:
-    """The Prefill call goes away after the decode worker imported a first part of the KV: the
-    PushKv call breaks, the decode worker aborts the request (its KV can never complete) and
-    both workers free every block."""
+    """The Prefill call goes away after the decode worker imported (or, NIXL in parts, READ) a
+    first part of the KV: the PushKv call breaks, the decode worker aborts the request (its KV
+    can never complete) and both workers free every block."""
+    if transport == "nixl":
+        pytest.importorskip("nixl_cu13._api", reason="nixl-cu13 is not installed")
     settings = worker_settings(tiny_model, "prefill", max_batch_tokens=BLOCK_SIZE)
     async with running_worker(settings) as prefill:
         prefill_engine, decode_engine = prefill.app.engine, decode.app.engine
@@ -287,7 +313,15 @@ async def test_a_prefill_cancelled_after_an_early_push_aborts_the_decode_request
             real_import(ticket, chunk)
             imported.set()
 
+        real_read = decode_engine.import_kv_direct
+
+        def import_kv_direct(ticket: str, first_block: int, num_blocks: int, read: Any) -> int:
+            nbytes = real_read(ticket, first_block, num_blocks, read)
+            imported.set()
+            return nbytes
+
         decode_engine.import_kv = import_kv  # type: ignore[method-assign,assignment]
+        decode_engine.import_kv_direct = import_kv_direct  # type: ignore[method-assign,assignment]
         rank = prefill_engine._ranks[0]  # type: ignore[attr-defined]
         real_execute = rank._execute
 
@@ -298,7 +332,8 @@ async def test_a_prefill_cancelled_after_an_early_push_aborts_the_decode_request
 
         rank._execute = execute
         ids = prompt_ids(tiny_model)
-        task = asyncio.ensure_future(disaggregated(prefill, decode, "x1", ids, 8))
+        nixl = (worker_pb2.KV_TRANSPORT_NIXL, True) if transport == "nixl" else (None, None)
+        task = asyncio.ensure_future(disaggregated(prefill, decode, "x1", ids, 8, *nixl))
         assert await asyncio.to_thread(imported.wait, 30)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -471,7 +506,7 @@ async def test_info_and_get_load(decode: RunningWorker, tiny_model: Path) -> Non
     assert info.kv_layout.head_dim == 16
     assert set(info.capabilities) >= {"generated_tokens", "kv_block_skip", "local_prefill"}
     # 1.3 first_output_index, 1.4 penalties, 1.5 logprobs, 1.6 structured, 1.7 kv_transport
-    assert info.proto_version == "1.9"
+    assert info.proto_version == "1.10"
     assert info.max_model_len == MAX_MODEL_LEN
     assert info.device == "cpu"
 

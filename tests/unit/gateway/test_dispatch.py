@@ -28,7 +28,14 @@ from services.gateway.ports import (
     WorkerUnavailable,
 )
 from services.gateway.request import OutputFrame, OutputFrameKind, RequestState, RequestStatus
-from shared.cluster import NIXL_CAPABILITY, DecodeFrameKind, FinishReason, KvTransport, ServingMode
+from shared.cluster import (
+    NIXL_CAPABILITY,
+    NIXL_PARTS_CAPABILITY,
+    DecodeFrameKind,
+    FinishReason,
+    KvTransport,
+    ServingMode,
+)
 from shared.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
 from shared.structured_output import StructuredOutput
 
@@ -174,18 +181,36 @@ async def run(
 
 
 async def test_kv_transport_is_nixl_only_when_both_workers_offer_it() -> None:
+    """NIXL when both workers offer it; in parts (KvTarget.nixl_parts, 1.10) only when both
+    also offer kv_nixl_parts: an older one of the pair gets the one message at the end."""
+    from services.gateway import convert
+
+    parts = (NIXL_CAPABILITY, NIXL_PARTS_CAPABILITY)
     nixl_prefill = WorkerTarget("p1", "prefill:1", 0, ("generated_tokens", NIXL_CAPABILITY))
+    parts_prefill = WorkerTarget("p1", "prefill:1", 0, ("generated_tokens", *parts))
     nixl_decode = WorkerTarget("d1", "decode:1", 1, (NIXL_CAPABILITY,))
-    for decode, transport in ((nixl_decode, KvTransport.NIXL), (DECODE, KvTransport.GRPC_PUSH)):
+    parts_decode = WorkerTarget("d1", "decode:1", 1, parts)
+    grpc_only = WorkerTarget("d1", "decode:1", 1, (NIXL_PARTS_CAPABILITY,))  # no NIXL agent
+    cases = (
+        (nixl_prefill, nixl_decode, KvTransport.NIXL, False),
+        (nixl_prefill, DECODE, KvTransport.GRPC_PUSH, False),
+        (parts_prefill, parts_decode, KvTransport.NIXL, True),
+        (parts_prefill, nixl_decode, KvTransport.NIXL, False),
+        (nixl_prefill, parts_decode, KvTransport.NIXL, False),
+        (parts_prefill, grpc_only, KvTransport.GRPC_PUSH, False),
+    )
+    job = WorkerJob("r", (1, 2), Sampling(max_tokens=4), False)
+    for prefill, decode, transport, nixl_parts in cases:
         workers = FakeWorkers(
             streams={decode.address: [FakeStream([ADMITTED, final("d", 1)])]},
             prefills={PREFILL.address: [PrefillResult("a", (1,), 1, None)]},
         )
-        placement = Placement(ServingMode.DISAGGREGATED, decode, nixl_prefill, "m", 0)
+        placement = Placement(ServingMode.DISAGGREGATED, decode, prefill, "m", 0)
         await run(FakeScheduler([placement]), workers)
-        assert workers.prefill_calls == [
-            (PREFILL.address, KvDestination(decode.address, 1, "t-1", 1, transport))
-        ]
+        kv = KvDestination(decode.address, 1, "t-1", 1, transport, nixl_parts=nixl_parts)
+        assert workers.prefill_calls == [(PREFILL.address, kv)]
+        target = convert.prefill_request(job, 0, kv).kv_target
+        assert target.HasField("nixl_parts") == nixl_parts and target.nixl_parts == nixl_parts
 
 
 async def test_the_decode_workers_trim_reaches_the_prefill_worker_and_changes_no_usage() -> None:

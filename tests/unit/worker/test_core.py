@@ -15,12 +15,15 @@ from services.worker.engine.api import (
     RequestOutput,
     SamplingConfig,
 )
+from services.worker.kv_nixl import KvTransferFailed
+from services.worker.kv_receive import KvLoadFailurePolicy, KvReceiver
 from services.worker.messages import (
     CAPABILITIES,
     PROTO_VERSION,
     IncomingKvChunk,
     KvPushResult,
     KvTargetSpec,
+    NixlSource,
     PrefillCall,
 )
 from shared import errors
@@ -83,6 +86,10 @@ class FakeEngine:
         self.calls.append(("import", ticket, chunk.first_block))
         if self.fail_import_at == n:
             raise errors.InvalidArgument("bad chunk")
+
+    def import_kv_direct(self, ticket: str, first_block: int, num_blocks: int, read: Any) -> int:
+        self.calls.append(("read", ticket, first_block, num_blocks))
+        return int(read(0, 0, list(range(first_block, first_block + num_blocks)), 0, ()))
 
     def finish_import(
         self,
@@ -260,3 +267,48 @@ async def test_proposals_travel_from_prefill_to_the_decode_engine() -> None:
     last = dataclasses.replace(chunk(0, last=True, generated=1), draft_token_ids=(8, 9))
     await core.receive_kv(stream(last))
     assert engine.calls[-1] == ("finish", "t", 5, 7, 1, (8, 9))
+
+
+class FakeNixl:
+    """A NIXL agent whose READs of the parts starting at `fail_at` (block indices) fail."""
+
+    def __init__(self, fail_at: tuple[int, ...] = ()) -> None:
+        self.fail_at = fail_at
+
+    def read(self, source: NixlSource, offset: int, rank: int, block_ids: list[int], *rest: Any) -> int:
+        if source.first_block in self.fail_at:
+            raise KvTransferFailed("the peer is gone")
+        return 8 * len(block_ids)
+
+    def forget(self, agent_name: str) -> None:
+        pass
+
+
+def nixl_part(first: int, n: int, last: bool = False) -> IncomingKvChunk:
+    source = NixlSource("p", b"m", 0, 64, 0, "DRAM", tuple(range(first, first + n)), first)
+    return dataclasses.replace(
+        chunk(first, 0, last=last), chunk=KvBlocksChunk(first, n, b""), nixl_source=source
+    )
+
+
+@pytest.mark.parametrize("fail_at", [(), (1,)])
+async def test_nixl_parts_are_read_in_order_and_a_failed_one_recomputes(fail_at: tuple[int, ...]) -> None:
+    """KvTarget.nixl_parts (1.10): each NIXL message is READ as it arrives, in order; a failed
+    READ (policy recompute) stops the READs, and the request recomputes; mixing NIXL and data
+    chunks in one stream is refused (the request aborted)."""
+    engine = FakeEngine()
+    receiver = KvReceiver(engine, FakeNixl(fail_at), KvLoadFailurePolicy.RECOMPUTE)  # type: ignore[arg-type]
+    receipt = await receiver.receive(stream(nixl_part(0, 1), nixl_part(1, 2), nixl_part(3, 1, last=True)))
+    reads = [c for c in engine.calls if c[0] == "read"]
+    if not fail_at:
+        assert reads == [("read", "t", 0, 1), ("read", "t", 1, 2), ("read", "t", 3, 1)]
+        assert (receipt.bytes_received, receipt.blocks_received, receipt.recomputing) == (32, 4, False)
+        assert engine.calls[-1] == ("finish", "t", 5, 7, 1)
+    else:
+        assert reads == [("read", "t", 0, 1), ("read", "t", 1, 2)]  # none after the failed one
+        assert receipt.recomputing and engine.calls[-1] == ("finish", "t", 5, 7, 1, "recompute")
+    engine = FakeEngine()
+    receiver = KvReceiver(engine, FakeNixl(), KvLoadFailurePolicy.RECOMPUTE)  # type: ignore[arg-type]
+    with pytest.raises(errors.InvalidArgument, match="nixl_source all or none"):
+        await receiver.receive(stream(nixl_part(0, 1), chunk(1, last=True)))
+    assert ("abort", "r") in engine.calls
