@@ -192,7 +192,7 @@ class KvPusher(Protocol):
 
 class EarlyPush(Protocol):
     """The handoff of one prefill running in several chunks, started at its first chunk
-    (kv_transfer: EarlyKvPush over gRPC, EarlyNixlPush over NIXL)."""
+    (kv_transfer.EarlyKvPush over gRPC, kv_send_nixl.EarlyNixlPush over NIXL)."""
 
     num_early_blocks: int  # blocks sent before the prefill ended (count)
 

@@ -19,7 +19,8 @@ from services.worker.core import WorkerCore
 from services.worker.engine.api import Engine, EngineConfig, engine_options
 from services.worker.kv_nixl import NixlKvAgent
 from services.worker.kv_receive import KvLoadFailurePolicy
-from services.worker.kv_transfer import GrpcKvPusher, NixlKvSender
+from services.worker.kv_send_nixl import NixlKvSender
+from services.worker.kv_transfer import GrpcKvPusher
 from services.worker.messages import CAPABILITIES, PROTO_VERSION
 from services.worker.registration import Registration
 from services.worker.servicer import WorkerServicer

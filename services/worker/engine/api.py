@@ -268,6 +268,10 @@ class Engine(Protocol):
         while it runs: a preemption frees them, and the request computes them again in blocks
         that may differ; InvalidArgument when they are not computed)."""
 
+    def request_preemptions(self, request_id: str) -> int:
+        """How often the request's blocks were freed to be computed again (count): a change
+        tells an early KV export that blocks it named may have held other data meanwhile."""
+
     def import_kv_direct(
         self,
         transfer_ticket: str,

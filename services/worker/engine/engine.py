@@ -253,6 +253,13 @@ class PagedEngine:
             raise NotFound(f"unknown request {request_id!r}")
         return rank.dp_rank, rank.handoff.export_block_ids(request_id, skip_blocks, end_block)
 
+    def request_preemptions(self, request_id: str) -> int:
+        rank = self._rank_of_request(request_id)
+        if rank is None:
+            raise NotFound(f"unknown request {request_id!r}")
+        with rank.lock:
+            return rank.request(request_id).num_preemptions
+
     def import_kv_direct(
         self,
         transfer_ticket: str,

@@ -98,6 +98,7 @@ class Request:
     text: TextTracker = field(default_factory=NoText)
     generator: torch.Generator | None = None
     arrival_seq: int = 0  # set by the rank: newer requests are preempted first
+    num_preemptions: int = 0  # times its blocks were freed to be computed again (count)
     _status: RequestStatus = RequestStatus.WAITING
     # prompt + tokens appended after it (for DECODE_REMOTE the first is the prefill's token)
     token_ids: list[int] = field(default_factory=list)
@@ -195,6 +196,7 @@ class Request:
     def preempt(self) -> None:
         """Its blocks were freed: it recomputes everything later; proposals are dropped."""
         self._transition(RequestStatus.PREEMPTED)
+        self.num_preemptions += 1
         self.spec_token_ids = []
 
     def hold(self, reason: FinishReason | None) -> None:

@@ -8,7 +8,7 @@ import pytest
 
 from services.worker import convert
 from services.worker.engine.api import KvBlocksChunk
-from services.worker.kv_nixl import block_runs, plane_descriptors
+from services.worker.kv_descriptors import block_runs, plane_descriptors
 from services.worker.messages import KvReceipt, KvTargetSpec, NixlSource
 from shared.cluster import NIXL_CAPABILITY, KvLayout, KvTransport, negotiate_kv_transport
 from shared.cluster_convert import kv_layout_to_pb
