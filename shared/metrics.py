@@ -52,6 +52,12 @@ RANK_WAITING_PROMPT_TOKENS = Gauge(
     "Tokens waiting to be prefilled on a DP rank (queued requests + rest of chunked prompts)",
     ["dp_rank"],
 )
+KV_QUARANTINED_BLOCKS = Gauge(
+    "pdserve_kv_quarantined_blocks",
+    "KV blocks of a DP rank held back from the pool until a timed-out NIXL READ into them ends "
+    "(blocks; a READ cannot be cancelled, its bytes may still land)",
+    ["dp_rank"],
+)
 KV_TRANSFER_BYTES = Counter("pdserve_kv_transfer_bytes_total", "KV bytes pushed or received", ["direction"])
 KV_TRANSFER_SECONDS = Histogram(
     "pdserve_kv_transfer_seconds", "Time to push one request's KV", buckets=_SMALL_BUCKETS_S

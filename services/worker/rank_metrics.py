@@ -33,6 +33,9 @@ class RankMetrics:
             metrics.RANK_WAITING_PROMPT_TOKENS.labels(dp_rank=rank).set(
                 self.engine.num_waiting_prompt_tokens(dp_rank)
             )
+            metrics.KV_QUARANTINED_BLOCKS.labels(dp_rank=rank).set(
+                self.engine.num_quarantined_blocks(dp_rank)
+            )
             preempted = self.engine.num_preemptions(dp_rank)
             seen = self._preemptions_seen.get(dp_rank, 0)
             if preempted > seen:

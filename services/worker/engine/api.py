@@ -317,6 +317,9 @@ class Engine(Protocol):
 
     def num_total_blocks(self, dp_rank: int) -> int: ...
 
+    def num_quarantined_blocks(self, dp_rank: int) -> int:
+        """Blocks held back until a timed-out direct READ into them settles (handoff.py)."""
+
     def num_waiting_prompt_tokens(self, dp_rank: int) -> int:
         """Tokens queued for prefill on the rank (waiting requests + rest of chunked prompts)."""
 

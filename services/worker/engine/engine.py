@@ -324,6 +324,9 @@ class PagedEngine:
     def num_free_blocks(self, dp_rank: int) -> int:
         return self._ranks[dp_rank].num_free_blocks()
 
+    def num_quarantined_blocks(self, dp_rank: int) -> int:
+        return self._ranks[dp_rank].handoff.num_quarantined_blocks
+
     def num_preemptions(self, dp_rank: int) -> int:
         return self._ranks[dp_rank].num_preemptions()
 

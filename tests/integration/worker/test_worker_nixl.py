@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 import pytest
 import torch
+from prometheus_client import REGISTRY
 
 from services.worker.kv_nixl import KvTransferFailed, KvTransferUnsettled, NixlKvAgent
 from shared.cluster import NIXL_CAPABILITY, KvLayout
@@ -203,10 +204,15 @@ async def test_a_timed_out_read_quarantines_its_blocks_until_it_settles(
         assert dst.num_unsettled() == 1
         num_targets = -(-len(ids) // engine.kv_layout.block_size)
         assert engine.num_total_blocks(0) - engine.num_free_blocks(0) == num_targets  # quarantined
+        # what an operator sees: the decode worker's gauge (refreshed by GetLoad)
+        await decode.stub.GetLoad(worker_pb2.GetLoadRequest())
+        assert REGISTRY.get_sample_value("pdserve_kv_quarantined_blocks", {"dp_rank": "0"}) == num_targets
         del src.progress  # the instance's no-op: NixlKvAgent.progress again
         with progressed(src):
             await wait_blocks_free(decode)
         assert dst.num_unsettled() == 0
+        await decode.stub.GetLoad(worker_pb2.GetLoadRequest())
+        assert REGISTRY.get_sample_value("pdserve_kv_quarantined_blocks", {"dp_rank": "0"}) == 0
         await wait_blocks_free(prefill)
 
 

@@ -113,3 +113,5 @@ async def test_kv_transfer_and_load_metrics_add_up(
     assert sample("pdserve_rank_running_requests", dp_rank="0") >= 0
     # The prefill backlog an autoscaler scales on: published, and empty once the request is done.
     assert REGISTRY.get_sample_value("pdserve_rank_waiting_prompt_tokens", {"dp_rank": "0"}) == 0.0
+    # No READ timed out: nothing held back from the pool.
+    assert REGISTRY.get_sample_value("pdserve_kv_quarantined_blocks", {"dp_rank": "0"}) == 0.0
