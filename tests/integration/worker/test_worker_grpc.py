@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -211,6 +211,24 @@ async def test_disaggregated_matches_unified_and_hf_generate(
     await wait_blocks_free(prefill)
 
 
+def _on_kv_parts(engine: Any, seen: Callable[[int], None]) -> None:
+    """Calls seen(first block) after each part of a handoff the decode engine imported (a gRPC
+    chunk) or READ (a NIXL part)."""
+    real_import, real_read = engine.import_kv, engine.import_kv_direct
+
+    def import_kv(ticket: str, chunk: Any) -> None:
+        real_import(ticket, chunk)
+        seen(chunk.first_block)
+
+    def import_kv_direct(ticket: str, first_block: int, num_blocks: int, read: Any) -> int:
+        nbytes = real_read(ticket, first_block, num_blocks, read)
+        seen(first_block)
+        return nbytes
+
+    engine.import_kv = import_kv
+    engine.import_kv_direct = import_kv_direct
+
+
 @pytest.mark.parametrize("transport", ["grpc", "nixl", "nixl-at-end"])
 async def test_a_prefill_in_several_chunks_pushes_each_chunks_blocks_before_the_next(
     decode: RunningWorker, unified: RunningWorker, tiny_model: Path, transport: str
@@ -232,24 +250,13 @@ async def test_a_prefill_in_several_chunks_pushes_each_chunks_blocks_before_the_
         prefill_engine, decode_engine = prefill.app.engine, decode.app.engine
         assert prefill_engine is not None and decode_engine is not None
         imported = threading.Event()
-        real_import = decode_engine.import_kv
         first_parts: list[int] = []
 
-        def import_kv(ticket: str, chunk: Any) -> None:
-            real_import(ticket, chunk)
-            first_parts.append(chunk.first_block)
-            imported.set()
-
-        real_read = decode_engine.import_kv_direct
-
-        def import_kv_direct(ticket: str, first_block: int, num_blocks: int, read: Any) -> int:
-            nbytes = real_read(ticket, first_block, num_blocks, read)
+        def seen(first_block: int) -> None:
             first_parts.append(first_block)
             imported.set()
-            return nbytes
 
-        decode_engine.import_kv = import_kv  # type: ignore[method-assign,assignment]
-        decode_engine.import_kv_direct = import_kv_direct  # type: ignore[method-assign,assignment]
+        _on_kv_parts(decode_engine, seen)
         rank = prefill_engine._ranks[0]  # type: ignore[attr-defined]
         real_execute = rank._execute
         before_last_chunk: list[bool] = []
@@ -307,21 +314,7 @@ async def test_a_prefill_cancelled_after_an_early_push_aborts_the_decode_request
         prefill_engine, decode_engine = prefill.app.engine, decode.app.engine
         assert prefill_engine is not None and decode_engine is not None
         imported, cancelled = threading.Event(), threading.Event()
-        real_import = decode_engine.import_kv
-
-        def import_kv(ticket: str, chunk: Any) -> None:
-            real_import(ticket, chunk)
-            imported.set()
-
-        real_read = decode_engine.import_kv_direct
-
-        def import_kv_direct(ticket: str, first_block: int, num_blocks: int, read: Any) -> int:
-            nbytes = real_read(ticket, first_block, num_blocks, read)
-            imported.set()
-            return nbytes
-
-        decode_engine.import_kv = import_kv  # type: ignore[method-assign,assignment]
-        decode_engine.import_kv_direct = import_kv_direct  # type: ignore[method-assign,assignment]
+        _on_kv_parts(decode_engine, lambda first: imported.set())
         rank = prefill_engine._ranks[0]  # type: ignore[attr-defined]
         real_execute = rank._execute
 
