@@ -31,6 +31,7 @@ import torch
 from benchmarks.engine_floor import cpu_features, cuda_bandwidth, read_bandwidth, weight_bytes_per_step
 from benchmarks.goodput import loadgen, workloads
 from benchmarks.goodput.stats import RequestResult
+from benchmarks.result_names import machine_class
 from shared.model_store import resolve_model
 from tests.support.stack import running_stack
 
@@ -139,7 +140,7 @@ def main() -> None:
         name = re.sub(r"[^a-z0-9]+", "-", machine["gpu"].lower()).strip("-")
     else:
         machine = cpu_features()
-        name = f"cpu-{machine['torch_cpu_capability']}"
+        name = machine_class("cpu")
     doc: dict[str, Any] = {
         "machine": machine,
         "model": a.model,
@@ -151,6 +152,7 @@ def main() -> None:
         + " ".join(f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items() if k not in ("out", "up_arg")),
     }
     up_args = ["--device", a.device, "--dtype", a.dtype, *a.up_arg]
+    out = a.out or RESULTS / f"serving-{name}.json"
     for config in a.configs.split(","):
         print(f"[{config}] starting", flush=True)
         with tempfile.TemporaryDirectory() as logs:
@@ -177,9 +179,9 @@ def main() -> None:
             result[f"tpot_vs_floor_{a.burst}"] = round(many["tpot_ms_p50"] / floors[str(a.burst)], 2)
         print(f"[{config}]", json.dumps(result), flush=True)
         doc["configs"][config] = result
-    out = a.out or RESULTS / f"serving-{name}.json"
-    out.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"wrote {out}")
+        # after each configuration: a run stopped by its time limit (a GPU window) keeps those done
+        out.write_text(json.dumps(doc, indent=1) + "\n")
+        print(f"wrote {out}", flush=True)
 
 
 if __name__ == "__main__":
