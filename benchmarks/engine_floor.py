@@ -368,27 +368,17 @@ def measure(
         )
     out["steps"] = rows
     # a mixed prefill + decode step (chunked prefill): 8 (or fewer) decoding sequences and a
-    # 512-token chunk, eager; on CUDA the default backend's (graphs cannot hold it)
-    mixed_decode = min(8, max(batches))
-    mixed_runner = runner
-    if device.type == "cuda":
-        mixed_runner = ModelRunner(
-            model,
-            layout,
-            pool_blocks,
-            device,
-            dtype,
-            backend=ModelBackend.choose(BackendOptions(), device),
-        )
-    try:
-        out["mixed_step"] = mixed_row(
-            mixed_runner, model, bandwidth, flops, mixed_decode, MIXED_PREFILL_TOKENS, context
-        )
-    except ValueError as e:  # a pool too small for it
-        out["mixed_step"] = {"skipped": str(e)}
-    if mixed_runner is not runner:
-        del mixed_runner
-        torch.cuda.empty_cache()
+    # 512-token chunk, eager; on CUDA the default backend's (graphs cannot hold it), measured
+    # below on that backend's runner
+
+    def mixed(on: Any) -> dict[str, Any]:
+        try:
+            return mixed_row(on, model, bandwidth, flops, min(8, max(batches)), MIXED_PREFILL_TOKENS, context)
+        except ValueError as e:  # a pool too small for it
+            return {"skipped": str(e)}
+
+    if device.type != "cuda":
+        out["mixed_step"] = mixed(runner)
     if out["cpu_row_copy"]:
         # the same 1- to 8-sequence steps on oneDNN's kernel alone (--no-cpu-row-copy), same run
         for mod in model.modules():
@@ -435,6 +425,8 @@ def measure(
                     }
                 )
             out[key] = graph_rows
+            if fused is None:
+                out["mixed_step"] = mixed(graphs)
             del graphs
             torch.cuda.empty_cache()
     eight = next((r for r in rows if r["seqs"] == 8), None)
