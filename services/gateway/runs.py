@@ -112,12 +112,7 @@ class WorkerRuns:
                 # Finished at the first token (EOS, stop, max_tokens=1): free the decode side's KV.
                 stream.cancel()
                 await self._aborter.abort_all([decode.address], job.request_id)
-                state.finish()
-                yield _with_prompt_logprobs(
-                    state,
-                    frame(state, OutputFrameKind.FINAL, reply.text, reply.token_ids, reply.logprobs),
-                    reply.prompt_logprobs,
-                )
+                yield _final(state, reply.text, reply.token_ids, reply.logprobs, reply.prompt_logprobs)
                 return
             # 3. The first token goes to the client at once (TTFT); decode continues.
             kind = (
@@ -153,12 +148,7 @@ class WorkerRuns:
             reply.generated_tokens,
             reply.finish_reason,
         )
-        state.finish()
-        yield _with_prompt_logprobs(
-            state,
-            frame(state, OutputFrameKind.FINAL, reply.text, reply.token_ids, reply.logprobs),
-            reply.prompt_logprobs,
-        )
+        yield _final(state, reply.text, reply.token_ids, reply.logprobs, reply.prompt_logprobs)
 
     async def aggregated(
         self,
@@ -235,12 +225,7 @@ async def _relay(
                 event.generated_tokens,
                 event.finish_reason,
             )
-            state.finish()
-            yield _with_prompt_logprobs(
-                state,
-                frame(state, OutputFrameKind.FINAL, event.text, event.token_ids, event.logprobs),
-                event.prompt_logprobs,
-            )
+            yield _final(state, event.text, event.token_ids, event.logprobs, event.prompt_logprobs)
             return
         # TOKENS frames: counts ride on FINAL only, so any count here is ignored by design.
         state.record_output(FrameSource.DECODE_TOKENS, event.text, event.token_ids, None, None)
@@ -273,6 +258,21 @@ def frame(
         finish_reason=state.finish_reason if final else None,
         usage=state.usage if final else None,
         logprobs=logprobs,
+    )
+
+
+def _final(
+    state: RequestState,
+    text: str,
+    token_ids: tuple[int, ...],
+    logprobs: tuple[TokenLogprob, ...],
+    prompt_logprobs: tuple[TokenLogprob, ...],
+) -> OutputFrame:
+    """The run's last frame: the state finishes, the frame carries its usage and finish reason
+    (and the prompt logprobs the worker returned with it)."""
+    state.finish()
+    return _with_prompt_logprobs(
+        state, frame(state, OutputFrameKind.FINAL, text, token_ids, logprobs), prompt_logprobs
     )
 
 
