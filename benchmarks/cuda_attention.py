@@ -2,14 +2,17 @@
 in-place FlexAttention path (engine/flex_paged.py, the default on CUDA) against the torch-only
 path it replaced (attention.py's BATCHED backend: whole blocks gathered into a padded buffer per
 step + SDPA with an additive mask), in one run, with the KV floor (the sequences' K/V read once
-at the device's measured bandwidth).
+at the device's measured bandwidth). `--block-sizes` also times the in-place path over pools of
+larger blocks: FlexAttention's KV tile is at most one pool block (16 tokens by default), so the
+sweep says what a larger `--block-size` would buy per step on this GPU.
 
 Both run as CUDA graphs (as the engine replays them), each graph holding `--repeat` calls so the
 timing is the kernels' and not the launches'. Blocks are scattered over a pool (as a serving
-block manager leaves them), block size 16, bf16. Outputs of the two paths are compared (bf16
-tolerance) before timing.
+block manager leaves them), block size 16 (and each of `--block-sizes`), bf16. Outputs of the two
+paths are compared (bf16 tolerance) before timing.
 
     python -m benchmarks.cuda_attention [--shape llama-8b] [--batches 1 8 64] [--contexts 512 2048]
+        [--block-sizes 16 32 64 128]
 
 Writes benchmarks/results/cuda-attention-<gpu>.json. Needs CUDA.
 """
@@ -58,8 +61,44 @@ def _graph_ms(fn: Any, repeat: int) -> float:
     return best * 1e3 / repeat
 
 
+def _flex_ms(
+    b: int,
+    ctx: int,
+    bs: int,
+    q: torch.Tensor,  # [b, heads, D]
+    kv_heads: int,
+    pool_tokens: int,
+    scale: float,
+    repeat: int,
+    rng: random.Random,
+) -> float:
+    """In-place attention of b sequences of ctx tokens over a pool of `bs`-token blocks
+    (scattered, as in measure), ms per call."""
+    dev, dtype = q.device, q.dtype
+    dim = q.shape[-1]
+    blocks_total = pool_tokens // bs
+    per_seq = -(-ctx // bs)
+    layer_kv = torch.randn(2, kv_heads, (blocks_total + 1) * bs, dim, device=dev, dtype=dtype)
+    blocks = rng.sample(range(blocks_total), b * per_seq)
+    tables = [blocks[i * per_seq : (i + 1) * per_seq] for i in range(b)]
+    flex = FlexPagedStep.new(b, 1, max(per_seq, 8192 // bs), bs, blocks_total + 1, blocks_total, dev)
+    flex.fill(tables, [[ctx]] * b, blocks_total)
+
+    def in_place() -> torch.Tensor:
+        flex.prepare()
+        return flex.attend(q, layer_kv[0], layer_kv[1], scale)
+
+    in_place()
+    return _graph_ms(in_place, repeat)
+
+
 def measure(
-    shape: str, batches: list[int], contexts: list[int], repeat: int, pool_blocks: int
+    shape: str,
+    batches: list[int],
+    contexts: list[int],
+    repeat: int,
+    pool_blocks: int,
+    block_sizes: list[int] | None = None,
 ) -> dict[str, Any]:
     cfg = RANDOM_SHAPES[shape]
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -122,6 +161,12 @@ def measure(
                 "max_abs_diff": err,
                 "first_call_s": round(compile_s, 2),
             }
+            for other in block_sizes or ():
+                if other == bs or b * -(-ctx // other) > pool_blocks * bs // other:
+                    continue
+                ms = _flex_ms(b, ctx, other, q, kv_heads, pool_blocks * bs, scale, repeat, rng)
+                row[f"flex_block{other}_ms"] = round(ms, 4)
+                row[f"flex_block{other}_vs_floor"] = round(ms / floor_ms, 2)
             print(row, flush=True)
             rows.append(row)
     return {
@@ -132,10 +177,12 @@ def measure(
         "kv_heads": kv_heads,
         "head_dim": dim,
         "block_size": bs,
+        "other_block_sizes": [x for x in block_sizes or () if x != bs],
         "dtype": "bfloat16",
         "bandwidth_gb_s": round(bandwidth / 1e9, 1),
         "rows": rows,
-        "command": "python -m benchmarks.cuda_attention",
+        "command": "python -m benchmarks.cuda_attention"
+        + (" --block-sizes " + " ".join(map(str, block_sizes)) if block_sizes else ""),
     }
 
 
@@ -146,11 +193,14 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[512, 2048])
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--pool-blocks", type=int, default=16384)
+    ap.add_argument(
+        "--block-sizes", type=int, nargs="*", default=[], help="also time in place over these block sizes"
+    )
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs CUDA")
-    doc = measure(a.shape, a.batches, a.contexts, a.repeat, a.pool_blocks)
+    doc = measure(a.shape, a.batches, a.contexts, a.repeat, a.pool_blocks, a.block_sizes)
     gpu = re.sub(r"[^a-z0-9]+", "-", doc["gpu"].lower()).strip("-")
     out = a.out or RESULTS / f"cuda-attention-{gpu}.json"
     out.write_text(json.dumps(doc, indent=1) + "\n")

@@ -4,6 +4,9 @@ weight model of a real shape. The sum of kernel times against the step's wall ti
 launch gaps from kernel work; the top kernels say which to fuse or replace next.
 
     python -m benchmarks.cuda_step_profile [--model random:llama-8b] [--seqs 8] [--context 319]
+        [--paths fused torch]
+
+Several `--seqs` profile one model (loaded once) at each batch size: `runs` in the result.
 
 Writes benchmarks/results/cuda-step-profile-<gpu>.json. Needs CUDA.
 """
@@ -30,12 +33,11 @@ from shared.model_store import resolve_model
 RESULTS = Path(__file__).parent / "results"
 
 
-def profile(model_name: str, seqs: int, context: int, fused: bool | None) -> dict[str, Any]:
+def profile(model: Any, seqs: int, context: int, fused: bool | None) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     dev = torch.device("cuda")
-    model = load_model(str(resolve_model(model_name)), dev, torch.bfloat16)
     layout = kv_layout_of(model.config, 16, torch.bfloat16)
     per_seq = -(-(context + 1) // 16)
     # static steps as CUDA graphs; fused False: the torch-only path (--no-cuda-kernels)
@@ -54,7 +56,7 @@ def profile(model_name: str, seqs: int, context: int, fused: bool | None) -> dic
             counts[evt.name] += 1
     # time_decode_steps(steps=1) runs 3 steps (2 warm-ups): per-step figures divide by 3 * steps
     per_step = 3 * steps
-    del runner, model
+    del runner
     torch.cuda.empty_cache()
     total_us = sum(by_name.values()) / per_step
     top = [
@@ -76,29 +78,38 @@ def profile(model_name: str, seqs: int, context: int, fused: bool | None) -> dic
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="random:llama-8b")
-    ap.add_argument("--seqs", type=int, default=8)
+    ap.add_argument("--seqs", type=int, nargs="+", default=[8])
     ap.add_argument("--context", type=int, default=319)
+    ap.add_argument("--paths", nargs="+", default=["fused", "torch"], choices=["fused", "torch"])
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     t0 = time.perf_counter()
+    model = load_model(str(resolve_model(a.model)), torch.device("cuda"), torch.bfloat16)
+    runs = []
+    for seqs in a.seqs:
+        run: dict[str, Any] = {"seqs": seqs, "context": a.context}
+        for path in a.paths:
+            key = "fused_in_place" if path == "fused" else "torch_path"
+            run[key] = p = profile(model, seqs, a.context, None if path == "fused" else False)
+            print(
+                f"{seqs} seqs, {key}: step {p['step_ms']} ms, kernels {p['kernel_ms_per_step']} ms "
+                f"({p['kernels_per_step']}/step)"
+            )
+            for row in p["top"][:12]:
+                print(f"   {row['us_per_step']:>8.1f} us  x{row['calls_per_step']:<6g} {row['kernel']}")
+        runs.append(run)
     doc: dict[str, Any] = {
         "gpu": torch.cuda.get_device_name(0),
         "torch": torch.__version__,
         "model": a.model,
-        "seqs": a.seqs,
-        "context": a.context,
-        "fused_in_place": profile(a.model, a.seqs, a.context, None),
-        "torch_path": profile(a.model, a.seqs, a.context, False),
+        # one batch size: its profiles at the top level (the first results' layout)
+        **(runs[0] if len(runs) == 1 else {"runs": runs}),
+        "command": "python -m benchmarks.cuda_step_profile --seqs "
+        + " ".join(map(str, a.seqs))
+        + f" --context {a.context} --paths "
+        + " ".join(a.paths),
     }
     doc["seconds"] = round(time.perf_counter() - t0, 1)
-    for key in ("fused_in_place", "torch_path"):
-        p = doc[key]
-        print(
-            f"{key}: step {p['step_ms']} ms, kernels {p['kernel_ms_per_step']} ms "
-            f"({p['kernels_per_step']}/step)"
-        )
-        for row in p["top"][:12]:
-            print(f"   {row['us_per_step']:>8.1f} us  x{row['calls_per_step']:<6g} {row['kernel']}")
     gpu = re.sub(r"[^a-z0-9]+", "-", doc["gpu"].lower().replace("nvidia", "")).strip("-")
     out = a.out or RESULTS / f"cuda-step-profile-{gpu}.json"
     out.write_text(json.dumps(doc, indent=1) + "\n")

@@ -13,8 +13,9 @@
 # three stacks one after another (disaggregated over NIXL, over the gRPC push, unified; two
 # workers share the GPU in the first two): KV handoff / prefill time and TTFT disaggregated /
 # unified at 512 and 2,048 prompt tokens, against the targets (5 %, 1.1x at 2,048); about 3-4
-# minutes on an H200, mostly the three starts. Result files carry GPU_TAG (default: the GPU's
-# name, e.g. h200).
+# minutes on an H200, mostly the three starts. `window`: chosen parts of the above, each time-
+# boxed, for a short lease (WINDOW_PARTS, see below). Result files carry GPU_TAG (default: the
+# GPU's name, e.g. h200).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -64,19 +65,41 @@ if [[ $what == serving ]]; then
     --out "$RES/serving-llama-8b-$TAG.json" || rc=1
 fi
 if [[ $what == window ]]; then
-  # One short lease (about 6 minutes on an H200): the CUDA tests on 4 processes, bench-stack at
-  # 2,048 tokens over both transports, and the unified stack served one request at a time and 64
-  # at once. Each part has its own limit (SIGINT: pytest and bench-stack still write what they
-  # have), so a slow one never takes the later ones' time. NIXL comes from .gpu/nixl.tar.xz
-  # (scripts/nixl_bundle.sh) unpacked on PYTHONPATH.
-  timeout -s INT "${T_TESTS:-120}" $PY -m pytest -v -ra --tb=short --durations=15 -p no:cacheprovider \
-    -n 4 --timeout 100 -m gpu tests || rc=1
-  timeout -s INT "${T_STACK:-170}" $PY -m benchmarks.bench_stack --device cuda --dtype bfloat16 \
-    --model random:llama-8b --lengths 2048 --reps 2 --ready-timeout-s 150 \
-    --out "$RES/stack-cuda-llama-8b-$TAG.json" || rc=1
-  timeout -s INT "${T_SERVING:-80}" $PY -m benchmarks.bench_serving --model random:llama-8b \
-    --device cuda --dtype bfloat16 --configs unified --sequential 2 --burst 64 \
-    --out "$RES/serving-llama-8b-$TAG.json" || rc=1
+  # One short lease: the parts named in WINDOW_PARTS, in that order (default: the CUDA tests on
+  # 4 processes, bench-stack at 2,048 tokens over both transports, the unified stack served one
+  # request at a time and 64 at once; `engine` is bench-engine on the 8B shape against HF's
+  # padded batch with the steps vs floor, `probe` the attention block-size sweep and the step
+  # profile at 1/8/64 sequences). Each part has its own limit (T_<PART> seconds; SIGINT, so
+  # pytest and the benchmarks still write what they have), so a slow one never takes the later
+  # ones' time. NIXL comes from .gpu/nixl.tar.xz (scripts/nixl_bundle.sh) unpacked on PYTHONPATH.
+  for part in ${WINDOW_PARTS:-tests stack serving}; do
+    echo "== window part: $part ($(date +%T))"
+    case $part in
+      tests)
+        timeout -s INT "${T_TESTS:-120}" $PY -m pytest -v -ra --tb=short --durations=15 \
+          -p no:cacheprovider -n 4 --timeout 100 -m gpu tests || rc=1 ;;
+      stack)
+        timeout -s INT "${T_STACK:-170}" $PY -m benchmarks.bench_stack --device cuda --dtype bfloat16 \
+          --model random:llama-8b --lengths 2048 --reps 2 --ready-timeout-s 150 \
+          --out "$RES/stack-cuda-llama-8b-$TAG.json" || rc=1 ;;
+      serving)
+        timeout -s INT "${T_SERVING:-80}" $PY -m benchmarks.bench_serving --model random:llama-8b \
+          --device cuda --dtype bfloat16 --configs unified --sequential 2 --burst 64 \
+          --out "$RES/serving-llama-8b-$TAG.json" || rc=1 ;;
+      engine)
+        timeout -s INT "${T_ENGINE:-200}" $PY -m benchmarks.bench_engine --device cuda --dtype bfloat16 \
+          --model random:llama-8b --contenders hf_padded,pdserve --num-requests 32 \
+          --kv-cache-tokens 40960 --no-prefix-run --floor-batches 1,8,16,64 --child-timeout-s 150 \
+          --output "$RES/engine-cuda-llama-8b-$TAG.json" || rc=1 ;;
+      probe)
+        timeout -s INT "${T_PROBE:-60}" $PY -m benchmarks.cuda_attention --batches 1 8 64 \
+          --contexts 512 2048 --block-sizes 32 64 128 --repeat 10 \
+          --out "$RES/cuda-attention-$TAG.json" || rc=1
+        timeout -s INT "${T_PROFILE:-90}" $PY -m benchmarks.cuda_step_profile --seqs 1 8 64 \
+          --paths fused --out "$RES/cuda-step-profile-$TAG.json" || rc=1 ;;
+      *) echo "unknown window part: $part"; rc=1 ;;
+    esac
+  done
 fi
 if [[ $what == stack ]]; then
   $PY -m benchmarks.bench_stack --device cuda --dtype bfloat16 --model random:llama-8b \
