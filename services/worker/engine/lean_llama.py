@@ -20,9 +20,12 @@ On CUDA (`fused=True`, issue 31) a decode step is bound by kernel count, not by 
 sequences of a Llama-3-8B shape replayed as a CUDA graph took 8.7 ms against 3.6 ms to read the
 weights once (H200), with ~40 small kernels per layer. So there the layer runs as few kernels:
 the q/k/v projections as one matrix (and gate/up as one; the modules' weights become views of
-the fused ones, no second copy), and the norm + projection + RoPE before attention and the
-residual + norm + MLP after it as two `torch.compile`d functions (Triton kernels for the
-element-wise parts, cuBLAS for the products), compiled once for every layer and batch size.
+the fused ones, no second copy), and the projection + RoPE (+ the K/V write into the pool, where
+attention reads it in place) before attention and the residual + norm + MLP + residual + the
+next layer's norm after it as two `torch.compile`d functions (Triton kernels for the element-wise
+parts, cuBLAS for the products), compiled once for every layer and batch size. Each layer's last
+residual add and the next layer's norm are one kernel so; the last layer's output leaves normed
+by the final norm.
 bf16 on a GPU is not bit-identical to transformers anyway; the CPU path above is unchanged.
 
 Supported: `LlamaForCausalLM` and `MistralForCausalLM` (the same decoder; Mistral's sliding
@@ -119,18 +122,15 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 def _attn_in(
-    h: torch.Tensor,  # [T, hidden]
-    norm: torch.Tensor,
+    x: torch.Tensor,  # [T, hidden], normed (the previous layer's _attn_out normed it)
     qkv: torch.Tensor,  # [(heads + 2 kv_heads) * D, hidden]
     cos: torch.Tensor,  # [T, 1, D]
     sin: torch.Tensor,  # [T, 1, D], sign of rotate_half folded in
-    eps: float,
     heads: int,
     kv_heads: int,
     head_dim: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Fused path: norm, one q/k/v product, RoPE -> q [T, heads, D], k, v [T, kv_heads, D]."""
-    x = _rms_norm(h, norm, eps)
+    """Fused path: one q/k/v product, RoPE -> q [T, heads, D], k, v [T, kv_heads, D]."""
     q, k, v = F.linear(x, qkv).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
     half = head_dim // 2
     q = q.reshape(-1, heads, head_dim)
@@ -140,6 +140,28 @@ def _attn_in(
     return q, k, v.reshape(-1, kv_heads, head_dim)
 
 
+def _attn_in_cached(
+    x: torch.Tensor,  # [T, hidden], normed
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    kv_layer: torch.Tensor,  # [2, kv_heads, slots, D]: this layer's K and V in the pool
+    slots: torch.Tensor,  # [T] the pool slot of each token
+) -> torch.Tensor:
+    """Fused path of steps that attend in place: `_attn_in`, and the tokens' K/V written to
+    their slots in the same compiled graph -> q [T, heads, D]. Compiled, K's RoPE and V's copy
+    become the scatter's inputs: one kernel writes both (inductor on CPU: one kernel for both
+    RoPEs and the scatter), where two index_copy calls after RoPE kernels of their own cost
+    three or four launches per layer (a graph decode step of the 8B shape was 642 small
+    kernels at 8 sequences on an H200, each with its gap: cuda-step-profile-h200.json)."""
+    q, k, v = _attn_in(x, qkv, cos, sin, heads, kv_heads, head_dim)
+    kv_layer.index_copy_(2, slots, torch.stack([k, v]).transpose(1, 2))
+    return q
+
+
 def _attn_out(
     o: torch.Tensor,  # [T, heads * D] attention output
     h: torch.Tensor,  # [T, hidden] residual
@@ -147,12 +169,16 @@ def _attn_out(
     norm: torch.Tensor,
     gate_up: torch.Tensor,  # [2 * intermediate, hidden]
     down: torch.Tensor,
+    norm_next: torch.Tensor,  # the next layer's input norm (the final norm after the last)
     eps: float,
-) -> torch.Tensor:
-    """Fused path: output projection + residual, norm, SwiGLU MLP + residual -> new h."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused path: output projection + residual, norm, SwiGLU MLP + residual -> new h, and h
+    normed for the next layer: the residual add and the next norm are one kernel this way, not
+    an add here and a norm at the next layer's start."""
     h = h + F.linear(o, o_proj)
     gate, up = F.linear(_rms_norm(h, norm, eps), gate_up).chunk(2, -1)
-    return h + F.linear(F.silu(gate) * up, down)
+    h = h + F.linear(F.silu(gate) * up, down)
+    return h, _rms_norm(h, norm_next, eps)
 
 
 def _paged_attention(
@@ -173,11 +199,16 @@ def _paged_attention(
 
 
 @functools.cache
-def _compiled() -> tuple[Any, Any]:
+def _compiled() -> tuple[Any, Any, Any, Any]:
     # dynamic: one compilation serves every step size (sizes 1 and 0 are specialized once more;
     # a draft model's shapes and other dtypes compile again)
     flex_paged.allow_compilations()
-    return torch.compile(_attn_in, dynamic=True), torch.compile(_attn_out, dynamic=True)
+    return (
+        torch.compile(_rms_norm, dynamic=True),
+        torch.compile(_attn_in, dynamic=True),
+        torch.compile(_attn_in_cached, dynamic=True),
+        torch.compile(_attn_out, dynamic=True),
+    )
 
 
 class LeanLlama:
@@ -192,9 +223,13 @@ class LeanLlama:
         self.embed = model.model.embed_tokens.weight
         self.rotary = model.model.rotary_emb
         self.fused = fused
+        self.norm: Any
         self.attn_in: Any
+        self.attn_in_cached: Any
         self.attn_out: Any
-        self.attn_in, self.attn_out = _compiled() if fused and compiled else (_attn_in, _attn_out)
+        self.norm, self.attn_in, self.attn_in_cached, self.attn_out = (
+            _compiled() if fused and compiled else (_rms_norm, _attn_in, _attn_in_cached, _attn_out)
+        )
         self.layers = [_Layer(layer, fused) for layer in model.model.layers[: cfg.num_hidden_layers]]
         self.norm_final = model.model.norm.weight
         self.lm_head = _Linear(model.lm_head)
@@ -209,6 +244,7 @@ class LeanLlama:
             (kv_pool[i, 0].transpose(0, 1), kv_pool[i, 1].transpose(0, 1), kv_pool[i, 0:1], kv_pool[i, 1:2])
             for i in range(kv_pool.shape[0])
         ]
+        self.layer_pools = [kv_pool[i] for i in range(kv_pool.shape[0])]  # [2, kv_heads, slots, D]
 
     @staticmethod
     def supports(model: Any) -> bool:
@@ -267,7 +303,10 @@ class LeanLlama:
         # rotate_half(x) * sin == roll(x, half) * [-sin_lo, sin_hi]: the sign moves onto sin
         sin = sin.view(num_tokens, 1, self.head_dim).clone()
         sin[..., :half].neg_()
-        h = self._fused_layers(h, cos, sin, meta) if self.fused else self._layers(h, cos, sin, meta)
+        if self.fused:  # the last layer's output comes out normed by the final norm
+            x = self._fused_layers(h, cos, sin, meta)
+            return None if logits_idx is None else self.lm_head(x.index_select(0, logits_idx))
+        h = self._layers(h, cos, sin, meta)
         if logits_idx is None:
             return None
         return self.lm_head(self._rms_norm(h.index_select(0, logits_idx), self.norm_final))
@@ -302,39 +341,35 @@ class LeanLlama:
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: attention.PagedAttentionMetadata
     ) -> torch.Tensor:
         """The CUDA layout: two fused halves per layer around attention, which reads the pool in
-        place (FlexAttention, static steps) or through attention.py (other steps)."""
+        place (FlexAttention, static steps) or through attention.py (other steps) -> the last
+        layer's output normed by the final norm [T, hidden]."""
         num_tokens = h.shape[0]
         flex = meta.flex
         if flex is not None:
             flex.prepare()
         windows = meta.layer_windows or (None,) * len(self.layers)
-        for layer, views, window in zip(self.layers, self.pool_views, windows, strict=True):
+        x = self.norm(h, self.layers[0].norm_in, self.eps)
+        for i, (layer, views, kv_layer, window) in enumerate(
+            zip(self.layers, self.pool_views, self.layer_pools, windows, strict=True)
+        ):
             assert layer.qkv is not None and layer.gate_up is not None
-            q, k, v = self.attn_in(
-                h,
-                layer.norm_in,
-                layer.qkv,
-                cos,
-                sin,
-                self.eps,
-                self.num_heads,
-                self.num_kv_heads,
-                self.head_dim,
-            )
+            shape = (self.num_heads, self.num_kv_heads, self.head_dim)
             if flex is not None:
-                k_slots, v_slots, k_pool, v_pool = views
-                k_slots.index_copy_(0, meta.slots, k)
-                v_slots.index_copy_(0, meta.slots, v)
+                q = self.attn_in_cached(x, layer.qkv, cos, sin, *shape, kv_layer, meta.slots)
+                _, _, k_pool, v_pool = views
                 o = flex.attend(q, k_pool[0], v_pool[0], layer.scaling, window)
             else:
+                q, k, v = self.attn_in(x, layer.qkv, cos, sin, *shape)
                 o = _paged_attention(layer, q, k, v, meta)
-            h = self.attn_out(
+            last = i + 1 == len(self.layers)
+            h, x = self.attn_out(
                 o.reshape(num_tokens, -1),
                 h,
                 layer.o.weight,
                 layer.norm_post,
                 layer.gate_up,
                 layer.down.weight,
+                self.norm_final if last else self.layers[i + 1].norm_in,
                 self.eps,
             )
-        return h
+        return x
