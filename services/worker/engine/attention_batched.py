@@ -1,7 +1,8 @@
 """The BATCHED attention backend (attention.py describes both backends): sequences with any query
 lengths attended in one padded SDPA call per group and layer, keys and values gathered from the
 pool by whole blocks, an additive mask built once per step (`build_batched_group`) hiding
-padding, future positions and keys behind a layer's window."""
+padding, future positions and keys behind a layer's window. A group's index lists are built on
+the host (`group_lists`) and reach the device in the step's one packed copy."""
 
 from __future__ import annotations
 
@@ -78,18 +79,31 @@ def group_attention(
     return o if g.out_rows is None else o.index_select(0, g.out_rows)
 
 
-def build_batched_group(
-    seqs: list[tuple[int, int, int, list[int]]],
-    block_size: int,
-    q_per_kv: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    covers_all: bool,
-    window: int | None = None,
-) -> BatchedGroup:
-    """One group from (q_start, q_len, start_pos, block_ids) per sequence, block_ids covering
-    start_pos + q_len tokens. `covers_all`: the group holds every packed token, in this order
-    (its output then needs no scatter). `window`: the layers' attention window (None: full)."""
+@dataclass
+class GroupLists:
+    """A group's host-side index lists (`group_lists`), turned into device tensors by the caller
+    in the step's one packed copy (step_inputs.py), then into a BatchedGroup per attention
+    window (`build_batched_group`)."""
+
+    starts: list[int]  # [B] each sequence's first query position
+    q_index: list[int]  # [B * q_max] packed position of each query row (padding: 0)
+    table: list[int]  # [B * num_blocks_max] block ids (padding: block 0)
+    rows: list[int]  # [n] padded row of each packed token
+    positions: list[int]  # [n] packed positions of the group's tokens
+    num_seqs: int
+    q_max: int
+    num_blocks_max: int
+    block_size: int  # tokens per block
+    covers_all: bool  # the group holds every packed token, in this order
+
+    def parts(self) -> tuple[list[int], ...]:
+        """The lists in the order `build_batched_group` takes their tensors."""
+        return self.starts, self.q_index, self.table, self.rows, self.positions
+
+
+def group_lists(seqs: list[tuple[int, int, int, list[int]]], block_size: int, covers_all: bool) -> GroupLists:
+    """One group's index lists from (q_start, q_len, start_pos, block_ids) per sequence,
+    block_ids covering start_pos + q_len tokens."""
     b = len(seqs)
     q_max = max(n for _, n, _, _ in seqs)
     nb_max = max(-(-(start + n) // block_size) for _, n, start, _ in seqs)
@@ -105,11 +119,27 @@ def build_batched_group(
         table.extend([0] * (nb_max - nb))
         rows.extend(range(i * q_max, i * q_max + n))
         positions.extend(range(q_start, q_start + n))
-    starts = torch.tensor([start for _, _, start, _ in seqs], device=device)
+    starts = [start for _, _, start, _ in seqs]
+    return GroupLists(starts, q_index, table, rows, positions, b, q_max, nb_max, block_size, covers_all)
+
+
+def build_batched_group(
+    lists: GroupLists,
+    tensors: list[torch.Tensor],  # lists.parts() on the device, in that order
+    q_per_kv: int,
+    dtype: torch.dtype,
+    window: int | None = None,
+) -> BatchedGroup:
+    """The group's call for layers with `window` (None: full attention): the additive mask,
+    built on the device from the sequences' start positions (no host list is copied here: on
+    CUDA a copy from pageable memory waits for every queued kernel)."""
+    starts, q_index, table, rows, positions = tensors
+    q_max, nb_max = lists.q_max, lists.num_blocks_max
+    device = starts.device
     # query row i of sequence b (position start_b + i) sees keys 0..start_b + i; padding rows
     # (i >= q_len) see a few finite keys too (never all -inf: no NaN) and are dropped
     q_pos = starts[:, None] + torch.arange(q_max, device=device)[None, :]  # [B, q_max]
-    key_pos = torch.arange(nb_max * block_size, device=device)[None, None, :]
+    key_pos = torch.arange(nb_max * lists.block_size, device=device)[None, None, :]
     visible = key_pos <= q_pos[:, :, None]
     if window is not None:  # and within the window (a padding row still sees its own position)
         visible &= key_pos > q_pos[:, :, None] - window
@@ -117,14 +147,14 @@ def build_batched_group(
         visible = visible.repeat_interleave(q_per_kv, dim=1)
     mask = torch.zeros(visible.shape, dtype=dtype, device=device)
     mask.masked_fill_(~visible, float("-inf"))
-    identity_rows = covers_all and q_max == 1
+    identity_rows = lists.covers_all and q_max == 1
     return BatchedGroup(
-        q_index=None if identity_rows else torch.tensor(q_index, device=device),
-        block_table=torch.tensor(table, device=device),
+        q_index=None if identity_rows else q_index,
+        block_table=table,
         mask=mask.unsqueeze(1),
-        out_rows=None if identity_rows else torch.tensor(rows, device=device),
-        out_positions=None if covers_all else torch.tensor(positions, device=device),
-        num_seqs=b,
+        out_rows=None if identity_rows else rows,
+        out_positions=None if lists.covers_all else positions,
+        num_seqs=lists.num_seqs,
         q_max=q_max,
         num_blocks_max=nb_max,
     )

@@ -107,7 +107,6 @@ def _build_batched(
     runner: ModelRunner, seqs: list[ScheduledSeq]
 ) -> tuple[torch.Tensor, torch.Tensor, attention.PagedAttentionMetadata, torch.Tensor]:
     bs = runner.layout.block_size
-    dev = runner.device
     # short queries first, then long chunks; each part is one attention call per layer
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].token_ids) > _SHORT_QUERY)
     input_ids: list[int] = []
@@ -127,17 +126,20 @@ def _build_batched(
         parts[n > _SHORT_QUERY].append((q_start, n, s.start_pos, blocks))
         last_pos[i] = q_start + n - 1
     nonempty = [p for p in parts if p]
+    lists = [attention_batched.group_lists(p, bs, covers_all=len(nonempty) == 1) for p in nonempty]
+    logits_idx = [last_pos[i] for i, s in enumerate(seqs) if s.sample or s.prompt_targets]
+    # every index list of the step, the groups' too, in one copy (pinned staging on CUDA)
+    group_parts = (x for g in lists for x in g.parts())
+    tensors = _index_tensors(runner, (input_ids, positions, slots, logits_idx, *group_parts))
+    ids_t, pos_t, slots_t, logits_t = tensors[:4]
+    per_group = [tensors[4 + 5 * i : 9 + 5 * i] for i in range(len(lists))]
 
     def groups_for(window: int | None) -> list[attention_batched.BatchedGroup]:
         return [
-            attention_batched.build_batched_group(
-                p, bs, runner.q_per_kv, runner.dtype, dev, covers_all=len(nonempty) == 1, window=window
-            )
-            for p in nonempty
+            attention_batched.build_batched_group(g, t, runner.q_per_kv, runner.dtype, window=window)
+            for g, t in zip(lists, per_group, strict=True)
         ]
 
-    logits_idx = [last_pos[i] for i, s in enumerate(seqs) if s.sample or s.prompt_targets]
-    ids_t, pos_t, slots_t, logits_t = _index_tensors(runner, (input_ids, positions, slots, logits_idx))
     meta = attention.PagedAttentionMetadata(
         kv_cache=runner.kv_cache,
         block_size=bs,

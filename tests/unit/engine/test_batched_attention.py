@@ -16,6 +16,7 @@ from services.worker.engine.api import KvLayout, SamplingConfig
 from services.worker.engine.attention import AttentionBackend, paged_attention_forward
 from services.worker.engine.model_loading import kv_layout_of, load_model
 from services.worker.engine.model_runner import ModelRunner, ScheduledSeq
+from tests.support.host_reads import host_reads
 from tests.unit.engine.conftest import hf_greedy
 
 GREEDY = SamplingConfig(max_tokens=1, temperature=0.0)
@@ -169,9 +170,12 @@ def _packed_order(seqs: list[ScheduledSeq], packed_positions: list[int]) -> list
     return order
 
 
-def test_batched_runner_matches_transformers_greedy(tiny_bpe: Path) -> None:
+def test_batched_runner_matches_transformers_greedy(tiny_bpe: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Three prompts decoded together on the batched path, the first prefilled in two chunks
-    (the second attends to the first through the pool), scattered block tables."""
+    (the second attends to the first through the pool), scattered block tables. The mixed step
+    (a chunk and two decodes) reads back only the drawn ids and copies no host list to the
+    device outside the step's one packed copy (issue 31 item 4: on CUDA, the path of every
+    prefill and mixed step)."""
     model = load_model(str(tiny_bpe), torch.device("cpu"), torch.float32)
     layout = kv_layout_of(model.config, 4, torch.float32)
     runner = ModelRunner(model, layout, 64, torch.device("cpu"), torch.float32, AttentionBackend.BATCHED)
@@ -188,13 +192,15 @@ def test_batched_runner_matches_transformers_greedy(tiny_bpe: Path) -> None:
     )
     outs[1].extend(first[0])
     outs[2].extend(first[1])
-    mixed = runner.execute(
-        [
-            ScheduledSeq(prompts[0][6:], 6, tables[0], True, GREEDY, None),
-            ScheduledSeq([outs[1][-1]], len(prompts[1]), tables[1], True, GREEDY, None),
-            ScheduledSeq([outs[2][-1]], len(prompts[2]), tables[2], True, GREEDY, None),
-        ]
-    )
+    with host_reads(monkeypatch) as reads:
+        mixed = runner.execute(
+            [
+                ScheduledSeq(prompts[0][6:], 6, tables[0], True, GREEDY, None),
+                ScheduledSeq([outs[1][-1]], len(prompts[1]), tables[1], True, GREEDY, None),
+                ScheduledSeq([outs[2][-1]], len(prompts[2]), tables[2], True, GREEDY, None),
+            ]
+        )
+    assert reads == [3]
     for i, t in enumerate(mixed):
         outs[i].extend(t)
     while min(len(o) for o in outs) < steps:

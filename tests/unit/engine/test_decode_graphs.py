@@ -6,7 +6,6 @@ static step runs eagerly; on CUDA it is captured and replayed as a CUDA graph (g
 from __future__ import annotations
 
 import random
-import sys
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -22,6 +21,7 @@ from services.worker.engine.decode_graphs import DecodeSeq, bucket
 from services.worker.engine.model_loading import kv_layout_of, load_model
 from services.worker.engine.model_runner import ModelRunner, ScheduledSeq
 from services.worker.engine.options import BackendOptions
+from tests.support.host_reads import host_reads
 from tests.support.tiny_models import build_tiny_draft
 from tests.unit.engine.conftest import EngineFactory, greedy_tokens
 
@@ -469,37 +469,8 @@ def test_a_decode_step_reads_back_only_the_sampled_ids(
     _, static = _runners(tiny_bpe, torch.device("cpu"), fused=fused)
     seqs = _no_sync_decode_seqs(torch.device("cpu"))
     want = static.execute(seqs)  # the bucket exists; the guarded step reuses it
-    reads: list[int] = []
-    real_tolist, real_tensor = torch.Tensor.tolist, torch.tensor
-
-    def tolist(t: torch.Tensor) -> Any:
-        reads.append(t.numel())
-        return real_tolist(t)
-
-    def forbidden(real: Any) -> Any:
-        # ours only: torch's own reads (FlexAttention's CPU reference, compiled away on CUDA)
-        # depend on what earlier tests left in dynamo's caches
-        def guarded(t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            caller = sys._getframe(1).f_globals.get("__name__", "")
-            assert not caller.startswith("services."), f"{caller} read a tensor's value on the host"
-            return real(t, *args, **kwargs)
-
-        return guarded
-
-    def tensor(*args: Any, **kwargs: Any) -> torch.Tensor:
-        # ours only: the CPU reference of FlexAttention (compiled away on CUDA) builds some
-        caller = sys._getframe(1).f_globals.get("__name__", "")
-        assert kwargs.get("device") is None or not caller.startswith("services."), (
-            f"{caller} built a tensor from a host list on the device"
-        )
-        return real_tensor(*args, **kwargs)
-
-    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
-    monkeypatch.setattr(torch.Tensor, "item", forbidden(torch.Tensor.item))
-    monkeypatch.setattr(torch.Tensor, "__bool__", forbidden(torch.Tensor.__bool__))
-    monkeypatch.setattr(torch.Tensor, "nonzero", forbidden(torch.Tensor.nonzero))
-    monkeypatch.setattr(torch, "tensor", tensor)
-    assert static.execute(seqs) == want  # seeded draws repeat
+    with host_reads(monkeypatch) as reads:
+        assert static.execute(seqs) == want  # seeded draws repeat
     assert reads == [len(seqs)]
 
 
