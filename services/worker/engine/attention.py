@@ -157,7 +157,8 @@ def paged_attention_forward(
     layer_kv[0].index_copy_(1, meta.slots, key[0])
     layer_kv[1].index_copy_(1, meta.slots, value[0])
     if meta.groups is not None:
-        return batched_attention(query, layer_kv, meta.block_size, meta.groups, scaling, softcap), None
+        out = batched_attention(query, layer_kv, meta.block_size, meta.groups, scaling, softcap, key, value)
+        return out, None
     return _per_seq(query, key, value, layer_kv, meta, scaling, softcap), None
 
 

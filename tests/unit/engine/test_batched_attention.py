@@ -86,10 +86,12 @@ def _scenarios(bs: int) -> dict[str, list[ScheduledSeq]]:
             _seq(0, 33, consecutive(33)),
             _seq(7, 35, scattered(42)),
         ],
+        # one request's first chunk: BATCHED attends to the step's own K/V (causal, no gather)
+        "fresh_prompt": [_seq(0, 37, scattered(37))],
     }
 
 
-ALL_SCENARIOS = ["decode_mixed_lengths", "verify_and_chunks", "short_only", "long_only"]
+ALL_SCENARIOS = ["decode_mixed_lengths", "verify_and_chunks", "short_only", "long_only", "fresh_prompt"]
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
@@ -130,6 +132,10 @@ def _compare_backends(
         runner = _runner(backend, block_size, num_blocks, device, dtype)
         runner.kv_cache.copy_(pool)
         _, positions, meta, _ = runner._build_metadata(seqs)
+        if backend is AttentionBackend.BATCHED:
+            assert meta.groups is not None
+            fresh = [g.fresh for g in meta.groups]
+            assert fresh == [True] if scenario == "fresh_prompt" else not any(fresh)
         # both backends pack the sequences in their own order: feed each the same per-token
         # q/k/v by position of the token in the caller's sequence list
         order = torch.tensor(_packed_order(seqs, positions[0].tolist()), device=device)
