@@ -65,21 +65,21 @@ if [[ $what == serving ]]; then
     --out "$RES/serving-llama-8b-$TAG.json" || rc=1
 fi
 if [[ $what == window ]]; then
-  # One short lease: the parts named in WINDOW_PARTS, in that order (default: the CUDA tests on
-  # 4 processes, bench-stack at 2,048 tokens over both transports, the unified stack served one
-  # request at a time and 64 at once; `engine` is bench-engine on the 8B shape against HF's
-  # padded batch with the steps vs floor, `probe` the attention block-size sweep and the step
-  # profile at 1/8/64 sequences). Each part has its own limit (T_<PART> seconds; SIGINT, so
+  # One short lease: the parts named in WINDOW_PARTS, in that order (default: bench-stack at
+  # 2,048 tokens over both transports (issue 27's last figures), the CUDA tests on 4 processes,
+  # the attention block-size sweep and the step profile at 1/8/64 sequences (`probe`), and the
+  # unified stack served one request at a time and 64 at once; `engine` is bench-engine on the
+  # 8B shape against HF's padded batch with the steps vs floor, as served with async scheduling). Each part has its own limit (T_<PART> seconds; SIGINT, so
   # pytest and the benchmarks still write what they have), so a slow one never takes the later
   # ones' time. NIXL comes from .gpu/nixl.tar.xz (scripts/nixl_bundle.sh) unpacked on PYTHONPATH.
-  for part in ${WINDOW_PARTS:-tests stack serving}; do
+  for part in ${WINDOW_PARTS:-stack tests probe serving}; do
     echo "== window part: $part ($(date +%T))"
     case $part in
       tests)
         timeout -s INT "${T_TESTS:-120}" $PY -m pytest -v -ra --tb=short --durations=15 \
           -p no:cacheprovider -n 4 --timeout 100 -m gpu tests || rc=1 ;;
       stack)
-        timeout -s INT "${T_STACK:-170}" $PY -m benchmarks.bench_stack --device cuda --dtype bfloat16 \
+        timeout -s INT "${T_STACK:-240}" $PY -m benchmarks.bench_stack --device cuda --dtype bfloat16 \
           --model random:llama-8b --lengths 2048 --reps 2 --ready-timeout-s 150 \
           --out "$RES/stack-cuda-llama-8b-$TAG.json" || rc=1 ;;
       serving)
