@@ -7,16 +7,19 @@ detokenization cost what they cost with a real model. On a GPU the host work of 
 overlaps the device's step N (async scheduling), so this host time must stay well under the
 GPU's step; it is device-independent Python and is measured here on the CPU.
 
-Phases of one step on the rank's step thread (engine/rank.py, engine/step.py), in ms:
+Phases of one step on the rank's step thread (engine/rank.py, engine/step.py), in ms of the
+step thread's CPU time (time waiting for the GIL or for a core is not counted: other processes
+on a shared machine disturb it far less than wall-clock time):
   schedule  scheduler.schedule + plan_batch (the requests' snapshots)
   inputs    step_inputs.build (packed ids, positions, slots, attention metadata)
   forward   the model's forward pass (includes the LM head over the vocabulary)
-  sample    sampling of the step's logits
+  sample    sampling of the step's logits (here mostly the argmax over the vocabulary: device
+            work on a GPU)
   update    scheduler.update (tokens appended, detokenization, stop rules)
   outputs   rank.apply (request outputs) and handing them to the event loop
   other     the rest of the step (locks, speculation hooks, bookkeeping)
-  step      the whole step, wall clock; `step_cpu`: the step thread's CPU time
-  host      step - forward: the host time per step this benchmark is about
+  step      the whole step; `step_wall`: its wall-clock time
+  host      step - forward - sample: the host time per step this benchmark is about
 Each figure is the median over the decode steps that run all N requests, then the median over
 `--repeats` runs. `loop_cpu_ms` is the process CPU time per step not spent on the step thread:
 the event loop consuming the outputs (here a plain `async for`; in a worker, gRPC streaming).
@@ -69,8 +72,8 @@ class PhaseClock:
             try:
                 return fn(*args, **kwargs)
             finally:
-                rec["step"] = time.perf_counter_ns() - t0
-                rec["step_cpu"] = time.thread_time_ns() - c0
+                rec["step"] = time.thread_time_ns() - c0
+                rec["step_wall"] = time.perf_counter_ns() - t0
                 self._current = None
                 if "seqs" in rec:  # it ran a batch (not an idle wait)
                     self.steps.append(rec)
@@ -82,11 +85,11 @@ class PhaseClock:
             rec = self._current
             if rec is None or threading.get_ident() != self._thread:
                 return fn(*args, **kwargs)
-            t0 = time.perf_counter_ns()
+            t0 = time.thread_time_ns()
             try:
                 out = fn(*args, **kwargs)
             finally:
-                rec[name] += time.perf_counter_ns() - t0
+                rec[name] += time.thread_time_ns() - t0
             if name == "schedule" and fn.__name__ == "schedule" and out.scheduled:
                 rec["seqs"] = len(out.scheduled)
                 rec["decode"] = all(s.num_new_tokens == 1 for s in out.scheduled)
@@ -154,10 +157,10 @@ def measure(
         raise RuntimeError("no decode step ran every request")
     for s in steps:
         s["other"] = s["step"] - sum(s[p] for p in PHASES)
-        s["host"] = s["step"] - s["forward"]
-    keys = (*PHASES, "other", "step", "step_cpu", "host")
+        s["host"] = s["step"] - s["forward"] - s["sample"]
+    keys = (*PHASES, "other", "step", "step_wall", "host")
     out = {k: statistics.median(s[k] for s in steps) / 1e6 for k in keys}
-    rank_cpu = sum(s["step_cpu"] for s in clock.steps)
+    rank_cpu = sum(s["step"] for s in clock.steps)
     out["loop_cpu_ms"] = (process_ns - rank_cpu) / len(clock.steps) / 1e6
     out["decode_steps"] = len(steps)
     return out
@@ -218,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"n={n:3d} host {row['host_ms']:.3f} ms/step ({row['host_us_per_seq']} us/seq) | "
             + " ".join(f"{k} {row[f'{k}_ms']:.3f}" for k in (*PHASES, "other"))
-            + f" | step {row['step_ms']:.3f} cpu {row['step_cpu_ms']:.3f} loop_cpu {row['loop_cpu_ms']:.3f}"
+            + f" | step {row['step_ms']:.3f} wall {row['step_wall_ms']:.3f} loop_cpu {row['loop_cpu_ms']:.3f}"
         )
     doc = {
         "command": "python -m benchmarks.host_overhead " + " ".join(sys.argv[1:] if argv is None else argv),
