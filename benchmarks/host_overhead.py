@@ -10,7 +10,8 @@ GPU's step; it is device-independent Python and is measured here on the CPU.
 Phases of one step on the rank's step thread (engine/rank.py, engine/step.py), in ms of the
 step thread's CPU time (time waiting for the GIL or for a core is not counted: other processes
 on a shared machine disturb it far less than wall-clock time):
-  schedule  scheduler.schedule + plan_batch (the requests' snapshots)
+  schedule  scheduler.schedule + plan_batch (the requests' snapshots); with async scheduling
+            (--async-scheduling) the next decode step's plan and snapshots
   inputs    step_inputs.build (packed ids, positions, slots, attention metadata)
   forward   the model's forward pass (includes the LM head over the vocabulary)
   sample    sampling of the step's logits (here mostly the argmax over the vocabulary: device
@@ -90,9 +91,13 @@ class PhaseClock:
                 out = fn(*args, **kwargs)
             finally:
                 rec[name] += time.thread_time_ns() - t0
-            if name == "schedule" and fn.__name__ == "schedule" and out.scheduled:
-                rec["seqs"] = len(out.scheduled)
-                rec["decode"] = all(s.num_new_tokens == 1 for s in out.scheduled)
+            # the step's plan: the scheduler's, or async scheduling's next decode step
+            plan = out if fn.__name__ == "schedule" else None
+            if fn.__name__ == "_next_plan" and out is not None:
+                plan = out[0]
+            if plan is not None and plan.scheduled:
+                rec["seqs"] = len(plan.scheduled)
+                rec["decode"] = all(s.num_new_tokens == 1 for s in plan.scheduled)
             return out
 
         return wrapped
@@ -108,6 +113,7 @@ def instrumented(clock: PhaseClock) -> Iterator[None]:
         (rank.Rank, "_step", clock.step(rank.Rank._step)),
         (scheduler.Scheduler, "schedule", clock.phase("schedule", scheduler.Scheduler.schedule)),
         (rank, "plan_batch", clock.phase("schedule", rank.plan_batch)),
+        (async_steps.AsyncSteps, "_next_plan", clock.phase("schedule", async_steps.AsyncSteps._next_plan)),
         (runner_cls, "_build_metadata", clock.phase("inputs", runner_cls._build_metadata)),
         (runner_cls, "_forward", clock.phase("forward", runner_cls._forward)),
         (model_runner, "sample_step", clock.phase("sample", model_runner.sample_step)),
