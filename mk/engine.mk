@@ -17,3 +17,13 @@ BENCH_TARGETS += bench-sampling
 .PHONY: bench-sampling
 bench-sampling: install
 	$(PY) -m benchmarks.bench_sampling $(SAMPLING_BENCH_ARGS)
+
+# Host time per decode step by phase (issue 31) at 1/8/64 requests, on random:tiny (negligible
+# compute, the real vocabulary).
+#   make bench-host-overhead             (CPU, one thread; ~1 minute)
+HOST_OVERHEAD_BENCH_ARGS ?=
+BENCH_TARGETS += bench-host-overhead
+
+.PHONY: bench-host-overhead
+bench-host-overhead: install
+	$(PY) -m benchmarks.host_overhead $(HOST_OVERHEAD_BENCH_ARGS)

@@ -65,6 +65,21 @@ RANDOM_SHAPES: dict[str, dict[str, Any]] = {
         "rope_theta": 1000000.0,
         "tie_word_embeddings": False,
     },
+    # not a real model: compute is negligible (~6.4M parameters, nearly all of them the 49,152-id
+    # embedding and LM head), so a step costs what the host work around the forward pass costs
+    # (scheduling, sampling over the real vocabulary, detokenization, streaming). For
+    # host-overhead measurements (benchmarks/host_overhead.py) and smoke runs.
+    "tiny": {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "max_position_embeddings": 8192,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+    },
     # SmolLM2-135M's own shape
     "smollm2": {
         "model_type": "llama",

@@ -77,6 +77,7 @@ class SeqAttention:
     q_len: int  # new tokens this step
     ctx_len: int  # tokens attended to = cached before the step + q_len
     fresh: bool  # nothing cached before: attend causally over the step's own K/V
+    # where its cached K/V is; both None for a single-token sequence that decode_spans serve
     kv_start: int | None  # first slot when its blocks are consecutive (zero-copy view)
     blocks: torch.Tensor | None  # its block ids when they are not consecutive (gathered)
     # [q_len, ctx_len - first_key] bool for a later chunk of q_len > 1 or a fresh prefill longer

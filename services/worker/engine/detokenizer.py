@@ -4,11 +4,17 @@ IncrementalDetokenizer turns token ids into stable text pieces (text is held bac
 U+FFFD, i.e. a multi-token character is incomplete, as with byte-fallback tokenizers). OutputText
 accumulates those pieces, finds stop strings (text from the stop string on is cut unless
 include_stop_in_output) and holds back the tail that could still become a stop string.
+
+Decoding goes straight to a fast tokenizer's Rust backend (`backend_decoder`): transformers'
+`decode` wrapper around it costs several times the decode itself, twice per generated token.
+The text is the wrapper's, exactly: the same backend call, then the wrapper's clean-up of
+tokenization spaces where the tokenizer would apply it.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 # tokens of context decoded before the first new token, so a leading space/merge is right
@@ -31,6 +37,40 @@ def hidden_token_ids(tokenizer: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
+def backend_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
+    """`ids -> tokenizer.decode(ids, skip_special_tokens=False)`, calling a fast tokenizer's
+    backend directly when the tokenizer decodes exactly as transformers' TokenizersBackend does
+    (its `decode` and `_decode` not overridden); `tokenizer.decode` itself otherwise (slow
+    tokenizers, custom classes)."""
+
+    def wrapper(ids: list[int]) -> str:
+        return str(tokenizer.decode(ids, skip_special_tokens=False))
+
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers layout: its wrapper it is
+        return wrapper
+    cls = type(tokenizer)
+    if (
+        not isinstance(tokenizer, TokenizersBackend)
+        or cls.decode is not PreTrainedTokenizerBase.decode
+        or cls._decode is not TokenizersBackend._decode
+    ):
+        return wrapper
+    backend_decode = tokenizer.backend_tokenizer.decode
+    # TokenizersBackend._decode's rule: clean up when the tokenizer says so, except for a BPE
+    # model (destructive there) unless forced
+    force = "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"
+    clean = bool(tokenizer.clean_up_tokenization_spaces) and not (
+        type(tokenizer.backend_tokenizer.model).__name__ == "BPE" and not getattr(tokenizer, force, False)
+    )
+    if clean:
+        clean_up = tokenizer.clean_up_tokenization
+        return lambda ids: str(clean_up(backend_decode(ids, skip_special_tokens=False)))
+    return lambda ids: str(backend_decode(ids, skip_special_tokens=False))
+
+
 class IncrementalDetokenizer:
     def __init__(
         self,
@@ -42,7 +82,7 @@ class IncrementalDetokenizer:
         """`unshown_tail`: the last prompt tokens are output whose text was never shown (a
         migrated request resumed after an incomplete character): their text comes out with the
         first new token's."""
-        self._tokenizer = tokenizer
+        self._decode = backend_decoder(tokenizer)
         self._hidden_ids = hidden_ids
         tail = max(0, min(unshown_tail, len(prompt_token_ids)))
         window = prompt_token_ids[-(_PREFIX_WINDOW + tail) :] if prompt_token_ids else ()
@@ -51,9 +91,6 @@ class IncrementalDetokenizer:
         self._ids: list[int] = context + unshown
         self._prefix_offset = 0  # ids[prefix_offset:read_offset] is already-emitted context
         self._read_offset = len(context)
-
-    def _decode(self, ids: list[int]) -> str:
-        return str(self._tokenizer.decode(ids, skip_special_tokens=False))
 
     def append(self, token_id: int) -> str:
         """Feed one token; returns the text that became stable ("" while a char is partial)."""

@@ -58,20 +58,21 @@ def snapshot(s: ScheduledRequest, eos_token_ids: frozenset[int]) -> ScheduledSeq
     reads a Request field."""
     r = s.request
     start = r.num_computed_tokens
+    samples = s.samples  # a property: once per snapshot
     drafts = r.spec_token_ids[: s.num_draft_tokens]
-    num_logits = 1 + len(drafts) if s.samples else 0
+    num_logits = 1 + len(drafts) if samples else 0
     prompt_offset, prompt_targets = r.prompt_targets(start, s.num_new_tokens)
     return ScheduledSeq(
         token_ids=r.token_ids[start : start + s.num_new_tokens] + drafts,
         start_pos=start,
         block_ids=list(r.block_ids),
-        sample=s.samples,
+        sample=samples,
         sampling=r.sampling,
         generator=r.generator,
         num_logits=max(1, num_logits),
         draw_seeds=tuple(r.draw_seed(j) for j in range(num_logits)),
-        history=r.token_history(eos_token_ids) if s.samples else None,
-        allowed=r.grammar.masks(drafts) if r.grammar is not None and s.samples else None,
+        history=r.token_history(eos_token_ids) if samples else None,
+        allowed=r.grammar.masks(drafts) if r.grammar is not None and samples else None,
         prompt_targets=prompt_targets,
         prompt_offset=prompt_offset,
     )

@@ -7,7 +7,9 @@ reaches past."""
 
 from __future__ import annotations
 
+import array
 import dataclasses
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -41,42 +43,58 @@ def build(
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].token_ids) != 1)
     decode_idx: list[int] = []
     decode_tables: list[list[int]] = []  # block ids of each single-token sequence
+    # the CPU decode kernel reads the single-token sequences' KV through `spans` (below): their
+    # SeqAttention then has neither kv_start nor blocks (nothing else reads them)
+    kernel = runner.cpu_attention_kernel
     for i in order:
         s = seqs[i]
         q_start = len(input_ids)
         n = len(s.token_ids)
-        ctx = s.start_pos + n
-        input_ids.extend(s.token_ids)
-        pos = range(s.start_pos, ctx)
-        positions.extend(pos)
-        blocks = s.block_ids[: -(-ctx // bs)]
-        slots.extend(blocks[p // bs] * bs + p % bs for p in pos)
-        fresh = s.start_pos == 0
-        kv_start: int | None = None
-        block_tensor: torch.Tensor | None = None
-        if n == 1:
+        start = s.start_pos
+        if n == 1:  # a decode token: the same as the general case below, without its loops
+            input_ids.append(s.token_ids[0])
+            positions.append(start)
+            blocks = s.block_ids[: start // bs + 1]
+            slots.append(blocks[-1] * bs + start % bs)
             decode_idx.append(q_start)
             decode_tables.append(blocks)
-        if not fresh or n == 1:
+            if kernel:
+                attn.append(attention.SeqAttention(q_start, 1, start + 1, False, None, None, None, 0))
+                continue
+        else:
+            ctx = start + n
+            input_ids.extend(s.token_ids)
+            pos = range(start, ctx)
+            positions.extend(pos)
+            blocks = s.block_ids[: -(-ctx // bs)]
+            slots.extend(blocks[p // bs] * bs + p % bs for p in pos)
+        kv_start: int | None = None
+        block_tensor: torch.Tensor | None = None
+        if start != 0 or n == 1:
             if blocks[-1] - blocks[0] == len(blocks) - 1 and _consecutive(blocks):
                 kv_start = blocks[0] * bs
             else:
                 block_tensor = torch.tensor(blocks, device=dev)
-        attn.append(_seq_attention(q_start, n, s.start_pos, kv_start, block_tensor, None, dev))
+        attn.append(_seq_attention(q_start, n, start, kv_start, block_tensor, None, dev))
     # logits rows in the caller's order of the sampling sequences
     first_pos = {i: a.q_start + a.q_len - 1 for i, a in zip(order, attn, strict=True)}
     logits_idx = [first_pos[i] for i, s in enumerate(seqs) if s.sample or s.prompt_targets]
-    spans = None
-    if runner.cpu_attention_kernel and decode_idx:
-        # the decode sequences' block tables (padded with 0) and context lengths
+    parts = [input_ids, positions, slots, logits_idx, decode_idx]
+    width = 0
+    if kernel and decode_idx:
+        # the decode sequences' block tables (padded with 0) and context lengths, packed with
+        # the index lists (the kernel runs only on CPU, where the pack is a host tensor)
         width = max(len(t) for t in decode_tables)
-        spans = (
-            torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.int64),
-            torch.tensor([a.ctx_len for a in attn[: len(decode_idx)]], dtype=torch.int64),
-        )
-    ids_t, pos_t, slots_t, logits_t, decode_t = _index_tensors(
-        runner, (input_ids, positions, slots, logits_idx, decode_idx)
-    )
+        tables: list[int] = []
+        pad = [0] * width
+        for t in decode_tables:
+            tables += t
+            tables += pad[len(t) :]
+        parts += [tables, [a.ctx_len for a in attn[: len(decode_idx)]]]
+    ids_t, pos_t, slots_t, logits_t, decode_t, *span_parts = _index_tensors(runner, parts)
+    spans = None
+    if span_parts:
+        spans = (span_parts[0].view(len(decode_tables), width), span_parts[1])
     meta = attention.PagedAttentionMetadata(
         kv_cache=runner.kv_cache,
         block_size=bs,
@@ -158,12 +176,24 @@ def _build_batched(
     return ids_t[None], pos_t[None], meta, logits_t
 
 
-def _index_tensors(runner: ModelRunner, parts: tuple[list[int], ...]) -> list[torch.Tensor]:
+def _index_tensors(runner: ModelRunner, parts: Sequence[list[int]]) -> list[torch.Tensor]:
     """The step's index lists as long tensors on the runner's device. On CUDA they are written
     into the runner's pinned staging buffer (pinned.py) and arrive in one non-blocking copy, as
-    views of one device tensor; on CPU each is a tensor of its own (no copy at all)."""
+    views of one device tensor; on CPU they are views of one host tensor too (no copy at all),
+    each starting 16-byte aligned as on CUDA. The host tensor is built through an int64 array:
+    torch.tensor converts a list of Python ints several times slower."""
     if runner.device.type != "cuda":
-        return [torch.tensor(p, dtype=torch.long) for p in parts]
+        packed = array.array("q")
+        starts = []
+        for p in parts:
+            starts.append(len(packed))
+            packed.extend(p)
+            if len(packed) % 2:
+                packed.append(0)
+        if not packed:
+            packed.append(0)  # frombuffer refuses an empty buffer
+        host = torch.frombuffer(packed, dtype=torch.long)  # keeps `packed` alive
+        return [host[at : at + len(p)] for p, at in zip(parts, starts, strict=True)]
     return runner.input_staging.pack(parts)
 
 

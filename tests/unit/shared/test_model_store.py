@@ -25,20 +25,21 @@ def cache(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def test_a_random_shape_resolves_to_its_config_and_the_bundled_tokenizer(cache: Path) -> None:
+@pytest.mark.parametrize("name", ["smollm2", "tiny"])
+def test_a_random_shape_resolves_to_its_config_and_the_bundled_tokenizer(cache: Path, name: str) -> None:
     from transformers import AutoConfig, AutoTokenizer
 
-    path = model_store.resolve_model("random:smollm2", cache)
-    assert path == cache / "random-smollm2" and model_store.is_random(path)
+    path = model_store.resolve_model(f"random:{name}", cache)
+    assert path == cache / f"random-{name}" and model_store.is_random(path)
     assert not list(path.glob("*.safetensors"))  # no weights on disk
     config = AutoConfig.from_pretrained(str(path))
-    shape = model_store.RANDOM_SHAPES["smollm2"]
+    shape = model_store.RANDOM_SHAPES[name]
     assert config.model_type == shape["model_type"]
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"):
         assert getattr(config, key) == shape[key]
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     assert config.vocab_size == len(tokenizer)
-    assert model_store.resolve_model("random:smollm2", cache) == path  # made once
+    assert model_store.resolve_model(f"random:{name}", cache) == path  # made once
     assert not model_store.is_random(cache / model_store.DEFAULT_MODEL)
 
 
