@@ -1,11 +1,10 @@
 """Delivery of RequestOutputs from a rank's step thread to the caller's asyncio loop.
 
 A consumer that lags (its loop busy streaming other requests: one gRPC frame per output costs
-the worker ~100 µs of GIL time, so 64 streams at an 8 ms GPU step leave little room) gets the
-token outputs queued meanwhile as one (`merge`): fewer frames exactly when frames are the
+the worker ~100 µs of GIL time, so 64 streams at an 8 ms GPU step leave no room for more) gets
+the outputs queued meanwhile as one (`merge`): fewer frames exactly when frames are the
 bottleneck, the same tokens, text and logprobs in the same order, and no added latency when it
-keeps up (an output is never held back waiting for the next). A prefill's progress outputs
-are never merged: each names a finished chunk."""
+keeps up (an output is never held back waiting for the next)."""
 
 from __future__ import annotations
 
@@ -34,9 +33,7 @@ class OutputHandle:
     async def _iterate(self) -> AsyncIterator[RequestOutput]:
         while True:
             out = await self._queue.get()
-            # only token outputs take in what follows: a prefill's progress outputs (no tokens)
-            # each name a finished chunk, whose K/V the worker pushes at once
-            while out.new_token_ids and not out.finished and not self._queue.empty():
+            while not out.finished and not self._queue.empty():
                 out = merge(out, self._queue.get_nowait())
             yield out
             if out.finished:
@@ -48,13 +45,15 @@ class OutputHandle:
 
 def merge(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
     """Two consecutive outputs of one request as one: the new tokens, text and logprobs of both,
-    in order; the running figures and the end state (finished, reason, drafts) of the later."""
+    in order; the running figures and the end state (finished, reason, drafts) of the later.
+    A prefill's progress is cumulative (`num_computed_tokens`: the furthest seen)."""
     return dataclasses.replace(
         later,
         new_token_ids=earlier.new_token_ids + later.new_token_ids,
         text_delta=earlier.text_delta + later.text_delta,
         new_logprobs=earlier.new_logprobs + later.new_logprobs,
         prompt_logprobs=earlier.prompt_logprobs + later.prompt_logprobs,
+        num_computed_tokens=max(earlier.num_computed_tokens, later.num_computed_tokens),
     )
 
 

@@ -56,15 +56,17 @@ async def test_outputs_queued_while_the_consumer_was_busy_come_out_as_one() -> N
     assert [o async for o in it] == []  # the terminal output ended the stream
 
 
-async def test_a_prefill_s_progress_outputs_stay_one_per_chunk() -> None:
-    """Progress outputs (no tokens: a prompt chunk is done) are never merged, each names a chunk
-    whose K/V the worker pushes at once; nothing comes after the terminal output."""
+async def test_a_prefill_s_progress_merges_to_the_furthest_and_stops_at_the_terminal_output() -> None:
     handle = OutputHandle("r", asyncio.get_running_loop())
-    progress = [replace(BASE, num_computed_tokens=n, num_prefill_chunks=c) for c, n in ((1, 16), (2, 32))]
+    progress = [
+        replace(BASE, num_computed_tokens=n, num_prefill_chunks=i + 1) for i, n in enumerate((16, 32))
+    ]
     final = replace(_token(7, "x"), finished=True, num_computed_tokens=40, num_prefill_chunks=3)
+    late = _token(8, "never")
     deliver_batch([(handle, progress[0]), (handle, progress[1])])
-    deliver_batch([(handle, final), (handle, _token(8, "never"))])
+    deliver_batch([(handle, final), (handle, late)])
     await asyncio.sleep(0)
     got = [o async for o in handle]
-    assert [o.num_computed_tokens for o in got] == [16, 32, 40]
-    assert got[-1].new_token_ids == (7,) and got[-1].finished
+    assert len(got) == 1
+    assert got[0].num_computed_tokens == 40 and got[0].num_prefill_chunks == 3
+    assert got[0].new_token_ids == (7,) and got[0].finished  # nothing after the terminal output
