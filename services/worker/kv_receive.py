@@ -55,8 +55,9 @@ class KvReceiver:
         """Import one request's KV chunks (or, over NIXL, READ the blocks each chunk names, one
         READ at a time, in order); the last one starts decoding.
 
-        A transfer that breaks after the engine accepted KV aborts the request (its Decode stream
-        ends with ABORT and its blocks are freed); it could never complete otherwise. A failed
+        A transfer that breaks after the engine accepted KV and before the last chunk aborts the
+        request (its Decode stream ends with ABORT and its blocks are freed); it could never
+        complete otherwise. One that breaks after the last chunk leaves the request decoding. A failed
         NIXL READ follows --kv-load-failure-policy: recompute here (the later parts are not
         READ), or abort (retry-prefill)."""
         ours = self.engine.kv_layout
@@ -128,7 +129,10 @@ class KvReceiver:
             if not done:
                 raise errors.InvalidArgument("PushKv stream ended without a KvChunk marked last")
         except BaseException:
-            if started and request_id is not None:
+            # a stream that breaks after its last chunk (the sender died waiting for our reply)
+            # leaves a request the engine already has whole: it decodes on (or recomputes, by
+            # the policy, after a failed READ); only a handoff cut short is aborted
+            if started and not done and request_id is not None:
                 self.engine.abort(request_id)
             raise
         metrics.KV_TRANSFER_BYTES.labels(direction="received").inc(bytes_received)

@@ -312,3 +312,29 @@ async def test_nixl_parts_are_read_in_order_and_a_failed_one_recomputes(fail_at:
     with pytest.raises(errors.InvalidArgument, match="nixl_source all or none"):
         await receiver.receive(stream(nixl_part(0, 1), chunk(1, last=True)))
     assert ("abort", "r") in engine.calls
+
+
+@pytest.mark.parametrize("fail_at", [(), (0,)], ids=["read", "failed-read"])
+async def test_a_stream_that_breaks_after_its_last_chunk_leaves_the_request_decoding(
+    fail_at: tuple[int, ...],
+) -> None:
+    """The sender dies after its last chunk (a prefill worker killed while waiting for PushKv's
+    reply): the engine already has the whole handoff (the KV, or, after a failed READ, the
+    order to recompute), so the request decodes on; only a stream cut before its last chunk
+    aborts it. Seen in CI as a decode stream that recomputed, sent its first token, then ABORT."""
+
+    async def broken_after(*chunks: IncomingKvChunk) -> AsyncIterator[IncomingKvChunk]:
+        for c in chunks:
+            yield c
+        raise ConnectionResetError("the sender died")
+
+    engine = FakeEngine()
+    receiver = KvReceiver(engine, FakeNixl(fail_at), KvLoadFailurePolicy.RECOMPUTE)  # type: ignore[arg-type]
+    with pytest.raises(ConnectionResetError):
+        await receiver.receive(broken_after(nixl_part(0, 2), nixl_part(2, 1, last=True)))
+    assert engine.calls[-1][:2] == ("finish", "t") and ("abort", "r") not in engine.calls
+    engine = FakeEngine()
+    receiver = KvReceiver(engine, FakeNixl(), KvLoadFailurePolicy.RECOMPUTE)  # type: ignore[arg-type]
+    with pytest.raises(ConnectionResetError):
+        await receiver.receive(broken_after(nixl_part(0, 2)))  # cut before the last chunk
+    assert ("abort", "r") in engine.calls and not any(c[0] == "finish" for c in engine.calls)
