@@ -21,7 +21,9 @@ class BatchedGroup:
     q_index: torch.Tensor | None  # [B * q_max] packed position of each query row (padding:
     # 0); None when the rows are the packed tokens themselves (a decode-only step)
     block_table: torch.Tensor  # [B * num_blocks_max] block ids (padding: block 0, masked)
-    mask: torch.Tensor  # [B, 1, q_max * rep, L] additive (0 / -inf), rows ordered (query, rep)
+    # [B, 1, q_max * rep, L] additive (0 / -inf), rows ordered (query, rep); None for a fresh
+    # group (below), which attends causally without one
+    mask: torch.Tensor | None
     out_rows: torch.Tensor | None  # [n] padded row (b * q_max + i) of each of its packed tokens
     out_positions: torch.Tensor | None  # [n] packed positions of its tokens (None: 0..T-1)
     num_seqs: int
@@ -29,8 +31,9 @@ class BatchedGroup:
     num_blocks_max: int
     # the step is one sequence's first chunk (position 0 on) within the layer's window: it
     # attends causally to its own new K/V, read from the step's tensors, not gathered from the
-    # pool (a 2,048-token prompt of an 8B shape: 8 MiB per layer gathered and a 32 MiB additive
-    # mask that keeps SDPA off its causal kernels, for the common one-request prefill)
+    # pool, and builds no mask (a 2,048-token prompt of an 8B shape: 8 MiB per layer gathered
+    # and a 32 MiB additive mask that keeps SDPA off its causal kernels, for the common
+    # one-request prefill)
     fresh: bool = False
 
 
@@ -40,12 +43,12 @@ def batched_attention(
     bs: int,  # block size (tokens)
     groups: list[BatchedGroup],
     scaling: float | None,
-    softcap: float | None = None,
-    key: torch.Tensor | None = None,  # [1, kv_heads, T, head_dim]: the step's K/V (fresh groups)
-    value: torch.Tensor | None = None,
+    softcap: float | None,
+    key: torch.Tensor,  # [1, kv_heads, T, head_dim]: the step's K/V (what a fresh group reads)
+    value: torch.Tensor,
 ) -> torch.Tensor:
     """Every group's padded call; -> [1, T, heads, head_dim] in packed order."""
-    if len(groups) == 1 and groups[0].fresh and key is not None and value is not None:
+    if len(groups) == 1 and groups[0].fresh:
         return attend(query, key, value, scaling, softcap, is_causal=True).transpose(1, 2)
     _, num_heads, num_tokens, head_dim = query.shape
     kv_heads = layer_kv.shape[1]
@@ -70,6 +73,7 @@ def group_attention(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """query [heads, T, D] -> [n, heads, D] for the group's packed tokens (in packed order)."""
+    assert g.mask is not None, "a fresh group attends in batched_attention, over the step's K/V"
     num_heads, _, head_dim = query.shape
     rep = num_heads // kv_heads
     b, q_max = g.num_seqs, g.q_max
@@ -139,24 +143,11 @@ def build_batched_group(
     dtype: torch.dtype,
     window: int | None = None,
 ) -> BatchedGroup:
-    """The group's call for layers with `window` (None: full attention): the additive mask,
-    built on the device from the sequences' start positions (no host list is copied here: on
-    CUDA a copy from pageable memory waits for every queued kernel)."""
+    """The group's call for layers with `window` (None: full attention): the additive mask
+    (none for a fresh group), built on the device from the sequences' start positions (no host
+    list is copied here: on CUDA a copy from pageable memory waits for every queued kernel)."""
     starts, q_index, table, rows, positions = tensors
     q_max, nb_max = lists.q_max, lists.num_blocks_max
-    device = starts.device
-    # query row i of sequence b (position start_b + i) sees keys 0..start_b + i; padding rows
-    # (i >= q_len) see a few finite keys too (never all -inf: no NaN) and are dropped
-    q_pos = starts[:, None] + torch.arange(q_max, device=device)[None, :]  # [B, q_max]
-    key_pos = torch.arange(nb_max * lists.block_size, device=device)[None, None, :]
-    visible = key_pos <= q_pos[:, :, None]
-    if window is not None:  # and within the window (a padding row still sees its own position)
-        visible &= key_pos > q_pos[:, :, None] - window
-    if q_max > 1 and q_per_kv > 1:
-        visible = visible.repeat_interleave(q_per_kv, dim=1)
-    mask = torch.zeros(visible.shape, dtype=dtype, device=device)
-    mask.masked_fill_(~visible, float("-inf"))
-    identity_rows = lists.covers_all and q_max == 1
     fresh = (
         lists.covers_all
         and lists.num_seqs == 1
@@ -164,10 +155,12 @@ def build_batched_group(
         and q_max > 1
         and (window is None or q_max <= window)
     )
+    mask = None if fresh else _mask(starts, q_max, nb_max * lists.block_size, q_per_kv, dtype, window)
+    identity_rows = lists.covers_all and q_max == 1
     return BatchedGroup(
         q_index=None if identity_rows else q_index,
         block_table=table,
-        mask=mask.unsqueeze(1),
+        mask=mask,
         out_rows=None if identity_rows else rows,
         out_positions=None if lists.covers_all else positions,
         num_seqs=lists.num_seqs,
@@ -175,3 +168,27 @@ def build_batched_group(
         num_blocks_max=nb_max,
         fresh=fresh,
     )
+
+
+def _mask(
+    starts: torch.Tensor,  # [B] each sequence's first query position
+    q_max: int,
+    keys: int,
+    q_per_kv: int,
+    dtype: torch.dtype,
+    window: int | None,
+) -> torch.Tensor:
+    """The group's additive mask [B, 1, q_max * rep, keys], built on the device."""
+    device = starts.device
+    # query row i of sequence b (position start_b + i) sees keys 0..start_b + i; padding rows
+    # (i >= q_len) see a few finite keys too (never all -inf: no NaN) and are dropped
+    q_pos = starts[:, None] + torch.arange(q_max, device=device)[None, :]  # [B, q_max]
+    key_pos = torch.arange(keys, device=device)[None, None, :]
+    visible = key_pos <= q_pos[:, :, None]
+    if window is not None:  # and within the window (a padding row still sees its own position)
+        visible &= key_pos > q_pos[:, :, None] - window
+    if q_max > 1 and q_per_kv > 1:
+        visible = visible.repeat_interleave(q_per_kv, dim=1)
+    mask = torch.zeros(visible.shape, dtype=dtype, device=device)
+    mask.masked_fill_(~visible, float("-inf"))
+    return mask.unsqueeze(1)
