@@ -348,16 +348,15 @@ class LeanLlama:
         if flex is not None:
             flex.prepare()
         windows = meta.layer_windows or (None,) * len(self.layers)
+        shape = (self.num_heads, self.num_kv_heads, self.head_dim)
         x = self.norm(h, self.layers[0].norm_in, self.eps)
-        for i, (layer, views, kv_layer, window) in enumerate(
-            zip(self.layers, self.pool_views, self.layer_pools, windows, strict=True)
+        for i, (layer, kv_layer, window) in enumerate(
+            zip(self.layers, self.layer_pools, windows, strict=True)
         ):
             assert layer.qkv is not None and layer.gate_up is not None
-            shape = (self.num_heads, self.num_kv_heads, self.head_dim)
             if flex is not None:
                 q = self.attn_in_cached(x, layer.qkv, cos, sin, *shape, kv_layer, meta.slots)
-                _, _, k_pool, v_pool = views
-                o = flex.attend(q, k_pool[0], v_pool[0], layer.scaling, window)
+                o = flex.attend(q, kv_layer[0], kv_layer[1], layer.scaling, window)
             else:
                 q, k, v = self.attn_in(x, layer.qkv, cos, sin, *shape)
                 o = _paged_attention(layer, q, k, v, meta)

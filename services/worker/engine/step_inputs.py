@@ -59,7 +59,7 @@ def build(
             decode_idx.append(q_start)
             decode_tables.append(blocks)
             if kernel:
-                attn.append(attention.SeqAttention(q_start, 1, start + 1, False, None, None, None, 0))
+                attn.append(_seq_attention(q_start, 1, start, None, None, None, dev))
                 continue
         else:
             ctx = start + n
@@ -147,10 +147,15 @@ def _build_batched(
     lists = [attention_batched.group_lists(p, bs, covers_all=len(nonempty) == 1) for p in nonempty]
     logits_idx = [last_pos[i] for i, s in enumerate(seqs) if s.sample or s.prompt_targets]
     # every index list of the step, the groups' too, in one copy (pinned staging on CUDA)
-    group_parts = (x for g in lists for x in g.parts())
-    tensors = _index_tensors(runner, (input_ids, positions, slots, logits_idx, *group_parts))
+    group_parts = [g.parts() for g in lists]
+    tensors = _index_tensors(
+        runner, [input_ids, positions, slots, logits_idx, *(x for p in group_parts for x in p)]
+    )
     ids_t, pos_t, slots_t, logits_t = tensors[:4]
-    per_group = [tensors[4 + 5 * i : 9 + 5 * i] for i in range(len(lists))]
+    per_group, at = [], 4
+    for p in group_parts:
+        per_group.append(tensors[at : at + len(p)])
+        at += len(p)
 
     def groups_for(window: int | None) -> list[attention_batched.BatchedGroup]:
         return [
