@@ -24,6 +24,7 @@ import json
 import random
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,28 @@ def _graph_ms(fn: Any, repeat: int) -> float:
     return best * 1e3 / repeat
 
 
+def _in_place(
+    layer_kv: torch.Tensor,  # [2, kv_heads, slots, D]
+    tables: list[list[int]],
+    ctx: int,
+    bs: int,
+    q: torch.Tensor,  # [b, heads, D]
+    scale: float,
+) -> Callable[[], torch.Tensor]:
+    """The engine's in-place attention over `layer_kv` as a pool of `bs`-token blocks (its last
+    block the scratch one), block tables as wide as an 8192-token sequence (the engine's width)."""
+    blocks_total = layer_kv.shape[2] // bs - 1
+    width = max(len(tables[0]), 8192 // bs)
+    flex = FlexPagedStep.new(len(tables), 1, width, bs, blocks_total + 1, blocks_total, q.device)
+    flex.fill(tables, [[ctx]] * len(tables), blocks_total)
+
+    def in_place() -> torch.Tensor:
+        flex.prepare()
+        return flex.attend(q, layer_kv[0], layer_kv[1], scale)
+
+    return in_place
+
+
 def _flex_ms(
     b: int,
     ctx: int,
@@ -74,20 +97,12 @@ def _flex_ms(
 ) -> float:
     """In-place attention of b sequences of ctx tokens over a pool of `bs`-token blocks
     (scattered, as in measure), ms per call."""
-    dev, dtype = q.device, q.dtype
-    dim = q.shape[-1]
     blocks_total = pool_tokens // bs
     per_seq = -(-ctx // bs)
-    layer_kv = torch.randn(2, kv_heads, (blocks_total + 1) * bs, dim, device=dev, dtype=dtype)
+    layer_kv = torch.randn(2, kv_heads, (blocks_total + 1) * bs, q.shape[-1], device=q.device, dtype=q.dtype)
     blocks = rng.sample(range(blocks_total), b * per_seq)
     tables = [blocks[i * per_seq : (i + 1) * per_seq] for i in range(b)]
-    flex = FlexPagedStep.new(b, 1, max(per_seq, 8192 // bs), bs, blocks_total + 1, blocks_total, dev)
-    flex.fill(tables, [[ctx]] * b, blocks_total)
-
-    def in_place() -> torch.Tensor:
-        flex.prepare()
-        return flex.attend(q, layer_kv[0], layer_kv[1], scale)
-
+    in_place = _in_place(layer_kv, tables, ctx, bs, q, scale)
     in_place()
     return _graph_ms(in_place, repeat)
 
@@ -119,13 +134,7 @@ def measure(
             blocks = rng.sample(range(pool_blocks), b * per_seq)
             tables = [blocks[i * per_seq : (i + 1) * per_seq] for i in range(b)]
             q = torch.randn(b, heads, dim, device=dev, dtype=dtype)
-            # in place: block tables as wide as a 8192-token sequence (the engine's width)
-            flex = FlexPagedStep.new(b, 1, max(per_seq, 512), bs, pool_blocks + 1, pool_blocks, dev)
-            flex.fill(tables, [[ctx]] * b, pool_blocks)
-
-            def in_place(flex: FlexPagedStep = flex, q: torch.Tensor = q) -> torch.Tensor:
-                flex.prepare()
-                return flex.attend(q, layer_kv[0], layer_kv[1], scale)
+            in_place = _in_place(layer_kv, tables, ctx, bs, q, scale)
 
             # gathered: the old static step's bucket of blocks per sequence
             nb = bucket(per_seq, 4)
