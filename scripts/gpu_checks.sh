@@ -69,9 +69,10 @@ if [[ $what == window ]]; then
   # 2,048 tokens over both transports (issue 27's last figures), the CUDA tests on 4 processes,
   # the attention block-size sweep and the step profile at 1/8/64 sequences (`probe`), and the
   # unified stack served one request at a time and 64 at once; `engine` is bench-engine on the
-  # 8B shape against HF's padded batch with the steps vs floor, as served with async scheduling). Each part has its own limit (T_<PART> seconds; SIGINT, so
-  # pytest and the benchmarks still write what they have), so a slow one never takes the later
-  # ones' time. NIXL comes from .gpu/nixl.tar.xz (scripts/nixl_bundle.sh) unpacked on PYTHONPATH.
+  # 8B shape against HF's padded batch with the steps vs floor, as served with async
+  # scheduling). Each part has its own limit (T_<PART> seconds; SIGINT, so pytest and the
+  # benchmarks still write what they have), so a slow one never takes the later ones' time.
+  # NIXL comes from .gpu/nixl.tar.xz (scripts/nixl_bundle.sh) unpacked on PYTHONPATH.
   for part in ${WINDOW_PARTS:-stack tests probe serving}; do
     echo "== window part: $part ($(date +%T))"
     case $part in
