@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from benchmarks import process_cpu
 from benchmarks.engine_floor import cpu_features, cuda_bandwidth, read_bandwidth, weight_bytes_per_step
 from benchmarks.goodput import loadgen, workloads
 from benchmarks.goodput.stats import RequestResult
@@ -100,17 +101,26 @@ async def run_config(stack: Any, a: argparse.Namespace, tokenizer: Any) -> dict[
     target = loadgen.Target(stack.http_base_url, model, ignore_eos=True, request_timeout_s=600)
     await loadgen.run_sequential(target, requests(2, 32, 8, "warm", tokenizer))
     out: dict[str, Any] = {}
-    t0 = time.perf_counter()
+    cpu0, t0 = process_cpu.snapshot(stack.pid), time.perf_counter()
     seq = await loadgen.run_sequential(
         target, requests(a.sequential, a.prompt_tokens, a.max_tokens, "one", tokenizer)
     )
     out["one_at_a_time"] = summarize(seq, time.perf_counter() - t0)
+    # CPU µs per delivered token in each service: on a host whose GPU outruns its CPUs, the
+    # largest of these (times the tokens per step) bounds the step time from below
+    cpu1 = process_cpu.snapshot(stack.pid)
+    out["one_at_a_time"]["cpu_us_per_token"] = process_cpu.per_token_us(
+        cpu0, cpu1, out["one_at_a_time"]["completion_tokens"]
+    )
     t0 = time.perf_counter()
     # every request sent at once (an arrival rate no gap can follow)
     burst = await loadgen.run_open_loop(
         target, requests(a.burst, a.prompt_tokens, a.max_tokens, "burst", tokenizer), 1e9, 0, 60.0
     )
-    out[f"{a.burst}_at_once"] = summarize(burst, time.perf_counter() - t0)
+    many = out[f"{a.burst}_at_once"] = summarize(burst, time.perf_counter() - t0)
+    many["cpu_us_per_token"] = process_cpu.per_token_us(
+        cpu1, process_cpu.snapshot(stack.pid), many["completion_tokens"]
+    )
     return out
 
 

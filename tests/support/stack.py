@@ -36,6 +36,7 @@ class Stack:
     log_dir: Path
     output: list[str]
     cluster_token: str = ""  # what internal RPCs (workers, scheduler, load-monitor) must carry
+    pid: int = 0  # of `pdserve up` (the supervisor), where this process started it; 0 otherwise
 
     @property
     def internal_metadata(self) -> tuple[tuple[str, str], ...]:
@@ -150,6 +151,7 @@ def running_stack(
         log_dir=log_dir,
         output=output,
         cluster_token=token,
+        pid=proc.pid,
     )
     try:
         deadline = time.monotonic() + ready_timeout_s + 30
