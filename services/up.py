@@ -2,10 +2,11 @@
 
 Starts load-monitor, scheduler, the workers (by default one prefill + one decode worker;
 `--prefill-workers N --decode-workers M` for more, `--unified` / `--unified-workers N` for unified
-workers instead) and the gateway as child processes, waits until every health check is SERVING and the
-scheduler sees the workers, prints the gateway's gRPC address and HTTP base URL (OpenAI-compatible,
-port-base + 40) with ready-to-paste grpcurl and curl commands, and
-stops them all (gateway first, workers, scheduler, load-monitor) on Ctrl-C or SIGTERM.
+workers instead) and the gateway (`--gateways N`: N gateway processes sharing the HTTP port) as
+child processes, waits until every health check is SERVING and the scheduler sees the workers,
+prints the gateway's gRPC address and HTTP base URL (OpenAI-compatible, port-base + 40) with
+ready-to-paste grpcurl and curl commands, and stops them all (gateways first, workers, scheduler,
+load-monitor) on Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
@@ -55,6 +56,14 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"])
     p.add_argument("--dp-size", type=int, default=1, help="data-parallel ranks per worker")
+    p.add_argument(
+        "--gateways",
+        type=int,
+        default=1,
+        help="gateway processes: they share the HTTP port (the kernel spreads connections over them); "
+        "gateway i > 0 serves gRPC on port-base+90+i. More than one when many streams in flight need "
+        "more than one CPU core of HTTP/SSE work (each gateway admits its own --max-inflight-requests)",
+    )
     p.add_argument("--block-size", type=int, default=16, help="KV block size (tokens), workers and gateway")
     p.add_argument("--tls-cert-file", default="", help="PEM certificate for every service (TLS on when set)")
     p.add_argument("--tls-key-file", default="", help="PEM key for every service")
@@ -67,7 +76,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
         type=int,
         default=50051,
         help="gateway; scheduler +1, load-monitor +2, worker i: prefill +10+i, decode +20+i, unified +30+i; "
-        "the gateway's HTTP API +40",
+        "the gateway's HTTP API +40; gateway i > 0 +90+i",
     )
     p.add_argument(
         "--api-key",
@@ -102,6 +111,10 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
         )
     a = p.parse_args(list(argv))
     a.worker_counts = up_shape.worker_counts(a)
+    if not 1 <= a.gateways <= up_shape.MAX_GATEWAYS:
+        raise SystemExit(
+            f"pdserve up: --gateways must be between 1 and {up_shape.MAX_GATEWAYS}, got {a.gateways}"
+        )
     a.cluster_token_given = bool(a.cluster_token or os.environ.get(CLUSTER_TOKEN_ENV))
     a.cluster_token = cluster_token(a.cluster_token, os.environ)
     return a
@@ -166,8 +179,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"pdserve up: not ready: {problem}; stopping", file=sys.stderr, flush=True)
         up_processes.stop_all(children)
         raise SystemExit(1)
-    gateway = children[-1].address
+    gateway = next(c.address for c in children if c.name == "gateway")
     workers = ", ".join(f"{c.name} {c.address}" for c in children if "worker" in c.name)
+    more = [c.address for c in children if c.name.startswith("gateway-")]
+    if more:  # the other gateways share the HTTP port; each has its own gRPC port
+        gateway += f" (and {', '.join(more)})"
     scheme = "https" if tls is not None else "http"
     http_base = f"{scheme}://{a.host}:{a.port_base + HTTP_OFFSET}/v1"
     print(

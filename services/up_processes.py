@@ -83,12 +83,16 @@ def _scheduler_worker_count(address: str, tls: TlsConfig | None, cluster_token: 
 
 
 def stop_all(children: Sequence[Child], grace_s: float = 30.0) -> None:
-    """Gateway first (it drains the streams), then every worker at once (each drains its own
-    requests; stopping them one by one only added their shutdown times up), then the scheduler,
-    the load-monitor last. A child still running `grace_s` after its SIGTERM is killed."""
+    """The gateways first, all at once (each drains its streams), then every worker at once (each
+    drains its own requests; stopping them one by one only added their shutdown times up), then
+    the scheduler, the load-monitor last. A child still running `grace_s` after its SIGTERM is killed."""
     stages: list[list[Child]] = []
-    for child in reversed(children):  # gateway first, load-monitor last
-        if "worker" in child.name and stages and "worker" in stages[-1][0].name:
+
+    def kind(child: Child) -> str:
+        return "worker" if "worker" in child.name else child.name.split("-")[0]
+
+    for child in reversed(children):  # gateways first, load-monitor last
+        if kind(child) in ("worker", "gateway") and stages and kind(stages[-1][0]) == kind(child):
             stages[-1].append(child)
         else:
             stages.append([child])

@@ -20,6 +20,8 @@ PORT_OFFSETS = {
 HTTP_OFFSET = 40  # the gateway's OpenAI-compatible HTTP API listens on base + HTTP_OFFSET
 METRICS_OFFSET = 50  # metrics port = base + METRICS_OFFSET + offset, when --metrics
 MAX_WORKERS_PER_KIND = 10  # worker i of a kind listens on base + offset + i (offsets 10 apart)
+GATEWAY_REPLICA_OFFSET = 90  # gateway i > 0 serves gRPC on base + 90 + i (all share the HTTP port)
+MAX_GATEWAYS = 9
 CLUSTER_TOKEN_ENV = "PDSERVE_CLUSTER_TOKEN"  # how children get the cluster token (never argv)
 WORKER_MODULES = {
     "prefill-worker": "services.prefill_worker",
@@ -80,13 +82,16 @@ def _memory_flag(a: argparse.Namespace) -> list[str]:
 
 
 def worker_name(kind: str, index: int) -> str:
-    """`decode-worker`, `decode-worker-1`, ...: the first keeps the plain name (and port)."""
+    """`decode-worker`, `decode-worker-1`, ... (`gateway`, `gateway-1`, ...): the first keeps the
+    plain name (and port)."""
     return kind if index == 0 else f"{kind}-{index}"
 
 
 def children(a: argparse.Namespace, model_path: str) -> list[Child]:
     def port(name: str) -> int:
         kind, _, index = name.rpartition("-") if name[-1].isdigit() else (name, "", "0")
+        if kind == "gateway" and index != "0":
+            return a.port_base + GATEWAY_REPLICA_OFFSET + int(index)
         return a.port_base + PORT_OFFSETS[kind] + int(index)
 
     def addr(name: str) -> str:
@@ -150,28 +155,32 @@ def children(a: argparse.Namespace, model_path: str) -> list[Child]:
                     [*common(name), *role, "--advertise-address", addr(name), *worker_common, *own],
                 )
             )
-    stack.append(
-        Child(
-            "gateway",
-            "services.gateway",
-            addr("gateway"),
-            [
-                *common("gateway"),
-                "--scheduler-address",
-                addr("scheduler"),
-                "--model",
-                model_path,
-                "--model-cache-dir",
-                a.model_cache_dir,
-                "--block-size",
-                str(a.block_size),
-                "--http-port",
-                str(a.port_base + HTTP_OFFSET),
-                *a.gateway_arg,
-            ],
-            env={"PDSERVE_API_KEYS": ",".join(a.api_key)} if a.api_key else None,
+    gateways = a.gateways
+    for index in range(gateways):
+        name = worker_name("gateway", index)
+        stack.append(
+            Child(
+                name,
+                "services.gateway",
+                addr(name),
+                [
+                    *common(name),
+                    "--scheduler-address",
+                    addr("scheduler"),
+                    "--model",
+                    model_path,
+                    "--model-cache-dir",
+                    a.model_cache_dir,
+                    "--block-size",
+                    str(a.block_size),
+                    "--http-port",
+                    str(a.port_base + HTTP_OFFSET),
+                    *(["--http-reuse-port"] if gateways > 1 else []),
+                    *a.gateway_arg,
+                ],
+                env={"PDSERVE_API_KEYS": ",".join(a.api_key)} if a.api_key else None,
+            )
         )
-    )
     for child in stack:  # in the environment, not argv: /proc/<pid>/cmdline is world-readable
         child.env = {**(child.env or {}), CLUSTER_TOKEN_ENV: a.cluster_token}
     return stack

@@ -24,10 +24,15 @@ class _EmbeddedServer(uvicorn.Server):
         yield
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def _bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """`reuse_port`: several gateway processes listen on this one port and the kernel spreads new
+    connections over them. A process holding the port without SO_REUSEPORT still makes the bind
+    fail, so "port in use" keeps working against anything that is not a sibling gateway."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as exc:
@@ -50,9 +55,10 @@ class HttpServer:
         ssl_key_file: str = "",
         ssl_ca_file: str = "",
         client_auth: bool = False,
+        reuse_port: bool = False,
     ) -> None:
         bind_host = host.strip("[]") or "0.0.0.0"
-        self._sock = _bind(bind_host, port)
+        self._sock = _bind(bind_host, port, reuse_port)
         self.port: int = self._sock.getsockname()[1]
         shown = "127.0.0.1" if bind_host in ("0.0.0.0", "::") else bind_host
         self.base_url = f"{'https' if ssl_cert_file else 'http'}://{shown}:{self.port}"

@@ -115,6 +115,7 @@ def build_app(settings: GatewaySettings) -> GatewayApp:
             ssl_key_file=settings.tls_key_file if tls else "",
             ssl_ca_file=settings.tls_ca_file if tls else "",
             client_auth=settings.tls_client_auth,
+            reuse_port=settings.http_reuse_port,
         )
     log.info("api_keys", enabled=keys.enabled, count=len(keys))  # how many, never which
     return GatewayApp(settings, server, service, channels, http_api, http)

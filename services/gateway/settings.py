@@ -19,6 +19,11 @@ class GatewaySettings(TlsSettings):
         "port of the OpenAI-compatible HTTP API (/v1/...), on the host of --listen "
         "(-1 disables it, 0 picks a free one)",
     )
+    http_reuse_port: bool = field(
+        False,
+        "share --http-port with the other gateway processes of this host (SO_REUSEPORT: the kernel "
+        "spreads new connections over them); `pdserve up --gateways N` sets it",
+    )
     http_max_body_bytes: int = field(
         8 * 1024 * 1024, "largest HTTP request body accepted; larger ones get 413 (bytes)"
     )

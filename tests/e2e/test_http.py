@@ -1,5 +1,6 @@
-"""`pdserve up --api-key`: the banner names the HTTP base URL, both faces require the key (passed
-to the gateway in its environment), `pdserve generate --api-key` and the openai client get through."""
+"""`pdserve up --api-key --gateways 2`: the banner names the HTTP base URL, both faces require the
+key (passed to each gateway in its environment), `pdserve generate --api-key` and the openai client
+get through, and the two gateways share the HTTP port (the kernel spreads connections over them)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,10 @@ KEY = "e2e-key-1"
 @pytest.fixture(scope="module")
 def keyed_stack(tiny_bpe_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     with running_stack(
-        str(tiny_bpe_model), tmp_path_factory.mktemp("logs-keyed"), unified=True, up_args=["--api-key", KEY]
+        str(tiny_bpe_model),
+        tmp_path_factory.mktemp("logs-keyed"),
+        unified=True,
+        up_args=["--api-key", KEY, "--gateways", "2"],
     ) as stack:
         yield stack
 
@@ -186,3 +190,22 @@ def test_readme_curl_and_openai_examples_run(keyed_stack: Stack) -> None:
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=150)
     assert out.returncode == 0, out.stderr
     assert "completion_tokens=" in out.stdout
+
+
+def test_two_gateways_share_the_http_port(keyed_stack: Stack) -> None:
+    """Requests on fresh connections reach both gateways (SO_REUSEPORT hashes each connection's
+    addresses: 16 connections all on one of two gateways has odds 2 in 65,536). Each gateway logs
+    request_end per request it served."""
+
+    def served(name: str) -> int:
+        return (keyed_stack.log_dir / f"{name}.log").read_text().count('"request_end"')
+
+    before = {name: served(name) for name in ("gateway", "gateway-1")}
+    body = {"model": "", "prompt": "Hi", "max_tokens": 1}
+    for _ in range(16):
+        with httpx.Client(base_url=keyed_stack.http_base_url, timeout=60) as client:  # one connection
+            r = client.post("/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
+            assert r.status_code == 200, r.text
+    after = {name: served(name) for name in before}
+    assert sum(after.values()) - sum(before.values()) == 16
+    assert all(after[name] > before[name] for name in before), (before, after)

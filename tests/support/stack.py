@@ -20,8 +20,9 @@ from shared.cluster_auth import TOKEN_HEADER
 
 ROOT = Path(__file__).resolve().parents[2]
 # Offsets used by services/up_shape.py (gateway +0, scheduler +1, load-monitor +2, prefill +10,
-# decode +20, unified +30, the gateway's HTTP API +40, metrics +50..+80).
-_OFFSETS = (0, 1, 2, 10, 20, 30, 40, 50, 51, 52, 60, 70, 80)
+# decode +20, unified +30, the gateway's HTTP API +40, metrics +50..+80, gateway i > 0 +90+i and
+# its metrics +140+i).
+_OFFSETS = (0, 1, 2, 10, 20, 30, 40, 50, 51, 52, 60, 70, 80, 91, 92, 141, 142)
 
 
 @dataclass

@@ -73,6 +73,29 @@ def test_impossible_shapes_exit_with_one_line(argv: list[str]) -> None:
         up._parse(argv)
 
 
+def test_gateways_share_the_http_port_and_each_has_its_own_grpc_and_metrics_port() -> None:
+    children = _children("--unified", "--gateways", "3", "--metrics")
+    gateways = [c for c in children if c.module == "services.gateway"]
+    assert [(c.name, c.address) for c in gateways] == [
+        ("gateway", "127.0.0.1:40000"),
+        ("gateway-1", "127.0.0.1:40091"),
+        ("gateway-2", "127.0.0.1:40092"),
+    ]
+
+    def flag(c: up_shape.Child, name: str) -> str:
+        return c.args[c.args.index(name) + 1]
+
+    assert {flag(c, "--http-port") for c in gateways} == {"40040"}
+    assert [flag(c, "--metrics-port") for c in gateways] == ["40050", "40141", "40142"]
+    assert all("--http-reuse-port" in c.args for c in gateways)
+    ports = {port for c in children for port in (c.address, flag(c, "--metrics-port"))}
+    assert len(ports) == 2 * len(children)
+    # one gateway (the default) keeps a port in use a start-up error: no SO_REUSEPORT
+    assert not any("--http-reuse-port" in c.args for c in _children())
+    with pytest.raises(SystemExit, match="--gateways must be between 1 and 9, got 0"):
+        up._parse(["--gateways", "0"])
+
+
 # --- the cluster token ---
 
 
@@ -124,14 +147,17 @@ class _Proc:
         return 0
 
 
-def test_stop_order_gateway_then_all_workers_at_once_then_scheduler_and_load_monitor() -> None:
-    children = _children("--prefill-workers", "2", "--decode-workers", "2")
+def test_stop_order_gateways_then_all_workers_at_once_then_scheduler_and_load_monitor() -> None:
+    children = _children("--prefill-workers", "2", "--decode-workers", "2", "--gateways", "2")
     log: list[tuple[str, str]] = []
     for child in children:
         child.proc = _Proc(child.name, log)  # type: ignore[assignment]
     up_processes.stop_all(children, grace_s=1.0)
     workers = {c.name for c in children if "worker" in c.name}
-    assert log[:2] == [("term", "gateway"), ("exited", "gateway")]
+    # both gateways are signalled before either is waited for (each drains its own streams)
+    assert [kind for kind, _ in log[:4]] == ["term", "term", "exited", "exited"]
+    assert {name for _, name in log[:4]} == {"gateway", "gateway-1"}
+    del log[:2]  # the rest as with one gateway
     # every worker is signalled before any of them is waited for
     assert {name for _, name in log[2:6]} == workers and all(kind == "term" for kind, _ in log[2:6])
     assert {name for _, name in log[6:10]} == workers and all(kind == "exited" for kind, _ in log[6:10])

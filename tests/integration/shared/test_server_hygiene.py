@@ -114,3 +114,25 @@ async def test_default_server_policy_would_goaway_the_pinging_client() -> None:
     """The control: grpc's default server policy refuses pings this frequent (too_many_pings)."""
     defaults = [("grpc.so_reuseport", 0)]
     assert not await _idle_watch_survives(defaults, idle_s=6.0)
+
+
+def test_sibling_gateways_share_the_http_port_and_a_foreign_holder_still_blocks_it() -> None:
+    """`pdserve up --gateways N`: gateways bound with reuse_port share one HTTP port; a process
+    holding the port without SO_REUSEPORT (anything else) still makes start-up fail."""
+    from fastapi import FastAPI
+
+    from services.gateway.http_server import HttpServer
+
+    port = _free_port()
+    first = HttpServer(FastAPI(), "127.0.0.1", port, reuse_port=True)
+    second = HttpServer(FastAPI(), "127.0.0.1", port, reuse_port=True)
+    assert first.port == second.port == port
+    with pytest.raises(RuntimeError, match=f"cannot bind the HTTP API to 127.0.0.1:{port}"):
+        HttpServer(FastAPI(), "127.0.0.1", port)  # a gateway of another stack, without the flag
+    for server in (first, second):
+        server._sock.close()
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", port))
+        holder.listen()
+        with pytest.raises(RuntimeError, match="cannot bind the HTTP API"):
+            HttpServer(FastAPI(), "127.0.0.1", port, reuse_port=True)
