@@ -10,6 +10,10 @@ TPOT over the 1-sequence floor (one at a time) and over the burst-size floor (al
 
     python -m benchmarks.bench_serving --model random:llama-8b --device cuda [--configs unified,disaggregated]
 
+A configuration may end in `+<N>gw` (`unified+2gw`): `pdserve up --gateways N`, N gateway processes
+sharing the HTTP port. Each phase records the CPU µs per delivered token of every service (all
+gateways summed under `gateway`).
+
 Writes benchmarks/results/serving-<device>.json (with the GPU's name, or the CPU's capability).
 """
 
@@ -164,6 +168,7 @@ def main() -> None:
     up_args = ["--device", a.device, "--dtype", a.dtype, *a.up_arg]
     out = a.out or RESULTS / f"serving-{name}.json"
     for config in a.configs.split(","):
+        shape, _, gateways = config.partition("+")
         print(f"[{config}] starting", flush=True)
         with tempfile.TemporaryDirectory() as logs:
             t0 = time.perf_counter()
@@ -171,8 +176,8 @@ def main() -> None:
                 with running_stack(
                     str(path),
                     Path(logs),
-                    unified=config == "unified",
-                    up_args=up_args,
+                    unified=shape == "unified",
+                    up_args=[*up_args, "--gateways", gateways.removesuffix("gw") or "1"],
                     ready_timeout_s=a.ready_timeout_s,
                 ) as stack:
                     start_s = round(time.perf_counter() - t0, 1)

@@ -68,9 +68,11 @@ if [[ $what == window ]]; then
   # One short lease: the parts named in WINDOW_PARTS, in that order (default: bench-stack at
   # 2,048 tokens over both transports (issue 27's last figures), the CUDA tests on 4 processes,
   # the attention block-size sweep and the step profile at 1/8/64 sequences (`probe`), and the
-  # unified stack served one request at a time and 64 at once; `engine` is bench-engine on the
-  # 8B shape against HF's padded batch with the steps vs floor, as served with async
-  # scheduling). Each part has its own limit (T_<PART> seconds; SIGINT, so pytest and the
+  # unified stack with two gateways served one request at a time and 64 at once, with each
+  # service's CPU per token (whether the host's processes or the GPU set TPOT at 64 in flight:
+  # one gateway process took ~160-260 us of CPU per token on the 2-core EPYC, 64 tokens per
+  # step); `engine` is bench-engine on the 8B shape against HF's padded batch with the steps vs
+  # floor, as served with async scheduling). Each part has its own limit (T_<PART> seconds; SIGINT, so pytest and the
   # benchmarks still write what they have), so a slow one never takes the later ones' time.
   # NIXL comes from .gpu/nixl.tar.xz (scripts/nixl_bundle.sh) unpacked on PYTHONPATH.
   for part in ${WINDOW_PARTS:-stack tests probe serving}; do
@@ -85,7 +87,7 @@ if [[ $what == window ]]; then
           --out "$RES/stack-cuda-llama-8b-$TAG.json" || rc=1 ;;
       serving)
         timeout -s INT "${T_SERVING:-80}" $PY -m benchmarks.bench_serving --model random:llama-8b \
-          --device cuda --dtype bfloat16 --configs unified --sequential 2 --burst 64 \
+          --device cuda --dtype bfloat16 --configs unified+2gw --sequential 2 --burst 64 \
           --out "$RES/serving-llama-8b-$TAG.json" || rc=1 ;;
       engine)
         timeout -s INT "${T_ENGINE:-200}" $PY -m benchmarks.bench_engine --device cuda --dtype bfloat16 \
