@@ -9,6 +9,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from services.gateway import accounting
 from services.gateway.accounting import CacheStats, FrameSource, Segment, Usage, WorkerCount
@@ -110,15 +111,11 @@ class Completion:
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
-@dataclass(frozen=True)
-class _Piece:
-    """Output relayed from one worker message."""
+class _Piece(NamedTuple):
+    """Output relayed from one worker message (one per token frame: a tuple, cheap to build)."""
 
-    source: FrameSource
     text: str
     token_ids: tuple[int, ...]
-    fallback_tokens: int  # what this piece stands for when no worker reports counts
-    leg: int = 0  # which run of the request made it (0, then one more per migration)
 
 
 @dataclass
@@ -137,6 +134,9 @@ class RequestState:
     _pieces: list[_Piece] = field(default_factory=list)
     # present generated_tokens per (leg, worker segment); a leg is one run of the request
     _reported_counts: dict[tuple[int, Segment], int] = field(default_factory=dict)
+    # what the pieces of each (leg, worker segment) stand for (fallback_tokens, saturating-summed),
+    # kept as they are recorded so that counts cost no walk over every piece relayed
+    _frame_tokens: dict[tuple[int, Segment], int] = field(default_factory=dict)
     _worker_finish: FinishReason | None = None
     _local_cached: int | None = None
     _transferred_cached: int | None = None
@@ -166,6 +166,7 @@ class RequestState:
         self.advance(RequestStatus.WAITING)
         self._pieces.clear()
         self._reported_counts.clear()
+        self._frame_tokens.clear()
         self._worker_finish = None
         self._local_cached = None
         self._transferred_cached = None
@@ -220,9 +221,10 @@ class RequestState:
         was absent (never confuse absent with 0: an immediate EOS reports 0)."""
         stopped = finish_reason is FinishReason.STOP
         fallback = accounting.fallback_tokens(source, text, len(token_ids), stopped)
-        self._pieces.append(_Piece(source, text, token_ids, fallback, self._leg))
+        self._pieces.append(_Piece(text, token_ids))
+        key = (self._leg, source.segment)
+        self._frame_tokens[key] = accounting.saturating_sum((self._frame_tokens.get(key, 0), fallback))
         if generated_tokens is not None:
-            key = (self._leg, source.segment)
             self._reported_counts[key] = accounting.saturating_sum(
                 (self._reported_counts.get(key, 0), generated_tokens)
             )
@@ -277,11 +279,9 @@ class RequestState:
         counts = []
         for leg in range(self._leg + 1):
             for segment in Segment:
-                pieces = [p for p in self._pieces if p.leg == leg and p.source.segment is segment]
                 key = (leg, segment)
-                if pieces or key in self._reported_counts:
-                    frame_tokens = accounting.saturating_sum(p.fallback_tokens for p in pieces)
-                    counts.append(WorkerCount(self._reported_counts.get(key), frame_tokens))
+                if key in self._frame_tokens or key in self._reported_counts:
+                    counts.append(WorkerCount(self._reported_counts.get(key), self._frame_tokens.get(key, 0)))
         return counts
 
     @property
