@@ -141,6 +141,7 @@ class RequestState:
     _local_cached: int | None = None
     _transferred_cached: int | None = None
     _abort_reason: FinishReason | None = None
+    _cache: CacheStats | None = None  # derived from the two above; None: not derived since they changed
     frame_times_s: list[float] = field(default_factory=list)  # when each frame went to the client
 
     # --- status ---
@@ -170,6 +171,7 @@ class RequestState:
         self._worker_finish = None
         self._local_cached = None
         self._transferred_cached = None
+        self._cache = None
 
     def begin_migration(self) -> None:
         """The workers running the request failed after output reached the client: the tokens
@@ -239,8 +241,10 @@ class RequestState:
             return
         if self._local_cached is None and local_tokens > 0:
             self._local_cached = local_tokens
+            self._cache = None
         if self._transferred_cached is None and transferred_tokens > 0:
             self._transferred_cached = transferred_tokens
+            self._cache = None
 
     def finish(self, reason: FinishReason | None = None) -> None:
         """End the request; `reason` overrides the worker's (ABORT when the gateway cuts it short)."""
@@ -296,9 +300,12 @@ class RequestState:
 
     @property
     def cache(self) -> CacheStats:
-        return accounting.cache_stats(
-            self.num_prompt_tokens, self._local_cached or 0, self._transferred_cached or 0
-        )
+        """Derived once per change of the figures (every frame sent carries cached_tokens)."""
+        if self._cache is None:
+            self._cache = accounting.cache_stats(
+                self.num_prompt_tokens, self._local_cached or 0, self._transferred_cached or 0
+            )
+        return self._cache
 
     @property
     def usage(self) -> Usage:
