@@ -225,10 +225,10 @@ class RequestState:
         fallback = accounting.fallback_tokens(source, text, len(token_ids), stopped)
         self._pieces.append(_Piece(text, token_ids))
         key = (self._leg, source.segment)
-        self._frame_tokens[key] = accounting.saturating_sum((self._frame_tokens.get(key, 0), fallback))
+        self._frame_tokens[key] = accounting.saturating_add(self._frame_tokens.get(key, 0), fallback)
         if generated_tokens is not None:
-            self._reported_counts[key] = accounting.saturating_sum(
-                (self._reported_counts.get(key, 0), generated_tokens)
+            self._reported_counts[key] = accounting.saturating_add(
+                self._reported_counts.get(key, 0), generated_tokens
             )
         if finish_reason is not None:
             self._worker_finish = finish_reason
