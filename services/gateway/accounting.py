@@ -43,8 +43,13 @@ def saturating_sum(counts: Iterable[int]) -> int:
     """Sum of non-negative counts that sticks at U64_MAX instead of overflowing the wire type."""
     total = 0
     for count in counts:
-        total = min(U64_MAX, total + max(0, count))
+        total = saturating_add(total, count)
     return total
+
+
+def saturating_add(total: int, count: int) -> int:
+    """`total` (a saturating sum so far) plus one more count (for per-frame running sums)."""
+    return min(U64_MAX, total + max(0, count))
 
 
 def fallback_tokens(source: FrameSource, text: str, num_token_ids: int, stopped: bool) -> int:

@@ -260,8 +260,9 @@ def decode_event(frame: worker_pb2.DecodeFrame) -> DecodeEvent:
         trim_blocks=frame.trim_blocks if frame.HasField("trim_blocks") else None,
         local_cached_tokens=frame.local_cached_tokens,
         transferred_cached_tokens=frame.transferred_cached_tokens,
-        logprobs=logprobs_from_pb(frame.logprobs),
-        prompt_logprobs=logprobs_from_pb(frame.prompt_logprobs),
+        # (most frames carry none: no generator and tuple built per token for nothing)
+        logprobs=logprobs_from_pb(frame.logprobs) if frame.logprobs else (),
+        prompt_logprobs=logprobs_from_pb(frame.prompt_logprobs) if frame.prompt_logprobs else (),
     )
 
 

@@ -64,7 +64,17 @@ class HttpApi:
         self.app = self._build()
 
     def _build(self) -> FastAPI:
-        app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+        # FastAPI's own OpenTelemetry (on whenever a tracer provider is installed, as every
+        # pdserve service installs one) is off: _generate opens the request's SERVER span itself
+        # (continuing the caller's trace), so FastAPI's would be a second root per request, and
+        # its ASGI wrapper runs on every send (each streamed chunk).
+        app = FastAPI(
+            title="pdserve",
+            docs_url=None,
+            redoc_url=None,
+            openapi_url="/openapi.json",
+            telemetry={"tracing": False, "metrics": False, "logs": False},
+        )
         app.add_exception_handler(Refusal, self._on_refusal)  # type: ignore[arg-type]
         app.add_exception_handler(StarletteHTTPException, self._on_http_exception)  # type: ignore[arg-type]
         app.add_api_route("/health", self.health, methods=["GET"])

@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from services.gateway.inputs import GenerateInput
 from services.gateway.request import Completion, OutputFrame, OutputFrameKind
 from services.gateway.service import GatewayService
 
 
-@dataclass(frozen=True)
-class _Event:
-    index: int
+class _Event(NamedTuple):
+    """One per frame of every choice (a tuple: cheap to build per token)."""
+
+    choice: int  # its index
     frame: OutputFrame | None = None  # None: this choice's stream ended
     error: BaseException | None = None
 
@@ -100,8 +101,8 @@ class ChoiceRun:
         while len(started) < len(self._inputs):
             event = await self._next()
             if event.frame is not None:  # (an end marker always follows that choice's FINAL frame)
-                started.add(event.index)
-                buffered.append((event.index, event.frame))
+                started.add(event.choice)
+                buffered.append((event.choice, event.frame))
         return buffered
 
     async def rest(self) -> AsyncIterator[tuple[int, OutputFrame]]:
@@ -109,4 +110,4 @@ class ChoiceRun:
         while self._finals < len(self._inputs):
             event = await self._next()
             if event.frame is not None:
-                yield event.index, event.frame
+                yield event.choice, event.frame

@@ -22,6 +22,7 @@ from services.gateway import observe, tool_calls
 from services.gateway.http_choices import ChoiceRun
 from services.gateway.http_convert import Plan
 from services.gateway.http_errors import http_error
+from services.gateway.http_sse import ChunkTemplate
 from services.gateway.inputs import TokenLogprob
 from services.gateway.request import OutputFrame
 
@@ -75,6 +76,7 @@ async def events(
     exclude = None if plan.include_usage else {"usage"}
     usages: list[Any] = [None] * len(plan.inputs)
     rid = resp.chat_id(request_id) if chat else resp.completion_id(request_id)
+    template = ChunkTemplate(rid, created, model, chat, plan.include_usage)  # the per-token chunks
     wants = [inp.logprobs is not None for inp in plan.inputs]
     pending: list[list[TokenLogprob]] = [[] for _ in plan.inputs]  # of frames without text
     offsets = [0] * len(plan.inputs)  # completions' text_offset: where the next token's text starts
@@ -136,6 +138,8 @@ async def events(
         if chat:
             if frame is None:
                 parts: list[dict[str, Any]] = [{"role": "assistant", "content": ""}]
+            elif parsers[index] is None and not wants[index]:
+                return template.event(index, text, reason)  # a content delta (or {}): no model built
             else:
                 parts, reason = deltas(index, text, reason)
                 if not parts and reason is None:
@@ -161,12 +165,12 @@ async def events(
                     )
                 )
             return "".join(events)
-        text_lp = None
-        if wants[index]:
-            text_lp = resp.completion_logprobs(logprobs, token_text, offsets[index])
-            if echo_frame is not None:
-                text_lp = resp.echoed_logprobs(echo_frame, token_text, text_lp)
-            offsets[index] += sum(len(t) for t in text_lp.tokens)
+        if not wants[index]:
+            return template.event(index, text, reason)
+        text_lp = resp.completion_logprobs(logprobs, token_text, offsets[index])
+        if echo_frame is not None:
+            text_lp = resp.echoed_logprobs(echo_frame, token_text, text_lp)
+        offsets[index] += sum(len(t) for t in text_lp.tokens)
         text_choice = m.CompletionChunkChoice(index=index, text=text, finish_reason=reason, logprobs=text_lp)
         return _sse(
             m.CompletionChunk(id=rid, created=created, model=model, choices=[text_choice], usage=None),

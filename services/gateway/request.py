@@ -9,6 +9,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from services.gateway import accounting
 from services.gateway.accounting import CacheStats, FrameSource, Segment, Usage, WorkerCount
@@ -110,15 +111,11 @@ class Completion:
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
-@dataclass(frozen=True)
-class _Piece:
-    """Output relayed from one worker message."""
+class _Piece(NamedTuple):
+    """Output relayed from one worker message (one per token frame: a tuple, cheap to build)."""
 
-    source: FrameSource
     text: str
     token_ids: tuple[int, ...]
-    fallback_tokens: int  # what this piece stands for when no worker reports counts
-    leg: int = 0  # which run of the request made it (0, then one more per migration)
 
 
 @dataclass
@@ -137,10 +134,14 @@ class RequestState:
     _pieces: list[_Piece] = field(default_factory=list)
     # present generated_tokens per (leg, worker segment); a leg is one run of the request
     _reported_counts: dict[tuple[int, Segment], int] = field(default_factory=dict)
+    # what the pieces of each (leg, worker segment) stand for (fallback_tokens, saturating-summed),
+    # kept as they are recorded so that counts cost no walk over every piece relayed
+    _frame_tokens: dict[tuple[int, Segment], int] = field(default_factory=dict)
     _worker_finish: FinishReason | None = None
     _local_cached: int | None = None
     _transferred_cached: int | None = None
     _abort_reason: FinishReason | None = None
+    _cache: CacheStats | None = None  # derived from the two above; None: not derived since they changed
     frame_times_s: list[float] = field(default_factory=list)  # when each frame went to the client
 
     # --- status ---
@@ -166,9 +167,11 @@ class RequestState:
         self.advance(RequestStatus.WAITING)
         self._pieces.clear()
         self._reported_counts.clear()
+        self._frame_tokens.clear()
         self._worker_finish = None
         self._local_cached = None
         self._transferred_cached = None
+        self._cache = None
 
     def begin_migration(self) -> None:
         """The workers running the request failed after output reached the client: the tokens
@@ -220,11 +223,12 @@ class RequestState:
         was absent (never confuse absent with 0: an immediate EOS reports 0)."""
         stopped = finish_reason is FinishReason.STOP
         fallback = accounting.fallback_tokens(source, text, len(token_ids), stopped)
-        self._pieces.append(_Piece(source, text, token_ids, fallback, self._leg))
+        self._pieces.append(_Piece(text, token_ids))
+        key = (self._leg, source.segment)
+        self._frame_tokens[key] = accounting.saturating_add(self._frame_tokens.get(key, 0), fallback)
         if generated_tokens is not None:
-            key = (self._leg, source.segment)
-            self._reported_counts[key] = accounting.saturating_sum(
-                (self._reported_counts.get(key, 0), generated_tokens)
+            self._reported_counts[key] = accounting.saturating_add(
+                self._reported_counts.get(key, 0), generated_tokens
             )
         if finish_reason is not None:
             self._worker_finish = finish_reason
@@ -237,8 +241,10 @@ class RequestState:
             return
         if self._local_cached is None and local_tokens > 0:
             self._local_cached = local_tokens
+            self._cache = None
         if self._transferred_cached is None and transferred_tokens > 0:
             self._transferred_cached = transferred_tokens
+            self._cache = None
 
     def finish(self, reason: FinishReason | None = None) -> None:
         """End the request; `reason` overrides the worker's (ABORT when the gateway cuts it short)."""
@@ -277,11 +283,9 @@ class RequestState:
         counts = []
         for leg in range(self._leg + 1):
             for segment in Segment:
-                pieces = [p for p in self._pieces if p.leg == leg and p.source.segment is segment]
                 key = (leg, segment)
-                if pieces or key in self._reported_counts:
-                    frame_tokens = accounting.saturating_sum(p.fallback_tokens for p in pieces)
-                    counts.append(WorkerCount(self._reported_counts.get(key), frame_tokens))
+                if key in self._frame_tokens or key in self._reported_counts:
+                    counts.append(WorkerCount(self._reported_counts.get(key), self._frame_tokens.get(key, 0)))
         return counts
 
     @property
@@ -296,9 +300,12 @@ class RequestState:
 
     @property
     def cache(self) -> CacheStats:
-        return accounting.cache_stats(
-            self.num_prompt_tokens, self._local_cached or 0, self._transferred_cached or 0
-        )
+        """Derived once per change of the figures (every frame sent carries cached_tokens)."""
+        if self._cache is None:
+            self._cache = accounting.cache_stats(
+                self.num_prompt_tokens, self._local_cached or 0, self._transferred_cached or 0
+            )
+        return self._cache
 
     @property
     def usage(self) -> Usage:

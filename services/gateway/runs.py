@@ -16,7 +16,7 @@ from typing import TypeVar
 
 from services.gateway.aborts import Aborter
 from services.gateway.accounting import FrameSource
-from services.gateway.deadline import remaining_s, within
+from services.gateway.deadline import ReadDeadline, remaining_s, within
 from services.gateway.inputs import TokenLogprob
 from services.gateway.membership import MembershipWatch, Watched
 from services.gateway.ports import (
@@ -205,36 +205,37 @@ async def _relay(
 ) -> AsyncGenerator[OutputFrame, None]:
     """Relays decode frames. `prefilled_here`: the decode worker ran the prompt itself
     (aggregated / local prefill), so its prefix-cache hits are this request's local hits."""
-    while True:
-        event: DecodeEvent | None = await within(stream.next(), deadline_s)
-        if event is None:
-            raise WorkerUnavailable(
-                f"decode worker {target.worker_id} ended the stream without a final frame "
-                f"after {state.num_completion_tokens} tokens",
-                target.worker_id,
+    with ReadDeadline(deadline_s) as until:  # one timer for the stream, not one per frame
+        while True:
+            event: DecodeEvent | None = await until.read(stream.next())
+            if event is None:
+                raise WorkerUnavailable(
+                    f"decode worker {target.worker_id} ended the stream without a final frame "
+                    f"after {state.num_completion_tokens} tokens",
+                    target.worker_id,
+                )
+            if prefilled_here:
+                state.record_cache(local_tokens=event.local_cached_tokens, transferred_tokens=0)
+            if event.kind is DecodeFrameKind.ADMITTED:
+                continue  # aggregated: admission carries only cache figures
+            if event.kind is DecodeFrameKind.FINAL:
+                state.record_output(
+                    FrameSource.DECODE_FINAL,
+                    event.text,
+                    event.token_ids,
+                    event.generated_tokens,
+                    event.finish_reason,
+                )
+                yield _final(state, event.text, event.token_ids, event.logprobs, event.prompt_logprobs)
+                return
+            # TOKENS frames: counts ride on FINAL only, so any count here is ignored by design.
+            state.record_output(FrameSource.DECODE_TOKENS, event.text, event.token_ids, None, None)
+            kind = OutputFrameKind.CONTINUATION if state.handed_off else OutputFrameKind.FIRST
+            if state.status < RequestStatus.DECODING:
+                state.advance(RequestStatus.DECODING)
+            yield _with_prompt_logprobs(
+                state, frame(state, kind, event.text, event.token_ids, event.logprobs), event.prompt_logprobs
             )
-        if prefilled_here:
-            state.record_cache(local_tokens=event.local_cached_tokens, transferred_tokens=0)
-        if event.kind is DecodeFrameKind.ADMITTED:
-            continue  # aggregated: admission carries only cache figures
-        if event.kind is DecodeFrameKind.FINAL:
-            state.record_output(
-                FrameSource.DECODE_FINAL,
-                event.text,
-                event.token_ids,
-                event.generated_tokens,
-                event.finish_reason,
-            )
-            yield _final(state, event.text, event.token_ids, event.logprobs, event.prompt_logprobs)
-            return
-        # TOKENS frames: counts ride on FINAL only, so any count here is ignored by design.
-        state.record_output(FrameSource.DECODE_TOKENS, event.text, event.token_ids, None, None)
-        kind = OutputFrameKind.CONTINUATION if state.handed_off else OutputFrameKind.FIRST
-        if state.status < RequestStatus.DECODING:
-            state.advance(RequestStatus.DECODING)
-        yield _with_prompt_logprobs(
-            state, frame(state, kind, event.text, event.token_ids, event.logprobs), event.prompt_logprobs
-        )
 
 
 def frame(

@@ -96,6 +96,7 @@ def test_fallback_when_no_counts() -> None:
 def test_cache_stats_set_once() -> None:
     state = make_state(prompt_len=40)
     state.record_cache(16, 0)
+    assert state.cache.cached_tokens == 16  # read between frames: still follows what comes next
     state.record_cache(32, 24)  # a later frame (e.g. after preemption) cannot rewrite local
     state.record_cache(0, 8)
     assert state.cache.local_tokens == 16

@@ -1,0 +1,47 @@
+"""Server-sent event bytes of the streamed chunks that are written once per token: a choice's
+text (chat: its content delta) and finish reason, without logprobs or tool calls. They are
+spliced into a template made once per stream (its id, created, model and whether each chunk
+carries `"usage":null`), so no pydantic model is validated per token. The bytes are exactly
+those of the pydantic chunk models (`http_models.ChatCompletionChunk` / `CompletionChunk`,
+`model_dump_json`, the same key order, and strings through pydantic's own JSON encoder); every
+other chunk (role, tool calls, logprobs, usage, errors) is still built from those models."""
+
+from __future__ import annotations
+
+from pydantic_core import to_json
+
+
+def sse(payload_json: str) -> str:
+    """One server-sent event carrying `payload_json`."""
+    return f"data: {payload_json}\n\n"
+
+
+def json_str(text: str) -> str:
+    """`text` as a JSON string, exactly as pydantic writes it (non-ASCII as UTF-8, not escaped)."""
+    return to_json(text).decode()
+
+
+class ChunkTemplate:
+    """The per-token chunks of one stream (chat: `chat.completion.chunk` with a content delta;
+    completions: `text_completion` with text). `include_usage`: every chunk carries
+    `"usage":null` (the OpenAI stream_options.include_usage shape); else no usage key."""
+
+    def __init__(self, response_id: str, created: int, model: str, chat: bool, include_usage: bool) -> None:
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        self._chat = chat
+        self._head = (
+            f'data: {{"id":{json_str(response_id)},"object":"{kind}","created":{created},'
+            f'"model":{json_str(model)},"choices":[{{"index":'
+        )
+        self._tail = ',"logprobs":null}]' + (',"usage":null' if include_usage else "") + "}\n\n"
+
+    def event(self, index: int, text: str, finish_reason: str | None) -> str:
+        """The event of choice `index`'s chunk: chat, a delta `{"content": text}` (`{}` when
+        text is empty); completions, its `text`; `finish_reason` null unless given."""
+        reason = "null" if finish_reason is None else json_str(finish_reason)
+        if self._chat:
+            delta = f'{{"content":{json_str(text)}}}' if text else "{}"
+            body = f'{index},"delta":{delta},"finish_reason":{reason}'
+        else:
+            body = f'{index},"text":{json_str(text)},"finish_reason":{reason}'
+        return self._head + body + self._tail

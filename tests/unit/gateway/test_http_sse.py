@@ -1,0 +1,77 @@
+"""The per-token SSE chunks spliced from a template are byte for byte the pydantic chunk models'
+(`model_dump_json`, usage excluded unless stream_options.include_usage), for any text (unicode,
+control characters, quotes, backslashes, emoji), finish reason, choice index, id and model."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.gateway import http_models as m
+from services.gateway.http_sse import ChunkTemplate
+
+_REASONS = st.sampled_from([None, "stop", "length", "abort", "tool_calls"])
+_TEXT = st.text(alphabet=st.characters(codec="utf-8"), max_size=40)  # any valid text (no lone surrogates)
+
+
+def _pydantic(
+    chat: bool,
+    rid: str,
+    created: int,
+    model: str,
+    include_usage: bool,
+    index: int,
+    text: str,
+    reason: str | None,
+) -> str:
+    """What http_stream built for every chunk before the template: the models, dumped."""
+    exclude = None if include_usage else {"usage"}
+    body: m.ChatCompletionChunk | m.CompletionChunk
+    if chat:
+        delta = {"content": text} if text else {}
+        choice = m.ChatChunkChoice(index=index, delta=delta, finish_reason=reason, logprobs=None)
+        body = m.ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice], usage=None)
+    else:
+        text_choice = m.CompletionChunkChoice(index=index, text=text, finish_reason=reason, logprobs=None)
+        body = m.CompletionChunk(id=rid, created=created, model=model, choices=[text_choice], usage=None)
+    return f"data: {body.model_dump_json(exclude=exclude)}\n\n"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    chat=st.booleans(),
+    rid=_TEXT,
+    created=st.integers(0, 2**40),
+    model=_TEXT,
+    include_usage=st.booleans(),
+    index=st.integers(0, 200),
+    text=_TEXT,
+    reason=_REASONS,
+)
+def test_template_chunks_equal_the_models(
+    chat: bool,
+    rid: str,
+    created: int,
+    model: str,
+    include_usage: bool,
+    index: int,
+    text: str,
+    reason: str | None,
+) -> None:
+    template = ChunkTemplate(rid, created, model, chat, include_usage)
+    assert template.event(index, text, reason) == _pydantic(
+        chat, rid, created, model, include_usage, index, text, reason
+    )
+
+
+def test_a_chat_chunk_as_clients_see_it() -> None:
+    """The shape itself (so that a change to both sides cannot pass unnoticed)."""
+    event = ChunkTemplate("chatcmpl-1", 7, "m", True, False).event(0, 'é "\n', None)
+    assert event == (
+        'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":7,"model":"m",'
+        '"choices":[{"index":0,"delta":{"content":"é \\"\\n"},"finish_reason":null,"logprobs":null}]}\n\n'
+    )
+    assert ChunkTemplate("cmpl-1", 7, "m", False, True).event(2, "", "length") == (
+        'data: {"id":"cmpl-1","object":"text_completion","created":7,"model":"m",'
+        '"choices":[{"index":2,"text":"","finish_reason":"length","logprobs":null}],"usage":null}\n\n'
+    )
