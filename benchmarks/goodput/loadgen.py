@@ -1,7 +1,9 @@
 """The load generator: streams chat completions from any OpenAI-compatible server over HTTP
 (httpx, async, server-sent events) and records per request what `stats.RequestResult` holds;
 drives them open-loop (Poisson arrivals at a set rate, seeded, bounded in count and time) or one
-at a time (the uncontended "quiet" runs).
+at a time (the uncontended "quiet" runs). `run_all_at_once` sends a burst from several client
+processes, so that the client's own CPU (httpx parses every event: ~100-200 us per token on one
+core) does not set the pace of a server that streams faster than one client core can read.
 
 TTFT is measured to the first chunk with non-empty content (a chat stream's first chunk holds
 only the role); every later content chunk adds one inter-token latency. Token counts come from
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import random
 import time
 from collections.abc import Sequence
@@ -176,3 +179,33 @@ async def served_model(base_url: str, api_key: str = "", timeout_s: float = 10.0
         resp.raise_for_status()
         data = resp.json().get("data") or []
         return str(data[0]["id"]) if data else None
+
+
+def _burst_share(target: Target, requests: Sequence[Request], at: float) -> tuple[list[RequestResult], float]:
+    """One client process's share of a burst, sent together at wall-clock time `at` (so that the
+    processes start within a millisecond of each other); returns the results and this process's
+    CPU seconds while sending and reading them."""
+    time.sleep(max(0.0, at - time.time()))
+    cpu = time.process_time()
+    results = asyncio.run(run_open_loop(target, requests, 1e9, 0, 60.0))
+    return results, time.process_time() - cpu
+
+
+def run_all_at_once(
+    target: Target, requests: Sequence[Request], processes: int
+) -> tuple[list[RequestResult], float]:
+    """Every request sent at once, from `processes` client processes (request i from process
+    i % processes); returns the results in request order and the clients' CPU seconds."""
+    if processes <= 1:
+        return _burst_share(target, requests, 0.0)
+    shares = [list(requests[i::processes]) for i in range(processes)]
+    # spawn: the parent holds torch's thread pools, which a fork would copy half-initialised;
+    # the barrier holds the burst until every client process has started (imports take seconds)
+    ctx = multiprocessing.get_context("spawn")
+    ready = ctx.Barrier(processes + 1)
+    with ctx.Pool(processes, initializer=ready.wait) as pool:
+        ready.wait()
+        at = time.time() + 0.2
+        done = pool.starmap(_burst_share, [(target, share, at) for share in shares], chunksize=1)
+    by_index = {r.index: r for results, _ in done for r in results}
+    return [by_index[r.index] for r in requests], sum(cpu for _, cpu in done)
