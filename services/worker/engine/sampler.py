@@ -262,7 +262,7 @@ def sample_logits(
     with their generators' noise."""
     greedy = [p.temperature <= 0.0 for p in params]
     if all(greedy):
-        return argmax_rows(logits)
+        return logits.argmax(dim=-1)
     if scaled is None:
         scaled = scaled_logits(logits, params)
     vocab = logits.shape[1]
@@ -282,33 +282,7 @@ def sample_logits(
             noise[i].exponential_(generator=g)
     sampled = (probs / noise).argmax(dim=-1)
     greedy_mask = to_device(greedy, device)
-    return torch.where(greedy_mask, argmax_rows(logits), sampled)
-
-
-# vocabulary slice sizes argmax_rows reduces first (the first that divides the vocabulary)
-_ARGMAX_SLICES = (256, 128, 64)
-
-
-def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """logits [n, vocab] -> the index of each row's maximum [n], exactly `logits.argmax(dim=-1)`
-    (the first maximum; a NaN counts as the maximum, the first NaN wins).
-
-    On the CPU torch's argmax over a long row is scalar code (~3 ms for 64 rows of a 49k
-    vocabulary on one core, as long as the rest of a tiny model's step); its amax is vectorized.
-    So: the maximum of each slice of the vocabulary, the first slice holding the row's maximum
-    (argmax over n x vocab/256 values), then the first maximum within that slice: ~0.3 ms, and
-    the same index (amax keeps NaN, so the first slice with a NaN and its first NaN win, as in
-    argmax). Elsewhere (CUDA: one kernel) the plain argmax."""
-    n, vocab = logits.shape
-    if logits.device.type != "cpu" or not logits.is_contiguous() or n == 0:
-        return logits.argmax(dim=-1)
-    size = next((s for s in _ARGMAX_SLICES if vocab % s == 0 and vocab > s), 0)
-    if not size:
-        return logits.argmax(dim=-1)
-    slices = logits.view(n, vocab // size, size)
-    first = slices.amax(dim=-1).argmax(dim=-1)  # [n]: the slice of each row's first maximum
-    within = slices[torch.arange(n), first].argmax(dim=-1)
-    return first * size + within
+    return torch.where(greedy_mask, logits.argmax(dim=-1), sampled)
 
 
 def scaled_logits(logits: torch.Tensor, params: Sequence[SamplingConfig]) -> torch.Tensor:

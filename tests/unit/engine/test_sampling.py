@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from services.worker.engine.api import SamplingConfig
-from services.worker.engine.sampler import argmax_rows, sample
+from services.worker.engine.sampler import sample
 from tests.unit.engine.conftest import EngineFactory, drain, greedy, request, tokens_of
 
 PROMPT = tuple(range(10, 40))
@@ -80,21 +80,3 @@ def test_seeded_rows_do_not_depend_on_neighbours() -> None:
     a = sample(logits[1:2], [p], [torch.Generator().manual_seed(5)])
     b = sample(logits, [p, p, p], [None, torch.Generator().manual_seed(5), None])
     assert int(a[0]) == int(b[1])
-
-
-def test_argmax_rows_is_torchs_argmax() -> None:
-    """The sliced CPU argmax picks torch's index: the first maximum (ties across and within
-    slices), the first NaN, a row of -inf; vocabularies its slices divide and one they do not."""
-    gen = torch.Generator().manual_seed(0)
-    for vocab in (49152, 192, 1000, 7):
-        x = torch.randint(-3, 4, (12, vocab), generator=gen).float()  # many ties
-        x[1] = float("-inf")
-        x[2, vocab // 2] = float("nan")
-        x[2, vocab - 1] = float("nan")
-        x[3, vocab - 1] = 100.0  # the maximum in the last slice
-        x[4] = 0.0
-        x[4, -1] = -0.0
-        x[5] = torch.randn(vocab, generator=gen)
-        assert torch.equal(argmax_rows(x), x.argmax(dim=-1)), vocab
-        assert torch.equal(argmax_rows(x[:, : vocab // 2 + 1]), x[:, : vocab // 2 + 1].argmax(dim=-1))
-    assert argmax_rows(torch.zeros(0, 256)).shape == (0,)
