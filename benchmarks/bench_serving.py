@@ -105,6 +105,7 @@ async def run_config(stack: Any, a: argparse.Namespace, tokenizer: Any) -> dict[
     target = loadgen.Target(stack.http_base_url, model, ignore_eos=True, request_timeout_s=600)
     await loadgen.run_sequential(target, requests(2, 32, 8, "warm", tokenizer))
     out: dict[str, Any] = {}
+    th0 = process_cpu.thread_snapshot(stack.pid)
     cpu0, t0 = process_cpu.snapshot(stack.pid), time.perf_counter()
     seq = await loadgen.run_sequential(
         target, requests(a.sequential, a.prompt_tokens, a.max_tokens, "one", tokenizer)
@@ -112,9 +113,13 @@ async def run_config(stack: Any, a: argparse.Namespace, tokenizer: Any) -> dict[
     out["one_at_a_time"] = summarize(seq, time.perf_counter() - t0)
     # CPU µs per delivered token in each service: on a host whose GPU outruns its CPUs, the
     # largest of these (times the tokens per step) bounds the step time from below
-    cpu1 = process_cpu.snapshot(stack.pid)
+    cpu1, th1 = process_cpu.snapshot(stack.pid), process_cpu.thread_snapshot(stack.pid)
     out["one_at_a_time"]["cpu_us_per_token"] = process_cpu.per_token_us(
         cpu0, cpu1, out["one_at_a_time"]["completion_tokens"]
+    )
+    # the workers' split: event loop (gRPC streams) vs engine step thread vs the rest
+    out["one_at_a_time"]["worker_threads_cpu_us_per_token"] = process_cpu.threads_per_token_us(
+        th0, th1, out["one_at_a_time"]["completion_tokens"]
     )
     t0 = time.perf_counter()
     # every request sent at once (an arrival rate no gap can follow)
@@ -124,6 +129,9 @@ async def run_config(stack: Any, a: argparse.Namespace, tokenizer: Any) -> dict[
     many = out[f"{a.burst}_at_once"] = summarize(burst, time.perf_counter() - t0)
     many["cpu_us_per_token"] = process_cpu.per_token_us(
         cpu1, process_cpu.snapshot(stack.pid), many["completion_tokens"]
+    )
+    many["worker_threads_cpu_us_per_token"] = process_cpu.threads_per_token_us(
+        th1, process_cpu.thread_snapshot(stack.pid), many["completion_tokens"]
     )
     return out
 

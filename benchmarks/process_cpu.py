@@ -64,3 +64,40 @@ def per_token_us(before: dict[str, float], after: dict[str, float], tokens: int)
     if tokens <= 0:
         return {}
     return {r: round((after[r] - before.get(r, 0.0)) / tokens * 1e6, 1) for r in sorted(after)}
+
+
+def thread_snapshot(root_pid: int, module: str = "services.worker") -> dict[tuple[int, int], float]:
+    """CPU seconds so far per (pid, thread id) of `root_pid`'s descendants running `module`."""
+    out: dict[tuple[int, int], float] = {}
+    todo = _children(root_pid)
+    while todo:
+        pid = todo.pop()
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if b"-m" in argv and argv[argv.index(b"-m") + 1].decode() == module:
+                for task in Path(f"/proc/{pid}/task").glob("*"):
+                    stat = (task / "stat").read_text()
+                    fields = stat[stat.rindex(")") + 2 :].split()
+                    out[(pid, int(task.name))] = (int(fields[11]) + int(fields[12])) * _TICK_S
+        except (OSError, ValueError, IndexError):
+            continue
+        todo += _children(pid)
+    return out
+
+
+def threads_per_token_us(
+    before: dict[tuple[int, int], float], after: dict[tuple[int, int], float], tokens: int
+) -> dict[str, float]:
+    """CPU µs per completion token of each process's main thread (its event loop), its busiest
+    other thread (a worker's engine step thread) and the rest, summed over the processes."""
+    if tokens <= 0:
+        return {}
+    out = {"main": 0.0, "busiest_other": 0.0, "rest": 0.0}
+    for pid in {p for p, _ in after}:
+        deltas = {t: after[(p, t)] - before.get((p, t), 0.0) for p, t in after if p == pid}
+        out["main"] += deltas.pop(pid, 0.0)
+        if deltas:
+            busiest = max(deltas, key=lambda t: deltas[t])
+            out["busiest_other"] += deltas.pop(busiest)
+            out["rest"] += sum(deltas.values())
+    return {k: round(v / tokens * 1e6, 1) for k, v in out.items()}

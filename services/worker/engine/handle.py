@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import AsyncIterator, Sequence
 
 from services.worker.engine.api import RequestOutput
@@ -18,20 +18,35 @@ class OutputHandle:
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
         self.request_id = request_id
         self.loop = loop
-        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        # outputs not yet taken, and the future the consumer waits on while there are none (a
+        # deque and one future: an asyncio.Queue's get coroutine, task counting and waiter
+        # lists cost more than that per streamed token, for a queue with one consumer)
+        self._outputs: deque[RequestOutput] = deque()
+        self._waiter: asyncio.Future[None] | None = None
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        outputs = self._outputs
         while True:
-            out = await self._queue.get()
+            while not outputs:
+                self._waiter = self.loop.create_future()
+                try:
+                    await self._waiter
+                finally:
+                    self._waiter = None
+            out = outputs.popleft()
             yield out
             if out.finished:
                 return
 
     def _put(self, out: RequestOutput) -> None:
-        self._queue.put_nowait(out)
+        """On the handle's loop (deliver_batch's callback)."""
+        self._outputs.append(out)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():  # done: the consumer was cancelled
+            waiter.set_result(None)
 
 
 def _put_all(items: Sequence[tuple[OutputHandle, RequestOutput]]) -> None:
