@@ -193,11 +193,14 @@ def _burst_share(target: Target, requests: Sequence[Request], at: float) -> tupl
 
 def run_all_at_once(
     target: Target, requests: Sequence[Request], processes: int
-) -> tuple[list[RequestResult], float]:
+) -> tuple[list[RequestResult], float, float]:
     """Every request sent at once, from `processes` client processes (request i from process
-    i % processes); returns the results in request order and the clients' CPU seconds."""
+    i % processes); returns the results in request order, the clients' CPU seconds and the wall
+    seconds from the sending to the last answer (the processes' start-up not included)."""
     if processes <= 1:
-        return _burst_share(target, requests, 0.0)
+        start = time.time()
+        results, cpu_s = _burst_share(target, requests, 0.0)
+        return results, cpu_s, time.time() - start
     shares = [list(requests[i::processes]) for i in range(processes)]
     # spawn: the parent holds torch's thread pools, which a fork would copy half-initialised;
     # the barrier holds the burst until every client process has started (imports take seconds)
@@ -207,5 +210,6 @@ def run_all_at_once(
         ready.wait()
         at = time.time() + 0.2
         done = pool.starmap(_burst_share, [(target, share, at) for share in shares], chunksize=1)
+        wall_s = time.time() - at
     by_index = {r.index: r for results, _ in done for r in results}
-    return [by_index[r.index] for r in requests], sum(cpu for _, cpu in done)
+    return [by_index[r.index] for r in requests], sum(cpu for _, cpu in done), wall_s

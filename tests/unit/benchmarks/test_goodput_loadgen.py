@@ -96,11 +96,12 @@ async def test_open_loop_stops_sending_after_its_time_bound(fake: FakeServer) ->
 def test_a_burst_from_two_client_processes_returns_every_result_in_order() -> None:
     with running_fake_server(ttft_s=0.5, itl_s=0.01) as slow:
         target = Target(slow.base_url, "fake-model")
-        results, cpu_s = run_all_at_once(target, [req(i, max_tokens=3) for i in range(6)], processes=2)
+        burst = [req(i, max_tokens=3) for i in range(6)]
+        results, cpu_s, wall_s = run_all_at_once(target, burst, processes=2)
         assert [r.index for r in results] == list(range(6)) and all(r.ok for r in results)
         assert all(r.completion_tokens == 3 for r in results)
         assert slow.max_in_flight == 6  # both processes' requests streamed at once
-        assert cpu_s > 0
+        assert cpu_s > 0 and wall_s >= 0.5  # the fake's time to first token
 
 
 def test_the_whole_harness_against_a_given_base_url(
