@@ -106,22 +106,16 @@ async def run_config(stack: Any, a: argparse.Namespace, tokenizer: Any) -> dict[
     target = loadgen.Target(stack.http_base_url, model, ignore_eos=True, request_timeout_s=600)
     await loadgen.run_sequential(target, requests(2, 32, 8, "warm", tokenizer))
     out: dict[str, Any] = {}
-    th0 = process_cpu.thread_snapshot(stack.pid)
-    cpu0, t0 = process_cpu.snapshot(stack.pid), time.perf_counter()
+    # Each phase records the CPU µs per delivered token of every service (and the workers' split:
+    # event loop vs engine step thread): on a host whose GPU outruns its CPUs, the largest of
+    # these (times the tokens per step) bounds the step time from below.
+    mark0, t0 = process_cpu.mark(stack.pid), time.perf_counter()
     seq = await loadgen.run_sequential(
         target, requests(a.sequential, a.prompt_tokens, a.max_tokens, "one", tokenizer)
     )
-    out["one_at_a_time"] = summarize(seq, time.perf_counter() - t0)
-    # CPU µs per delivered token in each service: on a host whose GPU outruns its CPUs, the
-    # largest of these (times the tokens per step) bounds the step time from below
-    cpu1, th1 = process_cpu.snapshot(stack.pid), process_cpu.thread_snapshot(stack.pid)
-    out["one_at_a_time"]["cpu_us_per_token"] = process_cpu.per_token_us(
-        cpu0, cpu1, out["one_at_a_time"]["completion_tokens"]
-    )
-    # the workers' split: event loop (gRPC streams) vs engine step thread vs the rest
-    out["one_at_a_time"]["worker_threads_cpu_us_per_token"] = process_cpu.threads_per_token_us(
-        th0, th1, out["one_at_a_time"]["completion_tokens"]
-    )
+    one = out["one_at_a_time"] = summarize(seq, time.perf_counter() - t0)
+    mark1 = process_cpu.mark(stack.pid)
+    one.update(process_cpu.per_token(mark0, mark1, one["completion_tokens"]))
     # every request sent at once (an arrival rate no gap can follow), from --clients processes
     burst, client_s, wall_s = await asyncio.to_thread(
         loadgen.run_all_at_once,
@@ -130,14 +124,9 @@ async def run_config(stack: Any, a: argparse.Namespace, tokenizer: Any) -> dict[
         a.clients,
     )
     many = out[f"{a.burst}_at_once"] = summarize(burst, wall_s)
-    many["cpu_us_per_token"] = process_cpu.per_token_us(
-        cpu1, process_cpu.snapshot(stack.pid), many["completion_tokens"]
-    )
+    many.update(process_cpu.per_token(mark1, process_cpu.mark(stack.pid), many["completion_tokens"]))
     many["cpu_us_per_token"]["clients"] = round(client_s / max(1, many["completion_tokens"]) * 1e6, 1)
     many["clients"] = a.clients
-    many["worker_threads_cpu_us_per_token"] = process_cpu.threads_per_token_us(
-        th1, process_cpu.thread_snapshot(stack.pid), many["completion_tokens"]
-    )
     return out
 
 
