@@ -76,6 +76,8 @@ def logprobs_to_pb(logprobs: tuple[TokenLogprob, ...]) -> list[common_pb2.TokenL
 
 
 def logprobs_from_pb(logprobs: Iterable[common_pb2.TokenLogprob]) -> tuple[TokenLogprob, ...]:
+    if not logprobs:  # most frames carry none: no generator and tuple built per token for nothing
+        return ()
     return tuple(
         TokenLogprob(lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top_logprobs))
         for lp in logprobs
@@ -260,9 +262,8 @@ def decode_event(frame: worker_pb2.DecodeFrame) -> DecodeEvent:
         trim_blocks=frame.trim_blocks if frame.HasField("trim_blocks") else None,
         local_cached_tokens=frame.local_cached_tokens,
         transferred_cached_tokens=frame.transferred_cached_tokens,
-        # (most frames carry none: no generator and tuple built per token for nothing)
-        logprobs=logprobs_from_pb(frame.logprobs) if frame.logprobs else (),
-        prompt_logprobs=logprobs_from_pb(frame.prompt_logprobs) if frame.prompt_logprobs else (),
+        logprobs=logprobs_from_pb(frame.logprobs),
+        prompt_logprobs=logprobs_from_pb(frame.prompt_logprobs),
     )
 
 
