@@ -19,7 +19,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.up_shape import CLUSTER_TOKEN_ENV, Child
+from services.up_shape import CLUSTER_TOKEN_ENV, WORKER_MODULES, Child
 from shared.cluster_auth import TOKEN_HEADER
 from shared.tls import TlsConfig
 
@@ -88,11 +88,11 @@ def stop_all(children: Sequence[Child], grace_s: float = 30.0) -> None:
     the scheduler, the load-monitor last. A child still running `grace_s` after its SIGTERM is killed."""
     stages: list[list[Child]] = []
 
-    def kind(child: Child) -> str:
-        return "worker" if "worker" in child.name else child.name.split("-")[0]
+    def kind(child: Child) -> str:  # one stage per kind: every worker module is one kind
+        return "worker" if child.module in WORKER_MODULES.values() else child.module
 
     for child in reversed(children):  # gateways first, load-monitor last
-        if kind(child) in ("worker", "gateway") and stages and kind(stages[-1][0]) == kind(child):
+        if stages and kind(stages[-1][0]) == kind(child):
             stages[-1].append(child)
         else:
             stages.append([child])
