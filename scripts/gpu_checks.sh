@@ -72,8 +72,9 @@ if [[ $what == window ]]; then
   # service's CPU per token (whether the host's processes or the GPU set TPOT at 64 in flight:
   # one gateway process took ~160-260 us of CPU per token on the 2-core EPYC, 64 tokens per
   # step); `engine` is bench-engine on the 8B shape against HF's padded batch with the steps vs
-  # floor, as served with async scheduling). Each part has its own limit (T_<PART> seconds; SIGINT, so pytest and the
-  # benchmarks still write what they have), so a slow one never takes the later ones' time.
+  # floor, as served with async scheduling). Each part has its own limit (T_<PART> seconds;
+  # SIGINT, so pytest and the benchmarks still write what they have), so a slow one never takes
+  # the later ones' time.
   # NIXL comes from .gpu/nixl.tar.xz (scripts/nixl_bundle.sh) unpacked on PYTHONPATH.
   for part in ${WINDOW_PARTS:-stack tests probe serving}; do
     echo "== window part: $part ($(date +%T))"
