@@ -81,7 +81,7 @@ def _memory_flag(a: argparse.Namespace) -> list[str]:
     return ["--gpu-memory-utilization", f"{share:g}"]
 
 
-def worker_name(kind: str, index: int) -> str:
+def replica_name(kind: str, index: int) -> str:
     """`decode-worker`, `decode-worker-1`, ... (`gateway`, `gateway-1`, ...): the first keeps the
     plain name (and port)."""
     return kind if index == 0 else f"{kind}-{index}"
@@ -146,7 +146,7 @@ def children(a: argparse.Namespace, model_path: str) -> list[Child]:
         role = ["--role", "unified"] if kind == "worker" else []
         own = {"prefill-worker": a.prefill_worker_arg, "decode-worker": a.decode_worker_arg}.get(kind, [])
         for index in range(count):
-            name = worker_name(kind, index)
+            name = replica_name(kind, index)
             stack.append(
                 Child(
                     name,
@@ -157,7 +157,7 @@ def children(a: argparse.Namespace, model_path: str) -> list[Child]:
             )
     gateways = a.gateways
     for index in range(gateways):
-        name = worker_name("gateway", index)
+        name = replica_name("gateway", index)
         stack.append(
             Child(
                 name,
