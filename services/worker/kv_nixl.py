@@ -26,12 +26,16 @@ way.
 
 Progress. NIXL's own progress thread busy-polls (its Python API fixes the delay at 0): measured,
 an idle agent burnt ~0.5 of a core, which on a 2-core worker host is most of a prefill's share.
-So the agent runs without it: the decode side progresses while it waits for its READ
+So on CPU the agent runs without it (`--kv-nixl-progress loop`, the default there): the decode
+side progresses while it waits for its READ
 (check_xfer_state), and the prefill side, whose memory is read, calls `progress` about every
 millisecond while its handoff is in flight (kv_send_nixl.py; in parts, from the first message
 until the PushKv call ends). Without the target's progress a READ never completes, over shared
 memory (CMA) or TCP alike. Measured between two processes on this
 2-core CPU (22.5 MiB, 180 descriptors): 5.6 ms this way, 13 ms with the spinning thread.
+On CUDA (`auto`: the thread) a GPU host has cores to spare, and a millisecond per answer is what
+a READ of the 8B shape's 512 plane descriptors cannot afford: on an H200 the 2,048-token
+handoff took ~615 ms with the loop (benchmarks/nixl_probe.py separates the transport).
 
 Timeouts. A READ cannot be cancelled: measured with UCX, the bytes of a READ whose handle was
 released (even with its peer's metadata removed) still land once the peer progresses. A READ that
@@ -127,10 +131,14 @@ class NixlKvAgent:
     """One per worker process. Thread-safe: calls are serialized by one lock (READs are run from
     worker threads; one at a time keeps the agent's use simple and the link busy)."""
 
-    def __init__(self, api: Any, pools: list[torch.Tensor], layout: KvLayout) -> None:
+    def __init__(
+        self, api: Any, pools: list[torch.Tensor], layout: KvLayout, progress_thread: bool = False
+    ) -> None:
         self.name = f"pdserve-{uuid.uuid4().hex}"  # unique per process: a restarted peer is new
         self._api = api
-        config = api.nixl_agent_config(backends=["UCX"], enable_prog_thread=False)
+        # with NIXL's own progress thread, `progress` has nothing to do
+        self.progress_thread = progress_thread
+        config = api.nixl_agent_config(backends=["UCX"], enable_prog_thread=progress_thread)
         self._agent = api.nixl_agent(self.name, config)
         self._pools = pools
         self._layout = layout
@@ -146,16 +154,24 @@ class NixlKvAgent:
                 raise ValueError("a KV pool registered with NIXL must be contiguous")
             self._agent.register_memory(pool)
         self._metadata: bytes = self._agent.get_agent_metadata()
-        log.info("nixl_ready", agent=self.name, pools=len(pools), pool_bytes=sum(_nbytes(p) for p in pools))
+        log.info(
+            "nixl_ready",
+            agent=self.name,
+            pools=len(pools),
+            pool_bytes=sum(_nbytes(p) for p in pools),
+            progress_thread=progress_thread,
+        )
 
     @classmethod
-    def create(cls, pools: list[torch.Tensor], layout: KvLayout) -> NixlKvAgent | None:
+    def create(
+        cls, pools: list[torch.Tensor], layout: KvLayout, progress_thread: bool = False
+    ) -> NixlKvAgent | None:
         """The agent with every pool registered, or None (logged) where NIXL does not work."""
         api = load_nixl()
         if api is None:
             return None
         try:
-            return cls(api, pools, layout)
+            return cls(api, pools, layout, progress_thread)
         except Exception as exc:  # no UCX plugin, registration refused: serve over gRPC
             log.warning("nixl_agent_failed", error=f"{type(exc).__name__}: {exc}")
             return None
@@ -269,8 +285,9 @@ class NixlKvAgent:
 
     def progress(self) -> None:
         """Let the agent answer peers' READs of its memory (the prefill side calls this while a
-        handoff is in flight). Skipped while this agent's own READ runs: its wait progresses."""
-        if self._lock.acquire(blocking=False):
+        handoff is in flight). Skipped while this agent's own READ runs: its wait progresses;
+        and always with NIXL's progress thread."""
+        if not self.progress_thread and self._lock.acquire(blocking=False):
             try:
                 self._agent.get_new_notifs()  # drives the UCX worker's progress
             finally:

@@ -91,7 +91,9 @@ class NixlKvSender:
 
     async def _progressing(self, call: Awaitable[_T]) -> _T:
         """Await the call while progressing this agent about every millisecond, so that the
-        decode worker's READ of our blocks completes (kv_nixl: no progress thread)."""
+        decode worker's READ of our blocks completes (unless NIXL's progress thread does)."""
+        if self._agent.progress_thread:
+            return await call
         task = asyncio.ensure_future(call)
         try:
             while not task.done():
@@ -138,6 +140,8 @@ class EarlyNixlPush:
         self._progress = asyncio.ensure_future(self._progressing())
 
     async def _progressing(self) -> None:
+        if self._agent.progress_thread:
+            return
         while not self._stream.done():
             self._agent.progress()
             await asyncio.sleep(_PROGRESS_INTERVAL_S)

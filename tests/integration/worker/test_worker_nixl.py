@@ -114,6 +114,28 @@ async def test_nixl_handoff_matches_unified_and_skips_cached_blocks(
     await wait_blocks_free(prefill)
 
 
+async def test_nixl_progress_thread_serves_the_read_without_the_event_loop(
+    unified: RunningWorker, tiny_model: Path
+) -> None:
+    """`--kv-nixl-progress thread` (auto's choice on CUDA): NIXL's own thread answers the READ of
+    the prefill worker's blocks, whose event loop then never progresses the agent; identity."""
+    async with (
+        running_worker(worker_settings(tiny_model, "prefill", kv_nixl_progress="thread")) as p,
+        running_worker(worker_settings(tiny_model, "decode", kv_nixl_progress="thread")) as d,
+    ):
+        assert p.app.nixl is not None and p.app.nixl.progress_thread
+        calls: list[int] = []
+        real = p.app.nixl._agent.get_new_notifs
+        p.app.nixl._agent.get_new_notifs = lambda: calls.append(1) or real()  # type: ignore[method-assign]
+        ids = prompt_ids(tiny_model)
+        reply, frames = await nixl_handoff(p, d, "t1", ids, 12)
+        assert reply.kv_transport == worker_pb2.KV_TRANSPORT_NIXL and reply.kv_bytes_sent > 0
+        assert calls == []
+        assert list(reply.token_ids) + token_ids_of(frames) == await unified_tokens(unified, ids, 12)
+        await wait_blocks_free(d)
+        await wait_blocks_free(p)
+
+
 def _failing_read(*args: Any, **kwargs: Any) -> int:
     raise KvTransferFailed("injected: the peer went away")
 

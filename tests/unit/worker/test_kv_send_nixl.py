@@ -29,6 +29,8 @@ class FakeEngine:
 
 
 class FakeAgent:
+    progress_thread = False
+
     def source(self, dp_rank: int, block_ids: list[int], first_block: int) -> NixlSource:
         return NixlSource("prefill", b"meta", 4096, 64, 0, "DRAM", tuple(block_ids), first_block)
 

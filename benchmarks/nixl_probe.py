@@ -1,0 +1,171 @@
+"""NIXL READ of one request's KV between two processes, as the workers do it, by progress mode.
+
+Why: on an H200 (2026-11-27) the 8B shape's 2,048-token handoff (256 MiB, one run of blocks =
+512 plane descriptors of 512 KiB) took ~615 ms over NIXL inside `bench_stack`, ~1.2 ms per
+descriptor, about the prefill worker's progress cadence (kv_send_nixl: every ~1 ms on its event
+loop). This probe separates the transport from the stack: a target process registers a pool of
+the model's KV layout and progresses its agent one way (`none`, `poll` every `--poll-us`, `spin`,
+or NIXL's own progress `thread`); the main process READs a run of blocks (one descriptor per
+plane) or scattered blocks (one per plane per block), checks the bytes, and reports ms and GiB/s.
+
+  python -m benchmarks.nixl_probe --device cuda --modes poll spin thread --out r.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from benchmarks.bench_stack import machine
+from services.worker.kv_descriptors import block_runs, plane_descriptors
+from shared.cluster import KvLayout
+
+_LAYOUTS = {  # name: (layers, kv_heads, head_dim)
+    "llama-8b": (32, 8, 128),
+    "smollm2": (30, 3, 64),
+}
+
+
+def _pool(layout: KvLayout, slots: int, device: str, dtype: torch.dtype, fill: float) -> torch.Tensor:
+    shape = (layout.num_layers, 2, layout.num_kv_heads, slots, layout.head_dim)
+    pool = torch.empty(shape, dtype=dtype, device=device)
+    # distinct values per slot so a wrong block is seen: slot index scaled, plus the side's fill
+    pool.copy_(
+        torch.arange(slots, device=device, dtype=torch.float32)
+        .mul(1e-3)
+        .add(fill)
+        .view(1, 1, 1, slots, 1)
+        .expand(shape)
+    )
+    return pool
+
+
+def _target(
+    conn: Any, mode: str, poll_us: int, layout: KvLayout, slots: int, device: str, dtype: str
+) -> None:
+    from nixl_cu13 import _api as api
+
+    pool = _pool(layout, slots, device, getattr(torch, dtype), 1.0)
+    config = api.nixl_agent_config(backends=["UCX"], enable_prog_thread=mode == "thread")
+    agent = api.nixl_agent(f"target-{mode}", config)
+    agent.register_memory(pool)
+    torch.cuda.synchronize() if device == "cuda" else None
+    conn.send((agent.get_agent_metadata(), pool.data_ptr()))
+    while not conn.poll(0):
+        if mode in ("poll", "spin"):
+            agent.get_new_notifs()
+        if mode == "poll":
+            time.sleep(poll_us * 1e-6)
+        elif mode in ("none", "thread"):
+            time.sleep(0.001)
+    conn.recv()
+
+
+def _read(agent: Any, name: str, local: np.ndarray, remote: np.ndarray, mem: str) -> float:
+    t0 = time.perf_counter()
+    handle = agent.initialize_xfer(
+        "READ", agent.get_xfer_descs(local, mem), agent.get_xfer_descs(remote, mem), name
+    )
+    state = agent.transfer(handle)
+    deadline = t0 + 30
+    while state == "PROC" and time.perf_counter() < deadline:
+        state = agent.check_xfer_state(handle)
+    ms = (time.perf_counter() - t0) * 1e3
+    agent.release_xfer_handle(handle)
+    if state != "DONE":
+        raise RuntimeError(f"READ ended {state}")
+    return ms
+
+
+def probe(mode: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    from nixl_cu13 import _api as api
+
+    layers, heads, dim = _LAYOUTS[args.layout]
+    layout = KvLayout(
+        num_layers=layers, num_kv_heads=heads, head_dim=dim, block_size=args.block_size, dtype=args.dtype
+    )
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(
+        target=_target, args=(child, mode, args.poll_us, layout, args.slots, args.device, args.dtype)
+    )
+    proc.start()
+    rows = []
+    try:
+        metadata, remote_addr = parent.recv()
+        dtype = getattr(torch, args.dtype)
+        pool = _pool(layout, args.slots, args.device, dtype, 0.0)
+        config = api.nixl_agent_config(backends=["UCX"], enable_prog_thread=mode == "thread")
+        agent = api.nixl_agent(f"reader-{mode}", config)
+        agent.register_memory(pool)
+        name = agent.add_remote_agent(metadata)
+        name = name.decode() if isinstance(name, bytes) else name
+        mem = "VRAM" if args.device == "cuda" else "DRAM"
+        dev = 0
+        nblocks = args.tokens // args.block_size
+        itemsize = pool.element_size()
+        for shape in args.shapes:
+            if shape == "run":
+                src = list(range(nblocks))
+                dst = list(range(args.slots // args.block_size - nblocks, args.slots // args.block_size))
+            else:  # scattered: every other block on the source, reversed on the reader
+                src = list(range(0, 2 * nblocks, 2))
+                dst = list(reversed(range(nblocks)))
+            runs = block_runs(src, dst)
+            s0, d0, counts = (list(x) for x in zip(*runs, strict=True))
+            remote = plane_descriptors(remote_addr, args.slots, layout, itemsize, dev, s0, counts)
+            local = plane_descriptors(pool.data_ptr(), args.slots, layout, itemsize, dev, d0, counts)
+            times = [_read(agent, name, local, remote, mem) for _ in range(args.repeat)]
+            got = pool[:, :, :, [d * args.block_size for d in dst]].float()
+            want = torch.tensor([s * args.block_size * 1e-3 + 1.0 for s in src], device=args.device)
+            ok = bool(torch.allclose(got[0, 0, 0, :, 0], want.to(got.dtype), atol=0.05, rtol=1e-2))
+            mib = int(local[:, 1].sum()) / 2**20
+            best = min(times)
+            row = {
+                "mode": mode,
+                "shape": shape,
+                "descriptors": len(local),
+                "mib": round(mib, 1),
+                "ms_all": [round(t, 3) for t in times],
+                "ms_best": round(best, 3),
+                "gib_per_s": round(mib / 1024 / (best / 1e3), 2),
+                "bytes_ok": ok,
+            }
+            print(row, flush=True)
+            rows.append(row)
+            pool.zero_()
+    finally:
+        parent.send("stop")
+        proc.join(10)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--layout", choices=sorted(_LAYOUTS), default="llama-8b")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--slots", type=int, default=8192, help="pool slots (tokens) per side")
+    p.add_argument("--tokens", type=int, default=2048, help="tokens READ (one request's prompt)")
+    p.add_argument("--modes", nargs="+", default=["poll", "spin", "thread"])
+    p.add_argument("--poll-us", type=int, default=1000)
+    p.add_argument("--shapes", nargs="+", default=["run", "scattered"])
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--out")
+    args = p.parse_args()
+    rows = [r for mode in args.modes for r in probe(mode, args)]
+    result = {"rows": rows, "config": vars(args), "machine": machine(args.device)}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
