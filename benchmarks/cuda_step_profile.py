@@ -7,6 +7,9 @@ launch gaps from kernel work; the top kernels say which to fuse or replace next.
         [--paths fused torch]
 
 Several `--seqs` profile one model (loaded once) at each batch size: `runs` in the result.
+`--block-sizes 16 32` profiles each path over pools of each block size (FlexAttention's KV tile
+is one pool block; keys `fused_in_place_block32` etc. for sizes other than 16). Each run has its
+floor: the weights plus the batch's KV read once at the bandwidth measured here.
 
 Writes benchmarks/results/cuda-step-profile-<gpu>.json. Needs CUDA.
 """
@@ -23,7 +26,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.engine_floor import time_decode_steps
+from benchmarks.engine_floor import cuda_bandwidth, time_decode_steps, weight_bytes_per_step
 from services.worker.engine.backend import ModelBackend
 from services.worker.engine.model_loading import kv_layout_of, load_model
 from services.worker.engine.model_runner import ModelRunner
@@ -33,13 +36,13 @@ from shared.model_store import resolve_model
 RESULTS = Path(__file__).parent / "results"
 
 
-def profile(model: Any, seqs: int, context: int, fused: bool | None) -> dict[str, Any]:
+def profile(model: Any, seqs: int, context: int, fused: bool | None, block: int = 16) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     dev = torch.device("cuda")
-    layout = kv_layout_of(model.config, 16, torch.bfloat16)
-    per_seq = -(-(context + 1) // 16)
+    layout = kv_layout_of(model.config, block, torch.bfloat16)
+    per_seq = -(-(context + 1) // block)
     # static steps as CUDA graphs; fused False: the torch-only path (--no-cuda-kernels)
     backend = ModelBackend.choose(BackendOptions(cuda_kernels=fused is not False), dev)
     runner = ModelRunner(model, layout, seqs * per_seq + 1, dev, torch.bfloat16, backend=backend)
@@ -81,33 +84,46 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, nargs="+", default=[8])
     ap.add_argument("--context", type=int, default=319)
     ap.add_argument("--paths", nargs="+", default=["fused", "torch"], choices=["fused", "torch"])
+    ap.add_argument("--block-sizes", type=int, nargs="+", default=[16], help="pool block sizes (tokens)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     t0 = time.perf_counter()
-    model = load_model(str(resolve_model(a.model)), torch.device("cuda"), torch.bfloat16)
+    dev = torch.device("cuda")
+    model = load_model(str(resolve_model(a.model)), dev, torch.bfloat16)
+    bandwidth = cuda_bandwidth(dev)
+    layout = kv_layout_of(model.config, 16, torch.bfloat16)
+    kv_bytes = 2 * layout.num_layers * layout.num_kv_heads * layout.head_dim * 2  # per token (bf16)
     runs = []
     for seqs in a.seqs:
-        run: dict[str, Any] = {"seqs": seqs, "context": a.context}
+        floor_ms = (weight_bytes_per_step(model, seqs) + seqs * a.context * kv_bytes) / bandwidth * 1e3
+        run: dict[str, Any] = {"seqs": seqs, "context": a.context, "floor_ms": round(floor_ms, 3)}
         for path in a.paths:
-            key = "fused_in_place" if path == "fused" else "torch_path"
-            run[key] = p = profile(model, seqs, a.context, None if path == "fused" else False)
-            print(
-                f"{seqs} seqs, {key}: step {p['step_ms']} ms, kernels {p['kernel_ms_per_step']} ms "
-                f"({p['kernels_per_step']}/step)"
-            )
-            for row in p["top"][:12]:
-                print(f"   {row['us_per_step']:>8.1f} us  x{row['calls_per_step']:<6g} {row['kernel']}")
+            for block in a.block_sizes:
+                key = ("fused_in_place" if path == "fused" else "torch_path") + (
+                    "" if block == 16 else f"_block{block}"
+                )
+                run[key] = p = profile(model, seqs, a.context, None if path == "fused" else False, block)
+                p["vs_floor"] = round(p["step_ms"] / floor_ms, 3)
+                print(
+                    f"{seqs} seqs, {key}: step {p['step_ms']} ms ({p['vs_floor']}x the floor "
+                    f"{floor_ms:.3f}), kernels {p['kernel_ms_per_step']} ms ({p['kernels_per_step']}/step)"
+                )
+                for row in p["top"][:12]:
+                    print(f"   {row['us_per_step']:>8.1f} us  x{row['calls_per_step']:<6g} {row['kernel']}")
         runs.append(run)
     doc: dict[str, Any] = {
         "gpu": torch.cuda.get_device_name(0),
         "torch": torch.__version__,
         "model": a.model,
+        "bandwidth_gb_s": round(bandwidth / 1e9, 1),
         # one batch size: its profiles at the top level (the first results' layout)
         **(runs[0] if len(runs) == 1 else {"runs": runs}),
         "command": "python -m benchmarks.cuda_step_profile --seqs "
         + " ".join(map(str, a.seqs))
         + f" --context {a.context} --paths "
-        + " ".join(a.paths),
+        + " ".join(a.paths)
+        + " --block-sizes "
+        + " ".join(map(str, a.block_sizes)),
     }
     doc["seconds"] = round(time.perf_counter() - t0, 1)
     gpu = re.sub(r"[^a-z0-9]+", "-", doc["gpu"].lower().replace("nvidia", "")).strip("-")

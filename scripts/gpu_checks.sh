@@ -65,24 +65,33 @@ if [[ $what == serving ]]; then
     --out "$RES/serving-llama-8b-$TAG.json" || rc=1
 fi
 if [[ $what == window ]]; then
-  # One short lease: the parts named in WINDOW_PARTS, in that order (default: bench-stack at
-  # 2,048 tokens over both transports (issue 27's last figures), the CUDA tests on 4 processes,
-  # the attention block-size sweep and the step profile at 1/8/64 sequences (`probe`), and the
-  # unified stack with two gateways served one request at a time and 64 at once, with each
-  # service's CPU per token (whether the host's processes or the GPU set TPOT at 64 in flight:
-  # one gateway process took ~160-260 us of CPU per token on the 2-core EPYC, 64 tokens per
-  # step); `engine` is bench-engine on the 8B shape against HF's padded batch with the steps vs
-  # floor, as served with async scheduling). Each part has its own limit (T_<PART> seconds;
-  # SIGINT, so pytest and the benchmarks still write what they have), so a slow one never takes
-  # the later ones' time.
+  # One short lease: the parts named in WINDOW_PARTS, in that order (default `stack probe
+  # serving tests`):
+  #   stack    the NIXL READ alone between two processes per progress mode (nixl_probe, T_NIXL,
+  #            UCX's protocol choice in its log), then bench-stack at 2,048 tokens over both
+  #            transports (issue 27's figures; at e5dd904 the handoff took 616 ms over NIXL);
+  #   probe    the attention block-size sweep, and the step profile at 1/8/64 sequences over
+  #            16- and 32-token blocks (each against its floor);
+  #   serving  the unified stack with two gateways, one request at a time and 64 at once, with
+  #            each service's CPU per token;
+  #   tests    the CUDA tests on 4 processes, each failure's report written as it happens
+  #            (gpu-test-failures-<gpu>.txt: a limit may interrupt pytest before its summary);
+  #   engine   bench-engine on the 8B shape against HF's padded batch, steps vs floor as served.
+  # Each part has its own limit (T_<PART> seconds; SIGINT, so pytest and the benchmarks still
+  # write what they have), so a slow one never takes the later ones' time.
   # NIXL comes from .gpu/nixl.tar.xz (scripts/nixl_bundle.sh) unpacked on PYTHONPATH.
-  for part in ${WINDOW_PARTS:-stack tests probe serving}; do
+  for part in ${WINDOW_PARTS:-stack probe serving tests}; do
     echo "== window part: $part ($(date +%T))"
     case $part in
       tests)
         timeout -s INT "${T_TESTS:-120}" $PY -m pytest -v -ra --tb=short --durations=15 \
-          -p no:cacheprovider -n 4 --timeout 100 -m gpu tests || rc=1 ;;
+          -p no:cacheprovider -n 4 --timeout 100 -m gpu \
+          --failure-log "$RES/gpu-test-failures-$TAG.txt" tests || rc=1 ;;
       stack)
+        # the READ alone first: two processes, per progress mode, UCX's protocol choice logged
+        UCX_PROTO_INFO=y timeout -s INT "${T_NIXL:-60}" $PY -m benchmarks.nixl_probe --device cuda \
+          --modes poll spin thread --out "$RES/nixl-probe-$TAG.json" > "$RES/nixl-probe-$TAG.log" 2>&1 || rc=1
+        tail -n 8 "$RES/nixl-probe-$TAG.log"
         timeout -s INT "${T_STACK:-240}" $PY -m benchmarks.bench_stack --device cuda --dtype bfloat16 \
           --model random:llama-8b --lengths 2048 --reps 2 --ready-timeout-s 150 \
           --out "$RES/stack-cuda-llama-8b-$TAG.json" || rc=1 ;;
@@ -100,7 +109,7 @@ if [[ $what == window ]]; then
           --contexts 512 2048 --block-sizes 32 64 128 --repeat 10 \
           --out "$RES/cuda-attention-$TAG.json" || rc=1
         timeout -s INT "${T_PROFILE:-90}" $PY -m benchmarks.cuda_step_profile --seqs 1 8 64 \
-          --paths fused --out "$RES/cuda-step-profile-$TAG.json" || rc=1 ;;
+          --paths fused --block-sizes 16 32 --out "$RES/cuda-step-profile-$TAG.json" || rc=1 ;;
       *) echo "unknown window part: $part"; rc=1 ;;
     esac
   done
