@@ -23,6 +23,21 @@ MAX_WORKERS_PER_KIND = 10  # worker i of a kind listens on base + offset + i (of
 GATEWAY_REPLICA_OFFSET = 90  # gateway i > 0 serves gRPC on base + 90 + i (all share the HTTP port)
 MAX_GATEWAYS = 9
 CLUSTER_TOKEN_ENV = "PDSERVE_CLUSTER_TOKEN"  # how children get the cluster token (never argv)
+# KV block size (tokens) when --block-size is not given. On a GPU, FlexAttention's KV tile is one
+# pool block: measured on an H200 (cuda-attention-h200.json, e5dd904), one 8B layer's decode
+# attention for 64 sequences x 2,048 tokens took 0.272 ms over 16-token blocks and 0.181 / 0.179
+# / 0.179 ms over 32 / 64 / 128; 32 keeps the prefix cache's granularity finest among those.
+# CPU kernels read any size; 16 there.
+CPU_BLOCK_SIZE, GPU_BLOCK_SIZE = 16, 32
+
+
+def block_size(a: argparse.Namespace) -> int:
+    """--block-size, or the default for the device (`auto` counts as a GPU, as for graphs)."""
+    if a.block_size:
+        return int(a.block_size)
+    return CPU_BLOCK_SIZE if a.device == "cpu" else GPU_BLOCK_SIZE
+
+
 WORKER_MODULES = {
     "prefill-worker": "services.prefill_worker",
     "decode-worker": "services.decode_worker",
@@ -121,7 +136,7 @@ def children(a: argparse.Namespace, model_path: str) -> list[Child]:
         "--dp-size",
         str(a.dp_size),
         "--block-size",
-        str(a.block_size),
+        str(block_size(a)),
         "--torch-threads",
         str(a.torch_threads),
         *_graphs_flag(a),
@@ -172,7 +187,7 @@ def children(a: argparse.Namespace, model_path: str) -> list[Child]:
                     "--model-cache-dir",
                     a.model_cache_dir,
                     "--block-size",
-                    str(a.block_size),
+                    str(block_size(a)),
                     "--http-port",
                     str(a.port_base + HTTP_OFFSET),
                     *(["--http-reuse-port"] if gateways > 1 else []),

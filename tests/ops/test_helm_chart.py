@@ -129,6 +129,7 @@ def test_gpu_requests_only_on_workers(default_objs: list[Obj], gpu_objs: list[Ob
             env = env_of(dep)
             assert env["PDSERVE_DEVICE"] == "cuda"
             assert env["PDSERVE_DTYPE"] == "bfloat16"
+            assert env["PDSERVE_BLOCK_SIZE"] == "32"  # GPU attention's tile is one block
             spec = dep["spec"]["template"]["spec"]
             assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
             toleration = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
@@ -138,6 +139,7 @@ def test_gpu_requests_only_on_workers(default_objs: list[Obj], gpu_objs: list[Ob
         else:
             assert gpus(dep) == (None, None), name
             assert "tolerations" not in dep["spec"]["template"]["spec"]
+    assert env_of(deployments(gpu_objs)["gateway"])["PDSERVE_BLOCK_SIZE"] == "32"
 
 
 def test_worker_roles_are_placed_independently() -> None:

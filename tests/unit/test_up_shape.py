@@ -216,3 +216,25 @@ def test_workers_that_share_the_gpu_split_its_memory() -> None:
     assert _memory_flags() == {"prefill-worker": [], "decode-worker": []}
     forced = _memory_flags("--device", "cuda", "--worker-arg=--gpu-memory-utilization=0.6")
     assert forced["decode-worker"] == ["0.45", "0.6"]
+
+
+def _block_sizes(*argv: str) -> dict[str, str]:
+    """Per child that takes one, its --block-size."""
+    return {
+        c.name: c.args[c.args.index("--block-size") + 1] for c in _children(*argv) if "--block-size" in c.args
+    }
+
+
+def test_block_size_defaults_by_device_and_reaches_workers_and_gateways_alike() -> None:
+    """16-token blocks on CPU, 32 on a GPU (FlexAttention's KV tile is one block: 1.5x faster
+    decode attention at 64 sequences on an H200); the gateways hash prompts with the workers'
+    size; an explicit --block-size wins on any device."""
+    assert set(_block_sizes().values()) == {"16"}
+    on_gpu = _block_sizes("--device", "cuda", "--gateways", "2")
+    assert set(on_gpu) == {"gateway", "gateway-1", "prefill-worker", "decode-worker"}
+    assert set(on_gpu.values()) == {"32"}
+    assert set(_block_sizes("--device", "auto", "--unified").values()) == {"32"}
+    assert set(_block_sizes("--device", "cuda", "--block-size", "16").values()) == {"16"}
+    assert set(_block_sizes("--block-size", "64").values()) == {"64"}
+    with pytest.raises(SystemExit, match="--block-size"):
+        up._parse(["--block-size", "-4"])

@@ -322,6 +322,14 @@ def test_cuda_graphs_with_attention_in_place_equal_the_torch_path(tiny_bpe: Path
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_in_place_over_32_token_blocks_equal_the_torch_path(tiny_bpe: Path) -> None:
+    """`pdserve up --device cuda`'s default block size (32 tokens: FlexAttention's KV tile is
+    one block) on the in-place graph path, against the torch-only eager path."""
+    _check_static_equals_plain(tiny_bpe, torch.device("cuda"), fused=None, tolerance=1e-4, block=32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 async def test_cuda_graph_engine_matches_cpu(make_engine: EngineFactory) -> None:
     cpu = make_engine()
     gpu = make_engine(device="cuda", dtype="float32", cuda_graphs=True)
