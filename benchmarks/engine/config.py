@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from services.up_shape import CPU_BLOCK_SIZE, GPU_BLOCK_SIZE
+
 # pdserve_eager: the engine with --no-cuda-graphs (CUDA only, where pdserve replays its decode
 # steps as CUDA graphs; left out on CPU, where both are the same engine). pdserve_no_row_copy: the
 # engine with --no-cpu-row-copy (CPU only: every step on oneDNN, no panel kernel)
@@ -63,6 +65,13 @@ def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
         help="per-step token budget of the engine and generate_batch; "
         "0 = the engine's device default (512 on CPU), 2048 for generate_batch",
     )
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=0,
+        help="KV block size of the pdserve engine (tokens); 0 = as `pdserve up` serves: 16 on CPU, "
+        "32 on a GPU",
+    )
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
     parser.add_argument(
         "--floor-batches", default="1,8,16", help="sequences per decode step in the floor probe (comma list)"
@@ -90,6 +99,8 @@ def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
     if args.engine_dp_size <= 0:
         cpu_ranks = min(2, os.cpu_count() or 1)
         args.engine_dp_size = cpu_ranks if args.device == "cpu" else 1
+    if args.block_size <= 0:
+        args.block_size = CPU_BLOCK_SIZE if args.device == "cpu" else GPU_BLOCK_SIZE
     if args.engine_threads < 0:
         args.engine_threads = 1 if args.device == "cpu" and args.engine_dp_size > 1 else args.threads
     return args
@@ -124,4 +135,6 @@ def child_argv(args: argparse.Namespace) -> list[str]:
         str(args.engine_threads),
         "--floor-batches",
         args.floor_batches,
+        "--block-size",
+        str(args.block_size),
     ]

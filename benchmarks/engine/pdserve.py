@@ -24,6 +24,7 @@ def _engine(args: argparse.Namespace, **overrides: Any) -> Any:
         "max_batch_tokens": args.max_batch_tokens,
         "torch_threads": args.engine_threads,
         "dp_size": args.engine_dp_size,
+        "block_size": args.block_size,
     }
     settings.update(overrides)
     engine = create_engine(EngineConfig(**settings))
@@ -132,5 +133,11 @@ def run_floor(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, A
     context = sum(len(p) for p in prompts) // len(prompts) + args.new_tokens // 2
     batches = tuple(int(b) for b in args.floor_batches.split(","))
     return engine_floor.measure(
-        args.model_path, args.device, args.dtype, max(1, args.engine_threads), batches, context
+        args.model_path,
+        args.device,
+        args.dtype,
+        max(1, args.engine_threads),
+        batches,
+        context,
+        args.block_size,
     )

@@ -95,6 +95,7 @@ def write(
             "threads": args.threads,
             "engine_dp_size": args.engine_dp_size,
             "engine_threads": args.engine_threads,
+            "block_size": args.block_size,
         },
         "details": results,
     }
