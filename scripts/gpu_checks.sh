@@ -78,7 +78,9 @@ if [[ $what == window ]]; then
   #            (gpu-test-failures-<gpu>.txt: a limit may interrupt pytest before its summary);
   #   engine   bench-engine on the 8B shape against HF's padded batch, steps vs floor as served.
   # Each part has its own limit (T_<PART> seconds; SIGINT, so pytest and the benchmarks still
-  # write what they have), so a slow one never takes the later ones' time.
+  # write what they have), so a slow one never takes the later ones' time. A 15-minute lease
+  # (one call at most 600 s, a start ~35 s) fits two calls on one warm machine: `stack probe
+  # serving` (~450 s) and then `engine tests` (~320 s).
   # NIXL comes from .gpu/nixl.tar.xz (scripts/nixl_bundle.sh) unpacked on PYTHONPATH.
   for part in ${WINDOW_PARTS:-stack probe serving tests}; do
     echo "== window part: $part ($(date +%T))"
