@@ -6,7 +6,8 @@ descriptor, about the prefill worker's progress cadence (kv_send_nixl: every ~1 
 loop). This probe separates the transport from the stack: a target process registers a pool of
 the model's KV layout and progresses its agent one way (`none`, `poll` every `--poll-us`, `spin`,
 or NIXL's own progress `thread`); the main process READs a run of blocks (one descriptor per
-plane) or scattered blocks (one per plane per block), checks the bytes, and reports ms and GiB/s.
+plane) or scattered blocks (one per plane per block), from its main thread or from a fresh one
+where torch set no device (as a worker's READs run), checks the bytes, and reports ms and GiB/s.
 
   python -m benchmarks.nixl_probe --device cuda --modes poll spin thread --out r.json
 """
@@ -16,7 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -35,15 +38,29 @@ _LAYOUTS = {  # name: (layers, kv_heads, head_dim)
 def _pool(layout: KvLayout, slots: int, device: str, dtype: torch.dtype, fill: float) -> torch.Tensor:
     shape = (layout.num_layers, 2, layout.num_kv_heads, slots, layout.head_dim)
     pool = torch.empty(shape, dtype=dtype, device=device)
-    # distinct values per slot so a wrong block is seen: slot index scaled, plus the side's fill
+    # each block's value tells it from its neighbours: (block id mod 97) + the side's fill,
+    # integers bf16 holds exactly
     pool.copy_(
         torch.arange(slots, device=device, dtype=torch.float32)
-        .mul(1e-3)
+        .div(layout.block_size, rounding_mode="floor")
+        .remainder(97)
         .add(fill)
         .view(1, 1, 1, slots, 1)
         .expand(shape)
     )
     return pool
+
+
+def _in_fresh_thread(fn: Callable[[], float]) -> float:
+    """fn's result, run in a new thread where torch never set a device (as a worker's READ runs
+    in a pool thread)."""
+    out: list[float] = []
+    thread = threading.Thread(target=lambda: out.append(fn()))
+    thread.start()
+    thread.join()
+    if not out:
+        raise RuntimeError("the READ failed in its thread")
+    return out[0]
 
 
 def _target(
@@ -121,29 +138,40 @@ def probe(mode: str, args: argparse.Namespace) -> list[dict[str, Any]]:
             s0, d0, counts = (list(x) for x in zip(*runs, strict=True))
             remote = plane_descriptors(remote_addr, args.slots, layout, itemsize, dev, s0, counts)
             local = plane_descriptors(pool.data_ptr(), args.slots, layout, itemsize, dev, d0, counts)
-            times = [_read(agent, name, local, remote, mem) for _ in range(args.repeat)]
-            got = pool[:, :, :, [d * args.block_size for d in dst]].float()
-            want = torch.tensor([s * args.block_size * 1e-3 + 1.0 for s in src], device=args.device)
-            ok = bool(torch.allclose(got[0, 0, 0, :, 0], want.to(got.dtype), atol=0.05, rtol=1e-2))
-            mib = int(local[:, 1].sum()) / 2**20
-            best = min(times)
-            row = {
-                "mode": mode,
-                "shape": shape,
-                "descriptors": len(local),
-                "mib": round(mib, 1),
-                "ms_all": [round(t, 3) for t in times],
-                "ms_best": round(best, 3),
-                "gib_per_s": round(mib / 1024 / (best / 1e3), 2),
-                "bytes_ok": ok,
-            }
-            print(row, flush=True)
-            rows.append(row)
-            pool.zero_()
+            for where in args.threads:
+                pool.zero_()
+
+                def once(local: np.ndarray = local, remote: np.ndarray = remote) -> float:
+                    return _read(agent, name, local, remote, mem)
+
+                times = [once() if where == "main" else _in_fresh_thread(once) for _ in range(args.repeat)]
+                got = pool[0, 0, 0, [d * args.block_size for d in dst], 0].float()
+                want = torch.tensor([s % 97 + 1.0 for s in src], device=args.device)
+                rows.append(_row(mode, shape, where, local, times, bool(torch.equal(got, want))))
     finally:
         parent.send("stop")
         proc.join(10)
     return rows
+
+
+def _row(
+    mode: str, shape: str, where: str, local: np.ndarray, times: list[float], ok: bool
+) -> dict[str, Any]:
+    mib = int(local[:, 1].sum()) / 2**20
+    best = min(times)
+    row = {
+        "mode": mode,
+        "shape": shape,
+        "reader_thread": where,
+        "descriptors": len(local),
+        "mib": round(mib, 1),
+        "ms_all": [round(t, 3) for t in times],
+        "ms_best": round(best, 3),
+        "gib_per_s": round(mib / 1024 / (best / 1e3), 2),
+        "bytes_ok": ok,
+    }
+    print(row, flush=True)
+    return row
 
 
 def main() -> None:
@@ -154,9 +182,18 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--slots", type=int, default=8192, help="pool slots (tokens) per side")
     p.add_argument("--tokens", type=int, default=2048, help="tokens READ (one request's prompt)")
-    p.add_argument("--modes", nargs="+", default=["poll", "spin", "thread"])
+    p.add_argument(
+        "--modes", nargs="+", default=["thread", "spin", "poll"], choices=["thread", "spin", "poll", "none"]
+    )
     p.add_argument("--poll-us", type=int, default=1000)
     p.add_argument("--shapes", nargs="+", default=["run", "scattered"])
+    p.add_argument(
+        "--threads",
+        nargs="+",
+        default=["main", "fresh"],
+        choices=["main", "fresh"],
+        help="READ from the thread that made the pool, or from a new thread (a worker's READs)",
+    )
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--out")
     args = p.parse_args()

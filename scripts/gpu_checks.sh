@@ -91,9 +91,11 @@ if [[ $what == window ]]; then
           --failure-log "$RES/gpu-test-failures-$TAG.txt" tests || rc=1 ;;
       stack)
         # the READ alone first: two processes, per progress mode, UCX's protocol choice logged
-        UCX_PROTO_INFO=y timeout -s INT "${T_NIXL:-60}" $PY -m benchmarks.nixl_probe --device cuda \
-          --modes poll spin thread --out "$RES/nixl-probe-$TAG.json" > "$RES/nixl-probe-$TAG.log" 2>&1 || rc=1
-        tail -n 8 "$RES/nixl-probe-$TAG.log"
+        UCX_PROTO_INFO=y timeout -s INT "${T_NIXL:-45}" $PY -m benchmarks.nixl_probe --device cuda \
+          --modes thread poll --shapes run --out "$RES/nixl-probe-$TAG.json" > "$RES/nixl-probe-$TAG.log" 2>&1 || rc=1
+        timeout -s INT 30 $PY -m benchmarks.nixl_probe --device cuda --modes thread --shapes scattered \
+          --threads main --repeat 2 --out "$RES/nixl-probe-scattered-$TAG.json" >> "$RES/nixl-probe-$TAG.log" 2>&1 || rc=1
+        grep "^{" "$RES/nixl-probe-$TAG.log"
         timeout -s INT "${T_STACK:-240}" $PY -m benchmarks.bench_stack --device cuda --dtype bfloat16 \
           --model random:llama-8b --lengths 2048 --reps 2 --ready-timeout-s 150 \
           --out "$RES/stack-cuda-llama-8b-$TAG.json" || rc=1 ;;

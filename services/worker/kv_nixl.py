@@ -138,6 +138,11 @@ class NixlKvAgent:
         self._api = api
         # with NIXL's own progress thread, `progress` has nothing to do
         self.progress_thread = progress_thread
+        # the GPU of the pools, made current in every thread that calls into the agent (UCX's
+        # CUDA transports work in the calling thread's context; a worker creates its agent on
+        # the event loop and READs from pool threads, where torch may never have set a device)
+        self._cuda = next((p.device for p in pools if p.device.type == "cuda"), None)
+        self._bind()
         config = api.nixl_agent_config(backends=["UCX"], enable_prog_thread=progress_thread)
         self._agent = api.nixl_agent(self.name, config)
         self._pools = pools
@@ -254,6 +259,7 @@ class NixlKvAgent:
             return 0
         remote, local = np.concatenate(remote_parts), np.concatenate(local_parts)
         mem = "DRAM" if pool.device.type == "cpu" else "VRAM"
+        self._bind()
         with self._lock:
             try:
                 if source.agent_name not in self._remotes:
@@ -283,12 +289,18 @@ class NixlKvAgent:
             raise KvTransferFailed(f"NIXL READ from {source.agent_name} failed ({state})")
         return int(local[:, 1].sum())
 
+    def _bind(self) -> None:
+        """Make the pools' GPU current in this thread (cheap; nothing on CPU)."""
+        if self._cuda is not None:
+            torch.cuda.set_device(self._cuda)
+
     def progress(self) -> None:
         """Let the agent answer peers' READs of its memory (the prefill side calls this while a
         handoff is in flight). Skipped while this agent's own READ runs: its wait progresses;
         and always with NIXL's progress thread."""
         if not self.progress_thread and self._lock.acquire(blocking=False):
             try:
+                self._bind()
                 self._agent.get_new_notifs()  # drives the UCX worker's progress
             finally:
                 self._lock.release()
@@ -332,6 +344,7 @@ class NixlKvAgent:
         """Check the unsettled READs (their checks also progress this agent), less often the
         longer they last; release and settle each that ended; stop when none is left."""
         delay = _REAP_FIRST_S
+        self._bind()
         while True:
             time.sleep(delay)
             delay = min(delay * 2, _REAP_MAX_S)
