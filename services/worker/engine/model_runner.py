@@ -169,6 +169,14 @@ class ModelRunner:
         """The packed step's inputs and attention metadata (step_inputs.py)."""
         return step_inputs.build(self, seqs)
 
+    def wait_for_device(self) -> None:
+        """Block until every kernel queued so far has run (CUDA; nothing elsewhere). A step that
+        samples nothing (non-final prompt chunks) returns with its kernels still queued; what a
+        peer reads of the pool outside torch's stream order (a NIXL READ on UCX's own stream, in
+        another process) must be written first."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
     @torch.inference_mode()
     def execute(self, seqs: list[ScheduledSeq]) -> list[list[int]]:
         """Run one step; for each seq with sample=True, in order, the tokens sampled at its

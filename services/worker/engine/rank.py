@@ -237,11 +237,19 @@ class Rank:
 
     def _report_prefill_progress(self, plan: StepPlan, outputs: Outputs) -> None:
         """A progress output for each PREFILL_ONLY request that ran a prompt chunk but not its
-        last one this step (the early KV export's cue; asked for per request)."""
-        for s in plan.scheduled:
-            req = s.request
-            if req.report_prefill_progress and not s.samples and req.status is RequestStatus.RUNNING:
-                self._emit(req, request_output(req, finished=False), outputs)
+        last one this step (the early KV export's cue; asked for per request). The step's
+        kernels are done first: the blocks an output names may be READ by a peer at once."""
+        cued = [
+            s.request
+            for s in plan.scheduled
+            if s.request.report_prefill_progress
+            and not s.samples
+            and s.request.status is RequestStatus.RUNNING
+        ]
+        if cued:
+            self.runner.wait_for_device()
+        for req in cued:
+            self._emit(req, request_output(req, finished=False), outputs)
 
     def _emit(self, req: Request, out: RequestOutput, outputs: Outputs) -> None:
         """Queue an output for the request's handle; the terminal one closes it."""

@@ -121,6 +121,11 @@ async def test_prefill_progress_outputs_and_the_ready_blocks_export(make_engine:
     progress output names export at once (the engine may be computing the next chunk), byte
     for byte what export_kv gives once held."""
     prefill = make_engine(max_batch_tokens=32)
+    # each progress output comes after the step's kernels ran (on CUDA a NIXL peer READs the
+    # named blocks outside torch's stream order): the runner's wait precedes every cue
+    waits: list[int] = []
+    for rank in prefill._ranks:
+        rank.runner.wait_for_device = lambda: waits.append(1)  # type: ignore[method-assign]
     prompt = _prompt(75, 3)  # 3 chunks: 32 + 32 + 11 tokens; 5 blocks of 16
     req = dataclasses.replace(
         request("p", prompt, greedy(4, ignore_eos=True), kind=RequestKind.PREFILL_ONLY),
@@ -133,10 +138,11 @@ async def test_prefill_progress_outputs_and_the_ready_blocks_export(make_engine:
         if not out.finished:
             assert not out.new_token_ids
             progress.append(out.num_computed_tokens)
+            assert len(waits) >= len(progress)
             early += prefill.export_ready_kv("p", 2 * (len(progress) - 1), 2 * len(progress), 1 << 20)
         else:
             assert len(out.new_token_ids) == 1
-    assert progress == [32, 64]
+    assert progress == [32, 64] and len(waits) == 2
     held = list(prefill.export_kv("p", 0, max_chunk_bytes=1 << 20))
     sent = b"".join(c.data for c in early)
     assert sent == b"".join(c.data for c in held)[: len(sent)]
