@@ -1,5 +1,6 @@
 """Workers on CUDA (skipped without a GPU): device auto picks cuda, dtype auto bfloat16, and
-disaggregated generation still equals unified on the same device."""
+disaggregated generation still equals unified on the same device, over the gRPC push and over
+NIXL in parts (VRAM to VRAM, each prompt chunk's blocks READ as soon as they are cued)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 from shared.proto import worker_pb2
 
 from .harness import collect, running_worker, sampling, worker_settings
-from .test_worker_grpc import disaggregated, prompt_ids, token_ids_of
+from .test_worker_grpc import PROMPT, disaggregated, prompt_ids, token_ids_of
 
 pytestmark = pytest.mark.gpu
 
@@ -56,3 +57,32 @@ async def test_disaggregated_equals_unified_on_cuda(tiny_model: Path) -> None:
         )
     assert list(reply.token_ids) + token_ids_of(frames) == token_ids_of(unified)
     assert reply.generated_tokens + frames[-1].generated_tokens == unified[-1].generated_tokens
+
+
+async def test_disaggregated_over_nixl_in_parts_equals_unified_on_cuda(tiny_model: Path) -> None:
+    """A prompt prefilled 16 tokens per step whose blocks the decode worker READs chunk by chunk
+    over NIXL, from one GPU pool into another: the same tokens as unified. (A chunk's kernels
+    must have run before its cue: a non-final chunk samples nothing, so nothing else waits.)"""
+    pytest.importorskip("nixl_cu13._api", reason="nixl-cu13 is not installed")
+    ids = prompt_ids(tiny_model, " ".join([PROMPT] * 5))  # > 3 blocks of 16
+    cuda = dict(device="cuda", dtype="float32", max_num_seqs=4, block_size=16)
+    async with (
+        running_worker(worker_settings(tiny_model, "prefill", max_batch_tokens=16, **cuda)) as p,
+        running_worker(worker_settings(tiny_model, "decode", **cuda)) as d,
+        running_worker(worker_settings(tiny_model, "unified", **cuda)) as u,
+    ):
+        assert p.app.nixl is not None and d.app.nixl is not None
+        reply, frames = await disaggregated(p, d, "n1", ids, 16, worker_pb2.KV_TRANSPORT_NIXL, True)
+        unified = await collect(
+            u.stub.Decode(
+                worker_pb2.DecodeRequest(
+                    request_id="n1",
+                    prompt_token_ids=ids,
+                    sampling=sampling(16),
+                    local_prefill=True,
+                    return_token_ids=True,
+                )
+            )
+        )
+    assert len(ids) > 48 and reply.kv_transport == worker_pb2.KV_TRANSPORT_NIXL and reply.num_chunks > 3
+    assert list(reply.token_ids) + token_ids_of(frames) == token_ids_of(unified)
