@@ -7,6 +7,8 @@ launch gaps from kernel work; the top kernels say which to fuse or replace next.
         [--paths fused torch]
 
 Several `--seqs` profile one model (loaded once) at each batch size: `runs` in the result.
+`--mixed 60:2048` also profiles a mixed step as chunked prefill runs it (eager: 60 sequences
+decoding plus a 2,048-token prompt chunk) against its roofline: `mixed` in the result.
 `--block-sizes 16 32` profiles each path over pools of each block size (FlexAttention's KV tile
 is one pool block; keys `fused_in_place_block32` etc. for sizes other than 16). Each run has its
 floor: the weights plus the batch's KV read once at the bandwidth measured here.
@@ -18,15 +20,25 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.engine_floor import cuda_bandwidth, time_decode_steps, weight_bytes_per_step
+from benchmarks.engine_floor import (
+    cuda_bandwidth,
+    gemm_flops,
+    mixed_row,
+    read_bandwidth,
+    time_decode_steps,
+    time_mixed_step,
+    weight_bytes_per_step,
+)
 from services.worker.engine.backend import ModelBackend
 from services.worker.engine.model_loading import kv_layout_of, load_model
 from services.worker.engine.model_runner import ModelRunner
@@ -36,31 +48,24 @@ from shared.model_store import resolve_model
 RESULTS = Path(__file__).parent / "results"
 
 
-def profile(model: Any, seqs: int, context: int, fused: bool | None, block: int = 16) -> dict[str, Any]:
+def _kernels(run: Callable[[], Any], steps_per_call: int, calls: int = 5) -> dict[str, Any]:
+    """Kernel time by name per step under torch.profiler: `run` called `calls` times, each
+    running `steps_per_call` steps."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    dev = torch.device("cuda")
-    layout = kv_layout_of(model.config, block, torch.bfloat16)
-    per_seq = -(-(context + 1) // block)
-    # static steps as CUDA graphs; fused False: the torch-only path (--no-cuda-kernels)
-    backend = ModelBackend.choose(BackendOptions(cuda_kernels=fused is not False), dev)
-    runner = ModelRunner(model, layout, seqs * per_seq + 1, dev, torch.bfloat16, backend=backend)
-    step_s, _ = time_decode_steps(runner, seqs, context)
-    steps = 5
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            time_decode_steps(runner, seqs, context, steps=1)
+    # (CPU activity only in a CPU smoke test: no kernels are counted then)
+    activity = ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU
+    with torch_profile(activities=[activity]) as prof:
+        for _ in range(calls):
+            run()
     by_name: collections.Counter[str] = collections.Counter()
     counts: collections.Counter[str] = collections.Counter()
     for evt in prof.events():
         if evt.device_type == torch.autograd.DeviceType.CUDA:
             by_name[evt.name] += evt.device_time_total
             counts[evt.name] += 1
-    # time_decode_steps(steps=1) runs 3 steps (2 warm-ups): per-step figures divide by 3 * steps
-    per_step = 3 * steps
-    del runner
-    torch.cuda.empty_cache()
+    per_step = steps_per_call * calls
     total_us = sum(by_name.values()) / per_step
     top = [
         {
@@ -71,26 +76,69 @@ def profile(model: Any, seqs: int, context: int, fused: bool | None, block: int 
         for name, us in by_name.most_common(25)
     ]
     return {
-        "step_ms": round(step_s * 1e3, 3),
         "kernel_ms_per_step": round(total_us / 1e3, 3),
         "kernels_per_step": round(sum(counts.values()) / per_step, 1),
         "top": top,
     }
 
 
+def _runner(model: Any, blocks: int, fused: bool | None, block: int) -> ModelRunner:
+    dev = next(model.parameters()).device
+    layout = kv_layout_of(model.config, block, torch.bfloat16)
+    # static steps as CUDA graphs; fused False: the torch-only path (--no-cuda-kernels)
+    backend = ModelBackend.choose(BackendOptions(cuda_kernels=fused is not False), dev)
+    return ModelRunner(model, layout, blocks, dev, torch.bfloat16, backend=backend)
+
+
+def profile(model: Any, seqs: int, context: int, fused: bool | None, block: int = 16) -> dict[str, Any]:
+    """A decode step of `seqs` sequences over `context` tokens (a graph replay)."""
+    runner = _runner(model, seqs * -(-(context + 1) // block) + 1, fused, block)
+    step_s, _ = time_decode_steps(runner, seqs, context)
+    # time_decode_steps(steps=1) runs 3 steps (2 warm-ups)
+    kernels = _kernels(functools.partial(time_decode_steps, runner, seqs, context, steps=1), 3)
+    del runner
+    torch.cuda.empty_cache()
+    return {"step_ms": round(step_s * 1e3, 3), **kernels}
+
+
+def profile_mixed(
+    model: Any, decode: int, prefill: int, context: int, block: int, bandwidth: float, flops: float
+) -> dict[str, Any]:
+    """A mixed step as chunked prefill runs it (eager): `decode` sequences decoding over `context`
+    tokens plus one `prefill`-token prompt chunk, against its roofline (engine_floor.mixed_row)."""
+    blocks = decode * -(-(context + 1) // block) + -(-prefill // block) + 1
+    runner = _runner(model, blocks, None, block)
+    row = mixed_row(runner, model, bandwidth, flops, decode, prefill, context)
+    # time_mixed_step(steps=1) runs 2 warm-ups and one timed step on CUDA
+    kernels = _kernels(functools.partial(time_mixed_step, runner, decode, prefill, context, steps=1), 3)
+    del runner
+    torch.cuda.empty_cache()
+    return {**row, **kernels}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="random:llama-8b")
+    ap.add_argument("--device", default="cuda", help="cuda; cpu only to smoke-test this script")
     ap.add_argument("--seqs", type=int, nargs="+", default=[8])
     ap.add_argument("--context", type=int, default=319)
     ap.add_argument("--paths", nargs="+", default=["fused", "torch"], choices=["fused", "torch"])
     ap.add_argument("--block-sizes", type=int, nargs="+", default=[16], help="pool block sizes (tokens)")
+    ap.add_argument(
+        "--mixed",
+        nargs="*",
+        default=[],
+        metavar="DECODE:PREFILL",
+        help="also profile mixed steps (eager): DECODE sequences decoding over --context tokens plus "
+        "one PREFILL-token prompt chunk, e.g. 60:2048 (on the first of --block-sizes)",
+    )
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
+    mixed = [tuple(int(x) for x in m.split(":")) for m in a.mixed]
     t0 = time.perf_counter()
-    dev = torch.device("cuda")
+    dev = torch.device(a.device)
     model = load_model(str(resolve_model(a.model)), dev, torch.bfloat16)
-    bandwidth = cuda_bandwidth(dev)
+    bandwidth = cuda_bandwidth(dev) if dev.type == "cuda" else read_bandwidth(1)
     layout = kv_layout_of(model.config, 16, torch.bfloat16)
     kv_bytes = 2 * layout.num_layers * layout.num_kv_heads * layout.head_dim * 2  # per token (bf16)
     runs = []
@@ -111,19 +159,34 @@ def main() -> None:
                 for row in p["top"][:12]:
                     print(f"   {row['us_per_step']:>8.1f} us  x{row['calls_per_step']:<6g} {row['kernel']}")
         runs.append(run)
+    mixed_rows = []
+    if mixed:
+        flops = gemm_flops(dev, 4096, dtype=torch.bfloat16)
+        for decode, prefill in mixed:
+            m = profile_mixed(model, decode, prefill, a.context, a.block_sizes[0], bandwidth, flops)
+            print(
+                f"mixed {decode} decoding + {prefill} prompt tokens: step {m['step_ms']} ms, roofline "
+                f"{m['roofline_ms']} ms ({m['vs_roofline']}x), kernels {m['kernel_ms_per_step']} ms "
+                f"({m['kernels_per_step']}/step)"
+            )
+            for row in m["top"][:12]:
+                print(f"   {row['us_per_step']:>8.1f} us  x{row['calls_per_step']:<6g} {row['kernel']}")
+            mixed_rows.append(m)
     doc: dict[str, Any] = {
-        "gpu": torch.cuda.get_device_name(0),
+        "gpu": torch.cuda.get_device_name(0) if dev.type == "cuda" else "none (cpu)",
         "torch": torch.__version__,
         "model": a.model,
         "bandwidth_gb_s": round(bandwidth / 1e9, 1),
         # one batch size: its profiles at the top level (the first results' layout)
         **(runs[0] if len(runs) == 1 else {"runs": runs}),
+        **({"mixed": mixed_rows} if mixed_rows else {}),
         "command": "python -m benchmarks.cuda_step_profile --seqs "
         + " ".join(map(str, a.seqs))
         + f" --context {a.context} --paths "
         + " ".join(a.paths)
         + " --block-sizes "
-        + " ".join(map(str, a.block_sizes)),
+        + " ".join(map(str, a.block_sizes))
+        + (" --mixed " + " ".join(a.mixed) if a.mixed else ""),
     }
     doc["seconds"] = round(time.perf_counter() - t0, 1)
     gpu = re.sub(r"[^a-z0-9]+", "-", doc["gpu"].lower().replace("nvidia", "")).strip("-")

@@ -71,7 +71,9 @@ if [[ $what == window ]]; then
   #            UCX's protocol choice in its log), then bench-stack at 2,048 tokens over both
   #            transports (issue 27's figures; at e5dd904 the handoff took 616 ms over NIXL);
   #   probe    the attention block-size sweep, and the step profile at 1/8/64 sequences over
-  #            16- and 32-token blocks (each against its floor);
+  #            32- and 16-token blocks (each against its floor) and of a mixed step (60
+  #            decoding + a 2,048-token prompt chunk, and the chunk alone: the burst's prefill
+  #            phase, which the requests decoding meanwhile wait through);
   #   serving  the unified stack with two gateways, one request at a time and 64 at once, with
   #            each service's CPU per token;
   #   tests    the CUDA tests on 4 processes, each failure's report written as it happens
@@ -112,8 +114,9 @@ if [[ $what == window ]]; then
         timeout -s INT "${T_PROBE:-60}" $PY -m benchmarks.cuda_attention --batches 1 8 64 \
           --contexts 512 2048 --block-sizes 32 64 128 --repeat 10 \
           --out "$RES/cuda-attention-$TAG.json" || rc=1
-        timeout -s INT "${T_PROFILE:-90}" $PY -m benchmarks.cuda_step_profile --seqs 1 8 64 \
-          --paths fused --block-sizes 16 32 --out "$RES/cuda-step-profile-$TAG.json" || rc=1 ;;
+        timeout -s INT "${T_PROFILE:-120}" $PY -m benchmarks.cuda_step_profile --seqs 1 8 64 \
+          --paths fused --block-sizes 32 16 --mixed 60:2048 0:2048 \
+          --out "$RES/cuda-step-profile-$TAG.json" || rc=1 ;;
       *) echo "unknown window part: $part"; rc=1 ;;
     esac
   done
