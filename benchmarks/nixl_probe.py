@@ -1,8 +1,9 @@
 """NIXL READ of one request's KV between two processes, as the workers do it, by progress mode.
 
 Why: on an H200 (2026-11-27) the 8B shape's 2,048-token handoff (256 MiB, one run of blocks =
-512 plane descriptors of 512 KiB) took ~615 ms over NIXL inside `bench_stack`, ~1.2 ms per
-descriptor, about the prefill worker's progress cadence (kv_send_nixl: every ~1 ms on its event
+512 plane descriptors of 512 KiB) took ~615 ms over NIXL inside `bench_stack`, 0.41 GiB/s. Two
+suspects: READs issued from a thread with no CUDA context (UCX then cannot use CUDA IPC and
+stages through host buffers), and the target's progress (~1 ms per answer on the worker's event
 loop). This probe separates the transport from the stack: a target process registers a pool of
 the model's KV layout and progresses its agent one way (`none`, `poll` every `--poll-us`, `spin`,
 or NIXL's own progress `thread`); the main process READs a run of blocks (one descriptor per

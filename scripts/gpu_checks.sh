@@ -94,8 +94,8 @@ if [[ $what == window ]]; then
       stack)
         # the READ alone first: two processes, per progress mode, UCX's protocol choice logged
         UCX_PROTO_INFO=y timeout -s INT "${T_NIXL:-45}" $PY -m benchmarks.nixl_probe --device cuda \
-          --modes thread poll --shapes run --out "$RES/nixl-probe-$TAG.json" > "$RES/nixl-probe-$TAG.log" 2>&1 || rc=1
-        timeout -s INT 30 $PY -m benchmarks.nixl_probe --device cuda --modes thread --shapes scattered \
+          --modes poll thread --shapes run --out "$RES/nixl-probe-$TAG.json" > "$RES/nixl-probe-$TAG.log" 2>&1 || rc=1
+        timeout -s INT 30 $PY -m benchmarks.nixl_probe --device cuda --modes poll --shapes scattered \
           --threads main --repeat 2 --out "$RES/nixl-probe-scattered-$TAG.json" >> "$RES/nixl-probe-$TAG.log" 2>&1 || rc=1
         grep "^{" "$RES/nixl-probe-$TAG.log"
         timeout -s INT "${T_STACK:-240}" $PY -m benchmarks.bench_stack --device cuda --dtype bfloat16 \

@@ -26,16 +26,24 @@ way.
 
 Progress. NIXL's own progress thread busy-polls (its Python API fixes the delay at 0): measured,
 an idle agent burnt ~0.5 of a core, which on a 2-core worker host is most of a prefill's share.
-So on CPU the agent runs without it (`--kv-nixl-progress loop`, the default there): the decode
-side progresses while it waits for its READ
+So the agent runs without it (`--kv-nixl-progress loop`, the default): the decode side
+progresses while it waits for its READ
 (check_xfer_state), and the prefill side, whose memory is read, calls `progress` about every
 millisecond while its handoff is in flight (kv_send_nixl.py; in parts, from the first message
 until the PushKv call ends). Without the target's progress a READ never completes, over shared
 memory (CMA) or TCP alike. Measured between two processes on this
 2-core CPU (22.5 MiB, 180 descriptors): 5.6 ms this way, 13 ms with the spinning thread.
-On CUDA (`auto`: the thread) a GPU host has cores to spare, and a millisecond per answer is what
-a READ of the 8B shape's 512 plane descriptors cannot afford: on an H200 the 2,048-token
-handoff took ~615 ms with the loop (benchmarks/nixl_probe.py separates the transport).
+`--kv-nixl-progress thread` turns it on (for measurements: on CUDA NIXL's UCX plugin runs that
+thread with no CUDA context, and ai-dynamo/nixl issue 2102 reports segfaults in cuEventQuery
+from it).
+
+CUDA context. UCX's CUDA transports work in the calling thread's current context, and a thread
+torch never set a device in has none: UCX then cannot use CUDA IPC and moves VRAM through host
+buffers (vLLM found the same, vllm-project/vllm PR 36475). On an H200 the 8B shape's
+2,048-token handoff (256 MiB) took 616 ms, 0.41 GiB/s, with the agent made on the event loop
+and READs run in pool threads, neither of which had touched CUDA. So the agent makes the pools'
+GPU current in every thread that calls into it (`_bind`); benchmarks/nixl_probe.py times a
+READ from the pool's thread and from a fresh one.
 
 Timeouts. A READ cannot be cancelled: measured with UCX, the bytes of a READ whose handle was
 released (even with its peer's metadata removed) still land once the peer progresses. A READ that

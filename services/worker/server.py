@@ -183,10 +183,9 @@ class WorkerApp:
         self.engine = engine
         # NIXL: every rank's pool registered once, now that the pools are committed
         if s.kv_transport == "auto":
-            pools = engine.kv_pools()
-            on_cuda = any(pool.device.type == "cuda" for pool in pools)
-            thread = s.kv_nixl_progress == "thread" or (s.kv_nixl_progress == "auto" and on_cuda)
-            self.nixl = NixlKvAgent.create(pools, engine.kv_layout, progress_thread=thread)
+            self.nixl = NixlKvAgent.create(
+                engine.kv_pools(), engine.kv_layout, progress_thread=s.kv_nixl_progress == "thread"
+            )
         nixl = (NIXL_CAPABILITY, NIXL_PARTS_CAPABILITY) if self.nixl is not None else ()
         capabilities = CAPABILITIES + nixl
         identity = WorkerInfo(

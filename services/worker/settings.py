@@ -83,12 +83,13 @@ class WorkerSettings(TlsSettings, EngineOptions):
         choices=("recompute", "retry-prefill"),
     )
     kv_nixl_progress: str = field(
-        "auto",
+        "loop",
         "Who progresses this worker's NIXL agent, so peers' READs of its KV complete: loop = "
         "its event loop, about every millisecond while a handoff is in flight (no core spent "
         "idle); thread = NIXL's own progress thread, which answers at once but busy-polls about "
-        "half a core; auto = thread on CUDA, loop on CPU",
-        choices=("auto", "loop", "thread"),
+        "half a core (on CUDA, NIXL's UCX plugin runs it with no CUDA context: ai-dynamo/nixl "
+        "issue 2102 reports segfaults in cuEventQuery from it)",
+        choices=("loop", "thread"),
     )
     kv_read_timeout_s: float = field(10.0, "Deadline of one NIXL READ of a request's KV (seconds)")
     log_prompts: bool = field(False, "Log prompt and completion text (off: never logged)")

@@ -117,7 +117,7 @@ async def test_nixl_handoff_matches_unified_and_skips_cached_blocks(
 async def test_nixl_progress_thread_serves_the_read_without_the_event_loop(
     unified: RunningWorker, tiny_model: Path
 ) -> None:
-    """`--kv-nixl-progress thread` (auto's choice on CUDA): NIXL's own thread answers the READ of
+    """`--kv-nixl-progress thread`: NIXL's own thread answers the READ of
     the prefill worker's blocks, whose event loop then never progresses the agent; identity."""
     async with (
         running_worker(worker_settings(tiny_model, "prefill", kv_nixl_progress="thread")) as p,
