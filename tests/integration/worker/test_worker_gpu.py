@@ -10,7 +10,7 @@ import pytest
 
 from shared.proto import worker_pb2
 
-from .harness import collect, running_worker, sampling, worker_settings
+from .harness import RunningWorker, collect, running_worker, sampling, worker_settings
 from .test_worker_grpc import PROMPT, disaggregated, prompt_ids, token_ids_of
 
 pytestmark = pytest.mark.gpu
@@ -35,26 +35,33 @@ async def test_auto_device_and_dtype_on_cuda(tiny_model: Path) -> None:
         assert info.kv_layout.dtype == "bfloat16"
 
 
-async def test_disaggregated_equals_unified_on_cuda(tiny_model: Path) -> None:
-    ids = prompt_ids(tiny_model)
-    cuda = dict(device="cuda", dtype="float32", max_num_seqs=4, block_size=16)
-    async with (
-        running_worker(worker_settings(tiny_model, "prefill", **cuda)) as p,
-        running_worker(worker_settings(tiny_model, "decode", **cuda)) as d,
-        running_worker(worker_settings(tiny_model, "unified", **cuda)) as u,
-    ):
-        reply, frames = await disaggregated(p, d, "g1", ids, 16)
-        unified = await collect(
-            u.stub.Decode(
-                worker_pb2.DecodeRequest(
-                    request_id="g1",
-                    prompt_token_ids=ids,
-                    sampling=sampling(16),
-                    local_prefill=True,
-                    return_token_ids=True,
-                )
+_CUDA = dict(device="cuda", dtype="float32", max_num_seqs=4, block_size=16)
+
+
+async def _unified(u: RunningWorker, request_id: str, ids: list[int]) -> list[worker_pb2.DecodeFrame]:
+    """The unified worker's frames for the prompt, 16 tokens (local prefill)."""
+    return await collect(
+        u.stub.Decode(
+            worker_pb2.DecodeRequest(
+                request_id=request_id,
+                prompt_token_ids=ids,
+                sampling=sampling(16),
+                local_prefill=True,
+                return_token_ids=True,
             )
         )
+    )
+
+
+async def test_disaggregated_equals_unified_on_cuda(tiny_model: Path) -> None:
+    ids = prompt_ids(tiny_model)
+    async with (
+        running_worker(worker_settings(tiny_model, "prefill", **_CUDA)) as p,
+        running_worker(worker_settings(tiny_model, "decode", **_CUDA)) as d,
+        running_worker(worker_settings(tiny_model, "unified", **_CUDA)) as u,
+    ):
+        reply, frames = await disaggregated(p, d, "g1", ids, 16)
+        unified = await _unified(u, "g1", ids)
     assert list(reply.token_ids) + token_ids_of(frames) == token_ids_of(unified)
     assert reply.generated_tokens + frames[-1].generated_tokens == unified[-1].generated_tokens
 
@@ -65,24 +72,13 @@ async def test_disaggregated_over_nixl_in_parts_equals_unified_on_cuda(tiny_mode
     must have run before its cue: a non-final chunk samples nothing, so nothing else waits.)"""
     pytest.importorskip("nixl_cu13._api", reason="nixl-cu13 is not installed")
     ids = prompt_ids(tiny_model, " ".join([PROMPT] * 5))  # > 3 blocks of 16
-    cuda = dict(device="cuda", dtype="float32", max_num_seqs=4, block_size=16)
     async with (
-        running_worker(worker_settings(tiny_model, "prefill", max_batch_tokens=16, **cuda)) as p,
-        running_worker(worker_settings(tiny_model, "decode", **cuda)) as d,
-        running_worker(worker_settings(tiny_model, "unified", **cuda)) as u,
+        running_worker(worker_settings(tiny_model, "prefill", max_batch_tokens=16, **_CUDA)) as p,
+        running_worker(worker_settings(tiny_model, "decode", **_CUDA)) as d,
+        running_worker(worker_settings(tiny_model, "unified", **_CUDA)) as u,
     ):
         assert p.app.nixl is not None and d.app.nixl is not None
         reply, frames = await disaggregated(p, d, "n1", ids, 16, worker_pb2.KV_TRANSPORT_NIXL, True)
-        unified = await collect(
-            u.stub.Decode(
-                worker_pb2.DecodeRequest(
-                    request_id="n1",
-                    prompt_token_ids=ids,
-                    sampling=sampling(16),
-                    local_prefill=True,
-                    return_token_ids=True,
-                )
-            )
-        )
+        unified = await _unified(u, "n1", ids)
     assert len(ids) > 48 and reply.kv_transport == worker_pb2.KV_TRANSPORT_NIXL and reply.num_chunks > 3
     assert list(reply.token_ids) + token_ids_of(frames) == token_ids_of(unified)
