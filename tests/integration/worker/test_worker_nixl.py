@@ -125,8 +125,14 @@ async def test_nixl_progress_thread_serves_the_read_without_the_event_loop(
     ):
         assert p.app.nixl is not None and p.app.nixl.progress_thread
         calls: list[int] = []
-        real = p.app.nixl._agent.get_new_notifs
-        p.app.nixl._agent.get_new_notifs = lambda: calls.append(1) or real()  # type: ignore[method-assign]
+        agent = p.app.nixl._agent
+        real = agent.get_new_notifs
+
+        def counted() -> Any:
+            calls.append(1)
+            return real()
+
+        agent.get_new_notifs = counted
         ids = prompt_ids(tiny_model)
         reply, frames = await nixl_handoff(p, d, "t1", ids, 12)
         assert reply.kv_transport == worker_pb2.KV_TRANSPORT_NIXL and reply.kv_bytes_sent > 0

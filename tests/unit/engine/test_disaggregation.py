@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from typing import Any, cast
 
 import pytest
 
@@ -124,8 +125,8 @@ async def test_prefill_progress_outputs_and_the_ready_blocks_export(make_engine:
     # each progress output comes after the step's kernels ran (on CUDA a NIXL peer READs the
     # named blocks outside torch's stream order): the runner's wait precedes every cue
     waits: list[int] = []
-    for rank in prefill._ranks:
-        rank.runner.wait_for_device = lambda: waits.append(1)  # type: ignore[method-assign]
+    for rank in cast(Any, prefill)._ranks:
+        rank.runner.wait_for_device = lambda: waits.append(1)
     prompt = _prompt(75, 3)  # 3 chunks: 32 + 32 + 11 tokens; 5 blocks of 16
     req = dataclasses.replace(
         request("p", prompt, greedy(4, ignore_eos=True), kind=RequestKind.PREFILL_ONLY),
