@@ -10,9 +10,11 @@ TPOT over the 1-sequence floor (one at a time) and over the burst-size floor (al
 
     python -m benchmarks.bench_serving --model random:llama-8b --device cuda [--configs unified,disaggregated]
 
-A configuration may end in `+<N>gw` (`unified+2gw`): `pdserve up --gateways N`, N gateway processes
-sharing the HTTP port. Each phase records the CPU µs per delivered token of every service (all
-gateways summed under `gateway`).
+A configuration may add `+`-separated modifiers: `+<N>gw` (`unified+2gw`): `pdserve up --gateways
+N`, N gateway processes sharing the HTTP port; `+graphs` (`disaggregated+graphs`): CUDA graphs kept
+in every worker (`pdserve up` turns them off where several worker processes share the GPU).
+Each phase records the CPU µs per delivered token of every service (all gateways summed under
+`gateway`).
 
 Writes benchmarks/results/serving-<device>.json (with the GPU's name, or the CPU's capability).
 """
@@ -130,6 +132,23 @@ async def run_config(stack: Any, a: argparse.Namespace, tokenizer: Any) -> dict[
     return out
 
 
+def config_args(config: str) -> tuple[str, list[str]]:
+    """A configuration's stack shape (`unified` / `disaggregated`) and the `pdserve up` flags its
+    modifiers add: `+<N>gw` gateways, `+graphs` CUDA graphs in every worker."""
+    shape, *mods = config.split("+")
+    if shape not in ("unified", "disaggregated"):
+        raise ValueError(f"unknown configuration {config!r}: unified or disaggregated, then +Ngw / +graphs")
+    args = ["--gateways", "1"]
+    for mod in mods:
+        if re.fullmatch(r"[1-9]gw", mod):
+            args[1] = mod.removesuffix("gw")
+        elif mod == "graphs":
+            args.append("--worker-arg=--cuda-graphs")
+        else:
+            raise ValueError(f"unknown modifier {mod!r} in {config!r}: +Ngw or +graphs")
+    return shape, args
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="random:llama-8b")
@@ -151,6 +170,11 @@ def main() -> None:
     ap.add_argument("--ready-timeout-s", type=float, default=900)
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
+    for config in a.configs.split(","):
+        try:
+            config_args(config)
+        except ValueError as exc:
+            ap.error(str(exc))
     from benchmarks.bench_goodput import load_tokenizer
 
     path = resolve_model(a.model)
@@ -177,7 +201,7 @@ def main() -> None:
     up_args = ["--device", a.device, "--dtype", a.dtype, *a.up_arg]
     out = a.out or RESULTS / f"serving-{name}.json"
     for config in a.configs.split(","):
-        shape, _, gateways = config.partition("+")
+        shape, config_up_args = config_args(config)
         print(f"[{config}] starting", flush=True)
         with tempfile.TemporaryDirectory() as logs:
             t0 = time.perf_counter()
@@ -186,7 +210,7 @@ def main() -> None:
                     str(path),
                     Path(logs),
                     unified=shape == "unified",
-                    up_args=[*up_args, "--gateways", gateways.removesuffix("gw") or "1"],
+                    up_args=[*up_args, *config_up_args],
                     ready_timeout_s=a.ready_timeout_s,
                 ) as stack:
                     start_s = round(time.perf_counter() - t0, 1)

@@ -78,11 +78,13 @@ if [[ $what == window ]]; then
   #            each service's CPU per token;
   #   tests    the CUDA tests on 4 processes, each failure's report written as it happens
   #            (gpu-test-failures-<gpu>.txt: a limit may interrupt pytest before its summary);
-  #   engine   bench-engine on the 8B shape against HF's padded batch, steps vs floor as served.
+  #   engine   bench-engine on the 8B shape against HF's padded batch, steps vs floor as served;
+  #   disagg   `pdserve up` disaggregated on the one GPU, graphs off (up's default where worker
+  #            processes share a GPU, measured on SmolLM2) and on (issue 31 asks they be kept).
   # Each part has its own limit (T_<PART> seconds; SIGINT, so pytest and the benchmarks still
   # write what they have), so a slow one never takes the later ones' time. A 15-minute lease
   # (one call at most 600 s, a start ~35 s) fits two calls on one warm machine: `stack probe
-  # serving` (~450 s) and then `engine tests` (~320 s).
+  # serving` (~450-540 s) and then `engine tests` (~320 s), or `disagg tests` (~290 s).
   # NIXL comes from .gpu/nixl.tar.xz (scripts/nixl_bundle.sh) unpacked on PYTHONPATH.
   for part in ${WINDOW_PARTS:-stack probe serving tests}; do
     echo "== window part: $part ($(date +%T))"
@@ -105,6 +107,10 @@ if [[ $what == window ]]; then
         timeout -s INT "${T_SERVING:-80}" $PY -m benchmarks.bench_serving --model random:llama-8b \
           --device cuda --dtype bfloat16 --configs unified+2gw --sequential 2 --burst 64 \
           --out "$RES/serving-llama-8b-$TAG.json" || rc=1 ;;
+      disagg)
+        timeout -s INT "${T_DISAGG:-170}" $PY -m benchmarks.bench_serving --model random:llama-8b \
+          --device cuda --dtype bfloat16 --configs disaggregated,disaggregated+graphs --sequential 2 \
+          --burst 64 --out "$RES/serving-disagg-llama-8b-$TAG.json" || rc=1 ;;
       engine)
         timeout -s INT "${T_ENGINE:-200}" $PY -m benchmarks.bench_engine --device cuda --dtype bfloat16 \
           --model random:llama-8b --contenders hf_padded,pdserve --num-requests 32 \
