@@ -12,6 +12,9 @@ built on the device), each stack's workers sharing the one GPU (`pdserve up` spl
     carries the descriptors, the decode side's READ and its answer), after the prefill: for the
     gRPC push of a prompt prefilled in several chunks (longer than --max-batch-tokens, 512 on
     CPU) the blocks of all but the last chunk went during the prefill, so only the rest counts.
+    NIXL rows also give the decode side's READ alone (`kv_read_ms`, from its
+    pdserve_kv_transfer_read_seconds; the stacks run with --metrics): the rest of the handoff is
+    the PushKv round trip and the answer.
 (b) TTFT through the gateway (streaming, one request at a time) per prompt length: disaggregated
     over NIXL, disaggregated over the gRPC push (workers with --kv-transport grpc) and unified
     (one worker), as ratios disaggregated / unified. On CPU the three stacks run together and
@@ -45,6 +48,7 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +56,7 @@ from typing import Any
 
 import grpc
 
+from services.up_shape import PORT_OFFSETS
 from services.worker.engine import create_engine
 from services.worker.engine.api import EngineConfig, EngineRequest, SamplingConfig
 from shared.model_store import resolve_model
@@ -156,7 +161,8 @@ def stack_configs(a: argparse.Namespace, transports: Sequence[str]) -> dict[str,
     device and dtype; its own defaults do the rest (the GPU memory split between workers, CUDA
     graphs off when several workers share the GPU)."""
     up_args = ["--device", a.device, "--dtype", a.dtype]
-    common = {"up_args": up_args, "ready_timeout_s": a.ready_timeout_s}
+    # metrics on: (a) reads the decode worker's NIXL READ time (pdserve_kv_transfer_read_seconds)
+    common = {"up_args": up_args, "ready_timeout_s": a.ready_timeout_s, "metrics": True}
     configs: dict[str, dict[str, Any]] = {}
     for t in sorted(transports, key=lambda t: t != "nixl"):  # NIXL first, as (a) runs on it
         worker_args = ["--kv-transport", "grpc"] if t == "grpc" else []
@@ -173,11 +179,14 @@ async def kv_vs_prefill(
     reps: int,
     metadata: Sequence[tuple[str, str]] = (),
     transports: Sequence[str] = TRANSPORTS,
+    decode_metrics: str = "",
 ) -> list[dict[str, object]]:
     """`metadata`: the cluster token the stack's internal RPCs require (Stack.internal_metadata);
     `transports`: "grpc" (KvTarget without kv_transport) and/or "nixl", alternated per repetition
     so that both see the same machine load. A transport the prefill worker did not use (NIXL
-    asked, the gRPC push used) is a row with an "error", never a mislabelled time."""
+    asked, the gRPC push used) is a row with an "error", never a mislabelled time.
+    `decode_metrics`: the decode worker's /metrics URL; NIXL rows then split the handoff into the
+    decode side's READ (its wait included: pdserve_kv_transfer_read_seconds) and the rest."""
     rows: list[dict[str, object]] = []
     want_pb = {"grpc": worker_pb2.KV_TRANSPORT_GRPC_PUSH, "nixl": worker_pb2.KV_TRANSPORT_NIXL}
     async with grpc.aio.insecure_channel(prefill) as pch, grpc.aio.insecure_channel(decode) as dch:
@@ -186,6 +195,7 @@ async def kv_vs_prefill(
         sampling = common_pb2.SamplingParams(max_tokens=2, temperature=0, top_p=1, ignore_eos=True)
         for n in lengths:
             prefill_ms: dict[str, list[float]] = {t: [] for t in transports}
+            read_ms: list[float] = []  # NIXL: the decode worker's READ per repetition
             transfer_ms: dict[str, list[float]] = {t: [] for t in transports}
             mib: dict[str, float] = {}
             wrong: dict[str, str] = {}
@@ -206,6 +216,7 @@ async def kv_vs_prefill(
                     )
                     if transport == "nixl":
                         target.kv_transport = worker_pb2.KV_TRANSPORT_NIXL
+                    read_before = await _read_seconds(decode_metrics)
                     reply = await p.Prefill(
                         worker_pb2.PrefillRequest(
                             request_id=rid, prompt_token_ids=ids, sampling=sampling, kv_target=target
@@ -221,6 +232,9 @@ async def kv_vs_prefill(
                         prefill_ms[transport].append(reply.prefill_ns / 1e6)
                         transfer_ms[transport].append(reply.kv_transfer_ns / 1e6)
                         mib[transport] = reply.kv_bytes_sent / 2**20
+                        read_after = await _read_seconds(decode_metrics)
+                        if transport == "nixl" and read_before is not None and read_after is not None:
+                            read_ms.append((read_after - read_before) * 1e3)
             for transport in transports:
                 if transport in wrong:
                     rows.append({"transport": transport, "prompt_tokens": n, "error": wrong[transport]})
@@ -241,14 +255,37 @@ async def kv_vs_prefill(
                     else None,
                     "transfer_over_prefill": round(transfer_med / prefill_med, 4),
                 }
+                if transport == "nixl" and read_ms:
+                    row["kv_read_ms"] = round(statistics.median(read_ms), 3)  # of the handoff above
+                    row["kv_read_ms_all"] = [round(t, 3) for t in read_ms]
                 rows.append(row)
                 print(
                     f"  {transport:4s} prompt {n:5d} tokens: prefill {prefill_med:8.1f} ms, "
                     f"KV handoff {transfer_med:7.1f} ms ({mib[transport]:.1f} MiB) = "
-                    f"{100 * transfer_med / prefill_med:.2f} % of prefill",
+                    f"{100 * transfer_med / prefill_med:.2f} % of prefill"
+                    + (f" (the decode side's READ: {row['kv_read_ms']} ms)" if "kv_read_ms" in row else ""),
                     flush=True,
                 )
     return rows
+
+
+async def _read_seconds(metrics_url: str) -> float | None:
+    """The decode worker's total NIXL READ time so far (seconds), or None (no URL, no answer)."""
+    if not metrics_url:
+        return None
+
+    def scrape() -> float | None:
+        try:
+            with urllib.request.urlopen(metrics_url, timeout=5) as resp:
+                text = resp.read().decode()
+        except OSError:
+            return None
+        for line in text.splitlines():
+            if line.startswith("pdserve_kv_transfer_read_seconds_sum "):
+                return float(line.split()[1])
+        return 0.0  # no READ yet
+
+    return await asyncio.to_thread(scrape)
 
 
 async def ttft_ms(gateways: dict[str, str], lengths: list[int], reps: int) -> dict[str, dict[int, float]]:
@@ -536,7 +573,13 @@ async def main_async(a: argparse.Namespace, run: _Run) -> dict[str, Any]:
         if "a" in a.parts:
             print("(a) KV transfer vs prefill (disaggregated workers over loopback)", flush=True)
             run.kv_rows = await kv_vs_prefill(
-                stack.prefill, stack.decode, a.kv_lengths, a.reps, stack.internal_metadata, kv_transports
+                stack.prefill,
+                stack.decode,
+                a.kv_lengths,
+                a.reps,
+                stack.internal_metadata,
+                kv_transports,
+                stack.metrics_url(PORT_OFFSETS["decode-worker"]),
             )
         if "c" in a.parts:
             print(f"(c) {n_requests} requests x {new_tokens} tokens, one at a time", flush=True)
