@@ -90,7 +90,7 @@ if [[ $what == window ]]; then
     echo "== window part: $part ($(date +%T))"
     case $part in
       tests)
-        timeout -s INT "${T_TESTS:-120}" $PY -m pytest -v -ra --tb=short --durations=15 \
+        timeout -s INT "${T_TESTS:-150}" $PY -m pytest -v -ra --tb=short --durations=15 \
           -p no:cacheprovider -n 4 --timeout 100 -m gpu \
           --failure-log "$RES/gpu-test-failures-$TAG.txt" tests || rc=1 ;;
       stack)
