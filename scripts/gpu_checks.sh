@@ -65,8 +65,8 @@ if [[ $what == serving ]]; then
     --out "$RES/serving-llama-8b-$TAG.json" || rc=1
 fi
 if [[ $what == window ]]; then
-  # One short lease: the parts named in WINDOW_PARTS, in that order (default `stack probe
-  # serving tests`):
+  # One short lease: the parts named in WINDOW_PARTS, in that order (default `stack serving
+  # probe tests`):
   #   stack    the NIXL READ alone between two processes per progress mode (nixl_probe, T_NIXL,
   #            UCX's protocol choice in its log), then bench-stack at 2,048 tokens over both
   #            transports (issue 27's figures; at e5dd904 the handoff took 616 ms over NIXL);
@@ -83,10 +83,10 @@ if [[ $what == window ]]; then
   #            processes share a GPU, measured on SmolLM2) and on (issue 31 asks they be kept).
   # Each part has its own limit (T_<PART> seconds; SIGINT, so pytest and the benchmarks still
   # write what they have), so a slow one never takes the later ones' time. A 15-minute lease
-  # (one call at most 600 s, a start ~35 s) fits two calls on one warm machine: `stack probe
-  # serving` (~450-540 s) and then `engine tests` (~320 s), or `disagg tests` (~290 s).
+  # (one call at most 600 s, a start ~35 s) fits two calls on one warm machine: `stack serving
+  # probe` (~400 s typical, 595 s at most) and then `engine tests` or `disagg tests` (~300 s).
   # NIXL comes from .gpu/nixl.tar.xz (scripts/nixl_bundle.sh) unpacked on PYTHONPATH.
-  for part in ${WINDOW_PARTS:-stack probe serving tests}; do
+  for part in ${WINDOW_PARTS:-stack serving probe tests}; do
     echo "== window part: $part ($(date +%T))"
     case $part in
       tests)
