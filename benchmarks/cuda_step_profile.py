@@ -102,18 +102,35 @@ def profile(model: Any, seqs: int, context: int, fused: bool | None, block: int 
 
 
 def profile_mixed(
-    model: Any, decode: int, prefill: int, context: int, block: int, bandwidth: float, flops: float
+    model: Any,
+    decode: int,
+    prefill: int,
+    context: int,
+    block: int,
+    bandwidth: float,
+    flops: float,
+    chunks: int = 1,
 ) -> dict[str, Any]:
     """A mixed step as chunked prefill runs it (eager): `decode` sequences decoding over `context`
-    tokens plus one `prefill`-token prompt chunk, against its roofline (engine_floor.mixed_row)."""
-    blocks = decode * -(-(context + 1) // block) + -(-prefill // block) + 1
+    tokens plus `prefill` prompt tokens as `chunks` fresh prompts, against its roofline
+    (engine_floor.mixed_row)."""
+    blocks = decode * -(-(context + 1) // block) + chunks * -(-(prefill // chunks) // block) + 1
     runner = _runner(model, blocks, None, block)
-    row = mixed_row(runner, model, bandwidth, flops, decode, prefill, context)
+    row = mixed_row(runner, model, bandwidth, flops, decode, prefill, context, chunks)
     # time_mixed_step(steps=1) runs 2 warm-ups and one timed step on CUDA
-    kernels = _kernels(functools.partial(time_mixed_step, runner, decode, prefill, context, steps=1), 3)
+    timed = functools.partial(time_mixed_step, runner, decode, prefill, context, steps=1, chunks=chunks)
+    kernels = _kernels(timed, 3)
     del runner
     torch.cuda.empty_cache()
     return {**row, **kernels}
+
+
+def _mixed_spec(spec: str) -> tuple[int, int, int]:
+    """ "60:2048" -> (60, 1, 2048); "0:4x512" -> (0, 4, 512): decoding sequences, fresh prompts,
+    tokens per prompt."""
+    decode, _, prompt = spec.partition(":")
+    count, _, each = prompt.rpartition("x")
+    return int(decode), int(count or 1), int(each)
 
 
 def main() -> None:
@@ -128,13 +145,14 @@ def main() -> None:
         "--mixed",
         nargs="*",
         default=[],
-        metavar="DECODE:PREFILL",
+        metavar="DECODE:[PROMPTSx]TOKENS",
         help="also profile mixed steps (eager): DECODE sequences decoding over --context tokens plus "
-        "one PREFILL-token prompt chunk, e.g. 60:2048 (on the first of --block-sizes)",
+        "PROMPTS fresh prompts of TOKENS each (default 1), e.g. 60:2048 or 0:4x512 (a burst's step; "
+        "on the first of --block-sizes)",
     )
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
-    mixed = [tuple(int(x) for x in m.split(":")) for m in a.mixed]
+    mixed = [_mixed_spec(m) for m in a.mixed]
     t0 = time.perf_counter()
     dev = torch.device(a.device)
     model = load_model(str(resolve_model(a.model)), dev, torch.bfloat16)
@@ -162,11 +180,13 @@ def main() -> None:
     mixed_rows = []
     if mixed:
         flops = gemm_flops(dev, 4096, dtype=torch.bfloat16)
-        for decode, prefill in mixed:
-            m = profile_mixed(model, decode, prefill, a.context, a.block_sizes[0], bandwidth, flops)
+        for decode, prompts, each in mixed:
+            m = profile_mixed(
+                model, decode, prompts * each, a.context, a.block_sizes[0], bandwidth, flops, prompts
+            )
             print(
-                f"mixed {decode} decoding + {prefill} prompt tokens: step {m['step_ms']} ms, roofline "
-                f"{m['roofline_ms']} ms ({m['vs_roofline']}x), kernels {m['kernel_ms_per_step']} ms "
+                f"mixed {decode} decoding + {prompts} x {each} prompt tokens: step {m['step_ms']} ms, "
+                f"roofline {m['roofline_ms']} ms ({m['vs_roofline']}x), kernels {m['kernel_ms_per_step']} ms "
                 f"({m['kernels_per_step']}/step)"
             )
             for row in m["top"][:12]:

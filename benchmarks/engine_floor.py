@@ -200,25 +200,32 @@ def time_decode_steps(runner: Any, batch: int, context: int, steps: int = 8) -> 
 MIXED_PREFILL_TOKENS = 512
 
 
-def time_mixed_step(runner: Any, decode: int, prefill: int, context: int, steps: int = 6) -> float:
+def time_mixed_step(
+    runner: Any, decode: int, prefill: int, context: int, steps: int = 6, chunks: int = 1
+) -> float:
     """Median wall seconds of a mixed step as chunked prefill schedules it: `decode` sequences
-    decoding one token over `context` cached tokens plus one prompt chunk of `prefill` tokens,
-    packed into one forward (graphs never cover it: it runs eager)."""
+    decoding one token over `context` cached tokens plus `prefill` prompt tokens as `chunks`
+    fresh prompts of equal length (a burst of new requests), packed into one forward (graphs
+    never cover it: it runs eager)."""
     from services.worker.engine.api import SamplingConfig
     from services.worker.engine.model_runner import ScheduledSeq
 
     bs = runner.layout.block_size
     per_seq = -(-(context + 1) // bs)
-    chunk_blocks = -(-prefill // bs)
-    if decode * per_seq + chunk_blocks > runner.num_blocks:
+    if chunks < 1 or prefill % chunks:
+        raise ValueError(f"{prefill} prompt tokens do not split into {chunks} equal prompts")
+    chunk_blocks = -(-(prefill // chunks) // bs)
+    if decode * per_seq + chunks * chunk_blocks > runner.num_blocks:
         raise ValueError(f"{decode} x {context} + {prefill} tokens do not fit {runner.num_blocks} blocks")
     greedy = SamplingConfig(max_tokens=1, temperature=0.0)
     seqs = [
         ScheduledSeq([100 + i], context, list(range(i * per_seq, (i + 1) * per_seq)), True, greedy, None)
         for i in range(decode)
     ]
-    first = decode * per_seq
-    seqs.append(ScheduledSeq([7] * prefill, 0, list(range(first, first + chunk_blocks)), True, greedy, None))
+    for c in range(chunks):
+        first = decode * per_seq + c * chunk_blocks
+        table = list(range(first, first + chunk_blocks))
+        seqs.append(ScheduledSeq([7 + c] * (prefill // chunks), 0, table, True, greedy, None))
     cuda = runner.device.type == "cuda"
     sync = (lambda: torch.cuda.synchronize(runner.device)) if cuda else (lambda: None)
     for _ in range(2 if cuda else 1):
@@ -234,18 +241,26 @@ def time_mixed_step(runner: Any, decode: int, prefill: int, context: int, steps:
 
 
 def mixed_row(
-    runner: Any, model: Any, bandwidth: float, flops: float, decode: int, prefill: int, context: int
+    runner: Any,
+    model: Any,
+    bandwidth: float,
+    flops: float,
+    decode: int,
+    prefill: int,
+    context: int,
+    chunks: int = 1,
 ) -> dict[str, Any]:
     """One mixed step against its roofline: the max of reading the weights and the decode rows'
     KV once, and the FLOPs of every row (prefill rows attend to about half their chunk)."""
-    step = time_mixed_step(runner, decode, prefill, context)
+    step = time_mixed_step(runner, decode, prefill, context, chunks=chunks)
     kv_per_token = runner.bytes_per_block // runner.layout.block_size
     read = weight_bytes_per_step(model, decode + prefill) + decode * (context + 1) * kv_per_token
-    work = flops_per_step(model, decode, context) + flops_per_step(model, prefill, prefill // 2)
+    work = flops_per_step(model, decode, context) + flops_per_step(model, prefill, prefill // chunks // 2)
     roofline = max(read / bandwidth, work / flops)
     return {
         "decode_seqs": decode,
         "prefill_tokens": prefill,
+        "prefill_prompts": chunks,
         "step_ms": round(step * 1e3, 2),
         "roofline_ms": round(roofline * 1e3, 2),
         "vs_roofline": round(step / roofline, 2),

@@ -71,9 +71,11 @@ if [[ $what == window ]]; then
   #            UCX's protocol choice in its log), then bench-stack at 2,048 tokens over both
   #            transports (issue 27's figures; at e5dd904 the handoff took 616 ms over NIXL);
   #   probe    the attention block-size sweep, and the step profile at 1/8/64 sequences over
-  #            32- and 16-token blocks (each against its floor) and of a mixed step (60
-  #            decoding + a 2,048-token prompt chunk, and the chunk alone: the burst's prefill
-  #            phase, which the requests decoding meanwhile wait through);
+  #            32- and 16-token blocks (each against its floor) and of mixed steps (60
+  #            decoding + a 2,048-token prompt chunk, the chunk alone, and 4 fresh prompts of
+  #            512 as a burst's step: at e5dd904 64 requests at once had TTFT p50 1,757 ms, as
+  #            if such steps took ~4x a 2,048-token prefill, and the requests decoding meanwhile
+  #            wait through them);
   #   serving  the unified stack with two gateways, one request at a time and 64 at once, with
   #            each service's CPU per token;
   #   tests    the CUDA tests on 4 processes, each failure's report written as it happens
@@ -121,7 +123,7 @@ if [[ $what == window ]]; then
           --contexts 512 2048 --block-sizes 32 64 128 --repeat 10 \
           --out "$RES/cuda-attention-$TAG.json" || rc=1
         timeout -s INT "${T_PROFILE:-120}" $PY -m benchmarks.cuda_step_profile --seqs 1 8 64 \
-          --paths fused --block-sizes 32 16 --mixed 60:2048 0:2048 \
+          --paths fused --block-sizes 32 16 --mixed 60:2048 0:2048 0:4x512 \
           --out "$RES/cuda-step-profile-$TAG.json" || rc=1 ;;
       *) echo "unknown window part: $part"; rc=1 ;;
     esac

@@ -92,6 +92,11 @@ def test_decode_step_timing_and_report(tiny_bpe: Path) -> None:
     assert mixed["step_ms"] > 0 and mixed["roofline_ms"] > 0
     with pytest.raises(ValueError, match="do not fit"):
         engine_floor.time_mixed_step(runner, 3, 160, 20)
+    # a burst's step: the prompt tokens as several fresh prompts
+    burst = engine_floor.mixed_row(runner, model, 10e9, 50e9, 1, 16, 20, chunks=2)
+    assert burst["prefill_prompts"] == 2 and burst["step_ms"] > 0
+    with pytest.raises(ValueError, match="equal prompts"):
+        engine_floor.time_mixed_step(runner, 1, 15, 20, chunks=2)
     lines = engine_floor.format_report(probe)
     assert any("mixed step (2 decoding + a 16-token prefill chunk, eager)" in line for line in lines)
     assert any("built or loaded in 0.2 s" in line for line in lines)
