@@ -106,7 +106,12 @@ def requests(count: int, prompt_tokens: int, max_tokens: int, tag: str, tokenize
 async def run_config(stack: Any, a: argparse.Namespace, tokenizer: Any) -> dict[str, Any]:
     model = await loadgen.served_model(stack.http_base_url) or "default"
     target = loadgen.Target(stack.http_base_url, model, ignore_eos=True, request_timeout_s=600)
+    # warm-up, not counted: short and full-length prompts one at a time, then a few full-length
+    # ones at once (a burst's mixed steps), so no phase pays a first use of its step shapes
     await loadgen.run_sequential(target, requests(2, 32, 8, "warm", tokenizer))
+    await loadgen.run_sequential(target, requests(1, a.prompt_tokens, 8, "warm-long", tokenizer))
+    together = requests(min(a.burst, 8), a.prompt_tokens, 8, "warm-burst", tokenizer)
+    await loadgen.run_open_loop(target, together, rate_rps=1e6, seed=0, max_send_s=60)
     out: dict[str, Any] = {}
     # Each phase records the CPU µs per delivered token of every service (and the workers' split:
     # event loop vs engine step thread): on a host whose GPU outruns its CPUs, the largest of
