@@ -107,7 +107,7 @@ if [[ $what == window ]]; then
           --out "$RES/stack-cuda-llama-8b-$TAG.json" || rc=1 ;;
       serving)
         timeout -s INT "${T_SERVING:-80}" $PY -m benchmarks.bench_serving --model random:llama-8b \
-          --device cuda --dtype bfloat16 --configs unified+2gw --sequential 2 --burst 64 \
+          --device cuda --dtype bfloat16 --configs unified+2gw --sequential 4 --burst 64 \
           --out "$RES/serving-llama-8b-$TAG.json" || rc=1 ;;
       disagg)
         timeout -s INT "${T_DISAGG:-170}" $PY -m benchmarks.bench_serving --model random:llama-8b \
