@@ -42,7 +42,6 @@ import asyncio
 import contextlib
 import json
 import os
-import re
 import shlex
 import statistics
 import sys
@@ -56,6 +55,7 @@ from typing import Any
 
 import grpc
 
+from benchmarks.result_names import gpu_tag
 from services.up_shape import PORT_OFFSETS
 from services.worker.engine import create_engine
 from services.worker.engine.api import EngineConfig, EngineRequest, SamplingConfig
@@ -468,11 +468,6 @@ def print_summary(doc: dict[str, Any]) -> None:
     for name, error in doc.get("errors", {}).items():
         print(f"error [{name}]: {error[-500:]}")
     sys.stdout.flush()
-
-
-def gpu_tag(name: str) -> str:
-    """The GPU's name as result files carry it (as scripts/gpu_checks.sh does): "NVIDIA H200" -> "h200"."""
-    return re.sub(r"[^a-z0-9]+", "-", name.lower().replace("nvidia", "")).strip("-")
 
 
 def out_path(a: argparse.Namespace, tag: str) -> Path:

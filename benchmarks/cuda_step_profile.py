@@ -22,7 +22,6 @@ import argparse
 import collections
 import functools
 import json
-import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,10 +34,12 @@ from benchmarks.engine_floor import (
     gemm_flops,
     mixed_row,
     read_bandwidth,
+    step_blocks,
     time_decode_steps,
     time_mixed_step,
     weight_bytes_per_step,
 )
+from benchmarks.result_names import gpu_tag
 from services.worker.engine.backend import ModelBackend
 from services.worker.engine.model_loading import kv_layout_of, load_model
 from services.worker.engine.model_runner import ModelRunner
@@ -92,7 +93,7 @@ def _runner(model: Any, blocks: int, fused: bool | None, block: int) -> ModelRun
 
 def profile(model: Any, seqs: int, context: int, fused: bool | None, block: int = 16) -> dict[str, Any]:
     """A decode step of `seqs` sequences over `context` tokens (a graph replay)."""
-    runner = _runner(model, seqs * -(-(context + 1) // block) + 1, fused, block)
+    runner = _runner(model, step_blocks(block, seqs, context) + 1, fused, block)  # + the scratch block
     step_s, _ = time_decode_steps(runner, seqs, context)
     # time_decode_steps(steps=1) runs 3 steps (2 warm-ups)
     kernels = _kernels(functools.partial(time_decode_steps, runner, seqs, context, steps=1), 3)
@@ -114,8 +115,7 @@ def profile_mixed(
     """A mixed step as chunked prefill runs it (eager): `decode` sequences decoding over `context`
     tokens plus `prefill` prompt tokens as `chunks` fresh prompts, against its roofline
     (engine_floor.mixed_row)."""
-    blocks = decode * -(-(context + 1) // block) + chunks * -(-(prefill // chunks) // block) + 1
-    runner = _runner(model, blocks, None, block)
+    runner = _runner(model, step_blocks(block, decode, context, prefill, chunks) + 1, None, block)
     row = mixed_row(runner, model, bandwidth, flops, decode, prefill, context, chunks)
     # time_mixed_step(steps=1) runs 2 warm-ups and one timed step on CUDA
     timed = functools.partial(time_mixed_step, runner, decode, prefill, context, steps=1, chunks=chunks)
@@ -209,8 +209,7 @@ def main() -> None:
         + (" --mixed " + " ".join(a.mixed) if a.mixed else ""),
     }
     doc["seconds"] = round(time.perf_counter() - t0, 1)
-    gpu = re.sub(r"[^a-z0-9]+", "-", doc["gpu"].lower().replace("nvidia", "")).strip("-")
-    out = a.out or RESULTS / f"cuda-step-profile-{gpu}.json"
+    out = a.out or RESULTS / f"cuda-step-profile-{gpu_tag(doc['gpu'])}.json"
     out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {out}")
 

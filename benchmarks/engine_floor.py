@@ -165,6 +165,13 @@ def weight_bytes_per_step(model: Any, batch: int) -> int:
     return total
 
 
+def step_blocks(block_size: int, decode: int, context: int, prefill: int = 0, chunks: int = 1) -> int:
+    """Pool blocks the timed steps below use: `decode` sequences over `context` cached tokens plus
+    the one they decode, and `prefill` prompt tokens as `chunks` fresh prompts of equal length."""
+    per_prompt = -(-(prefill // chunks) // block_size) if prefill else 0
+    return decode * -(-(context + 1) // block_size) + chunks * per_prompt
+
+
 def time_decode_steps(runner: Any, batch: int, context: int, steps: int = 8) -> tuple[float, float]:
     """Median wall seconds and median process CPU seconds of a pure decode step: `batch`
     sequences, each with `context` cached tokens (zeros in the pool; attention reads them all
@@ -175,7 +182,7 @@ def time_decode_steps(runner: Any, batch: int, context: int, steps: int = 8) -> 
 
     bs = runner.layout.block_size
     per_seq = -(-(context + 1) // bs)
-    if batch * per_seq > runner.num_blocks:
+    if step_blocks(bs, batch, context) > runner.num_blocks:
         raise ValueError(f"{batch} x {context} tokens do not fit {runner.num_blocks} blocks")
     greedy = SamplingConfig(max_tokens=1, temperature=0.0)
     seqs = [
@@ -215,7 +222,7 @@ def time_mixed_step(
     if chunks < 1 or prefill % chunks:
         raise ValueError(f"{prefill} prompt tokens do not split into {chunks} equal prompts")
     chunk_blocks = -(-(prefill // chunks) // bs)
-    if decode * per_seq + chunks * chunk_blocks > runner.num_blocks:
+    if step_blocks(bs, decode, context, prefill, chunks) > runner.num_blocks:
         raise ValueError(f"{decode} x {context} + {prefill} tokens do not fit {runner.num_blocks} blocks")
     greedy = SamplingConfig(max_tokens=1, temperature=0.0)
     seqs = [
