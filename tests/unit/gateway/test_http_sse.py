@@ -4,6 +4,8 @@ control characters, quotes, backslashes, emoji), finish reason, choice index, id
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -14,54 +16,48 @@ _REASONS = st.sampled_from([None, "stop", "length", "abort", "tool_calls"])
 _TEXT = st.text(alphabet=st.characters(codec="utf-8"), max_size=40)  # any valid text (no lone surrogates)
 
 
-def _pydantic(
-    chat: bool,
-    rid: str,
-    created: int,
-    model: str,
-    include_usage: bool,
-    index: int,
-    text: str,
-    reason: str | None,
-) -> str:
+class _Case(NamedTuple):
+    chat: bool
+    rid: str
+    created: int
+    model: str
+    include_usage: bool
+    choice: int  # the choice index
+    text: str
+    reason: str | None
+
+
+def _pydantic(c: _Case) -> str:
     """What http_stream built for every chunk before the template: the models, dumped."""
-    exclude = None if include_usage else {"usage"}
+    exclude = None if c.include_usage else {"usage"}
     body: m.ChatCompletionChunk | m.CompletionChunk
-    if chat:
-        delta = {"content": text} if text else {}
-        choice = m.ChatChunkChoice(index=index, delta=delta, finish_reason=reason, logprobs=None)
-        body = m.ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice], usage=None)
+    if c.chat:
+        delta = {"content": c.text} if c.text else {}
+        choice = m.ChatChunkChoice(index=c.choice, delta=delta, finish_reason=c.reason, logprobs=None)
+        body = m.ChatCompletionChunk(id=c.rid, created=c.created, model=c.model, choices=[choice], usage=None)
     else:
-        text_choice = m.CompletionChunkChoice(index=index, text=text, finish_reason=reason, logprobs=None)
-        body = m.CompletionChunk(id=rid, created=created, model=model, choices=[text_choice], usage=None)
+        text = m.CompletionChunkChoice(index=c.choice, text=c.text, finish_reason=c.reason, logprobs=None)
+        body = m.CompletionChunk(id=c.rid, created=c.created, model=c.model, choices=[text], usage=None)
     return f"data: {body.model_dump_json(exclude=exclude)}\n\n"
 
 
 @settings(max_examples=300, deadline=None)
 @given(
-    chat=st.booleans(),
-    rid=_TEXT,
-    created=st.integers(0, 2**40),
-    model=_TEXT,
-    include_usage=st.booleans(),
-    index=st.integers(0, 200),
-    text=_TEXT,
-    reason=_REASONS,
-)
-def test_template_chunks_equal_the_models(
-    chat: bool,
-    rid: str,
-    created: int,
-    model: str,
-    include_usage: bool,
-    index: int,
-    text: str,
-    reason: str | None,
-) -> None:
-    template = ChunkTemplate(rid, created, model, chat, include_usage)
-    assert template.event(index, text, reason) == _pydantic(
-        chat, rid, created, model, include_usage, index, text, reason
+    st.builds(
+        _Case,
+        chat=st.booleans(),
+        rid=_TEXT,
+        created=st.integers(0, 2**40),
+        model=_TEXT,
+        include_usage=st.booleans(),
+        choice=st.integers(0, 200),
+        text=_TEXT,
+        reason=_REASONS,
     )
+)
+def test_template_chunks_equal_the_models(c: _Case) -> None:
+    template = ChunkTemplate(c.rid, c.created, c.model, c.chat, c.include_usage)
+    assert template.event(c.choice, c.text, c.reason) == _pydantic(c)
 
 
 def test_a_chat_chunk_as_clients_see_it() -> None:
