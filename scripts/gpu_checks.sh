@@ -70,7 +70,8 @@ if [[ $what == window ]]; then
   #   stack    the NIXL READ alone between two processes per progress mode (nixl_probe, T_NIXL,
   #            UCX's protocol choice in its log), then bench-stack at 2,048 tokens over both
   #            transports (issue 27's figures; at e5dd904 the handoff took 616 ms over NIXL);
-  #   probe    the attention block-size sweep, and the step profile at 1/8/64 sequences over
+  #   probe    the attention block-size sweep (alone: `attention`), and the step profile (alone:
+  #            `profile`) at 1/8/64 sequences over
   #            32- and 16-token blocks (each against its floor) and of mixed steps (60
   #            decoding + a 2,048-token prompt chunk, the chunk alone, and 4 fresh prompts of
   #            512 as a burst's step: at e5dd904 64 requests at once had TTFT p50 1,757 ms, as
@@ -118,11 +119,13 @@ if [[ $what == window ]]; then
           --model random:llama-8b --contenders hf_padded,pdserve --num-requests 32 \
           --kv-cache-tokens 40960 --no-prefix-run --floor-batches 1,8,16,64 --child-timeout-s 150 \
           --output "$RES/engine-cuda-llama-8b-$TAG.json" || rc=1 ;;
-      probe)
+      probe|attention|profile)
+        if [[ $part != profile ]]; then
         timeout -s INT "${T_PROBE:-60}" $PY -m benchmarks.cuda_attention --batches 1 8 64 \
           --contexts 512 2048 --block-sizes 32 64 128 --repeat 10 \
           --out "$RES/cuda-attention-$TAG.json" || rc=1
-        timeout -s INT "${T_PROFILE:-120}" $PY -m benchmarks.cuda_step_profile --seqs 1 8 64 \
+        fi
+        [[ $part == attention ]] || timeout -s INT "${T_PROFILE:-120}" $PY -m benchmarks.cuda_step_profile --seqs 1 8 64 \
           --paths fused --block-sizes 32 16 --mixed 60:2048 0:2048 0:4x512 \
           --out "$RES/cuda-step-profile-$TAG.json" || rc=1 ;;
       *) echo "unknown window part: $part"; rc=1 ;;
