@@ -10,7 +10,12 @@ or NIXL's own progress `thread`); the main process READs a run of blocks (one de
 plane) or scattered blocks (one per plane per block), from its main thread or from a fresh one
 where torch set no device (as a worker's READs run), checks the bytes, and reports ms and GiB/s.
 
-  python -m benchmarks.nixl_probe --device cuda --modes poll spin thread --out r.json
+What it showed on the H200 (2026-11-28): 506-576 ms from any thread and mode; UCX's protocol
+table named "software emulation | tcp/lo" for the GET of VRAM, UCX having turned CUDA IPC's
+get_zcopy off on a GPU without NVLink. `--ucx worker` (the default) runs with the UCX settings a
+worker applies on GPUs (kv_nixl.UCX_CUDA_DEFAULTS), `--ucx as-is` without them, for the A/B.
+
+  python -m benchmarks.nixl_probe --device cuda --modes poll spin thread --ucx worker as-is --out r.json
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -28,6 +34,7 @@ import torch
 
 from benchmarks.bench_stack import machine
 from services.worker.kv_descriptors import block_runs, plane_descriptors
+from services.worker.kv_nixl import UCX_CUDA_DEFAULTS, ucx_cuda_defaults
 from shared.cluster import KvLayout
 
 _LAYOUTS = {  # name: (layers, kv_heads, head_dim)
@@ -101,8 +108,14 @@ def _read(agent: Any, name: str, local: np.ndarray, remote: np.ndarray, mem: str
     return ms
 
 
-def probe(mode: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+def probe(mode: str, ucx: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     from nixl_cu13 import _api as api
+
+    # UCX reads its variables when an agent is made: here, and in the target (spawned after)
+    for key in UCX_CUDA_DEFAULTS:
+        os.environ.pop(key, None)
+    if ucx == "worker" and args.device == "cuda":
+        ucx_cuda_defaults()
 
     layers, heads, dim = _LAYOUTS[args.layout]
     layout = KvLayout(
@@ -148,7 +161,7 @@ def probe(mode: str, args: argparse.Namespace) -> list[dict[str, Any]]:
                 times = [once() if where == "main" else _in_fresh_thread(once) for _ in range(args.repeat)]
                 got = pool[0, 0, 0, [d * args.block_size for d in dst], 0].float()
                 want = torch.tensor([s % 97 + 1.0 for s in src], device=args.device)
-                rows.append(_row(mode, shape, where, local, times, bool(torch.equal(got, want))))
+                rows.append(_row(mode, ucx, shape, where, local, times, bool(torch.equal(got, want))))
     finally:
         parent.send("stop")
         proc.join(10)
@@ -156,12 +169,13 @@ def probe(mode: str, args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def _row(
-    mode: str, shape: str, where: str, local: np.ndarray, times: list[float], ok: bool
+    mode: str, ucx: str, shape: str, where: str, local: np.ndarray, times: list[float], ok: bool
 ) -> dict[str, Any]:
     mib = int(local[:, 1].sum()) / 2**20
     best = min(times)
     row = {
         "mode": mode,
+        "ucx": ucx,
         "shape": shape,
         "reader_thread": where,
         "descriptors": len(local),
@@ -195,10 +209,17 @@ def main() -> None:
         choices=["main", "fresh"],
         help="READ from the thread that made the pool, or from a new thread (a worker's READs)",
     )
+    p.add_argument(
+        "--ucx",
+        nargs="+",
+        default=["worker"],
+        choices=["worker", "as-is"],
+        help="with the UCX settings a worker applies on GPUs (kv_nixl.UCX_CUDA_DEFAULTS) or without",
+    )
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--out")
     args = p.parse_args()
-    rows = [r for mode in args.modes for r in probe(mode, args)]
+    rows = [r for ucx in args.ucx for mode in args.modes for r in probe(mode, ucx, args)]
     result = {"rows": rows, "config": vars(args), "machine": machine(args.device)}
     if args.out:
         with open(args.out, "w") as f:

@@ -45,6 +45,17 @@ and READs run in pool threads, neither of which had touched CUDA. So the agent m
 GPU current in every thread that calls into it (`_bind`); benchmarks/nixl_probe.py times a
 READ from the pool's thread and from a fresh one.
 
+GET over CUDA IPC. Measured on one H200 with that fix in (benchmarks/nixl_probe.py,
+UCX_PROTO_INFO=y): still 506-576 ms for 256 MiB from any thread and progress mode, and UCX's
+protocol table named the reason: "remote memory read by ucp_get*(multi) into cuda/GPU0 from
+cuda/dev[1] | 0..inf | software emulation | tcp/lo". UCX turns CUDA IPC's get_zcopy off on GPUs
+without active NVLink (openucx/ucx PR 7566: concurrent reads were slower than puts on such
+platforms), which leaves a READ of VRAM nothing but TCP over loopback: every single-GPU node and
+every PCIe-only one. A NIXL READ is a GET, so the agent turns it back on
+(UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on, as llm-d and vLLM's same-node setups do; NIXL PR 2208 does the
+same in its plugin) where its pools are on a GPU and the operator has not set the variable. That
+is UCX's own configuration, read by UCX when the agent is made (`ucx_cuda_defaults`).
+
 Timeouts. A READ cannot be cancelled: measured with UCX, the bytes of a READ whose handle was
 released (even with its peer's metadata removed) still land once the peer progresses. A READ that
 times out is therefore kept (KvTransferUnsettled) and watched by a reaper thread until
@@ -57,10 +68,11 @@ No grpc here; `nixl_cu13` is imported lazily, so a worker without it runs with t
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 import numpy as np
@@ -125,6 +137,20 @@ class _PendingRead:
                 log.exception("nixl_settle_callback_failed", peer=self.peer)
 
 
+# UCX's configuration for agents whose memory is on a GPU (see "GET over CUDA IPC" above);
+# UCX reads its UCX_* variables when an agent's context is made
+UCX_CUDA_DEFAULTS = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}
+
+
+def ucx_cuda_defaults(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """Set UCX_CUDA_DEFAULTS in the process environment (where UCX reads its configuration)
+    except those the operator set; returns what was set."""
+    env = os.environ if environ is None else environ
+    applied = {k: v for k, v in UCX_CUDA_DEFAULTS.items() if k not in env}
+    env.update(applied)
+    return applied
+
+
 def load_nixl() -> Any | None:
     """The nixl_cu13 API module, or None where it does not load (not installed, no UCX)."""
     try:
@@ -151,6 +177,8 @@ class NixlKvAgent:
         # the event loop and READs from pool threads, where torch may never have set a device)
         self._cuda = next((p.device for p in pools if p.device.type == "cuda"), None)
         self._bind()
+        # before the agent: UCX reads its configuration when the agent's context is made
+        ucx = ucx_cuda_defaults() if self._cuda is not None else {}
         config = api.nixl_agent_config(backends=["UCX"], enable_prog_thread=progress_thread)
         self._agent = api.nixl_agent(self.name, config)
         self._pools = pools
@@ -173,6 +201,7 @@ class NixlKvAgent:
             pools=len(pools),
             pool_bytes=sum(_nbytes(p) for p in pools),
             progress_thread=progress_thread,
+            ucx_set=ucx,
         )
 
     @classmethod

@@ -1,14 +1,18 @@
-"""The NIXL transport's pure parts: the pair's negotiation, block runs, plane descriptors, and
-the protobuf round trip of the NIXL fields."""
+"""The NIXL transport's pure parts: the pair's negotiation, block runs, plane descriptors, the
+protobuf round trip of the NIXL fields, and the UCX configuration an agent sets on GPUs."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
+import torch
 
 from services.worker import convert
 from services.worker.engine.api import KvBlocksChunk
 from services.worker.kv_descriptors import block_runs, plane_descriptors
+from services.worker.kv_nixl import UCX_CUDA_DEFAULTS, NixlKvAgent, ucx_cuda_defaults
 from services.worker.messages import KvReceipt, KvTargetSpec, NixlSource
 from shared.cluster import NIXL_CAPABILITY, KvLayout, KvTransport, negotiate_kv_transport
 from shared.cluster_convert import kv_layout_to_pb
@@ -126,3 +130,59 @@ def test_nixl_fields_round_trip() -> None:
     assert receipt.HasField("recomputing") and not receipt.HasField("kv_read_ns")
     receipt = convert.kv_receipt_to_pb(KvReceipt(bytes_received=10, blocks_received=1, read_ns=5))
     assert receipt.kv_read_ns == 5 and not receipt.HasField("recomputing")
+
+
+def test_ucx_cuda_defaults_fill_only_what_the_operator_left_unset() -> None:
+    """On GPUs the agent turns UCX's GET over CUDA IPC on (UCX turns it off without NVLink, and
+    a READ of VRAM then crawls over TCP on loopback); an operator's own value stays."""
+    env: dict[str, str] = {"UCX_TLS": "cuda_ipc,cuda_copy,tcp"}
+    assert ucx_cuda_defaults(env) == {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}
+    assert env == {"UCX_TLS": "cuda_ipc,cuda_copy,tcp", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}
+    operator = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "off"}
+    assert ucx_cuda_defaults(operator) == {}
+    assert operator == {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "off"}
+
+
+class _FakeNixl:
+    """Records the UCX variables in the environment when the agent is made (when UCX reads
+    them)."""
+
+    def __init__(self) -> None:
+        self.env_at_agent: dict[str, str] = {}
+
+    def nixl_agent_config(self, **kwargs: object) -> dict[str, object]:
+        return kwargs
+
+    def nixl_agent(self, name: str, config: object) -> _FakeNixl:
+        self.env_at_agent = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
+        return self
+
+    def register_memory(self, pool: torch.Tensor) -> None:
+        pass
+
+    def get_agent_metadata(self) -> bytes:
+        return b"meta"
+
+
+def _pool(device: str) -> torch.Tensor:
+    return torch.zeros(LAYOUT.num_layers, 2, LAYOUT.num_kv_heads, 16, LAYOUT.head_dim, device=device)
+
+
+def test_an_agent_over_host_memory_leaves_ucx_as_it_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in UCX_CUDA_DEFAULTS:
+        monkeypatch.delenv(key, raising=False)
+    api = _FakeNixl()
+    NixlKvAgent(api, [_pool("cpu")], LAYOUT)
+    assert not set(UCX_CUDA_DEFAULTS) & set(api.env_at_agent)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_an_agent_over_vram_turns_get_over_cuda_ipc_on_before_ucx_reads_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for key in UCX_CUDA_DEFAULTS:
+        monkeypatch.delenv(key, raising=False)
+    api = _FakeNixl()
+    NixlKvAgent(api, [_pool("cuda")], LAYOUT)
+    assert api.env_at_agent["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "on"
