@@ -11,8 +11,9 @@ TPOT over the 1-sequence floor (one at a time) and over the burst-size floor (al
     python -m benchmarks.bench_serving --model random:llama-8b --device cuda [--configs unified,disaggregated]
 
 A configuration may add `+`-separated modifiers: `+<N>gw` (`unified+2gw`): `pdserve up --gateways
-N`, N gateway processes sharing the HTTP port; `+graphs` (`disaggregated+graphs`): CUDA graphs kept
-in every worker (`pdserve up` turns them off where several worker processes share the GPU).
+N`, N gateway processes sharing the HTTP port; `+graphs` (`disaggregated+graphs`): CUDA graphs in every
+worker (`pdserve up` keeps the decode and unified workers' and gives prefill workers none),
+`+eager`: none in any worker.
 Each phase records the CPU µs per delivered token of every service (all gateways summed under
 `gateway`).
 
@@ -139,18 +140,22 @@ async def run_config(stack: Any, a: argparse.Namespace, tokenizer: Any) -> dict[
 
 def config_args(config: str) -> tuple[str, list[str]]:
     """A configuration's stack shape (`unified` / `disaggregated`) and the `pdserve up` flags its
-    modifiers add: `+<N>gw` gateways, `+graphs` CUDA graphs in every worker."""
+    modifiers add: `+<N>gw` gateways, `+graphs` / `+eager` CUDA graphs in every / no worker."""
     shape, *mods = config.split("+")
     if shape not in ("unified", "disaggregated"):
-        raise ValueError(f"unknown configuration {config!r}: unified or disaggregated, then +Ngw / +graphs")
+        raise ValueError(
+            f"unknown configuration {config!r}: unified or disaggregated, then +Ngw / +graphs / +eager"
+        )
     args = ["--gateways", "1"]
     for mod in mods:
         if re.fullmatch(r"[1-9]gw", mod):
             args[1] = mod.removesuffix("gw")
         elif mod == "graphs":
             args.append("--worker-arg=--cuda-graphs")
+        elif mod == "eager":
+            args.append("--worker-arg=--no-cuda-graphs")
         else:
-            raise ValueError(f"unknown modifier {mod!r} in {config!r}: +Ngw or +graphs")
+            raise ValueError(f"unknown modifier {mod!r} in {config!r}: +Ngw, +graphs or +eager")
     return shape, args
 
 

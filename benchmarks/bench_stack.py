@@ -2,7 +2,8 @@
 default): the bundled SmolLM2, fp32, one torch thread per worker; on a GPU (`--device cuda`) any
 model `resolve_model` knows, e.g. `--model random:llama-8b` (Llama-3-8B's shape, random weights
 built on the device), each stack's workers sharing the one GPU (`pdserve up` splits
---gpu-memory-utilization between them and turns CUDA graphs off when several share it).
+--gpu-memory-utilization between them; decode workers keep their CUDA graphs, prefill workers
+capture none).
 
 (a) KV transfer time vs prefill time, per transport: per prompt length, a prefill worker runs
     the prompt and hands its KV to a decode worker over gRPC (PushKv chunks) or NIXL (the decode
@@ -159,7 +160,7 @@ def stack_configs(a: argparse.Namespace, transports: Sequence[str]) -> dict[str,
     order: the disaggregated stacks (NIXL: the workers' default transport, auto; gRPC: workers
     with --kv-transport grpc), then the unified one (only when (b) runs). `pdserve up` gets the
     device and dtype; its own defaults do the rest (the GPU memory split between workers, CUDA
-    graphs off when several workers share the GPU)."""
+    graphs on a decode worker only)."""
     up_args = ["--device", a.device, "--dtype", a.dtype]
     # metrics on: (a) reads the decode worker's NIXL READ time (pdserve_kv_transfer_read_seconds)
     common = {"up_args": up_args, "ready_timeout_s": a.ready_timeout_s, "metrics": True}

@@ -82,8 +82,8 @@ if [[ $what == window ]]; then
   #   tests    the CUDA tests on 4 processes, each failure's report written as it happens
   #            (gpu-test-failures-<gpu>.txt: a limit may interrupt pytest before its summary);
   #   engine   bench-engine on the 8B shape against HF's padded batch, steps vs floor as served;
-  #   disagg   `pdserve up` disaggregated on the one GPU, graphs off (up's default where worker
-  #            processes share a GPU, measured on SmolLM2) and on (issue 31 asks they be kept).
+  #   disagg   `pdserve up` disaggregated on the one GPU as up starts it (the decode worker with
+  #            graphs, the prefill worker without) and with no graphs in either (`+eager`).
   # Each part has its own limit (T_<PART> seconds; SIGINT, so pytest and the benchmarks still
   # write what they have), so a slow one never takes the later ones' time. A 15-minute lease
   # (one call at most 600 s, a start ~35 s) fits two calls on one warm machine: `stack serving
@@ -112,7 +112,7 @@ if [[ $what == window ]]; then
           --out "$RES/serving-llama-8b-$TAG.json" || rc=1 ;;
       disagg)
         timeout -s INT "${T_DISAGG:-170}" $PY -m benchmarks.bench_serving --model random:llama-8b \
-          --device cuda --dtype bfloat16 --configs disaggregated,disaggregated+graphs --sequential 2 \
+          --device cuda --dtype bfloat16 --configs disaggregated,disaggregated+eager --sequential 2 \
           --burst 64 --out "$RES/serving-disagg-llama-8b-$TAG.json" || rc=1 ;;
       engine)
         timeout -s INT "${T_ENGINE:-200}" $PY -m benchmarks.bench_engine --device cuda --dtype bfloat16 \

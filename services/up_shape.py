@@ -69,16 +69,18 @@ def worker_counts(a: argparse.Namespace) -> dict[str, int]:
     return counts
 
 
-def _graphs_flag(a: argparse.Namespace) -> list[str]:
-    """`--no-cuda-graphs` when several worker processes share the GPU. Every worker of `up` runs
-    on the same device, and without MPS the GPU time-slices between processes: an eager prefill
-    worker's ~1,000 small kernels per step each wait behind the other process's graph replays.
-    Measured on an H200 (benchmarks/results/goodput-cuda-graphs-notes.md at commit cfd4600, and
-    docs/benchmarks.md): disaggregated chat at 30 req/s met the TTFT SLO for 3.8 % of requests
-    with graphs against 100 % without, while one process with graphs did better than without
-    (TTFT p90 1.14 s vs 1.94 s at 20 req/s)."""
-    several = sum(a.worker_counts.values()) > 1
-    return ["--no-cuda-graphs"] if several and a.device != "cpu" else []
+def _graphs_flag(a: argparse.Namespace, kind: str) -> list[str]:
+    """`--no-cuda-graphs` for prefill workers on a GPU, whose steps are prompt chunks (eager):
+    their graphs would only cost memory and start time. Decode and unified workers keep their
+    graphs even where several worker processes share the GPU (issue 31 item 3). Measured on an
+    H200 with the Llama-3-8B shape (benchmarks/results/serving-disagg-llama-8b-h200.json,
+    2026-11-28), `pdserve up` disaggregated on the one GPU: TPOT p50 one request at a time
+    4.6 ms with the graphs against 29.1 ms without, 64 at once 964 vs 642 tok/s. Against it,
+    on SmolLM2-135M (goodput-cuda-graphs-notes.md at commit cfd4600): without MPS the GPU
+    time-slices between processes, and the prefill worker's many small kernels waited behind
+    the decode worker's replays (chat at 30 req/s met its TTFT SLO for 3.8 % of requests with
+    graphs, 100 % without); `--decode-worker-arg=--no-cuda-graphs` is the choice there."""
+    return ["--no-cuda-graphs"] if kind == "prefill-worker" and a.device != "cpu" else []
 
 
 # the share of the GPU's memory all of up's workers use together (each worker's own default)
@@ -139,9 +141,7 @@ def children(a: argparse.Namespace, model_path: str) -> list[Child]:
         str(block_size(a)),
         "--torch-threads",
         str(a.torch_threads),
-        *_graphs_flag(a),
         *_memory_flag(a),
-        *a.worker_arg,  # after ours: a --worker-arg=--cuda-graphs wins
     ]
     stack = [
         Child(
@@ -167,7 +167,16 @@ def children(a: argparse.Namespace, model_path: str) -> list[Child]:
                     name,
                     WORKER_MODULES[kind],
                     addr(name),
-                    [*common(name), *role, "--advertise-address", addr(name), *worker_common, *own],
+                    [
+                        *common(name),
+                        *role,
+                        "--advertise-address",
+                        addr(name),
+                        *worker_common,
+                        *_graphs_flag(a, kind),
+                        *a.worker_arg,  # after ours: a --worker-arg=--cuda-graphs wins
+                        *own,
+                    ],
                 )
             )
     gateways = a.gateways

@@ -42,8 +42,8 @@ class BackendOptions:
     cuda_graphs: bool = field(
         True,
         "On CUDA, replay decode-only steps as CUDA graphs (one per batch and context bucket; "
-        "needs the lean forward); ignored on CPU. --no-cuda-graphs when other processes share "
-        "this GPU: without MPS their kernels then wait for time slices behind the graphs",
+        "needs the lean forward); ignored on CPU. --no-cuda-graphs may suit a small model whose GPU "
+        "other processes share: without MPS their kernels wait for time slices behind the graphs",
     )
     cuda_kernels: bool = field(
         True,

@@ -18,6 +18,10 @@ def test_configurations_become_pdserve_up_flags() -> None:
         "disaggregated",
         ["--gateways", "3", "--worker-arg=--cuda-graphs"],
     )
+    assert config_args("disaggregated+eager") == (
+        "disaggregated",
+        ["--gateways", "1", "--worker-arg=--no-cuda-graphs"],
+    )
 
 
 @pytest.mark.parametrize("bad", ["unifed", "unified+0gw", "unified+gw", "disaggregated+fast", "+2gw"])

@@ -73,10 +73,10 @@ def test_cuda_flags_reach_every_worker(monkeypatch: pytest.MonkeyPatch, tmp_path
         assert set(workers) == ({"worker"} if name == "unified" else {"prefill-worker", "decode-worker"})
         for argv in workers.values():
             assert (_flag(argv, "--device"), _flag(argv, "--dtype")) == ("cuda", "bfloat16")
-            # two workers on one GPU: up halves its 0.9 and turns graphs off; one keeps both
+            # two workers on one GPU: up halves its 0.9; the prefill worker captures no graphs
             shared = name != "unified"
             assert _flag(argv, "--gpu-memory-utilization") == ("0.45" if shared else None)
-            assert ("--no-cuda-graphs" in argv) == shared
+            assert ("--no-cuda-graphs" in argv) == (argv is workers.get("prefill-worker"))
             assert _flag(argv, "--kv-transport") == ("grpc" if name == "disaggregated_grpc" else None)
 
 
