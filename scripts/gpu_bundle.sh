@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # What a lent GPU machine needs from here, made once per checkout (both folders are git-ignored
 # through .git/info/exclude; the device tool carries them, 64 MiB a call in all):
-#   .whl/         the runtime pins (requirements/runtime.txt) that the GPU image lacks, as cp312
-#                 manylinux x86_64 wheels (~37 MB); the image has torch (CUDA), numpy, protobuf,
-#                 prometheus-client, accelerate, safetensors and the rest of transformers' needs
+#   .whl/         the runtime pins (requirements/runtime.txt) that the GPU image lacks and the
+#                 test pins its tests import, as cp312 manylinux x86_64 wheels (~37 MB); the image
+#                 has torch (CUDA), numpy, protobuf, prometheus-client, accelerate, safetensors
+#                 and the rest of transformers' needs
 #   .gpu/models/  the tokenizer + config folders of `random:llama-8b` and `random:smollm2` (3.5 MB
 #                 each; the weights are drawn on the GPU)
 # Then, on the device (carry .whl .gpu shared/gen):
@@ -33,7 +34,14 @@ for name in $NEEDED; do
   [[ -n $pin ]] || { echo "no pin for $name in requirements/runtime.txt" >&2; exit 1; }
   pins+=("$pin")
 done
-pins+=("pytest-asyncio==$(grep -i '^pytest-asyncio==' requirements/dev.txt | awk '{print $1}' | cut -d= -f3)")
+# and the test pins that modules collected by `pytest -m gpu` import (openai, jsonschema; the
+# H200 image lacked them, 2026-11-28: 7 collection errors)
+for name in pytest-asyncio openai jiter sniffio jsonschema jsonschema-specifications attrs \
+  referencing rpds-py; do
+  pin=$(grep -i "^${name}==" requirements/dev.txt | awk '{print $1}') || true
+  [[ -n $pin ]] || { echo "no pin for $name in requirements/dev.txt" >&2; exit 1; }
+  pins+=("$pin")
+done
 platforms=()
 for n in 17 24 27 28 31 34; do platforms+=(--platform "manylinux_2_${n}_x86_64"); done
 mkdir -p .whl
