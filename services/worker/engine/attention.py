@@ -103,6 +103,11 @@ class PagedAttentionMetadata:
     # pool in place through this step's block tables (flex_paged.py); the lean forward's fused
     # layers use it instead of `groups`
     flex: FlexPagedStep | None = None
+    # BATCHED on CUDA with FlexAttention, a mixed step (prompt chunks and decode rows): the first
+    # n packed rows (the decode rows, one query each) attend to the pool in place through this
+    # FlexPagedStep (a decode bucket's, filled with their block tables), the groups serve the
+    # rest; no gather of the decode rows' KV, no padded SDPA over it. (step, n)
+    flex_short: tuple[FlexPagedStep, int] | None = None
     # with decode_spans: [B] int64 first key each decode sequence sees (its layer's window);
     # None: every sequence from its first token
     decode_starts: torch.Tensor | None = None

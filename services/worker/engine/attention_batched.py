@@ -29,12 +29,14 @@ class BatchedGroup:
     num_seqs: int
     q_max: int
     num_blocks_max: int
-    # the step is one sequence's first chunk (position 0 on) within the layer's window: it
+    # the group is one sequence's first chunk (position 0 on) within the layer's window: it
     # attends causally to its own new K/V, read from the step's tensors, not gathered from the
     # pool, and builds no mask (a 2,048-token prompt of an 8B shape: 8 MiB per layer gathered
-    # and a 32 MiB additive mask that keeps SDPA off its causal kernels, for the common
-    # one-request prefill)
+    # and a 32 MiB additive mask that keeps SDPA off its causal kernels), whether it is the
+    # step's only group (one request's prefill) or shares the step with decode rows (a mixed
+    # step: its packed rows are `span`)
     fresh: bool = False
+    span: tuple[int, int] = (0, 0)  # a fresh group's packed rows [start, end)
 
 
 def batched_attention(
@@ -48,7 +50,7 @@ def batched_attention(
     value: torch.Tensor,
 ) -> torch.Tensor:
     """Every group's padded call; -> [1, T, heads, head_dim] in packed order."""
-    if len(groups) == 1 and groups[0].fresh:
+    if len(groups) == 1 and groups[0].fresh and groups[0].out_positions is None:
         return attend(query, key, value, scaling, softcap, is_causal=True).transpose(1, 2)
     _, num_heads, num_tokens, head_dim = query.shape
     kv_heads = layer_kv.shape[1]
@@ -56,6 +58,11 @@ def batched_attention(
         return group_attention(query[0], layer_kv, bs, groups[0], kv_heads, scaling, softcap).unsqueeze(0)
     out = query.new_empty(num_tokens, num_heads, head_dim)
     for g in groups:
+        if g.fresh:  # causal over its own K/V, its rows contiguous
+            s, e = g.span
+            o = attend(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], scaling, softcap, is_causal=True)
+            out[s:e] = o[0].transpose(0, 1)
+            continue
         assert g.out_positions is not None
         out.index_copy_(
             0, g.out_positions, group_attention(query[0], layer_kv, bs, g, kv_heads, scaling, softcap)
@@ -148,13 +155,7 @@ def build_batched_group(
     list is copied here: on CUDA a copy from pageable memory waits for every queued kernel)."""
     starts, q_index, table, rows, positions = tensors
     q_max, nb_max = lists.q_max, lists.num_blocks_max
-    fresh = (
-        lists.covers_all
-        and lists.num_seqs == 1
-        and lists.starts[0] == 0
-        and q_max > 1
-        and (window is None or q_max <= window)
-    )
+    fresh = lists.num_seqs == 1 and lists.starts[0] == 0 and q_max > 1 and (window is None or q_max <= window)
     mask = None if fresh else _mask(starts, q_max, nb_max * lists.block_size, q_per_kv, dtype, window)
     identity_rows = lists.covers_all and q_max == 1
     return BatchedGroup(
@@ -167,6 +168,7 @@ def build_batched_group(
         q_max=q_max,
         num_blocks_max=nb_max,
         fresh=fresh,
+        span=(lists.positions[0], lists.positions[-1] + 1) if fresh else (0, 0),
     )
 
 

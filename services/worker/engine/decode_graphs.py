@@ -141,6 +141,21 @@ class DecodeGraphs:
             return self.flex_blocks
         return bucket(need, _MIN_BLOCK_BUCKET)
 
+    def flex_rows(self, seqs: Sequence[DecodeSeq]) -> FlexPagedStep:
+        """With FlexAttention: the FlexPagedStep of the decode bucket for len(seqs) sequences
+        (one row each), filled with their block tables and context lengths, for the decode rows
+        of an eager mixed step (the bucket's kernel is compiled, its graph captured at start:
+        the same shapes, no new compilation)."""
+        if not self.flex_blocks:
+            raise ValueError("flex_rows needs FlexAttention (flex_blocks > 0)")
+        need = max(-(-(s.position + 1) // self.block_size) for s in seqs)
+        key = (bucket(len(seqs)), 1, self._blocks_key(need))
+        e = self.buckets.get(key) or self._new_bucket(*key)
+        assert e.flex is not None
+        tables = [s.block_ids[: -(-(s.position + 1) // self.block_size)] for s in seqs]
+        e.flex.fill(tables, [[s.position + 1] for s in seqs], self.scratch_block)
+        return e.flex
+
     def fits(self, num_tokens: int, num_logits: int) -> bool:
         """Whether a sequence's part of a step can run here."""
         return 1 <= num_logits <= num_tokens <= self.max_q

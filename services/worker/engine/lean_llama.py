@@ -198,6 +198,21 @@ def _paged_attention(
     return o
 
 
+def _flex_rows(
+    step: flex_paged.FlexPagedStep,
+    q: torch.Tensor,  # [T, heads, D] of the packed step
+    n: int,  # its first n rows: one query per sequence, the step's sequences in order
+    kv_layer: torch.Tensor,  # [2, kv_heads, slots, D], this step's K/V already written
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """The first n rows' attention through `step` (a decode bucket of B >= n sequences; the
+    rows past n are its padding: their tables hold the scratch block) -> [n, heads, D]."""
+    rows = q.new_zeros(step.num_seqs, q.shape[1], q.shape[2])
+    rows[:n] = q[:n]
+    return step.attend(rows, kv_layer[0], kv_layer[1], scale, window)[:n]
+
+
 @functools.cache
 def _compiled() -> tuple[Any, Any, Any, Any]:
     # dynamic: one compilation serves every step size (sizes 1 and 0 are specialized once more;
@@ -347,6 +362,9 @@ class LeanLlama:
         flex = meta.flex
         if flex is not None:
             flex.prepare()
+        short = meta.flex_short  # a mixed step's decode rows, in place (attention.py)
+        if short is not None:
+            short[0].prepare()
         windows = meta.layer_windows or (None,) * len(self.layers)
         shape = (self.num_heads, self.num_kv_heads, self.head_dim)
         x = self.norm(h, self.layers[0].norm_in, self.eps)
@@ -359,7 +377,9 @@ class LeanLlama:
                 o = flex.attend(q, kv_layer[0], kv_layer[1], layer.scaling, window)
             else:
                 q, k, v = self.attn_in(x, layer.qkv, cos, sin, *shape)
-                o = _paged_attention(layer, q, k, v, meta)
+                o = _paged_attention(layer, q, k, v, meta)  # writes every row's K/V first
+                if short is not None:
+                    o[0, : short[1]] = _flex_rows(short[0], q, short[1], kv_layer, layer.scaling, window)
             last = i + 1 == len(self.layers)
             h, x = self.attn_out(
                 o.reshape(num_tokens, -1),

@@ -16,6 +16,7 @@ import torch
 
 from services.worker.engine import attention, attention_batched
 from services.worker.engine.attention import AttentionBackend
+from services.worker.engine.decode_graphs import DecodeSeq
 
 if TYPE_CHECKING:
     from services.worker.engine.model_runner import ModelRunner, ScheduledSeq
@@ -143,8 +144,25 @@ def _build_batched(
         slots.extend(blocks[p // bs] * bs + p % bs for p in pos)
         parts[n > _SHORT_QUERY].append((q_start, n, s.start_pos, blocks))
         last_pos[i] = q_start + n - 1
+    flex_short = None
+    graphs = runner.graphs
+    if (
+        graphs is not None
+        and graphs.flex_blocks
+        and parts[0]
+        and parts[1]
+        and all(n == 1 for _, n, _, _ in parts[0])
+    ):
+        # a mixed step on CUDA: its decode rows (packed first) attend in place (FlexAttention
+        # over a decode bucket's block tables), its prompt chunks in the groups
+        decode = [DecodeSeq((0,), start, blocks) for _, _, start, blocks in parts[0]]
+        flex_short = (graphs.flex_rows(decode), len(decode))
+        parts = ([], parts[1])
     nonempty = [p for p in parts if p]
-    lists = [attention_batched.group_lists(p, bs, covers_all=len(nonempty) == 1) for p in nonempty]
+    lists = [
+        attention_batched.group_lists(p, bs, covers_all=len(nonempty) == 1 and flex_short is None)
+        for p in nonempty
+    ]
     logits_idx = [last_pos[i] for i, s in enumerate(seqs) if s.sample or s.prompt_targets]
     # every index list of the step, the groups' too, in one copy (pinned staging on CUDA)
     group_parts = [g.parts() for g in lists]
@@ -172,6 +190,7 @@ def _build_batched(
         num_decode=0,
         groups=groups_for(None),
         layer_windows=runner.layer_windows,
+        flex_short=flex_short,
     )
     max_ctx = max(s.start_pos + len(s.token_ids) for s in seqs) if runner.layer_windows else 0
     for window in sorted({w for w in runner.layer_windows if w is not None}):

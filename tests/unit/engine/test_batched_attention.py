@@ -88,10 +88,26 @@ def _scenarios(bs: int) -> dict[str, list[ScheduledSeq]]:
         ],
         # one request's first chunk: BATCHED attends to the step's own K/V (causal, no gather)
         "fresh_prompt": [_seq(0, 37, scattered(37))],
+        # a mixed step: decode rows and one request's first chunk, which attends to the step's
+        # own K/V as above (its rows a span of the packed step)
+        "decode_and_fresh_prompt": [
+            _seq(9, 1, scattered(10)),
+            _seq(0, 35, scattered(35)),
+            _seq(2 * bs, 1, shared + consecutive(1)),
+        ],
     }
 
 
-ALL_SCENARIOS = ["decode_mixed_lengths", "verify_and_chunks", "short_only", "long_only", "fresh_prompt"]
+ALL_SCENARIOS = [
+    "decode_mixed_lengths",
+    "verify_and_chunks",
+    "short_only",
+    "long_only",
+    "fresh_prompt",
+    "decode_and_fresh_prompt",
+]
+# which groups of a scenario attend causally over the step's own K/V (none elsewhere)
+FRESH = {"fresh_prompt": [True], "decode_and_fresh_prompt": [False, True]}
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
@@ -135,7 +151,7 @@ def _compare_backends(
         if backend is AttentionBackend.BATCHED:
             assert meta.groups is not None
             fresh = [g.fresh for g in meta.groups]
-            assert fresh == [True] if scenario == "fresh_prompt" else not any(fresh)
+            assert fresh == FRESH.get(scenario, [False] * len(fresh))
         # both backends pack the sequences in their own order: feed each the same per-token
         # q/k/v by position of the token in the caller's sequence list
         order = torch.tensor(_packed_order(seqs, positions[0].tolist()), device=device)

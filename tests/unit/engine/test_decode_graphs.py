@@ -17,6 +17,7 @@ import torch
 
 from services.worker.engine import build as build_module
 from services.worker.engine.api import SamplingConfig
+from services.worker.engine.attention import AttentionBackend
 from services.worker.engine.backend import CudaOptions, ModelBackend
 from services.worker.engine.decode_graphs import DecodeSeq, bucket
 from services.worker.engine.model_loading import kv_layout_of, load_model
@@ -216,6 +217,75 @@ def test_long_or_unsampled_chunks_keep_the_runner_path(tiny_bpe: Path) -> None:
         [ScheduledSeq([5, 6], 0, [7], False, GREEDY, None), ScheduledSeq([4], 4, [6, 9], True, GREEDY, None)]
     )
     assert static.graphs is not None and not static.graphs.buckets
+
+
+@pytest.mark.parametrize("model", ["llama", "mistral_windowed"])
+def test_mixed_steps_attend_their_decode_rows_in_place(
+    model: str, tiny_bpe: Path, tiny_family: Callable[[str], Path]
+) -> None:
+    """The BATCHED backend with FlexAttention (the CUDA layout, run eagerly on CPU): a mixed
+    step's decode rows attend to the pool in place through a decode bucket's block tables
+    (meta.flex_short), its prompt chunks in the groups (a fresh prompt causally over the step's
+    own K/V). Same greedy tokens and request K/V as the runner's own path over three mixed steps
+    (3 decode rows padded to a bucket of 4; a windowed model's rows honour the window)."""
+    _check_mixed_steps(tiny_bpe if model == "llama" else tiny_family(model), torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_mixed_steps_attend_their_decode_rows_in_place_on_cuda(tiny_bpe: Path) -> None:
+    """The same on CUDA: the decode bucket's compiled FlexAttention, called eagerly."""
+    _check_mixed_steps(tiny_bpe, torch.device("cuda"), block=16)
+
+
+def _check_mixed_steps(path: Path, device: torch.device, block: int = BLOCK) -> None:
+    plain_model = load_model(str(path), device, torch.float32)
+    layout = kv_layout_of(plain_model.config, block, torch.float32)
+    plain = ModelRunner(
+        plain_model, layout, NUM_BLOCKS, device, torch.float32, backend=_backend(device, False, False)
+    )
+    fused = ModelRunner(
+        load_model(str(path), device, torch.float32, prepack=False),
+        layout,
+        NUM_BLOCKS,
+        device,
+        torch.float32,
+        attention_backend=AttentionBackend.BATCHED,
+        backend=_backend(device, True, True),
+        max_model_len=128,
+    )
+    prompts = [list(range(7, 7 + n)) for n in (5, 12, 19)]
+    tables = [[90, 3, 51, 7, 22, 60, 61], list(range(10, 17)), [1, 88, 40, 41, 2, 70, 71, 72]]
+    long_prompt = list(range(100, 140))  # 40 tokens: the long group, fresh then a later chunk
+    long_table = list(range(30, 48))
+    outs: dict[str, list[list[int]]] = {}
+    for name, runner in (("plain", plain), ("fused", fused)):
+        got = runner.execute(
+            [ScheduledSeq(p, 0, t, True, GREEDY, None) for p, t in zip(prompts, tables, strict=True)]
+        )
+        for step in range(3):
+            decode = [
+                ScheduledSeq([got[i][-1]], len(prompts[i]) + len(got[i]) - 1, tables[i], True, GREEDY, None)
+                for i in range(3)
+            ]
+            chunk = ScheduledSeq(long_prompt[: 36 + step], 0, long_table, True, GREEDY, None)
+            if step == 2:  # a later chunk on cached context: the group masks, gathers its blocks
+                chunk = ScheduledSeq(long_prompt[36:], 36, long_table, True, GREEDY, None)
+            if runner is fused and step == 0:
+                with torch.inference_mode():
+                    _, _, meta, _ = fused._build_metadata([*decode, chunk])
+                assert meta.flex_short is not None and meta.flex_short[1] == 3
+                assert meta.groups is not None and [g.fresh for g in meta.groups] == [True]
+            new = runner.execute([*decode, chunk])
+            for i in range(3):
+                got[i].extend(new[i])
+            got.append(new[3])
+        outs[name] = got
+    assert outs["fused"] == outs["plain"]
+    graphs = fused.graphs
+    assert graphs is not None and (4, 1, 128 // block) in graphs.buckets  # the rows' bucket
+    real = NUM_BLOCKS * block
+    torch.testing.assert_close(fused.kv_cache[:, :, :, :real], plain.kv_cache, rtol=1e-5, atol=1e-5)
 
 
 def _verify_step(seqs: list[ScheduledSeq]) -> list[ScheduledSeq]:
