@@ -67,9 +67,10 @@ fi
 if [[ $what == window ]]; then
   # One short lease: the parts named in WINDOW_PARTS, in that order (default `stack serving
   # probe tests`):
-  #   stack    the NIXL READ alone between two processes per progress mode (nixl_probe, T_NIXL,
-  #            UCX's protocol choice in its log), then bench-stack at 2,048 tokens over both
-  #            transports (issue 27's figures; at e5dd904 the handoff took 616 ms over NIXL);
+  #   stack    the NIXL READ alone between two processes with the worker's UCX settings and
+  #            without (nixl_probe, T_NIXL, UCX's protocol choice in its log: at b9f36ae "software
+  #            emulation | tcp/lo", 0.43 GiB/s), then bench-stack at 2,048 tokens over both
+  #            transports (issue 27's figures; at b9f36ae the handoff took 583 ms over NIXL);
   #   probe    the attention block-size sweep (alone: `attention`), and the step profile (alone:
   #            `profile`) at 1/8/64 sequences over
   #            32- and 16-token blocks (each against its floor) and of mixed steps (60
@@ -98,8 +99,9 @@ if [[ $what == window ]]; then
           --failure-log "$RES/gpu-test-failures-$TAG.txt" tests || rc=1 ;;
       stack)
         # the READ alone first: two processes, per progress mode, UCX's protocol choice logged
+        # with the worker's UCX settings (GET over CUDA IPC on) and without, for the A/B
         UCX_PROTO_INFO=y timeout -s INT "${T_NIXL:-45}" $PY -m benchmarks.nixl_probe --device cuda \
-          --modes poll thread --shapes run --out "$RES/nixl-probe-$TAG.json" > "$RES/nixl-probe-$TAG.log" 2>&1 || rc=1
+          --modes poll --ucx worker as-is --shapes run --out "$RES/nixl-probe-$TAG.json" > "$RES/nixl-probe-$TAG.log" 2>&1 || rc=1
         timeout -s INT 30 $PY -m benchmarks.nixl_probe --device cuda --modes poll --shapes scattered \
           --threads main --repeat 2 --out "$RES/nixl-probe-scattered-$TAG.json" >> "$RES/nixl-probe-$TAG.log" 2>&1 || rc=1
         grep "^{" "$RES/nixl-probe-$TAG.log"
