@@ -15,7 +15,8 @@ N`, N gateway processes sharing the HTTP port; `+graphs` (`disaggregated+graphs`
 worker (`pdserve up` keeps the decode and unified workers' and gives prefill workers none),
 `+eager`: none in any worker.
 Each phase records the CPU µs per delivered token of every service (all gateways summed under
-`gateway`).
+`gateway`), and the engine steps each worker ran by kind (decode / mixed / prefill / verify:
+count, mean wall time, tokens per step; engine_steps.py, from the workers' /metrics).
 
 Writes benchmarks/results/serving-<device>.json (with the GPU's name, or the CPU's capability).
 """
@@ -36,11 +37,12 @@ from typing import Any
 
 import torch
 
-from benchmarks import process_cpu
+from benchmarks import engine_steps, process_cpu
 from benchmarks.engine_floor import cpu_features, cuda_bandwidth, read_bandwidth, weight_bytes_per_step
 from benchmarks.goodput import loadgen, workloads
 from benchmarks.goodput.stats import RequestResult
 from benchmarks.result_names import machine_class
+from services.up_shape import PORT_OFFSETS
 from shared.model_store import resolve_model
 from tests.support.stack import running_stack
 
@@ -61,6 +63,7 @@ def summarize(results: list[RequestResult], wall_s: float) -> dict[str, Any]:
         "tpot_ms_p50": _p50([t for r in ok if (t := r.tpot_s) is not None]),
         "completion_tokens": tokens,
         "tokens_per_s": round(tokens / wall_s, 1) if wall_s > 0 else None,
+        "wall_s": round(wall_s, 3),  # against the engine steps' seconds: the rest is idle
         "errors": sorted({r.error[:200] for r in results if not r.ok}),
     }
 
@@ -114,6 +117,9 @@ async def run_config(stack: Any, a: argparse.Namespace, tokenizer: Any) -> dict[
     together = requests(min(a.burst, 8), a.prompt_tokens, 8, "warm-burst", tokenizer)
     await loadgen.run_open_loop(target, together, rate_rps=1e6, seed=0, max_send_s=60)
     out: dict[str, Any] = {}
+    workers = ("worker",) if stack.unified else ("prefill-worker", "decode-worker")
+    urls = {w: stack.metrics_url(PORT_OFFSETS[w]) for w in workers}
+    steps0 = await asyncio.to_thread(engine_steps.snapshot, urls)
     # Each phase records the CPU µs per delivered token of every service (and the workers' split:
     # event loop vs engine step thread): on a host whose GPU outruns its CPUs, the largest of
     # these (times the tokens per step) bounds the step time from below.
@@ -124,6 +130,8 @@ async def run_config(stack: Any, a: argparse.Namespace, tokenizer: Any) -> dict[
     one = out["one_at_a_time"] = summarize(seq, time.perf_counter() - t0)
     mark1 = process_cpu.mark(stack.pid)
     one.update(process_cpu.per_token(mark0, mark1, one["completion_tokens"]))
+    steps1 = await asyncio.to_thread(engine_steps.snapshot, urls)
+    one["engine_steps"] = engine_steps.delta(steps0, steps1)
     # every request sent at once (an arrival rate no gap can follow), from --clients processes
     burst, client_s, wall_s = await asyncio.to_thread(
         loadgen.run_all_at_once,
@@ -135,6 +143,7 @@ async def run_config(stack: Any, a: argparse.Namespace, tokenizer: Any) -> dict[
     many.update(process_cpu.per_token(mark1, process_cpu.mark(stack.pid), many["completion_tokens"]))
     many["cpu_us_per_token"]["clients"] = round(client_s / max(1, many["completion_tokens"]) * 1e6, 1)
     many["clients"] = a.clients
+    many["engine_steps"] = engine_steps.delta(steps1, await asyncio.to_thread(engine_steps.snapshot, urls))
     return out
 
 
@@ -222,6 +231,7 @@ def main() -> None:
                     unified=shape == "unified",
                     up_args=[*up_args, *config_up_args],
                     ready_timeout_s=a.ready_timeout_s,
+                    metrics=True,  # the workers' engine steps by kind
                 ) as stack:
                     start_s = round(time.perf_counter() - t0, 1)
                     result = asyncio.run(run_config(stack, a, tokenizer))

@@ -94,6 +94,18 @@ KV_TRANSFER_RECOMPUTES = Counter(
     "Decode side: requests whose KV READ failed and that recompute their prompt here",
 )
 PREEMPTIONS = Counter("pdserve_preemptions_total", "Requests preempted by recompute", ["dp_rank"])
+# Engine steps by kind (engine/step_stats.py): decode, verify, prefill (prompt chunks only),
+# mixed (prompt chunks and decode rows). Mean step time = seconds / steps; tokens per step =
+# tokens / steps.
+ENGINE_STEPS = Counter("pdserve_engine_steps_total", "Engine steps run", ["dp_rank", "kind"])
+ENGINE_STEP_SECONDS = Counter(
+    "pdserve_engine_step_seconds_total",
+    "Wall time of engine steps (an async step counts from the previous step's end)",
+    ["dp_rank", "kind"],
+)
+ENGINE_STEP_TOKENS = Counter(
+    "pdserve_engine_step_tokens_total", "Tokens whose K/V engine steps computed", ["dp_rank", "kind"]
+)
 # Speculative decoding (vLLM's spec_decode counters are the model): acceptance rate =
 # accepted / draft tokens; mean accepted run = accepted / drafts.
 SPEC_DRAFTS = Counter(

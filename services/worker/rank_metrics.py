@@ -1,11 +1,12 @@
 """The per-rank Prometheus figures of a worker: gauges (KV usage, tokens in use, running, waiting,
 the prefill backlog) set from the engine, and the engine's cumulative counts (preemptions,
-speculation) exported as counter increments, each counted once."""
+speculation, steps by kind) exported as counter increments, each counted once."""
 
 from __future__ import annotations
 
 from services.worker.engine.api import Engine
 from services.worker.engine.spec.stats import SpecStats
+from services.worker.engine.step_stats import KindStats, StepStats
 from shared import metrics
 
 
@@ -17,6 +18,7 @@ class RankMetrics:
         # per rank, engine counters already exported to Prometheus (cumulative)
         self._preemptions_seen: dict[int, int] = {}
         self._spec_seen: dict[int, SpecStats] = {}
+        self._steps_seen: dict[int, StepStats] = {}
 
     def refresh(self) -> None:
         """Update the per-rank gauges and counters from the engine (called periodically and on
@@ -42,6 +44,22 @@ class RankMetrics:
                 metrics.PREEMPTIONS.labels(dp_rank=rank).inc(preempted - seen)
                 self._preemptions_seen[dp_rank] = preempted
             self._export_spec(dp_rank)
+            self._export_steps(dp_rank)
+
+    def _export_steps(self, dp_rank: int) -> None:
+        now = self.engine.step_stats(dp_rank)
+        seen = self._steps_seen.get(dp_rank, StepStats())
+        rank = str(dp_rank)
+        for kind, stats in now.by_kind.items():
+            before = seen.by_kind.get(kind, KindStats())
+            labels = {"dp_rank": rank, "kind": kind.value}
+            if stats.steps > before.steps:
+                metrics.ENGINE_STEPS.labels(**labels).inc(stats.steps - before.steps)
+            if stats.ns > before.ns:
+                metrics.ENGINE_STEP_SECONDS.labels(**labels).inc((stats.ns - before.ns) / 1e9)
+            if stats.tokens > before.tokens:
+                metrics.ENGINE_STEP_TOKENS.labels(**labels).inc(stats.tokens - before.tokens)
+        self._steps_seen[dp_rank] = now
 
     def _export_spec(self, dp_rank: int) -> None:
         now = self.engine.spec_stats(dp_rank)

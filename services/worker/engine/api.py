@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 # The cluster types this contract speaks in (defined once, in shared.cluster).
 from services.worker.engine.options import EngineOptions
 from services.worker.engine.spec.stats import SpecStats
+from services.worker.engine.step_stats import StepStats
 from shared.cluster import FinishReason, KvLayout, RankLoad
 from shared.structured_output import StructuredOutput
 
@@ -328,3 +329,6 @@ class Engine(Protocol):
 
     def spec_stats(self, dp_rank: int) -> SpecStats:
         """Speculative-decoding counters of the rank since start (a copy)."""
+
+    def step_stats(self, dp_rank: int) -> StepStats:
+        """The rank's steps by kind since start: count, wall time, tokens (a copy)."""

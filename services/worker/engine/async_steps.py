@@ -196,6 +196,7 @@ class AsyncSteps:
         plan = StepPlan([s for s, _, _ in live], [], f.plan.budget_left)
         output = StepOutput([seq for _, seq, _ in live], [run for _, _, run in live])
         output.elapsed_ns = time.perf_counter_ns() - f.t0_ns
+        self.rank.record_step(f.batch, f.t0_ns)
         self.rank.speculation.after_verify(plan, output)
         self.rank.apply(self.rank.scheduler.update(plan, output), outputs)
 

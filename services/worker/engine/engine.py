@@ -40,6 +40,7 @@ from services.worker.engine.rank import Rank
 from services.worker.engine.request import Request
 from services.worker.engine.spec.draft import check_same_tokenizer
 from services.worker.engine.spec.stats import SpecStats
+from services.worker.engine.step_stats import StepStats
 from services.worker.engine.structured import Grammars
 from shared.errors import (
     AlreadyExists,
@@ -332,6 +333,9 @@ class PagedEngine:
 
     def spec_stats(self, dp_rank: int) -> SpecStats:
         return self._ranks[dp_rank].spec_stats()
+
+    def step_stats(self, dp_rank: int) -> StepStats:
+        return self._ranks[dp_rank].steps()
 
     def draft_blocks(self, dp_rank: int) -> tuple[int, int]:
         """(free, total) blocks of the rank's draft-model KV pool; (0, 0) without one."""

@@ -32,6 +32,7 @@ from services.worker.engine.spec.calibrate import step_clock
 from services.worker.engine.spec.speculation import NoSpeculation
 from services.worker.engine.spec.stats import SpecStats
 from services.worker.engine.step import StepOutput, StepUpdate, plan_batch
+from services.worker.engine.step_stats import StepStats, step_kind
 from shared.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,9 @@ class Rank:
         # async scheduling (module docstring): never with speculative decoding
         self.async_scheduling = async_scheduling and type(self.speculation) is NoSpeculation
         self.pipeline = AsyncSteps(self)
+        # steps by kind (under the lock), and when the last one ended (perf_counter_ns)
+        self.step_stats = StepStats()
+        self._last_step_end_ns = 0
 
     # ---- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -182,6 +186,7 @@ class Rank:
             return True
         with self.lock:
             outputs = []
+            self.record_step(batch, time.perf_counter_ns() - output.elapsed_ns)
             self.speculation.after_verify(plan, output)
             self.apply(self.scheduler.update(plan, output), outputs)
             self._report_prefill_progress(plan, outputs)
@@ -216,6 +221,18 @@ class Rank:
         if self.speculation.step_cost is not None:
             cost_sync()
         return StepOutput(batch, sampled, elapsed_ns, cost_clock() - c0)
+
+    def record_step(self, batch: list[ScheduledSeq], t0_ns: int) -> None:
+        """Under the lock: a step launched at t0_ns whose outputs are on the host now; only its
+        time past the previous step's end counts (an async step overlaps the one before)."""
+        now = time.perf_counter_ns()
+        start = max(t0_ns, self._last_step_end_ns)
+        self._last_step_end_ns = now
+        self.step_stats.record(step_kind(batch), now - start, sum(len(s.token_ids) for s in batch))
+
+    def steps(self) -> StepStats:
+        with self.lock:
+            return self.step_stats.copy()
 
     def apply(self, updates: list[StepUpdate], outputs: Outputs) -> None:
         """After scheduler.update: end what ended, hand speculation the requests that go on,

@@ -1,0 +1,72 @@
+"""A served stack's engine steps by kind, from its workers' Prometheus counters
+(`pdserve_engine_steps_total`, `..._step_seconds_total`, `..._step_tokens_total`; engine/
+step_stats.py): a snapshot per worker before and after a phase, and per kind what the phase ran:
+steps, their mean wall time, tokens per step. Why: a burst's prefill phase on a GPU took ~3x
+what its steps cost in isolation; the steps as served say where the time goes."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+# worker kind -> {step kind -> (steps, seconds, tokens)}, summed over DP ranks
+Snapshot = dict[str, dict[str, list[float]]]
+
+# a worker exports its counters every --load-refresh-s (1 s by default): a snapshot waits that
+# long first, so it holds every step that ended before it was asked for
+SETTLE_S = 1.2
+
+_FIELDS = {
+    "pdserve_engine_steps": 0,
+    "pdserve_engine_step_seconds": 1,
+    "pdserve_engine_step_tokens": 2,
+}
+
+
+def parse(text: str) -> dict[str, list[float]]:
+    """One worker's /metrics text -> {step kind: [steps, seconds, tokens]} over its ranks."""
+    out: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(text):
+        field = _FIELDS.get(family.name)
+        if field is None:
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                out.setdefault(sample.labels["kind"], [0.0, 0.0, 0.0])[field] += sample.value
+    return out
+
+
+def snapshot(urls: dict[str, str]) -> Snapshot:
+    """{worker kind: its /metrics URL} -> the counters now (a worker that does not answer: {})."""
+    time.sleep(SETTLE_S)
+    snap: Snapshot = {}
+    for worker, url in urls.items():
+        try:
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                snap[worker] = parse(resp.read().decode())
+        except OSError:
+            snap[worker] = {}
+    return snap
+
+
+def delta(before: Snapshot, after: Snapshot) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per worker and step kind, what ran between the two snapshots: steps, ms_mean (wall time
+    per step), tokens_per_step, seconds (all of that kind's steps together)."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for worker, kinds in after.items():
+        rows = {}
+        for kind, (steps, seconds, tokens) in sorted(kinds.items()):
+            b = before.get(worker, {}).get(kind, [0.0, 0.0, 0.0])
+            n, s, t = steps - b[0], seconds - b[1], tokens - b[2]
+            if n > 0:
+                rows[kind] = {
+                    "steps": int(n),
+                    "ms_mean": round(s / n * 1e3, 3),
+                    "tokens_per_step": round(t / n, 1),
+                    "seconds": round(s, 3),
+                }
+        out[worker] = rows
+    return out

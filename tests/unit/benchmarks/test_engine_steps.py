@@ -1,0 +1,42 @@
+"""benchmarks/engine_steps.py: a worker's step counters parsed from its /metrics text (summed over
+DP ranks), and what a phase ran per step kind from two snapshots."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+from benchmarks.engine_steps import delta, parse
+
+
+def _metrics(rows: list[tuple[str, str, int, float, int]]) -> str:
+    """(dp_rank, kind, steps, seconds, tokens) -> a worker's exposition text."""
+    reg = CollectorRegistry()
+    steps = Counter("pdserve_engine_steps_total", "", ["dp_rank", "kind"], registry=reg)
+    seconds = Counter("pdserve_engine_step_seconds_total", "", ["dp_rank", "kind"], registry=reg)
+    tokens = Counter("pdserve_engine_step_tokens_total", "", ["dp_rank", "kind"], registry=reg)
+    other = Counter("pdserve_preemptions_total", "", ["dp_rank"], registry=reg)
+    other.labels(dp_rank="0").inc(3)
+    for rank, kind, n, s, t in rows:
+        steps.labels(dp_rank=rank, kind=kind).inc(n)
+        seconds.labels(dp_rank=rank, kind=kind).inc(s)
+        tokens.labels(dp_rank=rank, kind=kind).inc(t)
+    return generate_latest(reg).decode()
+
+
+def test_counters_are_summed_over_ranks_and_differenced_per_phase() -> None:
+    before = {"worker": parse(_metrics([("0", "decode", 10, 0.05, 80), ("1", "decode", 10, 0.05, 80)]))}
+    assert before["worker"] == {"decode": [20.0, 0.1, 160.0]}
+    after = {
+        "worker": parse(
+            _metrics(
+                [("0", "decode", 110, 0.55, 880), ("1", "decode", 10, 0.05, 80), ("0", "mixed", 4, 0.2, 2080)]
+            )
+        )
+    }
+    assert delta(before, after) == {
+        "worker": {
+            "decode": {"steps": 100, "ms_mean": 5.0, "tokens_per_step": 8.0, "seconds": 0.5},
+            "mixed": {"steps": 4, "ms_mean": 50.0, "tokens_per_step": 520.0, "seconds": 0.2},
+        }
+    }
+    assert delta(after, after) == {"worker": {}}
