@@ -199,7 +199,7 @@ async def test_kill9_of_a_decode_worker_mid_stream_migrates_every_stream(two_dec
     stack = two_decode_stack
     base = stack.port_base
     client = openai.AsyncOpenAI(base_url=stack.http_base_url, api_key="none", max_retries=0)
-    async with grpc.aio.insecure_channel(stack.gateway) as ch:
+    async with client, grpc.aio.insecure_channel(stack.gateway) as ch:
         stub = gateway_pb2_grpc.GatewayStub(ch)
         decode_workers = [f"127.0.0.1:{base + 20}", f"127.0.0.1:{base + 21}"]
         undisturbed = [await _stream(stub, i) for i in range(len(PROMPTS))]

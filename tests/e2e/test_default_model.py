@@ -35,13 +35,15 @@ async def test_smollm2_disaggregated_unified_and_hf_agree(tmp_path_factory: pyte
     for unified in (False, True):
         with running_stack("default", tmp_path_factory.mktemp("logs-smol"), unified=unified) as stack:
             frames = await _chat(stack.gateway, 24)
-            client = openai.AsyncOpenAI(base_url=stack.http_base_url, api_key="none", max_retries=0)
-            http = await client.chat.completions.create(
-                model="",
-                messages=MESSAGES,  # type: ignore[arg-type]
-                max_tokens=24,
-                temperature=0,
-            )
+            async with openai.AsyncOpenAI(
+                base_url=stack.http_base_url, api_key="none", max_retries=0
+            ) as client:
+                http = await client.chat.completions.create(
+                    model="",
+                    messages=MESSAGES,  # type: ignore[arg-type]
+                    max_tokens=24,
+                    temperature=0,
+                )
         results[unified] = frames
         # the OpenAI-compatible HTTP API answers the same, with the same usage
         assert http.choices[0].message.content == "".join(f.text for f in frames)

@@ -9,7 +9,7 @@ import asyncio
 import json
 import re
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import httpx
@@ -45,12 +45,40 @@ async def byte_fallback(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterat
         yield stack
 
 
+# clients made here, closed after each test: an unclosed AsyncOpenAI schedules its aclose() on
+# whatever event loop runs when it is collected, a later test's, and that loop logs its failure
+_clients: list[openai.AsyncOpenAI | openai.OpenAI] = []
+
+
+@pytest_asyncio.fixture(autouse=True, loop_scope="module")
+async def _close_clients() -> AsyncIterator[None]:
+    yield
+    while _clients:
+        client = _clients.pop()
+        if isinstance(client, openai.AsyncOpenAI):
+            await client.close()
+        else:
+            client.close()
+
+
+_Client = TypeVar("_Client", openai.AsyncOpenAI, openai.OpenAI)
+
+
+def _track(client: _Client) -> _Client:
+    _clients.append(client)
+    return client
+
+
 def aclient(stack: HttpStack, **kw: Any) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=stack.base_url, api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
+    return _track(
+        openai.AsyncOpenAI(base_url=stack.base_url, api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
+    )
 
 
 def sclient(stack: HttpStack, **kw: Any) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.base_url, api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
+    return _track(
+        openai.OpenAI(base_url=stack.base_url, api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
+    )
 
 
 def usage_of(u: Any) -> tuple[int, int, int, int]:
@@ -838,13 +866,13 @@ async def test_api_keys_on_http_and_grpc(bpe: HttpStack) -> None:
     bpe.router.mode = "unified"
     async with gateway_on(bpe, api_keys=("key-one", "key-two")) as gw:
         url = (gw.http_url or "") + "/v1"
-        wrong = openai.AsyncOpenAI(base_url=url, api_key="key-three", max_retries=0)
+        wrong = _track(openai.AsyncOpenAI(base_url=url, api_key="key-three", max_retries=0))
         with pytest.raises(openai.AuthenticationError) as denied:
             await wrong.completions.create(model="", prompt="hi", max_tokens=1)
         assert "key-three" not in str(denied.value.body)
         with pytest.raises(openai.AuthenticationError):
             await wrong.models.list()
-        ok = openai.AsyncOpenAI(base_url=url, api_key="key-two", max_retries=0)
+        ok = _track(openai.AsyncOpenAI(base_url=url, api_key="key-two", max_retries=0))
         assert (await ok.completions.create(model="", prompt="hi", max_tokens=1)).choices
         async with httpx.AsyncClient(timeout=10) as http:
             assert (await http.get((gw.http_url or "") + "/health")).status_code == 200  # open
@@ -921,12 +949,12 @@ async def test_error_after_the_stream_started_ends_it_with_an_error_event(bpe: H
         assert last["error"]["type"] == "service_unavailable_error" and "retry" in last["error"]["message"]
         assert "data: [DONE]" not in lines
         # the official client raises on the error event
-        client = openai.AsyncOpenAI(base_url=(gw.http_url or "") + "/v1", api_key="x", max_retries=0)
+        client = _track(openai.AsyncOpenAI(base_url=(gw.http_url or "") + "/v1", api_key="x", max_retries=0))
         with pytest.raises(openai.InternalServerError):
             await client.completions.create(model="", prompt="hi", max_tokens=2)  # draining: 503
     # the official client raises the error event as an APIError
     async with gateway_on(bpe) as gw:
-        client = openai.AsyncOpenAI(base_url=(gw.http_url or "") + "/v1", api_key="x", max_retries=0)
+        client = _track(openai.AsyncOpenAI(base_url=(gw.http_url or "") + "/v1", api_key="x", max_retries=0))
         stream = await client.completions.create(
             model="", prompt=LONG_PROMPT, max_tokens=1500, stream=True, extra_body={"ignore_eos": True}
         )
