@@ -181,3 +181,20 @@ async def handoff_run(
         first.draft_token_ids,
     )
     return first, await collect(handle)
+
+
+def metrics_core(engine: Engine) -> Any:
+    """A unified WorkerCore over `engine` with no KV pusher: what turns the engine's counts into
+    Prometheus figures (refresh_metrics)."""
+    from services.worker.core import WorkerCore
+    from shared.cluster import Role, WorkerInfo
+
+    identity = WorkerInfo(
+        worker_id="w",
+        address="a:1",
+        role=Role.UNIFIED,
+        model_id="tiny",
+        dp_size=1,
+        kv_layout=engine.kv_layout,
+    )
+    return WorkerCore(engine, identity, pusher=None)  # type: ignore[arg-type]

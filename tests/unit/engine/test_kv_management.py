@@ -12,6 +12,7 @@ from tests.unit.engine.conftest import (
     collect,
     drain,
     greedy,
+    metrics_core,
     request,
     tokens_of,
 )
@@ -153,19 +154,8 @@ async def test_preemption_counter_moves_and_reaches_prometheus(make_engine: Engi
     worker core turns the count into pdserve_preemptions_total."""
     from prometheus_client import REGISTRY
 
-    from services.worker.core import WorkerCore
-    from shared.cluster import Role, WorkerInfo
-
     engine = make_engine(kv_cache_tokens=128, max_batch_tokens=64)
-    identity = WorkerInfo(
-        worker_id="w",
-        address="a:1",
-        role=Role.UNIFIED,
-        model_id="tiny",
-        dp_size=1,
-        kv_layout=engine.kv_layout,
-    )
-    core = WorkerCore(engine, identity, pusher=None)  # type: ignore[arg-type]
+    core = metrics_core(engine)
 
     def exported() -> float:
         return REGISTRY.get_sample_value("pdserve_preemptions_total", {"dp_rank": "0"}) or 0.0

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from types import SimpleNamespace
 
 from services.worker.engine.step_stats import StepKind, StepStats, step_kind
-from tests.unit.engine.conftest import EngineFactory, collect, drain, greedy, request
+from tests.unit.engine.conftest import EngineFactory, collect, drain, greedy, metrics_core, request
 
 
 def _seq(tokens: int, logits: int = 1) -> SimpleNamespace:
@@ -75,19 +75,8 @@ async def drain_rest(outs: AsyncIterator[object]) -> None:
 async def test_steps_reach_prometheus_once(make_engine: EngineFactory) -> None:
     from prometheus_client import REGISTRY
 
-    from services.worker.core import WorkerCore
-    from shared.cluster import Role, WorkerInfo
-
     engine = make_engine()
-    identity = WorkerInfo(
-        worker_id="w",
-        address="a:1",
-        role=Role.UNIFIED,
-        model_id="tiny",
-        dp_size=1,
-        kv_layout=engine.kv_layout,
-    )
-    core = WorkerCore(engine, identity, pusher=None)  # type: ignore[arg-type]
+    core = metrics_core(engine)
 
     def exported(name: str, kind: str) -> float:
         return REGISTRY.get_sample_value(name, {"dp_rank": "0", "kind": kind}) or 0.0
