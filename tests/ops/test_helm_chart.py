@@ -130,6 +130,8 @@ def test_gpu_requests_only_on_workers(default_objs: list[Obj], gpu_objs: list[Ob
             assert env["PDSERVE_DEVICE"] == "cuda"
             assert env["PDSERVE_DTYPE"] == "bfloat16"
             assert env["PDSERVE_BLOCK_SIZE"] == "32"  # GPU attention's tile is one block
+            # prefill workers run prompt chunks only: no decode graphs to capture
+            assert env.get("PDSERVE_CUDA_GRAPHS") == ("false" if name == "prefill-worker" else None)
             spec = dep["spec"]["template"]["spec"]
             assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
             toleration = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
