@@ -18,7 +18,8 @@ capture none).
     the PushKv round trip and the answer.
 (b) TTFT through the gateway (streaming, one request at a time) per prompt length: disaggregated
     over NIXL, disaggregated over the gRPC push (workers with --kv-transport grpc) and unified
-    (one worker), as ratios disaggregated / unified. On CPU the three stacks run together and
+    (one worker), as ratios disaggregated / unified, and each configuration's TTFT split as its
+    gateway measured it (`phases_ms`: schedule, admit, prefill; pdserve_time_to_first_token_phase_seconds). On CPU the three stacks run together and
     are alternated per repetition (the same machine load for each); on a GPU they run one after
     the other (each `pdserve up` sizes its workers' memory for the whole GPU).
 (c) End-to-end stack overhead vs the in-process engine: the same greedy requests, one at a time,
@@ -55,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.result_names import gpu_tag
 from services.up_shape import PORT_OFFSETS
@@ -289,14 +291,26 @@ async def _read_seconds(metrics_url: str) -> float | None:
     return await asyncio.to_thread(scrape)
 
 
-async def ttft_ms(gateways: dict[str, str], lengths: list[int], reps: int) -> dict[str, dict[int, float]]:
+async def ttft_ms(
+    gateways: dict[str, str],
+    lengths: list[int],
+    reps: int,
+    metrics: dict[str, str] | None = None,
+    phases: dict[str, dict[int, dict[str, float]]] | None = None,
+) -> dict[str, dict[int, float]]:
     """Median time to the first streamed frame per configuration and prompt length, one request
-    at a time, the configurations alternated per repetition (same machine load for each)."""
+    at a time, the configurations alternated per repetition (same machine load for each). With
+    `metrics` (configuration -> its gateway's /metrics URL), `phases` gets per configuration and
+    length the mean ms of each phase of those requests' TTFT as the gateway split it
+    (pdserve_time_to_first_token_phase_seconds: schedule, admit, prefill)."""
     times: dict[str, dict[int, list[float]]] = {c: {n: [] for n in lengths} for c in gateways}
     channels = {c: grpc.aio.insecure_channel(g) for c, g in gateways.items()}
     try:
         for n in lengths:
+            before: dict[str, dict[str, tuple[float, float]]] = {}
             for r in range(reps + 1):  # the first round warms each stack up at this length
+                if r == 1 and metrics:
+                    before = await asyncio.to_thread(_ttft_phase_totals, metrics)
                 for k, (config, ch) in enumerate(channels.items()):
                     ids = _prompt(n, 20000 + n * 10 + r * 3 + k)
                     t0 = time.perf_counter()
@@ -313,10 +327,45 @@ async def ttft_ms(gateways: dict[str, str], lengths: list[int], reps: int) -> di
                         pass
                     if r:
                         times[config][n].append(elapsed_ms)
+            if metrics and phases is not None:
+                await asyncio.sleep(0.3)  # a request's figures are recorded as its stream ends
+                after = await asyncio.to_thread(_ttft_phase_totals, metrics)
+                for config in after:
+                    phases.setdefault(config, {})[n] = {
+                        phase: round((s - before.get(config, {}).get(phase, (0.0, 0.0))[0]) / count * 1e3, 2)
+                        for phase, (s, c) in after[config].items()
+                        if (count := c - before.get(config, {}).get(phase, (0.0, 0.0))[1]) > 0
+                    }
     finally:
         for ch in channels.values():
             await ch.close()
     return {c: {n: statistics.median(v) for n, v in per.items()} for c, per in times.items()}
+
+
+def _ttft_phase_totals(metrics: dict[str, str]) -> dict[str, dict[str, tuple[float, float]]]:
+    """Per configuration, its gateway's TTFT phases so far: phase -> (seconds, requests)."""
+    out: dict[str, dict[str, tuple[float, float]]] = {}
+    for config, url in metrics.items():
+        try:
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                text = resp.read().decode()
+        except OSError:
+            continue
+        out[config] = ttft_phase_totals(text)
+    return out
+
+
+def ttft_phase_totals(text: str) -> dict[str, tuple[float, float]]:
+    """A gateway's /metrics text -> its TTFT phases so far: phase -> (seconds, requests)."""
+    totals: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != "pdserve_time_to_first_token_phase_seconds":
+            continue
+        for sample in family.samples:
+            field = {"_sum": 0, "_count": 1}.get(sample.name.removeprefix(family.name))
+            if field is not None:
+                totals.setdefault(sample.labels["phase"], [0.0, 0.0])[field] += sample.value
+    return {phase: (v[0], v[1]) for phase, v in totals.items()}
 
 
 async def through_stack(
@@ -378,13 +427,20 @@ async def in_process(
 
 
 def ttft_rows(
-    ttft: dict[str, dict[int, float]], lengths: list[int], transports: Sequence[str]
+    ttft: dict[str, dict[int, float]],
+    lengths: list[int],
+    transports: Sequence[str],
+    phases: dict[str, dict[int, dict[str, float]]] | None = None,
 ) -> list[dict[str, Any]]:
     """Per prompt length: each measured configuration's TTFT (ms) and, with unified measured,
-    `<transport>_over_unified`."""
+    `<transport>_over_unified`; with `phases`, `phases_ms` (configuration -> the gateway's split
+    of its TTFT, mean ms per phase)."""
     rows = []
     for n in lengths:
         row: dict[str, Any] = {"prompt_tokens": n}
+        split = {c: per[n] for c, per in (phases or {}).items() if per.get(n)}
+        if split:
+            row["phases_ms"] = split
         uni = ttft.get("unified", {}).get(n)
         if uni is not None:
             row["unified_ms"] = round(uni, 1)
@@ -446,6 +502,8 @@ def print_summary(doc: dict[str, Any]) -> None:
             if f"disaggregated_{t}_ms" in row
         ]
         print(f"  prompt {row['prompt_tokens']:5d} tokens: TTFT " + ", ".join(parts))
+        for config, split in row.get("phases_ms", {}).items():
+            print(f"    {config}: " + ", ".join(f"{p} {ms:.1f} ms" for p, ms in split.items()))
     print("ratios:")
     for row in doc["kv_vs_prefill"]:
         ratio = row.get("transfer_over_prefill")
@@ -505,13 +563,17 @@ class _Run:
     t0: float = field(default_factory=time.perf_counter)
     kv_rows: list[dict[str, Any]] = field(default_factory=list)
     ttft: dict[str, dict[int, float]] = field(default_factory=dict)
+    # configuration -> prompt length -> the gateway's split of TTFT (mean ms per phase)
+    ttft_phases: dict[str, dict[int, dict[str, float]]] = field(default_factory=dict)
     start_s: dict[str, float] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     overhead: dict[str, Any] | None = None
 
     def document(self) -> dict[str, Any]:
         a = self.a
-        ttfts = ttft_rows(self.ttft, a.ttft_lengths, self.transports) if "b" in a.parts else []
+        ttfts = (
+            ttft_rows(self.ttft, a.ttft_lengths, self.transports, self.ttft_phases) if "b" in a.parts else []
+        )
         errors = dict(self.errors)
         for row in self.kv_rows:
             if "error" in row:
@@ -593,14 +655,15 @@ async def main_async(a: argparse.Namespace, run: _Run) -> dict[str, Any]:
         logs = Path(tmp)
         if run.together:
             with contextlib.ExitStack() as stacks:
-                gateways = {}
+                gateways, urls = {}, {}
                 for name in configs:
                     stack = stacks.enter_context(started(name, logs))
                     await measure(name, stack)
                     gateways[name] = stack.gateway
+                    urls[name] = stack.metrics_url(PORT_OFFSETS["gateway"])
                 if "b" in a.parts:
                     print("(b) TTFT, one request at a time (the stacks alternated)", flush=True)
-                    run.ttft = await ttft_ms(gateways, a.ttft_lengths, a.reps)
+                    run.ttft = await ttft_ms(gateways, a.ttft_lengths, a.reps, urls, run.ttft_phases)
         else:
             for name in configs:
                 try:
@@ -608,7 +671,13 @@ async def main_async(a: argparse.Namespace, run: _Run) -> dict[str, Any]:
                         await measure(name, stack)
                         if "b" in a.parts:
                             print(f"(b) TTFT, one request at a time: {name}", flush=True)
-                            run.ttft |= await ttft_ms({name: stack.gateway}, a.ttft_lengths, a.reps)
+                            run.ttft |= await ttft_ms(
+                                {name: stack.gateway},
+                                a.ttft_lengths,
+                                a.reps,
+                                {name: stack.metrics_url(PORT_OFFSETS["gateway"])},
+                                run.ttft_phases,
+                            )
                 except (RuntimeError, grpc.aio.AioRpcError) as exc:  # the others still run
                     run.errors[name] = str(exc)[-3000:]
                     print(f"[{name}] failed: {run.errors[name][-2000:]}", flush=True)

@@ -17,6 +17,14 @@ _SMALL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 
 TTFT_SECONDS = Histogram(
     "pdserve_time_to_first_token_seconds", "Request arrival to first token sent", buckets=_LATENCY_BUCKETS_S
 )
+TTFT_PHASE_SECONDS = Histogram(
+    "pdserve_time_to_first_token_phase_seconds",
+    "Where the time to first token went: schedule (arrival until its workers were chosen), admit "
+    "(the decode worker's admission, disaggregated), prefill (the prompt and, disaggregated, the "
+    "KV handoff, until the first token was sent)",
+    ["phase"],
+    buckets=_LATENCY_BUCKETS_S,
+)
 INTER_TOKEN_SECONDS = Histogram(
     "pdserve_inter_token_latency_seconds", "Time between streamed frames", buckets=_SMALL_BUCKETS_S
 )

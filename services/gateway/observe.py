@@ -12,6 +12,8 @@ def record_finished(state: RequestState) -> None:
     ttft = state.ttft_s
     if ttft is not None:
         metrics.TTFT_SECONDS.observe(ttft)
+        for phase, seconds in state.ttft_phases_s.items():
+            metrics.TTFT_PHASE_SECONDS.labels(phase=phase).observe(seconds)
     for gap in state.inter_frame_s:
         metrics.INTER_TOKEN_SECONDS.observe(gap)
     if state.frame_times_s:

@@ -143,12 +143,19 @@ class RequestState:
     _abort_reason: FinishReason | None = None
     _cache: CacheStats | None = None  # derived from the two above; None: not derived since they changed
     frame_times_s: list[float] = field(default_factory=list)  # when each frame went to the client
+    # until the first frame: when the current attempt reached each status (time.monotonic());
+    # a retry (back to WAITING) starts over, so the phases below are the successful attempt's
+    _reached_s: dict[RequestStatus, float] = field(default_factory=dict)
 
     # --- status ---
     def advance(self, new: RequestStatus) -> None:
         if new not in ALLOWED_TRANSITIONS[self.status]:
             raise InvalidTransition(f"request {self.request_id}: {self.status.name} -> {new.name}")
         self.status = new
+        if not self.frame_times_s:
+            if new is RequestStatus.WAITING:
+                self._reached_s.clear()
+            self._reached_s[new] = time.monotonic()
 
     def mark_scheduled(self, max_tokens: int) -> None:
         self.advance(RequestStatus.SCHEDULED)
@@ -314,6 +321,26 @@ class RequestState:
     @property
     def ttft_s(self) -> float | None:
         return self.frame_times_s[0] - self.arrival_s if self.frame_times_s else None
+
+    @property
+    def ttft_phases_s(self) -> dict[str, float]:
+        """Where the time to the first frame went (seconds; they add up to ttft_s): `schedule`
+        from arrival until the workers of the attempt that answered were chosen (earlier
+        attempts included), `admit` the decode worker's admission (disaggregated only),
+        `prefill` from there to the first frame (the prompt, and disaggregated the KV handoff,
+        which the first token waits for). Empty before a first frame."""
+        if not self.frame_times_s:
+            return {}
+        first = self.frame_times_s[0]
+        scheduled = min(self._reached_s.get(RequestStatus.SCHEDULED, self.arrival_s), first)
+        phases = {"schedule": max(0.0, scheduled - self.arrival_s)}
+        ready = scheduled
+        admitted = self._reached_s.get(RequestStatus.ADMITTED)
+        if admitted is not None:
+            ready = min(max(admitted, scheduled), first)
+            phases["admit"] = ready - scheduled
+        phases["prefill"] = max(0.0, first - ready)
+        return phases
 
     @property
     def inter_frame_s(self) -> list[float]:

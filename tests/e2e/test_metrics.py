@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import urllib.request
 from pathlib import Path
 
@@ -50,6 +51,11 @@ async def test_metrics_add_up_after_traffic(tiny_bpe_model: Path, tmp_path: Path
         assert total(gw, "pdserve_prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
         assert total(gw, "pdserve_requests_total") == len(usages)
         assert total(gw, "pdserve_time_to_first_token_seconds_count") == len(usages)
+        # where each TTFT went: the three phases of a disaggregated request, adding up to it
+        for phase in ("schedule", "admit", "prefill"):
+            assert total(gw, "pdserve_time_to_first_token_phase_seconds_count", phase=phase) == len(usages)
+        phases = total(gw, "pdserve_time_to_first_token_phase_seconds_sum")
+        assert phases == pytest.approx(total(gw, "pdserve_time_to_first_token_seconds_sum"), abs=1e-6)
         assert total(gw, "pdserve_e2e_request_latency_seconds_count") == len(usages)
         assert total(gw, "pdserve_errors_total") == 0
 
@@ -58,6 +64,16 @@ async def test_metrics_add_up_after_traffic(tiny_bpe_model: Path, tmp_path: Path
         assert sent > 0
         assert sent == total(decode, "pdserve_kv_transfer_bytes_total", direction="received")
         assert total(prefill, "pdserve_kv_transfer_seconds_count") == len(usages)
+        # each worker's engine steps: the prefill worker ran every prompt, the decode worker
+        # decoded (its counters refresh every --load-refresh-s)
+        time.sleep(1.5)
+        prefill, decode = scrape(stack.metrics_url(PREFILL)), scrape(stack.metrics_url(DECODE))
+        prompt_steps = total(prefill, "pdserve_engine_steps_total", kind="prefill")
+        assert prompt_steps >= 1 and total(prefill, "pdserve_engine_steps_total", kind="decode") == 0
+        # it computed every prompt token its prefix cache did not hold
+        computed = sum(u.prompt_tokens - u.cached_tokens for u in usages)
+        assert total(prefill, "pdserve_engine_step_tokens_total") == computed
+        assert total(decode, "pdserve_engine_steps_total", kind="decode") >= 1
         assert (
             total(prefill, "pdserve_prefix_cache_queries_tokens_total")
             >= sum(u.prompt_tokens for u in usages) - 1

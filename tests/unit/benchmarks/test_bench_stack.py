@@ -163,9 +163,14 @@ def test_cuda_stacks_run_one_after_another(monkeypatch: pytest.MonkeyPatch, tmp_
         return [{"transport": "nixl", "prompt_tokens": 2048, "transfer_over_prefill": 0.01}]
 
     async def fake_ttft(
-        gateways: dict[str, str], lengths: list[int], reps: int
+        gateways: dict[str, str],
+        lengths: list[int],
+        reps: int,
+        metrics: dict[str, str] | None = None,
+        phases: dict[str, dict[int, dict[str, float]]] | None = None,
     ) -> dict[str, dict[int, float]]:
         (name,) = gateways
+        assert metrics is not None and set(metrics) == {name}  # its gateway's /metrics
         events.append(f"ttft {name}")
         return {name: {2048: 100.0 if name == "unified" else 105.0}}
 
@@ -202,3 +207,21 @@ def test_cuda_stacks_run_one_after_another(monkeypatch: pytest.MonkeyPatch, tmp_
     ]
     assert "did not come up" in doc["errors"]["disaggregated_grpc"]
     assert json.loads(out.read_text()) == doc and "partial" not in doc
+
+
+def test_the_gateways_ttft_phases_are_read_and_reported_per_length() -> None:
+    """bench_stack (b) splits each configuration's TTFT as its gateway did (schedule, admit,
+    prefill: pdserve_time_to_first_token_phase_seconds), per prompt length."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    reg = CollectorRegistry()
+    phases = Histogram("pdserve_time_to_first_token_phase_seconds", "", ["phase"], registry=reg)
+    for phase, seconds in (("schedule", 0.002), ("admit", 0.003), ("prefill", 0.05), ("prefill", 0.07)):
+        phases.labels(phase=phase).observe(seconds)
+    totals = bench_stack.ttft_phase_totals(generate_latest(reg).decode())
+    assert totals["prefill"] == pytest.approx((0.12, 2.0))
+    assert totals["admit"] == pytest.approx((0.003, 1.0))
+    split = {"disaggregated_nixl": {2048: {"schedule": 2.0, "admit": 3.0, "prefill": 60.0}}}
+    rows = bench_stack.ttft_rows({"disaggregated_nixl": {2048: 65.0}}, [512, 2048], ["nixl"], split)
+    assert "phases_ms" not in rows[0]
+    assert rows[1]["phases_ms"] == {"disaggregated_nixl": {"schedule": 2.0, "admit": 3.0, "prefill": 60.0}}

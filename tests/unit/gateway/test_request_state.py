@@ -127,6 +127,60 @@ def test_latencies_derived_from_frame_times() -> None:
     assert state.inter_frame_s == [0.25, 0.25]
 
 
+class _Clock:
+    """time.monotonic for services.gateway.request, set by the test."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_ttft_phases_add_up_to_the_ttft(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Disaggregated: schedule, the decode worker's admission, then prefill (prompt + KV handoff)
+    until the first frame; a migration after the first frame changes none of them."""
+    clock = _Clock(100.0)
+    monkeypatch.setattr("services.gateway.request.time.monotonic", clock)
+    state = RequestState("r", (1, 2), True, "m", arrival_s=100.0)
+    assert state.ttft_phases_s == {}
+    for at, step in (
+        (100.010, lambda: state.mark_scheduled(5)),
+        (100.030, lambda: state.advance(RequestStatus.ADMITTED)),
+        (100.031, lambda: state.advance(RequestStatus.PREFILLING)),
+        (100.200, lambda: state.advance(RequestStatus.DECODING)),
+    ):
+        clock.now = at
+        step()
+    state.note_frame_sent(100.200)
+    want = {"schedule": 0.010, "admit": 0.020, "prefill": 0.170}
+    assert state.ttft_phases_s == pytest.approx(want)
+    assert sum(state.ttft_phases_s.values()) == pytest.approx(state.ttft_s)
+    clock.now = 101.0  # the decode worker died: the request moves on, its first frame long sent
+    state.advance(RequestStatus.WAITING)
+    state.mark_scheduled(5)
+    assert state.ttft_phases_s == pytest.approx(want)
+
+
+def test_ttft_phases_are_the_answering_attempts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A retry before any frame: `schedule` runs to the attempt that answered (the failed one
+    included), and a unified answer has no `admit` (the failed attempt's is dropped)."""
+    clock = _Clock(50.0)
+    monkeypatch.setattr("services.gateway.request.time.monotonic", clock)
+    state = RequestState("r", (1,), True, "m", arrival_s=50.0)
+    for at, step in (
+        (50.01, lambda: state.mark_scheduled(5)),
+        (50.02, lambda: state.advance(RequestStatus.ADMITTED)),
+        (50.05, state.reset_for_retry),
+        (50.06, lambda: state.mark_scheduled(5)),
+        (50.061, lambda: state.advance(RequestStatus.PREFILLING)),
+    ):
+        clock.now = at
+        step()
+    state.note_frame_sent(50.1)
+    assert state.ttft_phases_s == pytest.approx({"schedule": 0.06, "prefill": 0.04})
+
+
 def test_half_upgraded_pair_old_prefill_new_decode() -> None:
     state = make_state(max_tokens=10)
     state.record_output(FrameSource.PREFILL_REPLY, "a", (), None, None)  # v1.0 prefill worker
