@@ -19,9 +19,10 @@ capture none).
 (b) TTFT through the gateway (streaming, one request at a time) per prompt length: disaggregated
     over NIXL, disaggregated over the gRPC push (workers with --kv-transport grpc) and unified
     (one worker), as ratios disaggregated / unified, and each configuration's TTFT split as its
-    gateway measured it (`phases_ms`: schedule, admit, prefill; pdserve_time_to_first_token_phase_seconds). On CPU the three stacks run together and
-    are alternated per repetition (the same machine load for each); on a GPU they run one after
-    the other (each `pdserve up` sizes its workers' memory for the whole GPU).
+    gateway measured it (`phases_ms`: schedule, admit, prefill; from its
+    pdserve_time_to_first_token_phase_seconds). On CPU the three stacks run together and are
+    alternated per repetition (the same machine load for each); on a GPU they run one after the
+    other (each `pdserve up` sizes its workers' memory for the whole GPU).
 (c) End-to-end stack overhead vs the in-process engine: the same greedy requests, one at a time,
     through gateway -> scheduler -> prefill -> KV handoff -> decode, and through the engine
     called in process; prints the wall-time ratio. Not run on a GPU unless `--parts` names it
