@@ -87,8 +87,9 @@ if [[ $what == window ]]; then
   #            graphs, the prefill worker without) and with no graphs in either (`+eager`).
   # Each part has its own limit (T_<PART> seconds; SIGINT, so pytest and the benchmarks still
   # write what they have), so a slow one never takes the later ones' time. A 15-minute lease
-  # (one call at most 600 s, a start ~35 s) fits two calls on one warm machine: `stack serving
-  # probe` (~400 s typical, 595 s at most) and then `engine tests` or `disagg tests` (~300 s).
+  # (one call at most 600 s, a start ~35 s; the machine goes back after ~30 s idle, so the next
+  # call must follow at once) fits two calls: `stack serving profile tests` (~440 s at b9f36ae:
+  # stack 188, serving 66, profile 63, tests 112) and `engine disagg` (~300 s: 119 + 177).
   # NIXL comes from .gpu/nixl.tar.xz (scripts/nixl_bundle.sh) unpacked on PYTHONPATH.
   for part in ${WINDOW_PARTS:-stack serving probe tests}; do
     echo "== window part: $part ($(date +%T))"
@@ -109,7 +110,7 @@ if [[ $what == window ]]; then
           --model random:llama-8b --lengths 2048 --reps 2 --ready-timeout-s 150 \
           --out "$RES/stack-cuda-llama-8b-$TAG.json" || rc=1 ;;
       serving)
-        timeout -s INT "${T_SERVING:-80}" $PY -m benchmarks.bench_serving --model random:llama-8b \
+        timeout -s INT "${T_SERVING:-95}" $PY -m benchmarks.bench_serving --model random:llama-8b \
           --device cuda --dtype bfloat16 --configs unified+2gw --sequential 4 --burst 64 \
           --out "$RES/serving-llama-8b-$TAG.json" || rc=1 ;;
       disagg)
