@@ -65,14 +65,36 @@ def run_pdserve(args: argparse.Namespace, prompts: list[list[int]], **overrides:
 
         async def go() -> dict[str, Any]:
             await _engine_round(engine, [prompts[0][:16]], 2, "warm")
+            before = [engine.step_stats(r) for r in range(engine.config.dp_size)]
             t0, times, _ = await _engine_round(engine, prompts, args.new_tokens, "r")
             result = summarize(t0, times, max(t[-1] for t in times) - t0)
             result["engine_start_s"] = round(start_s, 2)  # load + warm-up of every rank
+            after = [engine.step_stats(r) for r in range(engine.config.dp_size)]
+            result["steps"] = steps_by_kind(before, after)
             return result
 
         return asyncio.run(go())
     finally:
         engine.shutdown()
+
+
+def steps_by_kind(before: list[Any], after: list[Any]) -> dict[str, dict[str, float]]:
+    """The engine's steps of the measured round by kind (engine/step_stats.py), all ranks
+    together: count, mean wall time (ms), tokens per step. Where a round's time went: the
+    decode steps against the floor, the prefill and mixed steps the decode rows wait through."""
+    totals: dict[str, list[int]] = {}
+    for b, a in zip(before, after, strict=True):
+        for kind, s in a.by_kind.items():
+            old = b.by_kind.get(kind)
+            t = totals.setdefault(kind.value, [0, 0, 0])
+            t[0] += s.steps - (old.steps if old else 0)
+            t[1] += s.ns - (old.ns if old else 0)
+            t[2] += s.tokens - (old.tokens if old else 0)
+    return {
+        kind: {"steps": n, "ms_mean": round(ns / n / 1e6, 3), "tokens_per_step": round(tok / n, 1)}
+        for kind, (n, ns, tok) in sorted(totals.items())
+        if n > 0
+    }
 
 
 def run_pdserve_transformers(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:

@@ -73,6 +73,14 @@ def write(
     for name, what in (("pdserve", f"load + warm-up{graphs}"), ("pdserve_eager", "load + warm-up")):
         if (r := results.get(name)) is not None:
             print(f"{name} engine start ({what}, {args.engine_dp_size} rank(s)): {r['engine_start_s']:.1f} s")
+    if (r := results.get("pdserve")) is not None and r.get("steps"):
+        print(
+            "pdserve steps of the round: "
+            + ", ".join(
+                f"{kind} {s['steps']} x {s['ms_mean']:.2f} ms ({s['tokens_per_step']:.0f} tokens)"
+                for kind, s in r["steps"].items()
+            )
+        )
     if floor is not None:
         from benchmarks.engine_floor import format_report
 

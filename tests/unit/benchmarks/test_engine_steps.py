@@ -40,3 +40,22 @@ def test_counters_are_summed_over_ranks_and_differenced_per_phase() -> None:
         }
     }
     assert delta(after, after) == {"worker": {}}
+
+
+def test_bench_engine_reports_the_rounds_steps_over_every_rank() -> None:
+    """bench-engine's pdserve contender: the measured round's steps by kind (the warm-up's
+    subtracted), ranks together."""
+    from benchmarks.engine.pdserve import steps_by_kind
+    from services.worker.engine.step_stats import StepKind, StepStats
+
+    warm, r0, r1 = StepStats(), StepStats(), StepStats()
+    warm.record(StepKind.PREFILL, 9_000_000, 16)
+    for stats in (r0, r1):
+        stats.record(StepKind.PREFILL, 9_000_000, 16)  # the warm-up, on each rank
+        stats.record(StepKind.DECODE, 5_000_000, 8)
+        stats.record(StepKind.MIXED, 40_000_000, 520)
+    r1.record(StepKind.DECODE, 7_000_000, 8)
+    assert steps_by_kind([warm, warm], [r0, r1]) == {
+        "decode": {"steps": 3, "ms_mean": 5.667, "tokens_per_step": 8.0},
+        "mixed": {"steps": 2, "ms_mean": 40.0, "tokens_per_step": 520.0},
+    }
