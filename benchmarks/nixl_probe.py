@@ -219,7 +219,15 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--out")
     args = p.parse_args()
-    rows = [r for ucx in args.ucx for mode in args.modes for r in probe(mode, ucx, args)]
+    rows: list[dict[str, Any]] = []
+    for ucx in args.ucx:
+        for mode in args.modes:
+            try:
+                rows += probe(mode, ucx, args)
+            except Exception as exc:  # e.g. CUDA IPC refused here: a result too, and the rest runs
+                row = {"mode": mode, "ucx": ucx, "error": f"{type(exc).__name__}: {exc}"[:500]}
+                print(row, flush=True)
+                rows.append(row)
     result = {"rows": rows, "config": vars(args), "machine": machine(args.device)}
     if args.out:
         with open(args.out, "w") as f:
