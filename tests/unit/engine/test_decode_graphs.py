@@ -238,6 +238,41 @@ def test_mixed_steps_attend_their_decode_rows_in_place_on_cuda(tiny_bpe: Path) -
     _check_mixed_steps(tiny_bpe, torch.device("cuda"), block=16)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_mixed_steps_compile_nothing_after_the_graphs_are_prepared(tiny_bpe: Path) -> None:
+    """A mixed step's decode rows run the FlexAttention kernel their decode bucket compiled when
+    the graphs were prepared at start: once the eager step's own shapes have run (the first
+    mixed step), a mixed step with another bucket of decode rows and another chunk length
+    compiles nothing (a compilation while serving stalls the step for seconds)."""
+    from torch._dynamo.utils import counters
+
+    _, static = _runners(tiny_bpe, torch.device("cuda"), fused=None, max_model_len=128, block=16)
+    graphs = static.graphs
+    assert graphs is not None and graphs.flex_blocks and graphs.prepare(8, 128) > 0
+    prompts = [list(range(7, 7 + n)) for n in (5, 9, 12, 14, 20)]
+    tables = [[i * 8 + j for j in range(8)] for i in range(len(prompts))]
+    got = static.execute(
+        [ScheduledSeq(p, 0, t, True, GREEDY, None) for p, t in zip(prompts, tables, strict=True)]
+    )
+
+    def mixed(rows: int, chunk: int, table0: int) -> None:
+        decode = [
+            ScheduledSeq([got[i][-1]], len(prompts[i]), tables[i], True, GREEDY, None) for i in range(rows)
+        ]
+        fresh = ScheduledSeq(
+            list(range(100, 100 + chunk)), 0, list(range(table0, table0 + 8)), True, GREEDY, None
+        )
+        with torch.inference_mode():
+            assert static._build_metadata([*decode, fresh])[2].flex_short is not None
+        static.execute([*decode, fresh])
+
+    mixed(3, 40, 60)  # bucket 4; compiles the eager step's shapes
+    counters.clear()
+    mixed(5, 57, 75)  # bucket 8, another chunk length
+    assert counters["frames"]["ok"] == 0, dict(counters["frames"])
+
+
 def _check_mixed_steps(path: Path, device: torch.device, block: int = BLOCK) -> None:
     plain_model = load_model(str(path), device, torch.float32)
     layout = kv_layout_of(plain_model.config, block, torch.float32)
