@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from services.worker.engine import (
@@ -330,13 +331,19 @@ class ModelRunner:
 
     def read_blocks(self, block_ids: list[int], layers: tuple[int, ...] | None = None) -> bytes:
         """Blocks in the wire layout: per block, per layer (of `layers`; None: all), K then V
-        [kv_heads, block_size, D]."""
-        idx = torch.tensor(block_ids, device=self.device)
+        [kv_heads, block_size, D]. On CUDA the blocks come back through pinned memory (one DMA,
+        not the driver's staging of a pageable copy)."""
+        idx = to_device(block_ids, self.device)
         pool = self._by_block()
         if layers is not None:
-            pool = pool.index_select(0, torch.tensor(layers, device=self.device))
+            pool = pool.index_select(0, to_device(list(layers), self.device))
         data = pool.index_select(3, idx)  # [L, 2, H, n, bs, D]
-        data = data.permute(3, 0, 1, 2, 4, 5).contiguous().cpu()  # [n, L, 2, H, bs, D]
+        data = data.permute(3, 0, 1, 2, 4, 5).contiguous()  # [n, L, 2, H, bs, D]
+        if self.device.type == "cuda":
+            host = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
+            host.copy_(data, non_blocking=True)
+            torch.cuda.current_stream(self.device).synchronize()  # before the host reads it
+            data = host
         return data.view(torch.uint8).numpy().tobytes()
 
     def write_blocks(self, block_ids: list[int], data: bytes, layers: tuple[int, ...] | None = None) -> None:
@@ -344,10 +351,17 @@ class ModelRunner:
         lay = self.layout
         n = len(block_ids)
         num_layers = lay.num_layers if layers is None else len(layers)
-        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if self.device.type == "cuda":
+            # the bytes once into pinned memory, one DMA of them, the permute on the device
+            # (torch's host allocator keeps the pinned block until the copy is done)
+            host = torch.empty(len(data), dtype=torch.uint8, pin_memory=True)
+            host.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+            raw = host.to(self.device, non_blocking=True)
+        else:
+            raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         arr = raw.view(self.dtype).view(n, num_layers, 2, lay.num_kv_heads, lay.block_size, lay.head_dim)
-        arr = arr.permute(1, 2, 3, 0, 4, 5).to(self.device)  # [L, 2, H, n, bs, D]
-        idx = torch.tensor(block_ids, device=self.device)
+        arr = arr.permute(1, 2, 3, 0, 4, 5)  # [L, 2, H, n, bs, D]
+        idx = to_device(block_ids, self.device)
         pool = self._by_block()
         if layers is None:
             pool.index_copy_(3, idx, arr)
