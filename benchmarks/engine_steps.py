@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import time
 import urllib.request
+from collections.abc import Sequence
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from services.worker.engine.step_stats import StepStats
 
 # worker kind -> {step kind -> (steps, seconds, tokens)}, summed over DP ranks
 Snapshot = dict[str, dict[str, list[float]]]
@@ -36,6 +39,19 @@ def parse(text: str) -> dict[str, list[float]]:
         for sample in family.samples:
             if sample.name.endswith("_total"):
                 out.setdefault(sample.labels["kind"], [0.0, 0.0, 0.0])[field] += sample.value
+    return out
+
+
+def totals(ranks: Sequence[StepStats]) -> dict[str, list[float]]:
+    """An in-process engine's ranks (Engine.step_stats) -> {step kind: [steps, seconds, tokens]},
+    as `parse` reads them from a worker's /metrics."""
+    out: dict[str, list[float]] = {}
+    for stats in ranks:
+        for kind, s in stats.by_kind.items():
+            t = out.setdefault(kind.value, [0.0, 0.0, 0.0])
+            t[0] += s.steps
+            t[1] += s.ns / 1e9
+            t[2] += s.tokens
     return out
 
 

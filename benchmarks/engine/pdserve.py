@@ -78,23 +78,15 @@ def run_pdserve(args: argparse.Namespace, prompts: list[list[int]], **overrides:
         engine.shutdown()
 
 
-def steps_by_kind(before: list[Any], after: list[Any]) -> dict[str, dict[str, float]]:
+def steps_by_kind(before: list[Any], after: list[Any]) -> dict[str, dict[str, Any]]:
     """The engine's steps of the measured round by kind (engine/step_stats.py), all ranks
-    together: count, mean wall time (ms), tokens per step. Where a round's time went: the
+    together, as engine_steps.delta reports a served phase's. Where a round's time went: the
     decode steps against the floor, the prefill and mixed steps the decode rows wait through."""
-    totals: dict[str, list[int]] = {}
-    for b, a in zip(before, after, strict=True):
-        for kind, s in a.by_kind.items():
-            old = b.by_kind.get(kind)
-            t = totals.setdefault(kind.value, [0, 0, 0])
-            t[0] += s.steps - (old.steps if old else 0)
-            t[1] += s.ns - (old.ns if old else 0)
-            t[2] += s.tokens - (old.tokens if old else 0)
-    return {
-        kind: {"steps": n, "ms_mean": round(ns / n / 1e6, 3), "tokens_per_step": round(tok / n, 1)}
-        for kind, (n, ns, tok) in sorted(totals.items())
-        if n > 0
-    }
+    from benchmarks import engine_steps
+
+    return engine_steps.delta(
+        {"engine": engine_steps.totals(before)}, {"engine": engine_steps.totals(after)}
+    )["engine"]
 
 
 def run_pdserve_transformers(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:

@@ -149,12 +149,17 @@ class DecodeGraphs:
         if not self.flex_blocks:
             raise ValueError("flex_rows needs FlexAttention (flex_blocks > 0)")
         need = max(-(-(s.position + 1) // self.block_size) for s in seqs)
-        key = (bucket(len(seqs)), 1, self._blocks_key(need))
-        e = self.buckets.get(key) or self._new_bucket(*key)
+        e = self._bucket(len(seqs), 1, need)
         assert e.flex is not None
         tables = [s.block_ids[: -(-(s.position + 1) // self.block_size)] for s in seqs]
         e.flex.fill(tables, [[s.position + 1] for s in seqs], self.scratch_block)
         return e.flex
+
+    def _bucket(self, num_seqs: int, q: int, need_blocks: int) -> _Bucket:
+        """The bucket of num_seqs sequences x q rows whose tables cover need_blocks blocks (made
+        on first use)."""
+        key = (bucket(num_seqs), q, self._blocks_key(need_blocks))
+        return self.buckets.get(key) or self._new_bucket(*key)
 
     def fits(self, num_tokens: int, num_logits: int) -> bool:
         """Whether a sequence's part of a step can run here."""
@@ -170,8 +175,7 @@ class DecodeGraphs:
         need = max(-(-(s.position + len(s.token_ids)) // bs) for s in seqs)
         q_max = max(len(s.token_ids) for s in seqs)
         q = next(n for n in self.q_buckets if n >= q_max)
-        key = (bucket(b), q, self._blocks_key(need))
-        e = self.buckets.get(key) or self._new_bucket(*key)
+        e = self._bucket(b, q, need)
         self._fill(e, seqs)
         if input_ids is not None:
             if q != 1:

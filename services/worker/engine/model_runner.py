@@ -342,7 +342,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             host = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
             host.copy_(data, non_blocking=True)
-            torch.cuda.current_stream(self.device).synchronize()  # before the host reads it
+            self.wait_for_device()  # before the host reads it
             data = host
         return data.view(torch.uint8).numpy().tobytes()
 

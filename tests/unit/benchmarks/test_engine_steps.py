@@ -56,6 +56,6 @@ def test_bench_engine_reports_the_rounds_steps_over_every_rank() -> None:
         stats.record(StepKind.MIXED, 40_000_000, 520)
     r1.record(StepKind.DECODE, 7_000_000, 8)
     assert steps_by_kind([warm, warm], [r0, r1]) == {
-        "decode": {"steps": 3, "ms_mean": 5.667, "tokens_per_step": 8.0},
-        "mixed": {"steps": 2, "ms_mean": 40.0, "tokens_per_step": 520.0},
+        "decode": {"steps": 3, "ms_mean": 5.667, "tokens_per_step": 8.0, "seconds": 0.017},
+        "mixed": {"steps": 2, "ms_mean": 40.0, "tokens_per_step": 520.0, "seconds": 0.08},
     }
