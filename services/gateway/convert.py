@@ -244,6 +244,8 @@ def prefill_request(job: WorkerJob, dp_rank: int, kv: KvDestination | None) -> w
             msg.kv_target.trim_blocks = kv.trim_blocks
         if kv.nixl_parts:  # a 1.9 or older prefill worker ignores it: one message at the end
             msg.kv_target.nixl_parts = True
+        if kv.reply_before_handoff:  # a 1.10 or older prefill worker ignores it: replies after
+            msg.kv_target.reply_before_handoff = True
     return msg
 
 

@@ -84,11 +84,13 @@ class Dispatcher:
         breakers: CircuitBreakers | None = None,
         membership: MembershipWatch | None = None,
         model_cards: ModelCards | None = None,
+        first_token_before_handoff: bool = True,
     ) -> None:
         """`breakers`: per-worker circuit breakers shared by every request (None: none).
         `membership`: watches the decode workers carrying streams (None: not watched).
         `model_cards`: the cluster's models, whose max_model_len a budget is resolved against
-        (None: cards fetched from `scheduler`)."""
+        (None: cards fetched from `scheduler`). `first_token_before_handoff`: disaggregated runs
+        ask the prefill worker to answer before its KV handoff ends (KvTarget.reply_before_handoff)."""
         self._scheduler = scheduler
         self.model_cards = model_cards or ModelCards(scheduler)
         self._block_size = block_size
@@ -96,7 +98,7 @@ class Dispatcher:
         self._migration_limit = migration_limit
         self._breakers = breakers or CircuitBreakers(failure_threshold=0)
         self._aborter = Aborter(workers, control_timeout_s)
-        self._runs = WorkerRuns(workers, self._aborter, membership)
+        self._runs = WorkerRuns(workers, self._aborter, membership, first_token_before_handoff)
 
     async def run(
         self, req: PreparedRequest, state: RequestState, deadline_s: float | None

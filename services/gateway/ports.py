@@ -103,6 +103,8 @@ class KvDestination:
     trim_blocks: int | None = None
     # NIXL descriptors in one message per prefill chunk (both workers advertise kv_nixl_parts)
     nixl_parts: bool = False
+    # the prefill worker answers at the first token; the handoff ends after (1.11)
+    reply_before_handoff: bool = False
 
 
 @dataclass(frozen=True)

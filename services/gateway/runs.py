@@ -31,7 +31,7 @@ from services.gateway.ports import (
     WorkerUnavailable,
 )
 from services.gateway.request import OutputFrame, OutputFrameKind, RequestState, RequestStatus
-from shared.cluster import DecodeFrameKind, negotiate_kv_transport, negotiate_nixl_parts
+from shared.cluster import DecodeFrameKind, FinishReason, negotiate_kv_transport, negotiate_nixl_parts
 
 T = TypeVar("T")
 
@@ -51,11 +51,19 @@ class Attempt:
 
 
 class WorkerRuns:
-    def __init__(self, workers: WorkerClient, aborter: Aborter, membership: MembershipWatch | None) -> None:
-        """`membership`: watches the decode workers carrying streams (None: not watched)."""
+    def __init__(
+        self,
+        workers: WorkerClient,
+        aborter: Aborter,
+        membership: MembershipWatch | None,
+        first_token_before_handoff: bool = True,
+    ) -> None:
+        """`membership`: watches the decode workers carrying streams (None: not watched).
+        `first_token_before_handoff`: ask prefill workers to answer before their handoff ends."""
         self._workers = workers
         self._aborter = aborter
         self._membership = membership
+        self._first_token_before_handoff = first_token_before_handoff
 
     async def disaggregated(
         self,
@@ -91,6 +99,7 @@ class WorkerRuns:
                 negotiate_kv_transport(prefill.capabilities, decode.capabilities),
                 admitted.trim_blocks,
                 negotiate_nixl_parts(prefill.capabilities, decode.capabilities),
+                self._first_token_before_handoff,
             )
             state.advance(RequestStatus.PREFILLING)
             attempt.start(prefill.address)
@@ -122,7 +131,11 @@ class WorkerRuns:
             yield _with_prompt_logprobs(
                 state, frame(state, kind, reply.text, reply.token_ids, reply.logprobs), reply.prompt_logprobs
             )
-            relayed = _relay(state, stream, decode, deadline_s, prefilled_here=False)
+            # The handoff may still be under way (reply_before_handoff): a decode worker that
+            # ends the request before any token lost its KV (the prefill worker died or the
+            # transfer failed), a failure of the handoff, not a cancellation the client asked for.
+            handoff = prefill if kv.reply_before_handoff else None
+            relayed = _relay(state, stream, decode, deadline_s, prefilled_here=False, handoff_from=handoff)
             async with contextlib.aclosing(relayed):
                 async for out in relayed:
                     yield out
@@ -202,9 +215,13 @@ async def _relay(
     target: WorkerTarget,
     deadline_s: float | None,
     prefilled_here: bool,
+    handoff_from: WorkerTarget | None = None,
 ) -> AsyncGenerator[OutputFrame, None]:
     """Relays decode frames. `prefilled_here`: the decode worker ran the prompt itself
-    (aggregated / local prefill), so its prefix-cache hits are this request's local hits."""
+    (aggregated / local prefill), so its prefix-cache hits are this request's local hits.
+    `handoff_from`: the prefill worker whose KV handoff may not have ended yet (it answered at
+    the first token); until the decode worker's first frame after admission, a FINAL with
+    finish reason ABORT is that handoff's failure (WorkerUnavailable: the request moves on)."""
     with ReadDeadline(deadline_s) as until:  # one timer for the stream, not one per frame
         while True:
             event: DecodeEvent | None = await until.read(stream.next())
@@ -218,6 +235,14 @@ async def _relay(
                 state.record_cache(local_tokens=event.local_cached_tokens, transferred_tokens=0)
             if event.kind is DecodeFrameKind.ADMITTED:
                 continue  # aggregated: admission carries only cache figures
+            if handoff_from is not None and event.kind is not DecodeFrameKind.ADMITTED:
+                if event.kind is DecodeFrameKind.FINAL and event.finish_reason is FinishReason.ABORT:
+                    raise WorkerUnavailable(
+                        f"the KV handoff from prefill worker {handoff_from.worker_id} to decode "
+                        f"worker {target.worker_id} failed after the first token",
+                        handoff_from.worker_id,
+                    )
+                handoff_from = None  # the KV landed: the decode worker produced a frame
             if event.kind is DecodeFrameKind.FINAL:
                 state.record_output(
                     FrameSource.DECODE_FINAL,

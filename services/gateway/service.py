@@ -58,6 +58,7 @@ class GatewayService:
             settings.block_size,
             settings.worker_rpc_timeout_s,
             migration_limit=settings.migration_limit,
+            first_token_before_handoff=settings.first_token_before_handoff,
             breakers=CircuitBreakers(settings.breaker_failures, settings.breaker_cooldown_s),
             membership=self.membership,
             model_cards=self.model_cards,

@@ -90,6 +90,14 @@ class GatewaySettings(TlsSettings):
         "mid-stream (the prompt plus the tokens generated so far are prefilled elsewhere and "
         "decoding resumes); past it the client gets UNAVAILABLE; 0 disables migration (count)",
     )
+    first_token_before_handoff: bool = field(
+        True,
+        "disaggregated: the prefill worker answers with the first token as soon as it is sampled "
+        "and the KV handoff to the decode worker ends after it (the client gets the first token "
+        "while the KV moves; a handoff that fails then moves the request on with that token, like "
+        "a migration); off: the first token waits for the handoff (a 1.10 or older prefill worker "
+        "always waits)",
+    )
     membership_poll_s: float = field(
         1.0,
         "while streams are in flight, how often the scheduler's membership is checked: a decode "

@@ -96,6 +96,7 @@ def prefill_call_from_pb(pb: worker_pb2.PrefillRequest) -> PrefillCall:
             skip_blocks=t.skip_blocks,
             trim_blocks=t.trim_blocks if t.HasField("trim_blocks") else 0,
             nixl_parts=t.HasField("nixl_parts") and t.nixl_parts,
+            reply_before_handoff=t.HasField("reply_before_handoff") and t.reply_before_handoff,
             transport=_transport_from_pb(t.kv_transport)
             if t.HasField("kv_transport")
             else KvTransport.GRPC_PUSH,

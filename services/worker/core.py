@@ -81,6 +81,8 @@ class WorkerCore:
         self._log_prompts = log_prompts
         # only requests with a live RPC
         self._active: dict[str, Phase] = {}
+        # handoffs that go on after their Prefill replied (KvTarget.reply_before_handoff)
+        self._handoffs: dict[str, asyncio.Task[None]] = {}
         self._idle = asyncio.Event()
         self._idle.set()
         self._draining = False
@@ -104,8 +106,7 @@ class WorkerCore:
             yield
         finally:
             self._active.pop(request_id, None)
-            if not self._active:
-                self._idle.set()
+            self._set_idle_if_idle()
 
     def _aborted_error(self, request_id: str) -> errors.PdserveError:
         if self._draining:
@@ -175,14 +176,20 @@ class WorkerCore:
                 span.set_attribute("pdserve.num_chunks", last.num_prefill_chunks)
                 span.set_attribute("pdserve.local_cached_tokens", last.num_local_cached_tokens)
                 pushed: KvPushResult | None = None
+                handed_over = False  # the release is the background handoff's
                 if call.kv_target is not None:
                     # Finished at the first token: the handoff carries no KV and no first token,
                     # so the decode side ends the request at once (FINAL, its count 0).
                     first_token_id = token_ids[-1] if finish is None and token_ids else None
-                    self._active[rid] = Phase.PUSHING
-                    pushed = await self._push(call, last, first_token_id, early)
+                    if first_token_id is not None and call.kv_target.reply_before_handoff:
+                        self._hand_off_in_background(call, last, first_token_id, early)
+                        handed_over = True
+                    else:
+                        self._active[rid] = Phase.PUSHING
+                        pushed = await self._push(call, last, first_token_id, early)
             finally:
-                self._release(rid)
+                if not handed_over:
+                    self._release(rid)
             if self._log_prompts:
                 log.info("prefill_done", prompt_token_ids=list(request.prompt_token_ids), text="".join(text))
             log.debug(
@@ -250,6 +257,39 @@ class WorkerCore:
             recomputing=result.recomputing,
         )
         return result
+
+    def _hand_off_in_background(
+        self, call: PrefillCall, out: RequestOutput, first_token_id: int, early: EarlyPush | None
+    ) -> None:
+        """KvTarget.reply_before_handoff: the Prefill reply (the first token) goes out now and the
+        handoff ends in a task that owns the held blocks (released when the decode worker
+        answered, the push failed, or Abort cancelled it). A drain waits for it. A failed
+        handoff is the decode worker's to report: it aborts the request, its Decode stream ends
+        with ABORT before any token, and the gateway moves the request on with the first token."""
+        rid = call.request.request_id
+
+        async def hand_off() -> None:
+            try:
+                await self._push(call, out, first_token_id, early)
+            except asyncio.CancelledError:
+                if early is not None:
+                    early.cancel()
+                log.info("kv_handoff_aborted", request_id=rid)
+            except errors.PdserveError as exc:
+                log.warning("kv_handoff_failed", request_id=rid, error=str(exc))
+            except Exception:  # never lost silently: the task has no awaiter
+                log.exception("kv_handoff_failed", request_id=rid)
+            finally:
+                self._release(rid)
+                self._handoffs.pop(rid, None)
+                self._set_idle_if_idle()
+
+        self._handoffs[rid] = asyncio.create_task(hand_off(), name=f"kv-handoff-{rid}")
+        self._idle.clear()
+
+    def _set_idle_if_idle(self) -> None:
+        if not self._active and not self._handoffs:
+            self._idle.set()
 
     def _sender(self, target: KvTargetSpec) -> KvSender:
         """The transport the gateway negotiated, when this worker has it; else the gRPC push."""
@@ -344,7 +384,10 @@ class WorkerCore:
     def abort(self, request_id: str) -> bool:
         if not request_id:
             raise errors.InvalidArgument("request_id is required")
-        return self.engine.abort(request_id)
+        handoff = self._handoffs.get(request_id)
+        if handoff is not None:
+            handoff.cancel()  # its task releases the blocks (and breaks the push stream)
+        return self.engine.abort(request_id) or handoff is not None
 
     def rank_loads(self) -> list[RankLoad]:
         return self.engine.rank_loads()
@@ -357,7 +400,8 @@ class WorkerCore:
 
     @property
     def num_active(self) -> int:
-        return len(self._active)
+        """Requests with a live RPC, and handoffs going on after their Prefill replied."""
+        return len(self._active) + len(self._handoffs)
 
     def begin_drain(self) -> None:
         """Refuse new Prefill/Decode (UNAVAILABLE); PushKv for admitted requests still works."""

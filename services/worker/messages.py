@@ -35,7 +35,9 @@ CAPABILITIES = (
 # (capability "prompt_logprobs"); max_tokens may be 0 with them (the prompt is only scored).
 # 1.10 added KvTarget.nixl_parts: a NIXL handoff in one PushKv message per prefill chunk, READ as
 # they arrive (capability shared.cluster.NIXL_PARTS_CAPABILITY, "kv_nixl_parts").
-PROTO_VERSION = "1.10"
+# 1.11 added KvTarget.reply_before_handoff: the Prefill reply goes out at the first token and the
+# handoff ends after it (the gateway streams the first token while the KV moves).
+PROTO_VERSION = "1.11"
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,8 @@ class KvTargetSpec:
     trim_blocks: int = 0
     # NIXL: the decode worker takes the descriptors in several messages, one per prefill chunk
     nixl_parts: bool = False
+    # the Prefill reply (the first token) goes out before the handoff ends (1.11)
+    reply_before_handoff: bool = False
 
 
 @dataclass(frozen=True)

@@ -207,10 +207,13 @@ async def test_kv_transport_is_nixl_only_when_both_workers_offer_it() -> None:
         )
         placement = Placement(ServingMode.DISAGGREGATED, decode, prefill, "m", 0)
         await run(FakeScheduler([placement]), workers)
-        kv = KvDestination(decode.address, 1, "t-1", 1, transport, nixl_parts=nixl_parts)
+        kv = KvDestination(
+            decode.address, 1, "t-1", 1, transport, nixl_parts=nixl_parts, reply_before_handoff=True
+        )
         assert workers.prefill_calls == [(PREFILL.address, kv)]
         target = convert.prefill_request(job, 0, kv).kv_target
         assert target.HasField("nixl_parts") == nixl_parts and target.nixl_parts == nixl_parts
+        assert target.reply_before_handoff
 
 
 async def test_the_decode_workers_trim_reaches_the_prefill_worker_and_changes_no_usage() -> None:
@@ -227,7 +230,7 @@ async def test_the_decode_workers_trim_reaches_the_prefill_worker_and_changes_no
         prefills={PREFILL.address: [PrefillResult("a", (1,), 1, None, local_cached_tokens=8)]},
     )
     frames, _ = await run(FakeScheduler([disagg()]), workers)
-    kv = KvDestination(DECODE.address, 1, "t-1", 1, trim_blocks=5)
+    kv = KvDestination(DECODE.address, 1, "t-1", 1, trim_blocks=5, reply_before_handoff=True)
     assert workers.prefill_calls == [(PREFILL.address, kv)]
     assert all(f.cached_tokens == 8 for f in frames)
 
@@ -263,7 +266,9 @@ async def test_disaggregated_path() -> None:
     ]
     assert "".join(f.text for f in frames) == "abd"
     assert workers.decode_calls == [(DECODE.address, False, 8)]
-    assert workers.prefill_calls == [(PREFILL.address, KvDestination(DECODE.address, 1, "t-1", 1))]
+    assert workers.prefill_calls == [
+        (PREFILL.address, KvDestination(DECODE.address, 1, "t-1", 1, reply_before_handoff=True))
+    ]
     usage = frames[-1].usage
     assert usage is not None and usage.completion_tokens == 4
     assert frames[-1].finish_reason is FinishReason.STOP
@@ -609,6 +614,46 @@ async def test_decode_failure_mid_stream_migrates_and_continues_exactly() -> Non
     assert usage.prompt_tokens == 20
     assert state.migrations == 1 and state.status is RequestStatus.FINISHED_LENGTH
     assert DECODE.address in workers.aborts
+
+
+async def test_a_handoff_that_fails_after_the_first_token_moves_the_request_on() -> None:
+    """The prefill worker answered at the first token (reply_before_handoff) and its handoff
+    then broke: the decode worker ends the request with ABORT before any token. The request
+    moves on (a migration excluding that prefill worker) with the first token in its prompt; the
+    client sees each token once and no abort. An ABORT after a token is the worker's to report."""
+    workers = FakeWorkers(
+        streams={
+            DECODE.address: [FakeStream([ADMITTED, final("", 0, FinishReason.ABORT)])],
+            DECODE2.address: [FakeStream([ADMITTED, tokens("c", 3), final("", 2, FinishReason.LENGTH)])],
+        },
+        prefills={PREFILL.address: [PrefillResult("a", (1,), 1, None), PrefillResult("b", (2,), 1, None)]},
+    )
+    sched = FakeScheduler([disagg(DECODE), disagg(DECODE2)])
+    frames, state = await run(sched, workers, prepared(max_tokens=4))
+    assert "".join(f.text for f in frames) == "abc"
+    assert frames[-1].finish_reason is FinishReason.LENGTH
+    assert frames[-1].usage is not None and frames[-1].usage.completion_tokens == 4
+    assert sched.queries[1].exclude_worker_ids == ("p1",)
+    assert workers.jobs[-1].prompt_token_ids == (*range(20), 1)
+    assert state.migrations == 1 and DECODE.address in workers.aborts
+
+    # after a token, or without reply_before_handoff, an ABORT is relayed as the worker's finish
+    for events, early in (
+        ([ADMITTED, tokens("b", 2), final("", 1, FinishReason.ABORT)], True),
+        ([ADMITTED, final("", 0, FinishReason.ABORT)], False),
+    ):
+        workers = FakeWorkers(
+            streams={DECODE.address: [FakeStream(events)]},
+            prefills={PREFILL.address: [PrefillResult("a", (1,), 1, None)]},
+        )
+        sched = FakeScheduler([disagg()])
+        req = prepared()
+        state = RequestState(req.request_id, req.prompt_token_ids, True, "m")
+        dispatcher = Dispatcher(sched, workers, 4, first_token_before_handoff=early)
+        frames = [f async for f in dispatcher.run(req, state, None)]
+        assert frames[-1].finish_reason is FinishReason.ABORT and len(sched.queries) == 1
+        assert workers.prefill_calls[0][1] is not None
+        assert workers.prefill_calls[0][1].reply_before_handoff is early
 
 
 async def test_migration_limit_ends_with_unavailable_naming_the_failure() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -27,7 +28,7 @@ from services.worker.messages import (
     PrefillCall,
 )
 from shared import errors
-from shared.cluster import KvLayout, Role, WorkerInfo
+from shared.cluster import FinishReason, KvLayout, Role, WorkerInfo
 
 LAYOUT = KvLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, dtype="float32")
 
@@ -232,6 +233,85 @@ async def test_failed_push_releases_the_prefill_blocks() -> None:
     assert ("export", "r", 1) in engine.calls
     assert engine.calls[-1] == ("release", "r")
     assert core.num_active == 0
+
+
+class GatedPusher:
+    """A push that waits for `go` (a decode worker READing), then answers or fails."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.go = asyncio.Event()
+        self.started = asyncio.Event()
+        self.cancelled = False
+        self._fail = fail
+
+    async def push(self, **kwargs: Any) -> KvPushResult:
+        list(kwargs["chunks"])
+        self.started.set()
+        try:
+            await self.go.wait()
+        except asyncio.CancelledError:
+            self.cancelled = True
+            raise
+        if self._fail:
+            raise errors.Unavailable("decode worker unreachable")
+        return KvPushResult(bytes_sent=8, num_chunks=1, seconds=0.001)
+
+
+def early_call() -> PrefillCall:
+    target = KvTargetSpec(
+        address="d:1", dp_rank=0, transfer_ticket="t", skip_blocks=0, reply_before_handoff=True
+    )
+    return PrefillCall(request=request(), kv_target=target, return_token_ids=True)
+
+
+@pytest.mark.parametrize("fail", [False, True])
+async def test_reply_before_handoff_answers_at_the_first_token_and_releases_after_the_push(
+    fail: bool,
+) -> None:
+    """KvTarget.reply_before_handoff: the reply (first token, no transfer figures) comes while
+    the push still waits; the blocks are released only when it ended (answered or failed), and
+    a drain waits for it."""
+    pusher = GatedPusher(fail=fail)
+    core, engine = make_core(Role.PREFILL, pusher)
+    result = await core.prefill(early_call())
+    assert result.token_ids == (7,) and result.finish_reason is None
+    assert (result.kv_bytes_sent, result.kv_transfer_ns, result.kv_transport) == (0, 0, None)
+    await asyncio.wait_for(pusher.started.wait(), 5)
+    assert ("release", "r") not in engine.calls, "the blocks are held while the decode worker reads"
+    assert core.num_active == 1 and not await core.wait_idle(0.01)
+    core.begin_drain()
+    pusher.go.set()
+    assert await core.wait_idle(5)
+    assert engine.calls[-1] == ("release", "r") and core.num_active == 0
+
+
+async def test_abort_during_a_handoff_after_the_reply_cancels_it_and_frees_the_blocks() -> None:
+    pusher = GatedPusher()
+    core, engine = make_core(Role.PREFILL, pusher)
+    await core.prefill(early_call())
+    await asyncio.wait_for(pusher.started.wait(), 5)
+    assert core.abort("r")
+    assert await core.wait_idle(5)
+    assert pusher.cancelled
+    assert ("abort", "r") in engine.calls and engine.calls[-1] == ("release", "r")
+
+
+async def test_a_first_token_that_ends_the_request_is_handed_off_before_the_reply() -> None:
+    """Nothing to overlap when the request ended at its first token (no KV moves): the empty
+    handoff ends before the reply, as without reply_before_handoff."""
+    pusher = RecordingPusher()
+    core, engine = make_core(Role.PREFILL, pusher)
+    original = engine.add_request
+
+    def stopping(request: EngineRequest) -> FakeHandle:
+        handle = original(request)
+        handle._outputs = [dataclasses.replace(o, finish_reason=FinishReason.STOP) for o in handle._outputs]
+        return handle
+
+    engine.add_request = stopping  # type: ignore[method-assign]
+    result = await core.prefill(early_call())
+    assert result.finish_reason is FinishReason.STOP
+    assert pusher.kwargs and engine.calls[-1] == ("release", "r") and core.num_active == 0
 
 
 async def test_role_gating_and_drain() -> None:
