@@ -298,13 +298,18 @@ async def ttft_ms(
     reps: int,
     metrics: dict[str, str] | None = None,
     phases: dict[str, dict[int, dict[str, float]]] | None = None,
+    second: dict[str, dict[int, float]] | None = None,
 ) -> dict[str, dict[int, float]]:
     """Median time to the first streamed frame per configuration and prompt length, one request
     at a time, the configurations alternated per repetition (same machine load for each). With
     `metrics` (configuration -> its gateway's /metrics URL), `phases` gets per configuration and
     length the mean ms of each phase of those requests' TTFT as the gateway split it
-    (pdserve_time_to_first_token_phase_seconds: schedule, admit, prefill)."""
+    (pdserve_time_to_first_token_phase_seconds: schedule, admit, prefill). `second` gets the
+    median time to the second token (the next frame): where a disaggregated request's first
+    token went out before its KV handoff ended (--first-token-before-handoff), the handoff's
+    time shows there, not in the TTFT."""
     times: dict[str, dict[int, list[float]]] = {c: {n: [] for n in lengths} for c in gateways}
+    seconds: dict[str, dict[int, list[float]]] = {c: {n: [] for n in lengths} for c in gateways}
     channels = {c: grpc.aio.insecure_channel(g) for c, g in gateways.items()}
     try:
         for n in lengths:
@@ -324,8 +329,11 @@ async def ttft_ms(
                     first = await call.read()
                     elapsed_ms = (time.perf_counter() - t0) * 1e3
                     assert first is not grpc.aio.EOF
+                    frames = 1
                     while await call.read() is not grpc.aio.EOF:
-                        pass
+                        frames += 1
+                        if frames == 2 and r:
+                            seconds[config][n].append((time.perf_counter() - t0) * 1e3)
                     if r:
                         times[config][n].append(elapsed_ms)
             if metrics and phases is not None:
@@ -340,6 +348,9 @@ async def ttft_ms(
     finally:
         for ch in channels.values():
             await ch.close()
+    if second is not None:
+        for c, per in seconds.items():
+            second.setdefault(c, {}).update({n: statistics.median(v) for n, v in per.items() if v})
     return {c: {n: statistics.median(v) for n, v in per.items()} for c, per in times.items()}
 
 
@@ -432,16 +443,21 @@ def ttft_rows(
     lengths: list[int],
     transports: Sequence[str],
     phases: dict[str, dict[int, dict[str, float]]] | None = None,
+    second: dict[str, dict[int, float]] | None = None,
 ) -> list[dict[str, Any]]:
     """Per prompt length: each measured configuration's TTFT (ms) and, with unified measured,
     `<transport>_over_unified`; with `phases`, `phases_ms` (configuration -> the gateway's split
-    of its TTFT, mean ms per phase)."""
+    of its TTFT, mean ms per phase); with `second`, `second_token_ms` (configuration -> median
+    time to the second token, ms)."""
     rows = []
     for n in lengths:
         row: dict[str, Any] = {"prompt_tokens": n}
         split = {c: per[n] for c, per in (phases or {}).items() if per.get(n)}
         if split:
             row["phases_ms"] = split
+        to_second = {c: round(per[n], 1) for c, per in (second or {}).items() if n in per}
+        if to_second:
+            row["second_token_ms"] = to_second
         uni = ttft.get("unified", {}).get(n)
         if uni is not None:
             row["unified_ms"] = round(uni, 1)
@@ -505,6 +521,9 @@ def print_summary(doc: dict[str, Any]) -> None:
         print(f"  prompt {row['prompt_tokens']:5d} tokens: TTFT " + ", ".join(parts))
         for config, split in row.get("phases_ms", {}).items():
             print(f"    {config}: " + ", ".join(f"{p} {ms:.1f} ms" for p, ms in split.items()))
+        if "second_token_ms" in row:
+            to_second = ", ".join(f"{c} {ms:.1f} ms" for c, ms in row["second_token_ms"].items())
+            print(f"    to the second token: {to_second}")
     print("ratios:")
     for row in doc["kv_vs_prefill"]:
         ratio = row.get("transfer_over_prefill")
@@ -566,6 +585,8 @@ class _Run:
     ttft: dict[str, dict[int, float]] = field(default_factory=dict)
     # configuration -> prompt length -> the gateway's split of TTFT (mean ms per phase)
     ttft_phases: dict[str, dict[int, dict[str, float]]] = field(default_factory=dict)
+    # configuration -> prompt length -> median time to the second token (ms)
+    second_token: dict[str, dict[int, float]] = field(default_factory=dict)
     start_s: dict[str, float] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     overhead: dict[str, Any] | None = None
@@ -573,7 +594,9 @@ class _Run:
     def document(self) -> dict[str, Any]:
         a = self.a
         ttfts = (
-            ttft_rows(self.ttft, a.ttft_lengths, self.transports, self.ttft_phases) if "b" in a.parts else []
+            ttft_rows(self.ttft, a.ttft_lengths, self.transports, self.ttft_phases, self.second_token)
+            if "b" in a.parts
+            else []
         )
         errors = dict(self.errors)
         for row in self.kv_rows:
@@ -664,7 +687,9 @@ async def main_async(a: argparse.Namespace, run: _Run) -> dict[str, Any]:
                     urls[name] = stack.metrics_url(PORT_OFFSETS["gateway"])
                 if "b" in a.parts:
                     print("(b) TTFT, one request at a time (the stacks alternated)", flush=True)
-                    run.ttft = await ttft_ms(gateways, a.ttft_lengths, a.reps, urls, run.ttft_phases)
+                    run.ttft = await ttft_ms(
+                        gateways, a.ttft_lengths, a.reps, urls, run.ttft_phases, run.second_token
+                    )
         else:
             for name in configs:
                 try:
@@ -678,6 +703,7 @@ async def main_async(a: argparse.Namespace, run: _Run) -> dict[str, Any]:
                                 a.reps,
                                 {name: stack.metrics_url(PORT_OFFSETS["gateway"])},
                                 run.ttft_phases,
+                                run.second_token,
                             )
                 except (RuntimeError, grpc.aio.AioRpcError) as exc:  # the others still run
                     run.errors[name] = str(exc)[-3000:]

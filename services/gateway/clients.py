@@ -90,10 +90,11 @@ class GrpcDecodeStream:
         self._call = call
         self._target = target
         self._abandoned: str | None = None  # why, once abandon() was called
+        self._gone_worker_id = target.worker_id  # whose absence abandon() reported
 
     async def next(self) -> DecodeEvent | None:
         if self._abandoned is not None:
-            raise WorkerGone(self._abandoned, self._target.worker_id)
+            raise WorkerGone(self._abandoned, self._gone_worker_id)
         try:
             frame = await self._call.read()
         except asyncio.CancelledError:
@@ -101,11 +102,11 @@ class GrpcDecodeStream:
             # abandon() did that (and not a cancellation of this task), it is the worker's failure.
             task = asyncio.current_task()
             if self._abandoned is not None and (task is None or not task.cancelling()):
-                raise WorkerGone(self._abandoned, self._target.worker_id) from None
+                raise WorkerGone(self._abandoned, self._gone_worker_id) from None
             raise
         except grpc.aio.AioRpcError as exc:
             if self._abandoned is not None:
-                raise WorkerGone(self._abandoned, self._target.worker_id) from None
+                raise WorkerGone(self._abandoned, self._gone_worker_id) from None
             raise map_rpc_error(
                 exc,
                 f"decode worker {self._target.worker_id} ({self._target.address})",
@@ -132,9 +133,10 @@ class GrpcDecodeStream:
     def cancel(self) -> None:
         self._call.cancel()
 
-    def abandon(self, reason: str) -> None:
+    def abandon(self, reason: str, worker_id: str | None = None) -> None:
         if self._abandoned is None:
             self._abandoned = reason
+            self._gone_worker_id = worker_id or self._target.worker_id
             self._call.cancel()
 
 

@@ -1,9 +1,11 @@
-"""Noticing a decode worker that left the cluster while it carries streams: the worker was
-removed from membership (lease expired, deregistered) but its connection may stay open (a
-SIGSTOPped or hung process), so its streams would wait for their deadlines. While streams are
-tracked, the watch polls the scheduler's membership; a worker carrying a stream that is no longer
-a member is probed with a health check, and if it does not answer, its streams are abandoned
-(they raise WorkerGone and migrate like on UNAVAILABLE).
+"""Noticing a worker that left the cluster while streams depend on it (a decode worker carrying
+them; a prefill worker whose KV handoff a stream waits for after it answered with the first
+token): the worker was removed from membership (lease expired, deregistered) but its connection
+may stay open (a SIGSTOPped or hung process), or there is none to break (the handoff's), so the
+streams would wait for their deadlines. While streams are tracked, the watch polls the
+scheduler's membership; a tracked worker that is no longer a member is probed with a health
+check, and if it does not answer, the streams depending on it are abandoned (they raise
+WorkerGone naming it and migrate like on UNAVAILABLE).
 
 Only membership decides: a stream that is merely slow (no frame for a long time) on a worker
 that is still a member is left alone. A worker that left membership but answers the probe
@@ -65,8 +67,9 @@ class MembershipWatch:
 
     @contextlib.contextmanager
     def tracking(self, target: WorkerTarget, stream: DecodeStream) -> Iterator[Watched | None]:
-        """Watch `target` for as long as `stream` is being read (polling runs while any is);
-        yields the entry (None when the watch is disabled)."""
+        """Watch `target` for as long as `stream` depends on it (polling runs while any is
+        watched); when it is found gone the stream is abandoned with its id. Yields the entry
+        (None when the watch is disabled)."""
         if not self.enabled:
             yield None
             return
@@ -114,7 +117,7 @@ class MembershipWatch:
                 continue
             gone.append(worker_id)
             reason = (
-                f"decode worker {worker_id} ({address}) left the cluster's membership (lease "
+                f"worker {worker_id} ({address}) left the cluster's membership (lease "
                 f"expired or deregistered) and did not answer a health check within "
                 f"{self._probe_timeout_s:g} s"
             )
@@ -125,7 +128,7 @@ class MembershipWatch:
             for t in streams:
                 t.reason = reason
                 t.gone.set()
-                t.stream.abandon(reason)
+                t.stream.abandon(reason, worker_id)
         return gone
 
     async def close(self) -> None:

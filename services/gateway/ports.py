@@ -147,9 +147,10 @@ class DecodeStream(Protocol):
 
     def cancel(self) -> None: ...
 
-    def abandon(self, reason: str) -> None:
-        """End the call at once because its worker is gone: the pending and every later next()
-        raise WorkerGone(reason) (never a cancellation of the caller)."""
+    def abandon(self, reason: str, worker_id: str | None = None) -> None:
+        """End the call at once because a worker it depends on is gone (`worker_id`; None: the
+        stream's own worker): the pending and every later next() raise WorkerGone(reason, that
+        id) (never a cancellation of the caller)."""
         ...
 
 

@@ -133,12 +133,25 @@ class WorkerRuns:
             )
             # The handoff may still be under way (reply_before_handoff): a decode worker that
             # ends the request before any token lost its KV (the prefill worker died or the
-            # transfer failed), a failure of the handoff, not a cancellation the client asked for.
+            # transfer failed), a failure of the handoff, not a cancellation the client asked
+            # for. A prefill worker that hangs (or dies before its push reached the decode
+            # worker) breaks nothing the decode worker would see: it is watched until then.
             handoff = prefill if kv.reply_before_handoff else None
-            relayed = _relay(state, stream, decode, deadline_s, prefilled_here=False, handoff_from=handoff)
-            async with contextlib.aclosing(relayed):
-                async for out in relayed:
-                    yield out
+            with contextlib.ExitStack() as handoff_watch:
+                if handoff is not None:
+                    handoff_watch.enter_context(self._watching(prefill, stream))
+                relayed = _relay(
+                    state,
+                    stream,
+                    decode,
+                    deadline_s,
+                    False,
+                    handoff_from=handoff,
+                    handoff_watch=handoff_watch,
+                )
+                async with contextlib.aclosing(relayed):
+                    async for out in relayed:
+                        yield out
 
     async def prefill_only(
         self,
@@ -216,12 +229,14 @@ async def _relay(
     deadline_s: float | None,
     prefilled_here: bool,
     handoff_from: WorkerTarget | None = None,
+    handoff_watch: contextlib.ExitStack | None = None,
 ) -> AsyncGenerator[OutputFrame, None]:
     """Relays decode frames. `prefilled_here`: the decode worker ran the prompt itself
     (aggregated / local prefill), so its prefix-cache hits are this request's local hits.
     `handoff_from`: the prefill worker whose KV handoff may not have ended yet (it answered at
     the first token); until the decode worker's first frame after admission, a FINAL with
-    finish reason ABORT is that handoff's failure (WorkerUnavailable: the request moves on)."""
+    finish reason ABORT is that handoff's failure (WorkerUnavailable: the request moves on),
+    and `handoff_watch` (the membership watch of that worker) is closed at that frame."""
     with ReadDeadline(deadline_s) as until:  # one timer for the stream, not one per frame
         while True:
             event: DecodeEvent | None = await until.read(stream.next())
@@ -243,6 +258,8 @@ async def _relay(
                         handoff_from.worker_id,
                     )
                 handoff_from = None  # the KV landed: the decode worker produced a frame
+                if handoff_watch is not None:
+                    handoff_watch.close()
             if event.kind is DecodeFrameKind.FINAL:
                 state.record_output(
                     FrameSource.DECODE_FINAL,

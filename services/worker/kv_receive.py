@@ -55,18 +55,18 @@ class KvReceiver:
         """Import one request's KV chunks (or, over NIXL, READ the blocks each chunk names, one
         READ at a time, in order); the last one starts decoding.
 
-        A transfer that breaks after the engine accepted KV and before the last chunk aborts the
-        request (its Decode stream ends with ABORT and its blocks are freed); it could never
-        complete otherwise. One that breaks after the last chunk leaves the request decoding. A failed
-        NIXL READ follows --kv-load-failure-policy: recompute here (the later parts are not
-        READ), or abort (retry-prefill)."""
+        A transfer that breaks before the last chunk (refused chunks included) aborts the request
+        waiting under its ticket (its Decode stream ends with ABORT and its blocks are freed); it
+        could never complete otherwise. One that breaks after the last chunk leaves the request
+        decoding. A failed NIXL READ follows --kv-load-failure-policy: recompute here (the later
+        parts are not READ), or abort (retry-prefill)."""
         ours = self.engine.kv_layout
         request_id: str | None = None
         ticket = ""
         bytes_received = blocks_received = 0
         read_ns: int | None = None
         recomputing = False
-        started = done = False
+        done = False
         nixl_stream: bool | None = None  # whether the stream's chunks carry NIXL descriptors
         try:
             async for c in chunks:
@@ -99,7 +99,6 @@ class KvReceiver:
                     # token; nothing more once a READ failed and this worker recomputes
                     wanted = not c.last or c.first_token_id is not None
                     if wanted and c.nixl_source.block_ids and not recomputing:
-                        started = True
                         part_ns, nbytes = await self._read_nixl(ticket, c)
                         recomputing = part_ns is None
                         if part_ns is not None:
@@ -108,13 +107,11 @@ class KvReceiver:
                             blocks_received += len(c.nixl_source.block_ids)
                 elif c.chunk.num_blocks:
                     self.engine.import_kv(ticket, c.chunk)
-                    started = True
                 bytes_received += len(c.chunk.data)
                 blocks_received += c.chunk.num_blocks if c.nixl_source is None else 0
                 if c.last:
                     # An old (v1.0) prefill worker sends no count: it always generated 1 token.
                     prefill_generated = 1 if c.generated_tokens is None else c.generated_tokens
-                    started = True
                     self.engine.finish_import(
                         ticket,
                         c.num_tokens,
@@ -131,9 +128,12 @@ class KvReceiver:
         except BaseException:
             # a stream that breaks after its last chunk (the sender died waiting for our reply)
             # leaves a request the engine already has whole: it decodes on (or recomputes, by
-            # the policy, after a failed READ); only a handoff cut short is aborted
-            if started and not done and request_id is not None:
-                self.engine.abort(request_id)
+            # the policy, after a failed READ); a handoff cut short aborts the request waiting
+            # under its ticket, whatever it had received: the prefill worker may have answered
+            # the gateway already (KvTarget.reply_before_handoff), so this worker is the one to
+            # end the request (its Decode stream ends with ABORT; the gateway moves it on)
+            if not done and ticket:
+                self.engine.abort_ticket(ticket)
             raise
         metrics.KV_TRANSFER_BYTES.labels(direction="received").inc(bytes_received)
         log.debug("kv_received", request_id=request_id, bytes=bytes_received, blocks=blocks_received)

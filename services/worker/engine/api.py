@@ -312,6 +312,10 @@ class Engine(Protocol):
         """Abort a request in any state and free its blocks; its handle ends with ABORT.
         Returns False when unknown."""
 
+    def abort_ticket(self, transfer_ticket: str) -> bool:
+        """Abort the DECODE_REMOTE request still waiting for its KV under this ticket (its
+        handoff broke); False when no request waits under it."""
+
     def rank_loads(self) -> list[RankLoad]: ...
 
     def num_free_blocks(self, dp_rank: int) -> int: ...

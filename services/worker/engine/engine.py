@@ -315,6 +315,13 @@ class PagedEngine:
     def abort(self, request_id: str) -> bool:
         return any(rank.abort(request_id) for rank in self._ranks)
 
+    def abort_ticket(self, transfer_ticket: str) -> bool:
+        try:
+            rank = self._rank_of_ticket(transfer_ticket)
+        except NotFound:
+            return False
+        return rank.abort_ticket(transfer_ticket)
+
     # ---- loads ---------------------------------------------------------------------------
     def rank_loads(self) -> list[RankLoad]:
         return [rank.load() for rank in self._ranks]

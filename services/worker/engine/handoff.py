@@ -58,9 +58,16 @@ class Handoff:
         if req.transfer_ticket is not None:
             self.tickets.pop(req.transfer_ticket, None)
 
-    def _ticket(self, ticket: str) -> Request:
+    def waiting(self, ticket: str) -> Request | None:
+        """The request waiting for its KV under this ticket (None: none; under the rank's lock)."""
         req = self.tickets.get(ticket)
         if req is None or req.status is not RequestStatus.WAITING_FOR_KV:
+            return None
+        return req
+
+    def _ticket(self, ticket: str) -> Request:
+        req = self.waiting(ticket)
+        if req is None:
             raise NotFound(f"unknown transfer ticket {ticket!r}")
         return req
 

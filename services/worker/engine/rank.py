@@ -319,6 +319,14 @@ class Rank:
             self._abort_locked(req)
             return True
 
+    def abort_ticket(self, ticket: str) -> bool:
+        with self.lock:
+            req = self.handoff.waiting(ticket)
+            if req is None:
+                return False
+            self._abort_locked(req)
+            return True
+
     def _release_locked(self, req: Request) -> None:
         self.scheduler.remove(req)  # frees the blocks; they stay in the prefix cache
         self.speculation.drop(req)

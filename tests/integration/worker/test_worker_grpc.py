@@ -128,6 +128,7 @@ async def disaggregated(
     max_tokens: int,
     kv_transport: worker_pb2.KvTransport | None = None,
     nixl_parts: bool | None = None,
+    reply_before_handoff: bool | None = None,
 ) -> tuple[worker_pb2.PrefillResponse, list[worker_pb2.DecodeFrame]]:
     """The gateway's sequence: Decode (admit) -> Prefill with kv_target (the decode worker's
     trim passed on, when it sent one) -> the rest of Decode."""
@@ -156,11 +157,100 @@ async def disaggregated(
                 trim_blocks=admitted.trim_blocks if admitted.HasField("trim_blocks") else None,
                 kv_transport=kv_transport,
                 nixl_parts=nixl_parts,
+                reply_before_handoff=reply_before_handoff,
             ),
         )
     )
     frames = [admitted, *await collect(stream)]
     return reply, frames
+
+
+def _hold_kv_receipts(w: RunningWorker) -> asyncio.Event:
+    """The decode worker's PushKv handler waits for the returned event before it takes the KV
+    (a slow link); returns the event."""
+    core = w.app.core
+    assert core is not None
+    receiver = core._receiver  # type: ignore[attr-defined]
+    real = receiver.receive
+    go = asyncio.Event()
+
+    async def receive(chunks: Any) -> Any:
+        await go.wait()
+        return await real(chunks)
+
+    receiver.receive = receive
+    return go
+
+
+@pytest.mark.parametrize("transport", ["grpc", "nixl"])
+async def test_the_first_token_goes_out_before_the_handoff_ends(
+    decode: RunningWorker, tiny_model: Path, transport: str
+) -> None:
+    """KvTarget.reply_before_handoff: the Prefill reply (the first token) comes while the decode
+    worker has not taken the KV yet; the prefill worker holds its blocks until the handoff
+    ended; the tokens equal those of a handoff the reply waits for. Then the gateway's Abort of a
+    request whose handoff is in flight after its reply frees both workers' blocks, the decode
+    side's request ending ABORT before any token."""
+    if transport == "nixl":
+        pytest.importorskip("nixl_cu13._api", reason="nixl-cu13 is not installed")
+    nixl = (worker_pb2.KV_TRANSPORT_NIXL, True) if transport == "nixl" else (None, None)
+    async with running_worker(
+        worker_settings(tiny_model, "prefill", max_batch_tokens=2 * BLOCK_SIZE)
+    ) as prefill:
+        ids = prompt_ids(tiny_model)
+        waited_reply, waited = await disaggregated(prefill, decode, "w1", ids, 8, *nixl)
+        go = _hold_kv_receipts(decode)
+
+        async def early(request_id: str) -> tuple[Any, worker_pb2.PrefillResponse]:
+            """Admit on the decode worker, then Prefill answering before its handoff ends
+            (which cannot end: the decode worker holds the KV until `go`)."""
+            stream = decode.stub.Decode(
+                worker_pb2.DecodeRequest(
+                    request_id=request_id, prompt_token_ids=ids, sampling=sampling(8), return_token_ids=True
+                )
+            )
+            admitted = await stream.read()
+            reply = await prefill.stub.Prefill(
+                worker_pb2.PrefillRequest(
+                    request_id=request_id,
+                    prompt_token_ids=ids,
+                    sampling=sampling(8),
+                    return_token_ids=True,
+                    kv_target=worker_pb2.KvTarget(
+                        address=decode.address,
+                        transfer_ticket=admitted.transfer_ticket,
+                        skip_blocks=admitted.cached_blocks,
+                        kv_transport=nixl[0],
+                        nixl_parts=nixl[1],
+                        reply_before_handoff=True,
+                    ),
+                ),
+                timeout=30,
+            )
+            return stream, reply
+
+        stream, reply = await early("e1")
+        assert list(reply.token_ids) == list(waited_reply.token_ids)
+        assert reply.kv_bytes_sent == 0 and not reply.HasField("kv_transport")
+        assert not all_blocks_free(prefill), "the blocks are held while the handoff is in flight"
+        go.set()
+        frames = await collect(stream)
+        assert token_ids_of(frames) == token_ids_of(waited[1:]) and frames[-1].kind == FINAL
+        await wait_blocks_free(prefill)
+        await wait_blocks_free(decode)
+
+        # the gateway's Abort of both workers while the handoff is in flight after the reply
+        go.clear()
+        stream, reply = await early("a1")
+        assert len(reply.token_ids) == 1 and not all_blocks_free(prefill)
+        for w in (prefill, decode):
+            assert (await w.stub.Abort(worker_pb2.AbortRequest(request_id="a1"))).found
+        await wait_blocks_free(prefill)
+        go.set()
+        rest = await collect(stream)
+        assert [f.kind for f in rest] == [FINAL]
+        assert rest[0].finish_reason == common_pb2.FINISH_REASON_ABORT
+        await wait_blocks_free(decode)
 
 
 async def test_disaggregated_matches_unified_and_hf_generate(
@@ -471,15 +561,25 @@ async def test_push_kv_layout_mismatch_and_unknown_ticket(decode: RunningWorker,
         )
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "layout" in (err.value.details() or "")
+    # The refused handoff ended the request waiting under its ticket (the prefill worker may
+    # have answered the gateway already: nobody else would end it); its blocks are free.
+    frames = await collect(stream)
+    assert [f.kind for f in frames] == [FINAL] and frames[-1].finish_reason == common_pb2.FINISH_REASON_ABORT
+    await wait_blocks_free(decode)
 
+    # A push under a ticket nobody waits on ends nothing else.
+    stream = decode.stub.Decode(
+        worker_pb2.DecodeRequest(
+            request_id="k2", prompt_token_ids=prompt_ids(tiny_model), sampling=sampling(4)
+        )
+    )
+    await stream.read()
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await decode.stub.PushKv(
             one(kv_chunk("no-such-ticket", info.kv_layout, num_blocks=1, data=b"\0" * 4, last=False))
         )
     assert err.value.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT)
-
-    # The admitted request is untouched by the bad pushes; the gateway's Abort frees it.
-    assert (await decode.stub.Abort(worker_pb2.AbortRequest(request_id="k1"))).found
+    assert (await decode.stub.Abort(worker_pb2.AbortRequest(request_id="k2"))).found
     frames = await collect(stream)
     assert frames[-1].finish_reason == common_pb2.FINISH_REASON_ABORT
     await wait_blocks_free(decode)

@@ -168,9 +168,12 @@ def test_cuda_stacks_run_one_after_another(monkeypatch: pytest.MonkeyPatch, tmp_
         reps: int,
         metrics: dict[str, str] | None = None,
         phases: dict[str, dict[int, dict[str, float]]] | None = None,
+        second: dict[str, dict[int, float]] | None = None,
     ) -> dict[str, dict[int, float]]:
         (name,) = gateways
         assert metrics is not None and set(metrics) == {name}  # its gateway's /metrics
+        assert second is not None
+        second[name] = {2048: 130.0}
         events.append(f"ttft {name}")
         return {name: {2048: 100.0 if name == "unified" else 105.0}}
 
@@ -199,6 +202,7 @@ def test_cuda_stacks_run_one_after_another(monkeypatch: pytest.MonkeyPatch, tmp_
             "unified_ms": 100.0,
             "disaggregated_nixl_ms": 105.0,
             "nixl_over_unified": 1.05,
+            "second_token_ms": {"disaggregated_nixl": 130.0, "unified": 130.0},
         }
     ]
     assert [(g["target"], g["met"]) for g in doc["targets"]] == [

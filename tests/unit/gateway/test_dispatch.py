@@ -91,8 +91,9 @@ class FakeStream:
     def cancel(self) -> None:
         self.cancelled = True
 
-    def abandon(self, reason: str) -> None:
+    def abandon(self, reason: str, worker_id: str | None = None) -> None:
         self.abandoned = reason
+        self.worker_id = worker_id or self.worker_id
         self._woken.set()
 
 

@@ -6,11 +6,19 @@ is still a member keeps its streams."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass, field
 
 from services.gateway.dispatch import Dispatcher, PreparedRequest
 from services.gateway.membership import MembershipWatch
-from services.gateway.ports import KvDestination, PrefillResult, WorkerGone, WorkerJob, WorkerTarget
+from services.gateway.ports import (
+    DecodeEvent,
+    KvDestination,
+    PrefillResult,
+    WorkerGone,
+    WorkerJob,
+    WorkerTarget,
+)
 from services.gateway.request import OutputFrame, OutputFrameKind, RequestState, RequestStatus
 from shared.cluster import FinishReason
 from tests.unit.gateway.test_dispatch import (
@@ -255,3 +263,44 @@ async def test_a_decode_worker_gone_during_the_prefill_is_retried_before_the_han
     assert workers.stuck_cancelled
     assert PREFILL.address in workers.aborts and DECODE.address in workers.aborts
     assert frames[-1].usage is not None and frames[-1].usage.completion_tokens == 4  # 1 + 3
+
+
+async def test_a_prefill_worker_gone_before_its_handoff_ended_moves_the_request_on() -> None:
+    """p1 answered with the first token (reply_before_handoff) and stopped before its KV reached
+    d1 (nothing breaks: d1 keeps waiting for a push that never comes); p1's lease expires. The
+    request moves on with the first token, p1 excluded; once a decode worker produced a frame,
+    its prefill worker is no longer watched."""
+    p2 = WorkerTarget("p2", "prefill:2", 0)
+    tracked: list[int] = []  # streams the watch tracks as d2's stream is read, per read
+
+    class Counting(FakeStream):
+        async def next(self) -> DecodeEvent | None:
+            tracked.append(watch.num_tracked)
+            return await super().next()
+
+    workers = FakeWorkers(
+        streams={
+            DECODE.address: [FakeStream([ADMITTED], hang=True)],
+            DECODE2.address: [Counting([ADMITTED, tokens("b", 2), final("c", 2, FinishReason.LENGTH)])],
+        },
+        prefills={
+            PREFILL.address: [PrefillResult("a", (1,), 1, None)],
+            p2.address: [PrefillResult("x", (9,), 1, None)],
+        },
+    )
+    second = dataclasses.replace(disagg(DECODE2), prefill=p2)
+    sched = FakeScheduler([disagg(DECODE), second])
+    source = FakeMembership(members_now=frozenset({"d1", "d2", "p2"}))  # p1's lease has expired
+    watch = MembershipWatch(source, poll_s=0.02, probe_timeout_s=0.01)
+    req = prepared(max_tokens=4, prompt_len=20)
+    state = RequestState(req.request_id, req.prompt_token_ids, True, "m")
+    frames = await _frames(Dispatcher(sched, workers, 4, membership=watch), req, state)
+    assert "".join(f.text for f in frames) == "axbc"
+    assert sched.queries[1].exclude_worker_ids == ("p1",)
+    assert workers.jobs[-1].prompt_token_ids == (*range(20), 1)
+    assert state.migrations == 1 and frames[-1].usage is not None and frames[-1].usage.completion_tokens == 4
+    assert set(source.probed) == {PREFILL.address}
+    # d2 and p2 until d2's first frame after admission (the KV landed), then d2 alone
+    assert tracked == [1, 2, 1]
+    assert watch.num_tracked == 0
+    await watch.close()

@@ -112,6 +112,10 @@ class FakeEngine:
         self.calls.append(("abort", request_id))
         return True
 
+    def abort_ticket(self, ticket: str) -> bool:
+        self.calls.append(("abort_ticket", ticket))
+        return True
+
 
 class RecordingPusher:
     def __init__(self) -> None:
@@ -197,20 +201,24 @@ async def test_broken_transfer_aborts_the_request() -> None:
     core, engine = make_core()
     with pytest.raises(errors.InvalidArgument, match="without a KvChunk marked last"):
         await core.receive_kv(stream(chunk(0)))
-    assert ("abort", "r") in engine.calls
+    assert ("abort_ticket", "t") in engine.calls
     core, engine = make_core()
     engine.fail_import_at = 1
     with pytest.raises(errors.InvalidArgument):
         await core.receive_kv(stream(chunk(0), chunk(1, last=True)))
-    assert ("abort", "r") in engine.calls
+    assert ("abort_ticket", "t") in engine.calls
 
 
-async def test_layout_mismatch_leaves_the_request_alone() -> None:
+async def test_layout_mismatch_imports_nothing_and_ends_the_waiting_request() -> None:
+    """A refused handoff ends the request waiting under its ticket: the prefill worker may have
+    answered the gateway already (reply_before_handoff), so nobody else would."""
     core, engine = make_core()
     other = KvLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=8, dtype="float32")
     with pytest.raises(errors.FailedPrecondition, match="layout"):
         await core.receive_kv(stream(chunk(0, layout=other, last=True)))
-    assert not [c for c in engine.calls if c[0] in ("abort", "import", "finish")]
+    assert [c for c in engine.calls if c[0] in ("abort", "abort_ticket", "import", "finish")] == [
+        ("abort_ticket", "t")
+    ]
 
 
 async def test_mixed_tickets_and_chunks_after_last_are_rejected() -> None:
@@ -391,7 +399,7 @@ async def test_nixl_parts_are_read_in_order_and_a_failed_one_recomputes(fail_at:
     receiver = KvReceiver(engine, FakeNixl(), KvLoadFailurePolicy.RECOMPUTE)  # type: ignore[arg-type]
     with pytest.raises(errors.InvalidArgument, match="nixl_source all or none"):
         await receiver.receive(stream(nixl_part(0, 1), chunk(1, last=True)))
-    assert ("abort", "r") in engine.calls
+    assert ("abort_ticket", "t") in engine.calls
 
 
 @pytest.mark.parametrize("fail_at", [(), (0,)], ids=["read", "failed-read"])
@@ -412,9 +420,9 @@ async def test_a_stream_that_breaks_after_its_last_chunk_leaves_the_request_deco
     receiver = KvReceiver(engine, FakeNixl(fail_at), KvLoadFailurePolicy.RECOMPUTE)  # type: ignore[arg-type]
     with pytest.raises(ConnectionResetError):
         await receiver.receive(broken_after(nixl_part(0, 2), nixl_part(2, 1, last=True)))
-    assert engine.calls[-1][:2] == ("finish", "t") and ("abort", "r") not in engine.calls
+    assert engine.calls[-1][:2] == ("finish", "t") and ("abort_ticket", "t") not in engine.calls
     engine = FakeEngine()
     receiver = KvReceiver(engine, FakeNixl(), KvLoadFailurePolicy.RECOMPUTE)  # type: ignore[arg-type]
     with pytest.raises(ConnectionResetError):
         await receiver.receive(broken_after(nixl_part(0, 2)))  # cut before the last chunk
-    assert ("abort", "r") in engine.calls and not any(c[0] == "finish" for c in engine.calls)
+    assert ("abort_ticket", "t") in engine.calls and not any(c[0] == "finish" for c in engine.calls)
