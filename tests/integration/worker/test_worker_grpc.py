@@ -170,7 +170,7 @@ def _hold_kv_receipts(w: RunningWorker) -> asyncio.Event:
     (a slow link); returns the event."""
     core = w.app.core
     assert core is not None
-    receiver = core._receiver  # type: ignore[attr-defined]
+    receiver = core._receiver
     real = receiver.receive
     go = asyncio.Event()
 
@@ -178,7 +178,7 @@ def _hold_kv_receipts(w: RunningWorker) -> asyncio.Event:
         await go.wait()
         return await real(chunks)
 
-    receiver.receive = receive
+    receiver.receive = receive  # type: ignore[method-assign]
     return go
 
 
