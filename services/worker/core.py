@@ -417,6 +417,14 @@ class WorkerCore:
             return False
         return True
 
+    async def cancel_handoffs(self) -> None:
+        """Cancel the handoffs still going on after their reply (a stop past the drain's grace)
+        and wait for them to release their blocks."""
+        tasks = list(self._handoffs.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     def abort_all(self) -> list[str]:
         """Abort every in-flight request except KV pushes already under way (they end soon)."""
         aborted = [rid for rid, phase in self._active.items() if phase is not Phase.PUSHING]

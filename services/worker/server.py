@@ -282,6 +282,8 @@ class WorkerApp:
         if self.registration is not None:
             await self.registration.deregister()
         await self.server.stop(_SERVER_STOP_GRACE_S)
+        if self.core is not None:
+            await self.core.cancel_handoffs()  # before their channels close
         await self.channels.close()
         if self.engine is not None:
             self.engine.shutdown()

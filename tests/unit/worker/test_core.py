@@ -304,6 +304,15 @@ async def test_abort_during_a_handoff_after_the_reply_cancels_it_and_frees_the_b
     assert ("abort", "r") in engine.calls and engine.calls[-1] == ("release", "r")
 
 
+async def test_a_stop_cancels_the_handoffs_still_going_on_and_frees_their_blocks() -> None:
+    pusher = GatedPusher()
+    core, engine = make_core(Role.PREFILL, pusher)
+    await core.prefill(early_call())
+    await asyncio.wait_for(pusher.started.wait(), 5)
+    await core.cancel_handoffs()
+    assert pusher.cancelled and engine.calls[-1] == ("release", "r") and core.num_active == 0
+
+
 async def test_a_first_token_that_ends_the_request_is_handed_off_before_the_reply() -> None:
     """Nothing to overlap when the request ended at its first token (no KV moves): the empty
     handoff ends before the reply, as without reply_before_handoff."""
