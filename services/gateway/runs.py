@@ -145,7 +145,7 @@ class WorkerRuns:
                     stream,
                     decode,
                     deadline_s,
-                    False,
+                    prefilled_here=False,
                     handoff_from=handoff,
                     handoff_watch=handoff_watch,
                 )
@@ -250,7 +250,7 @@ async def _relay(
                 state.record_cache(local_tokens=event.local_cached_tokens, transferred_tokens=0)
             if event.kind is DecodeFrameKind.ADMITTED:
                 continue  # aggregated: admission carries only cache figures
-            if handoff_from is not None and event.kind is not DecodeFrameKind.ADMITTED:
+            if handoff_from is not None:
                 if event.kind is DecodeFrameKind.FINAL and event.finish_reason is FinishReason.ABORT:
                     raise WorkerUnavailable(
                         f"the KV handoff from prefill worker {handoff_from.worker_id} to decode "
