@@ -68,6 +68,9 @@ NIXL_CAPABILITY = "kv_transport_nixl"
 # A worker that takes (decode side) and sends (prefill side) a NIXL handoff in several PushKv
 # messages, one per prefill chunk (worker.proto KvTarget.nixl_parts, 1.10).
 NIXL_PARTS_CAPABILITY = "kv_nixl_parts"
+# A decode worker that admits a request under the transfer ticket the gateway chose
+# (worker.proto DecodeRequest.transfer_ticket, 1.11): the prefill then starts with the admission.
+GATEWAY_TICKET_CAPABILITY = "kv_gateway_ticket"
 
 
 def negotiate_kv_transport(

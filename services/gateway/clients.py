@@ -178,10 +178,15 @@ class GrpcWorkers:
         return worker_pb2_grpc.WorkerStub(self._channels.get(address))
 
     def decode(
-        self, target: WorkerTarget, job: WorkerJob, local_prefill: bool, timeout_s: float | None
+        self,
+        target: WorkerTarget,
+        job: WorkerJob,
+        local_prefill: bool,
+        timeout_s: float | None,
+        transfer_ticket: str | None = None,
     ) -> GrpcDecodeStream:
         call = self._stub(target.address).Decode(
-            convert.decode_request(job, target.dp_rank, local_prefill), timeout=timeout_s
+            convert.decode_request(job, target.dp_rank, local_prefill, transfer_ticket), timeout=timeout_s
         )
         return GrpcDecodeStream(call, target)
 

@@ -210,7 +210,9 @@ def sampling_to_pb(s: Sampling) -> common_pb2.SamplingParams:
     return msg
 
 
-def decode_request(job: WorkerJob, dp_rank: int, local_prefill: bool) -> worker_pb2.DecodeRequest:
+def decode_request(
+    job: WorkerJob, dp_rank: int, local_prefill: bool, transfer_ticket: str | None = None
+) -> worker_pb2.DecodeRequest:
     return worker_pb2.DecodeRequest(
         request_id=job.request_id,
         prompt_token_ids=job.prompt_token_ids,
@@ -218,6 +220,7 @@ def decode_request(job: WorkerJob, dp_rank: int, local_prefill: bool) -> worker_
         dp_rank=dp_rank,
         local_prefill=local_prefill,
         return_token_ids=job.return_token_ids,
+        transfer_ticket=transfer_ticket,  # None leaves it unset
     )
 
 

@@ -156,8 +156,16 @@ class DecodeStream(Protocol):
 
 class WorkerClient(Protocol):
     def decode(
-        self, target: WorkerTarget, job: WorkerJob, local_prefill: bool, timeout_s: float | None
-    ) -> DecodeStream: ...
+        self,
+        target: WorkerTarget,
+        job: WorkerJob,
+        local_prefill: bool,
+        timeout_s: float | None,
+        transfer_ticket: str | None = None,
+    ) -> DecodeStream:
+        """`transfer_ticket`: the ticket the decode worker admits the request under (a worker
+        with the kv_gateway_ticket capability); None: it issues one in ADMITTED."""
+        ...
 
     async def prefill(
         self, target: WorkerTarget, job: WorkerJob, kv: KvDestination | None, timeout_s: float | None

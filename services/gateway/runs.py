@@ -10,9 +10,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from services.gateway.aborts import Aborter
 from services.gateway.accounting import FrameSource
@@ -24,6 +25,7 @@ from services.gateway.ports import (
     DecodeStream,
     KvDestination,
     Placement,
+    PrefillResult,
     WorkerClient,
     WorkerGone,
     WorkerJob,
@@ -31,7 +33,14 @@ from services.gateway.ports import (
     WorkerUnavailable,
 )
 from services.gateway.request import OutputFrame, OutputFrameKind, RequestState, RequestStatus
-from shared.cluster import DecodeFrameKind, FinishReason, negotiate_kv_transport, negotiate_nixl_parts
+from shared.cluster import (
+    GATEWAY_TICKET_CAPABILITY,
+    DecodeFrameKind,
+    FinishReason,
+    KvTransport,
+    negotiate_kv_transport,
+    negotiate_nixl_parts,
+)
 
 T = TypeVar("T")
 
@@ -74,41 +83,73 @@ class WorkerRuns:
         job: WorkerJob,
         deadline_s: float | None,
     ) -> AsyncGenerator[OutputFrame, None]:
-        # 1. The decode worker admits the request first: it reserves KV and issues a ticket.
+        # 1. The decode worker admits the request: it reserves KV and registers a ticket. Over
+        # NIXL, to a decode worker that takes the gateway's ticket, the prefill (step 2) starts at
+        # once with it: the decode worker READs only the blocks it lacks, so the prefill worker
+        # needs none of the admission's figures, and the admission leaves the TTFT.
+        transport = negotiate_kv_transport(prefill.capabilities, decode.capabilities)
+        nixl_parts = negotiate_nixl_parts(prefill.capabilities, decode.capabilities)
+        ticket = None
+        if transport is KvTransport.NIXL and GATEWAY_TICKET_CAPABILITY in decode.capabilities:
+            ticket = f"{decode.dp_rank}-{uuid.uuid4().hex}"
         attempt.start(decode.address)
         stream = attempt.stream = self._workers.decode(
-            decode, job, local_prefill=False, timeout_s=remaining_s(deadline_s)
+            decode, job, local_prefill=False, timeout_s=remaining_s(deadline_s), transfer_ticket=ticket
         )
-        with self._watching(decode, stream) as watched:  # from admission on: a gone worker ends it
-            admitted = await within(stream.next(), deadline_s)
-            if admitted is None or admitted.kind is not DecodeFrameKind.ADMITTED:
-                got = "the end of the stream" if admitted is None else f"a {admitted.kind.value} frame"
-                raise WorkerUnavailable(
-                    f"decode worker {decode.worker_id} did not admit the request (got {got})",
-                    decode.worker_id,
-                )
-            # The decode worker's own cache hits and the KV it receives are not cache hits for this
-            # request: the prefill worker computes every prompt token it does not find in ITS cache.
-            state.advance(RequestStatus.ADMITTED)
-            # 2. The prefill worker runs the prompt and pushes KV straight to that decode rank.
-            kv = KvDestination(
-                decode.address,
-                decode.dp_rank,
-                admitted.transfer_ticket,
-                admitted.cached_blocks,
-                negotiate_kv_transport(prefill.capabilities, decode.capabilities),
-                admitted.trim_blocks,
-                negotiate_nixl_parts(prefill.capabilities, decode.capabilities),
-                self._first_token_before_handoff,
-            )
-            state.advance(RequestStatus.PREFILLING)
+        prefilling: asyncio.Task[PrefillResult] | None = None
+
+        def start_prefill(kv: KvDestination) -> asyncio.Task[PrefillResult]:
             attempt.start(prefill.address)
-            reply = await within(
-                _unless_gone(
-                    lambda: self._workers.prefill(prefill, job, kv, remaining_s(deadline_s)), watched
-                ),
-                deadline_s,
-            )
+            return asyncio.ensure_future(self._workers.prefill(prefill, job, kv, remaining_s(deadline_s)))
+
+        with self._watching(decode, stream) as watched:  # from admission on: a gone worker ends it
+            try:
+                if ticket is not None:
+                    prefilling = start_prefill(
+                        KvDestination(
+                            decode.address,
+                            decode.dp_rank,
+                            ticket,
+                            0,
+                            transport,
+                            None,
+                            nixl_parts,
+                            self._first_token_before_handoff,
+                        )
+                    )
+                admitted = await within(stream.next(), deadline_s)
+                if admitted is None or admitted.kind is not DecodeFrameKind.ADMITTED:
+                    got = "the end of the stream" if admitted is None else f"a {admitted.kind.value} frame"
+                    raise WorkerUnavailable(
+                        f"decode worker {decode.worker_id} did not admit the request (got {got})",
+                        decode.worker_id,
+                    )
+                # The decode worker's own cache hits and the KV it receives are not cache hits for
+                # this request: the prefill worker computes every prompt token it does not find in
+                # ITS cache.
+                state.advance(RequestStatus.ADMITTED)
+                # 2. The prefill worker runs the prompt and pushes KV straight to that decode rank.
+                if prefilling is None:
+                    prefilling = start_prefill(
+                        KvDestination(
+                            decode.address,
+                            decode.dp_rank,
+                            admitted.transfer_ticket,
+                            admitted.cached_blocks,
+                            transport,
+                            admitted.trim_blocks,
+                            nixl_parts,
+                            self._first_token_before_handoff,
+                        )
+                    )
+                state.advance(RequestStatus.PREFILLING)
+                running = prefilling
+                reply = await within(_unless_gone(lambda: running, watched), deadline_s)
+            finally:
+                if prefilling is not None and not prefilling.done():
+                    prefilling.cancel()  # the admission failed, or this run was cancelled
+                if prefilling is not None:
+                    prefilling.add_done_callback(_retrieved)  # its error, if never awaited, is known
             state.record_cache(local_tokens=0, transferred_tokens=reply.local_cached_tokens)
             state.record_output(
                 FrameSource.PREFILL_REPLY,
@@ -136,7 +177,7 @@ class WorkerRuns:
             # transfer failed), a failure of the handoff, not a cancellation the client asked
             # for. A prefill worker that hangs (or dies before its push reached the decode
             # worker) breaks nothing the decode worker would see: it is watched until then.
-            handoff = prefill if kv.reply_before_handoff else None
+            handoff = prefill if self._first_token_before_handoff else None
             with contextlib.ExitStack() as handoff_watch:
                 if handoff is not None:
                     handoff_watch.enter_context(self._watching(prefill, stream))
@@ -201,6 +242,13 @@ class WorkerRuns:
         if self._membership is None:
             return contextlib.nullcontext()
         return self._membership.tracking(target, stream)
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    """A task whose outcome nobody may await (a prefill started with an admission that failed):
+    its exception is marked retrieved (the attempt's own failure is what is reported)."""
+    if not task.cancelled():
+        task.exception()
 
 
 async def _unless_gone(call: Callable[[], Awaitable[T]], watched: Watched | None) -> T:

@@ -152,6 +152,7 @@ def decode_call_from_pb(pb: worker_pb2.DecodeRequest) -> DecodeCall:
         request=_engine_request(pb.request_id, pb.prompt_token_ids, pb.sampling, pb.dp_rank, kind),
         local_prefill=pb.local_prefill,
         return_token_ids=pb.return_token_ids,
+        transfer_ticket=pb.transfer_ticket if pb.HasField("transfer_ticket") else None,
     )
 
 

@@ -327,7 +327,7 @@ class WorkerCore:
                     handle = self.engine.add_request(request)
                     ticket, cached_blocks, local_cached, trim_blocks = "", 0, 0, 0
                 else:
-                    admission, handle = self.engine.admit_remote(request)
+                    admission, handle = self.engine.admit_remote(request, call.transfer_ticket)
                     ticket, cached_blocks = admission.transfer_ticket, admission.num_cached_blocks
                     local_cached = admission.num_local_cached_tokens
                     trim_blocks = admission.num_trim_blocks

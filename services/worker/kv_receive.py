@@ -29,6 +29,11 @@ def _layout_str(layout: object) -> str:
     return ", ".join(f"{k}={v}" for k, v in d.items())
 
 
+# How long a push waits for the admission its ticket names (s), and how often it looks (s).
+ADMISSION_WAIT_S = 2.0
+_ADMISSION_POLL_S = 0.001
+
+
 class KvLoadFailurePolicy(enum.Enum):
     """What a decode worker does when a NIXL READ of a request's KV fails or times out."""
 
@@ -86,6 +91,8 @@ class KvReceiver:
                         f"worker has ({_layout_str(ours)}); pair workers with the same model, "
                         "dtype and block size"
                     )
+                if nixl_stream is None:  # the first chunk
+                    await self._admitted(ticket)
                 if nixl_stream is None:
                     nixl_stream = c.nixl_source is not None
                 elif nixl_stream != (c.nixl_source is not None):
@@ -143,6 +150,14 @@ class KvReceiver:
             read_ns=read_ns,
             recomputing=recomputing,
         )
+
+    async def _admitted(self, ticket: str) -> None:
+        """Wait (at most ADMISSION_WAIT_S) for the request this ticket names to be admitted: the
+        gateway that chose the ticket (DecodeRequest.transfer_ticket) starts the prefill with
+        the admission, so a push may arrive first. An unknown ticket fails after the wait."""
+        deadline = time.monotonic() + ADMISSION_WAIT_S
+        while not self.engine.waits_for_kv(ticket) and time.monotonic() < deadline:
+            await asyncio.sleep(_ADMISSION_POLL_S)
 
     async def _read_nixl(self, ticket: str, c: IncomingKvChunk) -> tuple[int | None, int]:
         """READ the blocks c.nixl_source names into the request's reserved blocks, in a worker

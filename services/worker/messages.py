@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from services.worker.engine.api import EngineRequest, KvBlocksChunk, TokenLogprobs
-from shared.cluster import DecodeFrameKind, FinishReason, KvLayout, KvTransport
+from shared.cluster import GATEWAY_TICKET_CAPABILITY, DecodeFrameKind, FinishReason, KvLayout, KvTransport
 
 # Capabilities this worker advertises at registration and in Info (worker.proto WorkerInfo).
 CAPABILITIES = (
@@ -20,6 +20,7 @@ CAPABILITIES = (
     "logprobs",
     "structured_outputs",
     "prompt_logprobs",
+    GATEWAY_TICKET_CAPABILITY,
 )
 # Contract version implemented: 1.0 = compat/v1.0; 1.1 added the optional generated_tokens fields;
 # 1.2 added KvChunk.draft_token_ids and RankLoad's speculative-decoding counts.
@@ -36,7 +37,9 @@ CAPABILITIES = (
 # 1.10 added KvTarget.nixl_parts: a NIXL handoff in one PushKv message per prefill chunk, READ as
 # they arrive (capability shared.cluster.NIXL_PARTS_CAPABILITY, "kv_nixl_parts").
 # 1.11 added KvTarget.reply_before_handoff: the Prefill reply goes out at the first token and the
-# handoff ends after it (the gateway streams the first token while the KV moves).
+# handoff ends after it (the gateway streams the first token while the KV moves); and
+# DecodeRequest.transfer_ticket (capability shared.cluster.GATEWAY_TICKET_CAPABILITY): the gateway
+# chooses the ticket and starts the prefill while the decode worker admits.
 PROTO_VERSION = "1.11"
 
 
@@ -89,6 +92,7 @@ class DecodeCall:
     request: EngineRequest
     local_prefill: bool
     return_token_ids: bool
+    transfer_ticket: str | None = None  # the gateway's choice (1.11); None: this worker issues one
 
 
 @dataclass(frozen=True)

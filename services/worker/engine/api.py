@@ -237,8 +237,15 @@ class Engine(Protocol):
         """Queue a FULL or PREFILL_ONLY request. Raises shared.errors.InvalidArgument (bad rank,
         prompt too long for max_model_len, empty prompt) or ResourceExhausted (can never fit)."""
 
-    def admit_remote(self, request: EngineRequest) -> tuple[Admission, RequestHandle]:
-        """Admit a DECODE_REMOTE request: reserve blocks, look up the prefix cache."""
+    def admit_remote(
+        self, request: EngineRequest, transfer_ticket: str | None = None
+    ) -> tuple[Admission, RequestHandle]:
+        """Admit a DECODE_REMOTE request: reserve blocks, look up the prefix cache, register it
+        under `transfer_ticket` (the gateway's choice: "<dp_rank>-..." of the request's rank,
+        unused; InvalidArgument / AlreadyExists otherwise) or a ticket of its own (None)."""
+
+    def waits_for_kv(self, transfer_ticket: str) -> bool:
+        """Whether a request admitted under this ticket waits for its KV."""
 
     def import_kv(self, transfer_ticket: str, chunk: KvBlocksChunk) -> None:
         """Write received blocks into the reserved blocks. NotFound for an unknown ticket."""

@@ -214,12 +214,29 @@ class PagedEngine:
         rank.add(req, handle)
         return handle
 
-    def admit_remote(self, request: EngineRequest) -> tuple[Admission, RequestHandle]:
+    def admit_remote(
+        self, request: EngineRequest, transfer_ticket: str | None = None
+    ) -> tuple[Admission, RequestHandle]:
         if request.kind is not RequestKind.DECODE_REMOTE:
             raise InvalidArgument("admit_remote takes DECODE_REMOTE requests")
+        if transfer_ticket is not None:
+            head, _, rest = transfer_ticket.partition("-")
+            if head != str(request.dp_rank) or not rest:
+                raise InvalidArgument(
+                    f"transfer_ticket {transfer_ticket!r} must be '{request.dp_rank}-' followed by an "
+                    "id unique to the request (its rank, then a dash)"
+                )
         rank = self._validate(request)
         req, handle = self._new_request(request, rank)
-        return rank.handoff.admit_remote(req, handle), handle
+        return rank.handoff.admit_remote(req, handle, transfer_ticket), handle
+
+    def waits_for_kv(self, transfer_ticket: str) -> bool:
+        try:
+            rank = self._rank_of_ticket(transfer_ticket)
+        except NotFound:
+            return False
+        with rank.lock:
+            return rank.handoff.waiting(transfer_ticket) is not None
 
     def _rank_of_ticket(self, ticket: str) -> Rank:
         head = ticket.split("-", 1)[0]

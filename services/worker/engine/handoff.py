@@ -33,15 +33,18 @@ class Handoff:
         self.num_quarantined_blocks = 0
 
     # ---- admission (DECODE_REMOTE) -------------------------------------------------------
-    def admit_remote(self, req: Request, handle: OutputHandle) -> Admission:
-        """Reserve the request's blocks, look up the prefix cache, issue its transfer ticket."""
+    def admit_remote(self, req: Request, handle: OutputHandle, ticket: str | None = None) -> Admission:
+        """Reserve the request's blocks, look up the prefix cache, register its transfer ticket
+        (`ticket`, the gateway's choice, checked unused; None: a new one)."""
         rank = self.rank
         rank.check_fits(req)
         with rank.lock:
             if rank.has_request_locked(req.request_id):
                 raise AlreadyExists(f"request {req.request_id!r} already exists")
+            if ticket is not None and ticket in self.tickets:
+                raise AlreadyExists(f"transfer ticket {ticket!r} is already in use")
             num_cached_blocks = rank.scheduler.reserve_remote(req)
-            ticket = f"{rank.dp_rank}-{uuid.uuid4().hex}"
+            ticket = ticket or f"{rank.dp_rank}-{uuid.uuid4().hex}"
             req.transfer_ticket = ticket
             rank.register(req, handle)
             self.tickets[ticket] = req

@@ -18,7 +18,7 @@ import torch
 from prometheus_client import REGISTRY
 
 from services.worker.kv_nixl import KvTransferFailed, KvTransferUnsettled, NixlKvAgent
-from shared.cluster import NIXL_CAPABILITY, KvLayout
+from shared.cluster import GATEWAY_TICKET_CAPABILITY, NIXL_CAPABILITY, KvLayout
 from shared.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.e2e.test_worker_drain import start_worker, wait_serving
 from tests.support.nixl import progressed
@@ -110,6 +110,88 @@ async def test_nixl_handoff_matches_unified_and_skips_cached_blocks(
     assert frames2[0].cached_blocks > 0
     assert again.kv_bytes_sent == (num_blocks - frames2[0].cached_blocks) * block_bytes
     assert list(again.token_ids) + token_ids_of(frames2) == expected
+    await wait_blocks_free(decode)
+    await wait_blocks_free(prefill)
+
+
+async def test_a_push_under_the_gateways_ticket_may_come_before_the_admission(
+    prefill: RunningWorker,
+    decode: RunningWorker,
+    unified: RunningWorker,
+    tiny_model: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """DecodeRequest.transfer_ticket (1.11): the gateway starts the Prefill with the admission,
+    its KV target naming the ticket it chose and no blocks to skip. A push that arrives before
+    the admission waits for it; the decode worker READs only the blocks it lacks (a second
+    request finds the prompt's full blocks in its prefix cache); the tokens are the unified
+    ones. A push under a ticket nobody admits fails after the wait, both workers' blocks free."""
+    from services.worker import kv_receive
+
+    info = await decode.stub.Info(worker_pb2.InfoRequest())
+    assert GATEWAY_TICKET_CAPABILITY in info.capabilities
+    ids = prompt_ids(tiny_model)
+    expected = await unified_tokens(unified, ids, 10)
+    engine = decode.app.engine
+    assert engine is not None
+    layout = engine.kv_layout
+    block_bytes = layout.num_layers * 2 * layout.num_kv_heads * layout.block_size * layout.head_dim * 4
+
+    async def run(
+        request_id: str, ticket: str, admit_after_s: float
+    ) -> tuple[Any, list[worker_pb2.DecodeFrame]]:
+        target = worker_pb2.KvTarget(
+            address=decode.address, transfer_ticket=ticket, kv_transport=worker_pb2.KV_TRANSPORT_NIXL
+        )
+        prefilling = asyncio.ensure_future(
+            prefill.stub.Prefill(
+                worker_pb2.PrefillRequest(
+                    request_id=request_id,
+                    prompt_token_ids=ids,
+                    sampling=sampling(10),
+                    return_token_ids=True,
+                    kv_target=target,
+                )
+            )
+        )
+        await asyncio.sleep(admit_after_s)  # the push is waiting for its admission by now
+        stream = decode.stub.Decode(
+            worker_pb2.DecodeRequest(
+                request_id=request_id,
+                prompt_token_ids=ids,
+                sampling=sampling(10),
+                return_token_ids=True,
+                transfer_ticket=ticket,
+            )
+        )
+        return await prefilling, await collect(stream)
+
+    reply, frames = await run("g1", "0-gateway-1", 0.3)
+    assert frames[0].kind == ADMITTED and frames[0].transfer_ticket == "0-gateway-1"
+    assert list(reply.token_ids) + token_ids_of(frames[1:]) == expected
+    num_blocks = -(-len(ids) // layout.block_size)
+    assert reply.kv_bytes_sent == num_blocks * block_bytes
+    reply, frames = await run("g2", "0-gateway-2", 0.0)
+    assert frames[0].cached_blocks > 0
+    assert reply.kv_bytes_sent == (num_blocks - frames[0].cached_blocks) * block_bytes  # only those it lacked
+    assert list(reply.token_ids) + token_ids_of(frames[1:]) == expected
+
+    monkeypatch.setattr(kv_receive, "ADMISSION_WAIT_S", 0.2)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await prefill.stub.Prefill(
+            worker_pb2.PrefillRequest(
+                request_id="g3",
+                prompt_token_ids=ids,
+                sampling=sampling(10),
+                kv_target=worker_pb2.KvTarget(
+                    address=decode.address,
+                    transfer_ticket="0-never",
+                    kv_transport=worker_pb2.KV_TRANSPORT_NIXL,
+                ),
+            ),
+            timeout=30,
+        )
+    assert "ticket" in (err.value.details() or "")
     await wait_blocks_free(decode)
     await wait_blocks_free(prefill)
 

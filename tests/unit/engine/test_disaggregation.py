@@ -10,7 +10,7 @@ from typing import Any, cast
 import pytest
 
 from services.worker.engine.api import Engine, KvBlocksChunk, RequestKind, RequestOutput, SamplingConfig
-from shared.errors import InvalidArgument, NotFound
+from shared.errors import AlreadyExists, InvalidArgument, NotFound
 from tests.unit.engine.conftest import EngineFactory, collect, greedy, request, tokens_of
 
 
@@ -114,6 +114,41 @@ async def test_abort_waiting_for_kv(make_engine: EngineFactory) -> None:
     with pytest.raises(NotFound):
         engine.finish_import(admission.transfer_ticket, 40, 5, 1)
     assert engine.num_free_blocks(0) == engine.num_total_blocks(0)
+
+
+async def test_a_request_admitted_under_the_gateways_ticket_and_ended_by_it(
+    make_engine: EngineFactory,
+) -> None:
+    """admit_remote under a given ticket (DecodeRequest.transfer_ticket): the KV imports under
+    it; a ticket of another rank, without an id, or in use is refused before anything is
+    reserved; abort_ticket ends only a request still waiting under its ticket."""
+    prefill, decode = make_engine(), make_engine()
+    prompt = _prompt(40, 8)
+    sampling = greedy(4, ignore_eos=True)
+    for bad, error in (("1-abc", InvalidArgument), ("0-", InvalidArgument), ("abc", InvalidArgument)):
+        with pytest.raises(error):
+            decode.admit_remote(request("y", prompt, sampling, kind=RequestKind.DECODE_REMOTE), bad)
+    assert decode.num_free_blocks(0) == decode.num_total_blocks(0)
+    assert not decode.waits_for_kv("0-g1")
+    admission, handle = decode.admit_remote(
+        request("g", prompt, sampling, kind=RequestKind.DECODE_REMOTE), "0-g1"
+    )
+    assert admission.transfer_ticket == "0-g1" and decode.waits_for_kv("0-g1")
+    with pytest.raises(AlreadyExists):
+        decode.admit_remote(request("h", prompt, sampling, kind=RequestKind.DECODE_REMOTE), "0-g1")
+    first = await collect(prefill.add_request(request("g", prompt, sampling, kind=RequestKind.PREFILL_ONLY)))
+    for chunk in prefill.export_kv("g", 0, max_chunk_bytes=1 << 20):
+        decode.import_kv("0-g1", chunk)
+    prefill.release("g")
+    decode.finish_import("0-g1", len(prompt), first[0].new_token_ids[0], 1)
+    assert not decode.abort_ticket("0-g1") and not decode.waits_for_kv("0-g1")  # decoding: not waiting
+    assert len(tokens_of(await collect(handle))) == 3
+    _, waiting = decode.admit_remote(request("w", prompt, sampling, kind=RequestKind.DECODE_REMOTE), "0-w1")
+    assert not decode.abort_ticket("0-other") and not decode.abort_ticket("9-w1")
+    assert decode.abort_ticket("0-w1")
+    outs = await collect(waiting)
+    assert outs[-1].finish_reason is not None and outs[-1].finish_reason.value == "abort"
+    assert decode.num_free_blocks(0) == decode.num_total_blocks(0)
 
 
 async def test_prefill_progress_outputs_and_the_ready_blocks_export(make_engine: EngineFactory) -> None:

@@ -24,11 +24,13 @@ from services.gateway.ports import (
     ScheduleQuery,
     WorkerGone,
     WorkerJob,
+    WorkerOutOfCapacity,
     WorkerTarget,
     WorkerUnavailable,
 )
 from services.gateway.request import OutputFrame, OutputFrameKind, RequestState, RequestStatus
 from shared.cluster import (
+    GATEWAY_TICKET_CAPABILITY,
     NIXL_CAPABILITY,
     NIXL_PARTS_CAPABILITY,
     DecodeFrameKind,
@@ -106,11 +108,18 @@ class FakeWorkers:
     prefill_calls: list[tuple[str, KvDestination | None]] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
     prefill_delay_s: float = 0.0
+    tickets: list[str | None] = field(default_factory=list)  # each decode call's transfer_ticket
 
     def decode(
-        self, target: WorkerTarget, job: WorkerJob, local_prefill: bool, timeout_s: float | None
+        self,
+        target: WorkerTarget,
+        job: WorkerJob,
+        local_prefill: bool,
+        timeout_s: float | None,
+        transfer_ticket: str | None = None,
     ) -> FakeStream:
         self.decode_calls.append((target.address, local_prefill, job.sampling.max_tokens))
+        self.tickets.append(transfer_ticket)
         self.jobs.append(job)
         stream = self.streams[target.address].pop(0)
         stream.worker_id = target.worker_id
@@ -215,6 +224,98 @@ async def test_kv_transport_is_nixl_only_when_both_workers_offer_it() -> None:
         target = convert.prefill_request(job, 0, kv).kv_target
         assert target.HasField("nixl_parts") == nixl_parts and target.nixl_parts == nixl_parts
         assert target.reply_before_handoff
+
+
+NIXL_TICKETS = ("generated_tokens", NIXL_CAPABILITY, GATEWAY_TICKET_CAPABILITY)
+
+
+async def test_over_nixl_the_prefill_starts_with_the_admission_under_the_gateways_ticket() -> None:
+    """A decode worker that takes the gateway's ticket (kv_gateway_ticket, 1.11), over NIXL: the
+    Prefill call goes out before ADMITTED came back, its KV target naming the ticket the Decode
+    call carried ("<dp_rank>-..."), no blocks skipped (the decode worker READs only the blocks
+    it lacks); the request runs as usual. Over the gRPC push, or to an older decode worker, the
+    prefill waits for ADMITTED and its figures."""
+    order: list[str] = []
+
+    class Logged(FakeStream):
+        async def next(self) -> DecodeEvent | None:
+            event = await super().next()
+            order.append(event.kind.value if event else "end")
+            return event
+
+    class LoggedWorkers(FakeWorkers):
+        async def prefill(
+            self, target: WorkerTarget, job: WorkerJob, kv: KvDestination | None, timeout_s: float | None
+        ) -> PrefillResult:
+            order.append("prefill")
+            return await super().prefill(target, job, kv, timeout_s)
+
+    prefill = WorkerTarget("p1", "prefill:1", 0, NIXL_TICKETS)
+    decode = WorkerTarget("d1", "decode:1", 1, NIXL_TICKETS)
+    workers = LoggedWorkers(
+        streams={decode.address: [Logged([0.05, ADMITTED, tokens("b", 2), final("c", 3)])]},
+        prefills={PREFILL.address: [PrefillResult("a", (1,), 1, None)]},
+    )
+    placement = Placement(ServingMode.DISAGGREGATED, decode, prefill, "m", 0)
+    frames, state = await run(FakeScheduler([placement]), workers)
+    assert "".join(f.text for f in frames) == "abc" and state.status is RequestStatus.FINISHED_STOPPED
+    assert order[:2] == ["prefill", "admitted"]
+    (ticket,) = workers.tickets
+    assert ticket is not None and ticket.startswith("1-") and len(ticket) > 10
+    kv = KvDestination(decode.address, 1, ticket, 0, KvTransport.NIXL, None, False, True)
+    assert workers.prefill_calls == [(PREFILL.address, kv)]
+    assert "admit" in state.ttft_phases_s and "prefill" in state.ttft_phases_s
+
+    # the gRPC push (no NIXL on the prefill worker): the ticket and the figures of ADMITTED
+    order.clear()
+    workers = LoggedWorkers(
+        streams={decode.address: [Logged([ADMITTED, final("d", 1)])]},
+        prefills={PREFILL.address: [PrefillResult("a", (1,), 1, None)]},
+    )
+    placement = Placement(ServingMode.DISAGGREGATED, decode, PREFILL, "m", 0)
+    await run(FakeScheduler([placement]), workers)
+    assert order[:2] == ["admitted", "prefill"] and workers.tickets == [None]
+    assert workers.prefill_calls[0][1] == KvDestination(
+        decode.address, 1, "t-1", 1, reply_before_handoff=True
+    )
+
+
+async def test_an_admission_that_fails_while_the_prefill_runs_cancels_it_and_retries() -> None:
+    prefill = WorkerTarget("p1", "prefill:1", 0, NIXL_TICKETS)
+    decode = WorkerTarget("d1", "decode:1", 1, NIXL_TICKETS)
+    decode2 = WorkerTarget("d2", "decode:2", 0, NIXL_TICKETS)
+    cancelled: list[str] = []
+
+    class SlowWorkers(FakeWorkers):
+        async def prefill(
+            self, target: WorkerTarget, job: WorkerJob, kv: KvDestination | None, timeout_s: float | None
+        ) -> PrefillResult:
+            if job.request_id == "req-1":  # the first attempt: still running when d1 refuses
+                try:
+                    await asyncio.sleep(5)
+                except asyncio.CancelledError:
+                    cancelled.append(job.request_id)
+                    raise
+            return await super().prefill(target, job, kv, timeout_s)
+
+    workers = SlowWorkers(
+        streams={
+            decode.address: [FakeStream([WorkerOutOfCapacity("no KV blocks", "d1")])],
+            decode2.address: [FakeStream([ADMITTED, final("d", 1)])],
+        },
+        prefills={PREFILL.address: [PrefillResult("a", (1,), 1, None)]},
+    )
+    sched = FakeScheduler(
+        [
+            Placement(ServingMode.DISAGGREGATED, decode, prefill, "m", 0),
+            Placement(ServingMode.DISAGGREGATED, decode2, prefill, "m", 0),
+        ]
+    )
+    frames, state = await run(sched, workers)
+    assert "".join(f.text for f in frames) == "ad" and state.attempts == 2
+    assert cancelled == ["req-1"]
+    assert PREFILL.address in workers.aborts and decode.address in workers.aborts
+    assert sched.queries[1].exclude_worker_ids == ("d1",)
 
 
 async def test_the_decode_workers_trim_reaches_the_prefill_worker_and_changes_no_usage() -> None:

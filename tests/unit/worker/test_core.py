@@ -112,6 +112,9 @@ class FakeEngine:
         self.calls.append(("abort", request_id))
         return True
 
+    def waits_for_kv(self, ticket: str) -> bool:
+        return True
+
     def abort_ticket(self, ticket: str) -> bool:
         self.calls.append(("abort_ticket", ticket))
         return True
