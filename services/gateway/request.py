@@ -326,9 +326,11 @@ class RequestState:
     def ttft_phases_s(self) -> dict[str, float]:
         """Where the time to the first frame went (seconds; they add up to ttft_s): `schedule`
         from arrival until the workers of the attempt that answered were chosen (earlier
-        attempts included), `admit` the decode worker's admission (disaggregated only),
-        `prefill` from there to the first frame (the prompt, and disaggregated the KV handoff,
-        which the first token waits for). Empty before a first frame."""
+        attempts included), `admit` the decode worker's admission (disaggregated only; over
+        NIXL to a worker that takes the gateway's ticket the prefill runs meanwhile), `prefill`
+        from there to the first frame (the prompt; disaggregated, the KV handoff too where the
+        first token waits for it: --first-token-before-handoff off, or an older prefill worker).
+        Empty before a first frame."""
         if not self.frame_times_s:
             return {}
         first = self.frame_times_s[0]

@@ -114,6 +114,7 @@ async def test_registers_heartbeats_reregisters_and_deregisters(tiny_model: Path
                 "logprobs",
                 "structured_outputs",
                 "prompt_logprobs",
+                "kv_gateway_ticket",
                 *(["kv_transport_nixl", "kv_nixl_parts"] if w.app.nixl is not None else []),
             ]
             assert info.proto_version == "1.11"
