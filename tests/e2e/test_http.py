@@ -36,6 +36,13 @@ def keyed_stack(tiny_bpe_model: Path, tmp_path_factory: pytest.TempPathFactory) 
         yield stack
 
 
+@pytest.fixture
+def client(keyed_stack: Stack) -> Iterator[openai.OpenAI]:
+    """An openai client of the stack's HTTP face, closed after the test."""
+    with openai.OpenAI(base_url=keyed_stack.http_base_url, api_key=KEY, max_retries=0) as c:
+        yield c
+
+
 def generate(stack: Stack, *extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "services.cli", "generate", "Hello", "--address", stack.gateway,
@@ -44,7 +51,7 @@ def generate(stack: Stack, *extra: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
-def test_banner_keys_and_both_faces(keyed_stack: Stack) -> None:
+def test_banner_keys_and_both_faces(keyed_stack: Stack, client: openai.OpenAI) -> None:
     banner = next(line for line in keyed_stack.output if line.startswith("pdserve is up"))
     assert f"HTTP {keyed_stack.http_base_url}" in banner
     deadline = time.monotonic() + 10  # the commands are printed right after the banner
@@ -57,24 +64,25 @@ def test_banner_keys_and_both_faces(keyed_stack: Stack) -> None:
     assert denied.returncode == 1 and "UNAUTHENTICATED" in denied.stderr
     ok = generate(keyed_stack, "--api-key", KEY)
     assert ok.returncode == 0, ok.stderr
-    client = openai.OpenAI(base_url=keyed_stack.http_base_url, api_key=KEY, max_retries=0)
     chat = client.chat.completions.create(
         model="", messages=[{"role": "user", "content": "Hi"}], max_tokens=3, stream=True
     )
     assert any(c.choices and c.choices[0].finish_reason for c in chat)
-    with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=keyed_stack.http_base_url, api_key="nope", max_retries=0).models.list()
+    with (
+        openai.OpenAI(base_url=keyed_stack.http_base_url, api_key="nope", max_retries=0) as wrong,
+        pytest.raises(openai.AuthenticationError),
+    ):
+        wrong.models.list()
     health = httpx.get(keyed_stack.http_base_url.removesuffix("/v1") + "/health", timeout=10)
     assert health.status_code == 200
     logs = keyed_stack.logs()
     assert KEY not in logs
 
 
-def test_sampling_features_through_the_process_stack(keyed_stack: Stack) -> None:
+def test_sampling_features_through_the_process_stack(client: openai.OpenAI) -> None:
     """Penalties, logit_bias, min_tokens, logprobs and a JSON schema through `pdserve up`'s
     gateway and worker processes with the openai client: the output validates, one logprob per
     counted token; echo scoring returns every prompt token's logprob."""
-    client = openai.OpenAI(base_url=keyed_stack.http_base_url, api_key=KEY, max_retries=0)
     schema = {
         "type": "object",
         "properties": {"ok": {"type": "boolean"}, "size": {"enum": ["s", "m", "l"]}},
@@ -121,11 +129,10 @@ def test_sampling_features_through_the_process_stack(keyed_stack: Stack) -> None
     assert lp.token_logprobs[0] is None and all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
 
 
-def test_tool_calls_through_the_process_stack(keyed_stack: Stack) -> None:
+def test_tool_calls_through_the_process_stack(client: openai.OpenAI) -> None:
     """A named function through `pdserve up`'s processes: the call's arguments validate against
     the tool's schema, finish_reason is tool_calls, and the streamed deltas (id and name first,
     then the arguments) reassemble to the unary call."""
-    client = openai.OpenAI(base_url=keyed_stack.http_base_url, api_key=KEY, max_retries=0)
     params = {
         "type": "object",
         "properties": {"unit": {"enum": ["C", "F"]}, "days": {"type": "integer", "minimum": 1, "maximum": 9}},

@@ -1,6 +1,7 @@
 """Workers on CUDA (skipped without a GPU): device auto picks cuda, dtype auto bfloat16, and
 disaggregated generation still equals unified on the same device, over the gRPC push and over
-NIXL in parts (VRAM to VRAM, each prompt chunk's blocks READ as soon as they are cued)."""
+NIXL in parts (VRAM to VRAM, each prompt chunk's blocks READ as soon as they are cued), and
+with the Prefill reply before the handoff ends."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from shared.proto import worker_pb2
 
 from .harness import RunningWorker, collect, running_worker, sampling, worker_settings
-from .test_worker_grpc import PROMPT, disaggregated, prompt_ids, token_ids_of
+from .test_worker_grpc import PROMPT, disaggregated, prompt_ids, token_ids_of, wait_blocks_free
 
 pytestmark = pytest.mark.gpu
 
@@ -81,4 +82,24 @@ async def test_disaggregated_over_nixl_in_parts_equals_unified_on_cuda(tiny_mode
         reply, frames = await disaggregated(p, d, "n1", ids, 16, worker_pb2.KV_TRANSPORT_NIXL, True)
         unified = await _unified(u, "n1", ids)
     assert len(ids) > 48 and reply.kv_transport == worker_pb2.KV_TRANSPORT_NIXL and reply.num_chunks > 3
+    assert list(reply.token_ids) + token_ids_of(frames) == token_ids_of(unified)
+
+
+async def test_the_first_token_before_the_handoff_over_nixl_equals_unified_on_cuda(tiny_model: Path) -> None:
+    """KvTarget.reply_before_handoff on CUDA: the Prefill reply comes at the first token while
+    the decode worker READs the held VRAM blocks after it; the same tokens as unified, every
+    block of both workers free afterwards."""
+    pytest.importorskip("nixl_cu13._api", reason="nixl-cu13 is not installed")
+
+    ids = prompt_ids(tiny_model, " ".join([PROMPT] * 5))
+    async with (
+        running_worker(worker_settings(tiny_model, "prefill", max_batch_tokens=16, **_CUDA)) as p,
+        running_worker(worker_settings(tiny_model, "decode", **_CUDA)) as d,
+        running_worker(worker_settings(tiny_model, "unified", **_CUDA)) as u,
+    ):
+        reply, frames = await disaggregated(p, d, "e1", ids, 16, worker_pb2.KV_TRANSPORT_NIXL, True, True)
+        unified = await _unified(u, "e1", ids)
+        await wait_blocks_free(p)
+        await wait_blocks_free(d)
+    assert not reply.HasField("kv_transport")  # answered before the handoff ended
     assert list(reply.token_ids) + token_ids_of(frames) == token_ids_of(unified)
