@@ -15,8 +15,9 @@ N`, N gateway processes sharing the HTTP port; `+graphs` (`disaggregated+graphs`
 worker (`pdserve up` keeps the decode and unified workers' and gives prefill workers none),
 `+eager`: none in any worker.
 Each phase records the CPU µs per delivered token of every service (all gateways summed under
-`gateway`), and the engine steps each worker ran by kind (decode / mixed / prefill / verify:
-count, mean wall time, tokens per step; engine_steps.py, from the workers' /metrics).
+`gateway`), the engine steps each worker ran by kind (decode / mixed / prefill / verify:
+count, mean wall time, tokens per step; engine_steps.py, from the workers' /metrics), and the
+gateways' split of its TTFT (`ttft_phases_ms`: schedule, admit, prefill, mean ms).
 
 Writes benchmarks/results/serving-<device>.json (with the GPU's name, or the CPU's capability).
 """
@@ -32,17 +33,19 @@ import re
 import statistics
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from benchmarks import engine_steps, process_cpu
+from benchmarks.bench_stack import ttft_phase_totals
 from benchmarks.engine_floor import cpu_features, cuda_bandwidth, read_bandwidth, weight_bytes_per_step
 from benchmarks.goodput import loadgen, workloads
 from benchmarks.goodput.stats import RequestResult
 from benchmarks.result_names import machine_class
-from services.up_shape import PORT_OFFSETS
+from services.up_shape import GATEWAY_REPLICA_OFFSET, PORT_OFFSETS
 from shared.model_store import resolve_model
 from tests.support.stack import running_stack
 
@@ -107,7 +110,37 @@ def requests(count: int, prompt_tokens: int, max_tokens: int, tag: str, tokenize
     ]
 
 
-async def run_config(stack: Any, a: argparse.Namespace, tokenizer: Any) -> dict[str, Any]:
+def gateway_ttft_phases(urls: list[str]) -> dict[str, tuple[float, float]]:
+    """The gateways' TTFT split so far, summed over them (pdserve_time_to_first_token_phase_seconds:
+    schedule, admit, prefill): phase -> (seconds, requests). A gateway that does not answer adds
+    nothing."""
+    total: dict[str, list[float]] = {}
+    for url in urls:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                text = resp.read().decode()
+        except OSError:
+            continue
+        for phase, (seconds, count) in ttft_phase_totals(text).items():
+            t = total.setdefault(phase, [0.0, 0.0])
+            t[0] += seconds
+            t[1] += count
+    return {phase: (v[0], v[1]) for phase, v in total.items()}
+
+
+def ttft_phases_ms(
+    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
+) -> dict[str, float]:
+    """Mean ms per phase of the requests that got their first token between the two snapshots."""
+    out = {}
+    for phase, (seconds, count) in after.items():
+        s0, c0 = before.get(phase, (0.0, 0.0))
+        if count - c0 > 0:
+            out[phase] = round((seconds - s0) / (count - c0) * 1e3, 2)
+    return out
+
+
+async def run_config(stack: Any, a: argparse.Namespace, tokenizer: Any, gateways: int = 1) -> dict[str, Any]:
     model = await loadgen.served_model(stack.http_base_url) or "default"
     target = loadgen.Target(stack.http_base_url, model, ignore_eos=True, request_timeout_s=600)
     # warm-up, not counted: short and full-length prompts one at a time, then a few full-length
@@ -119,7 +152,12 @@ async def run_config(stack: Any, a: argparse.Namespace, tokenizer: Any) -> dict[
     out: dict[str, Any] = {}
     workers = ("worker",) if stack.unified else ("prefill-worker", "decode-worker")
     urls = {w: stack.metrics_url(PORT_OFFSETS[w]) for w in workers}
+    # the gateways' split of each phase's TTFT (where a burst's first tokens wait)
+    gateway_urls = [stack.metrics_url(PORT_OFFSETS["gateway"])] + [
+        stack.metrics_url(GATEWAY_REPLICA_OFFSET + i) for i in range(1, gateways)
+    ]
     steps0 = await asyncio.to_thread(engine_steps.snapshot, urls)
+    split0 = await asyncio.to_thread(gateway_ttft_phases, gateway_urls)
     # Each phase records the CPU µs per delivered token of every service (and the workers' split:
     # event loop vs engine step thread): on a host whose GPU outruns its CPUs, the largest of
     # these (times the tokens per step) bounds the step time from below.
@@ -132,6 +170,8 @@ async def run_config(stack: Any, a: argparse.Namespace, tokenizer: Any) -> dict[
     one.update(process_cpu.per_token(mark0, mark1, one["completion_tokens"]))
     steps1 = await asyncio.to_thread(engine_steps.snapshot, urls)
     one["engine_steps"] = engine_steps.delta(steps0, steps1)
+    split1 = await asyncio.to_thread(gateway_ttft_phases, gateway_urls)
+    one["ttft_phases_ms"] = ttft_phases_ms(split0, split1)
     # every request sent at once (an arrival rate no gap can follow), from --clients processes
     burst, client_s, wall_s = await asyncio.to_thread(
         loadgen.run_all_at_once,
@@ -144,6 +184,8 @@ async def run_config(stack: Any, a: argparse.Namespace, tokenizer: Any) -> dict[
     many["cpu_us_per_token"]["clients"] = round(client_s / max(1, many["completion_tokens"]) * 1e6, 1)
     many["clients"] = a.clients
     many["engine_steps"] = engine_steps.delta(steps1, await asyncio.to_thread(engine_steps.snapshot, urls))
+    split2 = await asyncio.to_thread(gateway_ttft_phases, gateway_urls)
+    many["ttft_phases_ms"] = ttft_phases_ms(split1, split2)
     return out
 
 
@@ -234,7 +276,8 @@ def main() -> None:
                     metrics=True,  # the workers' engine steps by kind
                 ) as stack:
                     start_s = round(time.perf_counter() - t0, 1)
-                    result = asyncio.run(run_config(stack, a, tokenizer))
+                    gateways = int(config_up_args[config_up_args.index("--gateways") + 1])
+                    result = asyncio.run(run_config(stack, a, tokenizer, gateways))
             except RuntimeError as exc:  # the stack did not start: that is a result too
                 result = {"error": str(exc)[-3000:]}
                 start_s = None
