@@ -88,7 +88,6 @@ class WorkerRuns:
         # once with it: the decode worker READs only the blocks it lacks, so the prefill worker
         # needs none of the admission's figures, and the admission leaves the TTFT.
         transport = negotiate_kv_transport(prefill.capabilities, decode.capabilities)
-        nixl_parts = negotiate_nixl_parts(prefill.capabilities, decode.capabilities)
         ticket = None
         if transport is KvTransport.NIXL and GATEWAY_TICKET_CAPABILITY in decode.capabilities:
             ticket = f"{decode.dp_rank}-{uuid.uuid4().hex}"
@@ -96,60 +95,10 @@ class WorkerRuns:
         stream = attempt.stream = self._workers.decode(
             decode, job, local_prefill=False, timeout_s=remaining_s(deadline_s), transfer_ticket=ticket
         )
-        prefilling: asyncio.Task[PrefillResult] | None = None
-
-        def start_prefill(kv: KvDestination) -> asyncio.Task[PrefillResult]:
-            attempt.start(prefill.address)
-            return asyncio.ensure_future(self._workers.prefill(prefill, job, kv, remaining_s(deadline_s)))
-
         with self._watching(decode, stream) as watched:  # from admission on: a gone worker ends it
-            try:
-                if ticket is not None:
-                    prefilling = start_prefill(
-                        KvDestination(
-                            decode.address,
-                            decode.dp_rank,
-                            ticket,
-                            0,
-                            transport,
-                            None,
-                            nixl_parts,
-                            self._first_token_before_handoff,
-                        )
-                    )
-                admitted = await within(stream.next(), deadline_s)
-                if admitted is None or admitted.kind is not DecodeFrameKind.ADMITTED:
-                    got = "the end of the stream" if admitted is None else f"a {admitted.kind.value} frame"
-                    raise WorkerUnavailable(
-                        f"decode worker {decode.worker_id} did not admit the request (got {got})",
-                        decode.worker_id,
-                    )
-                # The decode worker's own cache hits and the KV it receives are not cache hits for
-                # this request: the prefill worker computes every prompt token it does not find in
-                # ITS cache.
-                state.advance(RequestStatus.ADMITTED)
-                # 2. The prefill worker runs the prompt and pushes KV straight to that decode rank.
-                if prefilling is None:
-                    prefilling = start_prefill(
-                        KvDestination(
-                            decode.address,
-                            decode.dp_rank,
-                            admitted.transfer_ticket,
-                            admitted.cached_blocks,
-                            transport,
-                            admitted.trim_blocks,
-                            nixl_parts,
-                            self._first_token_before_handoff,
-                        )
-                    )
-                state.advance(RequestStatus.PREFILLING)
-                running = prefilling
-                reply = await within(_unless_gone(lambda: running, watched), deadline_s)
-            finally:
-                if prefilling is not None and not prefilling.done():
-                    prefilling.cancel()  # the admission failed, or this run was cancelled
-                if prefilling is not None:
-                    prefilling.add_done_callback(_retrieved)  # its error, if never awaited, is known
+            reply = await self._admit_and_prefill(
+                state, attempt, prefill, decode, job, deadline_s, stream, watched, transport, ticket
+            )
             state.record_cache(local_tokens=0, transferred_tokens=reply.local_cached_tokens)
             state.record_output(
                 FrameSource.PREFILL_REPLY,
@@ -193,6 +142,67 @@ class WorkerRuns:
                 async with contextlib.aclosing(relayed):
                     async for out in relayed:
                         yield out
+
+    async def _admit_and_prefill(
+        self,
+        state: RequestState,
+        attempt: Attempt,
+        prefill: WorkerTarget,
+        decode: WorkerTarget,
+        job: WorkerJob,
+        deadline_s: float | None,
+        stream: DecodeStream,
+        watched: Watched | None,
+        transport: KvTransport,
+        ticket: str | None,
+    ) -> PrefillResult:
+        """ADMITTED from `stream`, and the prefill worker's reply: the Prefill call goes out at once
+        under the gateway's `ticket` (no blocks skipped), else after ADMITTED with its ticket and
+        figures. A prefill still running when this ends otherwise (the admission failed, the
+        run was cancelled) is cancelled."""
+        nixl_parts = negotiate_nixl_parts(prefill.capabilities, decode.capabilities)
+
+        def start_prefill(
+            ticket: str, skip_blocks: int, trim_blocks: int | None
+        ) -> asyncio.Task[PrefillResult]:
+            kv = KvDestination(
+                decode.address,
+                decode.dp_rank,
+                ticket,
+                skip_blocks,
+                transport,
+                trim_blocks,
+                nixl_parts,
+                self._first_token_before_handoff,
+            )
+            attempt.start(prefill.address)
+            return asyncio.ensure_future(self._workers.prefill(prefill, job, kv, remaining_s(deadline_s)))
+
+        prefilling = None if ticket is None else start_prefill(ticket, 0, None)
+        try:
+            admitted = await within(stream.next(), deadline_s)
+            if admitted is None or admitted.kind is not DecodeFrameKind.ADMITTED:
+                got = "the end of the stream" if admitted is None else f"a {admitted.kind.value} frame"
+                raise WorkerUnavailable(
+                    f"decode worker {decode.worker_id} did not admit the request (got {got})",
+                    decode.worker_id,
+                )
+            # The decode worker's own cache hits and the KV it receives are not cache hits for this
+            # request: the prefill worker computes every prompt token it does not find in ITS cache.
+            state.advance(RequestStatus.ADMITTED)
+            # 2. The prefill worker runs the prompt and pushes KV straight to that decode rank.
+            if prefilling is None:
+                prefilling = start_prefill(
+                    admitted.transfer_ticket, admitted.cached_blocks, admitted.trim_blocks
+                )
+            state.advance(RequestStatus.PREFILLING)
+            running = prefilling
+            return await within(_unless_gone(lambda: running, watched), deadline_s)
+        finally:
+            if prefilling is not None:
+                if not prefilling.done():
+                    prefilling.cancel()  # the admission failed, or this run was cancelled
+                prefilling.add_done_callback(_retrieved)  # an error nobody awaited is not logged
 
     async def prefill_only(
         self,
