@@ -98,7 +98,11 @@ class Dispatcher:
         self._migration_limit = migration_limit
         self._breakers = breakers or CircuitBreakers(failure_threshold=0)
         self._aborter = Aborter(workers, control_timeout_s)
-        self._runs = WorkerRuns(workers, self._aborter, membership, first_token_before_handoff)
+        # a handoff that fails after the first token went out moves the request on like a
+        # migration: with migration off the first token waits for the handoff (a failure before
+        # it is retried unseen)
+        early = first_token_before_handoff and migration_limit > 0
+        self._runs = WorkerRuns(workers, self._aborter, membership, early)
 
     async def run(
         self, req: PreparedRequest, state: RequestState, deadline_s: float | None

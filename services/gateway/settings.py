@@ -95,8 +95,8 @@ class GatewaySettings(TlsSettings):
         "disaggregated: the prefill worker answers with the first token as soon as it is sampled "
         "and the KV handoff to the decode worker ends after it (the client gets the first token "
         "while the KV moves; a handoff that fails then moves the request on with that token, like "
-        "a migration); off: the first token waits for the handoff (a 1.10 or older prefill worker "
-        "always waits)",
+        "a migration); off, or with --migration-limit 0: the first token waits for the handoff (a "
+        "1.10 or older prefill worker always waits)",
     )
     membership_poll_s: float = field(
         1.0,

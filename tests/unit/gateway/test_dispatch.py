@@ -757,6 +757,21 @@ async def test_a_handoff_that_fails_after_the_first_token_moves_the_request_on()
         assert workers.prefill_calls[0][1] is not None
         assert workers.prefill_calls[0][1].reply_before_handoff is early
 
+    # with migration off, the first token waits for the handoff (its failure is retried unseen)
+    workers = FakeWorkers(
+        streams={DECODE.address: [FakeStream([ADMITTED, final("d", 1)])]},
+        prefills={PREFILL.address: [PrefillResult("a", (1,), 1, None)]},
+    )
+    req = prepared()
+    state = RequestState(req.request_id, req.prompt_token_ids, True, "m")
+    _ = [
+        f
+        async for f in Dispatcher(FakeScheduler([disagg()]), workers, 4, migration_limit=0).run(
+            req, state, None
+        )
+    ]
+    assert workers.prefill_calls[0][1] is not None and not workers.prefill_calls[0][1].reply_before_handoff
+
 
 async def test_migration_limit_ends_with_unavailable_naming_the_failure() -> None:
     def dying(worker: str) -> FakeStream:
