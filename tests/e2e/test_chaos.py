@@ -370,7 +370,9 @@ def _workers(stack: Stack) -> list[str]:
 
 async def test_kill9_of_a_prefill_worker_during_prefill_and_push(two_decode_stack: Stack) -> None:
     """Long prompts in flight when a prefill worker dies: every request completes (retried before
-    handoff on the other prefill worker) and no decode worker keeps KV of a broken push."""
+    handoff on the other prefill worker, or, when its first token had gone out before the
+    handoff ended, moved on with it: the decode worker ends a request whose push broke) and no
+    decode worker keeps KV of a broken push."""
     stack = two_decode_stack
     victim = f"127.0.0.1:{stack.port_base + 11}"
     long_prompt = " ".join(f"word{i}" for i in range(120))
