@@ -538,7 +538,12 @@ def kv_chunk(ticket: str, layout: common_pb2.KvLayout, **kw: Any) -> worker_pb2.
     return worker_pb2.KvChunk(request_id="k1", transfer_ticket=ticket, layout=layout, **fields)
 
 
-async def test_push_kv_layout_mismatch_and_unknown_ticket(decode: RunningWorker, tiny_model: Path) -> None:
+async def test_push_kv_layout_mismatch_and_unknown_ticket(
+    decode: RunningWorker, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from services.worker import kv_receive
+
+    monkeypatch.setattr(kv_receive, "ADMISSION_WAIT_S", 0.1)  # how long an unknown ticket waits
     info = await decode.stub.Info(worker_pb2.InfoRequest())
     stream = decode.stub.Decode(
         worker_pb2.DecodeRequest(
