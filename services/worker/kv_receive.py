@@ -93,7 +93,6 @@ class KvReceiver:
                     )
                 if nixl_stream is None:  # the first chunk
                     await self._admitted(ticket)
-                if nixl_stream is None:
                     nixl_stream = c.nixl_source is not None
                 elif nixl_stream != (c.nixl_source is not None):
                     raise errors.InvalidArgument(

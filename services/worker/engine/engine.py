@@ -219,30 +219,31 @@ class PagedEngine:
     ) -> tuple[Admission, RequestHandle]:
         if request.kind is not RequestKind.DECODE_REMOTE:
             raise InvalidArgument("admit_remote takes DECODE_REMOTE requests")
-        if transfer_ticket is not None:
-            head, _, rest = transfer_ticket.partition("-")
-            if head != str(request.dp_rank) or not rest:
-                raise InvalidArgument(
-                    f"transfer_ticket {transfer_ticket!r} must be '{request.dp_rank}-' followed by an "
-                    "id unique to the request (its rank, then a dash)"
-                )
         rank = self._validate(request)
+        if transfer_ticket is not None and self._ticket_rank(transfer_ticket) is not rank:
+            raise InvalidArgument(
+                f"transfer_ticket {transfer_ticket!r} must be '{request.dp_rank}-' followed by an "
+                "id unique to the request (its rank, then a dash)"
+            )
         req, handle = self._new_request(request, rank)
         return rank.handoff.admit_remote(req, handle, transfer_ticket), handle
 
     def waits_for_kv(self, transfer_ticket: str) -> bool:
-        try:
-            rank = self._rank_of_ticket(transfer_ticket)
-        except NotFound:
-            return False
-        with rank.lock:
-            return rank.handoff.waiting(transfer_ticket) is not None
+        rank = self._ticket_rank(transfer_ticket)
+        return rank is not None and rank.waits_for_kv(transfer_ticket)
+
+    def _ticket_rank(self, ticket: str) -> Rank | None:
+        """The rank a ticket ("<dp_rank>-<id>") names; None when it names none."""
+        head, _, rest = ticket.partition("-")
+        if rest and head.isdigit() and int(head) < len(self._ranks):
+            return self._ranks[int(head)]
+        return None
 
     def _rank_of_ticket(self, ticket: str) -> Rank:
-        head = ticket.split("-", 1)[0]
-        if head.isdigit() and int(head) < len(self._ranks):
-            return self._ranks[int(head)]
-        raise NotFound(f"unknown transfer ticket {ticket!r}")
+        rank = self._ticket_rank(ticket)
+        if rank is None:
+            raise NotFound(f"unknown transfer ticket {ticket!r}")
+        return rank
 
     def import_kv(self, transfer_ticket: str, chunk: KvBlocksChunk) -> None:
         self._rank_of_ticket(transfer_ticket).handoff.import_kv(transfer_ticket, chunk)
@@ -333,11 +334,8 @@ class PagedEngine:
         return any(rank.abort(request_id) for rank in self._ranks)
 
     def abort_ticket(self, transfer_ticket: str) -> bool:
-        try:
-            rank = self._rank_of_ticket(transfer_ticket)
-        except NotFound:
-            return False
-        return rank.abort_ticket(transfer_ticket)
+        rank = self._ticket_rank(transfer_ticket)
+        return rank is not None and rank.abort_ticket(transfer_ticket)
 
     # ---- loads ---------------------------------------------------------------------------
     def rank_loads(self) -> list[RankLoad]:

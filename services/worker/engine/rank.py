@@ -319,6 +319,10 @@ class Rank:
             self._abort_locked(req)
             return True
 
+    def waits_for_kv(self, ticket: str) -> bool:
+        with self.lock:
+            return self.handoff.waiting(ticket) is not None
+
     def abort_ticket(self, ticket: str) -> bool:
         with self.lock:
             req = self.handoff.waiting(ticket)
