@@ -13,7 +13,7 @@ import dataclasses
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from services.gateway.aborts import Aborter
 from services.gateway.accounting import FrameSource
@@ -41,6 +41,7 @@ from shared.cluster import (
     negotiate_kv_transport,
     negotiate_nixl_parts,
 )
+from shared.futures import retrieve_quietly
 
 T = TypeVar("T")
 
@@ -202,7 +203,7 @@ class WorkerRuns:
             if prefilling is not None:
                 if not prefilling.done():
                     prefilling.cancel()  # the admission failed, or this run was cancelled
-                prefilling.add_done_callback(_retrieved)  # an error nobody awaited is not logged
+                prefilling.add_done_callback(retrieve_quietly)  # an error nobody awaited is not logged
 
     async def prefill_only(
         self,
@@ -252,13 +253,6 @@ class WorkerRuns:
         if self._membership is None:
             return contextlib.nullcontext()
         return self._membership.tracking(target, stream)
-
-
-def _retrieved(task: asyncio.Future[Any]) -> None:
-    """A task whose outcome nobody may await (a prefill started with an admission that failed):
-    its exception is marked retrieved (the attempt's own failure is what is reported)."""
-    if not task.cancelled():
-        task.exception()
 
 
 async def _unless_gone(call: Callable[[], Awaitable[T]], watched: Watched | None) -> T:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
 
 import grpc
 import structlog
@@ -21,6 +20,7 @@ from shared import errors
 from shared.channels import ChannelCache
 from shared.cluster import KvLayout, KvTransport
 from shared.cluster_convert import kv_layout_to_pb
+from shared.futures import retrieve_quietly
 from shared.grpc_errors import error_from_rpc
 from shared.proto import worker_pb2, worker_pb2_grpc
 
@@ -229,7 +229,7 @@ class KvPushStream:
         is cancelled after the push timeout."""
         self._queue.put_nowait(None)  # harmless when the stream already ended
         if not self._call.done():
-            self._call.add_done_callback(_retrieve)  # its error is expected: nobody awaits it
+            self._call.add_done_callback(retrieve_quietly)  # its error is expected: nobody awaits it
         asyncio.get_running_loop().call_later(self._timeout_s, self._rpc.cancel)
 
 
@@ -337,11 +337,6 @@ class EarlyKvPush:
 
     def cancel(self) -> None:
         self._stream.cancel()
-
-
-def _retrieve(task: asyncio.Future[Any]) -> None:
-    if not task.cancelled():
-        task.exception()
 
 
 def push_error(exc: grpc.aio.AioRpcError, target: KvTargetSpec, request_id: str) -> Exception:
