@@ -33,14 +33,13 @@ import re
 import statistics
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from benchmarks import engine_steps, process_cpu
-from benchmarks.bench_stack import ttft_phase_totals
+from benchmarks.bench_stack import gateway_ttft_phases, ttft_phases_ms
 from benchmarks.engine_floor import cpu_features, cuda_bandwidth, read_bandwidth, weight_bytes_per_step
 from benchmarks.goodput import loadgen, workloads
 from benchmarks.goodput.stats import RequestResult
@@ -108,36 +107,6 @@ def requests(count: int, prompt_tokens: int, max_tokens: int, tag: str, tokenize
         )
         for i in range(count)
     ]
-
-
-def gateway_ttft_phases(urls: list[str]) -> dict[str, tuple[float, float]]:
-    """The gateways' TTFT split so far, summed over them (pdserve_time_to_first_token_phase_seconds:
-    schedule, admit, prefill): phase -> (seconds, requests). A gateway that does not answer adds
-    nothing."""
-    total: dict[str, list[float]] = {}
-    for url in urls:
-        try:
-            with urllib.request.urlopen(url, timeout=5) as resp:
-                text = resp.read().decode()
-        except OSError:
-            continue
-        for phase, (seconds, count) in ttft_phase_totals(text).items():
-            t = total.setdefault(phase, [0.0, 0.0])
-            t[0] += seconds
-            t[1] += count
-    return {phase: (v[0], v[1]) for phase, v in total.items()}
-
-
-def ttft_phases_ms(
-    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
-) -> dict[str, float]:
-    """Mean ms per phase of the requests that got their first token between the two snapshots."""
-    out = {}
-    for phase, (seconds, count) in after.items():
-        s0, c0 = before.get(phase, (0.0, 0.0))
-        if count - c0 > 0:
-            out[phase] = round((seconds - s0) / (count - c0) * 1e3, 2)
-    return out
 
 
 async def run_config(stack: Any, a: argparse.Namespace, tokenizer: Any, gateways: int = 1) -> dict[str, Any]:

@@ -340,11 +340,7 @@ async def ttft_ms(
                 await asyncio.sleep(0.3)  # a request's figures are recorded as its stream ends
                 after = await asyncio.to_thread(_ttft_phase_totals, metrics)
                 for config in after:
-                    phases.setdefault(config, {})[n] = {
-                        phase: round((s - before.get(config, {}).get(phase, (0.0, 0.0))[0]) / count * 1e3, 2)
-                        for phase, (s, c) in after[config].items()
-                        if (count := c - before.get(config, {}).get(phase, (0.0, 0.0))[1]) > 0
-                    }
+                    phases.setdefault(config, {})[n] = ttft_phases_ms(before.get(config, {}), after[config])
     finally:
         for ch in channels.values():
             await ch.close()
@@ -354,17 +350,39 @@ async def ttft_ms(
     return {c: {n: statistics.median(v) for n, v in per.items()} for c, per in times.items()}
 
 
-def _ttft_phase_totals(metrics: dict[str, str]) -> dict[str, dict[str, tuple[float, float]]]:
-    """Per configuration, its gateway's TTFT phases so far: phase -> (seconds, requests)."""
-    out: dict[str, dict[str, tuple[float, float]]] = {}
-    for config, url in metrics.items():
+def gateway_ttft_phases(urls: list[str]) -> dict[str, tuple[float, float]]:
+    """The gateways' TTFT split so far, summed over them (pdserve_time_to_first_token_phase_seconds:
+    schedule, admit, prefill): phase -> (seconds, requests). A gateway that does not answer adds
+    nothing."""
+    total: dict[str, list[float]] = {}
+    for url in urls:
         try:
             with urllib.request.urlopen(url, timeout=5) as resp:
                 text = resp.read().decode()
         except OSError:
             continue
-        out[config] = ttft_phase_totals(text)
+        for phase, (seconds, count) in ttft_phase_totals(text).items():
+            t = total.setdefault(phase, [0.0, 0.0])
+            t[0] += seconds
+            t[1] += count
+    return {phase: (v[0], v[1]) for phase, v in total.items()}
+
+
+def ttft_phases_ms(
+    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
+) -> dict[str, float]:
+    """Mean ms per phase of the requests that got their first token between the two snapshots."""
+    out = {}
+    for phase, (seconds, count) in after.items():
+        s0, c0 = before.get(phase, (0.0, 0.0))
+        if count - c0 > 0:
+            out[phase] = round((seconds - s0) / (count - c0) * 1e3, 2)
     return out
+
+
+def _ttft_phase_totals(metrics: dict[str, str]) -> dict[str, dict[str, tuple[float, float]]]:
+    """Per configuration, its gateway's TTFT phases so far: phase -> (seconds, requests)."""
+    return {config: gateway_ttft_phases([url]) for config, url in metrics.items()}
 
 
 def ttft_phase_totals(text: str) -> dict[str, tuple[float, float]]:
