@@ -1,4 +1,4 @@
-"""NIXL READ of one request's KV between two processes, as the workers do it, by progress mode.
+"""NIXL READ (and WRITE) of one request's KV between two processes, as the workers do it.
 
 Why: on an H200 (2026-11-27) the 8B shape's 2,048-token handoff (256 MiB, one run of blocks =
 512 plane descriptors of 512 KiB) took ~615 ms over NIXL inside `bench_stack`, 0.41 GiB/s. Two
@@ -14,6 +14,10 @@ What it showed on the H200 (2026-11-28): 506-576 ms from any thread and mode; UC
 table named "software emulation | tcp/lo" for the GET of VRAM, UCX having turned CUDA IPC's
 get_zcopy off on a GPU without NVLink. `--ucx worker` (the default) runs with the UCX settings a
 worker applies on GPUs (kv_nixl.UCX_CUDA_DEFAULTS), `--ucx as-is` without them, for the A/B.
+`--ops READ WRITE` also times the same blocks moved the other way, a WRITE (a PUT in UCX) from
+the main process into the target's pool, checked by the target: CUDA IPC's put_zcopy is not
+switched off without NVLink as its get_zcopy is, so if the GET stays slow on a GPU, a WRITE from
+the prefill side (as SGLang's and Dynamo's NIXL transfers do) is the measured alternative.
 
   python -m benchmarks.nixl_probe --device cuda --modes poll spin thread --ucx worker as-is --out r.json
 """
@@ -82,20 +86,31 @@ def _target(
     agent.register_memory(pool)
     torch.cuda.synchronize() if device == "cuda" else None
     conn.send((agent.get_agent_metadata(), pool.data_ptr()))
-    while not conn.poll(0):
-        if mode in ("poll", "spin"):
-            agent.get_new_notifs()
-        if mode == "poll":
-            time.sleep(poll_us * 1e-6)
-        elif mode in ("none", "thread"):
-            time.sleep(0.001)
-    conn.recv()
+    while True:
+        while not conn.poll(0):
+            if mode in ("poll", "spin"):
+                agent.get_new_notifs()
+            if mode == "poll":
+                time.sleep(poll_us * 1e-6)
+            elif mode in ("none", "thread"):
+                time.sleep(0.001)
+        message = conn.recv()
+        if message == "reset":  # before a WRITE: this side's own values again
+            pool.copy_(_pool(layout, slots, device, getattr(torch, dtype), 1.0))
+            torch.cuda.synchronize() if device == "cuda" else None
+            conn.send(True)
+        elif isinstance(message, tuple):  # ("check", slots, values): what a WRITE left here
+            _, at, want = message
+            conn.send(pool[0, 0, 0, at, 0].float().cpu().tolist() == want)
+        else:
+            return
 
 
-def _read(agent: Any, name: str, local: np.ndarray, remote: np.ndarray, mem: str) -> float:
+def _transfer(op: str, agent: Any, name: str, local: np.ndarray, remote: np.ndarray, mem: str) -> float:
+    """ms for one transfer, READ (remote -> local) or WRITE (local -> remote), polled to its end."""
     t0 = time.perf_counter()
     handle = agent.initialize_xfer(
-        "READ", agent.get_xfer_descs(local, mem), agent.get_xfer_descs(remote, mem), name
+        op, agent.get_xfer_descs(local, mem), agent.get_xfer_descs(remote, mem), name
     )
     state = agent.transfer(handle)
     deadline = t0 + 30
@@ -104,7 +119,7 @@ def _read(agent: Any, name: str, local: np.ndarray, remote: np.ndarray, mem: str
     ms = (time.perf_counter() - t0) * 1e3
     agent.release_xfer_handle(handle)
     if state != "DONE":
-        raise RuntimeError(f"READ ended {state}")
+        raise RuntimeError(f"{op} ended {state}")
     return ms
 
 
@@ -150,18 +165,35 @@ def probe(mode: str, ucx: str, args: argparse.Namespace) -> list[dict[str, Any]]
                 dst = list(reversed(range(nblocks)))
             runs = block_runs(src, dst)
             s0, d0, counts = (list(x) for x in zip(*runs, strict=True))
-            remote = plane_descriptors(remote_addr, args.slots, layout, itemsize, dev, s0, counts)
-            local = plane_descriptors(pool.data_ptr(), args.slots, layout, itemsize, dev, d0, counts)
-            for where in args.threads:
-                pool.zero_()
+            # READ: the target's src blocks into ours at dst; WRITE: ours at src into its dst
+            theirs = plane_descriptors(remote_addr, args.slots, layout, itemsize, dev, s0, counts)
+            ours = plane_descriptors(pool.data_ptr(), args.slots, layout, itemsize, dev, d0, counts)
+            at = [d * args.block_size for d in dst]
+            for op in args.ops:
+                if op == "WRITE":
+                    theirs = plane_descriptors(remote_addr, args.slots, layout, itemsize, dev, d0, counts)
+                    ours = plane_descriptors(pool.data_ptr(), args.slots, layout, itemsize, dev, s0, counts)
+                for where in args.threads:
+                    if op == "READ":
+                        pool.zero_()
+                    else:
+                        pool.copy_(_pool(layout, args.slots, args.device, dtype, 0.0))
+                        parent.send("reset")
+                        parent.recv()
 
-                def once(local: np.ndarray = local, remote: np.ndarray = remote) -> float:
-                    return _read(agent, name, local, remote, mem)
+                    def once(op: str = op, local: np.ndarray = ours, remote: np.ndarray = theirs) -> float:
+                        return _transfer(op, agent, name, local, remote, mem)
 
-                times = [once() if where == "main" else _in_fresh_thread(once) for _ in range(args.repeat)]
-                got = pool[0, 0, 0, [d * args.block_size for d in dst], 0].float()
-                want = torch.tensor([s % 97 + 1.0 for s in src], device=args.device)
-                rows.append(_row(mode, ucx, shape, where, local, times, bool(torch.equal(got, want))))
+                    run_in = once if where == "main" else lambda once=once: _in_fresh_thread(once)
+                    times = [run_in() for _ in range(args.repeat)]
+                    if op == "READ":
+                        got = pool[0, 0, 0, at, 0].float()
+                        want = torch.tensor([s % 97 + 1.0 for s in src], device=args.device)
+                        ok = bool(torch.equal(got, want))
+                    else:
+                        parent.send(("check", at, [s % 97 + 0.0 for s in src]))
+                        ok = bool(parent.recv())
+                    rows.append(_row(op, mode, ucx, shape, where, ours, times, ok))
     finally:
         parent.send("stop")
         proc.join(10)
@@ -169,15 +201,16 @@ def probe(mode: str, ucx: str, args: argparse.Namespace) -> list[dict[str, Any]]
 
 
 def _row(
-    mode: str, ucx: str, shape: str, where: str, local: np.ndarray, times: list[float], ok: bool
+    op: str, mode: str, ucx: str, shape: str, where: str, local: np.ndarray, times: list[float], ok: bool
 ) -> dict[str, Any]:
     mib = int(local[:, 1].sum()) / 2**20
     best = min(times)
     row = {
+        "op": op,
         "mode": mode,
         "ucx": ucx,
         "shape": shape,
-        "reader_thread": where,
+        "thread": where,
         "descriptors": len(local),
         "mib": round(mib, 1),
         "ms_all": [round(t, 3) for t in times],
@@ -208,6 +241,13 @@ def main() -> None:
         default=["main", "fresh"],
         choices=["main", "fresh"],
         help="READ from the thread that made the pool, or from a new thread (a worker's READs)",
+    )
+    p.add_argument(
+        "--ops",
+        nargs="+",
+        default=["READ"],
+        choices=["READ", "WRITE"],
+        help="READ the target's blocks (what workers do), or WRITE ours into its pool",
     )
     p.add_argument(
         "--ucx",

@@ -69,7 +69,8 @@ if [[ $what == window ]]; then
   # probe tests`):
   #   stack    the NIXL READ alone between two processes with the worker's UCX settings and
   #            without (nixl_probe, T_NIXL, UCX's protocol choice in its log: at b9f36ae "software
-  #            emulation | tcp/lo", 0.43 GiB/s), then bench-stack at 2,048 tokens over both
+  #            emulation | tcp/lo", 0.43 GiB/s), and the same blocks written the other way (a
+  #            WRITE, UCX's PUT: the alternative if the GET stays slow), then bench-stack at 2,048 tokens over both
   #            transports (issue 27's figures; at b9f36ae the handoff took 583 ms over NIXL);
   #   probe    the attention block-size sweep (alone: `attention`), and the step profile (alone:
   #            `profile`) at 1/8/64 sequences over
@@ -101,8 +102,8 @@ if [[ $what == window ]]; then
       stack)
         # the READ alone first: two processes, per progress mode, UCX's protocol choice logged
         # with the worker's UCX settings (GET over CUDA IPC on) and without, for the A/B
-        UCX_PROTO_INFO=y timeout -s INT "${T_NIXL:-45}" $PY -m benchmarks.nixl_probe --device cuda \
-          --modes poll --ucx worker as-is --shapes run --out "$RES/nixl-probe-$TAG.json" > "$RES/nixl-probe-$TAG.log" 2>&1 || rc=1
+        UCX_PROTO_INFO=y timeout -s INT "${T_NIXL:-60}" $PY -m benchmarks.nixl_probe --device cuda \
+          --modes poll --ucx worker as-is --shapes run --ops READ WRITE --out "$RES/nixl-probe-$TAG.json" > "$RES/nixl-probe-$TAG.log" 2>&1 || rc=1
         timeout -s INT 30 $PY -m benchmarks.nixl_probe --device cuda --modes poll --shapes scattered \
           --threads main --repeat 2 --out "$RES/nixl-probe-scattered-$TAG.json" >> "$RES/nixl-probe-$TAG.log" 2>&1 || rc=1
         grep "^{" "$RES/nixl-probe-$TAG.log"
