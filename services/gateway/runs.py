@@ -60,6 +60,39 @@ class Attempt:
             self.started.append(address)
 
 
+@dataclass(frozen=True)
+class _Run:
+    """One disaggregated run's own: the request, what it started, its job and deadline."""
+
+    state: RequestState
+    attempt: Attempt
+    job: WorkerJob
+    deadline_s: float | None
+
+
+@dataclass(frozen=True)
+class _Pair:
+    """A prefill and a decode worker, and how KV goes between them: the transport and NIXL parts
+    their capabilities agree on, and the ticket the gateway chooses (over NIXL, to a decode
+    worker that takes it: the prefill then starts with the admission; None: the decode worker
+    gives one at ADMITTED)."""
+
+    prefill: WorkerTarget
+    decode: WorkerTarget
+    transport: KvTransport
+    nixl_parts: bool
+    ticket: str | None
+
+    @classmethod
+    def negotiate(cls, prefill: WorkerTarget, decode: WorkerTarget) -> _Pair:
+        transport = negotiate_kv_transport(prefill.capabilities, decode.capabilities)
+        ticket = None
+        if transport is KvTransport.NIXL and GATEWAY_TICKET_CAPABILITY in decode.capabilities:
+            ticket = f"{decode.dp_rank}-{uuid.uuid4().hex}"
+        nixl_parts = negotiate_nixl_parts(prefill.capabilities, decode.capabilities)
+        return cls(prefill, decode, transport, nixl_parts, ticket)
+
+
 class WorkerRuns:
     def __init__(
         self,
@@ -88,18 +121,14 @@ class WorkerRuns:
         # NIXL, to a decode worker that takes the gateway's ticket, the prefill (step 2) starts at
         # once with it: the decode worker READs only the blocks it lacks, so the prefill worker
         # needs none of the admission's figures, and the admission leaves the TTFT.
-        transport = negotiate_kv_transport(prefill.capabilities, decode.capabilities)
-        ticket = None
-        if transport is KvTransport.NIXL and GATEWAY_TICKET_CAPABILITY in decode.capabilities:
-            ticket = f"{decode.dp_rank}-{uuid.uuid4().hex}"
+        pair = _Pair.negotiate(prefill, decode)
         attempt.start(decode.address)
         stream = attempt.stream = self._workers.decode(
-            decode, job, local_prefill=False, timeout_s=remaining_s(deadline_s), transfer_ticket=ticket
+            decode, job, local_prefill=False, timeout_s=remaining_s(deadline_s), transfer_ticket=pair.ticket
         )
         with self._watching(decode, stream) as watched:  # from admission on: a gone worker ends it
-            reply = await self._admit_and_prefill(
-                state, attempt, prefill, decode, job, deadline_s, stream, watched, transport, ticket
-            )
+            run = _Run(state, attempt, job, deadline_s)
+            reply = await self._admit_and_prefill(run, pair, stream, watched)
             state.record_cache(local_tokens=0, transferred_tokens=reply.local_cached_tokens)
             state.record_output(
                 FrameSource.PREFILL_REPLY,
@@ -145,23 +174,13 @@ class WorkerRuns:
                         yield out
 
     async def _admit_and_prefill(
-        self,
-        state: RequestState,
-        attempt: Attempt,
-        prefill: WorkerTarget,
-        decode: WorkerTarget,
-        job: WorkerJob,
-        deadline_s: float | None,
-        stream: DecodeStream,
-        watched: Watched | None,
-        transport: KvTransport,
-        ticket: str | None,
+        self, run: _Run, pair: _Pair, stream: DecodeStream, watched: Watched | None
     ) -> PrefillResult:
         """ADMITTED from `stream`, and the prefill worker's reply: the Prefill call goes out at once
-        under the gateway's `ticket` (no blocks skipped), else after ADMITTED with its ticket and
-        figures. A prefill still running when this ends otherwise (the admission failed, the
-        run was cancelled) is cancelled."""
-        nixl_parts = negotiate_nixl_parts(prefill.capabilities, decode.capabilities)
+        under the gateway's ticket (`pair.ticket`, no blocks skipped), else after ADMITTED with
+        its ticket and figures. A prefill still running when this ends otherwise (the admission
+        failed, the run was cancelled) is cancelled."""
+        decode = pair.decode
 
         def start_prefill(
             ticket: str, skip_blocks: int, trim_blocks: int | None
@@ -171,17 +190,19 @@ class WorkerRuns:
                 decode.dp_rank,
                 ticket,
                 skip_blocks,
-                transport,
+                pair.transport,
                 trim_blocks,
-                nixl_parts,
+                pair.nixl_parts,
                 self._first_token_before_handoff,
             )
-            attempt.start(prefill.address)
-            return asyncio.ensure_future(self._workers.prefill(prefill, job, kv, remaining_s(deadline_s)))
+            run.attempt.start(pair.prefill.address)
+            return asyncio.ensure_future(
+                self._workers.prefill(pair.prefill, run.job, kv, remaining_s(run.deadline_s))
+            )
 
-        prefilling = None if ticket is None else start_prefill(ticket, 0, None)
+        prefilling = None if pair.ticket is None else start_prefill(pair.ticket, 0, None)
         try:
-            admitted = await within(stream.next(), deadline_s)
+            admitted = await within(stream.next(), run.deadline_s)
             if admitted is None or admitted.kind is not DecodeFrameKind.ADMITTED:
                 got = "the end of the stream" if admitted is None else f"a {admitted.kind.value} frame"
                 raise WorkerUnavailable(
@@ -190,15 +211,15 @@ class WorkerRuns:
                 )
             # The decode worker's own cache hits and the KV it receives are not cache hits for this
             # request: the prefill worker computes every prompt token it does not find in ITS cache.
-            state.advance(RequestStatus.ADMITTED)
+            run.state.advance(RequestStatus.ADMITTED)
             # 2. The prefill worker runs the prompt and pushes KV straight to that decode rank.
             if prefilling is None:
                 prefilling = start_prefill(
                     admitted.transfer_ticket, admitted.cached_blocks, admitted.trim_blocks
                 )
-            state.advance(RequestStatus.PREFILLING)
+            run.state.advance(RequestStatus.PREFILLING)
             running = prefilling
-            return await within(_unless_gone(lambda: running, watched), deadline_s)
+            return await within(_unless_gone(lambda: running, watched), run.deadline_s)
         finally:
             if prefilling is not None:
                 if not prefilling.done():
