@@ -75,8 +75,8 @@ if [[ $what == window ]]; then
   #   probe    the attention block-size sweep (alone: `attention`), and the step profile (alone:
   #            `profile`) at 1/8/64 sequences over
   #            32- and 16-token blocks (each against its floor) and of mixed steps (60
-  #            decoding + a 2,048-token prompt chunk, the chunk alone, and 4 fresh prompts of
-  #            512 as a burst's step: at e5dd904 64 requests at once had TTFT p50 1,757 ms, as
+  #            decoding + a 2,048-token prompt chunk, the chunk alone, 4 fresh prompts of
+  #            512 as a burst's step, alone and with 8 sequences decoding: at e5dd904 64 requests at once had TTFT p50 1,757 ms, as
   #            if such steps took ~4x a 2,048-token prefill, and the requests decoding meanwhile
   #            wait through them);
   #   serving  the unified stack with two gateways, one request at a time and 64 at once, with
@@ -130,7 +130,7 @@ if [[ $what == window ]]; then
           --out "$RES/cuda-attention-$TAG.json" || rc=1
         fi
         [[ $part == attention ]] || timeout -s INT "${T_PROFILE:-120}" $PY -m benchmarks.cuda_step_profile --seqs 1 8 64 \
-          --paths fused --block-sizes 32 16 --mixed 60:2048 0:2048 0:4x512 \
+          --paths fused --block-sizes 32 16 --mixed 60:2048 0:2048 0:4x512 8:4x512 \
           --out "$RES/cuda-step-profile-$TAG.json" || rc=1 ;;
       *) echo "unknown window part: $part"; rc=1 ;;
     esac
