@@ -114,6 +114,27 @@ ENGINE_STEP_SECONDS = Counter(
 ENGINE_STEP_TOKENS = Counter(
     "pdserve_engine_step_tokens_total", "Tokens whose K/V engine steps computed", ["dp_rank", "kind"]
 )
+# torch's CUDA caching allocator on a worker's GPUs (services/worker/device_memory.py): what the
+# worker's tensors hold and what the allocator keeps reserved for them, and its retries: each is
+# an allocation that failed, after which the allocator synchronized the device, gave its free
+# cached blocks back to CUDA and tried again (slow; a step that does it runs several times
+# slower), the sign that the KV pool left too little room for the steps' activations.
+GPU_MEMORY_ALLOCATED = Gauge(
+    "pdserve_gpu_memory_allocated_bytes", "Bytes of GPU memory held by this worker's tensors", ["device"]
+)
+GPU_MEMORY_RESERVED = Gauge(
+    "pdserve_gpu_memory_reserved_bytes",
+    "Bytes of GPU memory torch's caching allocator holds for this worker (allocated + cached)",
+    ["device"],
+)
+GPU_ALLOC_RETRIES = Counter(
+    "pdserve_gpu_alloc_retries_total",
+    "GPU allocations that failed and were retried after the allocator freed its cache",
+    ["device"],
+)
+GPU_OOMS = Counter(
+    "pdserve_gpu_ooms_total", "GPU allocations that failed for good (out of memory)", ["device"]
+)
 # Speculative decoding (vLLM's spec_decode counters are the model): acceptance rate =
 # accepted / draft tokens; mean accepted run = accepted / drafts.
 SPEC_DRAFTS = Counter(

@@ -15,6 +15,7 @@ from typing import Any
 
 import structlog
 
+from services.worker.device_memory import DeviceMemoryMetrics
 from services.worker.engine.api import (
     Engine,
     RequestKind,
@@ -87,6 +88,7 @@ class WorkerCore:
         self._idle.set()
         self._draining = False
         self._rank_metrics = RankMetrics(engine)
+        self._device_memory = DeviceMemoryMetrics(engine)
 
     # ----- bookkeeping -----
 
@@ -393,8 +395,10 @@ class WorkerCore:
         return self.engine.rank_loads()
 
     def refresh_metrics(self) -> None:
-        """Update the per-rank gauges and counters from the engine (rank_metrics.py)."""
+        """Update the per-rank gauges and counters from the engine (rank_metrics.py) and the GPU
+        memory figures (device_memory.py)."""
         self._rank_metrics.refresh()
+        self._device_memory.refresh()
 
     # ----- drain -----
 

@@ -1,0 +1,54 @@
+"""The GPU memory figures of a worker: for every GPU its KV pools live on, what torch's caching
+allocator reports (`torch.cuda.memory_stats`): bytes allocated and reserved as gauges, and its
+allocation retries and out-of-memory failures, cumulative in torch, exported as counter
+increments, each counted once. Why: a rank sizes its KV pool at start from the largest step it
+measured (engine/memory.py); a served step that needs more than what was left makes the
+allocator free its cache and retry, a device-wide synchronization that slows that step several
+times over and shows nowhere else. A worker without CUDA pools exports nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from services.worker.engine.api import Engine
+from shared import metrics
+
+# what is read of torch.cuda.memory_stats
+_ALLOCATED = "allocated_bytes.all.current"
+_RESERVED = "reserved_bytes.all.current"
+_RETRIES = "num_alloc_retries"
+_OOMS = "num_ooms"
+
+
+class DeviceMemoryMetrics:
+    """Exports the allocator's figures of the engine's GPUs (call `refresh` periodically).
+    `memory_stats`: torch.cuda.memory_stats, or a stand-in in tests."""
+
+    def __init__(
+        self, engine: Engine, memory_stats: Callable[[torch.device], dict[str, Any]] | None = None
+    ) -> None:
+        self._engine = engine
+        self._devices: list[torch.device] | None = None  # read at the first refresh
+        self._memory_stats = memory_stats or torch.cuda.memory_stats
+        # per device, (retries, ooms) already exported to Prometheus (torch counts since start)
+        self._seen: dict[torch.device, tuple[int, int]] = {}
+
+    def refresh(self) -> None:
+        if self._devices is None:
+            pools = self._engine.kv_pools()
+            self._devices = sorted({p.device for p in pools if p.device.type == "cuda"}, key=str)
+        for device in self._devices:
+            stats = self._memory_stats(device)
+            label = str(device)
+            metrics.GPU_MEMORY_ALLOCATED.labels(device=label).set(stats.get(_ALLOCATED, 0))
+            metrics.GPU_MEMORY_RESERVED.labels(device=label).set(stats.get(_RESERVED, 0))
+            retries, ooms = int(stats.get(_RETRIES, 0)), int(stats.get(_OOMS, 0))
+            seen_retries, seen_ooms = self._seen.get(device, (0, 0))
+            if retries > seen_retries:
+                metrics.GPU_ALLOC_RETRIES.labels(device=label).inc(retries - seen_retries)
+            if ooms > seen_ooms:
+                metrics.GPU_OOMS.labels(device=label).inc(ooms - seen_ooms)
+            self._seen[device] = (max(retries, seen_retries), max(ooms, seen_ooms))
