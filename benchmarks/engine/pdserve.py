@@ -9,6 +9,8 @@ import random
 import time
 from typing import Any
 
+import torch
+
 from benchmarks.engine.workload import summarize
 
 
@@ -66,16 +68,27 @@ def run_pdserve(args: argparse.Namespace, prompts: list[list[int]], **overrides:
         async def go() -> dict[str, Any]:
             await _engine_round(engine, [prompts[0][:16]], 2, "warm")
             before = [engine.step_stats(r) for r in range(engine.config.dp_size)]
+            retries = _alloc_retries()
             t0, times, _ = await _engine_round(engine, prompts, args.new_tokens, "r")
             result = summarize(t0, times, max(t[-1] for t in times) - t0)
             result["engine_start_s"] = round(start_s, 2)  # load + warm-up of every rank
             after = [engine.step_stats(r) for r in range(engine.config.dp_size)]
             result["steps"] = steps_by_kind(before, after)
+            if torch.cuda.is_available():  # each one stalled a step (services/worker/device_memory.py)
+                result["gpu_alloc_retries"] = _alloc_retries() - retries
             return result
 
         return asyncio.run(go())
     finally:
         engine.shutdown()
+
+
+def _alloc_retries() -> int:
+    """Allocations torch's CUDA allocator retried after freeing its cache, on every GPU."""
+    if not torch.cuda.is_available():
+        return 0
+    count = range(torch.cuda.device_count())
+    return sum(int(torch.cuda.memory_stats(d).get("num_alloc_retries", 0)) for d in count)
 
 
 def steps_by_kind(before: list[Any], after: list[Any]) -> dict[str, dict[str, Any]]:
