@@ -17,7 +17,8 @@ worker (`pdserve up` keeps the decode and unified workers' and gives prefill wor
 Each phase records the CPU µs per delivered token of every service (all gateways summed under
 `gateway`), the engine steps each worker ran by kind (decode / mixed / prefill / verify:
 count, mean wall time, tokens per step; engine_steps.py, from the workers' /metrics; on a GPU
-also the allocations its allocator retried, `gpu_alloc_retries`, each a stalled step), and the
+also the allocations its allocator retried, `gpu_alloc_retries`, and on any device the frames
+torch.compile compiled, `torch_compiles`: each a stalled step), and the
 gateways' split of its TTFT (`ttft_phases_ms`: schedule, admit, prefill, mean ms).
 
 Writes benchmarks/results/serving-<device>.json (with the GPU's name, or the CPU's capability).

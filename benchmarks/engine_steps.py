@@ -3,9 +3,9 @@
 step_stats.py): a snapshot per worker before and after a phase, and per kind what the phase ran:
 steps, their mean wall time, tokens per step. Why: a burst's prefill phase on a GPU took ~3x
 what its steps cost in isolation; the steps as served say where the time goes. Beside the step
-kinds, `gpu_alloc_retries` counts the GPU allocations the phase retried after torch's allocator
-freed its cache (`pdserve_gpu_alloc_retries_total`, services/worker/device_memory.py): each
-stalls a step, so a phase with any ran slower than its steps would in isolation."""
+kinds, two counts of what stalls a step (services/worker/torch_metrics.py): `gpu_alloc_retries`,
+the GPU allocations the phase retried after torch's allocator freed its cache, and
+`torch_compiles`, the frames torch.compile compiled during the phase (seconds each)."""
 
 from __future__ import annotations
 
@@ -30,17 +30,19 @@ _FIELDS = {
     "pdserve_engine_step_seconds": 1,
     "pdserve_engine_step_tokens": 2,
 }
-# the pseudo-kind of a snapshot that holds the GPU allocator's retries (first field)
-ALLOC_RETRIES = "gpu_alloc_retries"
+# counters reported beside the step kinds: metric family -> the pseudo-kind that holds its
+# count (first field) in a snapshot
+STALLS = {"pdserve_gpu_alloc_retries": "gpu_alloc_retries", "pdserve_torch_compiles": "torch_compiles"}
 
 
 def parse(text: str) -> dict[str, list[float]]:
     """One worker's /metrics text -> {step kind: [steps, seconds, tokens]} over its ranks."""
     out: dict[str, list[float]] = {}
     for family in text_string_to_metric_families(text):
-        if family.name == "pdserve_gpu_alloc_retries":
-            retries = sum(s.value for s in family.samples if s.name.endswith("_total"))
-            out.setdefault(ALLOC_RETRIES, [0.0, 0.0, 0.0])[0] += retries
+        stall = STALLS.get(family.name)
+        if stall is not None:
+            count = sum(s.value for s in family.samples if s.name.endswith("_total"))
+            out.setdefault(stall, [0.0, 0.0, 0.0])[0] += count
             continue
         field = _FIELDS.get(family.name)
         if field is None:
@@ -79,15 +81,15 @@ def snapshot(urls: dict[str, str]) -> Snapshot:
 
 def delta(before: Snapshot, after: Snapshot) -> dict[str, dict[str, dict[str, Any]]]:
     """Per worker and step kind, what ran between the two snapshots: steps, ms_mean (wall time
-    per step), tokens_per_step, seconds (all of that kind's steps together); and, on a GPU
-    worker whose allocator retried during the phase, `gpu_alloc_retries` (their count)."""
+    per step), tokens_per_step, seconds (all of that kind's steps together); and each stall
+    counter (STALLS) that grew during the phase, with its count."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for worker, kinds in after.items():
         rows: dict[str, dict[str, Any]] = {}
         for kind, (steps, seconds, tokens) in sorted(kinds.items()):
             b = before.get(worker, {}).get(kind, [0.0, 0.0, 0.0])
             n, s, t = steps - b[0], seconds - b[1], tokens - b[2]
-            if kind == ALLOC_RETRIES:
+            if kind in STALLS.values():
                 if n > 0:
                     rows[kind] = {"count": int(n)}
                 continue

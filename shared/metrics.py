@@ -114,7 +114,7 @@ ENGINE_STEP_SECONDS = Counter(
 ENGINE_STEP_TOKENS = Counter(
     "pdserve_engine_step_tokens_total", "Tokens whose K/V engine steps computed", ["dp_rank", "kind"]
 )
-# torch's CUDA caching allocator on a worker's GPUs (services/worker/device_memory.py): what the
+# torch's CUDA caching allocator on a worker's GPUs (services/worker/torch_metrics.py): what the
 # worker's tensors hold and what the allocator keeps reserved for them, and its retries: each is
 # an allocation that failed, after which the allocator synchronized the device, gave its free
 # cached blocks back to CUDA and tried again (slow; a step that does it runs several times
@@ -135,6 +135,9 @@ GPU_ALLOC_RETRIES = Counter(
 GPU_OOMS = Counter(
     "pdserve_gpu_ooms_total", "GPU allocations that failed for good (out of memory)", ["device"]
 )
+# torch.compile in a worker process: the start-up compiles (CUDA), then none while serving; a
+# later one stalled a step for as long as it took (seconds)
+TORCH_COMPILES = Counter("pdserve_torch_compiles_total", "Frames torch.compile compiled in this process")
 # Speculative decoding (vLLM's spec_decode counters are the model): acceptance rate =
 # accepted / draft tokens; mean accepted run = accepted / drafts.
 SPEC_DRAFTS = Counter(

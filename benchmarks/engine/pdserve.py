@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from benchmarks.engine.workload import summarize
+from services.worker.torch_metrics import compiled_frames
 
 
 def _engine(args: argparse.Namespace, **overrides: Any) -> Any:
@@ -68,13 +69,15 @@ def run_pdserve(args: argparse.Namespace, prompts: list[list[int]], **overrides:
         async def go() -> dict[str, Any]:
             await _engine_round(engine, [prompts[0][:16]], 2, "warm")
             before = [engine.step_stats(r) for r in range(engine.config.dp_size)]
-            retries = _alloc_retries()
+            retries, frames = _alloc_retries(), compiled_frames()
             t0, times, _ = await _engine_round(engine, prompts, args.new_tokens, "r")
             result = summarize(t0, times, max(t[-1] for t in times) - t0)
             result["engine_start_s"] = round(start_s, 2)  # load + warm-up of every rank
             after = [engine.step_stats(r) for r in range(engine.config.dp_size)]
             result["steps"] = steps_by_kind(before, after)
-            if torch.cuda.is_available():  # each one stalled a step (services/worker/device_memory.py)
+            # what stalled a step (services/worker/torch_metrics.py)
+            result["torch_compiles"] = compiled_frames() - frames
+            if torch.cuda.is_available():
                 result["gpu_alloc_retries"] = _alloc_retries() - retries
             return result
 

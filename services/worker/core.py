@@ -15,7 +15,6 @@ from typing import Any
 
 import structlog
 
-from services.worker.device_memory import DeviceMemoryMetrics
 from services.worker.engine.api import (
     Engine,
     RequestKind,
@@ -41,6 +40,7 @@ from services.worker.messages import (
     PrefillResult,
 )
 from services.worker.rank_metrics import RankMetrics
+from services.worker.torch_metrics import TorchMetrics
 from shared import errors, metrics
 from shared.cluster import DecodeFrameKind, FinishReason, KvTransport, RankLoad, WorkerInfo
 from shared.tracing import tracer
@@ -88,7 +88,7 @@ class WorkerCore:
         self._idle.set()
         self._draining = False
         self._rank_metrics = RankMetrics(engine)
-        self._device_memory = DeviceMemoryMetrics(engine)
+        self._torch_metrics = TorchMetrics(engine)
 
     # ----- bookkeeping -----
 
@@ -395,10 +395,10 @@ class WorkerCore:
         return self.engine.rank_loads()
 
     def refresh_metrics(self) -> None:
-        """Update the per-rank gauges and counters from the engine (rank_metrics.py) and the GPU
-        memory figures (device_memory.py)."""
+        """Update the per-rank gauges and counters from the engine (rank_metrics.py) and torch's
+        own (torch_metrics.py: GPU memory, compilations)."""
         self._rank_metrics.refresh()
-        self._device_memory.refresh()
+        self._torch_metrics.refresh()
 
     # ----- drain -----
 

@@ -81,6 +81,9 @@ async def test_metrics_add_up_after_traffic(tiny_bpe_model: Path, tmp_path: Path
         for worker in (prefill, decode):
             assert ("pdserve_kv_cache_usage_ratio", (("dp_rank", "0"),)) in worker
             assert all(v >= 0 for v in worker.values())
+            # CPU workers compile nothing (on CUDA: at start only), and hold no GPU figures
+            assert worker[("pdserve_torch_compiles_total", ())] == 0
+            assert total(worker, "pdserve_gpu_memory_allocated_bytes") == 0
 
         sched = scrape(stack.metrics_url(SCHEDULER))
         assert total(sched, "pdserve_schedule_decisions_total") >= len(usages)

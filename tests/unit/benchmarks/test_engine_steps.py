@@ -42,18 +42,23 @@ def test_counters_are_summed_over_ranks_and_differenced_per_phase() -> None:
     assert delta(after, after) == {"worker": {}}
 
 
-def test_a_phase_reports_the_gpu_allocators_retries_when_there_were_any() -> None:
-    def worker(retries: dict[str, int]) -> str:
+def test_a_phase_reports_the_stalls_it_had() -> None:
+    """The GPU allocator's retries (per device, summed) and torch.compile's frames."""
+
+    def worker(retries: dict[str, int], compiles: int) -> str:
         reg = CollectorRegistry()
         counter = Counter("pdserve_gpu_alloc_retries_total", "", ["device"], registry=reg)
         for device, n in retries.items():
             counter.labels(device=device).inc(n)
+        Counter("pdserve_torch_compiles_total", "", registry=reg).inc(compiles)
         return _metrics([("0", "decode", 10, 0.05, 80)]) + generate_latest(reg).decode()
 
-    before = {"worker": parse(worker({"cuda:0": 1, "cuda:1": 0}))}
-    after = {"worker": parse(worker({"cuda:0": 3, "cuda:1": 2}))}
+    before = {"worker": parse(worker({"cuda:0": 1, "cuda:1": 0}, 7))}
+    after = {"worker": parse(worker({"cuda:0": 3, "cuda:1": 2}, 7))}
     assert delta(before, after) == {"worker": {"gpu_alloc_retries": {"count": 4}}}
     assert delta(after, after) == {"worker": {}}
+    later = {"worker": parse(worker({"cuda:0": 3, "cuda:1": 2}, 9))}
+    assert delta(after, later) == {"worker": {"torch_compiles": {"count": 2}}}
 
 
 def test_bench_engine_reports_the_rounds_steps_over_every_rank() -> None:

@@ -1,6 +1,6 @@
-"""The GPU memory figures of a worker (services/worker/device_memory.py): torch's allocator
-counts become counter increments counted once, its byte figures gauges, per GPU the KV pools
-live on; a worker whose pools are on the CPU exports nothing."""
+"""torch's figures of a worker (services/worker/torch_metrics.py): the allocator's counts become
+counter increments counted once, its byte figures gauges, per GPU the KV pools live on (a worker
+whose pools are on the CPU reads no GPU); every frame torch.compile compiles is counted."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
-from services.worker.device_memory import DeviceMemoryMetrics
+from services.worker.torch_metrics import TorchMetrics, compiled_frames
 
 
 class _Pool:
@@ -43,7 +43,7 @@ def test_allocator_counts_are_exported_once_and_bytes_as_gauges() -> None:
     }
     retries = _value("pdserve_gpu_alloc_retries_total", "cuda:6") or 0.0
     ooms = _value("pdserve_gpu_ooms_total", "cuda:6") or 0.0
-    exported = DeviceMemoryMetrics(_Pools("cuda:6", "cuda:6"), lambda d: stats[d])  # type: ignore[arg-type]
+    exported = TorchMetrics(_Pools("cuda:6", "cuda:6"), lambda d: stats[d])  # type: ignore[arg-type]
     exported.refresh()
     exported.refresh()  # nothing new: nothing added
     assert _value("pdserve_gpu_alloc_retries_total", "cuda:6") == retries + 2
@@ -62,7 +62,7 @@ def test_a_worker_on_the_cpu_reads_no_gpu() -> None:
     def refuse(device: torch.device) -> dict[str, Any]:
         raise AssertionError(f"read {device}")
 
-    DeviceMemoryMetrics(_Pools("cpu", "cpu"), refuse).refresh()  # type: ignore[arg-type]
+    TorchMetrics(_Pools("cpu", "cpu"), refuse).refresh()  # type: ignore[arg-type]
 
 
 @pytest.mark.gpu
@@ -74,8 +74,21 @@ def test_a_pool_on_a_gpu_shows_in_the_allocators_figures() -> None:
         def kv_pools(self) -> list[torch.Tensor]:
             return [pool]
 
-    DeviceMemoryMetrics(_Engine()).refresh()  # type: ignore[arg-type]
+    TorchMetrics(_Engine()).refresh()  # type: ignore[arg-type]
     label = str(pool.device)
     assert (_value("pdserve_gpu_memory_allocated_bytes", label) or 0) >= 64 << 20
     reserved = _value("pdserve_gpu_memory_reserved_bytes", label) or 0
     assert reserved >= (_value("pdserve_gpu_memory_allocated_bytes", label) or 0)
+
+
+def test_a_compilation_is_counted() -> None:
+    exported = TorchMetrics(_Pools("cpu"))  # type: ignore[arg-type]
+    exported.refresh()
+    before = REGISTRY.get_sample_value("pdserve_torch_compiles_total") or 0.0
+    frames = compiled_frames()
+    double = torch.compile(lambda x: x * 2 + 1, backend="eager")
+    double(torch.ones(3))
+    assert compiled_frames() == frames + 1
+    exported.refresh()
+    exported.refresh()
+    assert REGISTRY.get_sample_value("pdserve_torch_compiles_total") == before + 1
