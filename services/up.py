@@ -57,6 +57,13 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"])
     p.add_argument("--dp-size", type=int, default=1, help="data-parallel ranks per worker")
     p.add_argument(
+        "--gpus",
+        default="",
+        help="with --device cuda/auto, the GPUs to place workers on (indices, e.g. 0,1,2,3); default "
+        "every visible GPU. Each worker's ranks take the next GPUs (prefill workers first); workers "
+        "share a GPU, and split its memory, only once every GPU has one",
+    )
+    p.add_argument(
         "--gateways",
         type=int,
         default=1,
@@ -118,6 +125,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
         )
     a = p.parse_args(list(argv))
     a.worker_counts = up_shape.worker_counts(a)
+    a.gpus = up_shape.gpu_list(a.gpus, a.device, _visible_gpus)
     if not 1 <= a.gateways <= up_shape.MAX_GATEWAYS:
         raise SystemExit(
             f"pdserve up: --gateways must be between 1 and {up_shape.MAX_GATEWAYS}, got {a.gateways}"
@@ -127,6 +135,13 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     a.cluster_token_given = bool(a.cluster_token or os.environ.get(CLUSTER_TOKEN_ENV))
     a.cluster_token = cluster_token(a.cluster_token, os.environ)
     return a
+
+
+def _visible_gpus() -> int:
+    """GPUs this process sees (0 without CUDA); torch is imported only for a GPU stack."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def cluster_token(given: str, env: Mapping[str, str]) -> str:
@@ -189,7 +204,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         up_processes.stop_all(children)
         raise SystemExit(1)
     gateway = next(c.address for c in children if c.name == "gateway")
-    workers = ", ".join(f"{c.name} {c.address}" for c in children if "worker" in c.name)
+    workers = ", ".join(
+        f"{c.name} {c.address}" + (f" on GPU {','.join(map(str, c.gpus))}" if c.gpus else "")
+        for c in children
+        if "worker" in c.name
+    )
     more = [c.address for c in children if c.name.startswith("gateway-")]
     if more:  # the other gateways share the HTTP port; each has its own gRPC port
         gateway += f" (and {', '.join(more)})"

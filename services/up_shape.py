@@ -1,11 +1,13 @@
 """The shape of a `pdserve up` stack: which child processes (load-monitor, scheduler, the workers
 of each kind, gateway), the port each listens on (port-base + a fixed offset per service), and the
-flags and environment each gets, including the flags that several workers on one GPU need."""
+flags and environment each gets, including where the workers go on a machine's GPUs and the
+flags that several workers on one GPU need."""
 
 from __future__ import annotations
 
 import argparse
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +54,7 @@ class Child:
     address: str
     args: list[str]
     env: dict[str, str] | None = None  # added to this process's environment (secrets: not in argv)
+    gpus: tuple[int, ...] = ()  # a worker's GPUs (--cuda-devices), when up placed it
     proc: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
 
@@ -83,19 +86,69 @@ def _graphs_flag(a: argparse.Namespace, kind: str) -> list[str]:
     return ["--no-cuda-graphs"] if kind == "prefill-worker" and a.device != "cpu" else []
 
 
-# the share of the GPU's memory all of up's workers use together (each worker's own default)
+# the share of a GPU's memory all of up's workers on it use together (each worker's own default)
 GPU_MEMORY_UTILIZATION = 0.9
 
 
-def _memory_flag(a: argparse.Namespace) -> list[str]:
-    """`--gpu-memory-utilization` split evenly when several worker processes share the GPU:
-    each worker sizes its KV pool from its share of the device (engine/memory.py), so the first
-    one to start cannot take the memory the others need. A --worker-arg given later wins."""
-    workers = sum(a.worker_counts.values())
-    if workers < 2 or a.device == "cpu":
-        return []
-    share = int(GPU_MEMORY_UTILIZATION / workers * 1000) / 1000  # rounded down: never over 0.9
-    return ["--gpu-memory-utilization", f"{share:g}"]
+def gpu_list(flag: str, device: str, count_visible: Callable[[], int]) -> tuple[int, ...]:
+    """The GPUs up places workers on: --gpus ("0,1"; indices of the visible devices), else every
+    visible one (`count_visible`, called only then); none on --device cpu. Exits with one line for
+    a list that is not distinct non-negative integers."""
+    if device == "cpu":
+        return ()
+    if not flag.strip():
+        return tuple(range(count_visible()))
+    try:
+        gpus = tuple(int(part) for part in flag.split(","))
+    except ValueError:
+        raise SystemExit(f"pdserve up: --gpus takes GPU indices separated by commas, got {flag!r}") from None
+    if len(set(gpus)) != len(gpus) or min(gpus) < 0:
+        raise SystemExit(f"pdserve up: --gpus needs distinct GPU indices >= 0, got {flag!r}")
+    return gpus
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One worker's GPUs and its --gpu-memory-utilization (None: the worker's default, the GPU
+    is its own)."""
+
+    gpus: tuple[int, ...]
+    utilization: float | None
+
+
+def place_workers(names: list[str], dp_size: int, gpus: tuple[int, ...]) -> dict[str, Placement]:
+    """Workers (in start order: prefill before decode) onto GPUs: worker i's ranks take the next
+    dp_size GPUs, round the list, so workers share a GPU only once every GPU has one; a worker
+    that shares a GPU with others gets GPU_MEMORY_UTILIZATION split by the most processes on any
+    of its GPUs (rounded down, never over it together), so the first to start cannot take the
+    memory the others need (each sizes its KV pool from its share: engine/memory.py). No GPUs
+    (none visible): every worker on the one default device, the share split between them all."""
+    if not gpus:
+        share = _share(len(names))
+        return {name: Placement((), share) for name in names}
+    taken: list[tuple[int, ...]] = []
+    for i in range(len(names)):
+        mine = [gpus[(i * dp_size + j) % len(gpus)] for j in range(dp_size)]
+        taken.append(tuple(dict.fromkeys(mine)))  # a GPU once, in rank order
+    users = {g: sum(g in t for t in taken) for g in gpus}
+    return {
+        name: Placement(t, _share(max(users[g] for g in t))) for name, t in zip(names, taken, strict=True)
+    }
+
+
+def _share(processes: int) -> float | None:
+    if processes < 2:
+        return None
+    return int(GPU_MEMORY_UTILIZATION / processes * 1000) / 1000
+
+
+def _placement_flags(placement: Placement, placed: bool) -> list[str]:
+    """--cuda-devices (when up placed the workers on listed GPUs) and --gpu-memory-utilization
+    (when the worker shares a GPU). A --worker-arg given later wins."""
+    flags = ["--cuda-devices", ",".join(map(str, placement.gpus))] if placed else []
+    if placement.utilization is not None:
+        flags += ["--gpu-memory-utilization", f"{placement.utilization:g}"]
+    return flags
 
 
 def replica_name(kind: str, index: int) -> str:
@@ -141,7 +194,6 @@ def children(a: argparse.Namespace, model_path: str) -> list[Child]:
         str(block_size(a)),
         "--torch-threads",
         str(a.torch_threads),
-        *_memory_flag(a),
     ]
     stack = [
         Child(
@@ -157,11 +209,15 @@ def children(a: argparse.Namespace, model_path: str) -> list[Child]:
             [*common("scheduler"), "--load-monitor-address", addr("load-monitor"), *a.scheduler_arg],
         ),
     ]
+    names = [replica_name(kind, i) for kind, count in a.worker_counts.items() for i in range(count)]
+    on_gpu = a.device != "cpu"
+    placements = place_workers(names, a.dp_size, a.gpus) if on_gpu else {}
     for kind, count in a.worker_counts.items():
         role = ["--role", "unified"] if kind == "worker" else []
         own = {"prefill-worker": a.prefill_worker_arg, "decode-worker": a.decode_worker_arg}.get(kind, [])
         for index in range(count):
             name = replica_name(kind, index)
+            placement = placements.get(name, Placement((), None))
             stack.append(
                 Child(
                     name,
@@ -173,10 +229,12 @@ def children(a: argparse.Namespace, model_path: str) -> list[Child]:
                         "--advertise-address",
                         addr(name),
                         *worker_common,
+                        *_placement_flags(placement, bool(a.gpus)),
                         *_graphs_flag(a, kind),
                         *a.worker_arg,  # after ours: a --worker-arg=--cuda-graphs wins
                         *own,
                     ],
+                    gpus=placement.gpus,
                 )
             )
     gateways = a.gateways

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.worker.engine.gpu_placement import worker_gpus
 from services.worker.engine.options import EngineOptions
 from shared.addresses import normalize_address
 from shared.cluster import Role
+from shared.errors import InvalidArgument
 from shared.settings import field
 from shared.tls import TlsSettings
 
@@ -119,6 +121,11 @@ class WorkerSettings(TlsSettings, EngineOptions):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        # the list's form here; whether each GPU is visible is checked at start, on the device
+        try:
+            worker_gpus(self.cuda_devices, visible=1 << 20)
+        except InvalidArgument as exc:
+            raise ValueError(str(exc)) from None
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
         if not 1 <= self.spec_ngram_min <= self.spec_ngram_max:

@@ -240,3 +240,75 @@ def test_block_size_defaults_by_device_and_reaches_workers_and_gateways_alike() 
     assert set(_block_sizes("--block-size", "64").values()) == {"64"}
     with pytest.raises(SystemExit, match="--block-size"):
         up._parse(["--block-size", "-4"])
+
+
+def _placed(*argv: str) -> dict[str, tuple[str, list[str]]]:
+    """Per worker, its --cuda-devices (or "") and its --gpu-memory-utilization values."""
+    memory = _memory_flags(*argv)
+    out = {}
+    for c in _children(*argv):
+        if "worker" in c.name:
+            devices = c.args[c.args.index("--cuda-devices") + 1] if "--cuda-devices" in c.args else ""
+            out[c.name] = (devices, memory[c.name])
+    return out
+
+
+def test_workers_spread_over_the_gpus_before_they_share_one() -> None:
+    """On a machine with several GPUs each worker gets its own (prefill workers first) and the
+    whole of its memory share; only once every GPU has a worker do workers share one, and then
+    the ones that share split its memory; a worker's DP ranks take consecutive GPUs."""
+    four = ("--device", "cuda", "--gpus", "0,1,2,3")
+    assert _placed(*four) == {"prefill-worker": ("0", []), "decode-worker": ("1", [])}
+    assert _placed(*four, "--prefill-workers", "2", "--decode-workers", "2") == {
+        "prefill-worker": ("0", []),
+        "prefill-worker-1": ("1", []),
+        "decode-worker": ("2", []),
+        "decode-worker-1": ("3", []),
+    }
+    assert _placed(*four, "--unified", "--dp-size", "4") == {"worker": ("0,1,2,3", [])}
+    assert _placed(*four, "--unified-workers", "2", "--dp-size", "2") == {
+        "worker": ("0,1", []),
+        "worker-1": ("2,3", []),
+    }
+    # five workers on four GPUs: GPU 0 carries two, which split its memory
+    assert _placed(*four, "--prefill-workers", "2", "--decode-workers", "3") == {
+        "prefill-worker": ("0", ["0.45"]),
+        "prefill-worker-1": ("1", []),
+        "decode-worker": ("2", []),
+        "decode-worker-1": ("3", []),
+        "decode-worker-2": ("0", ["0.45"]),
+    }
+    # the GPUs named, in the order given; two workers on one listed GPU share it as before
+    assert _placed("--device", "cuda", "--gpus", "3,1") == {
+        "prefill-worker": ("3", []),
+        "decode-worker": ("1", []),
+    }
+    assert _placed("--device", "cuda", "--gpus", "2") == {
+        "prefill-worker": ("2", ["0.45"]),
+        "decode-worker": ("2", ["0.45"]),
+    }
+    # a DP size beyond the GPUs: the worker's ranks wrap round its own GPUs
+    assert up_shape.place_workers(["worker"], 3, (0, 1)) == {"worker": up_shape.Placement((0, 1), None)}
+    # CPU stacks place nothing
+    assert _placed("--gpus", "0,1") == {"prefill-worker": ("", []), "decode-worker": ("", [])}
+
+
+def test_the_gpus_counted_are_used_and_none_visible_keeps_one_shared_device() -> None:
+    assert up_shape.gpu_list("", "cuda", lambda: 8) == tuple(range(8))
+    assert up_shape.gpu_list("", "auto", lambda: 0) == ()
+
+    def never() -> int:
+        raise AssertionError("counted the GPUs of a CPU stack")
+
+    assert up_shape.gpu_list("", "cpu", never) == ()
+    # nothing visible (or a CPU host with --device auto): as on one GPU, the share split
+    assert up_shape.place_workers(["a", "b"], 1, ()) == {
+        "a": up_shape.Placement((), 0.45),
+        "b": up_shape.Placement((), 0.45),
+    }
+
+
+@pytest.mark.parametrize("gpus", ["0,0", "a,b", "-1", "0;1"])
+def test_a_bad_gpu_list_exits_with_one_line(gpus: str) -> None:
+    with pytest.raises(SystemExit, match="--gpus"):
+        up._parse(["--device", "cuda", "--gpus", gpus])

@@ -16,6 +16,7 @@ from services.worker.engine import memory, model_variants
 from services.worker.engine.api import EngineConfig, KvLayout
 from services.worker.engine.backend import ModelBackend
 from services.worker.engine.block_manager import BlockManager
+from services.worker.engine.gpu_placement import rank_gpu, worker_gpus
 from services.worker.engine.kv_trim import KvTrim
 from services.worker.engine.model_loading import kv_layout_of, load_model, resolve_dtype
 from services.worker.engine.model_runner import ModelRunner
@@ -77,17 +78,17 @@ class RankBuilder:
         if want == "cuda":
             if not torch.cuda.is_available():
                 raise FailedPrecondition("device cuda requested but CUDA is not available")
-            gpus = torch.cuda.device_count()
-            if dp_rank == gpus:  # once, at the first rank that shares a GPU
+            gpus = worker_gpus(self.cfg.cuda_devices, torch.cuda.device_count())
+            if dp_rank == len(gpus):  # once, at the first rank that shares a GPU
                 # measured on one H200 (README, goodput on a GPU): two ranks of one process on one
                 # GPU share a Python thread's launches, and TTFT collapsed under load
                 log.warning(
                     "%d DP ranks on %d GPU(s): ranks share a GPU and its launching process; "
                     "prefer one rank per GPU, or more workers",
                     self.cfg.dp_size,
-                    gpus,
+                    len(gpus),
                 )
-            return torch.device("cuda", dp_rank % gpus)
+            return torch.device("cuda", rank_gpu(dp_rank, gpus))
         return torch.device(want)
 
     def build(self, dp_rank: int) -> Rank:

@@ -26,6 +26,7 @@ import torch
 
 from services.worker.engine.api import EngineConfig, KvLayout, SamplingConfig
 from services.worker.engine.backend import ModelBackend
+from services.worker.engine.gpu_placement import ranks_on, worker_gpus
 from shared.errors import ResourceExhausted
 
 log = logging.getLogger(__name__)
@@ -115,8 +116,8 @@ def pool_blocks(
         return -(-cfg.kv_cache_tokens // cfg.block_size)
     per_token = sum(lay.num_layers * 2 * lay.num_kv_heads * lay.head_dim * dtype.itemsize for lay in layouts)
     if gpu is not None:
-        gpus = torch.cuda.device_count()
-        ranks_here = sum(1 for r in range(cfg.dp_size) if r % gpus == (device.index or 0))
+        gpus = worker_gpus(cfg.cuda_devices, torch.cuda.device_count())
+        ranks_here = ranks_on(device.index or 0, cfg.dp_size, gpus)
         budget = kv_pool_bytes(
             gpu, cfg.gpu_memory_utilization, ranks_here, per_token, min_tokens=max_model_len
         )

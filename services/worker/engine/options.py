@@ -99,6 +99,12 @@ class EngineOptions(BackendOptions, SpecOptions):
     speculation's."""
 
     dp_size: int = field(1, "Data-parallel ranks (model replicas) in this process")
+    cuda_devices: str = field(
+        "",
+        "On CUDA, the GPUs this worker's ranks run on, as indices of the visible devices (e.g. "
+        "'2,3'): rank r on the (r mod n)-th of them; empty = every visible GPU. pdserve up sets it "
+        "to spread its workers over a machine's GPUs",
+    )
     block_size: int = field(16, "Tokens per KV block")
     kv_cache_tokens: int = field(
         0,

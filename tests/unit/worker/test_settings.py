@@ -101,6 +101,8 @@ def test_env_and_flags() -> None:
         ["--speculative", "draft"],  # without --draft-model
         ["--speculative", "eagle"],
         ["--draft-kv-cache-tokens", "-1"],
+        ["--cuda-devices", "0,0"],
+        ["--cuda-devices", "gpu1"],
     ],
 )
 def test_invalid_values_exit_with_a_message(argv: list[str]) -> None:
