@@ -6,6 +6,7 @@ from rank 0."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any
@@ -92,8 +93,14 @@ class RankBuilder:
         return torch.device(want)
 
     def build(self, dp_rank: int) -> Rank:
-        cfg = self.cfg
         device = self._device_for(dp_rank)
+        # the rank's GPU is the thread's current device while it is built: what uses the
+        # current device (torch.cuda.graph's capture stream, a bare synchronize) must mean it
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            return self._build(dp_rank, device)
+
+    def _build(self, dp_rank: int, device: torch.device) -> Rank:
+        cfg = self.cfg
         dtype = resolve_dtype(cfg.dtype, device)
         backend = ModelBackend.choose(cfg, device)
         cuda = device.type == "cuda"

@@ -170,6 +170,13 @@ class ModelRunner:
         """The packed step's inputs and attention metadata (step_inputs.py)."""
         return step_inputs.build(self, seqs)
 
+    def bind_thread(self) -> None:
+        """Make the runner's GPU the calling thread's current device (a thread starts on GPU 0):
+        what uses the current device (a graph captured on first use, a bare synchronize) must
+        mean the rank's, on whatever GPU --cuda-devices put it. Nothing elsewhere."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
     def wait_for_device(self) -> None:
         """Block until every kernel queued so far has run (CUDA; nothing elsewhere). A step that
         samples nothing (non-final prompt chunks) returns with its kernels still queued; what a

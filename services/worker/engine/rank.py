@@ -139,6 +139,7 @@ class Rank:
 
     # ---- the step loop -------------------------------------------------------------------
     def _loop(self) -> None:
+        self.runner.bind_thread()
         while True:
             try:
                 if not self._step():
