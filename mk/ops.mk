@@ -10,7 +10,8 @@ OPS_KUBE_VERSION ?= 1.31.0
 # Every optional object switched on, so that they are validated too.
 OPS_HELM_AUTOSCALING := --set prefillWorker.autoscaling.enabled=true \
   --set decodeWorker.autoscaling.enabled=true
-OPS_HELM_ALL_ON := --set metrics.serviceMonitor.enabled=true --set tls.enabled=true \
+OPS_HELM_ALL_ON := --set metrics.serviceMonitor.enabled=true --set metrics.prometheusRule.enabled=true \
+  --set metrics.grafanaDashboard.enabled=true --set tls.enabled=true \
   --set tls.secretName=pdserve-tls --set gateway.apiKeys.enabled=true \
   --set gateway.apiKeys.secretName=pdserve-api-keys $(OPS_HELM_AUTOSCALING)
 
