@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from services.gateway import http_convert as conv
 from services.gateway import http_models as m
 from services.gateway import http_responses, observe
+from services.gateway import http_responses_api as responses_api
 from services.gateway.http_body import read_json, read_request_id
 from services.gateway.http_choices import ChoiceRun
 from services.gateway.http_errors import (
@@ -83,6 +84,7 @@ class HttpApi:
             "/v1/chat/completions", self.chat, methods=["POST"], response_model=m.ChatCompletion
         )
         app.add_api_route("/v1/completions", self.completions, methods=["POST"], response_model=m.Completion)
+        app.add_api_route("/v1/responses", self.responses, methods=["POST"])
         return app
 
     # --- error handlers ---
@@ -94,7 +96,10 @@ class HttpApi:
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         message = f"{request.method} {request.url.path}: {exc.detail}"
         if exc.status_code == 404:
-            message += "; the API is POST /v1/chat/completions, POST /v1/completions, GET /v1/models"
+            message += (
+                "; the API is POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, "
+                "GET /v1/models"
+            )
         error = HttpError(
             exc.status_code, error_body(message, type_), dict(exc.headers or {}), grpc.StatusCode.UNKNOWN
         )
@@ -121,6 +126,10 @@ class HttpApi:
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, m.CompletionRequest, chat=False)
 
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API, served by the chat path (http_responses_api.py)."""
+        return await self._generate(request, responses_api.ResponsesRequest, chat=True)
+
     # --- the request life over HTTP ---
     async def _generate(self, request: Request, model: type[M], chat: bool) -> Response:
         self._authenticate(request)
@@ -131,10 +140,13 @@ class HttpApi:
             unknown = conv.unsupported_and_unknown(body.model_extra)
             if unknown:
                 log.debug("ignored_unknown_fields", fields=sorted(unknown))
+            # a Responses request is served as the chat completion request it becomes
+            asked = body if isinstance(body, responses_api.ResponsesRequest) else None
+            served: BaseModel = body if asked is None else responses_api.chat_request(asked)
             plan = (
-                conv.chat_plan(body, request_id, self._service.tool_call_format)  # type: ignore[arg-type]
+                conv.chat_plan(served, request_id, self._service.tool_call_format)  # type: ignore[arg-type]
                 if chat
-                else conv.completion_plan(body, request_id)  # type: ignore[arg-type]
+                else conv.completion_plan(served, request_id)  # type: ignore[arg-type]
             )
         except InvalidArgument as exc:
             return self._fail(exc, request_id)
@@ -167,17 +179,20 @@ class HttpApi:
             payload = completion_body(
                 plan, result, request_id, created, chat, self._service.token_text, echoes
             )
+            if asked is not None:
+                assert isinstance(payload, m.ChatCompletion)
+                body_json = responses_api.response_body(asked, payload, request_id, created)
+                return JSONResponse(body_json, headers=headers)
             return JSONResponse(payload.model_dump(), headers=headers)
 
         def close() -> None:
             run.cancel()
             span.end()
 
-        return EventStream(
-            events(plan, run, result, request_id, created, chat, self._service.token_text, echoes),
-            close,
-            headers,
-        )
+        stream = events(plan, run, result, request_id, created, chat, self._service.token_text, echoes)
+        if asked is not None:
+            stream = responses_api.events(asked, stream, request_id, created, result[0][1].model)
+        return EventStream(stream, close, headers)
 
     def _fail(self, exc: BaseException, request_id: str) -> JSONResponse:
         error = http_error(exc)

@@ -792,6 +792,144 @@ async def test_tool_calls_through_the_openai_client(bpe: HttpStack) -> None:
 
 
 # --- errors ---
+# --- the Responses API (POST /v1/responses), served by the chat path ---
+async def _responses_stream(client: openai.AsyncOpenAI, **kw: Any) -> tuple[list[Any], Any]:
+    """A streamed response's events and its final Response (from response.completed/incomplete)."""
+    stream = await client.responses.create(stream=True, **kw)
+    got = [e async for e in stream]
+    assert [e.sequence_number for e in got] == list(range(len(got)))
+    assert got[0].type == "response.created" and got[1].type == "response.in_progress"
+    assert got[-1].type in ("response.completed", "response.incomplete")
+    return got, got[-1].response
+
+
+async def test_responses_api_through_the_openai_client(bpe: HttpStack) -> None:
+    """`client.responses.create` gives the chat completion's text and usage (greedy), with
+    instructions as the system message and input items as messages; streamed, the output_text
+    deltas add up to the same text and the last event holds the whole Response; a run cut by
+    max_output_tokens is incomplete; disaggregated == unified."""
+    client = aclient(bpe)
+    system = "Answer briefly."
+    texts = []
+    for mode in MODES:
+        bpe.router.mode = mode
+        chat = await client.chat.completions.create(
+            model="",
+            messages=[{"role": "system", "content": system}, *CHAT],
+            max_tokens=12,
+            temperature=0.0,
+        )
+        kw: dict[str, Any] = dict(
+            model="", instructions=system, input=CHAT[0]["content"], max_output_tokens=12, temperature=0.0
+        )
+        got = await client.responses.create(**kw)
+        assert got.object == "response" and got.id.startswith("resp_")
+        assert got.output_text == chat.choices[0].message.content
+        assert chat.usage is not None and got.usage is not None
+        assert (got.usage.input_tokens, got.usage.output_tokens, got.usage.total_tokens) == (
+            chat.usage.prompt_tokens,
+            chat.usage.completion_tokens,
+            chat.usage.total_tokens,
+        )
+        # the chat request before it left the prompt's full blocks in the prefix cache
+        assert 0 < got.usage.input_tokens_details.cached_tokens < got.usage.input_tokens
+        if chat.choices[0].finish_reason == "length":
+            assert got.status == "incomplete"
+            assert got.incomplete_details is not None
+            assert got.incomplete_details.reason == "max_output_tokens"
+        else:
+            assert got.status == "completed"
+        (item,) = got.output
+        assert item.type == "message" and item.role == "assistant" and item.status == "completed"
+        events, final = await _responses_stream(client, **kw)
+        deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+        assert "".join(deltas) == final.output_text == got.output_text
+        assert final.usage == got.usage and final.status == got.status
+        kinds = [e.type for e in events]
+        for kind in (
+            "response.output_item.added",
+            "response.content_part.added",
+            "response.output_text.done",
+        ):
+            assert kind in kinds
+        texts.append(got.output_text)
+        # the same conversation as input items: a developer message and content parts
+        items: Any = [
+            {"role": "developer", "content": system},
+            {
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_text", "text": CHAT[0]["content"]}],
+            },
+        ]
+        as_items = await client.responses.create(model="", input=items, max_output_tokens=12, temperature=0.0)
+        assert as_items.output_text == got.output_text
+    assert texts[0] == texts[1]
+    await bpe.wait_idle()
+
+
+async def test_responses_api_structured_output_tools_and_refusals(bpe: HttpStack) -> None:
+    """text.format json_schema constrains the output as response_format does; function tools
+    with tool_choice required give function_call items (streamed: their arguments deltas add up);
+    a conversation with the call and its output is accepted; what is not served is a 400 naming
+    the field."""
+    client = aclient(bpe)
+    schema = SCHEMAS[0]
+    fmt: Any = {"format": {"type": "json_schema", "name": "s0", "schema": schema, "strict": True}}
+    got = await client.responses.create(
+        model="", input="Give JSON", text=fmt, max_output_tokens=120, temperature=0.0
+    )
+    assert got.status == "completed", got.output_text
+    jsonschema.validate(json.loads(got.output_text), schema)
+    tools: Any = [{"type": "function", "name": "get_time", "parameters": TOOL_PARAMS[1], "strict": True}]
+    for mode in MODES:
+        bpe.router.mode = mode
+        kw: dict[str, Any] = dict(
+            model="",
+            input="What time is it?",
+            tools=tools,
+            tool_choice="required",
+            max_output_tokens=60,
+            temperature=0.0,
+        )
+        called = await client.responses.create(**kw)
+        calls = [o for o in called.output if o.type == "function_call"]
+        assert len(calls) == 1 and calls[0].name == "get_time" and calls[0].status == "completed"
+        jsonschema.validate(json.loads(calls[0].arguments), TOOL_PARAMS[1])
+        events, final = await _responses_stream(client, **kw)
+        pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+        (streamed,) = [o for o in final.output if o.type == "function_call"]
+        assert "".join(pieces) == streamed.arguments == calls[0].arguments
+        # the next turn: the call and its output as input items
+        history: Any = [
+            {"role": "user", "content": "What time is it?"},
+            {
+                "type": "function_call",
+                "call_id": calls[0].call_id,
+                "name": "get_time",
+                "arguments": calls[0].arguments,
+            },
+            {"type": "function_call_output", "call_id": calls[0].call_id, "output": "12:00"},
+        ]
+        after = await client.responses.create(
+            model="", input=history, tools=tools, max_output_tokens=8, temperature=0.0
+        )
+        assert after.status in ("completed", "incomplete")
+    refused: list[tuple[dict[str, Any], str]] = [
+        ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"input": "hi", "background": True}, "background"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
+        ({"input": [{"type": "web_search_call"}]}, "input"),
+        ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools"),
+        ({"input": [{"role": "robot", "content": "hi"}]}, "input"),
+    ]
+    for body, param in refused:
+        with pytest.raises(openai.BadRequestError) as err:
+            await client.post("/responses", cast_to=httpx.Response, body={"model": "", **body})
+        assert err.value.body["param"] == param, body  # type: ignore[index]
+    await bpe.wait_idle()
+
+
 async def test_errors_surface_as_openai_exceptions(bpe: HttpStack) -> None:
     client = aclient(bpe)
     with pytest.raises(openai.BadRequestError) as bad:

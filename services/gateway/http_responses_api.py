@@ -1,0 +1,390 @@
+"""OpenAI's Responses API (`POST /v1/responses`) over the chat path: a Responses request becomes a
+chat completion request (`chat_request`: `instructions` a system message first, `input` items
+messages, function tools and `tool_choice` in chat's spelling, `text.format` the response_format,
+`max_output_tokens` the completion's limit), so validation, templates, structured output, tool
+parsing, accounting and finish reasons are the chat face's; its result becomes a Response object
+(`response_body`: a `message` output item with the text, one `function_call` item per tool call,
+the status, usage in the Responses names), and, streamed, the chat stream's chunks become the
+Responses events (`events`: response.created ... output_text deltas ... response.completed, each
+with its sequence_number).
+
+What is not served gets 400 naming the field: `previous_response_id` and `background` (this
+server keeps no responses: send the whole conversation in `input`), input items other than
+messages, function calls and their outputs (images, files), and tools other than functions.
+`store` is accepted and nothing is stored (the response says `"store": false`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import Field, ValidationError
+
+from services.gateway import http_models as m
+from services.gateway.validation import InvalidField
+
+
+class ResponsesRequest(m._Request):
+    """The Responses request fields this server reads; the rest land in model_extra."""
+
+    model: str = ""
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, description="most tokens to generate (tokens)")
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    store: bool | None = None
+    previous_response_id: str | None = None
+    background: bool | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+
+
+def response_id(request_id: str) -> str:
+    return f"resp_{request_id}"
+
+
+def _message_id(request_id: str) -> str:
+    return f"msg_{request_id}"
+
+
+def _text_of(content: Any, where: str) -> str:
+    """An input message's content: a string, or parts of type input_text / output_text / text."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidField(f"{where}.content must be a string or a list of content parts", "input")
+    texts = []
+    for k, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
+            raise InvalidField(
+                f"{where}.content[{k}] has type {kind!r}: only text parts (input_text, output_text) "
+                "are served",
+                "input",
+            )
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """instructions + input -> chat messages (function calls of one turn in one assistant message)."""
+    out: list[dict[str, Any]] = []
+    if req.instructions:
+        out.append({"role": "system", "content": req.instructions})
+    if isinstance(req.input, str):
+        return [*out, {"role": "user", "content": req.input}]
+    for i, item in enumerate(req.input):
+        where = f"input[{i}]"
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise InvalidField(
+                    f"{where}.role must be user, assistant, system or developer, got {role!r}", "input"
+                )
+            out.append({"role": role, "content": _text_of(item.get("content"), where)})
+        elif kind == "function_call":
+            call = {
+                "id": _field(item, "call_id", where),
+                "type": "function",
+                "function": {
+                    "name": _field(item, "name", where),
+                    "arguments": _field(item, "arguments", where),
+                },
+            }
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                last["tool_calls"].append(call)
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            if not isinstance(output, str):
+                raise InvalidField(f"{where}.output must be a string", "input")
+            out.append({"role": "tool", "tool_call_id": _field(item, "call_id", where), "content": output})
+        elif kind == "reasoning":
+            continue  # a reasoning model's summary of an earlier turn: nothing to condition on here
+        else:
+            raise InvalidField(
+                f"{where} has type {kind!r}: input items are message, function_call and function_call_output",
+                "input",
+            )
+    return out
+
+
+def _field(item: dict[str, Any], name: str, where: str) -> str:
+    value = item.get(name)
+    if not isinstance(value, str) or not value:
+        raise InvalidField(f"{where}.{name} must be a non-empty string", "input")
+    return value
+
+
+def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Responses' function tools ({"type": "function", "name", "description", "parameters"})
+    in chat's spelling ({"type": "function", "function": {...}})."""
+    if not tools:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        if tool.get("type") != "function":
+            raise InvalidField(
+                f"tools[{i}] has type {tool.get('type')!r}: only function tools are served", "tools"
+            )
+        function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def _tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+    if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
+        return {"type": "function", "function": {"name": choice["name"]}}
+    return choice
+
+
+def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    """text.format -> chat's response_format (json_schema's fields sit one level deeper there)."""
+    fmt = (text or {}).get("format")
+    if fmt is None or fmt.get("type") == "text":
+        return None
+    if fmt.get("type") == "json_schema":
+        inner = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+        return {"type": "json_schema", "json_schema": inner}
+    return dict(fmt)  # json_object, or a type chat's check refuses by name
+
+
+def chat_request(req: ResponsesRequest) -> m.ChatCompletionRequest:
+    """The chat completion request that serves `req` (one choice; usage always streamed)."""
+    if req.previous_response_id is not None:
+        raise InvalidField(
+            "previous_response_id is not served: this server keeps no responses; send the whole "
+            "conversation in input",
+            "previous_response_id",
+        )
+    if req.background:
+        raise InvalidField(
+            "background responses are not served: this server keeps no responses", "background"
+        )
+    fields: dict[str, Any] = {
+        "model": req.model,
+        "messages": _messages(req),
+        "max_completion_tokens": req.max_output_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "stream": req.stream,
+        "stream_options": {"include_usage": True} if req.stream else None,
+        "response_format": _response_format(req.text),
+        "tools": _tools(req.tools),
+        "tool_choice": _tool_choice(req.tool_choice),
+        "parallel_tool_calls": req.parallel_tool_calls,
+        "user": req.user,
+    }
+    try:
+        return m.ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
+    except ValidationError as exc:  # a shape the request's own types let through
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise InvalidField(f"{where}: {first['msg']}", "input") from None
+
+
+# --- the Response object ---
+def _usage(usage: m.Usage | dict[str, Any]) -> dict[str, Any]:
+    u = usage.model_dump() if isinstance(usage, m.Usage) else usage
+    return {
+        "input_tokens": u["prompt_tokens"],
+        "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]},
+        "output_tokens": u["completion_tokens"],
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": u["total_tokens"],
+    }
+
+
+def _message_item(request_id: str, text: str, status: str) -> dict[str, Any]:
+    return {
+        "type": "message",
+        "id": _message_id(request_id),
+        "status": status,
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": text, "annotations": []}],
+    }
+
+
+def _call_item(call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+    return {
+        "type": "function_call",
+        "id": f"fc_{call_id}",
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
+
+
+def _response(
+    req: ResponsesRequest,
+    request_id: str,
+    created: int,
+    model: str,
+    status: str,
+    output: list[dict[str, Any]],
+    usage: dict[str, Any] | None,
+) -> dict[str, Any]:
+    return {
+        "id": response_id(request_id),
+        "object": "response",
+        "created_at": created,
+        "status": status,
+        "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "instructions": req.instructions,
+        "max_output_tokens": req.max_output_tokens,
+        "model": model,
+        "output": output,
+        "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
+        "tools": req.tools or [],
+        "text": req.text or {"format": {"type": "text"}},
+        "truncation": "disabled",
+        "store": False,
+        "metadata": req.metadata or {},
+        "user": req.user,
+        "usage": usage,
+    }
+
+
+def _status(finish_reason: str | None) -> str:
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+def response_body(
+    req: ResponsesRequest, chat: m.ChatCompletion, request_id: str, created: int
+) -> dict[str, Any]:
+    """The Response of a finished chat completion (one choice)."""
+    choice = chat.choices[0]
+    output = []
+    if choice.message.content:
+        output.append(_message_item(request_id, choice.message.content, "completed"))
+    for call in choice.message.tool_calls or []:
+        output.append(_call_item(call.id, call.function.name, call.function.arguments, "completed"))
+    status = _status(choice.finish_reason)
+    return _response(req, request_id, created, chat.model, status, output, _usage(chat.usage))
+
+
+# --- streamed ---
+async def events(
+    req: ResponsesRequest, chat_events: AsyncIterator[str], request_id: str, created: int, model: str
+) -> AsyncIterator[str]:
+    """The Responses events of a streamed chat completion (its SSE body, one choice, usage last):
+    response.created and .in_progress; the message item (opened at its first text) with its
+    output_text deltas; each function call's item with its arguments deltas; the items' .done
+    events (at the end, in output order); then response.completed (or .incomplete at
+    max_output_tokens). An error event of the chat stream ends this one with an `error` event."""
+    seq = 0
+
+    def event(kind: str, **body: Any) -> str:
+        nonlocal seq
+        payload = {"type": kind, "sequence_number": seq, **body}
+        seq += 1
+        return f"event: {kind}\ndata: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+    shell = _response(req, request_id, created, model, "in_progress", [], None)
+    yield event("response.created", response=shell)
+    yield event("response.in_progress", response=shell)
+    items: list[dict[str, Any]] = []  # output items in order, each as it will be when done
+    text_index: int | None = None  # the message item's output_index, once opened
+    calls: dict[int, int] = {}  # chat's tool call index -> output_index
+    finish: str | None = None
+    usage: dict[str, Any] | None = None
+    msg_id = _message_id(request_id)
+
+    def close_text() -> list[str]:
+        if text_index is None:
+            return []
+        item = items[text_index]
+        text = item["content"][0]["text"]
+        item["status"] = "completed"
+        where = {"item_id": msg_id, "output_index": text_index, "content_index": 0}
+        return [
+            event("response.output_text.done", **where, text=text),
+            event("response.content_part.done", **where, part=item["content"][0]),
+            event("response.output_item.done", output_index=text_index, item=item),
+        ]
+
+    async for raw in chat_events:
+        for line in raw.split("\n"):
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            if "error" in chunk:
+                error = chunk["error"]
+                yield event(
+                    "error", code=error.get("code"), message=error.get("message"), param=error.get("param")
+                )
+                return
+            if chunk.get("usage"):
+                usage = _usage(chunk["usage"])
+            for choice in chunk.get("choices", []):
+                delta = choice.get("delta", {})
+                finish = choice.get("finish_reason") or finish
+                text = delta.get("content")
+                if text:
+                    if text_index is None:
+                        text_index = len(items)
+                        items.append(_message_item(request_id, "", "in_progress"))
+                        opened = {**items[text_index], "content": []}
+                        yield event("response.output_item.added", output_index=text_index, item=opened)
+                        yield event(
+                            "response.content_part.added",
+                            item_id=msg_id,
+                            output_index=text_index,
+                            content_index=0,
+                            part={"type": "output_text", "text": "", "annotations": []},
+                        )
+                    items[text_index]["content"][0]["text"] += text
+                    yield event(
+                        "response.output_text.delta",
+                        item_id=msg_id,
+                        output_index=text_index,
+                        content_index=0,
+                        delta=text,
+                    )
+                for call in delta.get("tool_calls") or []:
+                    k = call["index"]
+                    function = call.get("function", {})
+                    if k not in calls:
+                        calls[k] = len(items)
+                        items.append(_call_item(call["id"], function.get("name", ""), "", "in_progress"))
+                        yield event("response.output_item.added", output_index=calls[k], item=dict(items[-1]))
+                    if function.get("arguments"):
+                        item = items[calls[k]]
+                        item["arguments"] += function["arguments"]
+                        yield event(
+                            "response.function_call_arguments.delta",
+                            item_id=item["id"],
+                            output_index=calls[k],
+                            delta=function["arguments"],
+                        )
+    for piece in close_text():
+        yield piece
+    for index in calls.values():
+        item = items[index]
+        item["status"] = "completed"
+        yield event(
+            "response.function_call_arguments.done",
+            item_id=item["id"],
+            output_index=index,
+            arguments=item["arguments"],
+        )
+        yield event("response.output_item.done", output_index=index, item=item)
+    status = _status(finish)
+    done = _response(req, request_id, created, model, status, items, usage)
+    yield event(f"response.{status}", response=done)

@@ -1,0 +1,232 @@
+"""The Responses API's conversion (services/gateway/http_responses_api.py): a Responses request
+as the chat completion request that serves it, and a chat stream's chunks as Responses events."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from services.gateway import http_models as m
+from services.gateway.http_responses_api import ResponsesRequest, chat_request, events, response_body
+from services.gateway.validation import InvalidField
+
+
+def _req(**kw: Any) -> ResponsesRequest:
+    return ResponsesRequest.model_validate({"model": "m", **kw})
+
+
+def test_instructions_input_items_tools_and_format_become_the_chat_request() -> None:
+    params = {"type": "object", "properties": {"tz": {"type": "string"}}}
+    chat = chat_request(
+        _req(
+            instructions="Be brief.",
+            input=[
+                {"role": "developer", "content": "Use UTC."},
+                {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Time?"}]},
+                {"type": "function_call", "call_id": "c1", "name": "now", "arguments": "{}"},
+                {"type": "function_call", "call_id": "c2", "name": "now", "arguments": '{"tz":"CET"}'},
+                {"type": "function_call_output", "call_id": "c1", "output": "12:00"},
+                {"type": "reasoning", "summary": []},
+                {"role": "assistant", "content": [{"type": "output_text", "text": "It is noon."}]},
+            ],
+            tools=[{"type": "function", "name": "now", "description": "the time", "parameters": params}],
+            tool_choice={"type": "function", "name": "now"},
+            text={"format": {"type": "json_schema", "name": "t", "schema": params, "strict": True}},
+            max_output_tokens=7,
+            temperature=0.5,
+            stream=True,
+        )
+    )
+    assert [(msg.role, msg.content) for msg in chat.messages] == [
+        ("system", "Be brief."),
+        ("developer", "Use UTC."),
+        ("user", "Time?"),
+        ("assistant", None),
+        ("tool", "12:00"),
+        ("assistant", "It is noon."),
+    ]
+    calls = chat.messages[3].tool_calls
+    assert calls is not None and [(c.id, c.function.arguments) for c in calls] == [
+        ("c1", "{}"),
+        ("c2", '{"tz":"CET"}'),
+    ]
+    assert chat.messages[4].tool_call_id == "c1"
+    assert chat.tools == [
+        {"type": "function", "function": {"name": "now", "description": "the time", "parameters": params}}
+    ]
+    assert chat.tool_choice == {"type": "function", "function": {"name": "now"}}
+    assert chat.response_format == {
+        "type": "json_schema",
+        "json_schema": {"name": "t", "schema": params, "strict": True},
+    }
+    assert (chat.max_completion_tokens, chat.temperature, chat.stream) == (7, 0.5, True)
+    assert chat.stream_options is not None and chat.stream_options.include_usage  # the usage event
+    plain = chat_request(_req(input="hi", text={"format": {"type": "text"}}))
+    assert [(msg.role, msg.content) for msg in plain.messages] == [("user", "hi")]
+    assert plain.response_format is None and plain.stream_options is None
+
+
+@pytest.mark.parametrize(
+    ("kw", "param"),
+    [
+        ({"input": "hi", "previous_response_id": "resp_x"}, "previous_response_id"),
+        ({"input": "hi", "background": True}, "background"),
+        ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input"),
+        ({"input": [{"type": "computer_call"}]}, "input"),
+        ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input"),  # no call_id
+        ({"input": [{"type": "function_call_output", "call_id": "c", "output": 3}]}, "input"),
+        ({"input": "hi", "tools": [{"type": "file_search"}]}, "tools"),
+    ],
+)
+def test_what_is_not_served_is_refused_naming_the_field(kw: dict[str, Any], param: str) -> None:
+    with pytest.raises(InvalidField) as err:
+        chat_request(_req(**kw))
+    assert err.value.param == param
+
+
+def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def _chunk(delta: dict[str, Any] | None = None, reason: str | None = None, usage: Any = None) -> str:
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": reason}]
+    return "data: " + json.dumps({"choices": choices, "usage": usage}) + "\n\n"
+
+
+def _events(chunks: list[str], **req: Any) -> list[dict[str, Any]]:
+    async def source() -> AsyncIterator[str]:
+        for c in chunks:
+            yield c
+
+    async def collect() -> list[str]:
+        return [e async for e in events(_req(input="hi", **req), source(), "r1", 5, "m")]
+
+    out = []
+    for raw in asyncio.run(collect()):
+        kind, data = raw.split("\n")[:2]
+        payload = json.loads(data[len("data: ") :])
+        assert kind == f"event: {payload['type']}"
+        out.append(payload)
+    return out
+
+
+def test_a_streamed_chat_completion_becomes_the_responses_events() -> None:
+    got = _events(
+        [
+            _chunk({"role": "assistant", "content": ""}),
+            _chunk({"content": "Hel"}) + _chunk({"content": "lo"}),
+            _chunk(
+                {
+                    "tool_calls": [
+                        {
+                            "index": 0,
+                            "id": "call_1",
+                            "type": "function",
+                            "function": {"name": "f", "arguments": ""},
+                        }
+                    ]
+                }
+            ),
+            _chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"a":'}}]}),
+            _chunk({"tool_calls": [{"index": 0, "function": {"arguments": "1}"}}]}, reason="tool_calls"),
+            _chunk(usage=_usage(4, 6, 2)),
+            "data: [DONE]\n\n",
+        ]
+    )
+    assert [e["sequence_number"] for e in got] == list(range(len(got)))
+    assert [e["type"] for e in got] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.delta",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    final = got[-1]["response"]
+    assert final["status"] == "completed" and final["id"] == "resp_r1" and final["model"] == "m"
+    message, call = final["output"]
+    assert message["content"][0]["text"] == "Hello" and message["status"] == "completed"
+    assert (call["call_id"], call["name"], call["arguments"], call["status"]) == (
+        "call_1",
+        "f",
+        '{"a":1}',
+        "completed",
+    )
+    assert final["usage"] == {
+        "input_tokens": 4,
+        "input_tokens_details": {"cached_tokens": 2},
+        "output_tokens": 6,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": 10,
+    }
+    assert got[2]["item"]["content"] == [] and got[2]["item"]["status"] == "in_progress"
+
+
+def test_a_stream_cut_by_the_limit_is_incomplete_and_an_error_ends_it() -> None:
+    cut = _events(
+        [_chunk({"content": "ab"}, reason="length"), _chunk(usage=_usage(1, 2, 0))], max_output_tokens=2
+    )
+    assert cut[-1]["type"] == "response.incomplete"
+    assert cut[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    failed = _events(
+        [_chunk({"content": "a"}), 'data: {"error": {"message": "gone", "code": null, "param": null}}\n\n']
+    )
+    assert failed[-1]["type"] == "error" and failed[-1]["message"] == "gone"
+
+
+def test_a_finished_chat_completion_becomes_the_response() -> None:
+    chat = m.ChatCompletion(
+        id="chatcmpl-r1",
+        created=5,
+        model="m",
+        choices=[
+            m.ChatChoice(
+                index=0,
+                message=m.AssistantMessage(
+                    content=None,
+                    tool_calls=[
+                        m.ResponseToolCall(
+                            id="call_9", function=m.ResponseFunctionCall(name="f", arguments="{}")
+                        )
+                    ],
+                ),
+                finish_reason="tool_calls",
+            )
+        ],
+        usage=m.Usage(
+            prompt_tokens=3,
+            completion_tokens=4,
+            total_tokens=7,
+            prompt_tokens_details=m.PromptTokensDetails(cached_tokens=0),
+        ),
+    )
+    body = response_body(_req(input="hi", tools=[{"type": "function", "name": "f"}]), chat, "r1", 5)
+    assert body["status"] == "completed" and body["output"] == [
+        {
+            "type": "function_call",
+            "id": "fc_call_9",
+            "call_id": "call_9",
+            "name": "f",
+            "arguments": "{}",
+            "status": "completed",
+        }
+    ]
+    assert body["tools"] == [{"type": "function", "name": "f"}] and body["store"] is False
