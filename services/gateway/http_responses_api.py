@@ -75,7 +75,8 @@ def _text_of(content: Any, where: str) -> str:
 
 
 def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
-    """instructions + input -> chat messages (function calls of one turn in one assistant message)."""
+    """instructions + input -> chat messages (an assistant turn's text and function calls in one
+    assistant message)."""
     out: list[dict[str, Any]] = []
     if req.instructions:
         out.append({"role": "system", "content": req.instructions})
@@ -101,8 +102,8 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
                 },
             }
             last = out[-1] if out else None
-            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
-                last["tool_calls"].append(call)
+            if last is not None and last["role"] == "assistant":  # the turn's text, or calls
+                last.setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":

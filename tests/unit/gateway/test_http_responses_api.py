@@ -65,6 +65,19 @@ def test_instructions_input_items_tools_and_format_become_the_chat_request() -> 
     }
     assert (chat.max_completion_tokens, chat.temperature, chat.stream) == (7, 0.5, True)
     assert chat.stream_options is not None and chat.stream_options.include_usage  # the usage event
+    turn = chat_request(
+        _req(
+            input=[
+                {"role": "user", "content": "Time?"},
+                {"role": "assistant", "content": "Let me look."},
+                {"type": "function_call", "call_id": "c1", "name": "now", "arguments": "{}"},
+            ]
+        )
+    )
+    assert [(msg.role, msg.content, len(msg.tool_calls or [])) for msg in turn.messages] == [
+        ("user", "Time?", 0),
+        ("assistant", "Let me look.", 1),
+    ]
     plain = chat_request(_req(input="hi", text={"format": {"type": "text"}}))
     assert [(msg.role, msg.content) for msg in plain.messages] == [("user", "hi")]
     assert plain.response_format is None and plain.stream_options is None
