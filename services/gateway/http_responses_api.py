@@ -11,7 +11,9 @@ with its sequence_number).
 What is not served gets 400 naming the field: `previous_response_id` and `background` (this
 server keeps no responses: send the whole conversation in `input`), input items other than
 messages, function calls and their outputs (images, files), and tools other than functions.
-`store` is accepted and nothing is stored (the response says `"store": false`).
+`store` is accepted and nothing is stored (the response says `"store": false`). Chat's sampling
+fields that the Responses API lacks (`seed`, `top_k`, `stop`, `ignore_eos`, penalties, ...) may come
+as extra fields, as vLLM takes them.
 """
 
 from __future__ import annotations
@@ -161,6 +163,21 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     return dict(fmt)  # json_object, or a type chat's check refuses by name
 
 
+# chat's sampling fields that a Responses request may carry as extras (the openai SDK's
+# extra_body, as vLLM reads them): passed on as they are, checked by chat's own validation
+_CHAT_EXTRAS = (
+    "seed",
+    "top_k",
+    "stop",
+    "ignore_eos",
+    "min_tokens",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+)
+
+
 def chat_request(req: ResponsesRequest) -> m.ChatCompletionRequest:
     """The chat completion request that serves `req` (one choice; usage always streamed)."""
     if req.previous_response_id is not None:
@@ -186,6 +203,7 @@ def chat_request(req: ResponsesRequest) -> m.ChatCompletionRequest:
         "tool_choice": _tool_choice(req.tool_choice),
         "parallel_tool_calls": req.parallel_tool_calls,
         "user": req.user,
+        **{k: v for k, v in (req.model_extra or {}).items() if k in _CHAT_EXTRAS},
     }
     try:
         return m.ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})

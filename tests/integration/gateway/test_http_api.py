@@ -1064,6 +1064,19 @@ async def test_disconnect_aborts_on_the_workers(bpe: HttpStack, mode: str) -> No
             await http.post("/completions", json=body)
     await bpe.wait_idle()
     assert _aborted() == before + 2
+    # a Responses stream (its chat stream underneath)
+    responses = {"input": LONG_PROMPT, "max_output_tokens": 1500, "temperature": 0, "ignore_eos": True}
+    async with (
+        httpx.AsyncClient(base_url=bpe.base_url, timeout=60) as http,
+        http.stream("POST", "/responses", json={**responses, "stream": True}) as r,
+    ):
+        got = 0
+        async for line in r.aiter_lines():
+            got += line.startswith("event: response.output_text.delta")
+            if got >= 3:
+                break
+    await bpe.wait_idle()
+    assert _aborted() == before + 3
 
 
 async def test_error_after_the_stream_started_ends_it_with_an_error_event(bpe: HttpStack) -> None:

@@ -78,6 +78,9 @@ def test_instructions_input_items_tools_and_format_become_the_chat_request() -> 
         ("user", "Time?", 0),
         ("assistant", "Let me look.", 1),
     ]
+    extras = chat_request(_req(input="hi", seed=7, ignore_eos=True, stop=["x"], include=["y"]))
+    assert (extras.seed, extras.ignore_eos, extras.stop) == (7, True, ["x"])
+    assert "include" not in (extras.model_extra or {})  # a Responses field this server ignores
     plain = chat_request(_req(input="hi", text={"format": {"type": "text"}}))
     assert [(msg.role, msg.content) for msg in plain.messages] == [("user", "hi")]
     assert plain.response_format is None and plain.stream_options is None
