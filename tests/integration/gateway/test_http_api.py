@@ -1041,21 +1041,26 @@ def _aborted() -> float:
     return metrics.REQUESTS.labels(finish_reason="abort")._value.get()
 
 
+async def _leave_mid_stream(stack: HttpStack, path: str, body: dict[str, Any], marker: str) -> None:
+    """Stream `body` from `path` and go away after the third line that starts with `marker`."""
+    async with (
+        httpx.AsyncClient(base_url=stack.base_url, timeout=60) as http,
+        http.stream("POST", path, json={**body, "stream": True}) as r,
+    ):
+        got = 0
+        async for line in r.aiter_lines():
+            got += line.startswith(marker)
+            if got >= 3:
+                break  # the client goes away mid-stream
+
+
 @pytest.mark.parametrize("mode", MODES)
 async def test_disconnect_aborts_on_the_workers(bpe: HttpStack, mode: str) -> None:
     bpe.router.mode = mode
     await bpe.wait_idle()
     before = _aborted()
     body = {"prompt": LONG_PROMPT, "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
-    async with (
-        httpx.AsyncClient(base_url=bpe.base_url, timeout=60) as http,
-        http.stream("POST", "/completions", json={**body, "stream": True}) as r,
-    ):
-        got = 0
-        async for line in r.aiter_lines():
-            got += line.startswith("data: ")
-            if got >= 3:
-                break  # the client goes away mid-stream
+    await _leave_mid_stream(bpe, "/completions", body, "data: ")
     await bpe.wait_idle()
     assert _aborted() == before + 1
     # before a non-streaming answer
@@ -1066,15 +1071,7 @@ async def test_disconnect_aborts_on_the_workers(bpe: HttpStack, mode: str) -> No
     assert _aborted() == before + 2
     # a Responses stream (its chat stream underneath)
     responses = {"input": LONG_PROMPT, "max_output_tokens": 1500, "temperature": 0, "ignore_eos": True}
-    async with (
-        httpx.AsyncClient(base_url=bpe.base_url, timeout=60) as http,
-        http.stream("POST", "/responses", json={**responses, "stream": True}) as r,
-    ):
-        got = 0
-        async for line in r.aiter_lines():
-            got += line.startswith("event: response.output_text.delta")
-            if got >= 3:
-                break
+    await _leave_mid_stream(bpe, "/responses", responses, "event: response.output_text.delta")
     await bpe.wait_idle()
     assert _aborted() == before + 3
 
