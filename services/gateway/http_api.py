@@ -80,6 +80,10 @@ class HttpApi:
         app.add_exception_handler(StarletteHTTPException, self._on_http_exception)  # type: ignore[arg-type]
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/v1/models", self.models, methods=["GET"], response_model=m.ModelList)
+        # ids may hold slashes (org/name)
+        app.add_api_route(
+            "/v1/models/{model_id:path}", self.model, methods=["GET"], response_model=m.ModelCard
+        )
         app.add_api_route(
             "/v1/chat/completions", self.chat, methods=["POST"], response_model=m.ChatCompletion
         )
@@ -119,6 +123,22 @@ class HttpApi:
         except Exception as exc:
             return self._fail(exc, "")
         return JSONResponse(model_list(cards, int(time.time())).model_dump())
+
+    async def model(self, request: Request, model_id: str) -> JSONResponse:
+        """One served model's card (`client.models.retrieve`), or 404 model_not_found."""
+        self._authenticate(request)
+        try:
+            cards = await self._service.list_models()
+        except Exception as exc:
+            return self._fail(exc, "")
+        for card in model_list(cards, int(time.time())).data:
+            if card.id == model_id:
+                return JSONResponse(card.model_dump())
+        message = f"the model {model_id!r} is not served here; GET /v1/models lists the served ones"
+        body = error_body(message, "invalid_request_error", param="model", code="model_not_found")
+        error = HttpError(404, body, {}, grpc.StatusCode.NOT_FOUND)
+        observe.record_error(error.grpc_code.name)
+        return error_response(error)
 
     async def chat(self, request: Request) -> Response:
         return await self._generate(request, m.ChatCompletionRequest, chat=True)

@@ -262,6 +262,12 @@ async def test_cached_tokens_on_a_repeated_prefix(bpe: HttpStack, mode: str) -> 
 async def test_models_and_health(bpe: HttpStack) -> None:
     models = await aclient(bpe).models.list()
     assert [mdl.id for mdl in models.data] == [bpe.model.name]
+    card = await aclient(bpe).models.retrieve(bpe.model.name)
+    assert card == models.data[0]
+    with pytest.raises(openai.NotFoundError) as err:
+        await aclient(bpe).models.retrieve("org/other-model")
+    assert err.value.body["code"] == "model_not_found"  # type: ignore[index]
+    assert "GET /v1/models" in err.value.body["message"]  # type: ignore[index]
     async with httpx.AsyncClient(base_url=bpe.gateway.http_url or "", timeout=10) as http:
         r = await http.get("/health")
         assert r.status_code == 200
