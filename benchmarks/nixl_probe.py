@@ -95,7 +95,7 @@ def _target(
             elif mode in ("none", "thread"):
                 time.sleep(0.001)
         message = conn.recv()
-        if message == "reset":  # before a WRITE: this side's own values again
+        if message == "reset":  # before a transfer: this side's own values again
             pool.copy_(_pool(layout, slots, device, getattr(torch, dtype), 1.0))
             torch.cuda.synchronize() if device == "cuda" else None
             conn.send(True)
@@ -165,21 +165,24 @@ def probe(mode: str, ucx: str, args: argparse.Namespace) -> list[dict[str, Any]]
                 dst = list(reversed(range(nblocks)))
             runs = block_runs(src, dst)
             s0, d0, counts = (list(x) for x in zip(*runs, strict=True))
-            # READ: the target's src blocks into ours at dst; WRITE: ours at src into its dst
-            theirs = plane_descriptors(remote_addr, args.slots, layout, itemsize, dev, s0, counts)
-            ours = plane_descriptors(pool.data_ptr(), args.slots, layout, itemsize, dev, d0, counts)
             at = [d * args.block_size for d in dst]
             for op in args.ops:
-                if op == "WRITE":
-                    theirs = plane_descriptors(remote_addr, args.slots, layout, itemsize, dev, d0, counts)
-                    ours = plane_descriptors(pool.data_ptr(), args.slots, layout, itemsize, dev, s0, counts)
+                # READ: the target's src blocks into ours at dst; WRITE: ours at src into its dst
+                their_starts, our_starts = (s0, d0) if op == "READ" else (d0, s0)
+                theirs = plane_descriptors(
+                    remote_addr, args.slots, layout, itemsize, dev, their_starts, counts
+                )
+                ours = plane_descriptors(
+                    pool.data_ptr(), args.slots, layout, itemsize, dev, our_starts, counts
+                )
                 for where in args.threads:
+                    # both sides as they started (an earlier WRITE changed the target's blocks)
                     if op == "READ":
                         pool.zero_()
                     else:
                         pool.copy_(_pool(layout, args.slots, args.device, dtype, 0.0))
-                        parent.send("reset")
-                        parent.recv()
+                    parent.send("reset")
+                    parent.recv()
 
                     def once(op: str = op, local: np.ndarray = ours, remote: np.ndarray = theirs) -> float:
                         return _transfer(op, agent, name, local, remote, mem)

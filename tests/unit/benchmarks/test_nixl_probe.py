@@ -40,6 +40,9 @@ def test_read_and_write_move_the_blocks_they_name_and_are_checked() -> None:
         ("WRITE", "scattered"),
     ]
     assert all(r["bytes_ok"] for r in rows)
+    # either order: each direction's descriptors are its own
+    back = nixl_probe.probe("poll", "worker", _args(shapes=["scattered"], ops=["WRITE", "READ"]))
+    assert [(r["op"], r["bytes_ok"]) for r in back] == [("WRITE", True), ("READ", True)]
     # 8 blocks of 30 layers x K/V x 3 heads x 16 tokens x 64 dims x 2 bytes
     assert {r["mib"] for r in rows} == {round(8 * 30 * 2 * 3 * 16 * 64 * 2 / 2**20, 1)}
 
