@@ -11,6 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.worker.engine.gpu_placement import parse_gpu_list
+from shared.errors import InvalidArgument
+
 PORT_OFFSETS = {
     "gateway": 0,
     "scheduler": 1,
@@ -96,15 +99,11 @@ def gpu_list(flag: str, device: str, count_visible: Callable[[], int]) -> tuple[
     a list that is not distinct non-negative integers."""
     if device == "cpu":
         return ()
-    if not flag.strip():
-        return tuple(range(count_visible()))
     try:
-        gpus = tuple(int(part) for part in flag.split(","))
-    except ValueError:
-        raise SystemExit(f"pdserve up: --gpus takes GPU indices separated by commas, got {flag!r}") from None
-    if len(set(gpus)) != len(gpus) or min(gpus) < 0:
-        raise SystemExit(f"pdserve up: --gpus needs distinct GPU indices >= 0, got {flag!r}")
-    return gpus
+        gpus = parse_gpu_list(flag, "--gpus")  # the form a worker's --cuda-devices has
+    except InvalidArgument as exc:
+        raise SystemExit(f"pdserve up: {exc}") from None
+    return gpus or tuple(range(count_visible()))
 
 
 @dataclass(frozen=True)

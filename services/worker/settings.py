@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.worker.engine.gpu_placement import worker_gpus
+from services.worker.engine.gpu_placement import parse_gpu_list
 from services.worker.engine.options import EngineOptions
 from shared.addresses import normalize_address
 from shared.cluster import Role
@@ -123,7 +123,7 @@ class WorkerSettings(TlsSettings, EngineOptions):
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         # the list's form here; whether each GPU is visible is checked at start, on the device
         try:
-            worker_gpus(self.cuda_devices, visible=1 << 20)
+            parse_gpu_list(self.cuda_devices, "cuda_devices")
         except InvalidArgument as exc:
             raise ValueError(str(exc)) from None
         if self.num_speculative_tokens < 1:

@@ -9,21 +9,33 @@ from __future__ import annotations
 from shared.errors import InvalidArgument
 
 
-def worker_gpus(cuda_devices: str, visible: int) -> tuple[int, ...]:
-    """The GPUs a worker's ranks use: `cuda_devices` ("2,3"; empty: all `visible` devices).
-    Raises InvalidArgument naming the problem for an index that is not a visible device, a
-    repeated one, or a list that is not integers."""
-    if not cuda_devices.strip():
-        return tuple(range(visible))
+def parse_gpu_list(text: str, name: str) -> tuple[int, ...]:
+    """A list of GPU indices as a flag gives it ("2,3"; empty: ()). Raises InvalidArgument naming
+    `name` for a list that is not integers, repeats one, or names a negative index."""
+    if not text.strip():
+        return ()
     try:
-        gpus = tuple(int(part) for part in cuda_devices.split(","))
+        gpus = tuple(int(part) for part in text.split(","))
     except ValueError:
         raise InvalidArgument(
-            f"cuda_devices must be GPU indices separated by commas (e.g. '0,1'), got {cuda_devices!r}"
+            f"{name} must be GPU indices separated by commas (e.g. '0,1'), got {text!r}"
         ) from None
     if len(set(gpus)) != len(gpus):
-        raise InvalidArgument(f"cuda_devices lists a GPU twice: {cuda_devices!r}")
-    outside = [g for g in gpus if not 0 <= g < visible]
+        raise InvalidArgument(f"{name} lists a GPU twice: {text!r}")
+    negative = [g for g in gpus if g < 0]
+    if negative:
+        raise InvalidArgument(f"{name} {text!r} names GPU {negative[0]}: GPU indices are >= 0")
+    return gpus
+
+
+def worker_gpus(cuda_devices: str, visible: int) -> tuple[int, ...]:
+    """The GPUs a worker's ranks use: `cuda_devices` ("2,3"; empty: all `visible` devices).
+    Raises InvalidArgument naming the problem for a malformed list (parse_gpu_list) or an index
+    that is not a visible device."""
+    gpus = parse_gpu_list(cuda_devices, "cuda_devices")
+    if not gpus:
+        return tuple(range(visible))
+    outside = [g for g in gpus if g >= visible]
     if outside:
         raise InvalidArgument(
             f"cuda_devices {cuda_devices!r} names GPU {outside[0]}, but this process sees {visible} "
