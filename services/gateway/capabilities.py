@@ -25,6 +25,8 @@ def needed_capabilities(s: Sampling) -> set[str]:
         needed.add("structured_outputs")
     if s.prompt_logprobs is not None:
         needed.add("prompt_logprobs")
+    if s.min_p:
+        needed.add("min_p")
     return needed
 
 

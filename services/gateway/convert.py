@@ -46,6 +46,7 @@ def generate_input(req: gateway_pb2.GenerateRequest) -> GenerateInput:
         temperature=req.temperature if req.HasField("temperature") else None,
         top_p=req.top_p if req.HasField("top_p") else None,
         top_k=req.top_k if req.HasField("top_k") else None,
+        min_p=req.min_p if req.HasField("min_p") else None,
         seed=req.seed if req.HasField("seed") else None,
         stop=tuple(req.stop),
         stop_token_ids=tuple(req.stop_token_ids),
@@ -187,6 +188,8 @@ def sampling_to_pb(s: Sampling) -> common_pb2.SamplingParams:
     )
     if s.seed is not None:
         msg.seed = s.seed
+    if s.min_p:
+        msg.min_p = s.min_p
     if s.first_output_index:
         msg.first_output_index = s.first_output_index
     if s.unshown_tail_tokens:

@@ -34,7 +34,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "echo": (None, False),  # chat only: completions implement it
     "suffix": (None, ""),
     "best_of": (None, 1),
-    "min_p": (None, 0),
     "tools": (None, []),
     "tool_choice": (None, "none", "auto"),
     "parallel_tool_calls": (None, True),
@@ -177,6 +176,7 @@ def _common(req: m._GenerationRequest, max_tokens: int | None) -> dict[str, Any]
         temperature=req.temperature,
         top_p=req.top_p,
         top_k=req.top_k if req.top_k is not None and req.top_k > 0 else None,
+        min_p=req.min_p,
         stop=_stop(req.stop),
         ignore_eos=req.ignore_eos,
     )

@@ -168,6 +168,7 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
 _CHAT_EXTRAS = (
     "seed",
     "top_k",
+    "min_p",
     "stop",
     "ignore_eos",
     "min_tokens",

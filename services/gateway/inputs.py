@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from services.gateway.tool_calls import Tool
 from shared.structured_output import StructuredOutput
@@ -51,6 +52,7 @@ class GenerateInput:
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -69,6 +71,9 @@ class GenerateInput:
     # score the prompt: alternatives per prompt token (0-20); None = no prompt logprobs. With it
     # max_tokens may be 0 (only the prompt runs)
     prompt_logprobs: int | None = None
+    # chat: extra variables for the chat template (the HTTP face's chat_template_kwargs), in the
+    # client's order; names apply_chat_template reserves are refused before this is built
+    chat_template_kwargs: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,7 @@ class Sampling:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0  # 0 = off; ignored by greedy requests (workers too)
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()

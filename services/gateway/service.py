@@ -115,7 +115,9 @@ class GatewayService:
         if inp.prompt_token_ids:
             prompt = inp.prompt_token_ids
         elif inp.messages:
-            prompt = tok.encode_chat(inp.messages, inp.tools, self.tool_call_format)
+            prompt = tok.encode_chat(
+                inp.messages, inp.tools, self.tool_call_format, dict(inp.chat_template_kwargs)
+            )
         else:
             prompt = tok.encode_prompt(inp.prompt)
         validate_token_ids(prompt, inp.stop_token_ids, tok.vocab_size, inp.logit_bias)
@@ -123,6 +125,8 @@ class GatewayService:
             temperature=1.0 if inp.temperature is None else float(inp.temperature),
             top_p=1.0 if inp.top_p is None else float(inp.top_p),
             top_k=inp.top_k or 0,
+            # a greedy request ignores min_p: not sent, so it needs no "min_p" worker
+            min_p=float(inp.min_p or 0.0) if inp.temperature != 0 else 0.0,
             seed=inp.seed,
             stop=inp.stop,
             stop_token_ids=inp.stop_token_ids,
@@ -255,6 +259,11 @@ class GatewayService:
         if self._tokenizer is None:
             return "hermes"
         return self._tokenizer.tool_call_format()
+
+    @property
+    def reasoning_parser(self) -> str:
+        """--reasoning-parser: how chat output is split into reasoning and content ("" off)."""
+        return self._settings.reasoning_parser
 
     def decode(self, token_ids: tuple[int, ...]) -> str:
         """Token ids' text (an echoed prompt given as token ids)."""

@@ -70,6 +70,8 @@ def validate_input(req: GenerateInput, limits: Limits, served_model: str) -> Non
         raise InvalidArgument(f"temperature must be a finite number >= 0 (0 = greedy), got {req.temperature}")
     if req.top_p is not None and not (math.isfinite(req.top_p) and 0 < req.top_p <= 1):
         raise InvalidArgument(f"top_p must be in (0, 1] (1 disables nucleus sampling), got {req.top_p}")
+    if req.min_p is not None and not (math.isfinite(req.min_p) and 0 <= req.min_p <= 1):
+        raise InvalidField(f"min_p must be in [0, 1] (0 disables min-p sampling), got {req.min_p}", "min_p")
     if len(req.stop) > limits.max_stop_strings:
         raise InvalidArgument(
             f"at most {limits.max_stop_strings} stop strings are allowed, got {len(req.stop)}"

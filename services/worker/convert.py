@@ -40,6 +40,7 @@ def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingConfig:
         temperature=pb.temperature,
         top_p=pb.top_p if pb.top_p != 0 else 1.0,
         top_k=pb.top_k,
+        min_p=pb.min_p,
         seed=pb.seed if pb.HasField("seed") else None,
         stop=tuple(pb.stop),
         stop_token_ids=tuple(pb.stop_token_ids),

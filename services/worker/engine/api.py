@@ -50,6 +50,9 @@ class SamplingConfig:
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0  # 1 = disabled
     top_k: int = 0  # 0 = disabled
+    # min-p: after temperature, tokens less likely than min_p x the most likely one are dropped
+    # (before top-k / top-p, vLLM's order); 0 = disabled, in [0, 1]
+    min_p: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()

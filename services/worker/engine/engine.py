@@ -173,6 +173,8 @@ class PagedEngine:
             raise InvalidArgument(f"sampling.top_p must be in (0, 1], got {sp.top_p}")
         if sp.top_k < 0:
             raise InvalidArgument(f"sampling.top_k must be >= 0, got {sp.top_k}")
+        if not 0.0 <= sp.min_p <= 1.0:  # NaN fails too
+            raise InvalidArgument(f"sampling.min_p must be in [0, 1], got {sp.min_p}")
         for i, rank in enumerate(self._ranks):
             if i != request.dp_rank and rank.has_request(request.request_id):
                 raise AlreadyExists(f"request {request.request_id!r} already exists")

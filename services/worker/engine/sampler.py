@@ -292,6 +292,15 @@ def scaled_logits(logits: torch.Tensor, params: Sequence[SamplingConfig]) -> tor
     device = logits.device
     temps = to_device([p.temperature if p.temperature > 0 else 1.0 for p in params], device)
     scaled = logits / temps[:, None]
+    min_ps = [p.min_p if p.temperature > 0 else 0.0 for p in params]
+    if any(min_ps):
+        # vLLM's min-p, after temperature and before top-k / top-p: a token less likely than
+        # min_p x the most likely one is dropped. p_i < min_p * p_max  <=>
+        # logit_i < logit_max + log(min_p) (the softmax's normaliser cancels), so no softmax here;
+        # min_p 0 gives log 0 = -inf: nothing dropped.
+        mp = to_device(min_ps, device)
+        floor = scaled.amax(dim=-1, keepdim=True) + mp.log()[:, None]
+        scaled = scaled.masked_fill(scaled < floor, float("-inf"))
     top_ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     if any(top_ks):
         max_k = max(top_ks)

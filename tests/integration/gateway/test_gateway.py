@@ -374,6 +374,7 @@ async def test_scheduler_not_found_maps_to_not_found(cluster: Cluster) -> None:
         ({"prompt": "a", "max_tokens": 0}, grpc.StatusCode.INVALID_ARGUMENT, "max_tokens must be >= 1"),
         ({"prompt": "a", "top_p": 0.0}, grpc.StatusCode.INVALID_ARGUMENT, "top_p must be in (0, 1]"),
         ({"prompt": "a", "temperature": -1.0}, grpc.StatusCode.INVALID_ARGUMENT, "temperature must be"),
+        ({"prompt": "a", "min_p": 2.0}, grpc.StatusCode.INVALID_ARGUMENT, "min_p must be in [0, 1]"),
         (
             {"prompt_token_ids": [10**6]},
             grpc.StatusCode.INVALID_ARGUMENT,

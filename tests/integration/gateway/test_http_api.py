@@ -278,10 +278,10 @@ async def test_models_and_health(bpe: HttpStack) -> None:
             await bpe.gateway.server.set_serving(True)
 
 
-# --- penalties, logit_bias, min_tokens ---
+# --- penalties, logit_bias, min_tokens, min_p ---
 async def test_penalties_bias_and_min_tokens_through_the_openai_client(bpe: HttpStack) -> None:
-    """Same tokens disaggregated and unified and as over gRPC; min_tokens holds back an EOS that
-    logit_bias made certain; bad values are 400s naming the field."""
+    """Same tokens disaggregated and unified and as over gRPC (min_p too); min_tokens holds back
+    an EOS that logit_bias made certain; bad values are 400s naming the field."""
     client = aclient(bpe)
     eos = bpe.gateway.service._require_tokenizer()._tok.eos_token_id
     kw: dict[str, Any] = dict(
@@ -293,7 +293,7 @@ async def test_penalties_bias_and_min_tokens_through_the_openai_client(bpe: Http
         presence_penalty=0.7,
         frequency_penalty=0.4,
         logit_bias={"7": 5.0},
-        extra_body={"repetition_penalty": 1.3, "ignore_eos": True},
+        extra_body={"repetition_penalty": 1.3, "ignore_eos": True, "min_p": 0.6},
     )
     texts = []
     for mode in MODES:
@@ -319,6 +319,7 @@ async def test_penalties_bias_and_min_tokens_through_the_openai_client(bpe: Http
             repetition_penalty=1.3,
             logit_bias={7: 5.0},
             ignore_eos=True,
+            min_p=0.6,
         )
     )
     assert texts == [want.text, want.text]
@@ -343,6 +344,8 @@ async def test_penalties_bias_and_min_tokens_through_the_openai_client(bpe: Http
         ("logit_bias", {"99999999": 1}),
         ("min_tokens", -1),
         ("min_tokens", 11),
+        ("min_p", 1.5),
+        ("min_p", -0.1),
     ):
         with pytest.raises(openai.BadRequestError) as bad:
             await client.completions.create(model="", prompt="hi", max_tokens=10, extra_body={field: value})

@@ -214,6 +214,24 @@ async def test_penalties_bias_and_min_tokens_modes_agree(stack: Stack, seed: int
         assert frames[-1].finish_reason == done.finish_reason == STOP
 
 
+async def test_min_p_modes_agree_and_cuts_the_draws(stack: Stack) -> None:
+    """min_p reaches the prefill worker (the first token) and the decode worker alike; a seeded
+    sampled run with it differs from one without (it drops tokens a draw would take), and min_p 1
+    keeps only the most likely token: greedy's output."""
+    base = dict(prompt=PROMPTS[2], max_tokens=12, ignore_eos=True, return_token_ids=True)
+    sampled = dict(base, temperature=1.5, seed=3)
+    plain, _ = await stack.run("unified", **sampled)
+    runs = {mode: await stack.run(mode, **sampled, min_p=0.7) for mode in ("disaggregated", "unified")}
+    (disagg, disagg_done), (unified, unified_done) = runs["disaggregated"], runs["unified"]
+    assert ids_of(disagg) == ids_of(unified) == list(unified_done.token_ids) != ids_of(plain)
+    assert disagg_done.text == unified_done.text
+    for frames, done in runs.values():
+        check_consistent(frames, done, 12)
+    greedy, _ = await stack.run("unified", **base, temperature=0.0)
+    only_top, _ = await stack.run("disaggregated", **sampled, min_p=1.0)
+    assert ids_of(only_top) == ids_of(greedy)
+
+
 @pytest.mark.parametrize(
     ("fields", "words"),
     [

@@ -554,6 +554,7 @@ _NO_SYNC_SAMPLING = (
     GREEDY,
     SamplingConfig(max_tokens=1, temperature=0.8, top_p=0.9, seed=7),
     SamplingConfig(max_tokens=1, temperature=1.2, top_k=5, seed=8),
+    SamplingConfig(max_tokens=1, temperature=0.9, min_p=0.1, seed=9),
 )
 
 

@@ -53,6 +53,8 @@ async def test_invalid_requests_are_rejected(make_engine: EngineFactory) -> None
         ({"sampling": SamplingConfig(max_tokens=0)}, "max_tokens must be >= 1"),
         ({"sampling": SamplingConfig(max_tokens=1, top_p=1.5)}, "top_p must be in"),
         ({"sampling": SamplingConfig(max_tokens=1, top_k=-1)}, "top_k must be >= 0"),
+        ({"sampling": SamplingConfig(max_tokens=1, min_p=1.5)}, "min_p must be in"),
+        ({"sampling": SamplingConfig(max_tokens=1, min_p=float("nan"))}, "min_p must be in"),
         ({"sampling": SamplingConfig(max_tokens=1, temperature=-1)}, "temperature must be >= 0"),
     ],
 )

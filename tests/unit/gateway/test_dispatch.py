@@ -849,6 +849,7 @@ async def test_a_worker_without_a_needed_capability_is_skipped_then_the_request_
         await run(sched, FakeWorkers(), req)
     # a plain request goes to the old worker; targets without capabilities are not checked
     assert needed_capabilities(prepared().sampling) == set()
+    assert needed_capabilities(dataclasses.replace(prepared().sampling, min_p=0.1)) == {"min_p"}
     plain_workers = FakeWorkers(streams={old.address: [FakeStream([final("x", 1)])]})
     frames, _ = await run(FakeScheduler([agg(old)]), plain_workers)
     assert frames[-1].text == "x"

@@ -78,6 +78,13 @@ def test_top_p(value: float) -> None:
         check(prompt="x", top_p=value)
 
 
+@pytest.mark.parametrize("value", [-0.01, 1.01, math.inf, math.nan])
+def test_min_p(value: float) -> None:
+    with pytest.raises(InvalidArgument, match=r"min_p must be in \[0, 1\]") as err:
+        check(prompt="x", min_p=value)
+    assert getattr(err.value, "param", None) == "min_p"
+
+
 def test_too_many_stop_strings() -> None:
     with pytest.raises(InvalidArgument, match="at most 2 stop strings"):
         check(prompt="x", stop=("a", "b", "c"))
