@@ -47,6 +47,7 @@ def generate_input(req: gateway_pb2.GenerateRequest) -> GenerateInput:
         top_p=req.top_p if req.HasField("top_p") else None,
         top_k=req.top_k if req.HasField("top_k") else None,
         min_p=req.min_p if req.HasField("min_p") else None,
+        priority=req.priority,
         seed=req.seed if req.HasField("seed") else None,
         stop=tuple(req.stop),
         stop_token_ids=tuple(req.stop_token_ids),
@@ -224,6 +225,7 @@ def decode_request(
         local_prefill=local_prefill,
         return_token_ids=job.return_token_ids,
         transfer_ticket=transfer_ticket,  # None leaves it unset
+        priority=job.priority or None,  # unset when 0: what an older worker would assume
     )
 
 
@@ -234,6 +236,7 @@ def prefill_request(job: WorkerJob, dp_rank: int, kv: KvDestination | None) -> w
         sampling=sampling_to_pb(job.sampling),
         dp_rank=dp_rank,
         return_token_ids=job.return_token_ids,
+        priority=job.priority or None,  # unset when 0
     )
     if kv is not None:
         msg.kv_target.CopyFrom(

@@ -65,6 +65,7 @@ class PreparedRequest:
     sampling: Sampling  # the same for every run; a run's max_tokens is set when its job is built
     max_tokens: MaxTokens  # resolved once before scheduling (Dispatcher.run; budget.py)
     return_token_ids: bool
+    priority: int = 0  # lower is served first (admission queue and workers' queues)
 
 
 def attempt_request_id(request_id: str, attempt: int) -> str:
@@ -268,6 +269,7 @@ class Dispatcher:
             # Always: the ids of the tokens generated so far are what a migration resumes from.
             # The client gets them only when it asked (OutputFrame, from state.return_token_ids).
             return_token_ids=True,
+            priority=req.priority,
         )
         log.debug(
             "scheduled",

@@ -180,6 +180,7 @@ def _common(req: m._GenerationRequest, max_tokens: int | None) -> dict[str, Any]
         stop=_stop(req.stop),
         ignore_eos=req.ignore_eos,
     )
+        priority=req.priority,
 
 
 def _plan(

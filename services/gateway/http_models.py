@@ -57,6 +57,7 @@ class _GenerationRequest(_Request):
     top_p: float | None = None
     top_k: int | None = Field(default=None, description="-1 or 0 disables top-k (vLLM convention)")
     min_p: float | None = Field(default=None, description="[0, 1]; 0 = off (vLLM's min-p)")
+    priority: int = Field(default=0, description="lower is served first (vLLM's convention)")
     seed: int | None = Field(default=None, description="0 .. 2**64-1; choice i > 0 gets a derived seed")
     stop: str | list[str] | None = None
     n: int = Field(default=1, description="choices per prompt")

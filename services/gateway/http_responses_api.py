@@ -169,6 +169,7 @@ _CHAT_EXTRAS = (
     "seed",
     "top_k",
     "min_p",
+    "priority",
     "stop",
     "ignore_eos",
     "min_tokens",

@@ -71,6 +71,7 @@ class GenerateInput:
     # score the prompt: alternatives per prompt token (0-20); None = no prompt logprobs. With it
     # max_tokens may be 0 (only the prompt runs)
     prompt_logprobs: int | None = None
+    priority: int = 0  # lower is served first (vLLM's convention); int32
     # chat: extra variables for the chat template (the HTTP face's chat_template_kwargs), in the
     # client's order; names apply_chat_template reserves are refused before this is built
     chat_template_kwargs: tuple[tuple[str, Any], ...] = ()

@@ -90,6 +90,7 @@ class WorkerJob:
     prompt_token_ids: tuple[int, ...]
     sampling: Sampling
     return_token_ids: bool
+    priority: int = 0  # lower is served first (GenerateRequest.priority); 0 is not sent
 
 
 @dataclass(frozen=True)

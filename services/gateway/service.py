@@ -149,6 +149,7 @@ class GatewayService:
             max_tokens=MaxTokens(inp.max_tokens, self._settings.default_max_tokens),
             return_token_ids=inp.return_token_ids,
         )
+            priority=inp.priority,
 
     async def generate(
         self, inp: GenerateInput, client_timeout_s: float | None = None
@@ -159,9 +160,10 @@ class GatewayService:
         if self._draining:
             raise Unavailable("the gateway is shutting down; retry on another replica")
         prepared = self.prepare(inp)
-        # Admission: a slot, or a short FIFO wait for one, or RESOURCE_EXHAUSTED at once. The
-        # deadline clock starts at arrival, so time spent queued counts against it.
-        async with self.admission.slot():
+        # Admission: a slot, or a short wait for one (by priority, then arrival), or
+        # RESOURCE_EXHAUSTED at once. The deadline clock starts at arrival, so time spent queued
+        # counts against it.
+        async with self.admission.slot(prepared.priority):
             if prepared.request_id in self._in_flight:
                 raise AlreadyExists(
                     f"request_id {prepared.request_id!r} is already in flight; use a unique id or "

@@ -16,6 +16,7 @@ MAX_REQUEST_ID_CHARS = 128
 
 PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty, frequency_penalty (OpenAI)
 MAX_REPETITION_PENALTY = 2.0  # repetition_penalty in (0, 2] (vLLM)
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1  # priority travels as a protobuf int32
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs limit)
@@ -70,6 +71,12 @@ def validate_input(req: GenerateInput, limits: Limits, served_model: str) -> Non
         raise InvalidArgument(f"temperature must be a finite number >= 0 (0 = greedy), got {req.temperature}")
     if req.top_p is not None and not (math.isfinite(req.top_p) and 0 < req.top_p <= 1):
         raise InvalidArgument(f"top_p must be in (0, 1] (1 disables nucleus sampling), got {req.top_p}")
+    if not INT32_MIN <= req.priority <= INT32_MAX:
+        raise InvalidField(
+            f"priority must be a 32-bit integer ({INT32_MIN} .. {INT32_MAX}; lower is served "
+            f"first, 0 by default), got {req.priority}",
+            "priority",
+        )
     if req.min_p is not None and not (math.isfinite(req.min_p) and 0 <= req.min_p <= 1):
         raise InvalidField(f"min_p must be in [0, 1] (0 disables min-p sampling), got {req.min_p}", "min_p")
     if len(req.stop) > limits.max_stop_strings:

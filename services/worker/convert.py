@@ -76,6 +76,7 @@ def _engine_request(
     sampling: common_pb2.SamplingParams,
     dp_rank: int,
     kind: RequestKind,
+    priority: int = 0,
 ) -> EngineRequest:
     return EngineRequest(
         request_id=request_id,
@@ -83,6 +84,7 @@ def _engine_request(
         sampling=sampling_from_pb(sampling),
         dp_rank=dp_rank,
         kind=kind,
+        priority=priority,
     )
 
 
@@ -104,7 +106,12 @@ def prefill_call_from_pb(pb: worker_pb2.PrefillRequest) -> PrefillCall:
         )
     return PrefillCall(
         request=_engine_request(
-            pb.request_id, pb.prompt_token_ids, pb.sampling, pb.dp_rank, RequestKind.PREFILL_ONLY
+            pb.request_id,
+            pb.prompt_token_ids,
+            pb.sampling,
+            pb.dp_rank,
+            RequestKind.PREFILL_ONLY,
+            pb.priority,  # unset (an older gateway): 0
         ),
         kv_target=target,
         return_token_ids=pb.return_token_ids,
@@ -150,7 +157,9 @@ def _prefill_result_to_pb(r: PrefillResult) -> worker_pb2.PrefillResponse:
 def decode_call_from_pb(pb: worker_pb2.DecodeRequest) -> DecodeCall:
     kind = RequestKind.FULL if pb.local_prefill else RequestKind.DECODE_REMOTE
     return DecodeCall(
-        request=_engine_request(pb.request_id, pb.prompt_token_ids, pb.sampling, pb.dp_rank, kind),
+        request=_engine_request(
+            pb.request_id, pb.prompt_token_ids, pb.sampling, pb.dp_rank, kind, pb.priority
+        ),
         local_prefill=pb.local_prefill,
         return_token_ids=pb.return_token_ids,
         transfer_ticket=pb.transfer_ticket if pb.HasField("transfer_ticket") else None,

@@ -21,6 +21,7 @@ CAPABILITIES = (
     "structured_outputs",
     "prompt_logprobs",
     "min_p",
+    "priority",
     GATEWAY_TICKET_CAPABILITY,
 )
 # Contract version implemented: 1.0 = compat/v1.0; 1.1 added the optional generated_tokens fields;
@@ -41,7 +42,8 @@ CAPABILITIES = (
 # handoff ends after it (the gateway streams the first token while the KV moves); and
 # DecodeRequest.transfer_ticket (capability shared.cluster.GATEWAY_TICKET_CAPABILITY): the gateway
 # chooses the ticket and starts the prefill while the decode worker admits.
-# 1.12 added SamplingParams.min_p (capability "min_p").
+# 1.12 added SamplingParams.min_p (capability "min_p") and PrefillRequest / DecodeRequest
+# .priority (capability "priority").
 PROTO_VERSION = "1.12"
 
 

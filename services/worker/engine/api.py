@@ -117,6 +117,9 @@ class EngineRequest:
     # PREFILL_ONLY: also yield an output (finished=False, no tokens) after each prompt chunk but
     # the last, whose num_computed_tokens says how much KV is ready (the early handoff's cue)
     report_prefill_progress: bool = False
+    # scheduling priority (vLLM's convention: lower is served first; 0 = default): the rank's
+    # waiting queue is ordered by it, and under KV pressure the lowest is preempted first
+    priority: int = 0
 
 
 @dataclass(frozen=True)

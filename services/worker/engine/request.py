@@ -98,6 +98,7 @@ class Request:
     text: TextTracker = field(default_factory=NoText)
     generator: torch.Generator | None = None
     arrival_seq: int = 0  # set by the rank: newer requests are preempted first
+    priority: int = 0  # lower is served first (EngineRequest.priority); ties: arrival order
     num_preemptions: int = 0  # times its blocks were freed to be computed again (count)
     _status: RequestStatus = RequestStatus.WAITING
     # prompt + tokens appended after it (for DECODE_REMOTE the first is the prefill's token)
@@ -167,6 +168,7 @@ class Request:
             _status=status,
             token_ids=list(req.prompt_token_ids),
             report_prefill_progress=req.report_prefill_progress,
+            priority=req.priority,
         )
 
     # ---- status: the only ways to change it ----------------------------------------------

@@ -1,6 +1,13 @@
 """One rank's scheduler: waiting/running queues, the per-step token budget (chunked prefill),
 block allocation with prefix-cache lookup, preemption by recompute (newest first).
 
+Priority (Request.priority, vLLM's convention: lower is served first): both queues are kept in
+priority order, arrival order among equals, so the running requests with the best priority get
+the step's budget and blocks first, the waiting one with the best priority is admitted next,
+and preemption takes the worst (the newest among equals). With every priority equal (the
+default, 0) this is plain first come first served: `add` appends, a preempted request goes back
+to the front, new running requests are appended (`place`, `place_preempted`).
+
 `schedule()` plans the next forward pass (a StepPlan); `update(plan, output)` applies what it
 produced (engine/step.py has the whole step). `on_computed()` records KV progress,
 registers newly full blocks in the prefix cache and, on models whose every layer has a sliding
@@ -11,6 +18,7 @@ only rejected proposals used. All calls happen under the rank's lock.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.worker.engine.api import RequestKind
@@ -23,6 +31,29 @@ from shared.errors import ResourceExhausted
 
 # growth room looked for when placing a request's blocks (tokens of its max_tokens)
 _GROWTH_CAP_TOKENS = 512
+
+
+def place(queue: Sequence[Request], priority: int) -> int:
+    """Where a newly queued request of `priority` goes: after every request of the same or a
+    better (lower) priority, so equals keep their arrival order."""
+    i = len(queue)
+    while i > 0 and queue[i - 1].priority > priority:
+        i -= 1
+    return i
+
+
+def place_preempted(queue: Sequence[Request], priority: int) -> int:
+    """Where a preempted request goes back: before every request of its priority (it was
+    admitted before them) and after the better ones."""
+    i = 0
+    while i < len(queue) and queue[i].priority < priority:
+        i += 1
+    return i
+
+
+def preemption_victim(candidates: Sequence[Request]) -> Request:
+    """The request that gives up its blocks first: the worst priority, the newest among equals."""
+    return max(candidates, key=lambda r: (r.priority, r.arrival_seq))
 
 
 @dataclass
@@ -93,7 +124,7 @@ class Scheduler:
         """Queue a WAITING request (new, or DECODE_REMOTE once its KV arrived)."""
         if req.status is not RequestStatus.WAITING:
             raise ValueError(f"only WAITING requests are queued, not {req.status.name}")
-        self.waiting.append(req)
+        self.waiting.insert(place(self.waiting, req.priority), req)
 
     # ---- scheduling ----------------------------------------------------------------------
     def grow(self, req: Request, num_tokens: int) -> bool:
@@ -119,7 +150,7 @@ class Scheduler:
         self._drop_blocks(req)
         req.preempt()
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.waiting.insert(place_preempted(self.waiting, req.priority), req)
 
     def _drop_blocks(self, req: Request) -> None:
         self.blocks.free(req.block_ids[req.num_released_blocks :])
@@ -141,7 +172,8 @@ class Scheduler:
             n = min(req.num_uncomputed_tokens, budget)
             fits = True
             while not self.grow(req, req.num_computed_tokens + n):
-                victim = max(self.running[i:], key=lambda r: r.arrival_seq)
+                # running is in priority order: those before i are at least as good as req
+                victim = preemption_victim(self.running[i:])
                 if victim is req and not scheduled and len(self.running) == 1:
                     unfittable.append(req)  # alone and still too big: never fits
                     self.running.pop(i)
@@ -163,7 +195,7 @@ class Scheduler:
             if n == 0:
                 break
             self.waiting.popleft()
-            self.running.append(req)
+            self.running.insert(place(self.running, req.priority), req)
             req.mark_running()
             scheduled.append(ScheduledRequest(req, n))
             budget -= n

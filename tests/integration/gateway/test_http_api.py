@@ -293,7 +293,7 @@ async def test_penalties_bias_and_min_tokens_through_the_openai_client(bpe: Http
         presence_penalty=0.7,
         frequency_penalty=0.4,
         logit_bias={"7": 5.0},
-        extra_body={"repetition_penalty": 1.3, "ignore_eos": True, "min_p": 0.6},
+        extra_body={"repetition_penalty": 1.3, "ignore_eos": True, "min_p": 0.6, "priority": -2},
     )
     texts = []
     for mode in MODES:
@@ -320,6 +320,7 @@ async def test_penalties_bias_and_min_tokens_through_the_openai_client(bpe: Http
             logit_bias={7: 5.0},
             ignore_eos=True,
             min_p=0.6,
+            priority=-2,
         )
     )
     assert texts == [want.text, want.text]
@@ -346,6 +347,7 @@ async def test_penalties_bias_and_min_tokens_through_the_openai_client(bpe: Http
         ("min_tokens", 11),
         ("min_p", 1.5),
         ("min_p", -0.1),
+        ("priority", 2**31),
     ):
         with pytest.raises(openai.BadRequestError) as bad:
             await client.completions.create(model="", prompt="hi", max_tokens=10, extra_body={field: value})

@@ -115,6 +115,7 @@ async def test_registers_heartbeats_reregisters_and_deregisters(tiny_model: Path
                 "structured_outputs",
                 "prompt_logprobs",
                 "min_p",
+                "priority",
                 "kv_gateway_ticket",
                 *(["kv_transport_nixl", "kv_nixl_parts"] if w.app.nixl is not None else []),
             ]

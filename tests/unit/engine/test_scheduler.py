@@ -1,22 +1,26 @@
 """Scheduler on hand-made requests (no model): token budget and chunking, decode-first order,
-preemption of the newest request, prefix hits on admission."""
+preemption of the newest request, prefix hits on admission, priority order."""
 
 from __future__ import annotations
 
 from services.worker.engine.api import EngineRequest, SamplingConfig
 from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.request import Request, RequestStatus
-from services.worker.engine.scheduler import Scheduler
+from services.worker.engine.scheduler import Scheduler, place, place_preempted, preemption_victim
 
 _seq = 0
 
 
-def make_request(rid: str, prompt_len: int, max_tokens: int = 8, first: int = 0) -> Request:
+def make_request(
+    rid: str, prompt_len: int, max_tokens: int = 8, first: int = 0, priority: int = 0
+) -> Request:
     """A request with no output handle and no text (scheduling state only)."""
     global _seq
     _seq += 1
     prompt = tuple(range(first, first + prompt_len))
-    req = Request.from_engine_request(EngineRequest(rid, prompt, SamplingConfig(max_tokens=max_tokens)))
+    req = Request.from_engine_request(
+        EngineRequest(rid, prompt, SamplingConfig(max_tokens=max_tokens), priority=priority)
+    )
     req.arrival_seq = _seq
     return req
 
@@ -103,3 +107,62 @@ def test_a_preempted_request_waits_with_everything_it_recomputes() -> None:
     step(sched)  # old needs a 4th block: new is preempted
     assert new.status is RequestStatus.PREEMPTED
     assert sched.num_waiting_prompt_tokens == new.num_tokens == 8 + 5
+
+
+# --- priority (lower is served first; arrival order among equals) ---
+def test_queue_places_follow_priority_then_arrival() -> None:
+    queue = [make_request(n, 1, priority=p) for n, p in (("a", -1), ("b", 0), ("c", 0), ("d", 3))]
+    assert place(queue, 0) == 3  # after the other zeros: arrival order among equals
+    assert place(queue, -5) == 0 and place(queue, 9) == 4 and place(queue, 1) == 3
+    assert place_preempted(queue, 0) == 1  # before the zeros (it was admitted before them)
+    assert place_preempted(queue, 3) == 3 and place_preempted(queue, -1) == 0
+    assert place([], 0) == place_preempted([], 0) == 0
+    assert preemption_victim(queue).request_id == "d"
+    assert preemption_victim(queue[:3]).request_id == "c"  # newest among the worst
+
+
+def test_every_priority_zero_is_first_come_first_served() -> None:
+    """The default: add appends, a preempted request goes back to the front (as before)."""
+    sched = Scheduler(BlockManager(64, 4, True), max_batch_tokens=100, max_num_seqs=1)
+    reqs = [make_request(n, 4, first=10 * i) for i, n in enumerate("abc")]
+    for r in reqs:
+        sched.add(r)
+    assert [r.request_id for r in sched.waiting] == ["a", "b", "c"]
+    step(sched)
+    assert [r.request_id for r in sched.running] == ["a"]
+    sched.preempt(reqs[0])
+    assert [r.request_id for r in sched.waiting] == ["a", "b", "c"]
+
+
+def test_the_best_priority_waiting_request_is_admitted_first() -> None:
+    sched = Scheduler(BlockManager(64, 4, True), max_batch_tokens=100, max_num_seqs=1)
+    busy = make_request("busy", 4)
+    sched.add(busy)
+    step(sched)  # busy runs: the only sequence slot
+    for name, priority, first in (("batch", 5, 100), ("chat", 0, 200), ("urgent", -2, 300)):
+        sched.add(make_request(name, 4, first=first, priority=priority))
+    assert [r.request_id for r in sched.waiting] == ["urgent", "chat", "batch"]
+    sched.remove(busy)
+    assert step(sched) == {"urgent": 4}
+    assert [r.request_id for r in sched.waiting] == ["chat", "batch"]
+
+
+def test_under_kv_pressure_the_worst_priority_is_preempted_and_runs_last() -> None:
+    bm = BlockManager(6, 4, False)
+    sched = Scheduler(bm, max_batch_tokens=100, max_num_seqs=8)
+    # "low" arrives first: by arrival alone "high" (the newest) would be the victim
+    low, high = make_request("low", 8, priority=1), make_request("high", 8, first=50, priority=-1)
+    sched.add(low)
+    sched.add(high)
+    assert [r.request_id for r in sched.waiting] == ["high", "low"]
+    step(sched)
+    assert [r.request_id for r in sched.running] == ["high", "low"]  # the budget goes first to high
+    step(sched)
+    assert bm.num_free_blocks == 0
+    for _ in range(3):
+        step(sched)
+    assert step(sched) == {"high": 1}  # high needs a 4th block: low gives up its blocks
+    assert low.status is RequestStatus.PREEMPTED and high.status is RequestStatus.RUNNING
+    waiting_mid = make_request("mid", 4, first=90, priority=0)
+    sched.add(waiting_mid)
+    assert [r.request_id for r in sched.waiting] == ["mid", "low"]  # low waits behind a better one

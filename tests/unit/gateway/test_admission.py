@@ -11,8 +11,8 @@ from services.gateway.admission import Admission, Overloaded
 from services.gateway.breaker import CircuitBreakers, backoff_s
 
 
-async def _hold(adm: Admission, release: asyncio.Event, log: list[str], name: str) -> None:
-    async with adm.slot():
+async def _hold(adm: Admission, release: asyncio.Event, log: list[str], name: str, priority: int = 0) -> None:
+    async with adm.slot(priority):
         log.append(name)
         await release.wait()
 
@@ -62,6 +62,51 @@ async def test_a_cancelled_waiter_never_leaks_a_slot() -> None:
     with pytest.raises(asyncio.CancelledError):
         await waiting
     assert order == ["a", "c"]
+    assert (adm.num_running, adm.num_queued) == (0, 0)
+
+
+async def test_waiters_are_served_by_priority_then_arrival() -> None:
+    adm = Admission(max_inflight=1, max_queued=10, max_wait_s=10)
+    gate, release = asyncio.Event(), asyncio.Event()
+    order: list[str] = []
+    holder = asyncio.ensure_future(_hold(adm, gate, order, "holder"))
+    await asyncio.sleep(0.01)
+    queued = []
+    for name, priority in (("low", 5), ("a0", 0), ("urgent", -3), ("b0", 0), ("low2", 5)):
+        queued.append(asyncio.ensure_future(_hold(adm, release, order, name, priority)))
+        await asyncio.sleep(0)  # arrival order
+    await asyncio.sleep(0.01)
+    assert adm.num_queued == 5
+    release.set()  # each waiter leaves as soon as it gets the slot
+    gate.set()
+    await asyncio.gather(holder, *queued)
+    assert order == ["holder", "urgent", "a0", "b0", "low", "low2"]
+    assert (adm.num_running, adm.num_queued) == (0, 0)
+
+
+async def test_a_full_queue_sheds_its_worst_waiter_for_a_better_request() -> None:
+    adm = Admission(max_inflight=1, max_queued=2, max_wait_s=10)
+    release = asyncio.Event()
+    order: list[str] = []
+    holder = asyncio.ensure_future(_hold(adm, release, order, "holder"))
+    await asyncio.sleep(0.01)
+    late = asyncio.ensure_future(_hold(adm, release, order, "batch-1", 10))
+    later = asyncio.ensure_future(_hold(adm, release, order, "batch-2", 10))
+    await asyncio.sleep(0.01)
+    # equal (or worse) priority than the worst waiter: refused at once, nobody evicted
+    with pytest.raises(Overloaded, match="at capacity"):
+        async with adm.slot(10):
+            pass
+    urgent = asyncio.ensure_future(_hold(adm, release, order, "urgent", 0))
+    await asyncio.sleep(0.01)
+    assert later.done()  # the newest of the worst priority gave up its place
+    with pytest.raises(Overloaded, match="took this one's place") as info:
+        await later
+    assert info.value.retry_after_s == 1.0
+    assert adm.num_queued == 2
+    release.set()
+    await asyncio.gather(holder, late, urgent)
+    assert order == ["holder", "urgent", "batch-1"]
     assert (adm.num_running, adm.num_queued) == (0, 0)
 
 

@@ -850,6 +850,15 @@ async def test_a_worker_without_a_needed_capability_is_skipped_then_the_request_
     # a plain request goes to the old worker; targets without capabilities are not checked
     assert needed_capabilities(prepared().sampling) == set()
     assert needed_capabilities(dataclasses.replace(prepared().sampling, min_p=0.1)) == {"min_p"}
+
+
+async def test_priority_goes_with_every_worker_call_and_needs_no_capability() -> None:
+    """A hint: an older worker (no "priority" capability) still gets the request."""
+    old = WorkerTarget("old", "old:1", 0, ("generated_tokens",))
+    workers = FakeWorkers(streams={old.address: [FakeStream([final("x", 1)])]})
+    frames, _ = await run(FakeScheduler([agg(old)]), workers, dataclasses.replace(prepared(), priority=7))
+    assert frames[-1].text == "x"
+    assert [j.priority for j in workers.jobs] == [7]
     plain_workers = FakeWorkers(streams={old.address: [FakeStream([final("x", 1)])]})
     frames, _ = await run(FakeScheduler([agg(old)]), plain_workers)
     assert frames[-1].text == "x"

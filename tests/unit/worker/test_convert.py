@@ -122,3 +122,27 @@ def test_rank_load_speculation_counts_round_trip() -> None:
     old = common_pb2.RankLoad(dp_rank=1)  # a worker older than 1.2
     assert not old.HasField("spec_draft_tokens")
     assert rank_load_from_pb(old).spec_acceptance_rate == 0.0
+
+
+def test_priority_and_min_p_reach_the_engine_request_and_zero_stays_unset() -> None:
+    """The gateway's worker calls carry priority (PrefillRequest / DecodeRequest) and min_p
+    (SamplingParams); their defaults are left unset on the wire, as an older worker assumes."""
+    from services.gateway import convert as gateway_convert
+    from services.gateway.inputs import Sampling
+    from services.gateway.ports import WorkerJob
+
+    job = WorkerJob("r", (1, 2), Sampling(max_tokens=4, temperature=0.7, min_p=0.25), False, priority=-3)
+    prefill = gateway_convert.prefill_request(job, 0, None)
+    decode = gateway_convert.decode_request(job, 1, local_prefill=True)
+    assert prefill.priority == decode.priority == -3
+    assert abs(prefill.sampling.min_p - 0.25) < 1e-7
+    assert convert.prefill_call_from_pb(prefill).request.priority == -3
+    call = convert.decode_call_from_pb(decode)
+    assert call.request.priority == -3 and abs(call.request.sampling.min_p - 0.25) < 1e-7
+    plain = WorkerJob("r", (1, 2), Sampling(max_tokens=4), False)
+    for pb in (
+        gateway_convert.prefill_request(plain, 0, None),
+        gateway_convert.decode_request(plain, 0, True),
+    ):
+        assert not pb.HasField("priority") and not pb.sampling.HasField("min_p")
+    assert convert.prefill_call_from_pb(gateway_convert.prefill_request(plain, 0, None)).request.priority == 0
