@@ -179,8 +179,8 @@ def _common(req: m._GenerationRequest, max_tokens: int | None) -> dict[str, Any]
         min_p=req.min_p,
         stop=_stop(req.stop),
         ignore_eos=req.ignore_eos,
-    )
         priority=req.priority,
+    )
 
 
 def _plan(

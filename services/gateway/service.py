@@ -115,9 +115,7 @@ class GatewayService:
         if inp.prompt_token_ids:
             prompt = inp.prompt_token_ids
         elif inp.messages:
-            prompt = tok.encode_chat(
-                inp.messages, inp.tools, self.tool_call_format, dict(inp.chat_template_kwargs)
-            )
+            prompt = tok.encode_chat(inp.messages, inp.tools, self.tool_call_format)
         else:
             prompt = tok.encode_prompt(inp.prompt)
         validate_token_ids(prompt, inp.stop_token_ids, tok.vocab_size, inp.logit_bias)
@@ -148,8 +146,8 @@ class GatewayService:
             sampling=sampling,
             max_tokens=MaxTokens(inp.max_tokens, self._settings.default_max_tokens),
             return_token_ids=inp.return_token_ids,
-        )
             priority=inp.priority,
+        )
 
     async def generate(
         self, inp: GenerateInput, client_timeout_s: float | None = None
@@ -261,11 +259,6 @@ class GatewayService:
         if self._tokenizer is None:
             return "hermes"
         return self._tokenizer.tool_call_format()
-
-    @property
-    def reasoning_parser(self) -> str:
-        """--reasoning-parser: how chat output is split into reasoning and content ("" off)."""
-        return self._settings.reasoning_parser
 
     def decode(self, token_ids: tuple[int, ...]) -> str:
         """Token ids' text (an echoed prompt given as token ids)."""
