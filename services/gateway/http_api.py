@@ -164,7 +164,12 @@ class HttpApi:
             asked = body if isinstance(body, responses_api.ResponsesRequest) else None
             served: BaseModel = body if asked is None else responses_api.chat_request(asked)
             plan = (
-                conv.chat_plan(served, request_id, self._service.tool_call_format)  # type: ignore[arg-type]
+                conv.chat_plan(
+                    served,  # type: ignore[arg-type]
+                    request_id,
+                    self._service.tool_call_format,
+                    self._service.reasoning_parser,
+                )
                 if chat
                 else conv.completion_plan(served, request_id)  # type: ignore[arg-type]
             )
@@ -196,8 +201,9 @@ class HttpApi:
         echoes = http_responses.echoes(plan, self._service.decode)
         if not plan.stream:
             span.end()
+            text_of = self._service.token_text
             payload = completion_body(
-                plan, result, request_id, created, chat, self._service.token_text, echoes
+                plan, result, request_id, created, chat, text_of, echoes, self._service.decode
             )
             if asked is not None:
                 assert isinstance(payload, m.ChatCompletion)
@@ -209,7 +215,8 @@ class HttpApi:
             run.cancel()
             span.end()
 
-        stream = events(plan, run, result, request_id, created, chat, self._service.token_text, echoes)
+        text_of, decode = self._service.token_text, self._service.decode
+        stream = events(plan, run, result, request_id, created, chat, text_of, echoes, decode)
         if asked is not None:
             stream = responses_api.events(asked, stream, request_id, created, result[0][1].model)
         return EventStream(stream, close, headers)

@@ -1,16 +1,18 @@
 """Chat-specific conversion of the OpenAI HTTP face: messages (roles, content parts, earlier
-tool calls and their results) as the domain's ChatTurns, and `tools` / `tool_choice` as the Tools
-offered and the parsing of the model's output (`ToolParsing`). Each problem is a 400 naming its
-field (`validation.InvalidField`)."""
+tool calls and their results) as the domain's ChatTurns, `tools` / `tool_choice` as the Tools
+offered and the parsing of the model's output (`ToolParsing`), and `chat_template_kwargs` as the
+template's extra variables. Each problem is a 400 naming its field (`validation.InvalidField`)."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Any
 
 from services.gateway import http_models as m
 from services.gateway import tool_calls
 from services.gateway.inputs import ChatCallTurn, ChatTurn
+from services.gateway.tokenization import RESERVED_TEMPLATE_KWARGS
 from services.gateway.tool_calls import Format, Tool
 from services.gateway.validation import InvalidField
 from shared.structured_output import InvalidStructuredOutput, StructuredOutput, grammar_of
@@ -103,6 +105,20 @@ def tool_choice(req: m.ChatCompletionRequest, tools: tuple[Tool, ...]) -> tuple[
             "tool_choice",
         )
     return (named[0],)
+
+
+def template_kwargs(req: m.ChatCompletionRequest) -> tuple[tuple[str, Any], ...]:
+    """chat_template_kwargs (an object, checked by the schema) as the template's extra variables;
+    a name pdserve passes itself (the conversation, tools, add_generation_prompt, ...) is a 400."""
+    given = req.chat_template_kwargs or {}
+    taken = sorted(RESERVED_TEMPLATE_KWARGS.intersection(given))
+    if taken:
+        raise InvalidField(
+            f"chat_template_kwargs may not set {', '.join(taken)}: pdserve passes "
+            f"{'it' if len(taken) == 1 else 'them'} to the chat template itself",
+            "chat_template_kwargs",
+        )
+    return tuple(given.items())
 
 
 def turn(i: int, msg: m.ChatMessage) -> ChatTurn:

@@ -17,6 +17,7 @@ from services.gateway import http_chat, tool_calls
 from services.gateway import http_models as m
 from services.gateway.http_chat import ToolParsing
 from services.gateway.inputs import GenerateInput
+from services.gateway.reasoning import Kind as ReasoningKind
 from services.gateway.tool_calls import Format
 from services.gateway.validation import MAX_LOGPROBS, InvalidField
 from shared.structured_output import InvalidStructuredOutput, StructuredOutput, grammar_of
@@ -58,6 +59,8 @@ class Plan:
     stream: bool
     include_usage: bool
     tools: ToolParsing | None = None  # chat with tools: how every choice's output is read
+    # chat with --reasoning-parser: how every choice's output is split into reasoning and content
+    reasoning: ReasoningKind | None = None
     echo: bool = False  # completions: each choice's text (and logprobs) starts with its prompt
 
 
@@ -212,7 +215,12 @@ def _plan(
     return Plan(tuple(inputs), tuple(groups), req.stream, include_usage, tools)
 
 
-def chat_plan(req: m.ChatCompletionRequest, request_id: str, tool_format: Format = "hermes") -> Plan:
+def chat_plan(
+    req: m.ChatCompletionRequest,
+    request_id: str,
+    tool_format: Format = "hermes",
+    reasoning_parser: ReasoningKind | None = None,
+) -> Plan:
     if (
         req.max_tokens is not None
         and req.max_completion_tokens is not None
@@ -232,6 +240,7 @@ def chat_plan(req: m.ChatCompletionRequest, request_id: str, tool_format: Format
     if not req.messages:
         raise InvalidField("messages is empty; send at least one message", "messages")
     turns = tuple(http_chat.turn(i, msg) for i, msg in enumerate(req.messages))
+    common["chat_template_kwargs"] = http_chat.template_kwargs(req)
     tools = http_chat.tools(req)
     choice = http_chat.tool_choice(req, tools)
     parsing = None
@@ -253,7 +262,21 @@ def chat_plan(req: m.ChatCompletionRequest, request_id: str, tool_format: Format
         common["tools"] = tools
         common["structured"] = tool_calls.forced_call(choice, tool_format)
         parsing = ToolParsing(tool_format, forced=True)
-    return _plan(req, [{"messages": turns}], common, request_id, parsing)
+    plan = _plan(req, [{"messages": turns}], common, request_id, parsing)
+    return _with_reasoning(plan, reasoning_parser)
+
+
+def _with_reasoning(plan: Plan, kind: ReasoningKind | None) -> Plan:
+    """The plan with its outputs split into reasoning and content, and each choice asking for its
+    token ids (reasoning_tokens counts tokens). Not when the output is constrained to JSON
+    (response_format, guided_json, a forced tool call): the grammar writes JSON from the first
+    token, so there is no reasoning to find, and deepseek_r1 would call all of it reasoning. A
+    regex or choice constraint may write the tags, and is parsed."""
+    structured = plan.inputs[0].structured
+    if kind is None or (structured is not None and structured.kind in ("json_schema", "json_object")):
+        return plan
+    inputs = tuple(dataclasses.replace(inp, return_token_ids=True) for inp in plan.inputs)
+    return dataclasses.replace(plan, inputs=inputs, reasoning=kind)
 
 
 def completion_plan(req: m.CompletionRequest, request_id: str) -> Plan:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny
 
 
 class _Request(BaseModel):
@@ -88,6 +88,8 @@ class ChatCompletionRequest(_GenerationRequest):
         default=None, description='"none", "auto" (default with tools), "required" or a named function'
     )
     parallel_tool_calls: bool | None = None
+    # extra variables for the chat template, e.g. {"enable_thinking": false} (Qwen3)
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_GenerationRequest):
@@ -104,11 +106,19 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int  # generated tokens of the reasoning, its tags included
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    # with --reasoning-parser only (left out otherwise, so other responses stay as they were)
+    completion_tokens_details: CompletionTokensDetails | None = Field(
+        default=None, exclude_if=lambda details: details is None
+    )
 
 
 class TopLogprob(BaseModel):
@@ -153,9 +163,16 @@ class AssistantMessage(BaseModel):
     tool_calls: list[ResponseToolCall] | None = None
 
 
+class ReasoningMessage(AssistantMessage):
+    """The message with --reasoning-parser: the reasoning (the text between the think tags; null
+    when the output had none) beside the content."""
+
+    reasoning_content: str | None = None
+
+
 class ChatChoice(BaseModel):
     index: int
-    message: AssistantMessage
+    message: SerializeAsAny[AssistantMessage]  # a ReasoningMessage keeps its reasoning_content
     finish_reason: str
     logprobs: ChatLogprobs | None = None
 

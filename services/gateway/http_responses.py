@@ -1,18 +1,19 @@
 """The domain's results as OpenAI HTTP responses: a whole (non-streamed) chat or text completion,
 usage over a request's choices, logprobs, completions' echo (the prompt and its logprobs first),
-tool calls, finish reasons, response ids and the model list. The streamed form of the same
-results is `http_stream.py`."""
+reasoning (--reasoning-parser), tool calls, finish reasons, response ids and the model list. The
+streamed form of the same results is `http_stream.py`."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
 from services.gateway import http_models as m
-from services.gateway import tool_calls
+from services.gateway import reasoning, tool_calls
 from services.gateway.accounting import Usage
 from services.gateway.http_convert import Plan
 from services.gateway.inputs import GenerateInput, TokenLogprob
 from services.gateway.ports import ModelCard
+from services.gateway.reasoning import Decode
 from services.gateway.request import Completion, OutputFrame
 from services.gateway.tool_calls import ToolCall
 from shared.cluster import FinishReason
@@ -25,9 +26,10 @@ def finish_reason(reason: FinishReason | None) -> str | None:
     return None if reason is None else reason.value
 
 
-def usage(plan: Plan, usages: Sequence[Usage]) -> m.Usage:
+def usage(plan: Plan, usages: Sequence[Usage], reasoning_tokens: Sequence[int] | None = None) -> m.Usage:
     """OpenAI's usage of all choices: each prompt counted once (its choices share it), completion
-    tokens summed; cached_tokens of a prompt = the fewest any of its choices found cached."""
+    tokens summed; cached_tokens of a prompt = the fewest any of its choices found cached;
+    with `reasoning_tokens` (per choice: --reasoning-parser) completion_tokens_details too."""
     prompt_tokens = cached = completion = 0
     for group in sorted(set(plan.groups)):
         members = [u for g, u in zip(plan.groups, usages, strict=True) if g == group]
@@ -39,6 +41,11 @@ def usage(plan: Plan, usages: Sequence[Usage]) -> m.Usage:
         completion_tokens=completion,
         total_tokens=prompt_tokens + completion,
         prompt_tokens_details=m.PromptTokensDetails(cached_tokens=cached),
+        completion_tokens_details=(
+            None
+            if reasoning_tokens is None
+            else m.CompletionTokensDetails(reasoning_tokens=sum(reasoning_tokens))
+        ),
     )
 
 
@@ -150,6 +157,33 @@ def chat_finish_reason(reason: str, called: bool) -> str:
     return "tool_calls" if called and reason == FinishReason.STOP.value else reason
 
 
+def reasoning_tokens(plan: Plan, token_ids: tuple[int, ...], completion_tokens: int, decode: Decode) -> int:
+    """One choice's reasoning tokens (plan.reasoning set)."""
+    assert plan.reasoning is not None
+    return reasoning.reasoning_tokens(plan.reasoning, token_ids, completion_tokens, decode)
+
+
+def chat_message(plan: Plan, text: str) -> tuple[m.AssistantMessage, bool]:
+    """A whole chat output as its message (the reasoning split off, then tool calls parsed from
+    the content only) and whether it called a tool. With a reasoning section, empty content is
+    null (as vLLM's), and so is empty reasoning."""
+    thought: str | None = None
+    if plan.reasoning is not None:
+        found = reasoning.split(text, plan.reasoning)
+        text, thought = found.content, found.reasoning
+    content: str | None = text
+    calls: list[ToolCall] = []
+    if plan.tools is not None:
+        content, calls = tool_calls.parse(text, plan.tools.fmt, plan.tools.forced)
+    called = response_tool_calls(calls) or None
+    if plan.reasoning is None:
+        return m.AssistantMessage(content=content, tool_calls=called), bool(calls)
+    if thought is not None and not content:
+        content = None
+    message = m.ReasoningMessage(content=content, tool_calls=called, reasoning_content=thought or None)
+    return message, bool(calls)
+
+
 def chat_id(request_id: str) -> str:
     return f"chatcmpl-{request_id}"
 
@@ -172,24 +206,27 @@ def completion_body(
     chat: bool,
     token_text: Callable[[int], str],
     echoes: list[str] | None = None,
+    decode: Decode | None = None,
 ) -> m.ChatCompletion | m.Completion:
-    total = usage(plan, [c.usage for c in done])
+    """`decode` (token ids -> text): needed with plan.reasoning, to count reasoning tokens."""
+    thought_tokens = None
+    if plan.reasoning is not None:
+        assert decode is not None
+        thought_tokens = [
+            reasoning_tokens(plan, c.token_ids, c.usage.completion_tokens, decode) for c in done
+        ]
+    total = usage(plan, [c.usage for c in done], thought_tokens)
     model = done[0].model
     wants = [inp.logprobs is not None for inp in plan.inputs]
     if chat:
         choices = []
         for i, c in enumerate(done):
-            content: str | None = c.text
-            calls: list[ToolCall] = []
-            if plan.tools is not None:
-                content, calls = tool_calls.parse(c.text, plan.tools.fmt, plan.tools.forced)
+            message, called = chat_message(plan, c.text)
             choices.append(
                 m.ChatChoice(
                     index=i,
-                    message=m.AssistantMessage(
-                        content=content, tool_calls=response_tool_calls(calls) or None
-                    ),
-                    finish_reason=chat_finish_reason(c.finish_reason.value, bool(calls)),
+                    message=message,
+                    finish_reason=chat_finish_reason(c.finish_reason.value, called),
                     logprobs=chat_logprobs(c.logprobs, token_text) if wants[i] else None,
                 )
             )

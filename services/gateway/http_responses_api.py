@@ -3,10 +3,10 @@ chat completion request (`chat_request`: `instructions` a system message first, 
 messages, function tools and `tool_choice` in chat's spelling, `text.format` the response_format,
 `max_output_tokens` the completion's limit), so validation, templates, structured output, tool
 parsing, accounting and finish reasons are the chat face's; its result becomes a Response object
-(`response_body`: a `message` output item with the text, one `function_call` item per tool call,
-the status, usage in the Responses names), and, streamed, the chat stream's chunks become the
-Responses events (`events`: response.created ... output_text deltas ... response.completed, each
-with its sequence_number).
+(`response_body`: with --reasoning-parser a `reasoning` item first, a `message` output item with
+the text, one `function_call` item per tool call, the status, usage in the Responses names), and,
+streamed, the chat stream's chunks become the Responses events (`events`: response.created ...
+reasoning_text and output_text deltas ... response.completed, each with its sequence_number).
 
 What is not served gets 400 naming the field: `previous_response_id` and `background` (this
 server keeps no responses: send the whole conversation in `input`), input items other than
@@ -177,6 +177,7 @@ _CHAT_EXTRAS = (
     "frequency_penalty",
     "repetition_penalty",
     "logit_bias",
+    "chat_template_kwargs",
 )
 
 
@@ -218,11 +219,12 @@ def chat_request(req: ResponsesRequest) -> m.ChatCompletionRequest:
 # --- the Response object ---
 def _usage(usage: m.Usage | dict[str, Any]) -> dict[str, Any]:
     u = usage.model_dump() if isinstance(usage, m.Usage) else usage
+    details = u.get("completion_tokens_details") or {}  # with --reasoning-parser
     return {
         "input_tokens": u["prompt_tokens"],
         "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]},
         "output_tokens": u["completion_tokens"],
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": details.get("reasoning_tokens", 0)},
         "total_tokens": u["total_tokens"],
     }
 
@@ -234,6 +236,22 @@ def _message_item(request_id: str, text: str, status: str) -> dict[str, Any]:
         "status": status,
         "role": "assistant",
         "content": [{"type": "output_text", "text": text, "annotations": []}],
+    }
+
+
+def _reasoning_id(request_id: str) -> str:
+    return f"rs_{request_id}"
+
+
+def _reasoning_item(request_id: str, text: str, status: str) -> dict[str, Any]:
+    """The reasoning (--reasoning-parser) as OpenAI's reasoning item: the text as one
+    `reasoning_text` content part, no summary (none is written)."""
+    return {
+        "type": "reasoning",
+        "id": _reasoning_id(request_id),
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}],
+        "status": status,
     }
 
 
@@ -292,6 +310,8 @@ def response_body(
     """The Response of a finished chat completion (one choice)."""
     choice = chat.choices[0]
     output = []
+    if isinstance(choice.message, m.ReasoningMessage) and choice.message.reasoning_content:
+        output.append(_reasoning_item(request_id, choice.message.reasoning_content, "completed"))
     if choice.message.content:
         output.append(_message_item(request_id, choice.message.content, "completed"))
     for call in choice.message.tool_calls or []:
@@ -305,10 +325,12 @@ async def events(
     req: ResponsesRequest, chat_events: AsyncIterator[str], request_id: str, created: int, model: str
 ) -> AsyncIterator[str]:
     """The Responses events of a streamed chat completion (its SSE body, one choice, usage last):
-    response.created and .in_progress; the message item (opened at its first text) with its
-    output_text deltas; each function call's item with its arguments deltas; the items' .done
-    events (at the end, in output order); then response.completed (or .incomplete at
-    max_output_tokens). An error event of the chat stream ends this one with an `error` event."""
+    response.created and .in_progress; the reasoning item (--reasoning-parser; opened at its
+    first text) with its reasoning_text deltas; the message item (opened at its first text) with
+    its output_text deltas; each function call's item with its arguments deltas; the items' .done
+    events (at the end: the reasoning's, the message's, the calls'); then response.completed (or
+    .incomplete at max_output_tokens). An error event of the chat stream ends this one with an
+    `error` event."""
     seq = 0
 
     def event(kind: str, **body: Any) -> str:
@@ -322,10 +344,24 @@ async def events(
     yield event("response.in_progress", response=shell)
     items: list[dict[str, Any]] = []  # output items in order, each as it will be when done
     text_index: int | None = None  # the message item's output_index, once opened
+    thought_index: int | None = None  # the reasoning item's output_index, once opened
     calls: dict[int, int] = {}  # chat's tool call index -> output_index
     finish: str | None = None
     usage: dict[str, Any] | None = None
     msg_id = _message_id(request_id)
+    rs_id = _reasoning_id(request_id)
+
+    def close_thought() -> list[str]:
+        if thought_index is None:
+            return []
+        item = items[thought_index]
+        item["status"] = "completed"
+        where = {"item_id": rs_id, "output_index": thought_index, "content_index": 0}
+        return [
+            event("response.reasoning_text.done", **where, text=item["content"][0]["text"]),
+            event("response.content_part.done", **where, part=item["content"][0]),
+            event("response.output_item.done", output_index=thought_index, item=item),
+        ]
 
     def close_text() -> list[str]:
         if text_index is None:
@@ -356,6 +392,28 @@ async def events(
             for choice in chunk.get("choices", []):
                 delta = choice.get("delta", {})
                 finish = choice.get("finish_reason") or finish
+                thought = delta.get("reasoning_content")
+                if thought:
+                    if thought_index is None:
+                        thought_index = len(items)
+                        items.append(_reasoning_item(request_id, "", "in_progress"))
+                        opened = {**items[thought_index], "content": []}
+                        yield event("response.output_item.added", output_index=thought_index, item=opened)
+                        yield event(
+                            "response.content_part.added",
+                            item_id=rs_id,
+                            output_index=thought_index,
+                            content_index=0,
+                            part={"type": "reasoning_text", "text": ""},
+                        )
+                    items[thought_index]["content"][0]["text"] += thought
+                    yield event(
+                        "response.reasoning_text.delta",
+                        item_id=rs_id,
+                        output_index=thought_index,
+                        content_index=0,
+                        delta=thought,
+                    )
                 text = delta.get("content")
                 if text:
                     if text_index is None:
@@ -394,7 +452,7 @@ async def events(
                             output_index=calls[k],
                             delta=function["arguments"],
                         )
-    for piece in close_text():
+    for piece in close_thought() + close_text():
         yield piece
     for index in calls.values():
         item = items[index]

@@ -1,7 +1,7 @@
 """Server-sent event bytes of the streamed chunks that are written once per token: a choice's
-text (chat: its content delta) and finish reason, without logprobs or tool calls. They are
-spliced into a template made once per stream (its id, created, model and whether each chunk
-carries `"usage":null`), so no pydantic model is validated per token. The bytes are exactly
+text (chat: its content or reasoning_content delta) and finish reason, without logprobs or tool
+calls. They are spliced into a template made once per stream (its id, created, model and whether
+each chunk carries `"usage":null`), so no pydantic model is validated per token. The bytes are exactly
 those of the pydantic chunk models (`http_models.ChatCompletionChunk` / `CompletionChunk`,
 `model_dump_json`, the same key order, and strings through pydantic's own JSON encoder); every
 other chunk (role, tool calls, logprobs, usage, errors) is still built from those models."""
@@ -35,12 +35,13 @@ class ChunkTemplate:
         )
         self._tail = ',"logprobs":null}]' + (',"usage":null' if include_usage else "") + "}\n\n"
 
-    def event(self, index: int, text: str, finish_reason: str | None) -> str:
-        """The event of choice `index`'s chunk: chat, a delta `{"content": text}` (`{}` when
-        text is empty); completions, its `text`; `finish_reason` null unless given."""
+    def event(self, index: int, text: str, finish_reason: str | None, key: str = "content") -> str:
+        """The event of choice `index`'s chunk: chat, a delta `{key: text}` (`{}` when text is
+        empty; key "content", or "reasoning_content" with --reasoning-parser); completions, its
+        `text`; `finish_reason` null unless given."""
         reason = "null" if finish_reason is None else json_str(finish_reason)
         if self._chat:
-            delta = f'{{"content":{json_str(text)}}}' if text else "{}"
+            delta = f'{{"{key}":{json_str(text)}}}' if text else "{}"
             body = f'{index},"delta":{delta},"finish_reason":{reason}'
         else:
             body = f'{index},"text":{json_str(text)},"finish_reason":{reason}'

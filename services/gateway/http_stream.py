@@ -1,5 +1,6 @@
 """Streamed OpenAI HTTP responses: server-sent events for a request's choices (chat: a role chunk
-per choice, then a chunk per frame with text, tool calls as deltas; completions: a chunk per frame),
+per choice, then a chunk per frame with text, reasoning and tool calls as deltas; completions: a
+chunk per frame),
 the usage chunk when asked, then [DONE]; an error after the stream started ends it with one error
 event. `EventStream` stops when the client disconnects and then cancels the request's choices."""
 
@@ -24,6 +25,7 @@ from services.gateway.http_convert import Plan
 from services.gateway.http_errors import http_error
 from services.gateway.http_sse import ChunkTemplate
 from services.gateway.inputs import TokenLogprob
+from services.gateway.reasoning import Decode, ReasoningParser
 from services.gateway.request import OutputFrame
 
 log = structlog.get_logger(__name__)
@@ -51,6 +53,12 @@ class EventStream(StreamingResponse):
             self._on_close()
 
 
+def _items(parts: list[dict[str, Any]]) -> Iterable[tuple[str, str]]:
+    """One-key deltas ({"content": ...} / {"reasoning_content": ...}) as (key, text); `{}` for
+    none (a chunk that only carries the finish_reason)."""
+    return [next(iter(p.items())) for p in parts] or [("content", "")]
+
+
 def _sse(payload: BaseModel | dict[str, Any], exclude: set[str] | None = None) -> str:
     if isinstance(payload, BaseModel):
         return f"data: {payload.model_dump_json(exclude=exclude)}\n\n"
@@ -66,12 +74,17 @@ async def events(
     chat: bool,
     token_text: Callable[[int], str],
     echoes: list[str] | None = None,
+    decode: Decode | None = None,
 ) -> AsyncIterator[str]:
     """The SSE body: (chat) a role chunk per choice, one chunk per frame with text (the last one
     of a choice carries finish_reason), the usage chunk when asked, then [DONE]. An error after
     the stream started ends it with one `data: {"error": {...}}` event and no [DONE]. With
     logprobs, a chunk carries those of the tokens since the previous chunk of its choice. With
-    echo (completions), a choice's first chunk starts with its prompt (and the prompt's logprobs)."""
+    echo (completions), a choice's first chunk starts with its prompt (and the prompt's logprobs).
+    With plan.reasoning (chat, --reasoning-parser), a frame's text is split into
+    `{"reasoning_content": ...}` and content deltas (a tag is held back until it is whole, and
+    never sent), tool calls are parsed from the content only, and the usage chunk counts the
+    reasoning tokens (from the choices' token ids: `decode` turns them into text)."""
     model = first[0][1].model
     exclude = None if plan.include_usage else {"usage"}
     usages: list[Any] = [None] * len(plan.inputs)
@@ -83,12 +96,31 @@ async def events(
     parsers = [plan.tools.parser() if plan.tools else None for _ in plan.inputs]
     calls_sent = [0] * len(plan.inputs)  # the next tool call's index, per choice
     opened: list[set[str]] = [set() for _ in plan.inputs]  # ids of calls streamed piecewise
+    reasoners = [ReasoningParser(plan.reasoning) if plan.reasoning else None for _ in plan.inputs]
+    generated: list[list[int]] = [[] for _ in plan.inputs]  # with reasoners: each choice's token ids
     # per choice: the prompt text not yet sent (echo), None once sent
     to_echo: list[str | None] | None = list(echoes) if echoes else None
 
     def deltas(index: int, text: str, reason: str | None) -> tuple[list[dict[str, Any]], str | None]:
-        """A chat frame's deltas (content, or each tool call as its name, then its arguments)
-        and its finish_reason (tool_calls when the choice called any)."""
+        """A chat frame's deltas: its reasoning and content, in the order written (the content
+        through the tool-call parser), and its finish_reason."""
+        reasoner = reasoners[index]
+        if reasoner is None:
+            return content_deltas(index, text, reason)
+        out: list[dict[str, Any]] = []
+        for piece in reasoner.feed(text) + (reasoner.finish() if reason is not None else []):
+            if piece.reasoning:
+                out.append({"reasoning_content": piece.text})
+            else:
+                out.extend(content_deltas(index, piece.text, None)[0])
+        if reason is not None:
+            tail, reason = content_deltas(index, "", reason)
+            out.extend(tail)
+        return out, reason
+
+    def content_deltas(index: int, text: str, reason: str | None) -> tuple[list[dict[str, Any]], str | None]:
+        """A chat frame's content deltas (content, or each tool call as its name, then its
+        arguments) and its finish_reason (tool_calls when the choice called any)."""
         parser = parsers[index]
         if parser is None:
             return ([{"content": text}] if text else []), reason
@@ -132,19 +164,26 @@ async def events(
             if frame.usage is not None:
                 usages[index] = frame.usage
             pending[index].extend(frame.logprobs)
+            if reasoners[index] is not None:
+                generated[index].extend(frame.token_ids)
             if not text and reason is None:
                 return None  # nothing to say (text held back, e.g. a partial character)
             logprobs, pending[index] = pending[index], []
         if chat:
             if frame is None:
                 parts: list[dict[str, Any]] = [{"role": "assistant", "content": ""}]
-            elif parsers[index] is None and not wants[index]:
+            elif parsers[index] is None and reasoners[index] is None and not wants[index]:
                 return template.event(index, text, reason)  # a content delta (or {}): no model built
             else:
                 parts, reason = deltas(index, text, reason)
                 if not parts and reason is None:
                     pending[index][:0] = logprobs  # the parser holds the text back: later
                     return None
+                if parsers[index] is None and not wants[index]:  # reasoning / content deltas only
+                    return "".join(
+                        template.event(index, text, reason if n == len(parts) - 1 else None, key)
+                        for n, (key, text) in enumerate(_items(parts))
+                    )
             parts = parts or [{}]
             chat_lp = resp.chat_logprobs(logprobs, token_text) if wants[index] and frame is not None else None
             events = []
@@ -203,8 +242,14 @@ async def events(
         yield _sse(error.body)
         return
     if plan.include_usage:
+        thought_tokens = None
+        if plan.reasoning is not None:
+            assert decode is not None
+            thought_tokens = [
+                resp.reasoning_tokens(plan, tuple(ids), u.completion_tokens, decode)
+                for ids, u in zip(generated, usages, strict=True)
+            ]
         tail_type = m.ChatCompletionChunk if chat else m.CompletionChunk
-        yield _sse(
-            tail_type(id=rid, created=created, model=model, choices=[], usage=resp.usage(plan, usages))
-        )
+        total = resp.usage(plan, usages, thought_tokens)
+        yield _sse(tail_type(id=rid, created=created, model=model, choices=[], usage=total))
     yield "data: [DONE]\n\n"

@@ -21,6 +21,7 @@ from services.gateway.inputs import GenerateInput, Sampling, TokenLogprob, new_r
 from services.gateway.membership import MembershipWatch
 from services.gateway.model_cards import ModelCards
 from services.gateway.ports import MembershipSource, ModelCard, SchedulerClient, WorkerClient
+from services.gateway.reasoning import Kind as ReasoningKind
 from services.gateway.request import Completion, OutputFrame, OutputFrameKind, RequestState, RequestStatus
 from services.gateway.settings import GatewaySettings
 from services.gateway.tokenization import PromptTokenizer
@@ -115,7 +116,9 @@ class GatewayService:
         if inp.prompt_token_ids:
             prompt = inp.prompt_token_ids
         elif inp.messages:
-            prompt = tok.encode_chat(inp.messages, inp.tools, self.tool_call_format)
+            prompt = tok.encode_chat(
+                inp.messages, inp.tools, self.tool_call_format, dict(inp.chat_template_kwargs)
+            )
         else:
             prompt = tok.encode_prompt(inp.prompt)
         validate_token_ids(prompt, inp.stop_token_ids, tok.vocab_size, inp.logit_bias)
@@ -259,6 +262,12 @@ class GatewayService:
         if self._tokenizer is None:
             return "hermes"
         return self._tokenizer.tool_call_format()
+
+    @property
+    def reasoning_parser(self) -> ReasoningKind | None:
+        """--reasoning-parser: how chat output is split into reasoning and content (None: off)."""
+        kind = self._settings.reasoning_parser
+        return cast(ReasoningKind, kind) if kind else None
 
     def decode(self, token_ids: tuple[int, ...]) -> str:
         """Token ids' text (an echoed prompt given as token ids)."""

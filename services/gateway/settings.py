@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from services.gateway.reasoning import KINDS as REASONING_PARSERS
 from shared.settings import field, parse_settings
 from shared.tls import TlsSettings
 
@@ -67,6 +68,13 @@ class GatewaySettings(TlsSettings):
         'llama3_json ({"name": ..., "parameters": ...}); \'\' = detected from the chat template '
         "(hermes when it says nothing)",
         choices=("", "hermes", "llama3_json"),
+    )
+    reasoning_parser: str = field(
+        "",
+        "how chat output of reasoning models is split into message.reasoning_content and content: "
+        "deepseek_r1 (reasoning up to </think>, the prompt may have opened <think>) or qwen3 "
+        "(reasoning only between <think> and </think>); '' = off (all output is content)",
+        choices=("", *REASONING_PARSERS),
     )
     log_prompts: bool = field(False, "log prompt and completion text (off by default: privacy)")
     max_inflight_requests: int = field(

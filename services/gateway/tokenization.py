@@ -4,7 +4,7 @@ template."""
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,28 @@ from services.gateway.tool_calls import Format, Tool
 from shared.errors import InvalidArgument
 
 log = structlog.get_logger(__name__)
+
+# apply_chat_template's own arguments and the template variables pdserve sets: a client's
+# chat_template_kwargs may not name them (they would replace what pdserve passes)
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
 
 
 class PromptTokenizer:
@@ -70,18 +92,24 @@ class PromptTokenizer:
         return tool_calls.detect_format(self.chat_template)
 
     def encode_chat(
-        self, messages: Sequence[ChatTurn], tools: Sequence[Tool] = (), fmt: Format = "hermes"
+        self,
+        messages: Sequence[ChatTurn],
+        tools: Sequence[Tool] = (),
+        fmt: Format = "hermes",
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> tuple[int, ...]:
         """The prompt of a conversation. Tools go through the template's `tools` when it renders
         them; otherwise (the bundled SmolLM2's template) a system preamble in `fmt` offers them,
-        and earlier calls and tool results are written into the turns' text the same way."""
+        and earlier calls and tool results are written into the turns' text the same way.
+        `template_kwargs`: the client's chat_template_kwargs, extra template variables (e.g.
+        Qwen3's enable_thinking); none of RESERVED_TEMPLATE_KWARGS (checked by the caller)."""
         if not self.has_chat_template:
             raise InvalidArgument(
                 f"model {self.model_id!r} has no chat template; send a prompt instead of messages"
             )
         template = self.chat_template
         conversation = [_turn(m, fmt, "tool_calls" in template) for m in messages]
-        extra: dict[str, Any] = {}
+        extra: dict[str, Any] = dict(template_kwargs or {})
         if tools and "tools" in template:
             extra["tools"] = [t.as_openai() for t in tools]
         elif tools:
