@@ -1,5 +1,6 @@
 """Structured outputs: what a request's output must match (a JSON schema, any JSON object, a
-regex, one of a list of strings) and its llguidance grammar. The gateway validates with it (no
+regex, one of a list of strings, a context-free grammar in GBNF or Lark syntax) and its
+llguidance grammar. The gateway validates with it (no
 tokenizer needed); the workers build their token masks from the same grammar text.
 
 llguidance was chosen over xgrammar by measurement (SmolLM2's tokenizer, a 4-property JSON
@@ -14,14 +15,15 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-Kind = Literal["json_schema", "json_object", "regex", "choice"]
-KINDS: tuple[Kind, ...] = ("json_schema", "json_object", "regex", "choice")
+Kind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+KINDS: tuple[Kind, ...] = ("json_schema", "json_object", "regex", "choice", "grammar")
 
 
 @dataclass(frozen=True)
 class StructuredOutput:
-    """One constraint: `spec` is the JSON schema (JSON text) or the regex; `choices` the strings
-    of a choice; json_object needs neither."""
+    """One constraint: `spec` is the JSON schema (JSON text), the regex or the grammar (GBNF, as
+    llama.cpp and vLLM's guided_grammar write it, or Lark, as llguidance reads it); `choices` the
+    strings of a choice; json_object needs neither."""
 
     kind: Kind
     spec: str = ""
@@ -29,7 +31,11 @@ class StructuredOutput:
 
 
 def from_fields(
-    json_schema: str = "", json_object: bool = False, regex: str = "", choice: tuple[str, ...] = ()
+    json_schema: str = "",
+    json_object: bool = False,
+    regex: str = "",
+    choice: tuple[str, ...] = (),
+    grammar: str = "",
 ) -> StructuredOutput | None:
     """The constraint a StructuredOutput message (or equivalent fields) sets; None when none is
     set. Raises InvalidStructuredOutput when more than one is."""
@@ -40,13 +46,12 @@ def from_fields(
             ("json_object", json_object),
             ("regex", regex),
             ("choice", choice),
+            ("grammar", grammar),
         )
         if v
     ]
     if len(given) > 1:
-        raise InvalidStructuredOutput(
-            f"set exactly one of json_schema, json_object, regex, choice; got {' and '.join(given)}"
-        )
+        raise InvalidStructuredOutput(f"set exactly one of {', '.join(KINDS)}; got {' and '.join(given)}")
     if not given:
         return None
     if json_schema:
@@ -55,6 +60,8 @@ def from_fields(
         return StructuredOutput("json_object")
     if regex:
         return StructuredOutput("regex", regex)
+    if grammar:
+        return StructuredOutput("grammar", grammar)
     return StructuredOutput("choice", choices=tuple(choice))
 
 
@@ -95,9 +102,26 @@ def grammar_of(s: StructuredOutput) -> str:
         grammar = str(
             llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in s.choices))
         )
+    elif s.kind == "grammar":
+        grammar = _grammar_text(s.spec)
     else:
         raise InvalidStructuredOutput(f"unknown kind {s.kind!r}; use one of {', '.join(KINDS)}")
     error = llguidance.LLMatcher.validate_grammar(grammar)
     if error:
         raise InvalidStructuredOutput(error.strip())
     return grammar
+
+
+def _grammar_text(text: str) -> str:
+    """A GBNF or Lark grammar as llguidance's grammar text (llguidance tells the two apart and
+    converts GBNF: rules `name ::= ...` with `root` as the start, the syntax of llama.cpp and of
+    vLLM's guided_grammar examples; Lark starts at `start`)."""
+    import llguidance
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    if not text.strip():
+        raise InvalidStructuredOutput("the grammar is empty")
+    try:
+        return str(llguidance.LLMatcher.grammar_from_lark(any_to_lark(text)))
+    except Exception as exc:  # llguidance raises plain Exception (and GbnfToLarkError) with the reason
+        raise InvalidStructuredOutput(f"the grammar cannot be used: {exc}") from None

@@ -23,6 +23,8 @@ def needed_capabilities(s: Sampling) -> set[str]:
         needed.add("logprobs")
     if s.structured is not None:
         needed.add("structured_outputs")
+        if s.structured.kind == "grammar":
+            needed.add("structured_grammar")
     if s.prompt_logprobs is not None:
         needed.add("prompt_logprobs")
     if s.min_p:

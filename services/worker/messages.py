@@ -22,6 +22,7 @@ CAPABILITIES = (
     "prompt_logprobs",
     "min_p",
     "priority",
+    "structured_grammar",
     GATEWAY_TICKET_CAPABILITY,
 )
 # Contract version implemented: 1.0 = compat/v1.0; 1.1 added the optional generated_tokens fields;
@@ -42,8 +43,8 @@ CAPABILITIES = (
 # handoff ends after it (the gateway streams the first token while the KV moves); and
 # DecodeRequest.transfer_ticket (capability shared.cluster.GATEWAY_TICKET_CAPABILITY): the gateway
 # chooses the ticket and starts the prefill while the decode worker admits.
-# 1.12 added SamplingParams.min_p (capability "min_p") and PrefillRequest / DecodeRequest
-# .priority (capability "priority").
+# 1.12 added SamplingParams.min_p (capability "min_p"), PrefillRequest / DecodeRequest
+# .priority (capability "priority") and StructuredOutput.grammar ("structured_grammar").
 PROTO_VERSION = "1.12"
 
 

@@ -295,9 +295,10 @@ async def test_structured_outputs_modes_agree_and_bad_ones_are_refused(stack: St
         common_pb2.StructuredOutput(json_schema=json.dumps(schema)),
         common_pb2.StructuredOutput(regex=r"(ab|cd){2,3}!"),
         common_pb2.StructuredOutput(choice=["alpha", "beta", "日本"]),
+        common_pb2.StructuredOutput(grammar='root ::= ("ab" | "cd") ("ab" | "cd") "?"'),
     ]
     for k, structured in enumerate(constraints):
-        fields = dict(prompt=PROMPTS[k], max_tokens=40, temperature=1.0, seed=k, return_token_ids=True)
+        fields = dict(prompt=PROMPTS[k % 3], max_tokens=40, temperature=1.0, seed=k, return_token_ids=True)
         runs = {
             mode: await stack.run(mode, **fields, structured=structured)
             for mode in ("disaggregated", "unified")
@@ -312,12 +313,15 @@ async def test_structured_outputs_modes_agree_and_bad_ones_are_refused(stack: St
             jsonschema.validate(json.loads(text), schema)
         elif k == 1:
             assert re.fullmatch(r"(ab|cd){2,3}!", text), text
-        else:
+        elif k == 2:
             assert text in ("alpha", "beta", "日本")
+        else:
+            assert re.fullmatch(r"(ab|cd){2}\?", text), text
     for structured, words in (
         (common_pb2.StructuredOutput(json_schema="{nope"), "not valid JSON"),
         (common_pb2.StructuredOutput(regex="[z-a]"), "regex"),
         (common_pb2.StructuredOutput(regex="a", choice=["a"]), "set exactly one of"),
+        (common_pb2.StructuredOutput(grammar="root ::= missing"), "the grammar cannot be used"),
     ):
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stack.stub.Complete(

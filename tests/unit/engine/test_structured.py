@@ -1,4 +1,5 @@
-"""Structured outputs in the engine: the output matches its JSON schema / regex / choice list,
+"""Structured outputs in the engine: the output matches its JSON schema / regex / choice list /
+grammar (GBNF or Lark),
 and the constrained tokens are the same unified, disaggregated (the prefill engine constrains
 the first token, the decode engine replays it), after a migration and with speculation on."""
 
@@ -33,6 +34,17 @@ CASES = {
     "json_schema": StructuredOutput("json_schema", json.dumps(SCHEMA)),
     "regex": StructuredOutput("regex", r"[a-c]{3}-[0-9]{2}"),
     "choice": StructuredOutput("choice", choices=("yes", "no", "maybe not")),
+    # GBNF (llama.cpp's syntax, vLLM's grammar examples) and Lark (llguidance's)
+    "grammar_gbnf": StructuredOutput(
+        "grammar", 'root ::= item ("," item)?\nitem ::= "red" | "green" | [0-9] [0-9]?'
+    ),
+    "grammar_lark": StructuredOutput(
+        "grammar", 'start: item "+" item\nitem: "x" | "yy" | NUM\nNUM: /[0-9]{1,3}/'
+    ),
+}
+GRAMMAR_TEXT = {
+    "grammar_gbnf": r"(red|green|[0-9]{1,2})(,(red|green|[0-9]{1,2}))?",
+    "grammar_lark": r"(x|yy|[0-9]{1,3})\+(x|yy|[0-9]{1,3})",
 }
 
 
@@ -50,6 +62,8 @@ def _check(kind: str, text: str) -> None:
         jsonschema.validate(json.loads(text), SCHEMA)
     elif kind == "regex":
         assert re.fullmatch(r"[a-c]{3}-[0-9]{2}", text), text
+    elif kind in GRAMMAR_TEXT:
+        assert re.fullmatch(GRAMMAR_TEXT[kind], text), text
     else:
         assert text in ("yes", "no", "maybe not"), text
 
@@ -90,6 +104,8 @@ async def test_a_bad_constraint_is_invalid_argument(make_engine: EngineFactory) 
         StructuredOutput("json_schema", '{"type": "objectx"}'),
         StructuredOutput("json_schema", "{not json"),
         StructuredOutput("choice", choices=()),
+        StructuredOutput("grammar", "root ::= undefined_rule"),
+        StructuredOutput("grammar", "  "),
     ):
         with pytest.raises(InvalidArgument, match="structured output"):
             engine.add_request(request("bad", PROMPT, SamplingConfig(max_tokens=4, structured=bad)))

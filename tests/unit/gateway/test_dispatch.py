@@ -850,6 +850,9 @@ async def test_a_worker_without_a_needed_capability_is_skipped_then_the_request_
     # a plain request goes to the old worker; targets without capabilities are not checked
     assert needed_capabilities(prepared().sampling) == set()
     assert needed_capabilities(dataclasses.replace(prepared().sampling, min_p=0.1)) == {"min_p"}
+    grammar = dataclasses.replace(prepared().sampling, structured=StructuredOutput("grammar", 'root ::= "a"'))
+    # an older worker would see an empty constraint: it must advertise structured_grammar
+    assert needed_capabilities(grammar) == {"structured_outputs", "structured_grammar"}
 
 
 async def test_priority_goes_with_every_worker_call_and_needs_no_capability() -> None:
