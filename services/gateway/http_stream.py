@@ -53,9 +53,9 @@ class EventStream(StreamingResponse):
             self._on_close()
 
 
-def _items(parts: list[dict[str, Any]]) -> Iterable[tuple[str, str]]:
-    """One-key deltas ({"content": ...} / {"reasoning_content": ...}) as (key, text); `{}` for
-    none (a chunk that only carries the finish_reason)."""
+def _items(parts: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """One-key deltas ({"content": ...} / {"reasoning_content": ...}) as (key, text); one empty
+    content (the `{}` delta of a chunk that only carries the finish_reason) for none."""
     return [next(iter(p.items())) for p in parts] or [("content", "")]
 
 
@@ -180,9 +180,10 @@ async def events(
                     pending[index][:0] = logprobs  # the parser holds the text back: later
                     return None
                 if parsers[index] is None and not wants[index]:  # reasoning / content deltas only
+                    items = _items(parts)
                     return "".join(
-                        template.event(index, text, reason if n == len(parts) - 1 else None, key)
-                        for n, (key, text) in enumerate(_items(parts))
+                        template.event(index, piece, reason if n == len(items) - 1 else None, key)
+                        for n, (key, piece) in enumerate(items)
                     )
             parts = parts or [{}]
             chat_lp = resp.chat_logprobs(logprobs, token_text) if wants[index] and frame is not None else None

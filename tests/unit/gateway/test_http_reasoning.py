@@ -7,6 +7,7 @@ parser nothing changes."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -109,6 +110,7 @@ def test_the_parser_asks_for_token_ids_except_under_a_json_constraint() -> None:
 # --- responses: a toy tokenizer whose tokens are strings ---
 VOCAB = ["<think>", "</think>", "Let", " me", " see", "Paris", ".", "\n", "<tool_call>", "</tool_call>"]
 VOCAB += ['{"name": "get_weather", "arguments": {}}']
+VOCAB += ["<"]
 
 
 def _decode(ids: tuple[int, ...]) -> str:
@@ -300,3 +302,34 @@ def test_the_streamed_response_has_the_reasoning_events() -> None:
     assert [item.type for item in final.output] == ["reasoning", "message"]
     assert final.output_text == "\nParis." and final.usage is not None
     assert final.usage.output_tokens_details.reasoning_tokens == 5
+
+
+@pytest.mark.parametrize(
+    ("kind", "tokens", "last_delta"),
+    [
+        ("deepseek_r1", ["Let", "<"], {"reasoning_content": "<"}),  # "<" might have begun </think>
+        ("qwen3", ["<think>", "Let", "</think>", "Paris", "<"], {}),  # content: nothing held back
+    ],
+)
+def test_the_last_chunk_carries_the_finish_reason_after_a_held_back_tail(
+    kind: Kind, tokens: list[str], last_delta: dict[str, str]
+) -> None:
+    """A frame with no text (an EOS) ends the choice; text held back as a possible tag start
+    comes out with it."""
+    plan = chat(kind, stream=True)
+    frames = _frames(tokens)
+    last = frames[-1]
+    frames[-1] = OutputFrame("rid", OutputFrameKind.CONTINUATION, last.text, last.token_ids, 5, 0, "m")
+    frames.append(dataclasses.replace(last, text="", token_ids=()))
+    chunks = _stream(plan, frames)
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert "".join(d.get("reasoning_content", "") + d.get("content", "") for d in deltas) == "".join(
+        t for t in tokens if "think>" not in t
+    )
+    assert chunks[-1]["choices"][0] == {
+        "index": 0,
+        "delta": last_delta,
+        "finish_reason": "stop",
+        "logprobs": None,
+    }
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)

@@ -1,0 +1,213 @@
+"""Reasoning models through the `openai` client, against a real gateway in front of real workers:
+a tiny random model whose chat template branches on `enable_thinking`; a regex constraint makes
+even the random model write the think tags (each in several tokens).
+chat_template_kwargs reach the template; with --reasoning-parser (deepseek_r1, qwen3) the output
+is split into reasoning_content and content, streamed == unary, disaggregated == unified, and
+usage counts the reasoning's tokens exactly (checked against the per-token logprobs); the
+Responses API gets the reasoning item."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import pytest_asyncio
+
+from tests.support.tiny_models import build_tiny_model
+
+from .http_stack import HttpStack, gateway_on, http_stack
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+# Qwen3's switch: thinking on, the prompt opens <think> (as DeepSeek-R1's template does); off, the
+# prompt holds an empty thought, so the model writes no tags
+THINKING_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% if enable_thinking is defined and not enable_thinking %}{{ '<think>\n\n</think>\n\n' }}"
+    "{% else %}{{ '<think>\n' }}{% endif %}{% endif %}"
+)
+CHAT: Any = [{"role": "user", "content": "What is the capital of France?"}]
+MODES = ["disaggregated", "unified"]
+
+
+def build_thinking_model(folder: Path) -> Path:
+    """The tiny byte-level BPE model with the thinking chat template. Its vocabulary has no
+    `<think>` tokens: the tags are written in several tokens each, the case where a tag is split
+    across tokens and frames (and the token count maps text back to tokens)."""
+    from transformers import AutoTokenizer
+
+    build_tiny_model(folder, "bpe")
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    if tokenizer.chat_template != THINKING_TEMPLATE:
+        tokenizer.chat_template = THINKING_TEMPLATE
+        tokenizer.save_pretrained(str(folder))
+    return folder
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[HttpStack]:
+    model = build_thinking_model(tmp_path_factory.mktemp("reasoning") / "tiny-think")
+    async with http_stack(model) as served:
+        yield served
+
+
+def client_of(url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+
+
+def split_by_token(tokens: list[str], end: str = "</think>") -> int:
+    """How many of the generated tokens (their texts, from logprobs) it takes to write `end`."""
+    text = ""
+    for k, token in enumerate(tokens):
+        text += token
+        if end in text:
+            return k + 1
+    return len(tokens)
+
+
+async def test_chat_template_kwargs_reach_the_template(stack: HttpStack) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(stack.model))
+
+    def prompt_tokens(**kw: Any) -> int:
+        text = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False, **kw)
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    client = client_of(stack.gateway.http_url or "")
+    try:
+        kw: dict[str, Any] = dict(model="", messages=CHAT, max_tokens=1, temperature=0)
+        on = await client.chat.completions.create(**kw)
+        off = await client.chat.completions.create(
+            **kw, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+        )
+        assert on.usage is not None and off.usage is not None
+        assert on.usage.prompt_tokens == prompt_tokens()
+        assert off.usage.prompt_tokens == prompt_tokens(enable_thinking=False) > on.usage.prompt_tokens
+        answer = await client.responses.create(
+            model="",
+            input=CHAT[0]["content"],
+            max_output_tokens=1,
+            extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+        )
+        assert answer.usage is not None and answer.usage.input_tokens == off.usage.prompt_tokens
+        bads: list[Any] = [{"tools": []}, {"add_generation_prompt": False}, "enable_thinking"]
+        for bad in bads:  # names pdserve passes itself, and not an object
+            with pytest.raises(openai.BadRequestError) as err:
+                await client.chat.completions.create(**kw, extra_body={"chat_template_kwargs": bad})
+            assert err.value.body["param"] == "chat_template_kwargs"  # type: ignore[index]
+    finally:
+        await client.close()
+
+
+async def _both_ways(client: openai.AsyncOpenAI, **kw: Any) -> tuple[Any, str, str, Any, list[str]]:
+    """The unary message and usage, the streamed reasoning and content, the streamed usage, and
+    the unary response's per-token texts (logprobs: one per counted token)."""
+    got = await client.chat.completions.create(logprobs=True, **kw)
+    stream = await client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
+    reasoning = content = ""
+    usage = None
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            delta = choice.delta.model_dump()
+            reasoning += delta.get("reasoning_content") or ""
+            content += delta.get("content") or ""
+    assert got.choices[0].logprobs is not None and got.choices[0].logprobs.content is not None
+    return got, reasoning, content, usage, [t.token for t in got.choices[0].logprobs.content]
+
+
+@pytest.mark.parametrize(
+    ("parser", "regex"),
+    [
+        ("deepseek_r1", r"[a-z ]{1,12}</think>[a-z ]{1,8}"),  # its template opened <think>
+        ("qwen3", r"<think>[a-z ]{1,12}</think>[a-z ]{1,8}"),
+    ],
+)
+async def test_reasoning_is_split_streamed_and_counted(stack: HttpStack, parser: str, regex: str) -> None:
+    results = []
+    async with gateway_on(stack, reasoning_parser=parser) as gateway:
+        client = client_of(gateway.http_url or "")
+        try:
+            for mode in MODES:
+                stack.router.mode = mode
+                kw: dict[str, Any] = dict(
+                    model="",
+                    messages=CHAT,
+                    max_tokens=40,
+                    temperature=1.0,
+                    seed=7,
+                    extra_body={"guided_regex": regex},
+                )
+                got, reasoning, content, usage, tokens = await _both_ways(client, **kw)
+                message = got.choices[0].message.model_dump()
+                assert got.choices[0].finish_reason == "stop"
+                assert re.fullmatch(r"[a-z ]{1,12}", message["reasoning_content"]), message
+                assert re.fullmatch(r"[a-z ]{1,8}", message["content"]), message
+                assert (reasoning, content) == (
+                    message["reasoning_content"],
+                    message["content"],
+                )  # streamed == unary
+                assert got.usage is not None and usage is not None
+                assert got.usage.model_dump() == usage.model_dump() | {
+                    "prompt_tokens_details": got.usage.prompt_tokens_details.model_dump()
+                }
+                details = got.usage.completion_tokens_details
+                assert details is not None and details.reasoning_tokens == split_by_token(tokens)
+                assert 0 < details.reasoning_tokens < got.usage.completion_tokens == len(tokens)
+                results.append((message, got.usage.completion_tokens, details.reasoning_tokens))
+            # qwen3 with thinking off (no tags written): everything is content
+            plain = await client.chat.completions.create(
+                model="",
+                messages=CHAT,
+                max_tokens=20,
+                temperature=0,
+                extra_body={"guided_regex": "[a-z ]{1,8}"},
+            )
+            assert plain.usage is not None and plain.usage.completion_tokens_details is not None
+            if parser == "qwen3":
+                assert plain.choices[0].message.model_dump()["reasoning_content"] is None
+                assert (
+                    plain.choices[0].message.content
+                    and plain.usage.completion_tokens_details.reasoning_tokens == 0
+                )
+            else:  # deepseek_r1: never closed, all reasoning
+                assert plain.choices[0].message.content is None
+                assert plain.usage.completion_tokens_details.reasoning_tokens == plain.usage.completion_tokens
+        finally:
+            await client.close()
+    assert results[0] == results[1]  # disaggregated == unified
+    await stack.wait_idle()
+
+
+async def test_the_responses_api_returns_the_reasoning_item(stack: HttpStack) -> None:
+    """deepseek_r1 and a random model that never writes </think>: all of it is reasoning."""
+    async with gateway_on(stack, reasoning_parser="deepseek_r1") as gateway:
+        client = client_of(gateway.http_url or "")
+        try:
+            kw: dict[str, Any] = dict(model="", input="Hi", max_output_tokens=6, temperature=0)
+            answer = await client.responses.create(**kw)
+            assert [item.type for item in answer.output] == ["reasoning"]
+            item = answer.output[0]
+            assert item.type == "reasoning" and item.summary == [] and item.content
+            assert answer.output_text == "" and item.content[0].text
+            assert answer.usage is not None and answer.status == "incomplete"
+            assert answer.usage.output_tokens_details.reasoning_tokens == answer.usage.output_tokens == 6
+            events = [e async for e in await client.responses.create(stream=True, **kw)]
+            text = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+            assert text == item.content[0].text
+            final = events[-1]
+            assert final.type == "response.incomplete"
+            assert final.response.usage is not None
+            assert final.response.usage.output_tokens_details.reasoning_tokens == 6
+        finally:
+            await client.close()
+    await stack.wait_idle()
