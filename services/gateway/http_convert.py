@@ -11,7 +11,7 @@ import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from services.gateway import http_chat, tool_calls
 from services.gateway import http_models as m
@@ -21,6 +21,7 @@ from services.gateway.reasoning import Kind as ReasoningKind
 from services.gateway.tool_calls import Format
 from services.gateway.validation import MAX_LOGPROBS, InvalidField
 from shared.structured_output import InvalidStructuredOutput, StructuredOutput, grammar_of
+from shared.structured_output import Kind as StructuredKind
 
 MAX_TOP_LOGPROBS = MAX_LOGPROBS  # OpenAI's limit, the gRPC API's logprobs limit too
 MAX_CHOICES = 64  # prompts x n of one HTTP request (each choice is one request on the workers)
@@ -45,7 +46,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "prediction": (None,),
     "reasoning_effort": (None,),
     "web_search_options": (None,),
-    "guided_grammar": (None,),
 }
 
 
@@ -91,16 +91,19 @@ def _seed(seed: int | None, choice: int) -> int | None:
 
 
 def _structured(req: m._GenerationRequest) -> StructuredOutput | None:
-    """response_format (OpenAI) or guided_json / guided_regex / guided_choice (vLLM), at most one;
-    each refusal names its field. The constraint itself is checked here too (same grammar as the
-    workers'), so a bad schema or regex is a 400 naming the field the client sent."""
+    """response_format (OpenAI), vLLM's structured_outputs or its older guided_json /
+    guided_regex / guided_choice / guided_grammar, at most one; each refusal names its field.
+    The constraint itself is checked here too (same grammar as the workers'), so a bad schema,
+    regex or grammar is a 400 naming the field the client sent."""
     given = [
         name
         for name, value in (
             ("response_format", req.response_format not in (None, {"type": "text"})),
+            ("structured_outputs", req.structured_outputs is not None),
             ("guided_json", req.guided_json is not None),
             ("guided_regex", req.guided_regex is not None),
             ("guided_choice", req.guided_choice is not None),
+            ("guided_grammar", req.guided_grammar is not None),
         )
         if value
     ]
@@ -112,6 +115,10 @@ def _structured(req: m._GenerationRequest) -> StructuredOutput | None:
     spec: StructuredOutput
     if name == "response_format":
         spec = _response_format(req.response_format or {})
+    elif name == "structured_outputs":
+        spec = _structured_outputs(req.structured_outputs or {})
+    elif name == "guided_grammar":
+        spec = StructuredOutput("grammar", req.guided_grammar or "")
     elif name == "guided_json":
         schema = req.guided_json
         spec = StructuredOutput("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
@@ -124,6 +131,60 @@ def _structured(req: m._GenerationRequest) -> StructuredOutput | None:
     except InvalidStructuredOutput as exc:
         raise InvalidField(f"{name}: {exc}", name) from None
     return spec
+
+
+# vLLM's StructuredOutputsParams keys this gateway serves -> the constraint's kind
+_STRUCTURED_OUTPUTS_KINDS = {
+    "json": "json_schema",
+    "json_object": "json_object",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+}
+# keys that change nothing when left at these values (vLLM's defaults)
+_STRUCTURED_OUTPUTS_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "disable_fallback": (False, True),  # one backend here: nothing to fall back to
+    "disable_any_whitespace": (False, True),  # JSON is always written compactly
+    "disable_additional_properties": (False,),
+    "whitespace_pattern": (None,),
+    "structural_tag": (None,),
+}
+
+
+def _structured_outputs(so: dict[str, Any]) -> StructuredOutput:
+    """vLLM's `structured_outputs`: one of json (a schema, as an object or JSON text),
+    json_object (true), regex, choice (strings), grammar (GBNF or Lark)."""
+    where = "structured_outputs"
+    if not isinstance(so, dict):
+        raise InvalidField(f"{where} must be an object with one of json, regex, choice, grammar", where)
+    for key, value in so.items():
+        neutral = _STRUCTURED_OUTPUTS_NEUTRAL.get(key, (None,))
+        if key not in _STRUCTURED_OUTPUTS_KINDS and value not in neutral:
+            raise InvalidField(
+                f"{where}.{key} is not supported by pdserve; use one of "
+                f"{', '.join(_STRUCTURED_OUTPUTS_KINDS)}",
+                where,
+            )
+    set_keys = [k for k in _STRUCTURED_OUTPUTS_KINDS if so.get(k) not in (None, False)]
+    if len(set_keys) != 1:
+        raise InvalidField(
+            f"{where} must set exactly one of {', '.join(_STRUCTURED_OUTPUTS_KINDS)}; "
+            f"it sets {' and '.join(set_keys) or 'none'}",
+            where,
+        )
+    key = set_keys[0]
+    value = so[key]
+    if key == "json":
+        return StructuredOutput("json_schema", value if isinstance(value, str) else json.dumps(value))
+    if key == "json_object":
+        return StructuredOutput("json_object")
+    if key == "choice":
+        if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+            raise InvalidField(f"{where}.choice must be a list of strings", where)
+        return StructuredOutput("choice", choices=tuple(value))
+    if not isinstance(value, str):
+        raise InvalidField(f"{where}.{key} must be a string", where)
+    return StructuredOutput(cast(StructuredKind, _STRUCTURED_OUTPUTS_KINDS[key]), value)
 
 
 def _response_format(rf: dict[str, Any]) -> StructuredOutput:
@@ -180,9 +241,9 @@ def _common(req: m._GenerationRequest, max_tokens: int | None) -> dict[str, Any]
         top_p=req.top_p,
         top_k=req.top_k if req.top_k is not None and req.top_k > 0 else None,
         min_p=req.min_p,
+        priority=req.priority,
         stop=_stop(req.stop),
         ignore_eos=req.ignore_eos,
-        priority=req.priority,
     )
 
 

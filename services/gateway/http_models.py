@@ -75,6 +75,10 @@ class _GenerationRequest(_Request):
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    guided_grammar: str | None = None  # GBNF or Lark
+    # vLLM's current form (guided_* were removed in vLLM 0.12): exactly one of json, json_object,
+    # regex, choice, grammar
+    structured_outputs: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(_GenerationRequest):

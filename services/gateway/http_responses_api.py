@@ -170,6 +170,7 @@ _CHAT_EXTRAS = (
     "top_k",
     "min_p",
     "priority",
+    "structured_outputs",
     "stop",
     "ignore_eos",
     "min_tokens",

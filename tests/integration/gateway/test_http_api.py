@@ -556,7 +556,8 @@ SCHEMAS: list[dict[str, Any]] = [
 async def test_structured_outputs_through_the_openai_client(bpe: HttpStack) -> None:
     """A corpus of JSON schemas: every output validates and parses, the same disaggregated and
     unified, streamed and unary, with exact usage; json_object, guided_regex and guided_choice;
-    bad constraints are 400s naming the field."""
+    vLLM's structured_outputs (json, regex, choice, grammar) and guided_grammar (GBNF); bad
+    constraints are 400s naming the field."""
     client = aclient(bpe)
     for k, schema in enumerate(SCHEMAS):
         texts = []
@@ -615,6 +616,36 @@ async def test_structured_outputs_through_the_openai_client(bpe: HttpStack) -> N
             extra_body={"guided_choice": ["red", "green 🙂"]},
         )
         assert choice.choices[0].text in ("red", "green 🙂")
+        # vLLM's current form (structured_outputs) and a grammar (GBNF; Lark through gRPC tests)
+        gbnf = 'root ::= ("yes" | "no") " " [0-9]'
+        for body in (
+            {"structured_outputs": {"grammar": gbnf}},
+            {"guided_grammar": gbnf},
+            {"structured_outputs": {"regex": r"(yes|no) [0-9]", "json": None, "disable_fallback": True}},
+        ):
+            out = await client.chat.completions.create(
+                model="", messages=CHAT, max_tokens=20, temperature=1.0, seed=4, extra_body=body
+            )
+            text = out.choices[0].message.content or ""
+            assert re.fullmatch(r"(yes|no) [0-9]", text), (body, text)
+            assert out.choices[0].finish_reason == "stop"
+        flag: dict[str, Any] = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
+        flag.update(required=["ok"], additionalProperties=False)
+        as_json = await client.completions.create(
+            model="",
+            prompt="JSON:",
+            max_tokens=20,
+            temperature=0,
+            extra_body={"structured_outputs": {"json": flag}},
+        )
+        assert json.loads(as_json.choices[0].text) in ({"ok": True}, {"ok": False})
+        picked = await client.completions.create(
+            model="",
+            prompt="Pick:",
+            max_tokens=20,
+            extra_body={"structured_outputs": {"choice": ["up", "down"]}},
+        )
+        assert picked.choices[0].text in ("up", "down")
     bad: list[tuple[dict[str, Any], str]] = [
         (
             {
@@ -630,6 +661,13 @@ async def test_structured_outputs_through_the_openai_client(bpe: HttpStack) -> N
         ({"guided_regex": "(a|b"}, "guided_regex"),
         ({"guided_choice": []}, "guided_choice"),
         ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+        ({"guided_grammar": "root ::= nowhere"}, "guided_grammar"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+        ({"structured_outputs": {}}, "structured_outputs"),
+        ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs"),
+        ({"structured_outputs": {"choice": "a"}}, "structured_outputs"),
+        ({"structured_outputs": {"grammar": "root ::= ("}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "a"}, "guided_regex": "a"}, "guided_regex"),
     ]
     for body, param in bad:
         with pytest.raises(openai.BadRequestError) as err:

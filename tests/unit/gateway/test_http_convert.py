@@ -197,7 +197,7 @@ def test_unsupported_fields_refused_unknown_ignored() -> None:
         ("echo", True),  # on chat (completions declare it)
         ("prompt_logprobs", 1),
         ("tools", [{"type": "function"}]),
-        ("guided_grammar", "start: 'a'"),
+        ("suffix", "def f():"),
     ):
         with pytest.raises(InvalidField) as err:
             conv.unsupported_and_unknown({name: value})
