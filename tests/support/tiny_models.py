@@ -69,8 +69,11 @@ def _train_tokenizer(kind: str) -> object:
     return tok
 
 
-def build_tiny_model(folder: str | Path, kind: str = "bpe", seed: int = 0) -> Path:
-    """Write a tiny random LlamaForCausalLM + tokenizer to `folder` (idempotent); returns it."""
+def build_tiny_model(
+    folder: str | Path, kind: str = "bpe", seed: int = 0, text_tokens: tuple[str, ...] = ()
+) -> Path:
+    """Write a tiny random LlamaForCausalLM + tokenizer to `folder` (idempotent); returns it.
+    `text_tokens` are added to the tokenizer as non-special added tokens (as Qwen's <think>)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -87,6 +90,10 @@ def build_tiny_model(folder: str | Path, kind: str = "bpe", seed: int = 0) -> Pa
         unk_token=None,
     )
     tokenizer.chat_template = CHAT_TEMPLATE
+    if text_tokens:
+        from tokenizers import AddedToken
+
+        tokenizer.add_tokens([AddedToken(t, special=False) for t in text_tokens])
     tokenizer.save_pretrained(str(folder))
     eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert isinstance(eos_id, int)  # one token, one id

@@ -5,14 +5,11 @@ The grammar state is never shipped: a decode worker builds its own matcher from 
 StructuredOutput and replays the accepted tokens (the handed-off first token; a migrated request's
 generated prompt tail), so prefill, decode and migration constrain identically. Grammars are
 compiled once per constraint (shared.structured_output's LRU cache) in the caller's thread when the request is
-added, never in the step loop; the tokenizer's llguidance view (~0.4 s for SmolLM2) is built at
-the first constrained request."""
+added, never in the step loop; the tokenizer's llguidance view (grammar_tokens.py, ~0.4 s for
+SmolLM2) is built at the first constrained request."""
 
 from __future__ import annotations
 
-import copy
-import json
-import re
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -20,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from services.worker.engine.grammar_tokens import ll_tokenizer
 from shared.errors import InvalidArgument
 from shared.structured_output import InvalidStructuredOutput, StructuredOutput, grammar_of
 
@@ -55,32 +53,6 @@ class GrammarState:
         if consumed:
             self._matcher.rollback(consumed)
         return torch.stack(rows)
-
-
-_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
-
-
-def ll_tokenizer(hf_tokenizer: Any, vocab_size: int) -> Any:
-    """llguidance's view of a fast HF tokenizer (llguidance.hf.from_tokenizer, ~0.4 s for
-    SmolLM2). Byte-fallback tokens (<0xXX>) that a tokenizer also registers as special added
-    tokens are left to the BPE model, where llguidance reads them as the bytes they stand for:
-    as special tokens its mask allowed them but consuming one was an error."""
-    import llguidance
-
-    backend = copy.copy(hf_tokenizer.backend_tokenizer)
-    backend.no_padding()
-    backend.no_truncation()
-    spec = json.loads(backend.to_str())
-    model = spec.get("model") or {}
-    if model.get("byte_fallback"):
-        spec["added_tokens"] = [
-            t
-            for t in spec.get("added_tokens", [])
-            if not (
-                _BYTE_TOKEN.fullmatch(t.get("content", "")) and t.get("content") in model.get("vocab", {})
-            )
-        ]
-    return llguidance.LLTokenizer(json.dumps(spec), n_vocab=vocab_size, eos_token=hf_tokenizer.eos_token_id)
 
 
 def _unpack(bitmask: bytes, vocab: int) -> torch.Tensor:

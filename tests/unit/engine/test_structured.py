@@ -9,6 +9,7 @@ import dataclasses
 import json
 import random
 import re
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -118,3 +119,69 @@ async def test_a_finished_constraint_ends_even_before_min_tokens(make_engine: En
     _check("choice", text_of(out))
     assert out[-1].finish_reason is not None and out[-1].finish_reason.value == "stop"
     assert out[-1].num_generated_tokens < 15
+
+
+@pytest.mark.parametrize("kind", ["bpe", "byte_fallback"])
+def test_added_text_tokens_like_think_tags_write_the_grammars_text(kind: str) -> None:
+    """Added tokens marked special: false (Qwen's and DeepSeek-R1's <think>, </think>) are text:
+    a constraint that writes them may use them, and consuming them keeps the matcher going. A
+    walk taking the first allowed token at every step ends at EOS with matching text (before,
+    the mask allowed only the <think> token and consuming it was an error)."""
+    import llguidance
+    from tokenizers import AddedToken
+    from transformers import PreTrainedTokenizerFast
+
+    from services.worker.engine.grammar_tokens import ll_tokenizer
+    from shared.structured_output import grammar_of
+    from tests.support.tiny_models import _train_tokenizer
+
+    hf = PreTrainedTokenizerFast(tokenizer_object=_train_tokenizer(kind), eos_token="<|im_end|>")
+    hf.add_tokens([AddedToken("<think>", special=False), AddedToken("</think>", special=False)])
+    vocab = len(hf) + 3  # a model's embedding may be larger than the tokenizer
+    ll = ll_tokenizer(hf, vocab)
+    think = hf.convert_tokens_to_ids("<think>")
+    for spec, pattern in (
+        (StructuredOutput("regex", r"<think>[a-c]{2}</think>ok"), r"<think>[a-c]{2}</think>ok"),
+        (StructuredOutput("choice", choices=("<think>x</think>", "plain")), r"<think>x</think>|plain"),
+        (StructuredOutput("grammar", 'root ::= "<think>" [0-9] "</think>"'), r"<think>[0-9]</think>"),
+    ):
+        matcher = llguidance.LLMatcher(ll, grammar_of(spec), log_level=0)
+        out: list[int] = []
+        for _ in range(30):
+            allowed = _unpack(matcher.compute_bitmask(), vocab).nonzero().flatten().tolist()
+            assert allowed, spec
+            if not out and spec.kind != "choice":
+                assert think in allowed  # the tag's own token, as the model writes it
+            if allowed == [hf.eos_token_id]:
+                break
+            token = next(t for t in allowed if t != hf.eos_token_id)
+            matcher.consume_token(token)
+            assert not matcher.is_error(), (spec, hf.convert_ids_to_tokens([*out, token]))
+            out.append(token)
+        assert matcher.is_accepting()
+        text = str(hf.decode(out))
+        assert re.fullmatch(pattern, text), text
+    assert not ll.is_special_token(think) and ll.is_special_token(hf.eos_token_id)
+
+
+async def test_a_model_with_think_tokens_writes_them_under_a_constraint(
+    make_engine: EngineFactory, tmp_path: Path
+) -> None:
+    """Through the engine, unified and disaggregated: the output starts with the <think> token
+    itself and matches; it ends with EOS, not cut off after the tag."""
+    from tests.support.tiny_models import build_tiny_model
+
+    folder = build_tiny_model(tmp_path / "think", text_tokens=("<think>", "</think>"))
+    unified, prefill, decode = (make_engine(folder) for _ in range(3))
+    from transformers import AutoTokenizer
+
+    think = AutoTokenizer.from_pretrained(str(folder)).convert_tokens_to_ids("<think>")
+    spec = StructuredOutput("regex", r"<think>[a-c]{2,4}</think>(ok|no)")
+    for seed in (1, 2):
+        sampling = SamplingConfig(max_tokens=30, temperature=1.0, seed=seed, structured=spec)
+        want = await collect(unified.add_request(request(f"u{seed}", PROMPT, sampling)))
+        assert re.fullmatch(r"<think>[a-c]{2,4}</think>(ok|no)", text_of(want)), text_of(want)
+        assert want[-1].finish_reason is not None and want[-1].finish_reason.value == "stop"
+        assert tokens_of(want)[0] == think
+        first, rest = await handoff_run(prefill, decode, f"d{seed}", PROMPT, sampling)
+        assert list(first.new_token_ids) + tokens_of(rest) == tokens_of(want)
