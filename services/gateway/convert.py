@@ -18,6 +18,7 @@ from services.gateway.ports import (
     WorkerTarget,
 )
 from services.gateway.request import Completion, OutputFrame, OutputFrameKind
+from services.gateway.tokenization import Tokenized
 from shared.cluster import KvTransport
 from shared.cluster_convert import (
     decode_frame_kind_from_pb,
@@ -133,6 +134,25 @@ def complete_response(done: Completion) -> gateway_pb2.CompleteResponse:
 def list_models_response(cards: list[ModelCard]) -> gateway_pb2.ListModelsResponse:
     return gateway_pb2.ListModelsResponse(
         models=[gateway_pb2.ModelCard(id=c.id, max_model_len=c.max_model_len) for c in cards]
+    )
+
+
+def tokenize_input(req: gateway_pb2.TokenizeRequest) -> GenerateInput:
+    """Tokenize's prompt or messages as the GenerateInput whose prompt it asks for."""
+    return GenerateInput(
+        model=req.model,
+        prompt=req.prompt,
+        messages=tuple(ChatTurn(m.role, m.content) for m in req.messages),
+    )
+
+
+def tokenize_response(t: Tokenized) -> gateway_pb2.TokenizeResponse:
+    return gateway_pb2.TokenizeResponse(
+        token_ids=t.token_ids,
+        count=len(t.token_ids),
+        max_model_len=t.max_model_len,
+        model=t.model,
+        token_strs=t.token_strs,
     )
 
 

@@ -89,6 +89,9 @@ class HttpApi:
         )
         app.add_api_route("/v1/completions", self.completions, methods=["POST"], response_model=m.Completion)
         app.add_api_route("/v1/responses", self.responses, methods=["POST"])
+        # vLLM's paths (no /v1): the prompt as it would run, and the text of token ids
+        app.add_api_route("/tokenize", self.tokenize, methods=["POST"])
+        app.add_api_route("/detokenize", self.detokenize, methods=["POST"])
         return app
 
     # --- error handlers ---
@@ -102,7 +105,7 @@ class HttpApi:
         if exc.status_code == 404:
             message += (
                 "; the API is POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, "
-                "GET /v1/models"
+                "GET /v1/models, POST /tokenize, POST /detokenize"
             )
         error = HttpError(
             exc.status_code, error_body(message, type_), dict(exc.headers or {}), grpc.StatusCode.UNKNOWN
@@ -139,6 +142,34 @@ class HttpApi:
         error = HttpError(404, body, {}, grpc.StatusCode.NOT_FOUND)
         observe.record_error(error.grpc_code.name)
         return error_response(error)
+
+    async def tokenize(self, request: Request) -> JSONResponse:
+        """vLLM's /tokenize: {count, max_model_len, tokens, token_strs}; `count` is what a
+        completion or chat request with the same prompt or messages reports as prompt_tokens."""
+        self._authenticate(request)
+        try:
+            body = await read_json(request, m.TokenizeRequest, self._max_body_bytes)
+            done = await self._service.tokenize(conv.tokenize_input(body), body.return_token_strs)
+        except Exception as exc:
+            return self._fail(exc, "")
+        return JSONResponse(
+            {
+                "count": len(done.token_ids),
+                "max_model_len": done.max_model_len,
+                "tokens": list(done.token_ids),
+                "token_strs": list(done.token_strs) if body.return_token_strs else None,
+            }
+        )
+
+    async def detokenize(self, request: Request) -> JSONResponse:
+        """vLLM's /detokenize: {prompt} (the text of `tokens`)."""
+        self._authenticate(request)
+        try:
+            body = await read_json(request, m.DetokenizeRequest, self._max_body_bytes)
+            text, _ = self._service.detokenize(body.model, tuple(body.tokens), "tokens")
+        except Exception as exc:
+            return self._fail(exc, "")
+        return JSONResponse({"prompt": text})
 
     async def chat(self, request: Request) -> Response:
         return await self._generate(request, m.ChatCompletionRequest, chat=True)

@@ -378,3 +378,32 @@ def _echo_prompt_logprobs(req: m.CompletionRequest) -> int | None:
     if req.logprobs is not None:
         return req.logprobs
     return 0 if req.max_tokens == 0 else None
+
+
+def tokenize_input(req: m.TokenizeRequest) -> GenerateInput:
+    """POST /tokenize's prompt or messages as the GenerateInput a completion or chat request with
+    them becomes (so the count is that request's prompt_tokens); settings that would tokenize
+    otherwise than generation does are refused by name."""
+    chat = req.messages is not None
+    if chat == (req.prompt is not None):
+        raise InvalidField("set exactly one of prompt and messages", "messages" if chat else "prompt")
+    for name, value, served in (
+        ("add_generation_prompt", req.add_generation_prompt, True),
+        ("continue_final_message", req.continue_final_message, False),
+        ("add_special_tokens", req.add_special_tokens, not chat),
+    ):
+        if value is not None and value != served:
+            raise InvalidField(
+                f"{name}: {str(value).lower()} is not how pdserve tokenizes a "
+                f"{'chat' if chat else 'prompt'} for generation; leave it out",
+                name,
+            )
+    if chat:
+        body: dict[str, Any] = {"messages": [msg.model_dump(exclude_none=True) for msg in req.messages or ()]}
+        for name in ("tools", "tool_choice", "chat_template_kwargs"):
+            if getattr(req, name) is not None:
+                body[name] = getattr(req, name)
+        plan = chat_plan(m.ChatCompletionRequest.model_validate(body, strict=False), "tokenize")
+    else:
+        plan = completion_plan(m.CompletionRequest(prompt=req.prompt or ""), "tokenize")
+    return dataclasses.replace(plan.inputs[0], model=req.model, structured=None)

@@ -96,6 +96,30 @@ class ChatCompletionRequest(_GenerationRequest):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
+class TokenizeRequest(_Request):
+    """vLLM's POST /tokenize: a completions prompt or chat messages (with tools and template
+    variables), tokenized as the gateway would run them."""
+
+    model: str = ""
+    prompt: str | list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    # only the values generation uses are accepted (the count must be the request's)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool | None = None  # prompts: True; chat: False (the template writes them)
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Request):
+    """vLLM's POST /detokenize."""
+
+    model: str = ""
+    tokens: list[int]
+
+
 class CompletionRequest(_GenerationRequest):
     # a string, several strings (one set of choices each), token ids, or several lists of token ids
     prompt: str | list[str] | list[int] | list[list[int]]

@@ -24,9 +24,15 @@ from services.gateway.ports import MembershipSource, ModelCard, SchedulerClient,
 from services.gateway.reasoning import Kind as ReasoningKind
 from services.gateway.request import Completion, OutputFrame, OutputFrameKind, RequestState, RequestStatus
 from services.gateway.settings import GatewaySettings
-from services.gateway.tokenization import PromptTokenizer
+from services.gateway.tokenization import PromptTokenizer, Tokenized
 from services.gateway.tool_calls import Format
-from services.gateway.validation import Limits, validate_input, validate_token_ids
+from services.gateway.validation import (
+    InvalidField,
+    Limits,
+    validate_input,
+    validate_model,
+    validate_token_ids,
+)
 from shared.errors import AlreadyExists, Unavailable
 from shared.tracing import tracer
 
@@ -110,7 +116,9 @@ class GatewayService:
         return len(self._in_flight)
 
     # --- requests ---
-    def prepare(self, inp: GenerateInput) -> PreparedRequest:
+    def prompt_token_ids(self, inp: GenerateInput) -> tuple[int, ...]:
+        """The prompt `inp` runs with (validated as a request): its token ids, or its prompt or
+        messages (with the tools offered) through the tokenizer and chat template."""
         tok = self._require_tokenizer()
         validate_input(inp, self._limits, tok.model_id)
         if inp.prompt_token_ids:
@@ -122,6 +130,32 @@ class GatewayService:
         else:
             prompt = tok.encode_prompt(inp.prompt)
         validate_token_ids(prompt, inp.stop_token_ids, tok.vocab_size, inp.logit_bias)
+        return prompt
+
+    async def tokenize(self, inp: GenerateInput, return_token_strs: bool = False) -> Tokenized:
+        """What Tokenize answers: the prompt a Generate of `inp` would run (its count is that
+        request's usage.prompt_tokens) and the served model's max_model_len (0 while unknown)."""
+        prompt = self.prompt_token_ids(inp)
+        tok = self._require_tokenizer()
+        max_len = await self.model_cards.max_model_len(tok.model_id, self._settings.worker_rpc_timeout_s)
+        return Tokenized(prompt, tok.model_id, max_len, tok.pieces(prompt) if return_token_strs else ())
+
+    def detokenize(self, model: str, token_ids: tuple[int, ...], field: str = "token_ids") -> tuple[str, str]:
+        """(the ids' text, the model id) for ids of the served model's vocabulary; `field`: the
+        ids' name in the client's API (refusals name it)."""
+        tok = self._require_tokenizer()
+        validate_model(model, tok.model_id)
+        for i, t in enumerate(token_ids):
+            if not 0 <= t < tok.vocab_size:
+                raise InvalidField(
+                    f"{field}[{i}] = {t} is not a token of the served model (vocabulary size "
+                    f"{tok.vocab_size})",
+                    field,
+                )
+        return tok.decode(token_ids), tok.model_id
+
+    def prepare(self, inp: GenerateInput) -> PreparedRequest:
+        prompt = self.prompt_token_ids(inp)
         sampling = Sampling(
             temperature=1.0 if inp.temperature is None else float(inp.temperature),
             top_p=1.0 if inp.top_p is None else float(inp.top_p),

@@ -56,3 +56,23 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.ListModelsResponse:
         return convert.list_models_response(await self._service.list_models())
+
+    async def Tokenize(
+        self, request: gateway_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.TokenizeResponse:
+        try:
+            done = await self._service.tokenize(convert.tokenize_input(request), request.return_token_strs)
+        except BaseException as exc:
+            _count_error(exc)
+            raise
+        return convert.tokenize_response(done)
+
+    async def Detokenize(
+        self, request: gateway_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.DetokenizeResponse:
+        try:
+            text, model = self._service.detokenize(request.model, tuple(request.token_ids))
+        except BaseException as exc:
+            _count_error(exc)
+            raise
+        return gateway_pb2.DetokenizeResponse(text=text, model=model)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,16 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
         "tokenizer_kwargs",
     }
 )
+
+
+@dataclass(frozen=True)
+class Tokenized:
+    """A prompt as the gateway would run it (Tokenize's answer)."""
+
+    token_ids: tuple[int, ...]
+    model: str
+    max_model_len: int  # tokens; 0 while unknown
+    token_strs: tuple[str, ...] = ()  # each id's vocabulary piece, when asked for
 
 
 class PromptTokenizer:
@@ -74,6 +85,11 @@ class PromptTokenizer:
     def decode(self, token_ids: tuple[int, ...]) -> str:
         """The text of token ids (special tokens kept, as a prompt shows them)."""
         return str(self._tok.decode(list(token_ids)))
+
+    def pieces(self, token_ids: tuple[int, ...]) -> tuple[str, ...]:
+        """Each id's piece as the tokenizer's vocabulary writes it (e.g. "Ġthe"), "" for an id
+        beyond the tokenizer's vocabulary (a padded embedding)."""
+        return tuple(str(p or "") for p in self._tok.convert_ids_to_tokens(list(token_ids)))
 
     @property
     def has_chat_template(self) -> bool:

@@ -37,13 +37,18 @@ class Limits:
     max_stop_string_chars: int = 256
 
 
-def validate_input(req: GenerateInput, limits: Limits, served_model: str) -> None:
-    """Checks that need no tokenizer and no scheduler. Raises InvalidArgument / NotFound."""
-    if req.model and req.model != served_model:
+def validate_model(model: str, served_model: str) -> None:
+    """NotFound unless `model` is empty or the served model's id."""
+    if model and model != served_model:
         raise NotFound(
-            f"model {req.model!r} is not served here; this deployment serves {served_model!r} "
+            f"model {model!r} is not served here; this deployment serves {served_model!r} "
             "(ListModels lists it; leave model empty to use it)"
         )
+
+
+def validate_input(req: GenerateInput, limits: Limits, served_model: str) -> None:
+    """Checks that need no tokenizer and no scheduler. Raises InvalidArgument / NotFound."""
+    validate_model(req.model, served_model)
     given = [
         name
         for name, present in (

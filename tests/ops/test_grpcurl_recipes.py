@@ -185,6 +185,10 @@ class FakeGateway(gateway_pb2_grpc.GatewayServicer):
     def ListModels(self, request, context):  # type: ignore[no-untyped-def]
         return gateway_pb2.ListModelsResponse(models=[gateway_pb2.ModelCard(id="fake", max_model_len=2048)])
 
+    def Tokenize(self, request, context):  # type: ignore[no-untyped-def]
+        assert request.messages or request.prompt
+        return gateway_pb2.TokenizeResponse(token_ids=[1, 2], count=2, model="fake", token_strs=["a", "b"])
+
 
 class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
     def GetState(self, request, context):  # type: ignore[no-untyped-def]

@@ -278,6 +278,64 @@ async def test_models_and_health(bpe: HttpStack) -> None:
             await bpe.gateway.server.set_serving(True)
 
 
+# --- tokenize / detokenize (vLLM's paths; gRPC Tokenize / Detokenize) ---
+@pytest.mark.parametrize("tokenizer", ["bpe", "byte_fallback"])
+async def test_tokenize_counts_what_generation_reports_and_detokenize_inverts_it(
+    bpe: HttpStack, byte_fallback: HttpStack, tokenizer: str
+) -> None:
+    """count is the usage.prompt_tokens of the same prompt / messages (tools and template
+    variables included) over HTTP and gRPC alike; detokenize gives the prompt's text back;
+    settings that would tokenize otherwise than generation, bad ids and another model are
+    refused by name."""
+    stack = bpe if tokenizer == "bpe" else byte_fallback
+    client = aclient(stack)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    async with httpx.AsyncClient(base_url=stack.gateway.http_url or "", timeout=30) as http:
+        r = await http.post("/tokenize", json={"prompt": LONG_PROMPT, "return_token_strs": True})
+        assert r.status_code == 200, r.text
+        got = r.json()
+        done = await client.completions.create(model="", prompt=LONG_PROMPT, max_tokens=1)
+        assert done.usage is not None and got["count"] == done.usage.prompt_tokens == len(got["tokens"])
+        assert len(got["token_strs"]) == got["count"] and got["max_model_len"] > got["count"]
+        r = await http.post("/detokenize", json={"tokens": got["tokens"]})
+        assert r.status_code == 200 and r.json()["prompt"] == LONG_PROMPT
+        counts = []
+        extras: list[dict[str, Any]] = [{}, {"tools": [tool]}]
+        for extra in extras:
+            r = await http.post("/tokenize", json={"messages": CHAT, **extra})
+            chat = await client.chat.completions.create(model="", messages=CHAT, max_tokens=1, **extra)
+            assert chat.usage is not None and r.json()["count"] == chat.usage.prompt_tokens, extra
+            assert r.json()["token_strs"] is None
+            counts.append(r.json()["count"])
+        assert counts[1] > counts[0]  # the tools offered are part of the prompt
+        grpc_got = await stack.stub.Tokenize(gateway_pb2.TokenizeRequest(prompt=LONG_PROMPT))
+        assert list(grpc_got.token_ids) == got["tokens"] and grpc_got.count == got["count"]
+        assert grpc_got.model == stack.model.name and not grpc_got.token_strs
+        grpc_chat = await stack.stub.Tokenize(
+            gateway_pb2.TokenizeRequest(messages=[gateway_pb2.ChatMessage(**m) for m in CHAT])
+        )
+        assert grpc_chat.count == counts[0]
+        text = await stack.stub.Detokenize(gateway_pb2.DetokenizeRequest(token_ids=got["tokens"]))
+        assert text.text == LONG_PROMPT
+        for path, body, param in (
+            ("/tokenize", {"prompt": "a", "messages": CHAT}, "messages"),
+            ("/tokenize", {}, "prompt"),
+            ("/tokenize", {"messages": CHAT, "add_generation_prompt": False}, "add_generation_prompt"),
+            ("/tokenize", {"prompt": "a", "add_special_tokens": False}, "add_special_tokens"),
+            ("/detokenize", {"tokens": [1, 10**7]}, "tokens"),
+            ("/detokenize", {"tokens": [-1]}, "tokens"),
+        ):
+            r = await http.post(path, json=body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+        r = await http.post("/tokenize", json={"model": "other", "prompt": "a"})
+        assert r.status_code == 404
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stack.stub.Detokenize(gateway_pb2.DetokenizeRequest(token_ids=[10**7]))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "token_ids[0]" in (
+        err.value.details() or ""
+    )
+
+
 # --- penalties, logit_bias, min_tokens, min_p ---
 async def test_penalties_bias_and_min_tokens_through_the_openai_client(bpe: HttpStack) -> None:
     """Same tokens disaggregated and unified and as over gRPC (min_p too); min_tokens holds back
