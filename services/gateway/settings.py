@@ -83,7 +83,9 @@ class GatewaySettings(TlsSettings):
         "with RESOURCE_EXHAUSTED / HTTP 429 + Retry-After; 0 = no bound (count)",
     )
     max_queued_requests: int = field(
-        512, "requests that may wait for a slot beyond --max-inflight-requests (count)"
+        512,
+        "requests that may wait for a slot beyond --max-inflight-requests, served by priority then "
+        "arrival; a full queue gives its worst waiter's place to a better request (count)",
     )
     max_queue_wait_s: float = field(10.0, "longest a request waits for a slot before RESOURCE_EXHAUSTED (s)")
     breaker_failures: int = field(
