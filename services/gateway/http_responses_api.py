@@ -223,7 +223,12 @@ def _usage(usage: m.Usage | dict[str, Any]) -> dict[str, Any]:
     details = u.get("completion_tokens_details") or {}  # with --reasoning-parser
     return {
         "input_tokens": u["prompt_tokens"],
-        "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]},
+        # no cache write is billed separately: every prompt block goes to the prefix cache as a
+        # side effect of computing it
+        "input_tokens_details": {
+            "cached_tokens": u["prompt_tokens_details"]["cached_tokens"],
+            "cache_write_tokens": 0,
+        },
         "output_tokens": u["completion_tokens"],
         "output_tokens_details": {"reasoning_tokens": details.get("reasoning_tokens", 0)},
         "total_tokens": u["total_tokens"],
@@ -372,7 +377,7 @@ async def events(
         item["status"] = "completed"
         where = {"item_id": msg_id, "output_index": text_index, "content_index": 0}
         return [
-            event("response.output_text.done", **where, text=text),
+            event("response.output_text.done", **where, text=text, logprobs=[]),
             event("response.content_part.done", **where, part=item["content"][0]),
             event("response.output_item.done", output_index=text_index, item=item),
         ]
@@ -436,6 +441,7 @@ async def events(
                         output_index=text_index,
                         content_index=0,
                         delta=text,
+                        logprobs=[],  # (top_logprobs are not served on this face)
                     )
                 for call in delta.get("tool_calls") or []:
                     k = call["index"]

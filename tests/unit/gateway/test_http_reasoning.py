@@ -248,9 +248,8 @@ def test_the_response_has_a_reasoning_item_first_and_reasoning_tokens() -> None:
     assert isinstance(body, m.ChatCompletion)
     req = ResponsesRequest.model_validate({"input": "hi"})
     response = response_body(req, body, "rid", 1)
-    # the openai SDK's own types (as its client reads them: leniently, so a usage detail this
-    # SDK version added and pdserve does not fill is no error)
-    parsed = Response.construct(**response)
+    # the openai SDK's own types, validated strictly (every field it requires is there)
+    parsed = Response.model_validate(response)
     items = [_ITEM.validate_python(item) for item in response["output"]]
     assert [item.type for item in items] == ["reasoning", "message"]
     thought = items[0]
@@ -291,7 +290,9 @@ def test_the_streamed_response_has_the_reasoning_events() -> None:
         "response.output_item.done",
         "response.completed",
     ]
-    # the reasoning item's events are the openai SDK's own (validated strictly)
+    # every event is the openai SDK's own, validated strictly
+    every = [_EVENT.validate_python(e) for e in got]
+    assert [e.type for e in every] == kinds
     ours = [e for e in got if e.get("item_id") == "rs_rid" or e.get("item", {}).get("type") == "reasoning"]
     typed = [_EVENT.validate_python(e) for e in ours]
     assert len(typed) == 5 + kinds.count("response.reasoning_text.delta")

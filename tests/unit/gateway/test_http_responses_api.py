@@ -188,7 +188,7 @@ def test_a_streamed_chat_completion_becomes_the_responses_events() -> None:
     )
     assert final["usage"] == {
         "input_tokens": 4,
-        "input_tokens_details": {"cached_tokens": 2},
+        "input_tokens_details": {"cached_tokens": 2, "cache_write_tokens": 0},
         "output_tokens": 6,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": 10,
