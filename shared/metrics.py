@@ -66,6 +66,15 @@ KV_QUARANTINED_BLOCKS = Gauge(
     "(blocks; a READ cannot be cancelled, its bytes may still land)",
     ["dp_rank"],
 )
+KV_OFFLOAD_BLOCKS = Counter(
+    "pdserve_kv_offload_blocks_total",
+    "KV blocks copied into the prefix cache's host tier (direction=save, evicted from the pool) "
+    "or back into the pool (direction=restore, a prefix hit there)",
+    ["dp_rank", "direction"],
+)
+KV_OFFLOAD_USAGE_RATIO = Gauge(
+    "pdserve_kv_offload_usage_ratio", "Used / total blocks of the prefix cache's host tier", ["dp_rank"]
+)
 KV_TRANSFER_BYTES = Counter("pdserve_kv_transfer_bytes_total", "KV bytes pushed or received", ["direction"])
 KV_TRANSFER_SECONDS = Histogram(
     "pdserve_kv_transfer_seconds", "Time to push one request's KV", buckets=_SMALL_BUCKETS_S

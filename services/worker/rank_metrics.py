@@ -19,6 +19,7 @@ class RankMetrics:
         self._preemptions_seen: dict[int, int] = {}
         self._spec_seen: dict[int, SpecStats] = {}
         self._steps_seen: dict[int, StepStats] = {}
+        self._offload_seen: dict[int, tuple[int, int]] = {}  # (saved, restored) exported
 
     def refresh(self) -> None:
         """Update the per-rank gauges and counters from the engine (called periodically and on
@@ -45,6 +46,21 @@ class RankMetrics:
                 self._preemptions_seen[dp_rank] = preempted
             self._export_spec(dp_rank)
             self._export_steps(dp_rank)
+            self._export_offload(dp_rank)
+
+    def _export_offload(self, dp_rank: int) -> None:
+        stats = self.engine.kv_offload_stats(dp_rank)
+        if stats is None:
+            return
+        saved, restored, used, capacity = stats
+        rank = str(dp_rank)
+        seen_saved, seen_restored = self._offload_seen.get(dp_rank, (0, 0))
+        if saved > seen_saved:
+            metrics.KV_OFFLOAD_BLOCKS.labels(dp_rank=rank, direction="save").inc(saved - seen_saved)
+        if restored > seen_restored:
+            metrics.KV_OFFLOAD_BLOCKS.labels(dp_rank=rank, direction="restore").inc(restored - seen_restored)
+        self._offload_seen[dp_rank] = (saved, restored)
+        metrics.KV_OFFLOAD_USAGE_RATIO.labels(dp_rank=rank).set(used / capacity if capacity else 0.0)
 
     def _export_steps(self, dp_rank: int) -> None:
         now = self.engine.step_stats(dp_rank)

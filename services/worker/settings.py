@@ -138,6 +138,7 @@ class WorkerSettings(TlsSettings, EngineOptions):
             "cuda_graph_warm_tokens",
             "draft_kv_cache_tokens",
             "kv_cache_tokens",
+            "kv_offload_tokens",
             "max_batch_tokens",
             "max_model_len",
             "torch_threads",

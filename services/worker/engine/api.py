@@ -344,6 +344,10 @@ class Engine(Protocol):
     def num_preemptions(self, dp_rank: int) -> int:
         """Requests preempted by recompute on the rank since start (count)."""
 
+    def kv_offload_stats(self, dp_rank: int) -> tuple[int, int, int, int] | None:
+        """The host KV tier's (blocks saved, blocks restored since start, blocks held, capacity
+        in blocks); None when the rank has none (--kv-offload-tokens 0)."""
+
     def spec_stats(self, dp_rank: int) -> SpecStats:
         """Speculative-decoding counters of the rank since start (a copy)."""
 

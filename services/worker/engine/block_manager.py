@@ -3,19 +3,27 @@
 
 Invariant: a block is in `_free` iff its ref_count is 0; a free block may still hold a cached
 prefix (hash set) until it is handed out again, which evicts it (least recently freed first).
+`on_evict` (the host tier, kv_offload.py) is told every evicted (block, hash) before `allocate`
+returns, so before anything can write those blocks.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from shared.block_hash import chain_hash
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        on_evict: Callable[[list[tuple[int, int]]], None] | None = None,
+    ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -27,6 +35,8 @@ class BlockManager:
         self._cursor = 0  # next-fit position for runs of fresh blocks
         self.prefix_queries_tokens = 0  # tokens looked up in the prefix cache (tokens)
         self.prefix_hits_tokens = 0  # of which found (tokens)
+        self._on_evict = on_evict
+        self._evicted: list[tuple[int, int]] = []  # (block, hash) evicted by the current allocate
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -87,6 +97,14 @@ class BlockManager:
             raise RuntimeError("allocate() without can_allocate()")
         if num_blocks == 0:
             return []
+        blocks = self._allocate(num_blocks, after, want_blocks)
+        if self._evicted:
+            evicted, self._evicted = self._evicted, []
+            if self._on_evict is not None:
+                self._on_evict(evicted)
+        return blocks
+
+    def _allocate(self, num_blocks: int, after: int | None, want_blocks: int) -> list[int]:
         if after is not None:
             if self._run_is_free(after + 1, num_blocks):
                 return self._take_run(after + 1, num_blocks)
@@ -137,6 +155,7 @@ class BlockManager:
         if h is not None:
             if self._hash_to_block.get(h) == b:
                 del self._hash_to_block[h]
+                self._evicted.append((b, h))
             self._hashes[b] = None
         self._ref_counts[b] = 1
         return b

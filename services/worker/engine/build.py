@@ -18,6 +18,7 @@ from services.worker.engine.api import EngineConfig, KvLayout
 from services.worker.engine.backend import ModelBackend
 from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.gpu_placement import rank_gpu, worker_gpus
+from services.worker.engine.kv_offload import HostKvCache
 from services.worker.engine.kv_trim import KvTrim
 from services.worker.engine.model_loading import kv_layout_of, load_model, resolve_dtype
 from services.worker.engine.model_runner import ModelRunner
@@ -170,7 +171,22 @@ class RankBuilder:
         )
         runner.warm_up()
         self._prepare_graphs(runner, f"rank {dp_rank}")
-        blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        host_cache = None
+        if cfg.kv_offload_tokens > 0 and cfg.enable_prefix_caching:
+            host_blocks = -(-cfg.kv_offload_tokens // cfg.block_size)
+            host_cache = HostKvCache(runner.blocks_view, host_blocks, cfg.block_size)
+            log.info(
+                "rank %d: host KV tier of %d blocks (%.2f GiB)",
+                dp_rank,
+                host_cache.num_blocks,
+                host_cache.num_blocks * runner.bytes_per_block / 2**30,
+            )
+        blocks = BlockManager(
+            num_blocks,
+            cfg.block_size,
+            cfg.enable_prefix_caching,
+            on_evict=host_cache.save if host_cache is not None else None,
+        )
         budget = cfg.max_batch_tokens or _DEFAULT_BATCH_TOKENS.get(device.type, 2048)
         scheduler = Scheduler(
             blocks,
@@ -180,6 +196,7 @@ class RankBuilder:
             KvTrim.of(model_variants.attention_windows(model.config)),
             eos_token_ids=frozenset(self.eos_token_ids),
             max_model_len=self.max_model_len,
+            host_cache=host_cache,
         )
         proposer: NgramProposer | DraftProposer | None = None
         if cfg.speculative == "ngram":

@@ -355,6 +355,9 @@ class PagedEngine:
     def num_preemptions(self, dp_rank: int) -> int:
         return self._ranks[dp_rank].num_preemptions()
 
+    def kv_offload_stats(self, dp_rank: int) -> tuple[int, int, int, int] | None:
+        return self._ranks[dp_rank].kv_offload_stats()
+
     def spec_stats(self, dp_rank: int) -> SpecStats:
         return self._ranks[dp_rank].spec_stats()
 

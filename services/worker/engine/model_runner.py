@@ -331,6 +331,10 @@ class ModelRunner:
         log.debug("warm-up step took %.3f s", time.perf_counter() - t0)
 
     # ---- KV transfer ---------------------------------------------------------------------
+    def blocks_view(self) -> torch.Tensor:
+        """The KV pool by block, [layers, 2, kv_heads, blocks, block_size, head_dim] (a view)."""
+        return self._by_block()
+
     def _by_block(self) -> torch.Tensor:
         lay = self.layout
         # every block of the pool (the scratch block of static decode steps too)

@@ -111,6 +111,13 @@ class EngineOptions(BackendOptions, SpecOptions):
         "KV pool size per rank (tokens); 0 = what --gpu-memory-utilization leaves (CUDA), else "
         "from free memory",
     )
+    kv_offload_tokens: int = field(
+        0,
+        "Host-memory tier of the prefix cache per rank (tokens): full KV blocks the pool evicts "
+        "are kept there (least recently used dropped first) and copied back when a later prompt "
+        "continues past its hits in the pool, instead of being recomputed; 0 = off. Costs "
+        "tokens x the model's KV bytes per token of host RAM (pinned on CUDA)",
+    )
     gpu_memory_utilization: float = field(
         0.9,
         "On CUDA, the share of the GPU's memory this worker may use in all (weights, the largest "

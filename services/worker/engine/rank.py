@@ -355,6 +355,13 @@ class Rank:
         with self.lock:
             return self.blocks.num_free_blocks
 
+    def kv_offload_stats(self) -> tuple[int, int, int, int] | None:
+        tier = self.scheduler.host_cache
+        if tier is None:
+            return None
+        with self.lock:
+            return tier.saved_blocks, tier.restored_blocks, tier.num_used_blocks, tier.num_blocks
+
     def num_preemptions(self) -> int:
         with self.lock:
             return self.scheduler.num_preemptions

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from services.worker.engine.api import RequestKind
 from services.worker.engine.block_manager import BlockManager
+from services.worker.engine.kv_offload import HostKvCache
 from services.worker.engine.kv_trim import NO_TRIM, KvTrim
 from services.worker.engine.request import Request, RequestStatus, finish_rule
 from services.worker.engine.step import StepOutput, StepUpdate
@@ -90,8 +91,12 @@ class Scheduler:
         kv_trim: KvTrim = NO_TRIM,
         eos_token_ids: frozenset[int] = frozenset(),
         max_model_len: int = 0,
+        host_cache: HostKvCache | None = None,
     ) -> None:
         self.blocks = block_manager
+        # the prefix cache's host tier (kv_offload.py): where the pool's hits end, a prompt's
+        # next blocks may be copied back from it
+        self.host_cache = host_cache
         self.block_size = block_manager.block_size
         self.max_batch_tokens = max_batch_tokens
         self.max_num_seqs = max_num_seqs
@@ -211,17 +216,31 @@ class Scheduler:
         # still needs its prompt logprobs computes the whole prompt (its blocks are cached after)
         max_hit_blocks = 0 if req.wants_prompt_logprobs else (req.num_tokens - 1) // bs
         cached = self.blocks.lookup_prefix(req.token_ids, max_hit_blocks)
-        num_cached_tokens = len(cached) * bs
+        last_hash = self.blocks.block_hash(cached[-1]) if cached else None
+        # the next blocks from the host tier: restored into the first fresh blocks
+        restore: list[int] = []
+        if self.host_cache is not None and len(cached) < max_hit_blocks:
+            restore = self.host_cache.lookup(req.token_ids, last_hash, len(cached), max_hit_blocks)
+        num_cached_tokens = (len(cached) + len(restore)) * bs
         n = min(req.num_tokens - num_cached_tokens, budget)
         need = self.blocks.blocks_needed(num_cached_tokens + n) - len(cached)
         if not self.blocks.can_allocate(need, cached):
             return 0  # wait for blocks (add-time checks guarantee the prompt fits alone)
+        # copied out before allocating: the blocks allocate evicts go into the tier, and may
+        # push these out of it
+        restored = self.host_cache.fetch(restore) if self.host_cache is not None and restore else None
         self.blocks.take(cached)
         req.block_ids = list(cached)
-        req.block_ids += self.blocks.allocate(need, cached[-1] if cached else None, self._want_blocks(req))
+        fresh = self.blocks.allocate(need, cached[-1] if cached else None, self._want_blocks(req))
+        req.block_ids += fresh
+        if restored is not None and self.host_cache is not None:
+            self.host_cache.restore(restored, fresh[: len(restore)])
+            for block, block_hash in zip(fresh, restore, strict=False):
+                self.blocks.cache_block(block, block_hash)
+            last_hash = restore[-1]
         req.num_computed_tokens = num_cached_tokens
-        req.num_hashed_blocks = len(cached)
-        req.last_block_hash = self.blocks.block_hash(cached[-1]) if cached else None
+        req.num_hashed_blocks = len(cached) + len(restore)
+        req.last_block_hash = last_hash
         if not req.stats_fixed:
             req.stats_fixed = True
             req.num_local_cached_tokens = num_cached_tokens
