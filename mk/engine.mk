@@ -27,3 +27,14 @@ BENCH_TARGETS += bench-host-overhead
 .PHONY: bench-host-overhead
 bench-host-overhead: install
 	$(PY) -m benchmarks.host_overhead $(HOST_OVERHEAD_BENCH_ARGS)
+
+# The prefix cache's host tier (--kv-offload-tokens): TTFT of a prompt revisited after other
+# prompts evicted it from the pool, served from the pool, from the host tier, and recomputed.
+#   make bench-kv-offload                (random:smollm2 shape, CPU; ~1-2 minutes)
+#   make bench-kv-offload KV_OFFLOAD_BENCH_ARGS="--device cuda --model random:llama-8b --prompt-tokens 2048"
+KV_OFFLOAD_BENCH_ARGS ?=
+BENCH_TARGETS += bench-kv-offload
+
+.PHONY: bench-kv-offload
+bench-kv-offload: install
+	$(PY) -m benchmarks.kv_offload $(KV_OFFLOAD_BENCH_ARGS)

@@ -85,7 +85,8 @@ if [[ $what == window ]]; then
   #            (gpu-test-failures-<gpu>.txt: a limit may interrupt pytest before its summary);
   #   engine   bench-engine on the 8B shape against HF's padded batch, steps vs floor as served;
   #   disagg   `pdserve up` disaggregated on the one GPU as up starts it (the decode worker with
-  #            graphs, the prefill worker without) and with no graphs in either (`+eager`).
+  #            graphs, the prefill worker without) and with no graphs in either (`+eager`);
+  #   offload  the host KV tier (--kv-offload-tokens) against a pool hit and a recompute.
   # Each part has its own limit (T_<PART> seconds; SIGINT, so pytest and the benchmarks still
   # write what they have), so a slow one never takes the later ones' time. A 15-minute lease
   # (one call at most 600 s, a start ~35 s; the machine goes back after ~30 s idle, so the next
@@ -123,6 +124,12 @@ if [[ $what == window ]]; then
           --model random:llama-8b --contenders hf_padded,pdserve --num-requests 32 \
           --kv-cache-tokens 40960 --no-prefix-run --floor-batches 1,8,16,64 --child-timeout-s 150 \
           --output "$RES/engine-cuda-llama-8b-$TAG.json" || rc=1 ;;
+      offload)
+        # the prefix cache's host tier: a revisited 2,048-token prompt from the pool, copied
+        # back from pinned host memory, recomputed (one 8B engine per way)
+        timeout -s INT "${T_OFFLOAD:-120}" $PY -m benchmarks.kv_offload --device cuda --dtype bfloat16 \
+          --model random:llama-8b --prompt-tokens 2048 --block-size 32 --repeats 2 \
+          --out "$RES/kv-offload-llama-8b-$TAG.json" || rc=1 ;;
       probe|attention|profile)
         if [[ $part != profile ]]; then
         timeout -s INT "${T_PROBE:-60}" $PY -m benchmarks.cuda_attention --batches 1 8 64 \

@@ -338,7 +338,8 @@ class Scheduler:
 
     # ---- DECODE_REMOTE -------------------------------------------------------------------
     def reserve_remote(self, req: Request) -> int:
-        """Blocks for the prompt + first token; returns leading prompt blocks found cached.
+        """Blocks for the prompt + first token; returns leading prompt blocks found cached (in the
+        pool, or copied back from the host tier: the handoff skips them).
 
         Sets req.num_trimmed_blocks (kv_trim.py): the leading blocks wholly behind every window
         at the first decode position. When every layer is windowed they are not held at all
@@ -347,13 +348,20 @@ class Scheduler:
         bs = self.block_size
         n = req.num_prompt_tokens
         cached = self.blocks.lookup_prefix(req.prompt_token_ids, n // bs)
+        last_hash = self.blocks.block_hash(cached[-1]) if cached else None
         trim = self.kv_trim.trim_blocks(n, bs)
         released = trim if self.kv_trim.releases else 0
+        # the next full prompt blocks from the host tier (not where leading blocks are released:
+        # then the blocks after the pool's hits are not all held)
+        restore: list[int] = []
+        if self.host_cache is not None and released == 0 and len(cached) < n // bs:
+            restore = self.host_cache.lookup(req.prompt_token_ids, last_hash, len(cached), n // bs)
         held_cached = cached[released:]
         head = max(len(cached), released)  # leading entries not newly allocated
         need = self.blocks.blocks_needed(n + 1) - head
         if not self.blocks.can_allocate(need, held_cached):
             raise ResourceExhausted("KV pool full: cannot reserve blocks for the request")
+        restored = self.host_cache.fetch(restore) if self.host_cache is not None and restore else None
         self.blocks.take(held_cached)
         req.block_ids = list(cached) + [-1] * (head - len(cached))
         req.block_ids += self.blocks.allocate(
@@ -361,14 +369,21 @@ class Scheduler:
         )
         for i in range(len(cached), head):  # released, never held: any valid id, masked out
             req.block_ids[i] = req.block_ids[head]
+        if restored is not None and self.host_cache is not None:
+            targets = req.block_ids[len(cached) : len(cached) + len(restore)]
+            self.host_cache.restore(restored, targets)
+            for block, block_hash in zip(targets, restore, strict=True):
+                self.blocks.cache_block(block, block_hash)
+            last_hash = restore[-1]
+        num_cached = len(cached) + len(restore)  # the handoff skips them (import_kv)
         req.num_released_blocks = released
         req.num_trimmed_blocks = trim
-        req.num_hashed_blocks = len(cached)
-        req.last_block_hash = self.blocks.block_hash(cached[-1]) if cached else None
+        req.num_hashed_blocks = num_cached
+        req.last_block_hash = last_hash
         req.stats_fixed = True
-        req.num_local_cached_tokens = len(cached) * bs
-        self.blocks.record_query(n, len(cached) * bs)
-        return len(cached)
+        req.num_local_cached_tokens = num_cached * bs
+        self.blocks.record_query(n, num_cached * bs)
+        return num_cached
 
     def recompute_remote(self, req: Request) -> None:
         """Its KV transfer failed: it keeps its reserved blocks and the handoff token, and

@@ -14,7 +14,15 @@ from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.kv_offload import HostKvCache
 from services.worker.rank_metrics import RankMetrics
 from shared.block_hash import chain_hash
-from tests.unit.engine.conftest import EngineFactory, collect, greedy, request, tokens_of
+from tests.unit.engine.conftest import (
+    EngineFactory,
+    HandoffStats,
+    collect,
+    greedy,
+    handoff_run,
+    request,
+    tokens_of,
+)
 
 
 def test_the_pool_reports_the_cached_blocks_it_hands_out_again() -> None:
@@ -95,3 +103,26 @@ async def test_a_prompt_evicted_from_the_pool_comes_back_from_the_host_tier(
 
 def _sample(name: str, **labels: str) -> float:
     return REGISTRY.get_sample_value(name, {"dp_rank": "0", **labels}) or 0.0
+
+
+async def test_a_decode_worker_restores_from_its_tier_and_the_handoff_skips_those_blocks(
+    make_engine: EngineFactory,
+) -> None:
+    """Disaggregated: the decode side's reservation finds the evicted prompt in its host tier,
+    copies it back and reports it cached, so the handoff moves only the rest; same tokens."""
+    rng = random.Random(9)
+    prompt_a = tuple(rng.randrange(3, 400) for _ in range(42))  # 10 full blocks and 2 tokens
+    prompt_b = tuple(rng.randrange(3, 400) for _ in range(40))
+    sampling = greedy(4, ignore_eos=True)
+    prefill = make_engine(block_size=4)
+    decode = make_engine(block_size=4, kv_cache_tokens=64, kv_offload_tokens=256)
+    first, rest = await handoff_run(prefill, decode, "a1", prompt_a, sampling)
+    await collect(decode.add_request(request("b", prompt_b, sampling)))  # evicts a's blocks
+    moved = HandoffStats()
+    again_first, again_rest = await handoff_run(prefill, decode, "a2", prompt_a, sampling, moved)
+    assert tokens_of([again_first, *again_rest]) == tokens_of([first, *rest])
+    assert again_rest[-1].num_local_cached_tokens == 40  # every full prompt block
+    assert moved.blocks == 1  # only the partial block holding the prompt's last 2 tokens moved
+    stats = decode.kv_offload_stats(0)
+    assert stats is not None and stats[1] > 0  # some came back from the tier (the rest: the pool)
+    assert decode.num_free_blocks(0) == decode.num_total_blocks(0)
