@@ -79,16 +79,21 @@ def run_way(args: argparse.Namespace, way: str) -> dict[str, Any]:
     times: list[float] = []
     cold: list[float] = []
     cached = 0
-    try:
+
+    async def visits() -> None:  # one event loop: the engine's outputs are bound to it
+        nonlocal cached
         for r in range(args.repeats):
             revisit = prompt()
-            t_cold, _ = asyncio.run(_first_token_s(engine, EngineRequest(f"a{r}", revisit, sampling)))
+            t_cold, _ = await _first_token_s(engine, EngineRequest(f"a{r}", revisit, sampling))
             cold.append(t_cold)
             if way != "pool":
                 for k in range(args.evictors):
-                    asyncio.run(_first_token_s(engine, EngineRequest(f"e{r}-{k}", prompt(), sampling)))
-            t, cached = asyncio.run(_first_token_s(engine, EngineRequest(f"b{r}", revisit, sampling)))
+                    await _first_token_s(engine, EngineRequest(f"e{r}-{k}", prompt(), sampling))
+            t, cached = await _first_token_s(engine, EngineRequest(f"b{r}", revisit, sampling))
             times.append(t)
+
+    try:
+        asyncio.run(visits())
         stats = engine.kv_offload_stats(0)
     finally:
         engine.shutdown()
