@@ -49,6 +49,7 @@ def generate_input(req: gateway_pb2.GenerateRequest) -> GenerateInput:
         top_k=req.top_k if req.HasField("top_k") else None,
         min_p=req.min_p if req.HasField("min_p") else None,
         priority=req.priority,
+        continue_final_message=req.continue_final_message,
         seed=req.seed if req.HasField("seed") else None,
         stop=tuple(req.stop),
         stop_token_ids=tuple(req.stop_token_ids),
@@ -143,6 +144,7 @@ def tokenize_input(req: gateway_pb2.TokenizeRequest) -> GenerateInput:
         model=req.model,
         prompt=req.prompt,
         messages=tuple(ChatTurn(m.role, m.content) for m in req.messages),
+        continue_final_message=req.continue_final_message,
     )
 
 

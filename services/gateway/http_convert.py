@@ -302,6 +302,7 @@ def chat_plan(
         raise InvalidField("messages is empty; send at least one message", "messages")
     turns = tuple(http_chat.turn(i, msg) for i, msg in enumerate(req.messages))
     common["chat_template_kwargs"] = http_chat.template_kwargs(req)
+    common["continue_final_message"] = _continuation(req.add_generation_prompt, req.continue_final_message)
     tools = http_chat.tools(req)
     choice = http_chat.tool_choice(req, tools)
     parsing = None
@@ -325,6 +326,25 @@ def chat_plan(
         parsing = ToolParsing(tool_format, forced=True)
     plan = _plan(req, [{"messages": turns}], common, request_id, parsing)
     return _with_reasoning(plan, reasoning_parser)
+
+
+def _continuation(add_generation_prompt: bool, continue_final_message: bool) -> bool:
+    """vLLM's pair as the one choice the chat template gets: a new reply (a generation prompt) or
+    the last message continued. Both on, or both off (a prompt that ends after a closed turn,
+    which no model is trained to answer), is a 400."""
+    if continue_final_message and add_generation_prompt:
+        raise InvalidField(
+            "continue_final_message continues the last message; it cannot follow a generation "
+            "prompt: set add_generation_prompt to false with it",
+            "continue_final_message",
+        )
+    if not continue_final_message and not add_generation_prompt:
+        raise InvalidField(
+            "add_generation_prompt false is only served with continue_final_message true (the last "
+            "message continued)",
+            "add_generation_prompt",
+        )
+    return continue_final_message
 
 
 def _with_reasoning(plan: Plan, kind: ReasoningKind | None) -> Plan:
@@ -387,11 +407,7 @@ def tokenize_input(req: m.TokenizeRequest) -> GenerateInput:
     chat = req.messages is not None
     if chat == (req.prompt is not None):
         raise InvalidField("set exactly one of prompt and messages", "messages" if chat else "prompt")
-    for name, value, served in (
-        ("add_generation_prompt", req.add_generation_prompt, True),
-        ("continue_final_message", req.continue_final_message, False),
-        ("add_special_tokens", req.add_special_tokens, not chat),
-    ):
+    for name, value, served in (("add_special_tokens", req.add_special_tokens, not chat),):
         if value is not None and value != served:
             raise InvalidField(
                 f"{name}: {str(value).lower()} is not how pdserve tokenizes a "
@@ -403,6 +419,8 @@ def tokenize_input(req: m.TokenizeRequest) -> GenerateInput:
         for name in ("tools", "tool_choice", "chat_template_kwargs"):
             if getattr(req, name) is not None:
                 body[name] = getattr(req, name)
+        body["add_generation_prompt"] = req.add_generation_prompt
+        body["continue_final_message"] = req.continue_final_message
         plan = chat_plan(m.ChatCompletionRequest.model_validate(body, strict=False), "tokenize")
     else:
         plan = completion_plan(m.CompletionRequest(prompt=req.prompt or ""), "tokenize")

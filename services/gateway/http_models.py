@@ -83,6 +83,9 @@ class _GenerationRequest(_Request):
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage]
+    # vLLM's: continue the last (assistant) message instead of starting a new reply
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, description="0-20 alternatives per token; needs logprobs")

@@ -75,6 +75,8 @@ class GenerateInput:
     # chat: extra variables for the chat template (the HTTP face's chat_template_kwargs), in the
     # client's order; names apply_chat_template reserves are refused before this is built
     chat_template_kwargs: tuple[tuple[str, Any], ...] = ()
+    # chat: the prompt ends inside the last message (an assistant reply the model continues)
+    continue_final_message: bool = False
 
 
 @dataclass(frozen=True)

@@ -125,7 +125,11 @@ class GatewayService:
             prompt = inp.prompt_token_ids
         elif inp.messages:
             prompt = tok.encode_chat(
-                inp.messages, inp.tools, self.tool_call_format, dict(inp.chat_template_kwargs)
+                inp.messages,
+                inp.tools,
+                self.tool_call_format,
+                dict(inp.chat_template_kwargs),
+                inp.continue_final_message,
             )
         else:
             prompt = tok.encode_prompt(inp.prompt)

@@ -113,12 +113,17 @@ class PromptTokenizer:
         tools: Sequence[Tool] = (),
         fmt: Format = "hermes",
         template_kwargs: Mapping[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> tuple[int, ...]:
         """The prompt of a conversation. Tools go through the template's `tools` when it renders
         them; otherwise (the bundled SmolLM2's template) a system preamble in `fmt` offers them,
         and earlier calls and tool results are written into the turns' text the same way.
         `template_kwargs`: the client's chat_template_kwargs, extra template variables (e.g.
-        Qwen3's enable_thinking); none of RESERVED_TEMPLATE_KWARGS (checked by the caller)."""
+        Qwen3's enable_thinking); none of RESERVED_TEMPLATE_KWARGS (checked by the caller).
+        `continue_final_message`: the prompt ends inside the last message (an assistant reply
+        the model continues: no end of turn after it, no generation prompt), as transformers'
+        apply_chat_template(continue_final_message=True); otherwise a generation prompt follows
+        the conversation."""
         if not self.has_chat_template:
             raise InvalidArgument(
                 f"model {self.model_id!r} has no chat template; send a prompt instead of messages"
@@ -136,7 +141,11 @@ class PromptTokenizer:
                 conversation.insert(0, {"role": "system", "content": text})
         try:
             text = self._tok.apply_chat_template(
-                conversation, add_generation_prompt=True, tokenize=False, **extra
+                conversation,
+                add_generation_prompt=not continue_final_message,
+                continue_final_message=continue_final_message,
+                tokenize=False,
+                **extra,
             )
         except Exception as exc:  # jinja raise_exception() in templates: e.g. roles out of order
             raise InvalidArgument(f"the chat template rejected the messages: {exc}") from exc

@@ -71,6 +71,12 @@ def validate_input(req: GenerateInput, limits: Limits, served_model: str) -> Non
             raise InvalidArgument(
                 f"messages[{i}].role is {turn.role!r}; it must be one of {', '.join(CHAT_ROLES)}"
             )
+    if req.continue_final_message and not (req.messages and req.messages[-1].role == "assistant"):
+        raise InvalidField(
+            "continue_final_message continues the last message, which must be an assistant message "
+            "(the start of the reply); send messages ending with one",
+            "continue_final_message",
+        )
     validate_prompt_logprobs(req)
     if req.temperature is not None and not (math.isfinite(req.temperature) and req.temperature >= 0):
         raise InvalidArgument(f"temperature must be a finite number >= 0 (0 = greedy), got {req.temperature}")

@@ -336,6 +336,49 @@ async def test_tokenize_counts_what_generation_reports_and_detokenize_inverts_it
     )
 
 
+async def test_continue_final_message_prefills_the_reply_and_counts_it(bpe: HttpStack) -> None:
+    """An assistant message at the end, continued (vLLM's continue_final_message with
+    add_generation_prompt false): the prompt ends inside it (the template's rendering cut after
+    its text, as transformers does), usage.prompt_tokens is that prompt's length over HTTP and
+    gRPC, and Tokenize with the same flag agrees; the wrong combinations are 400s naming the
+    field."""
+    client = aclient(bpe)
+    prefix = "The capital of France is"
+    convo: Any = [*CHAT, {"role": "assistant", "content": prefix}]
+    tok = bpe.gateway.service._require_tokenizer()._tok
+    text = tok.apply_chat_template(convo, continue_final_message=True, tokenize=False)
+    assert text.endswith(prefix)
+    want = len(tok.encode(text, add_special_tokens=False))
+    flags = {"add_generation_prompt": False, "continue_final_message": True}
+    got = await client.chat.completions.create(model="", messages=convo, max_tokens=3, extra_body=flags)
+    assert got.usage is not None and got.usage.prompt_tokens == want
+    done = await bpe.stub.Complete(chat_pb(convo, max_tokens=3, continue_final_message=True))
+    assert done.usage.prompt_tokens == want
+    counted = await bpe.stub.Tokenize(
+        gateway_pb2.TokenizeRequest(
+            messages=[gateway_pb2.ChatMessage(**m) for m in convo], continue_final_message=True
+        )
+    )
+    assert counted.count == want
+    async with httpx.AsyncClient(base_url=bpe.gateway.http_url or "", timeout=30) as http:
+        r = await http.post("/tokenize", json={"messages": convo, **flags})
+        assert r.status_code == 200 and r.json()["count"] == want
+        detok = await http.post("/detokenize", json={"tokens": r.json()["tokens"]})
+        assert detok.json()["prompt"].endswith(prefix)  # no end of turn, no generation prompt
+    plain = await client.chat.completions.create(model="", messages=convo, max_tokens=1)
+    assert plain.usage is not None and plain.usage.prompt_tokens > want  # closed turn + new reply
+    for body, param in (
+        ({"continue_final_message": True}, "continue_final_message"),  # with a generation prompt
+        ({"add_generation_prompt": False}, "add_generation_prompt"),
+    ):
+        with pytest.raises(openai.BadRequestError) as err:
+            await client.chat.completions.create(model="", messages=convo, max_tokens=1, extra_body=body)
+        assert err.value.body["param"] == param  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as err:  # the last message is the user's
+        await client.chat.completions.create(model="", messages=CHAT, max_tokens=1, extra_body=flags)
+    assert err.value.body["param"] == "continue_final_message"  # type: ignore[index]
+
+
 # --- penalties, logit_bias, min_tokens, min_p ---
 async def test_penalties_bias_and_min_tokens_through_the_openai_client(bpe: HttpStack) -> None:
     """Same tokens disaggregated and unified and as over gRPC (min_p too); min_tokens holds back
