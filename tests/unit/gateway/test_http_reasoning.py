@@ -68,6 +68,7 @@ def test_chat_template_kwargs_reach_the_template() -> None:
     tok.encode_chat((ChatTurn("user", "hi"),), template_kwargs=dict(plan.inputs[0].chat_template_kwargs))
     assert fake.kwargs[0] == {
         "add_generation_prompt": True,
+        "continue_final_message": False,
         "tokenize": False,
         "enable_thinking": False,
         "custom": [1, {"a": "b"}],
