@@ -64,10 +64,11 @@ class GatewaySettings(TlsSettings):
     worker_rpc_timeout_s: float = field(10.0, "timeout of short control RPCs (Schedule, Abort, GetState) (s)")
     tool_call_parser: str = field(
         "",
-        "how tool calls are read from chat output: hermes (<tool_call>{json}</tool_call>) or "
-        'llama3_json ({"name": ..., "parameters": ...}); \'\' = detected from the chat template '
-        "(hermes when it says nothing)",
-        choices=("", "hermes", "llama3_json"),
+        "how tool calls are read from chat output: hermes (<tool_call>{json}</tool_call>), "
+        'llama3_json ({"name": ..., "parameters": ...}) or mistral ([TOOL_CALLS] [{"name": ..., '
+        "\"arguments\": ...}] or name[ARGS]{...}); '' = detected from the chat template (hermes "
+        "when it says nothing)",
+        choices=("", "hermes", "llama3_json", "mistral"),
     )
     reasoning_parser: str = field(
         "",

@@ -162,14 +162,14 @@ def _turn(m: ChatTurn, fmt: Format, template_renders_calls: bool) -> dict[str, A
         if m.tool_calls:
             turn["tool_calls"] = [
                 {
-                    "id": c.id,
+                    "id": tool_calls.template_call_id(c.id, fmt),
                     "type": "function",
                     "function": {"name": c.name, "arguments": json.loads(c.arguments)},
                 }
                 for c in m.tool_calls
             ]
         if m.tool_call_id:
-            turn["tool_call_id"] = m.tool_call_id
+            turn["tool_call_id"] = tool_calls.template_call_id(m.tool_call_id, fmt)
         return turn
     if m.tool_calls:
         calls = "\n".join(tool_calls.call_text(c.name, c.arguments, fmt) for c in m.tool_calls)

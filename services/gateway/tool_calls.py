@@ -1,11 +1,20 @@
 """Tool calls: the tools a chat request offers, the tool_choice that forces a call (as a JSON-schema
 structured output), the prompt preamble for templates that ignore tools, and the parsers that turn
-a model's output into content and tool calls (Hermes `<tool_call>` JSON, Llama-3 JSON), one
-incremental parser for streamed and unary responses alike (unary = all text fed at once, so a
-stream's deltas always reassemble to the unary result)."""
+a model's output into content and tool calls (Hermes `<tool_call>` JSON, Llama-3 JSON, Mistral's
+`[TOOL_CALLS]`), one incremental parser for streamed and unary responses alike (unary = all text
+fed at once, so a stream's deltas always reassemble to the unary result).
+
+Mistral: `[TOOL_CALLS]` (and v11's `[ARGS]`) are special tokens, which the workers never show, so
+a call is read from what remains at the start of the output: a JSON array of call objects (v3
+tokenizers: `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`), or one or more
+`name{arguments}` (v11: `[TOOL_CALLS]name[ARGS]{...}`); the markers themselves are skipped where a
+tokenizer does show them. Mistral's templates accept only tool call ids of 9 letters and digits:
+calls parsed in this format get such ids, and the ids of earlier calls a client sends back are
+mapped to such ids the same way in the assistant message and in the tool message answering it."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import uuid
@@ -14,11 +23,15 @@ from typing import Any, Literal
 
 from shared.structured_output import StructuredOutput
 
-Format = Literal["hermes", "llama3_json"]
-FORMATS: tuple[Format, ...] = ("hermes", "llama3_json")
+Format = Literal["hermes", "llama3_json", "mistral"]
+FORMATS: tuple[Format, ...] = ("hermes", "llama3_json", "mistral")
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.1 may open a JSON call with it
+MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's function name rule (plus '.')
+# Mistral v11: a function name, [ARGS] where it is shown, then the arguments' object
+_MISTRAL_NAMED = re.compile(r"([A-Za-z0-9_.-]{1,64})(?:\[ARGS\])?\s*(?=\{)")
+_MISTRAL_NAME_SO_FAR = re.compile(r"[A-Za-z0-9_.-]{1,64}(?:\[(?:A(?:R(?:G(?:S\]?)?)?)?)?)?\s*")
 
 
 @dataclass(frozen=True)
@@ -46,8 +59,23 @@ class ToolCall:
     arguments: str
 
 
-def new_call_id() -> str:
+def new_call_id(fmt: Format = "hermes") -> str:
+    """A call's id: OpenAI's form, or 9 letters and digits where Mistral's templates require it."""
+    if fmt == "mistral":
+        return uuid.uuid4().hex[:9]
     return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def template_call_id(call_id: str, fmt: Format) -> str:
+    """An earlier call's id as the chat template gets it: unchanged, except for Mistral's (9
+    letters and digits): the id's last 9 letters and digits, or, when it has fewer, a digest of
+    it; the same id maps to the same result in the assistant and the tool message."""
+    if fmt != "mistral":
+        return call_id
+    kept = re.sub(r"[^A-Za-z0-9]", "", call_id)
+    if len(kept) >= 9:
+        return kept[-9:]
+    return hashlib.sha1(call_id.encode()).hexdigest()[:9]
 
 
 def valid_name(name: str) -> bool:
@@ -60,6 +88,8 @@ def detect_format(chat_template: str) -> Format:
         return "hermes"
     if PYTHON_TAG in chat_template or ("ipython" in chat_template and '"parameters"' in chat_template):
         return "llama3_json"
+    if MISTRAL_CALLS in chat_template:
+        return "mistral"
     return "hermes"
 
 
@@ -96,6 +126,12 @@ def preamble(tools: tuple[Tool, ...], fmt: Format) -> str:
             "You have access to the following functions. To call a function, respond with only a JSON "
             'object of the form {"name": function name, "parameters": {argument name: value}}.\n\n' + listed
         )
+    if fmt == "mistral":
+        return (
+            "You have access to the following functions. To call functions, respond with only a JSON "
+            'array of objects of the form {"name": function name, "arguments": {argument name: value}}.'
+            "\n\n" + listed
+        )
     return (
         "You are a function calling AI model. You are provided with function signatures within "
         "<tools></tools> XML tags. You may call one or more functions to assist with the user query. "
@@ -110,6 +146,8 @@ def preamble(tools: tuple[Tool, ...], fmt: Format) -> str:
 def call_text(name: str, arguments: str, fmt: Format) -> str:
     """An earlier assistant call as the model writes it (for templates that do not render calls)."""
     body = f'{{"name": {json.dumps(name)}, "{arguments_key(fmt)}": {arguments}}}'
+    if fmt == "mistral":
+        return f"{MISTRAL_CALLS} [{body}]"
     return f"{HERMES_START}\n{body}\n{HERMES_END}" if fmt == "hermes" else body
 
 
@@ -127,7 +165,7 @@ def _call_of(body: str) -> ToolCall | None:
     return _call_of_object(obj)
 
 
-def _call_of_object(obj: Any) -> ToolCall | None:
+def _call_of_object(obj: Any, fmt: Format = "hermes") -> ToolCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
@@ -138,7 +176,7 @@ def _call_of_object(obj: Any) -> ToolCall | None:
             return None
     if not isinstance(args, dict):
         return None
-    return ToolCall(new_call_id(), obj["name"], json.dumps(args, ensure_ascii=False))
+    return ToolCall(new_call_id(fmt), obj["name"], json.dumps(args, ensure_ascii=False))
 
 
 @dataclass(frozen=True)
@@ -215,11 +253,14 @@ class ToolCallParser:
     at the end counts when its JSON is complete). Llama-3 JSON, and a call forced by tool_choice
     (`forced`: the bare JSON body in either format): the output opens with a JSON object
     (optionally after `<|python_tag|>`), calls may follow each other separated by `;` or
-    whitespace; output that does not open with `{` is content.
+    whitespace; output that does not open with `{` is content. Mistral (module docstring): the
+    same, and at the output's start or after a call also a JSON array of calls or `name{...}`.
     """
 
     def __init__(self, fmt: Format, forced: bool = False) -> None:
-        self._json_calls = forced or fmt == "llama3_json"
+        self._fmt = fmt
+        self._mistral = fmt == "mistral"
+        self._json_calls = forced or fmt in ("llama3_json", "mistral")
         # a forced call (the grammar makes the output one) streams its arguments as they come
         self._forced = forced
         self._open: _OpenCall | None = None
@@ -317,6 +358,12 @@ class ToolCallParser:
                     head = head[len(PYTHON_TAG) :].lstrip()
                     if not head:
                         return
+                if self._mistral and not self._forced:
+                    decided = self._scan_mistral(head, out, final)
+                    if decided is None:
+                        return  # undecided: wait for more text
+                    if decided:
+                        continue  # calls taken from _buf
                 if not head.startswith("{"):
                     self._plain = True
                     continue
@@ -338,7 +385,7 @@ class ToolCallParser:
                     self._plain = True
                     continue
                 return
-            call = _call_of_object(obj)
+            call = _call_of_object(obj, self._fmt)
             if call is None:
                 self._in_call = False
                 self._plain = True
@@ -352,6 +399,46 @@ class ToolCallParser:
             self._in_call = False
             self._call(call, out)
 
+    def _scan_mistral(self, head: str, out: list[Event], final: bool) -> bool | None:
+        """At a call position of Mistral's format: True when calls were taken (a JSON array of
+        calls, or `name{arguments}`; _buf then holds what follows), False when `head` is none
+        of those (the JSON-mode rules go on: a bare object is a call, anything else content),
+        None when it cannot tell yet."""
+        if not final and MISTRAL_CALLS.startswith(head):
+            return None  # the start of a shown [TOOL_CALLS]
+        if head.startswith(MISTRAL_CALLS):
+            head = head[len(MISTRAL_CALLS) :].lstrip()
+            if not head:
+                return None if not final else False
+        decoder = json.JSONDecoder()
+        if head.startswith("["):
+            try:
+                arr, end = decoder.raw_decode(head)
+            except json.JSONDecodeError:
+                return False if final else None
+            calls = [_call_of_object(o, "mistral") for o in arr] if isinstance(arr, list) else []
+            if not calls or any(c is None for c in calls):
+                return False
+            for call in calls:
+                assert call is not None
+                self._call(call, out)
+            self._buf = head[end:]
+            return True
+        named = _MISTRAL_NAMED.match(head)
+        if named is None:
+            partial = _MISTRAL_NAME_SO_FAR.fullmatch(head)
+            return None if partial is not None and not final else False
+        try:
+            args, end = decoder.raw_decode(head, named.end())
+        except json.JSONDecodeError:
+            return False if final else None
+        if not isinstance(args, dict):
+            return False
+        arguments = json.dumps(args, ensure_ascii=False)
+        self._call(ToolCall(new_call_id("mistral"), named.group(1), arguments), out)
+        self._buf = head[end:]
+        return True
+
     def _stream_forced(self, body: str, out: list[Event]) -> None:
         """A forced call's CallStart once its name is written, then each new piece of its
         arguments (a grammar guarantees the call completes, so nothing sent is taken back)."""
@@ -359,7 +446,7 @@ class ToolCallParser:
             head = _FORCED_HEAD.match(body)
             if head is None:
                 return
-            self._open = _OpenCall(new_call_id(), json.loads(head.group(1)), head.end())
+            self._open = _OpenCall(new_call_id(self._fmt), json.loads(head.group(1)), head.end())
             out.append(CallStart(self._open.id, self._open.name))
         call = self._open
         args = body[call.args_start :]

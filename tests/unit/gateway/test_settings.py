@@ -33,7 +33,7 @@ def test_flags_beat_env() -> None:
         ["--default-max-tokens", "0"],
         ["--request-timeout-s", "0"],
         ["--log-format", "xml"],
-        ["--tool-call-parser", "mistral"],
+        ["--tool-call-parser", "pythonic"],
     ],
 )
 def test_invalid_values_exit_with_a_message(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:

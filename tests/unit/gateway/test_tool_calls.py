@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import jsonschema
 import pytest
@@ -22,6 +23,7 @@ from services.gateway.tool_calls import (
     forced_call,
     parse,
     preamble,
+    template_call_id,
 )
 from shared.structured_output import grammar_of
 
@@ -93,6 +95,29 @@ CASES: list[tuple[str, bool, str, str | None, list[tuple[str, dict[str, object]]
     ("llama3_json", False, '{"city": "Oslo"}', '{"city": "Oslo"}', []),
     ("llama3_json", False, "<|python_ta", "<|python_ta", []),
     ("llama3_json", True, '{"name": "f", "parameters": {}}', None, [("f", {})]),
+    # Mistral, its special tokens left out by the workers (v3: an array; v11: name{...})
+    (
+        "mistral",
+        False,
+        ' [{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "f", "arguments": {}}]',
+        None,
+        [("get_weather", {"city": "Oslo"}), ("f", {})],
+    ),
+    ("mistral", False, '[TOOL_CALLS] [{"name": "f", "arguments": {"x": 1}}]', None, [("f", {"x": 1})]),
+    (
+        "mistral",
+        False,
+        'get_weather{"city": "Oslo"}f[ARGS]{}',
+        None,
+        [("get_weather", {"city": "Oslo"}), ("f", {})],
+    ),
+    ("mistral", False, '[TOOL_CALLS]f[ARGS]{"x": [1]}', None, [("f", {"x": [1]})]),
+    ("mistral", False, '{"name": "f", "arguments": {"a": 1}}', None, [("f", {"a": 1})]),
+    ("mistral", False, "Paris", "Paris", []),
+    ("mistral", False, "Hello there, no calls [TOOL", "Hello there, no calls [TOOL", []),
+    ("mistral", False, "[1, 2] is a list", "[1, 2] is a list", []),
+    ("mistral", False, '[{"name": "f", "arguments": {"a": 1}', '[{"name": "f", "arguments": {"a": 1}', []),
+    ("mistral", True, '{"name": "f", "arguments": {}}', None, [("f", {})]),
 ]
 
 
@@ -106,7 +131,10 @@ def test_whole_output(
 ) -> None:
     got_content, got_calls = parse(text, fmt, forced)  # type: ignore[arg-type]
     assert _summary(got_content, got_calls) == (content, calls)
-    assert all(c.id.startswith("call_") for c in got_calls)
+    if fmt == "mistral":  # the ids Mistral's templates accept back
+        assert all(re.fullmatch(r"[A-Za-z0-9]{9}", c.id) for c in got_calls)
+    else:
+        assert all(c.id.startswith("call_") for c in got_calls)
     assert len({c.id for c in got_calls}) == len(got_calls)
 
 
@@ -206,3 +234,15 @@ def test_preamble_call_text_and_detection() -> None:
     assert detect_format("... <tool_call> ...") == "hermes"
     assert detect_format("{{ '<|python_tag|>' }}") == "llama3_json"
     assert detect_format("{{ message['content'] }}") == "hermes"
+    assert detect_format("{{ '[TOOL_CALLS] ' + calls|tojson }}") == "mistral"
+    assert parse(call_text("f", '{"a": 1}', "mistral"), "mistral")[1][0].arguments == '{"a": 1}'
+    assert '"arguments"' in preamble((WEATHER,), "mistral")
+
+
+def test_mistral_template_ids_are_9_letters_and_digits_and_stable() -> None:
+    assert template_call_id("call_0123456789abcdef", "mistral") == "789abcdef"
+    assert template_call_id("abc123XYZ", "mistral") == "abc123XYZ"
+    short = template_call_id("t-1", "mistral")
+    assert re.fullmatch(r"[0-9a-f]{9}", short) and short == template_call_id("t-1", "mistral")
+    assert template_call_id("t-1", "mistral") != template_call_id("t-2", "mistral")
+    assert template_call_id("call_x", "hermes") == "call_x"
