@@ -127,7 +127,7 @@ if [[ $what == window ]]; then
       offload)
         # the prefix cache's host tier: a revisited 2,048-token prompt from the pool, copied
         # back from pinned host memory, recomputed (one 8B engine per way)
-        timeout -s INT "${T_OFFLOAD:-120}" $PY -m benchmarks.kv_offload --device cuda --dtype bfloat16 \
+        timeout -s INT "${T_OFFLOAD:-150}" $PY -m benchmarks.kv_offload --device cuda --dtype bfloat16 \
           --model random:llama-8b --prompt-tokens 2048 --block-size 32 --repeats 2 \
           --out "$RES/kv-offload-llama-8b-$TAG.json" || rc=1 ;;
       probe|attention|profile)

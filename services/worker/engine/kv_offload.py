@@ -47,7 +47,9 @@ class HostKvCache:
         pool = pool_blocks()
         layers, two, heads, _, bs, dim = pool.shape
         self._device = pool.device
-        self._store = torch.zeros(
+        # empty, not zeros: a slot is read only after a save wrote it (zeroing GBs of pinned
+        # memory would only slow the start)
+        self._store = torch.empty(
             (layers, two, heads, num_blocks, bs, dim),
             dtype=pool.dtype,
             pin_memory=pool.device.type == "cuda",
