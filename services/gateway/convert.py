@@ -50,6 +50,7 @@ def generate_input(req: gateway_pb2.GenerateRequest) -> GenerateInput:
         min_p=req.min_p if req.HasField("min_p") else None,
         priority=req.priority,
         continue_final_message=req.continue_final_message,
+        truncate_prompt_tokens=req.truncate_prompt_tokens if req.HasField("truncate_prompt_tokens") else None,
         seed=req.seed if req.HasField("seed") else None,
         stop=tuple(req.stop),
         stop_token_ids=tuple(req.stop_token_ids),

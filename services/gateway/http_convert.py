@@ -46,6 +46,17 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "prediction": (None,),
     "reasoning_effort": (None,),
     "web_search_options": (None,),
+    # vLLM's extras that change the output and are not served (ignoring them would change it
+    # silently): the workers never show special tokens; no beam search, bad words, allowed-token
+    # lists, logits processors or RAG documents
+    "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0),
+    "bad_words": (None, []),
+    "allowed_token_ids": (None, []),
+    "logits_processors": (None, []),
+    "documents": (None, []),
 }
 
 
@@ -243,6 +254,9 @@ def _common(req: m._GenerationRequest, max_tokens: int | None) -> dict[str, Any]
         min_p=req.min_p,
         priority=req.priority,
         stop=_stop(req.stop),
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        include_stop_in_output=req.include_stop_str_in_output,
+        truncate_prompt_tokens=req.truncate_prompt_tokens,
         ignore_eos=req.ignore_eos,
     )
 

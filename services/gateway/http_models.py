@@ -60,6 +60,11 @@ class _GenerationRequest(_Request):
     priority: int = Field(default=0, description="lower is served first (vLLM's convention)")
     seed: int | None = Field(default=None, description="0 .. 2**64-1; choice i > 0 gets a derived seed")
     stop: str | list[str] | None = None
+    # vLLM's: token ids that end generation too; the stop string or token kept in the output
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    # vLLM's: keep only the prompt's last k tokens (after the chat template); None = all
+    truncate_prompt_tokens: int | None = Field(default=None, description="keep the prompt's last k tokens")
     n: int = Field(default=1, description="choices per prompt")
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -77,6 +77,8 @@ class GenerateInput:
     chat_template_kwargs: tuple[tuple[str, Any], ...] = ()
     # chat: the prompt ends inside the last message (an assistant reply the model continues)
     continue_final_message: bool = False
+    # keep only the prompt's last k tokens (after the chat template; vLLM's); None = all of it
+    truncate_prompt_tokens: int | None = None
 
 
 @dataclass(frozen=True)

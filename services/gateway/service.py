@@ -133,6 +133,8 @@ class GatewayService:
             )
         else:
             prompt = tok.encode_prompt(inp.prompt)
+        if inp.truncate_prompt_tokens is not None:
+            prompt = prompt[-inp.truncate_prompt_tokens :]  # left truncation: the last k tokens
         validate_token_ids(prompt, inp.stop_token_ids, tok.vocab_size, inp.logit_bias)
         return prompt
 

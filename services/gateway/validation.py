@@ -88,6 +88,12 @@ def validate_input(req: GenerateInput, limits: Limits, served_model: str) -> Non
             f"first, 0 by default), got {req.priority}",
             "priority",
         )
+    if req.truncate_prompt_tokens is not None and req.truncate_prompt_tokens < 1:
+        raise InvalidField(
+            f"truncate_prompt_tokens must be >= 1 (the prompt tokens kept, the last ones), got "
+            f"{req.truncate_prompt_tokens}",
+            "truncate_prompt_tokens",
+        )
     if req.min_p is not None and not (math.isfinite(req.min_p) and 0 <= req.min_p <= 1):
         raise InvalidField(f"min_p must be in [0, 1] (0 disables min-p sampling), got {req.min_p}", "min_p")
     if len(req.stop) > limits.max_stop_strings:
@@ -196,9 +202,10 @@ def validate_token_ids(
     """Token ids the client sent must exist in the served model's vocabulary."""
     for name, ids in (("prompt_token_ids", prompt_token_ids), ("stop_token_ids", stop_token_ids)):
         for i, t in enumerate(ids):
-            if t >= vocab_size:
-                raise InvalidArgument(
-                    f"{name}[{i}] = {t} is not a token of the served model (vocabulary size {vocab_size})"
+            if not 0 <= t < vocab_size:
+                raise InvalidField(
+                    f"{name}[{i}] = {t} is not a token of the served model (vocabulary size {vocab_size})",
+                    name,
                 )
     for t, _ in logit_bias:
         if t >= vocab_size:

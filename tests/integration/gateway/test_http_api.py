@@ -379,6 +379,53 @@ async def test_continue_final_message_prefills_the_reply_and_counts_it(bpe: Http
     assert err.value.body["param"] == "continue_final_message"  # type: ignore[index]
 
 
+async def test_vllms_stop_token_ids_stop_strings_kept_and_truncated_prompts(bpe: HttpStack) -> None:
+    """vLLM's extras a client expects to change the output, served as the gRPC fields do:
+    stop_token_ids end the choice at that token (counted), include_stop_str_in_output keeps
+    the stop string, truncate_prompt_tokens keeps the prompt's last k tokens; the extras that
+    are not served are 400s naming them, never ignored."""
+    client = aclient(bpe)
+    base: dict[str, Any] = dict(model="", prompt=LONG_PROMPT, max_tokens=8, temperature=0)
+    plain = await client.completions.create(**base, extra_body={"ignore_eos": True})
+    done = await bpe.stub.Complete(
+        gateway_pb2.GenerateRequest(
+            prompt=LONG_PROMPT, max_tokens=8, temperature=0, ignore_eos=True, return_token_ids=True
+        )
+    )
+    ids = list(done.token_ids)
+    assert done.text == plain.choices[0].text
+    third = ids[2]
+    stopped = await client.completions.create(
+        **base, extra_body={"ignore_eos": True, "stop_token_ids": [third]}
+    )
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.usage is not None and stopped.usage.completion_tokens == ids.index(third) + 1
+    word = plain.choices[0].text[2:5]
+    cut = await client.completions.create(**base, stop=[word], extra_body={"ignore_eos": True})
+    kept = await client.completions.create(
+        **base, stop=[word], extra_body={"ignore_eos": True, "include_stop_str_in_output": True}
+    )
+    assert kept.choices[0].text == cut.choices[0].text + word
+    short = await client.completions.create(**base, extra_body={"truncate_prompt_tokens": 5})
+    assert short.usage is not None and short.usage.prompt_tokens == 5
+    chat = await client.chat.completions.create(
+        model="", messages=CHAT, max_tokens=2, extra_body={"truncate_prompt_tokens": 3}
+    )
+    assert chat.usage is not None and chat.usage.prompt_tokens == 3
+    for field, value in (
+        ("skip_special_tokens", False),
+        ("bad_words", ["x"]),
+        ("use_beam_search", True),
+        ("allowed_token_ids", [1, 2]),
+        ("stop_token_ids", [-1]),
+        ("truncate_prompt_tokens", 0),
+    ):
+        with pytest.raises(openai.BadRequestError) as err:
+            await client.completions.create(**base, extra_body={field: value})
+        assert err.value.body["param"] == field, field  # type: ignore[index]
+    await client.completions.create(**base, extra_body={"skip_special_tokens": True})  # the default
+
+
 # --- penalties, logit_bias, min_tokens, min_p ---
 async def test_penalties_bias_and_min_tokens_through_the_openai_client(bpe: HttpStack) -> None:
     """Same tokens disaggregated and unified and as over gRPC (min_p too); min_tokens holds back
