@@ -1,6 +1,8 @@
 """Chained hashes of full KV blocks of token ids, identical in the gateway (routing) and the engine
 (prefix cache): block i's hash covers every token of blocks 0..i, so equal hashes mean equal
-prefixes."""
+prefixes. A request's cache salt (vLLM's `cache_salt`) roots its chain elsewhere (`salt_root`):
+its blocks never match another salt's, or an unsalted request's, so tenants that use different
+salts cannot find (or time) each other's cached prompts."""
 
 from __future__ import annotations
 
@@ -8,6 +10,15 @@ import hashlib
 from collections.abc import Sequence
 
 _SEED = b"pdserve-kv-v1"
+_SALT_SEED = b"pdserve-kv-salt-v1"
+
+
+def salt_root(salt: str) -> int | None:
+    """The parent hash a salted request's first block hangs off (None: no salt, the common root)."""
+    if not salt:
+        return None
+    h = hashlib.blake2b(_SALT_SEED + salt.encode(), digest_size=8)
+    return int.from_bytes(h.digest(), "little")
 
 
 def chain_hash(parent: int | None, block_tokens: Sequence[int]) -> int:
@@ -18,10 +29,11 @@ def chain_hash(parent: int | None, block_tokens: Sequence[int]) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """Hashes of every full block of `token_ids` (a trailing partial block has none)."""
+def block_hashes(token_ids: Sequence[int], block_size: int, root: int | None = None) -> list[int]:
+    """Hashes of every full block of `token_ids` (a trailing partial block has none); `root`: the
+    chain's start (salt_root of the request's cache salt)."""
     hashes: list[int] = []
-    parent: int | None = None
+    parent = root
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = chain_hash(parent, token_ids[start : start + block_size])
         hashes.append(parent)

@@ -29,6 +29,8 @@ def needed_capabilities(s: Sampling) -> set[str]:
         needed.add("prompt_logprobs")
     if s.min_p:
         needed.add("min_p")
+    if s.cache_salt:  # an older worker would share its cache across salts
+        needed.add("cache_salt")
     return needed
 
 

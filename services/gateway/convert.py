@@ -48,6 +48,7 @@ def generate_input(req: gateway_pb2.GenerateRequest) -> GenerateInput:
         top_p=req.top_p if req.HasField("top_p") else None,
         top_k=req.top_k if req.HasField("top_k") else None,
         min_p=req.min_p if req.HasField("min_p") else None,
+        cache_salt=req.cache_salt,
         priority=req.priority,
         continue_final_message=req.continue_final_message,
         truncate_prompt_tokens=req.truncate_prompt_tokens if req.HasField("truncate_prompt_tokens") else None,
@@ -214,6 +215,8 @@ def sampling_to_pb(s: Sampling) -> common_pb2.SamplingParams:
         msg.seed = s.seed
     if s.min_p:
         msg.min_p = s.min_p
+    if s.cache_salt:
+        msg.cache_salt = s.cache_salt
     if s.first_output_index:
         msg.first_output_index = s.first_output_index
     if s.unshown_tail_tokens:

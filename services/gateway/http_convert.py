@@ -257,6 +257,7 @@ def _common(req: m._GenerationRequest, max_tokens: int | None) -> dict[str, Any]
         stop_token_ids=tuple(req.stop_token_ids or ()),
         include_stop_in_output=req.include_stop_str_in_output,
         truncate_prompt_tokens=req.truncate_prompt_tokens,
+        cache_salt=req.cache_salt or "",
         ignore_eos=req.ignore_eos,
     )
 

@@ -65,6 +65,8 @@ class _GenerationRequest(_Request):
     include_stop_str_in_output: bool = False
     # vLLM's: keep only the prompt's last k tokens (after the chat template); None = all
     truncate_prompt_tokens: int | None = Field(default=None, description="keep the prompt's last k tokens")
+    # vLLM's: the prompt is cached and found only under this salt (per-tenant cache isolation)
+    cache_salt: str | None = None
     n: int = Field(default=1, description="choices per prompt")
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -171,6 +171,7 @@ _CHAT_EXTRAS = (
     "min_p",
     "priority",
     "structured_outputs",
+    "cache_salt",
     "stop",
     "ignore_eos",
     "min_tokens",

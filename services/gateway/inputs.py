@@ -53,6 +53,7 @@ class GenerateInput:
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
+    cache_salt: str = ""  # vLLM's: the prompt is cached and found only under it
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -93,6 +94,7 @@ class Sampling:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0  # 0 = off; ignored by greedy requests (workers too)
+    cache_salt: str = ""  # "" = none (shared.block_hash.salt_root)
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()

@@ -168,6 +168,7 @@ class GatewayService:
             top_k=inp.top_k or 0,
             # a greedy request ignores min_p: not sent, so it needs no "min_p" worker
             min_p=float(inp.min_p or 0.0) if inp.temperature != 0 else 0.0,
+            cache_salt=inp.cache_salt,
             seed=inp.seed,
             stop=inp.stop,
             stop_token_ids=inp.stop_token_ids,

@@ -17,6 +17,7 @@ MAX_REQUEST_ID_CHARS = 128
 PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty, frequency_penalty (OpenAI)
 MAX_REPETITION_PENALTY = 2.0  # repetition_penalty in (0, 2] (vLLM)
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1  # priority travels as a protobuf int32
+MAX_CACHE_SALT_CHARS = 256
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs limit)
@@ -87,6 +88,11 @@ def validate_input(req: GenerateInput, limits: Limits, served_model: str) -> Non
             f"priority must be a 32-bit integer ({INT32_MIN} .. {INT32_MAX}; lower is served "
             f"first, 0 by default), got {req.priority}",
             "priority",
+        )
+    if len(req.cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidField(
+            f"cache_salt is {len(req.cache_salt)} characters; the limit is {MAX_CACHE_SALT_CHARS}",
+            "cache_salt",
         )
     if req.truncate_prompt_tokens is not None and req.truncate_prompt_tokens < 1:
         raise InvalidField(

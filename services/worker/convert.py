@@ -41,6 +41,7 @@ def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingConfig:
         top_p=pb.top_p if pb.top_p != 0 else 1.0,
         top_k=pb.top_k,
         min_p=pb.min_p,
+        cache_salt=pb.cache_salt,
         seed=pb.seed if pb.HasField("seed") else None,
         stop=tuple(pb.stop),
         stop_token_ids=tuple(pb.stop_token_ids),

@@ -23,6 +23,7 @@ CAPABILITIES = (
     "min_p",
     "priority",
     "structured_grammar",
+    "cache_salt",
     GATEWAY_TICKET_CAPABILITY,
 )
 # Contract version implemented: 1.0 = compat/v1.0; 1.1 added the optional generated_tokens fields;
@@ -44,7 +45,8 @@ CAPABILITIES = (
 # DecodeRequest.transfer_ticket (capability shared.cluster.GATEWAY_TICKET_CAPABILITY): the gateway
 # chooses the ticket and starts the prefill while the decode worker admits.
 # 1.12 added SamplingParams.min_p (capability "min_p"), PrefillRequest / DecodeRequest
-# .priority (capability "priority") and StructuredOutput.grammar ("structured_grammar").
+# .priority (capability "priority"), StructuredOutput.grammar ("structured_grammar") and
+# SamplingParams.cache_salt ("cache_salt").
 PROTO_VERSION = "1.12"
 
 

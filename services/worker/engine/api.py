@@ -50,6 +50,9 @@ class SamplingConfig:
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0  # 1 = disabled
     top_k: int = 0  # 0 = disabled
+    # vLLM's cache_salt: the request's prefix-cache blocks are keyed under it (shared.block_hash
+    # .salt_root), so they never match another salt's or an unsalted request's; "" = none
+    cache_salt: str = ""
     # min-p: after temperature, tokens less likely than min_p x the most likely one are dropped
     # (before top-k / top-p, vLLM's order); 0 = disabled, in [0, 1]
     min_p: float = 0.0

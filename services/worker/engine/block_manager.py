@@ -53,13 +53,13 @@ class BlockManager:
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
 
-    def lookup_prefix(self, token_ids: Sequence[int], max_blocks: int) -> list[int]:
+    def lookup_prefix(self, token_ids: Sequence[int], max_blocks: int, root: int | None = None) -> list[int]:
         """Block ids of the longest cached chain of full blocks of `token_ids` (at most
-        max_blocks). Takes no reference."""
+        max_blocks) starting at `root` (the request's hash_root). Takes no reference."""
         if not self.enable_prefix_caching:
             return []
         found: list[int] = []
-        parent: int | None = None
+        parent = root
         bs = self.block_size
         for i in range(min(max_blocks, len(token_ids) // bs)):
             parent = chain_hash(parent, token_ids[i * bs : (i + 1) * bs])

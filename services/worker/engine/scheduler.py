@@ -164,7 +164,7 @@ class Scheduler:
         req.num_released_blocks = 0
         req.num_trimmed_blocks = 0
         req.num_hashed_blocks = 0
-        req.last_block_hash = None
+        req.last_block_hash = req.hash_root
 
     def schedule(self) -> StepPlan:
         budget = self.max_batch_tokens
@@ -215,8 +215,8 @@ class Scheduler:
         # at least the last token is computed so there are logits to sample from; a request that
         # still needs its prompt logprobs computes the whole prompt (its blocks are cached after)
         max_hit_blocks = 0 if req.wants_prompt_logprobs else (req.num_tokens - 1) // bs
-        cached = self.blocks.lookup_prefix(req.token_ids, max_hit_blocks)
-        last_hash = self.blocks.block_hash(cached[-1]) if cached else None
+        cached = self.blocks.lookup_prefix(req.token_ids, max_hit_blocks, req.hash_root)
+        last_hash = self.blocks.block_hash(cached[-1]) if cached else req.hash_root
         # the next blocks from the host tier: restored into the first fresh blocks
         restore: list[int] = []
         if self.host_cache is not None and len(cached) < max_hit_blocks:
@@ -347,8 +347,8 @@ class Scheduler:
         are placeholders, never read unmasked, written, hashed or freed."""
         bs = self.block_size
         n = req.num_prompt_tokens
-        cached = self.blocks.lookup_prefix(req.prompt_token_ids, n // bs)
-        last_hash = self.blocks.block_hash(cached[-1]) if cached else None
+        cached = self.blocks.lookup_prefix(req.prompt_token_ids, n // bs, req.hash_root)
+        last_hash = self.blocks.block_hash(cached[-1]) if cached else req.hash_root
         trim = self.kv_trim.trim_blocks(n, bs)
         released = trim if self.kv_trim.releases else 0
         # the next full prompt blocks from the host tier (not where leading blocks are released:

@@ -426,6 +426,33 @@ async def test_vllms_stop_token_ids_stop_strings_kept_and_truncated_prompts(bpe:
     await client.completions.create(**base, extra_body={"skip_special_tokens": True})  # the default
 
 
+@pytest.mark.parametrize("mode", MODES)
+async def test_cache_salt_keeps_tenants_prefix_caches_apart(bpe: HttpStack, mode: str) -> None:
+    """vLLM's cache_salt through the openai client: the same prompt is a cache hit again under
+    its salt (in the usage's cached_tokens), never under another salt or none; the text is the
+    same whatever the salt; a salt over 256 characters is a 400 naming it."""
+    bpe.router.mode = mode
+    client = aclient(bpe)
+    prompt = f"{mode}: " + LONG_PROMPT
+    kw: dict[str, Any] = dict(model="", prompt=prompt, max_tokens=2, temperature=0)
+
+    async def cached(salt: str | None) -> tuple[int, str]:
+        extra = {"cache_salt": salt} if salt is not None else {}
+        got = await client.completions.create(**kw, extra_body=extra)
+        assert got.usage is not None and got.usage.prompt_tokens_details is not None
+        return got.usage.prompt_tokens_details.cached_tokens or 0, got.choices[0].text
+
+    first = await cached("tenant-a")
+    assert first[0] == 0
+    other, unsalted, again = await cached("tenant-b"), await cached(None), await cached("tenant-a")
+    assert other[0] == 0 and unsalted[0] == 0 and again[0] > 0
+    assert first[1] == other[1] == unsalted[1] == again[1]
+    with pytest.raises(openai.BadRequestError) as err:
+        await client.completions.create(**kw, extra_body={"cache_salt": "x" * 257})
+    assert err.value.body["param"] == "cache_salt"  # type: ignore[index]
+    await bpe.wait_idle()
+
+
 # --- penalties, logit_bias, min_tokens, min_p ---
 async def test_penalties_bias_and_min_tokens_through_the_openai_client(bpe: HttpStack) -> None:
     """Same tokens disaggregated and unified and as over gRPC (min_p too); min_tokens holds back

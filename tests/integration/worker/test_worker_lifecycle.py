@@ -117,6 +117,7 @@ async def test_registers_heartbeats_reregisters_and_deregisters(tiny_model: Path
                 "min_p",
                 "priority",
                 "structured_grammar",
+                "cache_salt",
                 "kv_gateway_ticket",
                 *(["kv_transport_nixl", "kv_nixl_parts"] if w.app.nixl is not None else []),
             ]

@@ -853,6 +853,8 @@ async def test_a_worker_without_a_needed_capability_is_skipped_then_the_request_
     grammar = dataclasses.replace(prepared().sampling, structured=StructuredOutput("grammar", 'root ::= "a"'))
     # an older worker would see an empty constraint: it must advertise structured_grammar
     assert needed_capabilities(grammar) == {"structured_outputs", "structured_grammar"}
+    # an older worker would share its prefix cache across salts
+    assert needed_capabilities(dataclasses.replace(prepared().sampling, cache_salt="t")) == {"cache_salt"}
 
 
 async def test_priority_goes_with_every_worker_call_and_needs_no_capability() -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shared.block_hash import block_hashes
+from shared.block_hash import block_hashes, salt_root
 
 
 def test_only_full_blocks_are_hashed() -> None:
@@ -26,3 +26,14 @@ def test_hash_is_chained() -> None:
 
 def test_deterministic_across_calls() -> None:
     assert block_hashes(list(range(64)), 16) == block_hashes(list(range(64)), 16)
+
+
+def test_a_cache_salt_roots_the_chain_elsewhere() -> None:
+    tokens = list(range(48))
+    plain = block_hashes(tokens, 16)
+    salted = block_hashes(tokens, 16, salt_root("tenant-a"))
+    assert salt_root("") is None and block_hashes(tokens, 16, salt_root("")) == plain
+    assert salt_root("tenant-a") == salt_root("tenant-a") != salt_root("tenant-b")
+    assert not set(salted) & set(plain)  # no block of one chain matches the other's
+    assert not set(salted) & set(block_hashes(tokens, 16, salt_root("tenant-b")))
+    assert salted == block_hashes(tokens, 16, salt_root("tenant-a"))

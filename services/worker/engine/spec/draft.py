@@ -155,13 +155,13 @@ class DraftProposer:
         """A request's draft KV, starting from the longest cached prefix of its tokens (at least
         its last token is left to compute)."""
         bs = self.blocks.block_size
-        cached = self.blocks.lookup_prefix(req.token_ids, (req.num_tokens - 1) // bs)
+        cached = self.blocks.lookup_prefix(req.token_ids, (req.num_tokens - 1) // bs, req.hash_root)
         self.blocks.take(cached)
         st = DraftState(
             block_ids=list(cached),
             num_computed_tokens=len(cached) * bs,
             num_hashed_blocks=len(cached),
-            last_block_hash=self.blocks.block_hash(cached[-1]) if cached else None,
+            last_block_hash=self.blocks.block_hash(cached[-1]) if cached else req.hash_root,
         )
         self._states[req] = st
         return st
