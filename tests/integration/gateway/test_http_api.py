@@ -433,7 +433,7 @@ async def test_cache_salt_keeps_tenants_prefix_caches_apart(bpe: HttpStack, mode
     same whatever the salt; a salt over 256 characters is a 400 naming it."""
     bpe.router.mode = mode
     client = aclient(bpe)
-    prompt = f"{mode}: " + LONG_PROMPT
+    prompt = f"salted, {mode}: {LONG_PROMPT}"  # a prompt no other test sends
     kw: dict[str, Any] = dict(model="", prompt=prompt, max_tokens=2, temperature=0)
 
     async def cached(salt: str | None) -> tuple[int, str]:
