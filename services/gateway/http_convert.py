@@ -422,13 +422,13 @@ def tokenize_input(req: m.TokenizeRequest) -> GenerateInput:
     chat = req.messages is not None
     if chat == (req.prompt is not None):
         raise InvalidField("set exactly one of prompt and messages", "messages" if chat else "prompt")
-    for name, value, served in (("add_special_tokens", req.add_special_tokens, not chat),):
-        if value is not None and value != served:
-            raise InvalidField(
-                f"{name}: {str(value).lower()} is not how pdserve tokenizes a "
-                f"{'chat' if chat else 'prompt'} for generation; leave it out",
-                name,
-            )
+    # generation adds special tokens to a prompt, and a chat template writes its own
+    if req.add_special_tokens is not None and req.add_special_tokens == chat:
+        raise InvalidField(
+            f"add_special_tokens: {str(req.add_special_tokens).lower()} is not how pdserve tokenizes a "
+            f"{'chat' if chat else 'prompt'} for generation; leave it out",
+            "add_special_tokens",
+        )
     if chat:
         body: dict[str, Any] = {"messages": [msg.model_dump(exclude_none=True) for msg in req.messages or ()]}
         for name in ("tools", "tool_choice", "chat_template_kwargs"):

@@ -27,11 +27,11 @@ from services.gateway.settings import GatewaySettings
 from services.gateway.tokenization import PromptTokenizer, Tokenized
 from services.gateway.tool_calls import Format
 from services.gateway.validation import (
-    InvalidField,
     Limits,
     validate_input,
     validate_model,
     validate_token_ids,
+    validate_vocab_ids,
 )
 from shared.errors import AlreadyExists, Unavailable
 from shared.tracing import tracer
@@ -151,13 +151,7 @@ class GatewayService:
         ids' name in the client's API (refusals name it)."""
         tok = self._require_tokenizer()
         validate_model(model, tok.model_id)
-        for i, t in enumerate(token_ids):
-            if not 0 <= t < tok.vocab_size:
-                raise InvalidField(
-                    f"{field}[{i}] = {t} is not a token of the served model (vocabulary size "
-                    f"{tok.vocab_size})",
-                    field,
-                )
+        validate_vocab_ids(field, token_ids, tok.vocab_size)
         return tok.decode(token_ids), tok.model_id
 
     def prepare(self, inp: GenerateInput) -> PreparedRequest:

@@ -199,6 +199,16 @@ def validate_request_id(request_id: str) -> None:
             )
 
 
+def validate_vocab_ids(name: str, ids: tuple[int, ...], vocab_size: int) -> None:
+    """Every id in [0, vocab_size); a refusal names the field `name` (as the client's API calls it)."""
+    for i, t in enumerate(ids):
+        if not 0 <= t < vocab_size:
+            raise InvalidField(
+                f"{name}[{i}] = {t} is not a token of the served model (vocabulary size {vocab_size})",
+                name,
+            )
+
+
 def validate_token_ids(
     prompt_token_ids: tuple[int, ...],
     stop_token_ids: tuple[int, ...],
@@ -206,13 +216,8 @@ def validate_token_ids(
     logit_bias: tuple[tuple[int, float], ...] = (),
 ) -> None:
     """Token ids the client sent must exist in the served model's vocabulary."""
-    for name, ids in (("prompt_token_ids", prompt_token_ids), ("stop_token_ids", stop_token_ids)):
-        for i, t in enumerate(ids):
-            if not 0 <= t < vocab_size:
-                raise InvalidField(
-                    f"{name}[{i}] = {t} is not a token of the served model (vocabulary size {vocab_size})",
-                    name,
-                )
+    validate_vocab_ids("prompt_token_ids", prompt_token_ids, vocab_size)
+    validate_vocab_ids("stop_token_ids", stop_token_ids, vocab_size)
     for t, _ in logit_bias:
         if t >= vocab_size:
             raise InvalidField(

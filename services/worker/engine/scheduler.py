@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from services.worker.engine.api import RequestKind
 from services.worker.engine.block_manager import BlockManager
@@ -29,6 +30,9 @@ from services.worker.engine.request import Request, RequestStatus, finish_rule
 from services.worker.engine.step import StepOutput, StepUpdate
 from shared.block_hash import chain_hash
 from shared.errors import ResourceExhausted
+
+if TYPE_CHECKING:
+    import torch
 
 # growth room looked for when placing a request's blocks (tokens of its max_tokens)
 _GROWTH_CAP_TOKENS = 512
@@ -218,25 +222,19 @@ class Scheduler:
         cached = self.blocks.lookup_prefix(req.token_ids, max_hit_blocks, req.hash_root)
         last_hash = self.blocks.block_hash(cached[-1]) if cached else req.hash_root
         # the next blocks from the host tier: restored into the first fresh blocks
-        restore: list[int] = []
-        if self.host_cache is not None and len(cached) < max_hit_blocks:
-            restore = self.host_cache.lookup(req.token_ids, last_hash, len(cached), max_hit_blocks)
+        restore = self._tier_hits(req.token_ids, last_hash, len(cached), max_hit_blocks)
         num_cached_tokens = (len(cached) + len(restore)) * bs
         n = min(req.num_tokens - num_cached_tokens, budget)
         need = self.blocks.blocks_needed(num_cached_tokens + n) - len(cached)
         if not self.blocks.can_allocate(need, cached):
             return 0  # wait for blocks (add-time checks guarantee the prompt fits alone)
-        # copied out before allocating: the blocks allocate evicts go into the tier, and may
-        # push these out of it
-        restored = self.host_cache.fetch(restore) if self.host_cache is not None and restore else None
+        fetched = self._fetch(restore)
         self.blocks.take(cached)
         req.block_ids = list(cached)
         fresh = self.blocks.allocate(need, cached[-1] if cached else None, self._want_blocks(req))
         req.block_ids += fresh
-        if restored is not None and self.host_cache is not None:
-            self.host_cache.restore(restored, fresh[: len(restore)])
-            for block, block_hash in zip(fresh, restore, strict=False):
-                self.blocks.cache_block(block, block_hash)
+        if fetched is not None:
+            self._restore(fetched, restore, fresh[: len(restore)])
             last_hash = restore[-1]
         req.num_computed_tokens = num_cached_tokens
         req.num_hashed_blocks = len(cached) + len(restore)
@@ -246,6 +244,28 @@ class Scheduler:
             req.num_local_cached_tokens = num_cached_tokens
             self.blocks.record_query(req.num_prompt_tokens, num_cached_tokens)
         return n
+
+    # ---- the host tier (kv_offload.py) ---------------------------------------------------
+    def _tier_hits(self, token_ids: Sequence[int], parent: int | None, start: int, end: int) -> list[int]:
+        """Chain hashes of the full blocks start.. (before `end`) of `token_ids` that the host
+        tier holds, in a row; `parent`: block start - 1's hash; none without a tier."""
+        if self.host_cache is None:
+            return []
+        return self.host_cache.lookup(token_ids, parent, start, end)
+
+    def _fetch(self, hashes: list[int]) -> torch.Tensor | None:
+        """The tier's blocks of `hashes`, copied out before the allocation that gives them
+        device blocks: the blocks it evicts go into the tier and may push these out."""
+        if self.host_cache is None or not hashes:
+            return None
+        return self.host_cache.fetch(hashes)
+
+    def _restore(self, fetched: torch.Tensor, hashes: list[int], blocks: list[int]) -> None:
+        """Fetched blocks into fresh device `blocks`, registered under their hashes."""
+        assert self.host_cache is not None
+        self.host_cache.restore(fetched, blocks)
+        for block, block_hash in zip(blocks, hashes, strict=True):
+            self.blocks.cache_block(block, block_hash)
 
     # ---- after the forward pass ----------------------------------------------------------
     def update(self, plan: StepPlan, output: StepOutput) -> list[StepUpdate]:
@@ -353,15 +373,13 @@ class Scheduler:
         released = trim if self.kv_trim.releases else 0
         # the next full prompt blocks from the host tier (not where leading blocks are released:
         # then the blocks after the pool's hits are not all held)
-        restore: list[int] = []
-        if self.host_cache is not None and released == 0 and len(cached) < n // bs:
-            restore = self.host_cache.lookup(req.prompt_token_ids, last_hash, len(cached), n // bs)
+        restore = [] if released else self._tier_hits(req.prompt_token_ids, last_hash, len(cached), n // bs)
         held_cached = cached[released:]
         head = max(len(cached), released)  # leading entries not newly allocated
         need = self.blocks.blocks_needed(n + 1) - head
         if not self.blocks.can_allocate(need, held_cached):
             raise ResourceExhausted("KV pool full: cannot reserve blocks for the request")
-        restored = self.host_cache.fetch(restore) if self.host_cache is not None and restore else None
+        fetched = self._fetch(restore)
         self.blocks.take(held_cached)
         req.block_ids = list(cached) + [-1] * (head - len(cached))
         req.block_ids += self.blocks.allocate(
@@ -369,11 +387,8 @@ class Scheduler:
         )
         for i in range(len(cached), head):  # released, never held: any valid id, masked out
             req.block_ids[i] = req.block_ids[head]
-        if restored is not None and self.host_cache is not None:
-            targets = req.block_ids[len(cached) : len(cached) + len(restore)]
-            self.host_cache.restore(restored, targets)
-            for block, block_hash in zip(targets, restore, strict=True):
-                self.blocks.cache_block(block, block_hash)
+        if fetched is not None:
+            self._restore(fetched, restore, req.block_ids[len(cached) : len(cached) + len(restore)])
             last_hash = restore[-1]
         num_cached = len(cached) + len(restore)  # the handoff skips them (import_kv)
         req.num_released_blocks = released
