@@ -19,7 +19,7 @@ as extra fields, as vLLM takes them.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pydantic import Field, ValidationError
@@ -328,6 +328,57 @@ def response_body(
 
 
 # --- streamed ---
+class _TextItem:
+    """One streamed output item holding one text part: the reasoning (`reasoning_text`) or the
+    message (`output_text`). Added at its first text, a delta event per piece, done at the end;
+    `extra` goes into its delta and done events (output_text's logprobs), `part_extra` into its
+    part (output_text's annotations)."""
+
+    def __init__(
+        self,
+        items: list[dict[str, Any]],
+        event: Callable[..., str],
+        item_id: str,
+        part_type: str,
+        new_item: Callable[[], dict[str, Any]],
+        part_extra: dict[str, Any] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        self._items, self._event, self._id, self._type = items, event, item_id, part_type
+        self._new_item = new_item
+        self._part_extra = part_extra or {}
+        self._extra = extra or {}
+        self._index: int | None = None  # its output_index, once added
+
+    def _where(self) -> dict[str, Any]:
+        return {"item_id": self._id, "output_index": self._index, "content_index": 0}
+
+    def add(self, text: str) -> list[str]:
+        out = []
+        if self._index is None:
+            self._index = len(self._items)
+            self._items.append(self._new_item())
+            opened = {**self._items[self._index], "content": []}
+            out.append(self._event("response.output_item.added", output_index=self._index, item=opened))
+            part = {"type": self._type, "text": "", **self._part_extra}
+            out.append(self._event("response.content_part.added", **self._where(), part=part))
+        self._items[self._index]["content"][0]["text"] += text
+        out.append(self._event(f"response.{self._type}.delta", **self._where(), delta=text, **self._extra))
+        return out
+
+    def close(self) -> list[str]:
+        if self._index is None:
+            return []
+        item = self._items[self._index]
+        item["status"] = "completed"
+        part = item["content"][0]
+        return [
+            self._event(f"response.{self._type}.done", **self._where(), text=part["text"], **self._extra),
+            self._event("response.content_part.done", **self._where(), part=part),
+            self._event("response.output_item.done", output_index=self._index, item=item),
+        ]
+
+
 async def events(
     req: ResponsesRequest, chat_events: AsyncIterator[str], request_id: str, created: int, model: str
 ) -> AsyncIterator[str]:
@@ -350,38 +401,25 @@ async def events(
     yield event("response.created", response=shell)
     yield event("response.in_progress", response=shell)
     items: list[dict[str, Any]] = []  # output items in order, each as it will be when done
-    text_index: int | None = None  # the message item's output_index, once opened
-    thought_index: int | None = None  # the reasoning item's output_index, once opened
     calls: dict[int, int] = {}  # chat's tool call index -> output_index
     finish: str | None = None
     usage: dict[str, Any] | None = None
-    msg_id = _message_id(request_id)
-    rs_id = _reasoning_id(request_id)
-
-    def close_thought() -> list[str]:
-        if thought_index is None:
-            return []
-        item = items[thought_index]
-        item["status"] = "completed"
-        where = {"item_id": rs_id, "output_index": thought_index, "content_index": 0}
-        return [
-            event("response.reasoning_text.done", **where, text=item["content"][0]["text"]),
-            event("response.content_part.done", **where, part=item["content"][0]),
-            event("response.output_item.done", output_index=thought_index, item=item),
-        ]
-
-    def close_text() -> list[str]:
-        if text_index is None:
-            return []
-        item = items[text_index]
-        text = item["content"][0]["text"]
-        item["status"] = "completed"
-        where = {"item_id": msg_id, "output_index": text_index, "content_index": 0}
-        return [
-            event("response.output_text.done", **where, text=text, logprobs=[]),
-            event("response.content_part.done", **where, part=item["content"][0]),
-            event("response.output_item.done", output_index=text_index, item=item),
-        ]
+    thought = _TextItem(
+        items,
+        event,
+        _reasoning_id(request_id),
+        "reasoning_text",
+        lambda: _reasoning_item(request_id, "", "in_progress"),
+    )
+    message = _TextItem(
+        items,
+        event,
+        _message_id(request_id),
+        "output_text",
+        lambda: _message_item(request_id, "", "in_progress"),
+        part_extra={"annotations": []},
+        extra={"logprobs": []},  # (top_logprobs are not served on this face)
+    )
 
     async for raw in chat_events:
         for line in raw.split("\n"):
@@ -399,51 +437,13 @@ async def events(
             for choice in chunk.get("choices", []):
                 delta = choice.get("delta", {})
                 finish = choice.get("finish_reason") or finish
-                thought = delta.get("reasoning_content")
-                if thought:
-                    if thought_index is None:
-                        thought_index = len(items)
-                        items.append(_reasoning_item(request_id, "", "in_progress"))
-                        opened = {**items[thought_index], "content": []}
-                        yield event("response.output_item.added", output_index=thought_index, item=opened)
-                        yield event(
-                            "response.content_part.added",
-                            item_id=rs_id,
-                            output_index=thought_index,
-                            content_index=0,
-                            part={"type": "reasoning_text", "text": ""},
-                        )
-                    items[thought_index]["content"][0]["text"] += thought
-                    yield event(
-                        "response.reasoning_text.delta",
-                        item_id=rs_id,
-                        output_index=thought_index,
-                        content_index=0,
-                        delta=thought,
-                    )
-                text = delta.get("content")
-                if text:
-                    if text_index is None:
-                        text_index = len(items)
-                        items.append(_message_item(request_id, "", "in_progress"))
-                        opened = {**items[text_index], "content": []}
-                        yield event("response.output_item.added", output_index=text_index, item=opened)
-                        yield event(
-                            "response.content_part.added",
-                            item_id=msg_id,
-                            output_index=text_index,
-                            content_index=0,
-                            part={"type": "output_text", "text": "", "annotations": []},
-                        )
-                    items[text_index]["content"][0]["text"] += text
-                    yield event(
-                        "response.output_text.delta",
-                        item_id=msg_id,
-                        output_index=text_index,
-                        content_index=0,
-                        delta=text,
-                        logprobs=[],  # (top_logprobs are not served on this face)
-                    )
+                for streamed, text in (
+                    (thought, delta.get("reasoning_content")),
+                    (message, delta.get("content")),
+                ):
+                    if text:
+                        for piece in streamed.add(text):
+                            yield piece
                 for call in delta.get("tool_calls") or []:
                     k = call["index"]
                     function = call.get("function", {})
@@ -460,7 +460,7 @@ async def events(
                             output_index=calls[k],
                             delta=function["arguments"],
                         )
-    for piece in close_thought() + close_text():
+    for piece in thought.close() + message.close():
         yield piece
     for index in calls.values():
         item = items[index]
