@@ -125,7 +125,11 @@ async def gateway_on(stack: HttpStack, **overrides: Any) -> AsyncIterator[Gatewa
 
 
 @contextlib.asynccontextmanager
-async def http_stack(model: Path) -> AsyncIterator[HttpStack]:
+async def http_stack(
+    model: Path, worker_overrides: dict[str, Any] | None = None, **gateway_overrides: Any
+) -> AsyncIterator[HttpStack]:
+    """A prefill, a decode and a unified worker (each with `worker_overrides`) behind the
+    Router and a gateway (with `gateway_overrides`) serving HTTP on a free port."""
     router = Router(model_id=model.name)
     workers: dict[str, WorkerApp] = {}
     sched = grpc.aio.server()
@@ -146,6 +150,7 @@ async def http_stack(model: Path) -> AsyncIterator[HttpStack]:
                     max_model_len=MAX_MODEL_LEN,
                     torch_threads=1,
                     drain_grace_s=1.0,
+                    **(worker_overrides or {}),
                 )
             )
             workers[role] = app
@@ -154,7 +159,9 @@ async def http_stack(model: Path) -> AsyncIterator[HttpStack]:
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(router, sched)
         port = sched.add_insecure_port("127.0.0.1:0")
         await sched.start()
-        gateway = build_app(gateway_settings(model, f"127.0.0.1:{port}", block_size=BLOCK_SIZE, http_port=0))
+        address = f"127.0.0.1:{port}"
+        settings = gateway_settings(model, address, block_size=BLOCK_SIZE, http_port=0, **gateway_overrides)
+        gateway = build_app(settings)
         await gateway.start()
         channel = grpc.aio.insecure_channel(gateway.server.address)
         yield HttpStack(model, router, workers, gateway, channel)
