@@ -2,7 +2,9 @@
 (prefix cache): block i's hash covers every token of blocks 0..i, so equal hashes mean equal
 prefixes. A request's cache salt (vLLM's `cache_salt`) roots its chain elsewhere (`salt_root`):
 its blocks never match another salt's, or an unsalted request's, so tenants that use different
-salts cannot find (or time) each other's cached prompts."""
+salts cannot find (or time) each other's cached prompts. A request served through a LoRA adapter
+roots it at the adapter's (and its salt's) root too (`chain_root`): the adapter changes every
+layer's K/V, so its blocks must never match the base model's or another adapter's."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from collections.abc import Sequence
 
 _SEED = b"pdserve-kv-v1"
 _SALT_SEED = b"pdserve-kv-salt-v1"
+_LORA_SEED = b"pdserve-kv-lora-v1"
 
 
 def salt_root(salt: str) -> int | None:
@@ -18,6 +21,18 @@ def salt_root(salt: str) -> int | None:
     if not salt:
         return None
     h = hashlib.blake2b(_SALT_SEED + salt.encode(), digest_size=8)
+    return int.from_bytes(h.digest(), "little")
+
+
+def chain_root(salt: str, lora_adapter: str = "") -> int | None:
+    """Where a request's chain starts: None for the base model without a salt (the common root),
+    salt_root(salt) for the base model, else a root of the adapter's name and the salt."""
+    if not lora_adapter:
+        return salt_root(salt)
+    h = hashlib.blake2b(_LORA_SEED, digest_size=8)
+    for part in (lora_adapter, salt):  # length-prefixed: ("a", "bc") != ("ab", "c")
+        raw = part.encode()
+        h.update(len(raw).to_bytes(4, "little") + raw)
     return int.from_bytes(h.digest(), "little")
 
 
@@ -31,7 +46,7 @@ def chain_hash(parent: int | None, block_tokens: Sequence[int]) -> int:
 
 def block_hashes(token_ids: Sequence[int], block_size: int, root: int | None = None) -> list[int]:
     """Hashes of every full block of `token_ids` (a trailing partial block has none); `root`: the
-    chain's start (salt_root of the request's cache salt)."""
+    chain's start (chain_root of the request's cache salt and LoRA adapter)."""
     hashes: list[int] = []
     parent = root
     for start in range(0, len(token_ids) - block_size + 1, block_size):

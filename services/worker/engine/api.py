@@ -53,6 +53,9 @@ class SamplingConfig:
     # vLLM's cache_salt: the request's prefix-cache blocks are keyed under it (shared.block_hash
     # .salt_root), so they never match another salt's or an unsalted request's; "" = none
     cache_salt: str = ""
+    # the LoRA adapter serving the request (a name of EngineOptions.lora_modules); "" = the base
+    # model. Its blocks are keyed under it too (shared.block_hash.chain_root)
+    lora_adapter: str = ""
     # min-p: after temperature, tokens less likely than min_p x the most likely one are dropped
     # (before top-k / top-p, vLLM's order); 0 = disabled, in [0, 1]
     min_p: float = 0.0

@@ -135,5 +135,13 @@ class EngineOptions(BackendOptions, SpecOptions):
         "steps with prefill chunks, aborts, logprobs, penalties, min_tokens, structured output "
         "and with speculative decoding (engine/rank.py). Default (unset): on for CUDA, off on CPU",
     )
+    lora_modules: tuple[str, ...] = field(
+        (),
+        "LoRA adapters served besides the base model, as NAME=PATH (repeatable; the environment "
+        "variable takes them comma-separated): PATH a PEFT adapter folder (adapter_config.json + "
+        "adapter_model.safetensors) of this model; NAME is the model id requests use. All are "
+        "loaded at start and requests of different adapters share steps",
+        repeatable=True,
+    )
     max_model_len: int = field(0, "Longest prompt + generation (tokens); 0 = the model's limit")
     torch_threads: int = field(0, "torch intra-op threads; 0 = torch default")

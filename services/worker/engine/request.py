@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 from services.worker.engine.api import EngineRequest, FinishReason, RequestKind, SamplingConfig, TokenLogprobs
 from services.worker.engine.sampler import TokenHistory
 from services.worker.engine.spec.policy import SpecRecord
-from shared.block_hash import salt_root
+from shared.block_hash import chain_root
 
 if TYPE_CHECKING:
     import torch
@@ -120,8 +120,8 @@ class Request:
     # they are never registered in the prefix cache
     num_trimmed_blocks: int = 0
     last_block_hash: int | None = None  # chain hash of block num_hashed_blocks - 1
-    # where the request's hash chain starts: salt_root(sampling.cache_salt) (None: no salt);
-    # last_block_hash while no block is hashed
+    # where the request's hash chain starts: chain_root(sampling.cache_salt, sampling.lora_adapter)
+    # (None: neither); last_block_hash while no block is hashed
     hash_root: int | None = None
     _finish_reason: FinishReason | None = None
     abort_requested: bool = False
@@ -173,8 +173,8 @@ class Request:
             token_ids=list(req.prompt_token_ids),
             report_prefill_progress=req.report_prefill_progress,
             priority=req.priority,
-            hash_root=salt_root(req.sampling.cache_salt),
-            last_block_hash=salt_root(req.sampling.cache_salt),
+            hash_root=chain_root(req.sampling.cache_salt, req.sampling.lora_adapter),
+            last_block_hash=chain_root(req.sampling.cache_salt, req.sampling.lora_adapter),
         )
 
     # ---- status: the only ways to change it ----------------------------------------------
