@@ -239,6 +239,45 @@ def build_tiny_family(folder: str | Path, family: str, seed: int = 0) -> Path:
     return folder
 
 
+# every projection a Llama decoder layer has (PEFT's module names)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def build_tiny_lora(
+    base: str | Path,
+    folder: str | Path,
+    seed: int = 1,
+    rank: int = 8,
+    alpha: int = 16,
+    targets: tuple[str, ...] = LORA_TARGETS,
+    scale: float = 0.5,
+    use_rslora: bool = False,
+) -> Path:
+    """A PEFT LoRA adapter of the model in `base`, saved by peft (adapter_config.json +
+    adapter_model.safetensors) to `folder` (idempotent); returns it. Both of its matrices are
+    random (std `scale`; peft starts B at zero, which would adapt nothing), so the adapter
+    visibly changes the model's output."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    folder = Path(folder)
+    if (folder / "adapter_config.json").exists():
+        return folder
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    config = LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0, use_rslora=use_rslora
+    )
+    peft_model = get_peft_model(model, config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * scale)
+    peft_model.save_pretrained(str(folder))
+    return folder
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("folder")

@@ -238,6 +238,8 @@ class Engine(Protocol):
     kv_layout: KvLayout
     max_model_len: int
     eos_token_ids: tuple[int, ...]
+    # the LoRA adapters served besides the base model (EngineOptions.lora_modules' names)
+    lora_adapters: tuple[str, ...]
 
     def start(self) -> None:
         """Load model replicas, allocate pools, run a warm-up step, start the step loops."""

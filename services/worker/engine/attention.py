@@ -56,6 +56,7 @@ from services.worker.engine.sdpa import attend
 
 if TYPE_CHECKING:
     from services.worker.engine.flex_paged import FlexPagedStep
+    from services.worker.engine.lora import LoraStep
 
 ATTN_IMPLEMENTATION = "pdserve_paged"
 
@@ -119,6 +120,8 @@ class PagedAttentionMetadata:
     windowed: dict[int, PagedAttentionMetadata] = field(default_factory=dict)
     # check each layer's own attention call against layer_windows (the runner's warm-up step)
     verify_variants: bool = False
+    # the step's rows served by LoRA adapters (lora.py); None: every row is the base model's
+    lora: LoraStep | None = None
 
     def for_layer(self, layer: int) -> PagedAttentionMetadata:
         """The metadata layer `layer` attends with."""

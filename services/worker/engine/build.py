@@ -20,6 +20,7 @@ from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.gpu_placement import rank_gpu, worker_gpus
 from services.worker.engine.kv_offload import HostKvCache
 from services.worker.engine.kv_trim import KvTrim
+from services.worker.engine.lora import LoraSet, parse_lora_modules
 from services.worker.engine.model_loading import kv_layout_of, load_model, resolve_dtype
 from services.worker.engine.model_runner import ModelRunner
 from services.worker.engine.rank import Rank
@@ -116,6 +117,10 @@ class RankBuilder:
                 f"the model {self.model_id} does not fit on {device}: out of memory while loading it "
                 f"in {dtype} ({free / 2**30:.1f} of {total / 2**30:.1f} GiB free)"
             ) from None
+        # the adapters attach to the modules they target before any runner reads the model
+        lora = LoraSet.load(parse_lora_modules(cfg.lora_modules), model, device, dtype)
+        if lora is not None:
+            log.info("rank %d: LoRA adapters %s", dp_rank, ", ".join(lora.names))
         if dp_rank == 0:
             text_cfg = model.config.get_text_config()
             self.kv_layout = kv_layout_of(model.config, cfg.block_size, dtype)
@@ -168,6 +173,7 @@ class RankBuilder:
             backend=backend,
             spec_tokens=cfg.num_speculative_tokens if cfg.speculative != "off" else 0,
             max_model_len=self.max_model_len,
+            lora=lora,
         )
         runner.warm_up()
         self._prepare_graphs(runner, f"rank {dp_rank}")

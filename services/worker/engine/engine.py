@@ -36,6 +36,7 @@ from services.worker.engine.detokenizer import (
     hidden_token_ids,
 )
 from services.worker.engine.handle import OutputHandle
+from services.worker.engine.lora import parse_lora_modules
 from services.worker.engine.rank import Rank
 from services.worker.engine.request import Request
 from services.worker.engine.spec.draft import check_same_tokenizer
@@ -92,6 +93,8 @@ class PagedEngine:
         self._grammars: Grammars | None = None  # structured outputs, built at first use
         self._hidden_ids: frozenset[int] = frozenset()
         self.vocab_size = 0
+        # the LoRA adapters served besides the base model (--lora-modules), in slot order
+        self.lora_adapters: tuple[str, ...] = tuple(parse_lora_modules(config.lora_modules))
         self._ranks: list[Rank] = []
         self._started = False
         self._stopped = False
@@ -175,6 +178,11 @@ class PagedEngine:
             raise InvalidArgument(f"sampling.top_k must be >= 0, got {sp.top_k}")
         if not 0.0 <= sp.min_p <= 1.0:  # NaN fails too
             raise InvalidArgument(f"sampling.min_p must be in [0, 1], got {sp.min_p}")
+        if sp.lora_adapter and sp.lora_adapter not in self.lora_adapters:
+            served = ", ".join(repr(n) for n in self.lora_adapters) or "none"
+            raise NotFound(
+                f"LoRA adapter {sp.lora_adapter!r} is not loaded on this worker (its adapters: {served})"
+            )
         for i, rank in enumerate(self._ranks):
             if i != request.dp_rank and rank.has_request(request.request_id):
                 raise AlreadyExists(f"request {request.request_id!r} already exists")

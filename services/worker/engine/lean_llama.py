@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from services.worker.engine import attention, cpu_linear, flex_paged
 from services.worker.engine.cpu_linear import PackedLinear
+from services.worker.engine.lora import LoraModule
 
 # Models whose decoder is Llama's, op for op (Mistral: Llama plus a sliding window, which the
 # attention metadata carries per layer).
@@ -60,20 +61,28 @@ class _Linear:
         self.weight: torch.Tensor = weight  # oneDNN's blocked layout when packed, else [out, in]
         row = module.row_weight if self.packed else None
         self.row_weight: torch.Tensor | None = row if isinstance(row, torch.Tensor) else None
+        # the LoRA adapters that target this projection (lora.py), if any
+        lora = getattr(module, "pdserve_lora", None)
+        self.lora: LoraModule | None = lora if isinstance(lora, LoraModule) else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed:
-            return cpu_linear.linear(x, self.weight, self.row_weight)
-        return F.linear(x, self.weight)
+        out = cpu_linear.linear(x, self.weight, self.row_weight) if self.packed else F.linear(x, self.weight)
+        if self.lora is not None and self.lora.active:
+            return self.lora.apply(x, out)  # PEFT's order: base(x) + lora_B(lora_A(x)) * scaling
+        return out
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + x W^T"""
+        if self.lora is not None and self.lora.active:  # the adapted projection, then the add
+            return residual + self(x)
         if self.packed:
             return cpu_linear.linear_add(x, residual, self.weight, self.row_weight)
         return residual + F.linear(x, self.weight)
 
     def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """other * x W^T"""
+        if self.lora is not None and self.lora.active:
+            return other * self(x)
         if self.packed:
             return cpu_linear.linear_mul(x, other, self.weight, self.row_weight)
         return other * F.linear(x, self.weight)
@@ -318,7 +327,9 @@ class LeanLlama:
         # rotate_half(x) * sin == roll(x, half) * [-sin_lo, sin_hi]: the sign moves onto sin
         sin = sin.view(num_tokens, 1, self.head_dim).clone()
         sin[..., :half].neg_()
-        if self.fused:  # the last layer's output comes out normed by the final norm
+        # a step with LoRA rows runs the unfused layers: the fused halves have no place for
+        # the adapters' per-row deltas (graphs never see such a step: model_runner.execute)
+        if self.fused and meta.lora is None:  # the last layer's output comes out normed by the final norm
             x = self._fused_layers(h, cos, sin, meta)
             return None if logits_idx is None else self.lm_head(x.index_select(0, logits_idx))
         h = self._layers(h, cos, sin, meta)

@@ -25,6 +25,7 @@ from services.worker.engine.backend import BackendOptions, ModelBackend
 from services.worker.engine.decode_graphs import DecodeGraphs, DecodeSeq
 from services.worker.engine.draws import PendingSample, draw, sample_step
 from services.worker.engine.lean_llama import LeanLlama
+from services.worker.engine.lora import LoraSet
 from services.worker.engine.pinned import Staging, to_device
 from services.worker.engine.sampler import TokenHistory, prompt_logprobs
 
@@ -74,16 +75,19 @@ class ModelRunner:
         backend: ModelBackend | None = None,
         spec_tokens: int = 0,
         max_model_len: int = 0,
+        lora: LoraSet | None = None,
     ) -> None:
         """backend: the forward path and its options (backend.py); None = the lean forward with
         the CPU attention kernel, on CUDA with FlexAttention where available, no static steps.
         spec_tokens: k of speculative decoding (static verify steps get buckets of k + 1 rows
         per sequence). max_model_len: the longest sequence (tokens), which sizes the static
-        steps' block tables (0: the whole pool)."""
+        steps' block tables (0: the whole pool). lora: the LoRA adapters attached to `model`
+        (lora.py; before the lean forward is built, which reads them from the modules)."""
         if backend is None:
             backend = ModelBackend.choose(BackendOptions(cuda_graphs=False), device)
         self.backend = backend
         self.model = model
+        self.lora = lora
         self.layout = layout
         self.device = device
         self.dtype = dtype
@@ -194,7 +198,10 @@ class ModelRunner:
             graphs is not None
             and seqs
             and all(
-                s.sample and not s.prompt_targets and graphs.fits(len(s.token_ids), s.num_logits)
+                s.sample
+                and not s.prompt_targets
+                and not s.sampling.lora_adapter  # graphs hold the base model's projections only
+                and graphs.fits(len(s.token_ids), s.num_logits)
                 for s in seqs
             )
         ):
@@ -239,7 +246,9 @@ class ModelRunner:
         ):
             raise ValueError("execute_async runs decode steps without logprobs")
         graphs = self.graphs
-        if graphs is not None and all(graphs.fits(1, s.num_logits) for s in seqs):
+        if graphs is not None and all(
+            graphs.fits(1, s.num_logits) and not s.sampling.lora_adapter for s in seqs
+        ):
             logits = graphs.run([DecodeSeq(s.token_ids, s.start_pos, s.block_ids) for s in seqs], input_ids)
         else:
             ids, positions, meta, logits_idx = self._build_metadata(seqs)
@@ -297,6 +306,19 @@ class ModelRunner:
     ) -> torch.Tensor | None:
         """The model over the packed step: logits [len(logits_idx), vocab], or None (and no LM
         head) when logits_idx is None."""
+        if meta.lora is not None:
+            assert self.lora is not None
+            with self.lora.running(meta.lora):  # the adapted projections read the step's rows
+                return self._forward_model(input_ids, positions, meta, logits_idx)
+        return self._forward_model(input_ids, positions, meta, logits_idx)
+
+    def _forward_model(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: attention.PagedAttentionMetadata,
+        logits_idx: torch.Tensor | None,
+    ) -> torch.Tensor | None:
         if self.lean is not None:
             return self.lean.forward(input_ids[0], positions[0], meta, logits_idx)
         if logits_idx is None:

@@ -19,6 +19,7 @@ from services.worker.engine.attention import AttentionBackend
 from services.worker.engine.decode_graphs import DecodeSeq
 
 if TYPE_CHECKING:
+    from services.worker.engine.lora import LoraStep
     from services.worker.engine.model_runner import ModelRunner, ScheduledSeq
 
 # BATCHED backend: sequences with at most this many new tokens (decode, speculative verify,
@@ -105,6 +106,7 @@ def build(
         num_decode=len(decode_idx),
         decode_spans=spans,
         layer_windows=runner.layer_windows,
+        lora=_lora_step(runner, seqs, order),
     )
     max_ctx = max(a.ctx_len for a in attn) if runner.layer_windows else 0
     for window in sorted({w for w in runner.layer_windows if w is not None}):
@@ -146,8 +148,10 @@ def _build_batched(
         last_pos[i] = q_start + n - 1
     flex_short = None
     graphs = runner.graphs
+    lora = _lora_step(runner, seqs, order)
     if (
-        graphs is not None
+        lora is None  # a LoRA step runs the unfused layers, which read no in-place decode rows
+        and graphs is not None
         and graphs.flex_blocks
         and parts[0]
         and parts[1]
@@ -191,6 +195,7 @@ def _build_batched(
         groups=groups_for(None),
         layer_windows=runner.layer_windows,
         flex_short=flex_short,
+        lora=lora,
     )
     max_ctx = max(s.start_pos + len(s.token_ids) for s in seqs) if runner.layer_windows else 0
     for window in sorted({w for w in runner.layer_windows if w is not None}):
@@ -198,6 +203,19 @@ def _build_batched(
             meta if max_ctx <= window else dataclasses.replace(meta, groups=groups_for(window), windowed={})
         )
     return ids_t[None], pos_t[None], meta, logits_t
+
+
+def _lora_step(runner: ModelRunner, seqs: list[ScheduledSeq], order: list[int]) -> LoraStep | None:
+    """The step's rows by LoRA adapter (the packed rows are the seqs' tokens in `order`); None
+    when the runner has no adapters or no seq uses one."""
+    lora = runner.lora
+    if lora is None or not any(s.sampling.lora_adapter for s in seqs):
+        return None
+    row_slots: list[int] = []
+    for i in order:
+        s = seqs[i]
+        row_slots += [lora.slot(s.sampling.lora_adapter)] * len(s.token_ids)
+    return lora.step_for(row_slots, runner.device)
 
 
 def _index_tensors(runner: ModelRunner, parts: Sequence[list[int]]) -> list[torch.Tensor]:

@@ -1,0 +1,281 @@
+"""LoRA adapters served beside the base model (vLLM's multi-LoRA): loading PEFT adapters, and
+adding each row's adapter delta to the projections it targets, so requests of different adapters
+(and of the base model) share one step.
+
+Owns `parse_lora_modules` (the `--lora-modules NAME=PATH` specs), `load_adapter` (a PEFT folder:
+adapter_config.json + adapter_model.safetensors, checked against the model), and `LoraSet`: every
+adapter of one rank's model, attached to the projection modules it targets (`LoraModule`), and the
+step's row -> adapter assignment (`LoraStep`) that those modules read while a step runs.
+
+Numerics: a targeted projection computes `base(x) + lora_B(lora_A(x)) * scaling` on its adapter's
+rows, the same operations in the same order as PEFT's `Linear.forward`, so the engine's logits
+are PEFT's up to the rounding of products over fewer rows (tests/unit/engine/test_lora.py). Rows
+without an adapter get exactly the base model's numbers; a step without adapter rows costs one
+attribute check per projection.
+
+Not served (refused at load with the reason): DoRA, adapters that train embeddings or the LM head
+(`modules_to_save`, trainable tokens, added tokens), LoRA biases, per-module alpha patterns and
+fan-in-fan-out (Conv1D) layouts. No grpc here."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from shared.errors import FailedPrecondition, InvalidArgument
+
+# an adapter's name is a model id: what OpenAI clients put in "model"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
+
+
+def parse_lora_modules(specs: Sequence[str]) -> dict[str, str]:
+    """`NAME=PATH` specs -> {name: path}, in order. InvalidArgument names a malformed spec, a bad
+    or repeated name."""
+    out: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        name, path = name.strip(), path.strip()
+        if not sep or not name or not path:
+            raise InvalidArgument(f"--lora-modules {spec!r}: expected NAME=PATH (a PEFT adapter folder)")
+        if not _NAME.match(name):
+            raise InvalidArgument(
+                f"--lora-modules {spec!r}: the name must be 1-128 letters, digits or ._:/- "
+                "(starting with a letter or digit); it is the model id requests use"
+            )
+        if name in out:
+            raise InvalidArgument(f"--lora-modules: the name {name!r} is given twice")
+        out[name] = path
+    return out
+
+
+# PEFT's projection names in a transformers decoder layer; an adapter targeting anything else
+# (embeddings, the LM head, a vision tower) is refused
+_PROJECTIONS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
+# PEFT prefixes a saved key with the wrapper's path to the model ("base_model.model.")
+_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<which>[AB])(?:\.default)?\.weight$")
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """One loaded adapter: per targeted module (its path in the model), A [r, in], B [out, r]
+    and the scaling (lora_alpha / r, or / sqrt(r) with rsLoRA)."""
+
+    name: str
+    path: str
+    rank: int
+    weights: Mapping[str, tuple[torch.Tensor, torch.Tensor, float]]
+
+
+def _refuse(name: str, path: str, why: str) -> FailedPrecondition:
+    return FailedPrecondition(f"LoRA adapter {name!r} ({path}): {why}")
+
+
+def load_adapter(
+    name: str, path: str, model: torch.nn.Module, device: torch.device, dtype: torch.dtype
+) -> Adapter:
+    """A PEFT LoRA folder, checked against `model` (every key a projection of it, shapes that
+    fit), on `device` in `dtype`. FailedPrecondition says what is wrong."""
+    folder = Path(path)
+    cfg_file = folder / "adapter_config.json"
+    if not cfg_file.is_file():
+        raise _refuse(name, path, "no adapter_config.json there (expected a PEFT adapter folder)")
+    try:
+        cfg: dict[str, Any] = json.loads(cfg_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise _refuse(name, path, f"adapter_config.json is not readable JSON ({exc})") from None
+    if str(cfg.get("peft_type", "LORA")).upper() != "LORA":
+        raise _refuse(name, path, f"peft_type {cfg.get('peft_type')!r} is not LORA")
+    unsupported = {
+        "use_dora": "DoRA",
+        "modules_to_save": "modules_to_save (trained embeddings or LM head)",
+        "trainable_token_indices": "trainable tokens",
+        "alpha_pattern": "per-module alpha (alpha_pattern)",
+        "fan_in_fan_out": "fan_in_fan_out (Conv1D layers)",
+        "layer_replication": "layer_replication",
+    }
+    for key, what in unsupported.items():
+        if cfg.get(key):
+            raise _refuse(name, path, f"{what} is not served")
+    if cfg.get("bias", "none") != "none" or cfg.get("lora_bias"):
+        raise _refuse(name, path, "LoRA biases are not served")
+    rank = int(cfg.get("r", 0))
+    alpha = float(cfg.get("lora_alpha", rank))
+    if rank <= 0:
+        raise _refuse(name, path, f"r = {rank}; expected a positive rank")
+    tensors = _read_tensors(name, path, folder)
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        m = _KEY.match(key)
+        if m is None:
+            raise _refuse(name, path, f"tensor {key!r} is not a LoRA A/B matrix of a projection")
+        pairs.setdefault(m["module"], {})[m["which"]] = tensor
+    if not pairs:
+        raise _refuse(name, path, "the adapter holds no LoRA matrices")
+    modules = dict(model.named_modules())
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
+    for module_name, ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"}:
+            raise _refuse(name, path, f"{module_name} has lora_{''.join(ab)} only")
+        module = modules.get(module_name)
+        if module is None or module_name.rsplit(".", 1)[-1] not in _PROJECTIONS:
+            raise _refuse(name, path, f"it adapts {module_name}, which is not a projection of this model")
+        a, b = ab["A"], ab["B"]
+        r = a.shape[0]  # PEFT's rank_pattern may give a module its own rank
+        fan_in, fan_out = int(module.in_features), int(module.out_features)
+        if a.shape != (r, fan_in) or b.shape != (fan_out, r):
+            raise _refuse(
+                name,
+                path,
+                f"{module_name}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the "
+                f"model's [{fan_out}, {fan_in}] projection (an adapter of another model?)",
+            )
+        scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+        weights[module_name] = (
+            a.to(device=device, dtype=dtype).contiguous(),
+            b.to(device=device, dtype=dtype).contiguous(),
+            scaling,
+        )
+    return Adapter(name, path, rank, weights)
+
+
+def _read_tensors(name: str, path: str, folder: Path) -> dict[str, torch.Tensor]:
+    st = folder / "adapter_model.safetensors"
+    if st.is_file():
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(str(st))
+        except Exception as exc:  # a truncated or foreign file: say so at start
+            raise _refuse(name, path, f"adapter_model.safetensors is not readable ({exc})") from None
+    bin_file = folder / "adapter_model.bin"
+    if bin_file.is_file():
+        try:
+            loaded = torch.load(str(bin_file), map_location="cpu", weights_only=True)
+        except Exception as exc:
+            raise _refuse(name, path, f"adapter_model.bin is not readable ({exc})") from None
+        return dict(loaded)
+    raise _refuse(name, path, "no adapter_model.safetensors (or adapter_model.bin) there")
+
+
+@dataclass(frozen=True)
+class LoraStep:
+    """A step's rows by adapter: (slot, packed rows of that adapter) per adapter in the step, the
+    rows None when every row of the step is that adapter's. Rows of slot 0 (the base model)
+    are in no group."""
+
+    groups: tuple[tuple[int, torch.Tensor | None], ...]
+
+
+@dataclass(eq=False)
+class LoraModule:
+    """One targeted projection: its adapters' matrices by slot. `apply` adds the running step's
+    deltas to the projection's output rows."""
+
+    owner: LoraSet
+    weights: dict[int, tuple[torch.Tensor, torch.Tensor, float]] = field(default_factory=dict)
+
+    @property
+    def active(self) -> bool:
+        return self.owner.step is not None
+
+    def apply(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out += lora_B(lora_A(x)) * scaling on each adapter's rows (x [rows, in], out
+        [rows, out], in place); returns out."""
+        step = self.owner.step
+        assert step is not None
+        for slot, rows in step.groups:
+            w = self.weights.get(slot)
+            if w is None:  # this adapter leaves the projection alone
+                continue
+            a, b, scaling = w
+            if rows is None:
+                out.add_(F.linear(F.linear(x, a), b) * scaling)
+            else:
+                out.index_add_(0, rows, F.linear(F.linear(x.index_select(0, rows), a), b) * scaling)
+        return out
+
+
+class LoraSet:
+    """Every adapter of one rank's model (slots 1..n in the order given; 0 is the base model),
+    attached to the modules they target as `module.pdserve_lora` (a LoraModule), and the step
+    that is running (`running`), which those modules read."""
+
+    def __init__(self, adapters: Sequence[Adapter], model: torch.nn.Module) -> None:
+        self.names: tuple[str, ...] = tuple(a.name for a in adapters)
+        self._slots = {a.name: i + 1 for i, a in enumerate(adapters)}
+        self.step: LoraStep | None = None
+        modules = dict(model.named_modules())
+        self.modules: dict[str, LoraModule] = {}
+        for slot, adapter in enumerate(adapters, start=1):
+            for module_name, w in adapter.weights.items():
+                lm = self.modules.get(module_name)
+                if lm is None:
+                    lm = self.modules[module_name] = LoraModule(self)
+                    module = modules[module_name]
+                    module.pdserve_lora = lm  # lean_llama's _Linear reads it
+                    # transformers' own forward calls the module: the delta rides on its output
+                    module.register_forward_hook(_hook(lm))
+                lm.weights[slot] = w
+
+    @classmethod
+    def load(
+        cls, specs: Mapping[str, str], model: torch.nn.Module, device: torch.device, dtype: torch.dtype
+    ) -> LoraSet | None:
+        """The adapters of `specs` ({name: path}) on `model`; None when there are none."""
+        if not specs:
+            return None
+        return cls([load_adapter(n, p, model, device, dtype) for n, p in specs.items()], model)
+
+    def slot(self, name: str) -> int:
+        """The adapter's slot (0 for "", the base model). KeyError for a name not loaded."""
+        return self._slots[name] if name else 0
+
+    def step_for(self, row_slots: Sequence[int], device: torch.device) -> LoraStep | None:
+        """The LoraStep of a packed step whose row i is served by slot row_slots[i]; None when
+        every row is the base model's."""
+        distinct = set(row_slots)
+        distinct.discard(0)
+        if not distinct:
+            return None
+        if len(distinct) == 1 and row_slots[0] != 0 and all(s == row_slots[0] for s in row_slots):
+            return LoraStep(((row_slots[0], None),))
+        groups = []
+        for slot in sorted(distinct):
+            rows = [i for i, s in enumerate(row_slots) if s == slot]
+            groups.append((slot, torch.tensor(rows, dtype=torch.long, device=device)))
+        return LoraStep(tuple(groups))
+
+    def running(self, step: LoraStep | None) -> _Running:
+        """`with lora_set.running(step):` the modules add `step`'s deltas while the step runs."""
+        return _Running(self, step)
+
+
+class _Running:
+    def __init__(self, owner: LoraSet, step: LoraStep | None) -> None:
+        self._owner, self._step = owner, step
+
+    def __enter__(self) -> None:
+        self._owner.step = self._step
+
+    def __exit__(self, *exc: object) -> None:
+        self._owner.step = None
+
+
+def _hook(lm: LoraModule) -> Any:
+    def hook(module: torch.nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor | None:
+        if lm.owner.step is None:
+            return None
+        x = args[0]
+        flat = out.reshape(-1, out.shape[-1])
+        lm.apply(x.reshape(-1, x.shape[-1]), flat)
+        return flat.view(out.shape)
+
+    return hook

@@ -1,0 +1,229 @@
+"""LoRA adapters in the engine (engine/lora.py): greedy output through an adapter equals PEFT's
+(the reference implementation of the format) on the lean forward and on transformers' own
+forward (another architecture too), requests of different adapters and of the base model share
+steps without changing each other's output, the disaggregated path equals the unified one, an
+adapter's prompt is never served from the base model's prefix cache (nor the reverse), and
+malformed adapters are refused at start with the reason."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from services.worker.engine.api import SamplingConfig
+from services.worker.engine.lora import load_adapter, parse_lora_modules
+from shared.errors import FailedPrecondition, InvalidArgument, NotFound
+from tests.support.tiny_models import build_tiny_lora
+from tests.unit.engine.conftest import EngineFactory, collect, greedy, handoff_run, request, tokens_of
+
+PROMPT = tuple(random.Random(5).randrange(3, 400) for _ in range(37))
+OTHER = tuple(random.Random(6).randrange(3, 400) for _ in range(21))
+NEW_TOKENS = 8
+
+
+def with_adapter(name: str, max_tokens: int = NEW_TOKENS) -> SamplingConfig:
+    return dataclasses.replace(greedy(max_tokens, ignore_eos=True), lora_adapter=name)
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_bpe: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("lora")
+    return {
+        "sql": build_tiny_lora(tiny_bpe, root / "sql", seed=1),
+        # another rank, rsLoRA scaling, attention projections only
+        "chat": build_tiny_lora(
+            tiny_bpe, root / "chat", seed=2, rank=4, alpha=8, targets=("q_proj", "v_proj"), use_rslora=True
+        ),
+    }
+
+
+def specs(adapters: dict[str, Path]) -> tuple[str, ...]:
+    return tuple(f"{name}={path}" for name, path in adapters.items())
+
+
+def peft_greedy(base: Path, adapter: Path | None, prompt: tuple[int, ...], n: int) -> list[int]:
+    """n greedy tokens of transformers' model with PEFT's adapter (None: the base model)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model: Any = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, str(adapter))
+    model.eval()
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(n):
+            ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_bpe: Path, adapters: dict[str, Path]) -> dict[str, list[int]]:
+    """PEFT's greedy tokens of PROMPT per adapter ("" = the base model)."""
+    out = {name: peft_greedy(tiny_bpe, path, PROMPT, NEW_TOKENS) for name, path in adapters.items()}
+    out[""] = peft_greedy(tiny_bpe, None, PROMPT, NEW_TOKENS)
+    assert len({tuple(t) for t in out.values()}) == 3  # each adapter changes the output
+    return out
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["lean-forward", "transformers-forward"])
+async def test_adapters_give_pefts_tokens(
+    make_engine: EngineFactory, adapters: dict[str, Path], reference: dict[str, list[int]], lean: bool
+) -> None:
+    engine = make_engine(lora_modules=specs(adapters), lean_forward=lean)
+    assert engine.lora_adapters == ("sql", "chat")
+    for name in ("sql", "chat", ""):
+        out = await collect(engine.add_request(request(f"r-{name}", PROMPT, with_adapter(name))))
+        assert tokens_of(out) == reference[name], name
+
+
+async def test_another_architecture_through_transformers_forward(
+    make_engine: EngineFactory, tiny_family: Callable[[str], Path], tmp_path: Path
+) -> None:
+    base = tiny_family("qwen2")  # projection biases: transformers' own forward, the modules' hooks
+    adapter = build_tiny_lora(base, tmp_path / "qwen-lora", seed=3)
+    engine = make_engine(base, lora_modules=(f"q={adapter}",))
+    out = await collect(engine.add_request(request("q", PROMPT, with_adapter("q"))))
+    assert tokens_of(out) == peft_greedy(base, adapter, PROMPT, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("speculative", ["off", "ngram"])
+async def test_mixed_steps_leave_each_request_its_own_output(
+    make_engine: EngineFactory, adapters: dict[str, Path], reference: dict[str, list[int]], speculative: str
+) -> None:
+    """Base and adapter requests decoded (and prefilled) in the same steps, on the CPU decode
+    kernel's path and with a prompt chunk beside decode rows (and with speculation's verify
+    rows): each equals its reference."""
+    engine = make_engine(
+        lora_modules=specs(adapters), max_batch_tokens=48, speculative=speculative, spec_step_cost=False
+    )
+    names = ["sql", "", "chat", "sql", "", "chat"]
+    outs = await asyncio.gather(
+        *(collect(engine.add_request(request(f"m{i}", PROMPT, with_adapter(n)))) for i, n in enumerate(names))
+    )
+    for name, out in zip(names, outs, strict=True):
+        assert tokens_of(out) == reference[name], name
+    assert engine.num_free_blocks(0) == engine.num_total_blocks(0)
+
+
+async def test_the_disaggregated_path_equals_the_unified_one(
+    make_engine: EngineFactory, adapters: dict[str, Path], reference: dict[str, list[int]]
+) -> None:
+    prefill = make_engine(lora_modules=specs(adapters))
+    decode = make_engine(lora_modules=specs(adapters))
+    for name in ("sql", "chat"):
+        first, rest = await handoff_run(prefill, decode, f"d-{name}", PROMPT, with_adapter(name))
+        assert list(first.new_token_ids) + tokens_of(rest) == reference[name], name
+    assert decode.num_free_blocks(0) == decode.num_total_blocks(0)
+    assert prefill.num_free_blocks(0) == prefill.num_total_blocks(0)
+
+
+async def test_an_adapters_prompt_never_hits_another_models_cache(
+    make_engine: EngineFactory, adapters: dict[str, Path]
+) -> None:
+    engine = make_engine(lora_modules=specs(adapters), block_size=4)
+    cached = {}
+    for rid, name in (("b1", ""), ("s1", "sql"), ("c1", "chat"), ("s2", "sql"), ("b2", "")):
+        out = await collect(engine.add_request(request(rid, OTHER, with_adapter(name, 2))))
+        cached[rid] = out[-1].num_local_cached_tokens
+    assert cached == {"b1": 0, "s1": 0, "c1": 0, "s2": 20, "b2": 20}
+
+
+async def test_an_adapter_not_loaded_is_not_found(
+    make_engine: EngineFactory, adapters: dict[str, Path]
+) -> None:
+    engine = make_engine(lora_modules=specs(adapters))
+    with pytest.raises(NotFound, match=r"'nope' is not loaded.*'sql', 'chat'"):
+        engine.add_request(request("x", PROMPT, with_adapter("nope")))
+    plain = make_engine()
+    with pytest.raises(NotFound, match="its adapters: none"):
+        plain.add_request(request("y", PROMPT, with_adapter("sql")))
+    assert plain.num_free_blocks(0) == plain.num_total_blocks(0)
+
+
+def test_lora_module_specs() -> None:
+    assert parse_lora_modules(["a=/x", " b.v2 = /y/z "]) == {"a": "/x", "b.v2": "/y/z"}
+    for bad, why in (
+        ("a", "NAME=PATH"),
+        ("=/x", "NAME=PATH"),
+        ("a=", "NAME=PATH"),
+        ("a b=/x", "the name must"),
+        ("-a=/x", "the name must"),
+    ):
+        with pytest.raises(InvalidArgument, match=why):
+            parse_lora_modules([bad])
+    with pytest.raises(InvalidArgument, match="given twice"):
+        parse_lora_modules(["a=/x", "a=/y"])
+
+
+def _edited(src: Path, dst: Path, **changes: object) -> Path:
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((dst / "adapter_config.json").read_text())
+    cfg.update(changes)
+    (dst / "adapter_config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_malformed_adapters_are_refused_with_the_reason(
+    tiny_bpe: Path, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_bpe), dtype=torch.float32)
+    cpu = torch.device("cpu")
+    loaded = load_adapter("sql", str(adapters["sql"]), model, cpu, torch.float32)
+    assert loaded.rank == 8 and len(loaded.weights) == 2 * 7  # 2 layers x 7 projections
+    cases = {
+        "no adapter_config.json": tmp_path,
+        "DoRA is not served": _edited(adapters["sql"], tmp_path / "dora", use_dora=True),
+        "modules_to_save": _edited(adapters["sql"], tmp_path / "mts", modules_to_save=["lm_head"]),
+        "LoRA biases": _edited(adapters["sql"], tmp_path / "bias", bias="all"),
+    }
+    for why, path in cases.items():
+        with pytest.raises(FailedPrecondition, match=why):
+            load_adapter("x", str(path), model, cpu, torch.float32)
+    # matrices of a model of other shapes (a wider MLP), or a module this model lacks
+    from safetensors.torch import load_file, save_file
+
+    for why, edit in (
+        (
+            "do not fit the model's",
+            lambda k, t: torch.zeros(t.shape[0], 2 * t.shape[1]) if "down_proj.lora_A" in k else t,
+        ),
+        ("not a projection of this model", None),
+    ):
+        dst = _edited(adapters["sql"], tmp_path / f"shapes-{edit is None}")
+        tensors = load_file(str(dst / "adapter_model.safetensors"))
+        if edit is None:
+            tensors["base_model.model.model.layers.7.mlp.up_proj.lora_A.weight"] = torch.zeros(8, 64)
+            tensors["base_model.model.model.layers.7.mlp.up_proj.lora_B.weight"] = torch.zeros(128, 8)
+        else:
+            tensors = {k: edit(k, t) for k, t in tensors.items()}
+        save_file(tensors, str(dst / "adapter_model.safetensors"))
+        with pytest.raises(FailedPrecondition, match=why):
+            load_adapter("g", str(dst), model, cpu, torch.float32)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_on_cuda_adapter_rows_leave_graphs_and_fused_kernels_to_the_base_model(
+    make_engine: EngineFactory, adapters: dict[str, Path], reference: dict[str, list[int]]
+) -> None:
+    """On CUDA (fp32, graphs and fused kernels on) a step with adapter rows runs the unfused
+    layers eagerly, the base model's steps keep their graphs: mixed requests, PEFT's tokens."""
+    engine = make_engine(lora_modules=specs(adapters), device="cuda", dtype="float32", cuda_graphs=True)
+    names = ["sql", "", "chat", ""]
+    outs = await asyncio.gather(
+        *(collect(engine.add_request(request(f"g{i}", PROMPT, with_adapter(n)))) for i, n in enumerate(names))
+    )
+    for name, out in zip(names, outs, strict=True):
+        assert tokens_of(out) == reference[name], name
