@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 
 class Role(enum.Enum):
@@ -118,6 +119,41 @@ class WorkerInfo:
     proto_version: str = ""
     max_model_len: int = 0  # tokens; 0 = unknown
     device: str = ""  # "cpu" | "cuda"; "" = unknown
+    # LoRA adapters served besides model_id (names; each a model id requests may use), in the
+    # worker's --lora-modules order; () for a worker without any, or older than 1.13
+    lora_adapters: tuple[str, ...] = ()
+
+
+class ServesModels(Protocol):
+    """What `lora_adapter_bases` reads of a worker: WorkerInfo, or its protobuf message."""
+
+    @property
+    def model_id(self) -> str: ...
+
+    @property
+    def lora_adapters(self) -> Iterable[str]: ...
+
+
+def lora_adapter_bases(workers: Iterable[ServesModels]) -> dict[str, str]:
+    """Each LoRA adapter name the workers list -> the base model it is served on, the one rule the
+    scheduler routes by and the gateway lists cards by. A name that is also a base model id is
+    that model, not an adapter (left out). A name listed on several base models (a
+    misconfiguration: the same name for different adapters) belongs to the base model with the
+    most workers listing it (ties: the smallest id); workers of the others never serve it, so an
+    adapter request never runs on the wrong base model, nor pairs a prefill of one with a decode
+    of the other."""
+    workers = list(workers)
+    models = {w.model_id for w in workers}
+    counts: dict[str, dict[str, int]] = {}  # adapter -> base model -> workers listing it
+    for w in workers:
+        for name in dict.fromkeys(w.lora_adapters):
+            if name not in models:
+                per_base = counts.setdefault(name, {})
+                per_base[w.model_id] = per_base.get(w.model_id, 0) + 1
+    return {
+        name: min(per_base, key=lambda base: (-per_base[base], base))
+        for name, per_base in sorted(counts.items())
+    }
 
 
 @dataclass(frozen=True)

@@ -121,6 +121,7 @@ def worker_info_to_pb(info: WorkerInfo) -> common_pb2.WorkerInfo:
         proto_version=info.proto_version,
         max_model_len=info.max_model_len,
         device=info.device,
+        lora_adapters=list(info.lora_adapters),
     )
 
 
@@ -140,6 +141,7 @@ def worker_info_from_pb(pb: common_pb2.WorkerInfo) -> WorkerInfo:
         proto_version=pb.proto_version,
         max_model_len=pb.max_model_len,
         device=pb.device,
+        lora_adapters=tuple(pb.lora_adapters),  # empty from a worker older than 1.13
     )
 
 

@@ -38,8 +38,18 @@ InfoFetcher = Callable[[str, float], Awaitable[WorkerInfo]]
 def identity_mismatch(registered: WorkerInfo, reported: WorkerInfo) -> str | None:
     """What differs between a registration and what the worker at its address says it is (None:
     nothing). Routing trusts these fields: a fake model id, max_model_len or address would send
-    real requests to a wrong or dead place."""
-    fields = ("worker_id", "address", "role", "model_id", "max_model_len", "dp_size", "kv_layout")
+    real requests to a wrong or dead place (lora_adapters: an adapter's requests to a worker
+    without it)."""
+    fields = (
+        "worker_id",
+        "address",
+        "role",
+        "model_id",
+        "max_model_len",
+        "dp_size",
+        "kv_layout",
+        "lora_adapters",
+    )
     diffs = [
         f"{name} {getattr(reported, name)!r} (registered: {getattr(registered, name)!r})"
         for name in fields
@@ -128,6 +138,7 @@ class LoadMonitor:
             address=registered.address,
             role=registered.role.value,
             model_id=registered.model_id,
+            lora_adapters=list(registered.lora_adapters),
             dp_size=registered.dp_size,
             rejoined=registered.address in previous,
         )

@@ -77,6 +77,13 @@ class Registry:
             raise InvalidArgument(f"dp_size must be >= 1, got {info.dp_size}")
         if not info.model_id:
             raise InvalidArgument("model_id is required")
+        # adapter names are model ids requests route by: none empty, repeated or the base model's
+        if "" in info.lora_adapters or len(set(info.lora_adapters)) != len(info.lora_adapters):
+            raise InvalidArgument(
+                f"lora_adapters must be distinct, non-empty names, got {list(info.lora_adapters)}"
+            )
+        if info.model_id in info.lora_adapters:
+            raise InvalidArgument(f"lora_adapters lists the base model id {info.model_id!r}")
         if info.kv_layout.block_size < 1:
             raise InvalidArgument(f"kv_layout.block_size must be >= 1, got {info.kv_layout.block_size}")
         if not info.worker_id:

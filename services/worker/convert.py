@@ -42,6 +42,7 @@ def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingConfig:
         top_k=pb.top_k,
         min_p=pb.min_p,
         cache_salt=pb.cache_salt,
+        lora_adapter=pb.lora_adapter,  # "" (unset, or an older gateway): the base model
         seed=pb.seed if pb.HasField("seed") else None,
         stop=tuple(pb.stop),
         stop_token_ids=tuple(pb.stop_token_ids),

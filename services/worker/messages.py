@@ -24,6 +24,7 @@ CAPABILITIES = (
     "priority",
     "structured_grammar",
     "cache_salt",
+    "lora",
     GATEWAY_TICKET_CAPABILITY,
 )
 # Contract version implemented: 1.0 = compat/v1.0; 1.1 added the optional generated_tokens fields;
@@ -47,7 +48,9 @@ CAPABILITIES = (
 # 1.12 added SamplingParams.min_p (capability "min_p"), PrefillRequest / DecodeRequest
 # .priority (capability "priority"), StructuredOutput.grammar ("structured_grammar") and
 # SamplingParams.cache_salt ("cache_salt").
-PROTO_VERSION = "1.12"
+# 1.13 added SamplingParams.lora_adapter and WorkerInfo.lora_adapters (capability "lora"): a
+# request names the LoRA adapter serving it, one of those the worker lists (--lora-modules).
+PROTO_VERSION = "1.13"
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from shared.channels import ChannelCache
 from shared.cluster import NIXL_CAPABILITY, NIXL_PARTS_CAPABILITY, KvTransport, Role, WorkerInfo
 from shared.cluster_auth import token_metadata
 from shared.cluster_convert import worker_info_to_pb
-from shared.errors import PdserveError
+from shared.errors import InvalidArgument, PdserveError
 from shared.logs import configure_logging
 from shared.memory import trim_heap
 from shared.metrics import start_metrics_server
@@ -188,17 +188,23 @@ class WorkerApp:
             )
         nixl = (NIXL_CAPABILITY, NIXL_PARTS_CAPABILITY) if self.nixl is not None else ()
         capabilities = CAPABILITIES + nixl
+        model_id = engine.model_id or model_id_for(path)
+        if model_id in s.lora_adapters:  # requests naming it would mean the base model
+            raise InvalidArgument(
+                f"--lora-modules: {model_id!r} is the base model's id; give the adapter another name"
+            )
         identity = WorkerInfo(
             worker_id=self.worker_id,
             address=self.address,
             role=s.role,
-            model_id=engine.model_id or model_id_for(path),
+            model_id=model_id,
             dp_size=s.dp_size,
             kv_layout=engine.kv_layout,
             capabilities=capabilities,
             proto_version=PROTO_VERSION,
             max_model_len=engine.max_model_len,
             device=device,
+            lora_adapters=s.lora_adapters,
         )
         self.core = WorkerCore(
             engine,
@@ -223,6 +229,7 @@ class WorkerApp:
             kv_transports="nixl+grpc" if self.nixl is not None else "grpc",
             kv_layout=str(identity.kv_layout),
             max_model_len=identity.max_model_len,
+            lora_adapters=list(identity.lora_adapters),
             seconds=round(time.perf_counter() - started, 3),
         )
 

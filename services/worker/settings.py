@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.worker.engine.gpu_placement import parse_gpu_list
+from services.worker.engine.lora import parse_lora_modules
 from services.worker.engine.options import EngineOptions
 from shared.addresses import normalize_address
 from shared.cluster import Role
@@ -126,6 +127,11 @@ class WorkerSettings(TlsSettings, EngineOptions):
             parse_gpu_list(self.cuda_devices, "cuda_devices")
         except InvalidArgument as exc:
             raise ValueError(str(exc)) from None
+        # the specs' form (NAME=PATH, names unique); each folder is read when the engine loads
+        try:
+            parse_lora_modules(self.lora_modules)
+        except InvalidArgument as exc:
+            raise ValueError(str(exc)) from None
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
         if not 1 <= self.spec_ngram_min <= self.spec_ngram_max:
@@ -147,6 +153,11 @@ class WorkerSettings(TlsSettings, EngineOptions):
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def lora_adapters(self) -> tuple[str, ...]:
+        """The names of --lora-modules, in order: the adapters this worker serves (WorkerInfo)."""
+        return tuple(parse_lora_modules(self.lora_modules))
 
     @property
     def service_name(self) -> str:

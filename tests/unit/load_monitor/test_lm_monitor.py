@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
-from services.load_monitor.monitor import LoadMonitor, LoadReport
+from services.load_monitor.monitor import LoadMonitor, LoadReport, identity_mismatch
 from services.load_monitor.registry import Registry
 from shared.cluster import KvLayout, LoadSnapshot, RankLoad, Role, WorkerInfo
 from shared.metrics import REGISTERED_WORKERS
@@ -175,3 +176,12 @@ async def test_stop_ends_watch_streams() -> None:
     await mon.stop()
     await asyncio.wait_for(reader, 2.0)
     assert mon.num_watchers == 0
+
+
+def test_a_registration_listing_adapters_its_worker_does_not_serve_is_a_mismatch() -> None:
+    """Routing trusts lora_adapters: a registration claiming an adapter the worker's own Info
+    does not list would send that adapter's requests to a worker without it."""
+    served = replace(info("w", "h:1"), lora_adapters=("sql",))
+    assert identity_mismatch(served, served) is None
+    claimed = replace(served, lora_adapters=("sql", "chat"))
+    assert identity_mismatch(claimed, served) == "lora_adapters ('sql',) (registered: ('sql', 'chat'))"

@@ -157,6 +157,10 @@ def test_worker_id_assigned_when_empty(reg: Registry) -> None:
         info(dp_size=0),
         WorkerInfo("w", "h:1", Role.DECODE, "", 1, LAYOUT),
         WorkerInfo("w", "h:1", Role.DECODE, "m", 1, KvLayout(1, 1, 1, 0, "float32")),
+        # LoRA adapter names are model ids requests route by
+        WorkerInfo("w", "h:1", Role.DECODE, "m", 1, LAYOUT, lora_adapters=("sql", "sql")),
+        WorkerInfo("w", "h:1", Role.DECODE, "m", 1, LAYOUT, lora_adapters=("",)),
+        WorkerInfo("w", "h:1", Role.DECODE, "m", 1, LAYOUT, lora_adapters=("m",)),
     ],
 )
 def test_invalid_registrations(reg: Registry, bad: WorkerInfo) -> None:

@@ -45,6 +45,7 @@ INFOS = [
         proto_version="1.1",
         max_model_len=8192,
         device="cuda",
+        lora_adapters=("sql-lora", "org/chat-lora"),
     ),
     WorkerInfo("u", "h:1", Role.UNIFIED, "", 1, LAYOUTS[0], device="cpu"),
 ]

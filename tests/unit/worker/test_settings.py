@@ -147,3 +147,33 @@ def test_every_engine_option_reaches_the_engine_config() -> None:
         7,
         3,
     )
+
+
+def test_lora_modules_from_flags_or_env_name_the_adapters_in_order() -> None:
+    argv = ["--lora-modules=sql=/adapters/sql", "--lora-modules", "org/chat=/adapters/chat"]
+    s = parse_settings(WorkerSettings, argv, env={})
+    assert s.lora_modules == ("sql=/adapters/sql", "org/chat=/adapters/chat")
+    assert s.lora_adapters == ("sql", "org/chat")
+    s = parse_settings(WorkerSettings, [], env={"PDSERVE_LORA_MODULES": "b=/x/b,a=/x/a"})
+    assert s.lora_adapters == ("b", "a")
+    assert parse_settings(WorkerSettings, [], env={}).lora_adapters == ()
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        ("sql", "expected NAME=PATH"),
+        ("=/adapters/sql", "expected NAME=PATH"),
+        ("-sql=/adapters/sql", "the name must be"),
+    ],
+)
+def test_a_bad_lora_module_fails_at_start_with_a_one_line_message(
+    spec: str, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        parse_settings(WorkerSettings, [f"--lora-modules={spec}"], env={})
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert says in err and spec in err
+    with pytest.raises(SystemExit):
+        parse_settings(WorkerSettings, ["--lora-modules=a=/x", "--lora-modules=a=/y"], env={})
+    assert "'a' is given twice" in capsys.readouterr().err
