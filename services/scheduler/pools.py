@@ -3,15 +3,21 @@ token counts per DP rank (reported in use + reserved since), grouped into pools 
 (decode workers with a compatible prefill worker, prefill workers per KV layout, unified workers,
 and every decode worker for a model without prefill workers). Workers flagged stale are
 candidates only when no fresh worker of the same model and role exists. A pool keeps its
-candidates' total loads in a parallel list, a running max and a lazily pruned heap."""
+candidates' total loads in a parallel list, a running max and a lazily pruned heap.
+
+A LoRA adapter is a model of its own here: a worker joins its base model's pools and those of
+each adapter it lists (of that base model: shared.cluster.lora_adapter_bases), under the same
+role and pairing rules, so both halves of an adapter's request run on workers that have it, and
+a worker that lists no adapter (or predates them) never gets one's request. Its reservations
+count in every pool it is in."""
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from shared.cluster import KvLayout, RankLoad, Role, WorkerInfo
+from shared.cluster import KvLayout, RankLoad, Role, WorkerInfo, lora_adapter_bases
 
 
 class PoolWorker:
@@ -69,7 +75,12 @@ class ModelPools:
     prefill_by_layout: dict[KvLayout, Pool]
     unified: Pool
     decode: Pool  # every decode worker (AGGREGATED when the model has no prefill worker)
-    num_workers: int
+    members: tuple[PoolWorker, ...]  # every worker serving the model, stale ones too
+    parent: str = ""  # a LoRA adapter's base model id; "" for a base model
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.members)
 
 
 def prefer_fresh(workers: list[PoolWorker]) -> list[PoolWorker]:
@@ -77,11 +88,22 @@ def prefer_fresh(workers: list[PoolWorker]) -> list[PoolWorker]:
     return fresh or workers
 
 
+def served_models(info: WorkerInfo, bases: Mapping[str, str]) -> list[str]:
+    """The model ids a worker serves: its base model, then its adapters that `bases` (adapter ->
+    base model, lora_adapter_bases) places on that base model."""
+    return [info.model_id, *(a for a in dict.fromkeys(info.lora_adapters) if bases.get(a) == info.model_id)]
+
+
 def build_pools(workers: Iterable[PoolWorker], mirror: bool) -> dict[str, ModelPools]:
+    """Pools per model id (base models and LoRA adapters); `mirror`: each worker's reservations
+    update the pools' loads (PoolWorker.slots)."""
+    workers = list(workers)
+    bases = lora_adapter_bases(w.info for w in workers)
     by_model: dict[str, dict[Role, list[PoolWorker]]] = {}
     for w in workers:
-        roles = by_model.setdefault(w.info.model_id, {role: [] for role in Role})
-        roles[w.info.role].append(w)
+        for model in served_models(w.info, bases):
+            roles = by_model.setdefault(model, {role: [] for role in Role})
+            roles[w.info.role].append(w)
     pools: dict[str, ModelPools] = {}
     for model, roles in sorted(by_model.items()):
         prefill = prefer_fresh(roles[Role.PREFILL])
@@ -98,6 +120,7 @@ def build_pools(workers: Iterable[PoolWorker], mirror: bool) -> dict[str, ModelP
             unified=Pool(f"{model}/unified", prefer_fresh(roles[Role.UNIFIED]), mirror),
             # Only used when the model has no prefill worker at all (then nothing is pairable).
             decode=Pool(f"{model}/decode", [] if by_layout else decode, mirror),
-            num_workers=sum(len(ws) for ws in roles.values()),
+            members=tuple(w for ws in roles.values() for w in ws),
+            parent=bases.get(model, ""),
         )
     return pools

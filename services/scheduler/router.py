@@ -17,8 +17,9 @@ workers, `policies.unified_split`). Unified workers are picked with the prefill 
 prefix cache matters most), decode workers with the decode policy.
 
 Workers flagged stale by the load-monitor are routed to only when no fresh worker of the same
-model and role exists. A request nothing can serve gets Unavailable naming what is missing
-(`unroutable.py`).
+model and role exists. A request naming a LoRA adapter (its `model`) is routed like one of a model
+of its own, served by the workers that list the adapter (`pools.py`). A request nothing can
+serve gets Unavailable naming what is missing (`unroutable.py`).
 """
 
 from __future__ import annotations
@@ -146,7 +147,9 @@ class Router:
             self._reservations.retain(set(workers))
             self._workers = workers
             self._pools = build_pools(workers.values(), mirror=True)
-            self._default_model = max(self._pools, key=lambda m: (self._pools[m].num_workers, m), default="")
+            # a request naming no model gets the base model with the most workers (never an adapter)
+            bases = [m for m, mp in self._pools.items() if not mp.parent]
+            self._default_model = max(bases, key=lambda m: (self._pools[m].num_workers, m), default="")
             self._stale = False
             self._has_snapshot = True
 
@@ -211,7 +214,8 @@ class Router:
         elif mp.decode.workers and not mp.prefill_by_layout:
             worker = mp.decode.workers[self._pick_decode(mp.decode, f)]
         else:
-            raise Unavailable(unroutable.missing_pair(f, model, self._workers, self._stale))
+            everyone = self._pools.get(model, mp).members  # with the workers the request excludes
+            raise Unavailable(unroutable.missing_pair(f, model, everyone, self._stale))
         rank = self._reserve_rank(worker, f)
         self._prefix.record(worker.info.worker_id, hashes)
         return self._decision(ServingMode.AGGREGATED, model, None, (worker, rank))

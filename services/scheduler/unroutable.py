@@ -4,9 +4,9 @@ layouts (and whether the router runs on a stale snapshot). Raised by the router 
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Iterable, Mapping
 
-from services.scheduler.pools import PoolWorker
+from services.scheduler.pools import ModelPools, PoolWorker
 from services.scheduler.types import RequestFeatures
 from shared.cluster import KvLayout, Role
 
@@ -25,7 +25,7 @@ def stale_note(stale: bool) -> str:
 def missing_model(
     f: RequestFeatures,
     workers: Mapping[str, PoolWorker],
-    served: Collection[str],
+    served: Mapping[str, ModelPools],
     default_model: str,
     has_snapshot: bool,
     stale: bool,
@@ -34,14 +34,17 @@ def missing_model(
         if not has_snapshot:
             return "no load snapshot received from the load-monitor yet" + stale_note(stale)
         return "no workers are registered with the load-monitor" + stale_note(stale)
-    served_models = sorted(served)
-    if f.model and f.model not in served_models:
-        return f"model {f.model!r} is not served by any worker; served models: {served_models}"
+    if f.model and f.model not in served:
+        bases = sorted(m for m, mp in served.items() if not mp.parent)
+        adapters = sorted(m for m, mp in served.items() if mp.parent)
+        msg = f"model {f.model!r} is not served by any worker; served models: {bases}"
+        return msg + (f", LoRA adapters: {adapters}" if adapters else "")
     return f"every worker of model {f.model or default_model!r} is excluded by the request"
 
 
-def missing_pair(f: RequestFeatures, model: str, workers: Mapping[str, PoolWorker], stale: bool) -> str:
-    ws = [w for w in workers.values() if w.info.model_id == model]
+def missing_pair(f: RequestFeatures, model: str, members: Iterable[PoolWorker], stale: bool) -> str:
+    """`members`: every worker serving `model` (an adapter's: those listing it)."""
+    ws = list(members)
     prefill = [w for w in ws if w.info.role is Role.PREFILL]
     decode = [w for w in ws if w.info.role is Role.DECODE]
     excluded = [w for w in ws if w.info.worker_id in f.exclude_worker_ids]
