@@ -19,7 +19,7 @@ from services.gateway.ports import (
 )
 from services.gateway.request import Completion, OutputFrame, OutputFrameKind
 from services.gateway.tokenization import Tokenized
-from shared.cluster import KvTransport
+from shared.cluster import KvTransport, lora_adapter_bases
 from shared.cluster_convert import (
     decode_frame_kind_from_pb,
     finish_reason_from_pb,
@@ -136,7 +136,10 @@ def complete_response(done: Completion) -> gateway_pb2.CompleteResponse:
 
 def list_models_response(cards: list[ModelCard]) -> gateway_pb2.ListModelsResponse:
     return gateway_pb2.ListModelsResponse(
-        models=[gateway_pb2.ModelCard(id=c.id, max_model_len=c.max_model_len) for c in cards]
+        models=[
+            gateway_pb2.ModelCard(id=c.id, max_model_len=c.max_model_len, parent=c.parent or None)
+            for c in cards
+        ]
     )
 
 
@@ -188,15 +191,23 @@ def placement(resp: scheduler_pb2.ScheduleResponse) -> Placement:
 
 
 def model_cards(state: scheduler_pb2.GetStateResponse) -> list[ModelCard]:
-    """Distinct model ids of registered workers; max_model_len is the smallest a worker of that
-    model reports (a request must fit wherever it lands), 0 when none reports one."""
+    """Distinct model ids of registered workers, then each LoRA adapter they list (parent: its
+    base model, by the scheduler's own rule, shared.cluster.lora_adapter_bases); max_model_len is
+    the smallest a worker serving it reports (a request must fit wherever it lands), 0 when none
+    reports one."""
+    infos = [w.info for w in state.workers if w.info.model_id]
+    bases = lora_adapter_bases(infos)
     lens: dict[str, list[int]] = {}
-    for w in state.workers:
-        if w.info.model_id:
-            known = lens.setdefault(w.info.model_id, [])
-            if w.info.max_model_len > 0:
-                known.append(w.info.max_model_len)
-    return [ModelCard(m, min(lens[m], default=0)) for m in sorted(lens)]
+    for info in infos:
+        served = [info.model_id, *(a for a in info.lora_adapters if bases.get(a) == info.model_id)]
+        for model in served:
+            known = lens.setdefault(model, [])
+            if info.max_model_len > 0:
+                known.append(info.max_model_len)
+    return [
+        ModelCard(m, min(lens[m], default=0), bases.get(m, ""))
+        for m in sorted(lens, key=lambda m: (m in bases, m))  # base models first
+    ]
 
 
 # --- workers ---
@@ -217,6 +228,8 @@ def sampling_to_pb(s: Sampling) -> common_pb2.SamplingParams:
         msg.min_p = s.min_p
     if s.cache_salt:
         msg.cache_salt = s.cache_salt
+    if s.lora_adapter:  # unset: the base model (what an older worker serves)
+        msg.lora_adapter = s.lora_adapter
     if s.first_output_index:
         msg.first_output_index = s.first_output_index
     if s.unshown_tail_tokens:

@@ -41,7 +41,7 @@ from services.gateway.ports import (
 )
 from services.gateway.request import OutputFrame, OutputFrameKind, RequestState, RequestStatus
 from services.gateway.runs import Attempt, WorkerRuns, frame
-from shared.block_hash import block_hashes, salt_root
+from shared.block_hash import block_hashes, chain_root
 from shared.cluster import FinishReason, ServingMode
 from shared.errors import DeadlineExceeded, FailedPrecondition
 from shared.tracing import tracer
@@ -118,8 +118,8 @@ class Dispatcher:
         except BaseException:
             state.fail()
             raise
-        # the workers' prefix-cache keys: under the request's cache salt, if any
-        root = salt_root(req.sampling.cache_salt)
+        # the workers' prefix-cache keys: under the request's cache salt and LoRA adapter, if any
+        root = chain_root(req.sampling.cache_salt, req.sampling.lora_adapter)
         hashes = tuple(block_hashes(req.prompt_token_ids, self._block_size, root))
         exclude: list[str] = []
         tries = 0
@@ -233,7 +233,8 @@ class Dispatcher:
                 state.finish()
                 yield frame(state, OutputFrameKind.FINAL, "", ())
                 return
-            hashes = tuple(block_hashes(prompt, self._block_size, salt_root(req.sampling.cache_salt)))
+            root = chain_root(req.sampling.cache_salt, req.sampling.lora_adapter)
+            hashes = tuple(block_hashes(prompt, self._block_size, root))
         query = ScheduleQuery(
             request_id=attempt.request_id,
             model=req.model,

@@ -166,7 +166,7 @@ class HttpApi:
         self._authenticate(request)
         try:
             body = await read_json(request, m.DetokenizeRequest, self._max_body_bytes)
-            text, _ = self._service.detokenize(body.model, tuple(body.tokens), "tokens")
+            text, _ = await self._service.detokenize(body.model, tuple(body.tokens), "tokens")
         except Exception as exc:
             return self._fail(exc, "")
         return JSONResponse({"prompt": text})

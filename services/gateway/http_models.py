@@ -278,6 +278,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "pdserve"
+    root: str  # vLLM's: what the model was loaded from (here its id)
+    parent: str | None = None  # vLLM's: a LoRA adapter's base model id; None for a base model
     max_model_len: int | None = None
 
 

@@ -194,7 +194,16 @@ def completion_id(request_id: str) -> str:
 
 def model_list(cards: Sequence[ModelCard], created: int) -> m.ModelList:
     return m.ModelList(
-        data=[m.ModelCard(id=c.id, created=created, max_model_len=c.max_model_len or None) for c in cards]
+        data=[
+            m.ModelCard(
+                id=c.id,
+                created=created,
+                root=c.id,
+                parent=c.parent or None,
+                max_model_len=c.max_model_len or None,
+            )
+            for c in cards
+        ]
     )
 
 

@@ -95,6 +95,9 @@ class Sampling:
     top_k: int = 0
     min_p: float = 0.0  # 0 = off; ignored by greedy requests (workers too)
     cache_salt: str = ""  # "" = none (shared.block_hash.salt_root)
+    # the LoRA adapter serving the request (the model id it named); "" = the base model. Its
+    # prefix-cache keys start at shared.block_hash.chain_root(cache_salt, lora_adapter)
+    lora_adapter: str = ""
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()

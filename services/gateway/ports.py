@@ -79,7 +79,8 @@ class Placement:
 @dataclass(frozen=True)
 class ModelCard:
     id: str
-    max_model_len: int
+    max_model_len: int  # tokens; 0 = unknown
+    parent: str = ""  # a LoRA adapter's base model id; "" for a base model
 
 
 @dataclass(frozen=True)

@@ -116,11 +116,24 @@ class GatewayService:
         return len(self._in_flight)
 
     # --- requests ---
-    def prompt_token_ids(self, inp: GenerateInput) -> tuple[int, ...]:
-        """The prompt `inp` runs with (validated as a request): its token ids, or its prompt or
-        messages (with the tools offered) through the tokenizer and chat template."""
+    async def lora_adapter(self, model: str) -> str:
+        """The LoRA adapter a request's `model` names: "" for the base model (empty, or the served
+        model's id), else an adapter of the served model that workers list (the cards, refreshed
+        when the name is new to them). NotFound, naming what is served, for anything else."""
         tok = self._require_tokenizer()
-        validate_input(inp, self._limits, tok.model_id)
+        if not model or model == tok.model_id:
+            return ""
+        await self.model_cards.lookup(model, self._settings.worker_rpc_timeout_s)
+        validate_model(model, tok.model_id, self.model_cards.adapters_of(tok.model_id))
+        return model
+
+    def prompt_token_ids(self, inp: GenerateInput, lora_adapter: str = "") -> tuple[int, ...]:
+        """The prompt `inp` runs with (validated as a request; `lora_adapter`: the adapter its
+        model names, from `lora_adapter`): its token ids, or its prompt or messages (with the
+        tools offered) through the tokenizer and chat template (the base model's: an adapter
+        has the same)."""
+        tok = self._require_tokenizer()
+        validate_input(inp, self._limits, tok.model_id, [lora_adapter] if lora_adapter else [])
         if inp.prompt_token_ids:
             prompt = inp.prompt_token_ids
         elif inp.messages:
@@ -140,22 +153,28 @@ class GatewayService:
 
     async def tokenize(self, inp: GenerateInput, return_token_strs: bool = False) -> Tokenized:
         """What Tokenize answers: the prompt a Generate of `inp` would run (its count is that
-        request's usage.prompt_tokens) and the served model's max_model_len (0 while unknown)."""
-        prompt = self.prompt_token_ids(inp)
+        request's usage.prompt_tokens) and the max_model_len of the model (or LoRA adapter) it
+        names (0 while unknown)."""
+        lora_adapter = await self.lora_adapter(inp.model)
+        prompt = self.prompt_token_ids(inp, lora_adapter)
         tok = self._require_tokenizer()
-        max_len = await self.model_cards.max_model_len(tok.model_id, self._settings.worker_rpc_timeout_s)
-        return Tokenized(prompt, tok.model_id, max_len, tok.pieces(prompt) if return_token_strs else ())
+        model = lora_adapter or tok.model_id
+        max_len = await self.model_cards.max_model_len(model, self._settings.worker_rpc_timeout_s)
+        return Tokenized(prompt, model, max_len, tok.pieces(prompt) if return_token_strs else ())
 
-    def detokenize(self, model: str, token_ids: tuple[int, ...], field: str = "token_ids") -> tuple[str, str]:
-        """(the ids' text, the model id) for ids of the served model's vocabulary; `field`: the
-        ids' name in the client's API (refusals name it)."""
+    async def detokenize(
+        self, model: str, token_ids: tuple[int, ...], field: str = "token_ids"
+    ) -> tuple[str, str]:
+        """(the ids' text, the model id: `model` when it names a LoRA adapter) for ids of the
+        served model's vocabulary; `field`: the ids' name in the client's API (refusals name it)."""
+        lora_adapter = await self.lora_adapter(model)
         tok = self._require_tokenizer()
-        validate_model(model, tok.model_id)
         validate_vocab_ids(field, token_ids, tok.vocab_size)
-        return tok.decode(token_ids), tok.model_id
+        return tok.decode(token_ids), lora_adapter or tok.model_id
 
-    def prepare(self, inp: GenerateInput) -> PreparedRequest:
-        prompt = self.prompt_token_ids(inp)
+    def prepare(self, inp: GenerateInput, lora_adapter: str = "") -> PreparedRequest:
+        """`lora_adapter`: the adapter `inp.model` names (`lora_adapter`); "" = the base model."""
+        prompt = self.prompt_token_ids(inp, lora_adapter)
         sampling = Sampling(
             temperature=1.0 if inp.temperature is None else float(inp.temperature),
             top_p=1.0 if inp.top_p is None else float(inp.top_p),
@@ -163,6 +182,7 @@ class GatewayService:
             # a greedy request ignores min_p: not sent, so it needs no "min_p" worker
             min_p=float(inp.min_p or 0.0) if inp.temperature != 0 else 0.0,
             cache_salt=inp.cache_salt,
+            lora_adapter=lora_adapter,
             seed=inp.seed,
             stop=inp.stop,
             stop_token_ids=inp.stop_token_ids,
@@ -195,7 +215,7 @@ class GatewayService:
         arrival_s = time.monotonic()
         if self._draining:
             raise Unavailable("the gateway is shutting down; retry on another replica")
-        prepared = self.prepare(inp)
+        prepared = self.prepare(inp, await self.lora_adapter(inp.model))
         # Admission: a slot, or a short wait for one (by priority, then arrival), or
         # RESOURCE_EXHAUSTED at once. The deadline clock starts at arrival, so time spent queued
         # counts against it.
@@ -212,7 +232,8 @@ class GatewayService:
                 request_id=prepared.request_id,
                 prompt_token_ids=prepared.prompt_token_ids,
                 return_token_ids=prepared.return_token_ids,
-                model=self._require_tokenizer().model_id,
+                # what responses echo as their model: the adapter's id for an adapter's request
+                model=prepared.sampling.lora_adapter or self._require_tokenizer().model_id,
                 arrival_s=arrival_s,
             )
             task = asyncio.current_task()

@@ -71,7 +71,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self, request: gateway_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.DetokenizeResponse:
         try:
-            text, model = self._service.detokenize(request.model, tuple(request.token_ids))
+            text, model = await self._service.detokenize(request.model, tuple(request.token_ids))
         except BaseException as exc:
             _count_error(exc)
             raise

@@ -4,6 +4,7 @@ person can act on, raised before anything is started anywhere."""
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from services.gateway.inputs import GenerateInput
@@ -38,18 +39,25 @@ class Limits:
     max_stop_string_chars: int = 256
 
 
-def validate_model(model: str, served_model: str) -> None:
-    """NotFound unless `model` is empty or the served model's id."""
-    if model and model != served_model:
+def validate_model(model: str, served_model: str, adapters: Collection[str] = ()) -> None:
+    """NotFound unless `model` is empty, the served model's id or one of `adapters` (the LoRA
+    adapters of the served model that workers list)."""
+    if model and model != served_model and model not in adapters:
+        served = repr(served_model)
+        if adapters:
+            served += f" and its LoRA adapters {sorted(adapters)}"
         raise NotFound(
-            f"model {model!r} is not served here; this deployment serves {served_model!r} "
-            "(ListModels lists it; leave model empty to use it)"
+            f"model {model!r} is not served here; this deployment serves {served} "
+            "(ListModels lists them; leave model empty to use the base model)"
         )
 
 
-def validate_input(req: GenerateInput, limits: Limits, served_model: str) -> None:
-    """Checks that need no tokenizer and no scheduler. Raises InvalidArgument / NotFound."""
-    validate_model(req.model, served_model)
+def validate_input(
+    req: GenerateInput, limits: Limits, served_model: str, adapters: Collection[str] = ()
+) -> None:
+    """Checks that need no tokenizer and no scheduler (`adapters`: the LoRA adapters `model` may
+    name besides the served model). Raises InvalidArgument / NotFound."""
+    validate_model(req.model, served_model, adapters)
     given = [
         name
         for name, present in (

@@ -146,3 +146,19 @@ def test_priority_and_min_p_reach_the_engine_request_and_zero_stays_unset() -> N
     ):
         assert not pb.HasField("priority") and not pb.sampling.HasField("min_p")
     assert convert.prefill_call_from_pb(gateway_convert.prefill_request(plain, 0, None)).request.priority == 0
+
+
+def test_the_lora_adapter_reaches_the_engine_and_the_base_model_leaves_it_unset() -> None:
+    from services.gateway import convert as gateway_convert
+    from services.gateway.inputs import Sampling
+    from services.gateway.ports import WorkerJob
+
+    job = WorkerJob("r", (1, 2), Sampling(max_tokens=4, lora_adapter="sql", cache_salt="t"), False)
+    prefill = gateway_convert.prefill_request(job, 0, None)
+    assert prefill.sampling.lora_adapter == "sql"
+    assert convert.prefill_call_from_pb(prefill).request.sampling.lora_adapter == "sql"
+    decode = convert.decode_call_from_pb(gateway_convert.decode_request(job, 0, local_prefill=True))
+    assert (decode.request.sampling.lora_adapter, decode.request.sampling.cache_salt) == ("sql", "t")
+    base = gateway_convert.decode_request(WorkerJob("r", (1,), Sampling(max_tokens=4), False), 0, True)
+    assert not base.sampling.HasField("lora_adapter")  # what an older gateway sends
+    assert convert.decode_call_from_pb(base).request.sampling.lora_adapter == ""
