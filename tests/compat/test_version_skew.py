@@ -3,7 +3,8 @@
 (a) an old worker (never sets generated_tokens) behind a new gateway: the gateway counts frames,
     still clamps to max_tokens, and derives finish_reason with the worker's rule;
 (b) new worker messages read by an old gateway: the unknown field is ignored (and kept intact);
-(c) a prefill worker that offers NIXL paired with an old decode worker pushes over gRPC.
+(c) a prefill worker that offers NIXL paired with an old decode worker pushes over gRPC;
+(d) an old worker (no lora_adapters) never gets a LoRA adapter's request.
 """
 
 from __future__ import annotations
@@ -21,7 +22,11 @@ import pytest
 
 from services.gateway.server import GatewayApp, build_app
 from services.gateway.settings import GatewaySettings
-from shared.cluster import NIXL_CAPABILITY
+from services.scheduler.router import Router
+from services.scheduler.types import RequestFeatures
+from shared.cluster import NIXL_CAPABILITY, LoadSnapshot, RankLoad, WorkerLoad
+from shared.cluster_convert import worker_info_from_pb
+from shared.errors import Unavailable
 from shared.proto import (
     common_pb2,
     gateway_pb2,
@@ -331,3 +336,64 @@ async def test_an_old_decode_worker_gets_the_grpc_push_from_a_nixl_prefill_worke
     assert m, done.text
     assert int(m.group(1)) > 0 and int(m.group(2)) >= 1  # KV bytes in PushKv chunks
     assert done.finish_reason == STOP
+
+
+def test_an_adapter_request_never_reaches_a_worker_older_than_lora(v1_0_stubs: Path) -> None:
+    """An old worker reads a PrefillRequest naming a LoRA adapter without the field (it would
+    answer with the base model), so nothing may send it one: its registration lists no adapters
+    (the field is new), and the scheduler routes an adapter's requests only to workers listing
+    it, however idle the old worker is."""
+    prefill = worker_pb2.PrefillRequest(
+        request_id="r",
+        prompt_token_ids=[1, 2],
+        sampling=common_pb2.SamplingParams(max_tokens=4, lora_adapter="sql"),
+    )
+    old = json.loads(
+        run_old_peer(
+            v1_0_stubs, "parse", stdin=json.dumps({"PrefillRequest": prefill.SerializeToString().hex()})
+        )
+    )
+    assert "lora_adapter" not in old["PrefillRequest"]["fields"]["sampling"]
+    assert old["PrefillRequest"]["fields"]["sampling"]["max_tokens"] == 4
+
+    layout = common_pb2.KvLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype="float32")
+    as_registered = {  # an old worker's WorkerInfo has no field 11: what it sends reads as empty
+        "old": common_pb2.WorkerInfo(
+            worker_id="old",
+            address="old:1",
+            role=common_pb2.WORKER_ROLE_UNIFIED,
+            model_id="m",
+            dp_size=1,
+            kv_layout=layout,
+            proto_version="1.0",
+        ),
+        "new": common_pb2.WorkerInfo(
+            worker_id="new",
+            address="new:1",
+            role=common_pb2.WORKER_ROLE_UNIFIED,
+            model_id="m",
+            dp_size=1,
+            kv_layout=layout,
+            proto_version="1.13",
+            capabilities=["lora"],
+            lora_adapters=["sql"],
+        ),
+    }
+    loads = {"old": 0, "new": 100_000}  # the old worker is idle, the new one busy
+    snapshot = LoadSnapshot(
+        workers=tuple(
+            WorkerLoad(worker_info_from_pb(pb), (RankLoad(0, num_used_tokens=loads[name]),), 0, False)
+            for name, pb in as_registered.items()
+        ),
+        version=1,
+        timestamp_ms=0,
+    )
+    assert snapshot.workers[0].info.lora_adapters == ()
+    router = Router(seed=0)
+    router.apply_snapshot(snapshot)
+    chosen = {router.schedule(RequestFeatures(f"r{i}", 10, model="sql")).decode.worker_id for i in range(20)}
+    assert chosen == {"new"}
+    # the base model's requests still go to the idle old worker
+    assert router.schedule(RequestFeatures("base", 10)).decode.worker_id == "old"
+    with pytest.raises(Unavailable, match="every worker of model 'sql' is excluded"):
+        router.schedule(RequestFeatures("x", 10, model="sql", exclude_worker_ids=frozenset({"new"})))
