@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -242,6 +243,37 @@ def test_model_sources(gpu_objs: list[Obj]) -> None:
     assert env_of(deps["decode-worker"])["PDSERVE_MODEL"] == "/opt/models/llama"
 
 
+def test_lora_modules_reach_every_worker_from_the_model_volume(tmp_path: Path) -> None:
+    """PDSERVE_LORA_MODULES on both worker roles (an adapter's prefill and decode both need it),
+    not on the gateway; paths in the model's volume (pvc / hostPath) or the image."""
+    values = tmp_path / "lora.yaml"
+    values.write_text(
+        "model:\n  loraModules:\n    - {name: sql-lora, path: adapters/sql}\n"
+        "    - {name: org/chat, path: /adapters/chat/}\n"
+    )
+    deps = deployments(
+        render("-f", str(values), "--set", "model.source=pvc", "--set", "model.pvc.claimName=m")
+    )
+    for name in WORKERS:
+        assert env_of(deps[name])["PDSERVE_LORA_MODULES"] == (
+            "sql-lora=/models/adapters/sql,org/chat=/models/adapters/chat"
+        )
+    for name in ("gateway", "scheduler", "load-monitor"):
+        assert "PDSERVE_LORA_MODULES" not in env_of(deps[name])
+    deps = deployments(render("-f", str(values)))  # source: image
+    assert (
+        env_of(deps["decode-worker"])["PDSERVE_LORA_MODULES"]
+        == "sql-lora=adapters/sql,org/chat=/adapters/chat/"
+    )
+    assert "PDSERVE_LORA_MODULES" not in env_of(deployments(render())["decode-worker"])
+    # what the worker reads, the way it reads it
+    from services.worker.settings import WorkerSettings
+    from shared.settings import parse_settings
+
+    env = {"PDSERVE_LORA_MODULES": "sql-lora=/models/adapters/sql,org/chat=/models/adapters/chat"}
+    assert parse_settings(WorkerSettings, [], env=env).lora_adapters == ("sql-lora", "org/chat")
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -253,6 +285,15 @@ def test_model_sources(gpu_objs: list[Obj]) -> None:
         (["--set", "prefillWorker.gpu=1"], "Additional property gpu is not allowed"),
         (["--set", "decodeWorker.device=tpu"], "must be one of"),
         (["--set", "common.drainGraceS=-1"], "drainGraceS"),
+        (["--set", "model.loraModules[0].name=sql"], "path is required"),
+        (["--set", "model.loraModules[0].name=-x", "--set", "model.loraModules[0].path=a"], "pattern"),
+        (
+            [
+                *("--set", "model.loraModules[0].name=sql", "--set", "model.loraModules[0].path=a"),
+                *("--set", "model.loraModules[1].name=sql", "--set", "model.loraModules[1].path=b"),
+            ],
+            'the name "sql" is given twice',
+        ),
     ],
 )
 def test_inconsistent_values_fail_to_render(args: list[str], message: str) -> None:
