@@ -312,3 +312,19 @@ def test_the_gpus_counted_are_used_and_none_visible_keeps_one_shared_device() ->
 def test_a_bad_gpu_list_exits_with_one_line(gpus: str) -> None:
     with pytest.raises(SystemExit, match="--gpus"):
         up._parse(["--device", "cuda", "--gpus", gpus])
+
+
+def test_lora_modules_given_once_reach_every_worker() -> None:
+    """`--worker-arg=--lora-modules=NAME=PATH` (repeatable): every worker, whatever its role,
+    serves the adapters, and reads them as its own flag would."""
+    from services.worker.settings import WorkerSettings
+    from shared.settings import parse_settings
+
+    lora = ("--worker-arg=--lora-modules=sql=/a/sql", "--worker-arg=--lora-modules=chat=/a/chat")
+    for shape in ((), ("--unified-workers", "2"), ("--prefill-workers", "2")):
+        workers = [c for c in _children(*shape, *lora) if "worker" in c.name]
+        assert workers
+        for child in workers:
+            settings = parse_settings(WorkerSettings, child.args, env={})
+            assert settings.lora_modules == ("sql=/a/sql", "chat=/a/chat"), child.name
+            assert settings.lora_adapters == ("sql", "chat")
