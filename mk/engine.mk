@@ -38,3 +38,15 @@ BENCH_TARGETS += bench-kv-offload
 .PHONY: bench-kv-offload
 bench-kv-offload: install
 	$(PY) -m benchmarks.kv_offload $(KV_OFFLOAD_BENCH_ARGS)
+
+# What serving through LoRA adapters costs (--lora-modules): decode TPOT with every request on
+# the base model, on one adapter, mixed over the base model and 4 adapters; prefill TTFT base
+# vs adapter (random rank-16 adapters on every projection, written as PEFT folders).
+#   make bench-lora                      (random:smollm2 shape, CPU; ~1 minute)
+#   make bench-lora LORA_BENCH_ARGS="--device cuda --model random:llama-8b --batch 16"
+LORA_BENCH_ARGS ?=
+BENCH_TARGETS += bench-lora
+
+.PHONY: bench-lora
+bench-lora: install
+	$(PY) -m benchmarks.lora $(LORA_BENCH_ARGS)

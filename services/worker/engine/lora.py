@@ -7,11 +7,15 @@ adapter_config.json + adapter_model.safetensors, checked against the model), and
 adapter of one rank's model, attached to the projection modules it targets (`LoraModule`), and the
 step's row -> adapter assignment (`LoraStep`) that those modules read while a step runs.
 
-Numerics: a targeted projection computes `base(x) + lora_B(lora_A(x)) * scaling` on its adapter's
-rows, the same operations in the same order as PEFT's `Linear.forward`, so the engine's logits
-are PEFT's up to the rounding of products over fewer rows (tests/unit/engine/test_lora.py). Rows
-without an adapter get exactly the base model's numbers; a step without adapter rows costs one
-attribute check per projection.
+Numerics: a targeted projection adds `(x A^T * scaling) B^T` to its output on each adapter's rows
+(PEFT's `lora_B(lora_A(x)) * scaling` with the scaling applied one product earlier), every
+loaded adapter's A stacked into one product and B into another (`LoraModule`), so a step costs
+the same three extra kernels per projection however many adapters it mixes (a step of one
+adapter reads only that adapter's columns). Logits are PEFT's up
+to rounding; greedy tokens equal PEFT's in tests/unit/engine/test_lora.py. Rows without an
+adapter get exactly the base model's numbers (their delta is zeros); a step without adapter
+rows costs one attribute check per projection. Every loaded adapter's columns are in every
+adapted step's products: many adapters of a high rank make each such step read more.
 
 Not served (refused at load with the reason): DoRA, adapters that train embeddings or the LM head
 (`modules_to_save`, trainable tokens, added tokens), LoRA biases, per-module alpha patterns and
@@ -23,7 +27,7 @@ import json
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -165,42 +169,79 @@ def _read_tensors(name: str, path: str, folder: Path) -> dict[str, torch.Tensor]
     raise _refuse(name, path, "no adapter_model.safetensors (or adapter_model.bin) there")
 
 
-@dataclass(frozen=True)
 class LoraStep:
-    """A step's rows by adapter: (slot, packed rows of that adapter) per adapter in the step, the
-    rows None when every row of the step is that adapter's. Rows of slot 0 (the base model)
-    are in no group."""
+    """A step's rows by adapter: `row_slots` [rows] the slot serving each packed row (0: the base
+    model), and per column layout (`_Columns`) the [rows, columns] factor its rows' A products
+    are multiplied by, built once per step at its first projection."""
 
-    groups: tuple[tuple[int, torch.Tensor | None], ...]
+    def __init__(self, row_slots: torch.Tensor, only: int, uniform: bool) -> None:
+        self.row_slots = row_slots
+        # the one adapter of the step when it has one (its rows and base rows only), else 0
+        self.only = only
+        self.uniform = uniform  # every row is `only`'s: its scaling is a scalar
+        self._factors: dict[int, torch.Tensor] = {}
+
+    def factor(self, cols: _Columns) -> torch.Tensor:
+        """With several adapters: [rows, columns], the adapter's scaling where the column belongs
+        to the row's adapter, else 0. With one: [rows, 1], its scaling on its rows, else 0."""
+        f = self._factors.get(id(cols))
+        if f is None:
+            if self.only:
+                scaling = cols.scaling[cols.slot == self.only][:1]  # [1] (empty: not adapted)
+                f = torch.where(self.row_slots[:, None] == self.only, scaling[None, :], 0.0)
+            else:
+                f = torch.where(cols.slot[None, :] == self.row_slots[:, None], cols.scaling[None, :], 0.0)
+            self._factors[id(cols)] = f
+        return f
+
+
+@dataclass(frozen=True, eq=False)
+class _Columns:
+    """Which adapter owns each column of a stacked A product ([columns] slots) and its scaling
+    ([columns], the projection's dtype); projections with the same adapters, ranks and scalings
+    share one (so a step builds one factor for them all)."""
+
+    slot: torch.Tensor
+    scaling: torch.Tensor
 
 
 @dataclass(eq=False)
 class LoraModule:
-    """One targeted projection: its adapters' matrices by slot. `apply` adds the running step's
-    deltas to the projection's output rows."""
+    """One targeted projection: every adapter's A stacked ([columns, in], columns = the sum of
+    their ranks) and B side by side ([out, columns]). `apply` adds the running step's deltas:
+    one product with every adapter's A, zeroed outside each row's own adapter's columns (and
+    scaled there), one product with B; a row of the base model gets zeros. The cost is constant
+    in how many adapters a step mixes (no per-adapter row gathers), and the shapes depend on the
+    step's rows only."""
 
     owner: LoraSet
-    weights: dict[int, tuple[torch.Tensor, torch.Tensor, float]] = field(default_factory=dict)
+    a: torch.Tensor
+    b: torch.Tensor
+    cols: _Columns
+    # per slot that adapts the projection: its own A (a view of `a`'s rows) and B (contiguous),
+    # for steps of one adapter, which need not read the others' columns
+    by_slot: dict[int, tuple[torch.Tensor, torch.Tensor, float]]
 
     @property
     def active(self) -> bool:
         return self.owner.step is not None
 
     def apply(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """out += lora_B(lora_A(x)) * scaling on each adapter's rows (x [rows, in], out
-        [rows, out], in place); returns out."""
+        """out += (x A^T * factor) B^T, i.e. lora_B(lora_A(x)) * scaling of each row's adapter
+        (x [rows, in], out [rows, out], in place); returns out."""
         step = self.owner.step
         assert step is not None
-        for slot, rows in step.groups:
-            w = self.weights.get(slot)
-            if w is None:  # this adapter leaves the projection alone
-                continue
-            a, b, scaling = w
-            if rows is None:
-                out.add_(F.linear(F.linear(x, a), b) * scaling)
-            else:
-                out.index_add_(0, rows, F.linear(F.linear(x.index_select(0, rows), a), b) * scaling)
-        return out
+        if step.only:
+            own = self.by_slot.get(step.only)
+            if own is None:  # the step's adapter leaves this projection alone
+                return out
+            a, b, scaling = own
+            if step.uniform:  # PEFT's order exactly: the scaling after the B product
+                return out.addmm_(F.linear(x, a), b.t(), alpha=scaling)
+        else:
+            a, b = self.a, self.b
+        t = F.linear(x, a).mul_(step.factor(self.cols))
+        return out.addmm_(t, b.t())
 
 
 class LoraSet:
@@ -213,17 +254,35 @@ class LoraSet:
         self._slots = {a.name: i + 1 for i, a in enumerate(adapters)}
         self.step: LoraStep | None = None
         modules = dict(model.named_modules())
-        self.modules: dict[str, LoraModule] = {}
+        per_module: dict[str, list[tuple[int, torch.Tensor, torch.Tensor, float]]] = {}
         for slot, adapter in enumerate(adapters, start=1):
-            for module_name, w in adapter.weights.items():
-                lm = self.modules.get(module_name)
-                if lm is None:
-                    lm = self.modules[module_name] = LoraModule(self)
-                    module = modules[module_name]
-                    module.pdserve_lora = lm  # lean_llama's _Linear reads it
-                    # transformers' own forward calls the module: the delta rides on its output
-                    module.register_forward_hook(_hook(lm))
-                lm.weights[slot] = w
+            for module_name, (a, b, scaling) in adapter.weights.items():
+                per_module.setdefault(module_name, []).append((slot, a, b, scaling))
+        layouts: dict[tuple[object, ...], _Columns] = {}
+        self.modules: dict[str, LoraModule] = {}
+        for module_name, parts in per_module.items():
+            a = parts[0][1]
+            key = (a.device, a.dtype, *((slot, pa.shape[0], sc) for slot, pa, _, sc in parts))
+            cols = layouts.get(key)
+            if cols is None:
+                slot_of_col = [slot for slot, pa, _, _ in parts for _ in range(pa.shape[0])]
+                scale_of_col = [sc for _, pa, _, sc in parts for _ in range(pa.shape[0])]
+                cols = layouts[key] = _Columns(
+                    torch.tensor(slot_of_col, dtype=torch.long, device=a.device),
+                    torch.tensor(scale_of_col, dtype=a.dtype, device=a.device),
+                )
+            a_all = torch.cat([pa for _, pa, _, _ in parts]).contiguous()
+            by_slot, at = {}, 0
+            for slot, pa, pb, sc in parts:
+                by_slot[slot] = (a_all[at : at + pa.shape[0]], pb, sc)
+                at += pa.shape[0]
+            lm = self.modules[module_name] = LoraModule(
+                self, a_all, torch.cat([pb for _, _, pb, _ in parts], dim=1).contiguous(), cols, by_slot
+            )
+            module = modules[module_name]
+            module.pdserve_lora = lm  # lean_llama's _Linear reads it
+            # transformers' own forward calls the module: the delta rides on its output
+            module.register_forward_hook(_hook(lm))
 
     @classmethod
     def load(
@@ -241,17 +300,12 @@ class LoraSet:
     def step_for(self, row_slots: Sequence[int], device: torch.device) -> LoraStep | None:
         """The LoraStep of a packed step whose row i is served by slot row_slots[i]; None when
         every row is the base model's."""
-        distinct = set(row_slots)
-        distinct.discard(0)
+        distinct = set(row_slots) - {0}
         if not distinct:
             return None
-        if len(distinct) == 1 and row_slots[0] != 0 and all(s == row_slots[0] for s in row_slots):
-            return LoraStep(((row_slots[0], None),))
-        groups = []
-        for slot in sorted(distinct):
-            rows = [i for i, s in enumerate(row_slots) if s == slot]
-            groups.append((slot, torch.tensor(rows, dtype=torch.long, device=device)))
-        return LoraStep(tuple(groups))
+        only = next(iter(distinct)) if len(distinct) == 1 else 0
+        uniform = bool(only) and 0 not in row_slots
+        return LoraStep(torch.tensor(row_slots, dtype=torch.long, device=device), only, uniform)
 
     def running(self, step: LoraStep | None) -> _Running:
         """`with lora_set.running(step):` the modules add `step`'s deltas while the step runs."""
