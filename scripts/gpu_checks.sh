@@ -86,7 +86,8 @@ if [[ $what == window ]]; then
   #   engine   bench-engine on the 8B shape against HF's padded batch, steps vs floor as served;
   #   disagg   `pdserve up` disaggregated on the one GPU as up starts it (the decode worker with
   #            graphs, the prefill worker without) and with no graphs in either (`+eager`);
-  #   offload  the host KV tier (--kv-offload-tokens) against a pool hit and a recompute.
+  #   offload  the host KV tier (--kv-offload-tokens) against a pool hit and a recompute;
+  #   lora     LoRA adapters' cost: decode TPOT base / one adapter / mixed, prefill TTFT.
   # Each part has its own limit (T_<PART> seconds; SIGINT, so pytest and the benchmarks still
   # write what they have), so a slow one never takes the later ones' time. A 15-minute lease
   # (one call at most 600 s, a start ~35 s; the machine goes back after ~30 s idle, so the next
@@ -130,6 +131,12 @@ if [[ $what == window ]]; then
         timeout -s INT "${T_OFFLOAD:-150}" $PY -m benchmarks.kv_offload --device cuda --dtype bfloat16 \
           --model random:llama-8b --prompt-tokens 2048 --block-size 32 --repeats 2 \
           --out "$RES/kv-offload-llama-8b-$TAG.json" || rc=1 ;;
+      lora)
+        # what serving through LoRA adapters costs on the 8B shape (4 random rank-16 adapters on
+        # every projection): adapter steps run eagerly, without graphs or fused kernels
+        timeout -s INT "${T_LORA:-150}" $PY -m benchmarks.lora --device cuda --dtype bfloat16 \
+          --model random:llama-8b --batch 16 --new-tokens 32 --prompt-tokens 2048 --repeats 2 \
+          --out "$RES/lora-llama-8b-$TAG.json" || rc=1 ;;
       probe|attention|profile)
         if [[ $part != profile ]]; then
         timeout -s INT "${T_PROBE:-60}" $PY -m benchmarks.cuda_attention --batches 1 8 64 \

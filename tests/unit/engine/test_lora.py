@@ -214,6 +214,7 @@ def test_malformed_adapters_are_refused_with_the_reason(
             load_adapter("g", str(dst), model, cpu, torch.float32)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 async def test_on_cuda_adapter_rows_leave_graphs_and_fused_kernels_to_the_base_model(
     make_engine: EngineFactory, adapters: dict[str, Path], reference: dict[str, list[int]]
