@@ -59,9 +59,11 @@ def http_error(exc: BaseException) -> HttpError:
     retry_after_s = getattr(exc, "retry_after_s", None) or RETRY_AFTER_S
     headers = {"Retry-After": str(max(1, math.ceil(retry_after_s)))} if status in (429, 503) else {}
     param = getattr(exc, "param", None)
+    error_code = code.name.lower()
     if param is None and code == grpc.StatusCode.NOT_FOUND and "model" in message:
         param = "model"
-    return HttpError(status, error_body(message, type_, param, code.name.lower()), headers, code)
+        error_code = "model_not_found"  # OpenAI's code for a model (or adapter) not served
+    return HttpError(status, error_body(message, type_, param, error_code), headers, code)
 
 
 class Refusal(Exception):

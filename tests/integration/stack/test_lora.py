@@ -90,6 +90,7 @@ async def test_models_list_each_adapter_with_its_parent(
             await complete(api, "nope")
     message = str(err.value)
     assert f"serves '{model.name}' and its LoRA adapters ['chat', 'sql']" in message, message
+    assert err.value.body["code"] == "model_not_found" and err.value.body["param"] == "model"  # type: ignore[index]
 
 
 async def test_an_adapters_text_differs_from_the_base_models_and_is_the_same_in_both_modes(

@@ -238,7 +238,8 @@ def test_errors_map_to_http(exc: Exception, status: int, retry_after: bool) -> N
         assert "detail" not in e.body.error.message and e.is_internal
     else:
         assert e.body.error.message == str(exc)
-    assert herr.http_error(errors.NotFound("model 'x' is not served here")).body.error.param == "model"
+    unknown_model = herr.http_error(errors.NotFound("model 'x' is not served here")).body.error
+    assert (unknown_model.param, unknown_model.code) == ("model", "model_not_found")  # OpenAI's
     assert herr.HTTP_BY_STATUS[grpc.StatusCode.UNAUTHENTICATED][0] == 401
 
 
