@@ -218,8 +218,8 @@ class LoraModule:
     a: torch.Tensor
     b: torch.Tensor
     cols: _Columns
-    # per slot that adapts the projection: its own A (a view of `a`'s rows) and B (contiguous),
-    # for steps of one adapter, which need not read the others' columns
+    # per slot that adapts the projection: its own A and B (views of `a`'s rows and `b`'s
+    # columns) and scaling, for steps of one adapter, which need not read the others' columns
     by_slot: dict[int, tuple[torch.Tensor, torch.Tensor, float]]
 
     @property
@@ -272,13 +272,12 @@ class LoraSet:
                     torch.tensor(scale_of_col, dtype=a.dtype, device=a.device),
                 )
             a_all = torch.cat([pa for _, pa, _, _ in parts]).contiguous()
+            b_all = torch.cat([pb for _, _, pb, _ in parts], dim=1).contiguous()
             by_slot, at = {}, 0
-            for slot, pa, pb, sc in parts:
-                by_slot[slot] = (a_all[at : at + pa.shape[0]], pb, sc)
+            for slot, pa, _, sc in parts:  # views: BLAS reads a column block of B in place
+                by_slot[slot] = (a_all[at : at + pa.shape[0]], b_all[:, at : at + pa.shape[0]], sc)
                 at += pa.shape[0]
-            lm = self.modules[module_name] = LoraModule(
-                self, a_all, torch.cat([pb for _, _, pb, _ in parts], dim=1).contiguous(), cols, by_slot
-            )
+            lm = self.modules[module_name] = LoraModule(self, a_all, b_all, cols, by_slot)
             module = modules[module_name]
             module.pdserve_lora = lm  # lean_llama's _Linear reads it
             # transformers' own forward calls the module: the delta rides on its output

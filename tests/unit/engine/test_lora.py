@@ -95,9 +95,20 @@ async def test_another_architecture_through_transformers_forward(
     assert tokens_of(out) == peft_greedy(base, adapter, PROMPT, NEW_TOKENS)
 
 
-@pytest.mark.parametrize("speculative", ["off", "ngram"])
+@pytest.mark.parametrize(
+    ("speculative", "names"),
+    [
+        ("off", ["sql", "", "chat", "sql", "", "chat"]),  # several adapters in a step
+        ("off", ["sql", "", "sql", ""]),  # one adapter beside base rows
+        ("ngram", ["sql", "", "chat", "sql", "", "chat"]),
+    ],
+)
 async def test_mixed_steps_leave_each_request_its_own_output(
-    make_engine: EngineFactory, adapters: dict[str, Path], reference: dict[str, list[int]], speculative: str
+    make_engine: EngineFactory,
+    adapters: dict[str, Path],
+    reference: dict[str, list[int]],
+    speculative: str,
+    names: list[str],
 ) -> None:
     """Base and adapter requests decoded (and prefilled) in the same steps, on the CPU decode
     kernel's path and with a prompt chunk beside decode rows (and with speculation's verify
@@ -105,7 +116,6 @@ async def test_mixed_steps_leave_each_request_its_own_output(
     engine = make_engine(
         lora_modules=specs(adapters), max_batch_tokens=48, speculative=speculative, spec_step_cost=False
     )
-    names = ["sql", "", "chat", "sql", "", "chat"]
     outs = await asyncio.gather(
         *(collect(engine.add_request(request(f"m{i}", PROMPT, with_adapter(n)))) for i, n in enumerate(names))
     )
