@@ -78,6 +78,11 @@ class ModelCards:
         await self._wait_refresh(timeout_s)
         return (self._cards or {}).get(model)
 
+    @property
+    def listed(self) -> bool:
+        """Whether a fetch ever succeeded (before: no card is known, not even as missing)."""
+        return self._cards is not None
+
     def adapters_of(self, base_model: str) -> list[str]:
         """The LoRA adapters of `base_model` as last listed (ids, sorted)."""
         return sorted(c.id for c in (self._cards or {}).values() if c.parent == base_model)

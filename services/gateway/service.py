@@ -124,6 +124,11 @@ class GatewayService:
         if not model or model == tok.model_id:
             return ""
         await self.model_cards.lookup(model, self._settings.worker_rpc_timeout_s)
+        if not self.model_cards.listed:  # the scheduler never answered: unknown, not missing
+            raise Unavailable(
+                f"cannot tell whether {model!r} is a LoRA adapter: the scheduler has not listed the "
+                "cluster's models yet; retry shortly"
+            )
         validate_model(model, tok.model_id, self.model_cards.adapters_of(tok.model_id))
         return model
 

@@ -7,6 +7,7 @@ every worker run (a migration too), and never to a worker lacking the "lora" cap
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 
@@ -17,10 +18,13 @@ from services.gateway.http_responses import model_list
 from services.gateway.model_cards import ModelCards
 from services.gateway.ports import ModelCard, PrefillResult, WorkerTarget, WorkerUnavailable
 from services.gateway.request import RequestState
+from services.gateway.service import GatewayService
+from services.gateway.settings import GatewaySettings
+from services.gateway.tokenization import PromptTokenizer
 from services.gateway.validation import Limits, validate_input, validate_model
 from shared.block_hash import block_hashes, chain_root
 from shared.cluster import FinishReason
-from shared.errors import NotFound, ResourceExhausted
+from shared.errors import NotFound, ResourceExhausted, Unavailable
 from shared.proto import common_pb2, scheduler_pb2
 
 from .test_dispatch import (
@@ -181,3 +185,25 @@ async def test_a_worker_without_the_lora_capability_never_runs_an_adapter_reques
         sched = FakeScheduler([agg(old)] * 3)
         async for _ in Dispatcher(sched, FakeWorkers(), block_size=4).run(req, state, None):
             pass
+
+
+async def test_the_service_resolves_model_to_an_adapter_or_refuses_it() -> None:
+    """The base model's id or nothing: no adapter, no fetch; a listed adapter of the served model:
+    its name; an adapter of another base model, or nothing listed: NOT_FOUND; the scheduler never
+    answered: UNAVAILABLE (unknown is not missing)."""
+    tokenizer = PromptTokenizer(object(), "m", 100)
+    none: Any = None
+    lister = Lister([[ModelCard("m", 24), ModelCard("sql", 24, "m"), ModelCard("x", 8, "other")]])
+    service = GatewayService(GatewaySettings(), lister, none, tokenizer)
+    assert await service.lora_adapter("") == "" and await service.lora_adapter("m") == ""
+    assert lister.calls == 0
+    assert await service.lora_adapter("sql") == "sql"
+    with pytest.raises(
+        NotFound, match=r"'x' is not served here; this deployment serves 'm' and its LoRA adapters \['sql'\]"
+    ):
+        await service.lora_adapter("x")  # a card, but of a model this gateway does not tokenize for
+    await service.close()
+    down = GatewayService(GatewaySettings(), Lister([Unavailable("scheduler down")]), none, tokenizer)
+    with pytest.raises(Unavailable, match="has not listed the cluster's models yet"):
+        await down.lora_adapter("sql")
+    await down.close()
