@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ways = {
         "base": [""] * args.batch,
         "one": [names[0]] * args.batch,
-        "mixed": [([""] + names)[i % (len(names) + 1)] for i in range(args.batch)],
+        "mixed": [["", *names][i % (len(names) + 1)] for i in range(args.batch)],
     }
     results: dict[str, Any] = {}
     seq = iter(range(1 << 30))
