@@ -29,8 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.engine_floor import cpu_features
-from benchmarks.result_names import machine_class, result_path
+from benchmarks.result_names import describe_machine, result_path
 
 
 async def _first_token_s(engine: Any, request: Any) -> tuple[float, int]:
@@ -133,11 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"host / recompute {ratios['host_over_recompute']}x, host / pool hit {ratios['host_over_pool_hit']}x"
     )
-    machine: dict[str, Any] = {**cpu_features(), "class": machine_class(args.device)}
-    if args.device.startswith("cuda"):
-        import torch
-
-        machine["gpu"] = torch.cuda.get_device_name(0)
+    machine = describe_machine(args.device)
     doc = {
         "command": "python -m benchmarks.kv_offload " + " ".join(sys.argv[1:] if argv is None else argv),
         "machine": machine,

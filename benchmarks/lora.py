@@ -30,8 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.engine_floor import cpu_features
-from benchmarks.result_names import machine_class, result_path
+from benchmarks.result_names import describe_machine, result_path
 
 _PROJECTIONS = {
     "self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
@@ -204,11 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     for way in ("prefill_base", "prefill_adapter"):
         print(f"{way:16s} TTFT {rows[way]['ttft_ms']:8.2f} ms  {rows[way]['ttft_ms_runs']}")
     print("ratios:", ratios)
-    machine: dict[str, Any] = {**cpu_features(), "class": machine_class(args.device)}
-    if args.device.startswith("cuda"):
-        import torch
-
-        machine["gpu"] = torch.cuda.get_device_name(0)
+    machine = describe_machine(args.device)
     doc = {
         "command": "python -m benchmarks.lora " + " ".join(sys.argv[1:] if argv is None else argv),
         "machine": machine,

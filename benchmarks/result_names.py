@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -52,3 +53,16 @@ def machine_class(device: str) -> str:
 def result_path(benchmark: str, device: str = "cpu", quick: bool = False) -> Path:
     """The default result file of `benchmark` run on `device` here (`-quick` for a harness check)."""
     return RESULTS / f"{benchmark}-{machine_class(device)}{'-quick' if quick else ''}.json"
+
+
+def describe_machine(device: str) -> dict[str, Any]:
+    """What a result file records of the machine a run on `device` used: the CPU's features and
+    torch (engine_floor.cpu_features), the class, and the GPU's name on CUDA."""
+    import torch
+
+    from benchmarks.engine_floor import cpu_features
+
+    machine: dict[str, Any] = {**cpu_features(), "class": machine_class(device)}
+    if device.startswith("cuda"):
+        machine["gpu"] = torch.cuda.get_device_name(device)
+    return machine

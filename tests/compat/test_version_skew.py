@@ -357,27 +357,23 @@ def test_an_adapter_request_never_reaches_a_worker_older_than_lora(v1_0_stubs: P
     assert old["PrefillRequest"]["fields"]["sampling"]["max_tokens"] == 4
 
     layout = common_pb2.KvLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype="float32")
+
+    def registered(worker_id: str, version: str, adapters: tuple[str, ...] = ()) -> common_pb2.WorkerInfo:
+        return common_pb2.WorkerInfo(
+            worker_id=worker_id,
+            address=f"{worker_id}:1",
+            role=common_pb2.WORKER_ROLE_UNIFIED,
+            model_id="m",
+            dp_size=1,
+            kv_layout=layout,
+            proto_version=version,
+            capabilities=["lora"] if adapters else [],
+            lora_adapters=adapters,
+        )
+
     as_registered = {  # an old worker's WorkerInfo has no field 11: what it sends reads as empty
-        "old": common_pb2.WorkerInfo(
-            worker_id="old",
-            address="old:1",
-            role=common_pb2.WORKER_ROLE_UNIFIED,
-            model_id="m",
-            dp_size=1,
-            kv_layout=layout,
-            proto_version="1.0",
-        ),
-        "new": common_pb2.WorkerInfo(
-            worker_id="new",
-            address="new:1",
-            role=common_pb2.WORKER_ROLE_UNIFIED,
-            model_id="m",
-            dp_size=1,
-            kv_layout=layout,
-            proto_version="1.13",
-            capabilities=["lora"],
-            lora_adapters=["sql"],
-        ),
+        "old": registered("old", "1.0"),
+        "new": registered("new", "1.13", ("sql",)),
     }
     loads = {"old": 0, "new": 100_000}  # the old worker is idle, the new one busy
     snapshot = LoadSnapshot(
