@@ -352,6 +352,17 @@ class Engine(Protocol):
     def num_preemptions(self, dp_rank: int) -> int:
         """Requests preempted by recompute on the rank since start (count)."""
 
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Load the PEFT adapter at `path` as `name` on every rank (blocking: seconds for a large
+        adapter; call it off the event loop); steps go on meanwhile and requests may name it once
+        it returns. InvalidArgument: a malformed name; AlreadyExists: `name` is loaded (or is
+        the base model's id); FailedPrecondition: LoRA is not enabled (--enable-lora), or the
+        adapter cannot serve this model (the reason). Nothing changes on any rank on error."""
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Unload `name` from every rank. NotFound: not loaded; FailedPrecondition: requests of
+        it are still queued or running (unload after they end)."""
+
     def kv_offload_stats(self, dp_rank: int) -> tuple[int, int, int, int] | None:
         """The host KV tier's (blocks saved, blocks restored since start, blocks held, capacity
         in blocks); None when the rank has none (--kv-offload-tokens 0)."""

@@ -118,9 +118,9 @@ class RankBuilder:
                 f"in {dtype} ({free / 2**30:.1f} of {total / 2**30:.1f} GiB free)"
             ) from None
         # the adapters attach to the modules they target before any runner reads the model
-        lora = LoraSet.load(parse_lora_modules(cfg.lora_modules), model, device, dtype)
+        lora = LoraSet.load(parse_lora_modules(cfg.lora_modules), model, device, dtype, cfg.enable_lora)
         if lora is not None:
-            log.info("rank %d: LoRA adapters %s", dp_rank, ", ".join(lora.names))
+            log.info("rank %d: LoRA adapters: %s", dp_rank, ", ".join(lora.names) or "none yet")
         if dp_rank == 0:
             text_cfg = model.config.get_text_config()
             self.kv_layout = kv_layout_of(model.config, cfg.block_size, dtype)

@@ -8,9 +8,11 @@ delivers its outputs on that loop. Every other method may be called from any thr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -36,7 +38,7 @@ from services.worker.engine.detokenizer import (
     hidden_token_ids,
 )
 from services.worker.engine.handle import OutputHandle
-from services.worker.engine.lora import parse_lora_modules
+from services.worker.engine.lora import LoraSet, check_name, load_adapter, parse_lora_modules
 from services.worker.engine.rank import Rank
 from services.worker.engine.request import Request
 from services.worker.engine.spec.draft import check_same_tokenizer
@@ -93,8 +95,10 @@ class PagedEngine:
         self._grammars: Grammars | None = None  # structured outputs, built at first use
         self._hidden_ids: frozenset[int] = frozenset()
         self.vocab_size = 0
-        # the LoRA adapters served besides the base model (--lora-modules), in slot order
+        # the LoRA adapters served besides the base model (--lora-modules, then those loaded at
+        # run time), in the order loaded; replaced whole when one comes or goes
         self.lora_adapters: tuple[str, ...] = tuple(parse_lora_modules(config.lora_modules))
+        self._lora_changes = threading.Lock()  # one load or unload at a time
         self._ranks: list[Rank] = []
         self._started = False
         self._stopped = False
@@ -134,6 +138,64 @@ class PagedEngine:
         self._stopped = True
         for rank in self._ranks:
             rank.stop()
+
+    # ---- LoRA adapters at run time ----------------------------------------------------------
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        check_name(name, "lora_name")
+        if not self._started or self._stopped:
+            raise FailedPrecondition("engine not started" if not self._started else "engine is shut down")
+        if not (self.config.enable_lora or self.config.lora_modules):
+            raise FailedPrecondition(
+                "this worker does not serve LoRA adapters: start it with --enable-lora (or --lora-modules)"
+            )
+        with self._lora_changes:
+            if name in self.lora_adapters or name == self.model_id:
+                what = "the base model's id" if name == self.model_id else "loaded already"
+                raise AlreadyExists(f"LoRA adapter name {name!r} is {what}")
+            # every rank's copy first (the slow part: files, the device); nothing changes on error
+            loaded = [
+                load_adapter(name, path, r.runner.model, r.runner.device, r.runner.dtype) for r in self._ranks
+            ]
+            sets = [self._lora_set(r) for r in self._ranks]
+            slots = [lora.add(adapter) for lora, adapter in zip(sets, loaded, strict=True)]
+            with self._all_rank_locks():
+                for lora, slot in zip(sets, slots, strict=True):
+                    lora.publish(name, slot)
+                self.lora_adapters = (*self.lora_adapters, name)
+        log.info("LoRA adapter %s loaded from %s", name, path)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        with self._lora_changes:
+            if name not in self.lora_adapters:
+                served = ", ".join(repr(n) for n in self.lora_adapters) or "none"
+                raise NotFound(f"LoRA adapter {name!r} is not loaded on this worker (its adapters: {served})")
+            sets = [self._lora_set(r) for r in self._ranks]
+            with self._all_rank_locks():
+                in_use = sum(r.lora_requests_locked(name) for r in self._ranks)
+                if in_use:
+                    raise FailedPrecondition(
+                        f"LoRA adapter {name!r} has {in_use} request(s) queued or running on this "
+                        "worker; unload it after they end"
+                    )
+                slots = [lora.unmap(name) for lora in sets]
+                self.lora_adapters = tuple(n for n in self.lora_adapters if n != name)
+            for lora, slot in zip(sets, slots, strict=True):
+                lora.drop(slot)
+        log.info("LoRA adapter %s unloaded", name)
+
+    @staticmethod
+    def _lora_set(rank: Rank) -> LoraSet:
+        lora = rank.runner.lora
+        assert lora is not None  # every rank has one when LoRA is enabled
+        return lora
+
+    @contextlib.contextmanager
+    def _all_rank_locks(self) -> Iterator[None]:
+        """Every rank's lock, in rank order (nothing else holds two)."""
+        with contextlib.ExitStack() as stack:
+            for rank in self._ranks:
+                stack.enter_context(rank.lock)
+            yield
 
     # ---- requests ------------------------------------------------------------------------
     def _validate(self, request: EngineRequest) -> Rank:
@@ -203,7 +265,11 @@ class PagedEngine:
             ),
             OutputText(sp.stop, sp.include_stop_in_output),
         )
-        req = Request.from_engine_request(request, text, generator)
+        lora = rank.runner.lora
+        adapter = sp.lora_adapter
+        # an adapter unloaded meanwhile is refused when the rank registers the request
+        lora_key = lora.cache_key(adapter) if adapter and lora is not None and lora.serves(adapter) else ""
+        req = Request.from_engine_request(request, text, generator, lora_key)
         if sp.structured is not None:
             # a migrated request's prompt ends with its first_output_index generated tokens
             tail = min(sp.first_output_index, len(request.prompt_token_ids))

@@ -40,6 +40,15 @@ from shared.errors import FailedPrecondition, InvalidArgument
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 
 
+def check_name(name: str, what: str = "the name") -> None:
+    """InvalidArgument unless `name` can be an adapter's model id."""
+    if not _NAME.match(name):
+        raise InvalidArgument(
+            f"{what} {name!r} must be 1-128 letters, digits or ._:/- (starting with a letter or "
+            "digit); it is the model id requests use"
+        )
+
+
 def parse_lora_modules(specs: Sequence[str]) -> dict[str, str]:
     """`NAME=PATH` specs -> {name: path}, in order. InvalidArgument names a malformed spec, a bad
     or repeated name."""
@@ -49,11 +58,7 @@ def parse_lora_modules(specs: Sequence[str]) -> dict[str, str]:
         name, path = name.strip(), path.strip()
         if not sep or not name or not path:
             raise InvalidArgument(f"--lora-modules {spec!r}: expected NAME=PATH (a PEFT adapter folder)")
-        if not _NAME.match(name):
-            raise InvalidArgument(
-                f"--lora-modules {spec!r}: the name must be 1-128 letters, digits or ._:/- "
-                "(starting with a letter or digit); it is the model id requests use"
-            )
+        check_name(name, f"--lora-modules {spec!r}: the name")
         if name in out:
             raise InvalidArgument(f"--lora-modules: the name {name!r} is given twice")
         out[name] = path
@@ -205,62 +210,166 @@ class _Columns:
     scaling: torch.Tensor
 
 
-@dataclass(eq=False)
-class LoraModule:
-    """One targeted projection: every adapter's A stacked ([columns, in], columns = the sum of
-    their ranks) and B side by side ([out, columns]). `apply` adds the running step's deltas:
-    one product with every adapter's A, zeroed outside each row's own adapter's columns (and
-    scaled there), one product with B; a row of the base model gets zeros. The cost is constant
-    in how many adapters a step mixes (no per-adapter row gathers), and the shapes depend on the
-    step's rows only."""
+@dataclass(frozen=True, eq=False)
+class _Stacked:
+    """One projection's adapters: every adapter's A stacked ([columns, in], columns = the sum of
+    their ranks) and B side by side ([out, columns]), which adapter owns each column, and per
+    adapter its own A and B (views of those) and scaling."""
 
-    owner: LoraSet
     a: torch.Tensor
     b: torch.Tensor
     cols: _Columns
-    # per slot that adapts the projection: its own A and B (views of `a`'s rows and `b`'s
-    # columns) and scaling, for steps of one adapter, which need not read the others' columns
     by_slot: dict[int, tuple[torch.Tensor, torch.Tensor, float]]
+
+
+@dataclass(eq=False)
+class LoraModule:
+    """One projection the adapters may target. `apply` adds the running step's deltas: one
+    product with every adapter's A, zeroed outside each row's own adapter's columns (and scaled
+    there), one product with B; a row of the base model gets zeros. The cost is constant in how
+    many adapters a step mixes (no per-adapter row gathers), and the shapes depend on the step's
+    rows only. `stacked` is None while no adapter targets the projection; it is replaced whole
+    (never mutated) when adapters come or go, so a step running meanwhile reads either state."""
+
+    owner: LoraSet
+    stacked: _Stacked | None = None
 
     @property
     def active(self) -> bool:
-        return self.owner.step is not None
+        """The running step has adapter rows and some adapter targets this projection."""
+        return self.owner.step is not None and self.stacked is not None
 
     def apply(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out += (x A^T * factor) B^T, i.e. lora_B(lora_A(x)) * scaling of each row's adapter
         (x [rows, in], out [rows, out], in place); returns out."""
-        step = self.owner.step
-        assert step is not None
+        step, st = self.owner.step, self.stacked
+        if step is None or st is None:
+            return out
         if step.only:
-            own = self.by_slot.get(step.only)
+            own = st.by_slot.get(step.only)
             if own is None:  # the step's adapter leaves this projection alone
                 return out
             a, b, scaling = own
             if step.uniform:  # PEFT's order exactly: the scaling after the B product
                 return out.addmm_(F.linear(x, a), b.t(), alpha=scaling)
         else:
-            a, b = self.a, self.b
-        t = F.linear(x, a).mul_(step.factor(self.cols))
+            a, b = st.a, st.b
+        t = F.linear(x, a).mul_(step.factor(st.cols))
         return out.addmm_(t, b.t())
 
 
+def _projections(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The model's projections an adapter may target (PEFT's names, a linear layer's sizes)."""
+    return {
+        name: m
+        for name, m in model.named_modules()
+        if name.rsplit(".", 1)[-1] in _PROJECTIONS and hasattr(m, "in_features")
+    }
+
+
 class LoraSet:
-    """Every adapter of one rank's model (slots 1..n in the order given; 0 is the base model),
-    attached to the modules they target as `module.pdserve_lora` (a LoraModule), and the step
-    that is running (`running`), which those modules read."""
+    """The adapters of one rank's model, each in a slot (1, 2, ... in the order loaded, never
+    reused; 0 is the base model), on every projection of the model (`module.pdserve_lora`, a
+    LoraModule, attached at start, so adapters loaded later need no new wiring), and the step
+    that is running (`running`), which those modules read.
+
+    Runtime changes (Engine.load_lora_adapter / unload_lora_adapter): `add` stacks a new
+    adapter's matrices into the modules under a slot no request can name yet, `publish` then
+    lets requests name it; `unmap` stops requests naming it, `drop` (once none runs) takes its
+    matrices out. The name -> slot map and each module's stack are replaced whole, so the step
+    thread, which runs forward passes without the rank's lock, reads consistent states."""
 
     def __init__(self, adapters: Sequence[Adapter], model: torch.nn.Module) -> None:
-        self.names: tuple[str, ...] = tuple(a.name for a in adapters)
-        self._slots = {a.name: i + 1 for i, a in enumerate(adapters)}
         self.step: LoraStep | None = None
-        modules = dict(model.named_modules())
+        self._adapters: dict[int, Adapter] = {}
+        self._slots: dict[str, int] = {}
+        self._next_slot = 1
+        self.modules: dict[str, LoraModule] = {}
+        for module_name, module in _projections(model).items():
+            lm = self.modules[module_name] = LoraModule(self)
+            module.pdserve_lora = lm  # type: ignore[assignment]  # lean_llama's _Linear reads it
+            # transformers' own forward calls the module: the delta rides on its output
+            module.register_forward_hook(_hook(lm))
+        for adapter in adapters:
+            self._adapters[self._take_slot()] = adapter
+        self._restack()
+        self._slots = {a.name: slot for slot, a in self._adapters.items()}
+
+    @classmethod
+    def load(
+        cls,
+        specs: Mapping[str, str],
+        model: torch.nn.Module,
+        device: torch.device,
+        dtype: torch.dtype,
+        enabled: bool = False,
+    ) -> LoraSet | None:
+        """The adapters of `specs` ({name: path}) on `model`; None when there are none and
+        `enabled` (adapters loaded later) is off."""
+        if not specs and not enabled:
+            return None
+        return cls([load_adapter(n, p, model, device, dtype) for n, p in specs.items()], model)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The adapters requests may name, in slot order."""
+        return tuple(self._slots)
+
+    def serves(self, name: str) -> bool:
+        return name in self._slots
+
+    def slot(self, name: str) -> int:
+        """The adapter's slot (0 for "", the base model). KeyError for a name not loaded."""
+        return self._slots[name] if name else 0
+
+    def cache_key(self, name: str) -> str:
+        """What the adapter's prefix-cache chain is rooted at (shared.block_hash.chain_root): its
+        name and slot, so an adapter loaded again under the same name (other weights, maybe)
+        never finds the KV its predecessor left in the cache."""
+        return f"{name}#{self._slots[name]}"
+
+    def add(self, adapter: Adapter) -> int:
+        """Stack `adapter` into the modules under a new slot, which no request names until
+        `publish`. Returns the slot."""
+        if set(adapter.weights) - set(self.modules):
+            raise FailedPrecondition(f"LoRA adapter {adapter.name!r} targets modules this model lacks")
+        slot = self._take_slot()
+        self._adapters[slot] = adapter
+        self._restack()
+        return slot
+
+    def publish(self, name: str, slot: int) -> None:
+        """Requests may name `name` (the adapter `add` put in `slot`) from now on."""
+        self._slots = {**self._slots, name: slot}
+
+    def unmap(self, name: str) -> int:
+        """Requests can no longer name `name`; returns its slot (for `drop`)."""
+        slot = self._slots[name]
+        self._slots = {n: s for n, s in self._slots.items() if n != name}
+        return slot
+
+    def drop(self, slot: int) -> None:
+        """Take the adapter in `slot` out of the modules (no request of it may run)."""
+        del self._adapters[slot]
+        self._restack()
+
+    def _take_slot(self) -> int:
+        slot = self._next_slot
+        self._next_slot += 1
+        return slot
+
+    def _restack(self) -> None:
+        """Every module's stack from the adapters now loaded (each replaced whole)."""
         per_module: dict[str, list[tuple[int, torch.Tensor, torch.Tensor, float]]] = {}
-        for slot, adapter in enumerate(adapters, start=1):
+        for slot, adapter in sorted(self._adapters.items()):
             for module_name, (a, b, scaling) in adapter.weights.items():
                 per_module.setdefault(module_name, []).append((slot, a, b, scaling))
         layouts: dict[tuple[object, ...], _Columns] = {}
-        self.modules: dict[str, LoraModule] = {}
-        for module_name, parts in per_module.items():
+        for module_name, lm in self.modules.items():
+            parts = per_module.get(module_name)
+            if not parts:
+                lm.stacked = None
+                continue
             a = parts[0][1]
             key = (a.device, a.dtype, *((slot, pa.shape[0], sc) for slot, pa, _, sc in parts))
             cols = layouts.get(key)
@@ -277,24 +386,7 @@ class LoraSet:
             for slot, pa, _, sc in parts:  # views: BLAS reads a column block of B in place
                 by_slot[slot] = (a_all[at : at + pa.shape[0]], b_all[:, at : at + pa.shape[0]], sc)
                 at += pa.shape[0]
-            lm = self.modules[module_name] = LoraModule(self, a_all, b_all, cols, by_slot)
-            module = modules[module_name]
-            module.pdserve_lora = lm  # lean_llama's _Linear reads it
-            # transformers' own forward calls the module: the delta rides on its output
-            module.register_forward_hook(_hook(lm))
-
-    @classmethod
-    def load(
-        cls, specs: Mapping[str, str], model: torch.nn.Module, device: torch.device, dtype: torch.dtype
-    ) -> LoraSet | None:
-        """The adapters of `specs` ({name: path}) on `model`; None when there are none."""
-        if not specs:
-            return None
-        return cls([load_adapter(n, p, model, device, dtype) for n, p in specs.items()], model)
-
-    def slot(self, name: str) -> int:
-        """The adapter's slot (0 for "", the base model). KeyError for a name not loaded."""
-        return self._slots[name] if name else 0
+            lm.stacked = _Stacked(a_all, b_all, cols, by_slot)
 
     def step_for(self, row_slots: Sequence[int], device: torch.device) -> LoraStep | None:
         """The LoraStep of a packed step whose row i is served by slot row_slots[i]; None when

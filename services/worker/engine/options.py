@@ -135,6 +135,11 @@ class EngineOptions(BackendOptions, SpecOptions):
         "steps with prefill chunks, aborts, logprobs, penalties, min_tokens, structured output "
         "and with speculative decoding (engine/rank.py). Default (unset): on for CUDA, off on CPU",
     )
+    enable_lora: bool = field(
+        False,
+        "Serve LoRA adapters loaded while the worker runs (the gateway's load_lora_adapter, "
+        "with its --allow-runtime-lora-updating); --lora-modules turns it on too",
+    )
     lora_modules: tuple[str, ...] = field(
         (),
         "LoRA adapters served besides the base model, as NAME=PATH (repeatable; the environment "

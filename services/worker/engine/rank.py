@@ -110,10 +110,20 @@ class Rank:
         """Under the lock: the request and its handle join the table."""
         if req.request_id in self._requests:
             raise AlreadyExists(f"request {req.request_id!r} already exists")
+        adapter = req.sampling.lora_adapter
+        lora = self.runner.lora
+        if adapter and (lora is None or not lora.serves(adapter)):
+            # checked under the lock: an unload (Engine.unload_lora_adapter) either sees this
+            # request and refuses, or took the adapter away before it got here
+            raise NotFound(f"LoRA adapter {adapter!r} is not loaded on this worker")
         self._next_seq += 1
         req.arrival_seq = self._next_seq
         self._requests[req.request_id] = req
         self._handles[req.request_id] = handle
+
+    def lora_requests_locked(self, adapter: str) -> int:
+        """Under the lock: requests of `adapter` in the table (queued, running, held)."""
+        return sum(1 for r in self._requests.values() if r.sampling.lora_adapter == adapter)
 
     def has_request_locked(self, request_id: str) -> bool:
         return request_id in self._requests

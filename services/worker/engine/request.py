@@ -157,8 +157,14 @@ class Request:
 
     @classmethod
     def from_engine_request(
-        cls, req: EngineRequest, text: TextTracker | None = None, generator: torch.Generator | None = None
+        cls,
+        req: EngineRequest,
+        text: TextTracker | None = None,
+        generator: torch.Generator | None = None,
+        lora_key: str = "",
     ) -> Request:
+        """lora_key: what the request's adapter roots its hash chain at (LoraSet.cache_key);
+        "" = its name."""
         status = (
             RequestStatus.WAITING_FOR_KV if req.kind is RequestKind.DECODE_REMOTE else RequestStatus.WAITING
         )
@@ -173,8 +179,8 @@ class Request:
             token_ids=list(req.prompt_token_ids),
             report_prefill_progress=req.report_prefill_progress,
             priority=req.priority,
-            hash_root=chain_root(req.sampling.cache_salt, req.sampling.lora_adapter),
-            last_block_hash=chain_root(req.sampling.cache_salt, req.sampling.lora_adapter),
+            hash_root=chain_root(req.sampling.cache_salt, lora_key or req.sampling.lora_adapter),
+            last_block_hash=chain_root(req.sampling.cache_salt, lora_key or req.sampling.lora_adapter),
         )
 
     # ---- status: the only ways to change it ----------------------------------------------

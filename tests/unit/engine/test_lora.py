@@ -20,7 +20,7 @@ import torch
 
 from services.worker.engine.api import SamplingConfig
 from services.worker.engine.lora import load_adapter, parse_lora_modules
-from shared.errors import FailedPrecondition, InvalidArgument, NotFound
+from shared.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from tests.support.tiny_models import build_tiny_lora
 from tests.unit.engine.conftest import EngineFactory, collect, greedy, handoff_run, request, tokens_of
 
@@ -165,8 +165,8 @@ def test_lora_module_specs() -> None:
         ("a", "NAME=PATH"),
         ("=/x", "NAME=PATH"),
         ("a=", "NAME=PATH"),
-        ("a b=/x", "the name must"),
-        ("-a=/x", "the name must"),
+        ("a b=/x", "must be 1-128"),
+        ("-a=/x", "must be 1-128"),
     ):
         with pytest.raises(InvalidArgument, match=why):
             parse_lora_modules([bad])
@@ -238,3 +238,64 @@ async def test_on_cuda_adapter_rows_leave_graphs_and_fused_kernels_to_the_base_m
     )
     for name, out in zip(names, outs, strict=True):
         assert tokens_of(out) == reference[name], name
+
+
+async def test_adapters_load_and_unload_at_run_time(
+    make_engine: EngineFactory, adapters: dict[str, Path], reference: dict[str, list[int]]
+) -> None:
+    """--enable-lora with no adapters at start: one loaded while a base request decodes (which
+    goes on unchanged) serves PEFT's tokens on every rank; unloaded, it is NOT_FOUND; loaded
+    again under the same name with other weights, it never finds its predecessor's cached KV."""
+    engine = make_engine(enable_lora=True, dp_size=2, block_size=4)
+    assert engine.lora_adapters == ()
+    base = asyncio.ensure_future(
+        collect(engine.add_request(request("base", PROMPT, with_adapter("", NEW_TOKENS))))
+    )
+    await asyncio.to_thread(engine.load_lora_adapter, "x", str(adapters["sql"]))
+    assert engine.lora_adapters == ("x",)
+    for rank in (0, 1):
+        out = await collect(engine.add_request(request(f"x{rank}", PROMPT, with_adapter("x"), dp_rank=rank)))
+        assert tokens_of(out) == reference["sql"]
+    assert tokens_of(await base) == reference[""]
+    engine.unload_lora_adapter("x")
+    assert engine.lora_adapters == ()
+    with pytest.raises(NotFound, match="'x' is not loaded"):
+        engine.add_request(request("gone", PROMPT, with_adapter("x")))
+    await asyncio.to_thread(engine.load_lora_adapter, "x", str(adapters["chat"]))
+    again = await collect(engine.add_request(request("again", PROMPT, with_adapter("x"))))
+    assert again[-1].num_local_cached_tokens == 0  # the old x's blocks of PROMPT are not its
+    assert tokens_of(again) == reference["chat"]
+    for rank in (0, 1):
+        assert engine.num_free_blocks(rank) == engine.num_total_blocks(rank)
+
+
+async def test_run_time_changes_refuse_what_would_break_requests(
+    make_engine: EngineFactory, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    plain = make_engine()
+    with pytest.raises(FailedPrecondition, match="--enable-lora"):
+        plain.load_lora_adapter("x", str(adapters["sql"]))
+    engine = make_engine(lora_modules=(f"sql={adapters['sql']}",))
+    with pytest.raises(AlreadyExists, match="loaded already"):
+        engine.load_lora_adapter("sql", str(adapters["chat"]))
+    with pytest.raises(AlreadyExists, match="base model's id"):
+        engine.load_lora_adapter(engine.model_id, str(adapters["chat"]))
+    with pytest.raises(InvalidArgument, match="lora_name"):
+        engine.load_lora_adapter("a b", str(adapters["chat"]))
+    with pytest.raises(FailedPrecondition, match=r"no adapter_config\.json"):
+        engine.load_lora_adapter("broken", str(tmp_path))
+    assert engine.lora_adapters == ("sql",)  # nothing changed
+    with pytest.raises(NotFound, match="'broken' is not loaded"):
+        engine.add_request(request("b", PROMPT, with_adapter("broken")))
+    with pytest.raises(NotFound, match="'nope' is not loaded"):
+        engine.unload_lora_adapter("nope")
+    # a request of it queued or running: refused until it ends
+    running = asyncio.ensure_future(
+        collect(engine.add_request(request("r", PROMPT, with_adapter("sql", 64))))
+    )
+    await asyncio.sleep(0)
+    with pytest.raises(FailedPrecondition, match="1 request"):
+        engine.unload_lora_adapter("sql")
+    await running
+    engine.unload_lora_adapter("sql")
+    assert engine.lora_adapters == ()
