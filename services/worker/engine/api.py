@@ -360,8 +360,9 @@ class Engine(Protocol):
         adapter cannot serve this model (the reason). Nothing changes on any rank on error."""
 
     def unload_lora_adapter(self, name: str) -> None:
-        """Unload `name` from every rank. NotFound: not loaded; FailedPrecondition: requests of
-        it are still queued or running (unload after they end)."""
+        """Unload `name` from every rank (waits for a load in progress: call it off the event
+        loop too). NotFound: not loaded; FailedPrecondition: requests of it are still queued or
+        running (unload after they end)."""
 
     def kv_offload_stats(self, dp_rank: int) -> tuple[int, int, int, int] | None:
         """The host KV tier's (blocks saved, blocks restored since start, blocks held, capacity
