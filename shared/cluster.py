@@ -72,6 +72,9 @@ NIXL_PARTS_CAPABILITY = "kv_nixl_parts"
 # A decode worker that admits a request under the transfer ticket the gateway chose
 # (worker.proto DecodeRequest.transfer_ticket, 1.11): the prefill then starts with the admission.
 GATEWAY_TICKET_CAPABILITY = "kv_gateway_ticket"
+# A worker that loads and unloads LoRA adapters while it runs (worker.proto LoadLoraAdapter /
+# UnloadLoraAdapter, 1.14): its LoRA machinery is on (--enable-lora, or --lora-modules).
+LORA_RUNTIME_CAPABILITY = "lora_runtime"
 
 
 def negotiate_kv_transport(

@@ -17,6 +17,7 @@ from services.worker.messages import (
     IncomingKvChunk,
     KvReceipt,
     KvTargetSpec,
+    LoraChange,
     NixlSource,
     PrefillCall,
     PrefillResult,
@@ -280,3 +281,13 @@ def kv_receipt_to_pb(r: KvReceipt) -> worker_pb2.PushKvResponse:
 
 def get_load_to_pb(worker_id: str, loads: Iterable[RankLoad]) -> worker_pb2.GetLoadResponse:
     return worker_pb2.GetLoadResponse(worker_id=worker_id, ranks=[rank_load_to_pb(load) for load in loads])
+
+
+def lora_load_response(change: LoraChange) -> worker_pb2.LoadLoraAdapterResponse:
+    return worker_pb2.LoadLoraAdapterResponse(
+        lora_adapters=list(change.lora_adapters), load_ns=int(change.seconds * 1e9)
+    )
+
+
+def lora_unload_response(change: LoraChange) -> worker_pb2.UnloadLoraAdapterResponse:
+    return worker_pb2.UnloadLoraAdapterResponse(lora_adapters=list(change.lora_adapters), path=change.path)

@@ -1,4 +1,6 @@
-"""The worker's domain core: prefill, decode, KV import, abort, loads and drain over one Engine.
+"""The worker's domain core: prefill, decode, KV import, abort, loads, drain and LoRA adapters
+loaded or unloaded while it runs, over one Engine (whose adapter list the worker's identity
+follows).
 
 No grpc here: the servicer converts protobuf to the messages in `messages`, calls one method,
 converts back. Errors are `shared.errors` exceptions (the server interceptor maps them).
@@ -10,7 +12,8 @@ import asyncio
 import contextlib
 import dataclasses
 import enum
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping
 from typing import Any
 
 import structlog
@@ -36,6 +39,7 @@ from services.worker.messages import (
     KvReceipt,
     KvSender,
     KvTargetSpec,
+    LoraChange,
     PrefillCall,
     PrefillResult,
 )
@@ -70,9 +74,17 @@ class WorkerCore:
         senders: Mapping[KvTransport, KvSender] | None = None,
         kv_load_failure_policy: KvLoadFailurePolicy = KvLoadFailurePolicy.RECOMPUTE,
         kv_read_timeout_s: float = 10.0,
+        lora_paths: Mapping[str, str] | None = None,
+        on_identity_change: Callable[[WorkerInfo], None] | None = None,
     ) -> None:
+        """`lora_paths`: the folder of each adapter loaded at start (--lora-modules);
+        `on_identity_change`: called with the new identity after each adapter change (the
+        worker registers again with it)."""
         self.engine = engine
         self.identity = identity
+        self._lora_paths = dict(lora_paths or {})
+        self._on_identity_change = on_identity_change
+        self._lora_lock = asyncio.Lock()  # one adapter change at a time, in arrival order
         # transports this worker sends over: the gRPC push always, NIXL where its agent is up
         self._senders: dict[KvTransport, KvSender] = {
             KvTransport.GRPC_PUSH: GrpcKvSender(engine, pusher, kv_chunk_bytes)
@@ -399,6 +411,60 @@ class WorkerCore:
         own (torch_metrics.py: GPU memory, compilations)."""
         self._rank_metrics.refresh()
         self._torch_metrics.refresh()
+
+    # ----- LoRA adapters loaded and unloaded while the worker runs -----
+
+    async def load_lora_adapter(self, name: str, path: str) -> LoraChange:
+        """Load the PEFT adapter in folder `path` as `name` (the engine's errors: InvalidArgument,
+        AlreadyExists, FailedPrecondition; nothing changes then)."""
+        if not name or not path:
+            raise errors.InvalidArgument("both name and path of the LoRA adapter are required")
+        return await self._change_lora(self._load_lora, name, path)
+
+    async def unload_lora_adapter(self, name: str) -> LoraChange:
+        """Unload adapter `name` (NotFound: not loaded; FailedPrecondition: requests of it are
+        still queued or running)."""
+        if not name:
+            raise errors.InvalidArgument("the name of the LoRA adapter is required")
+        return await self._change_lora(self._unload_lora, name)
+
+    async def _change_lora(self, change: Callable[..., str], *args: str) -> LoraChange:
+        """Run `change` (blocking: off the event loop) after the changes before it, then make the
+        identity list the engine's adapters. Shielded: a caller that goes away (its deadline)
+        does not leave the engine changed and the identity not."""
+        if self._draining:
+            raise errors.Unavailable("worker is draining; its LoRA adapters no longer change")
+        started_s = time.perf_counter()
+
+        async def run() -> LoraChange:
+            async with self._lora_lock:
+                path = await asyncio.to_thread(change, *args)
+                self.identity = dataclasses.replace(
+                    self.identity, lora_adapters=tuple(self.engine.lora_adapters)
+                )
+                if self._on_identity_change is not None:
+                    self._on_identity_change(self.identity)
+                return LoraChange(self.identity.lora_adapters, path, time.perf_counter() - started_s)
+
+        task = asyncio.ensure_future(run())
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved if unawaited
+        done = await asyncio.shield(task)
+        log.info(
+            "lora_adapters_changed",
+            lora_adapters=list(done.lora_adapters),
+            path=done.path,
+            seconds=round(done.seconds, 3),
+        )
+        return done
+
+    def _load_lora(self, name: str, path: str) -> str:
+        self.engine.load_lora_adapter(name, path)
+        self._lora_paths[name] = path
+        return path
+
+    def _unload_lora(self, name: str) -> str:
+        self.engine.unload_lora_adapter(name)
+        return self._lora_paths.pop(name, "")
 
     # ----- drain -----
 

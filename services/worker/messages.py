@@ -50,7 +50,20 @@ CAPABILITIES = (
 # SamplingParams.cache_salt ("cache_salt").
 # 1.13 added SamplingParams.lora_adapter and WorkerInfo.lora_adapters (capability "lora"): a
 # request names the LoRA adapter serving it, one of those the worker lists (--lora-modules).
-PROTO_VERSION = "1.13"
+# 1.14 added Worker.LoadLoraAdapter / UnloadLoraAdapter (capability
+# shared.cluster.LORA_RUNTIME_CAPABILITY, "lora_runtime", on workers with --enable-lora or
+# --lora-modules): adapters loaded and unloaded while the worker runs; the worker registers again
+# with its new WorkerInfo.lora_adapters after each change.
+PROTO_VERSION = "1.14"
+
+
+@dataclass(frozen=True)
+class LoraChange:
+    """What a LoRA adapter's load or unload left on this worker."""
+
+    lora_adapters: tuple[str, ...]  # the adapters served now, in the engine's order
+    path: str  # the adapter's folder (loaded from, or the one it had been loaded from)
+    seconds: float  # time the change took on the worker, its wait for an earlier change included
 
 
 @dataclass(frozen=True)

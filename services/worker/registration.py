@@ -1,4 +1,6 @@
-"""Membership in the load-monitor: Register, heartbeat (re-register when forgotten), Deregister.
+"""Membership in the load-monitor: Register, heartbeat (re-register when forgotten), Deregister,
+and Register again at once when the worker's identity changed (LoRA adapters loaded or unloaded
+while it runs: `update`).
 
 The load-monitor being down never stops the worker: registration is retried in the background.
 """
@@ -40,6 +42,9 @@ class Registration:
         self.worker_id: str | None = None  # set while registered
         self._attempted = False  # a Register was sent at least once
         self.registered = asyncio.Event()
+        # the info changed since the load-monitor last accepted it: Register again (not Heartbeat)
+        self._changed = False
+        self._wake = asyncio.Event()  # cuts the loop's sleep short (an update)
 
     @property
     def _stub(self) -> load_monitor_pb2_grpc.LoadMonitorStub:
@@ -47,6 +52,21 @@ class Registration:
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="load-monitor-registration")
+
+    def update(self, info: common_pb2.WorkerInfo) -> None:
+        """Register `info` in place of the registered one, at once and then on every retry until
+        the load-monitor accepts it (it replaces the member of the same id, so the scheduler's
+        pools follow). The load-monitor checks it against Info, which must already say the same:
+        a refusal because a later change got there first is retried with the latest info."""
+        self._info = info
+        self._changed = True
+        self._wake.set()
+
+    async def _sleep(self, seconds: float) -> None:
+        """Sleep `seconds`, or less when `update` wakes the loop."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), seconds)
+        self._wake.clear()
 
     async def _register(self) -> float:
         """Register once; returns the heartbeat period (seconds)."""
@@ -73,8 +93,13 @@ class Registration:
         failures = 0
         while True:
             try:
-                if self.worker_id is None:
-                    interval_s = await self._register()
+                if self.worker_id is None or self._changed:
+                    changed, self._changed = self._changed, False
+                    try:
+                        interval_s = await self._register()
+                    except BaseException:
+                        self._changed = self._changed or changed  # still to tell
+                        raise
                 else:
                     resp = await self._stub.Heartbeat(
                         load_monitor_pb2.HeartbeatRequest(worker_id=self.worker_id),
@@ -88,7 +113,7 @@ class Registration:
                 if failures:
                     log.info("load_monitor_reachable_again", load_monitor=self._address)
                 failures = 0
-                await asyncio.sleep(interval_s)
+                await self._sleep(interval_s)
             except Exception as exc:  # never let membership die: retry whatever went wrong
                 failures += 1
                 # Log the first failure and then every 10th, not a line per retry.
@@ -105,7 +130,8 @@ class Registration:
                         log.exception(
                             "load_monitor_call_failed", load_monitor=self._address, attempts=failures
                         )
-                await asyncio.sleep(self._retry_s if self.worker_id is None else interval_s)
+                retry = self.worker_id is None or self._changed
+                await self._sleep(self._retry_s if retry else interval_s)
 
     async def deregister(self) -> None:
         """Stop heartbeating and leave the cluster (best effort)."""

@@ -26,7 +26,14 @@ from services.worker.registration import Registration
 from services.worker.servicer import WorkerServicer
 from services.worker.settings import WorkerSettings
 from shared.channels import ChannelCache
-from shared.cluster import NIXL_CAPABILITY, NIXL_PARTS_CAPABILITY, KvTransport, Role, WorkerInfo
+from shared.cluster import (
+    LORA_RUNTIME_CAPABILITY,
+    NIXL_CAPABILITY,
+    NIXL_PARTS_CAPABILITY,
+    KvTransport,
+    Role,
+    WorkerInfo,
+)
 from shared.cluster_auth import token_metadata
 from shared.cluster_convert import worker_info_to_pb
 from shared.errors import InvalidArgument, PdserveError
@@ -187,7 +194,9 @@ class WorkerApp:
                 engine.kv_pools(), engine.kv_layout, progress_thread=s.kv_nixl_progress == "thread"
             )
         nixl = (NIXL_CAPABILITY, NIXL_PARTS_CAPABILITY) if self.nixl is not None else ()
-        capabilities = CAPABILITIES + nixl
+        # adapters load while it runs where the engine's LoRA machinery is on
+        runtime_lora = (LORA_RUNTIME_CAPABILITY,) if s.lora_enabled else ()
+        capabilities = CAPABILITIES + nixl + runtime_lora
         model_id = engine.model_id or model_id_for(path)
         if model_id in s.lora_adapters:  # requests naming it would mean the base model
             raise InvalidArgument(
@@ -220,6 +229,8 @@ class WorkerApp:
             ),
             kv_load_failure_policy=KvLoadFailurePolicy(s.kv_load_failure_policy),
             kv_read_timeout_s=s.kv_read_timeout_s,
+            lora_paths=s.lora_module_paths,
+            on_identity_change=self._identity_changed,
         )
         self.core.refresh_metrics()
         self.servicer.core = self.core
@@ -232,6 +243,12 @@ class WorkerApp:
             lora_adapters=list(identity.lora_adapters),
             seconds=round(time.perf_counter() - started, 3),
         )
+
+    def _identity_changed(self, identity: WorkerInfo) -> None:
+        """LoRA adapters were loaded or unloaded: Info says so already; the load-monitor (and
+        through it the scheduler's pools) learns it from a new registration."""
+        if self.registration is not None:
+            self.registration.update(worker_info_to_pb(identity))
 
     def _create_engine(self, config: EngineConfig) -> Engine:
         engine = self._engine_factory(config)

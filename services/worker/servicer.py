@@ -74,3 +74,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.InfoRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.WorkerInfo:
         return worker_info_to_pb(self._core().identity)
+
+    async def LoadLoraAdapter(
+        self, request: worker_pb2.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.LoadLoraAdapterResponse:
+        change = await self._core().load_lora_adapter(request.name, request.path)
+        return convert.lora_load_response(change)
+
+    async def UnloadLoraAdapter(
+        self, request: worker_pb2.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.UnloadLoraAdapterResponse:
+        change = await self._core().unload_lora_adapter(request.name)
+        return convert.lora_unload_response(change)

@@ -156,8 +156,20 @@ class WorkerSettings(TlsSettings, EngineOptions):
 
     @property
     def lora_adapters(self) -> tuple[str, ...]:
-        """The names of --lora-modules, in order: the adapters this worker serves (WorkerInfo)."""
+        """The names of --lora-modules, in order: the adapters this worker serves at start
+        (WorkerInfo)."""
         return tuple(parse_lora_modules(self.lora_modules))
+
+    @property
+    def lora_module_paths(self) -> dict[str, str]:
+        """--lora-modules as {name: folder}, in order."""
+        return parse_lora_modules(self.lora_modules)
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether the engine's LoRA machinery is on: adapters may be loaded while the worker runs
+        (--enable-lora, which --lora-modules implies)."""
+        return self.enable_lora or bool(self.lora_modules)
 
     @property
     def service_name(self) -> str:

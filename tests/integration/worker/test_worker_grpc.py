@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.worker.engine.api import Engine, EngineConfig
 from services.worker.server import WorkerApp, default_engine_factory
-from shared.cluster import NIXL_PARTS_CAPABILITY
+from shared.cluster import LORA_RUNTIME_CAPABILITY, NIXL_PARTS_CAPABILITY
 from shared.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from shared.server import CHANNEL_OPTIONS
 from tests.support.reference import hf_greedy, tokenize
@@ -604,7 +604,7 @@ async def test_info_and_get_load(decode: RunningWorker, tiny_model: Path) -> Non
     assert info.kv_layout.head_dim == 16
     assert set(info.capabilities) >= {"generated_tokens", "kv_block_skip", "local_prefill"}
     # 1.3 first_output_index, 1.4 penalties, 1.5 logprobs, 1.6 structured, 1.7 kv_transport
-    assert info.proto_version == "1.13"
+    assert info.proto_version == "1.14"
     assert info.max_model_len == MAX_MODEL_LEN
     assert info.device == "cpu"
 
@@ -710,3 +710,22 @@ async def test_byte_fallback_disaggregated_text_and_counts_match_unified(
     assert reply.text + "".join(f.text for f in frames) == "".join(f.text for f in unified_frames)
     assert reply.generated_tokens + frames[-1].generated_tokens == (unified_frames[-1].generated_tokens)
     assert frames[-1].finish_reason == unified_frames[-1].finish_reason
+
+
+async def test_lora_calls_of_a_worker_without_lora_say_how_to_turn_it_on(unified: RunningWorker) -> None:
+    """A worker started without --enable-lora advertises "lora" (it reads the field) but not
+    "lora_runtime", and refuses a load with the flag that allows it; an unload of an adapter it
+    does not have is NOT_FOUND. Its identity does not change."""
+    info = await unified.stub.Info(worker_pb2.InfoRequest())
+    assert "lora" in info.capabilities and LORA_RUNTIME_CAPABILITY not in info.capabilities
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await unified.stub.LoadLoraAdapter(worker_pb2.LoadLoraAdapterRequest(name="sql", path="/nowhere"))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "--enable-lora" in (err.value.details() or "")
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await unified.stub.UnloadLoraAdapter(worker_pb2.UnloadLoraAdapterRequest(name="sql"))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await unified.stub.LoadLoraAdapter(worker_pb2.LoadLoraAdapterRequest(name="sql"))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert await unified.stub.Info(worker_pb2.InfoRequest()) == info

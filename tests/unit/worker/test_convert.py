@@ -6,7 +6,7 @@ from typing import Any
 
 from services.worker import convert
 from services.worker.engine.api import KvBlocksChunk
-from services.worker.messages import DecodeEvent, KvTargetSpec, PrefillResult
+from services.worker.messages import DecodeEvent, KvTargetSpec, LoraChange, PrefillResult
 from shared.cluster import DecodeFrameKind, FinishReason, KvLayout
 from shared.cluster_convert import kv_layout_to_pb
 from shared.proto import common_pb2, worker_pb2
@@ -162,3 +162,11 @@ def test_the_lora_adapter_reaches_the_engine_and_the_base_model_leaves_it_unset(
     base = gateway_convert.decode_request(WorkerJob("r", (1,), Sampling(max_tokens=4), False), 0, True)
     assert not base.sampling.HasField("lora_adapter")  # what an older gateway sends
     assert convert.decode_call_from_pb(base).request.sampling.lora_adapter == ""
+
+
+def test_lora_changes_convert_to_both_responses() -> None:
+    change = LoraChange(lora_adapters=("sql", "chat"), path="/adapters/chat", seconds=1.5)
+    loaded = convert.lora_load_response(change)
+    assert list(loaded.lora_adapters) == ["sql", "chat"] and loaded.load_ns == 1_500_000_000
+    unloaded = convert.lora_unload_response(change)
+    assert list(unloaded.lora_adapters) == ["sql", "chat"] and unloaded.path == "/adapters/chat"

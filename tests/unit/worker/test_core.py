@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -438,3 +439,98 @@ async def test_a_stream_that_breaks_after_its_last_chunk_leaves_the_request_deco
     with pytest.raises(ConnectionResetError):
         await receiver.receive(broken_after(nixl_part(0, 2)))  # cut before the last chunk
     assert ("abort_ticket", "t") in engine.calls and not any(c[0] == "finish" for c in engine.calls)
+
+
+class LoraEngine(FakeEngine):
+    """Loads and unloads adapters as the Engine contract says (lora_adapters follows); `gate`,
+    when set, holds a load in its thread until it is set (a slow adapter)."""
+
+    def __init__(self, adapters: tuple[str, ...] = ()) -> None:
+        super().__init__()
+        self.lora_adapters = adapters
+        self.gate: Any = None  # threading.Event
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        if self.gate is not None:
+            self.gate.wait(10)
+        if name in self.lora_adapters:
+            raise errors.AlreadyExists(f"{name!r} is loaded")
+        if not path.startswith("/good"):
+            raise errors.FailedPrecondition(f"LoRA adapter {name!r} ({path}): no adapter_config.json there")
+        self.lora_adapters = (*self.lora_adapters, name)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        if name not in self.lora_adapters:
+            raise errors.NotFound(f"{name!r} is not loaded")
+        self.lora_adapters = tuple(a for a in self.lora_adapters if a != name)
+
+
+def lora_core(adapters: tuple[str, ...] = ("sql",)) -> tuple[WorkerCore, LoraEngine, list[WorkerInfo]]:
+    engine = LoraEngine(adapters)
+    identity = WorkerInfo("w", "w:1", Role.UNIFIED, "fake", 1, LAYOUT, lora_adapters=adapters)
+    changes: list[WorkerInfo] = []
+    core = WorkerCore(
+        engine,  # type: ignore[arg-type]
+        identity,
+        FailingPusher(),  # type: ignore[arg-type]
+        lora_paths={"sql": "/good/sql"},
+        on_identity_change=changes.append,
+    )
+    return core, engine, changes
+
+
+async def test_a_lora_change_updates_the_identity_and_tells_the_registration() -> None:
+    core, _, changes = lora_core()
+    loaded = await core.load_lora_adapter("chat", "/good/chat")
+    assert loaded.lora_adapters == ("sql", "chat") == core.identity.lora_adapters
+    assert loaded.path == "/good/chat" and loaded.seconds >= 0
+    assert [c.lora_adapters for c in changes] == [("sql", "chat")]
+    unloaded = await core.unload_lora_adapter("sql")  # loaded at start: its --lora-modules folder
+    assert (unloaded.lora_adapters, unloaded.path) == (("chat",), "/good/sql")
+    assert (await core.unload_lora_adapter("chat")).path == "/good/chat"
+    assert core.identity.lora_adapters == () and len(changes) == 3
+
+
+@pytest.mark.parametrize(
+    ("call", "error"),
+    [
+        (("load", "chat", "/bad/chat"), errors.FailedPrecondition),
+        (("load", "sql", "/good/sql"), errors.AlreadyExists),
+        (("load", "", "/good/x"), errors.InvalidArgument),
+        (("load", "x", ""), errors.InvalidArgument),
+        (("unload", "nope"), errors.NotFound),
+        (("unload", ""), errors.InvalidArgument),
+    ],
+)
+async def test_a_refused_lora_change_changes_nothing(call: tuple[str, ...], error: type[Exception]) -> None:
+    core, _, changes = lora_core()
+    before = core.identity
+    op, *args = call
+    with pytest.raises(error):
+        await (core.load_lora_adapter(*args) if op == "load" else core.unload_lora_adapter(*args))
+    assert core.identity == before and changes == []
+
+
+async def test_a_load_whose_caller_went_away_still_updates_the_identity() -> None:
+    """The engine goes on loading in its thread after the RPC's deadline: the identity (Info,
+    the registration) must end up saying what the engine serves."""
+    core, engine, changes = lora_core()
+    engine.gate = threading.Event()
+    task = asyncio.create_task(core.load_lora_adapter("chat", "/good/chat"))
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    engine.gate.set()
+    for _ in range(200):
+        if core.identity.lora_adapters == ("sql", "chat"):
+            break
+        await asyncio.sleep(0.005)
+    assert core.identity.lora_adapters == ("sql", "chat") and len(changes) == 1
+
+
+async def test_a_draining_worker_changes_no_adapter() -> None:
+    core, _, _ = lora_core()
+    core.begin_drain()
+    with pytest.raises(errors.Unavailable, match="draining"):
+        await core.load_lora_adapter("chat", "/good/chat")

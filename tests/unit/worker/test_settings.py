@@ -159,12 +159,23 @@ def test_lora_modules_from_flags_or_env_name_the_adapters_in_order() -> None:
     assert parse_settings(WorkerSettings, [], env={}).lora_adapters == ()
 
 
+def test_lora_is_enabled_by_enable_lora_or_by_lora_modules() -> None:
+    """--enable-lora (env PDSERVE_ENABLE_LORA) turns the LoRA machinery on without adapters;
+    --lora-modules implies it; the adapters' folders are kept by name (what an unload returns)."""
+    assert not parse_settings(WorkerSettings, [], env={}).lora_enabled
+    enabled = parse_settings(WorkerSettings, ["--enable-lora"], env={})
+    assert enabled.lora_enabled and enabled.lora_adapters == ()
+    assert parse_settings(WorkerSettings, [], env={"PDSERVE_ENABLE_LORA": "true"}).lora_enabled
+    implied = parse_settings(WorkerSettings, ["--lora-modules=sql=/adapters/sql"], env={})
+    assert implied.lora_enabled and implied.lora_module_paths == {"sql": "/adapters/sql"}
+
+
 @pytest.mark.parametrize(
     ("spec", "says"),
     [
         ("sql", "expected NAME=PATH"),
         ("=/adapters/sql", "expected NAME=PATH"),
-        ("-sql=/adapters/sql", "the name must be"),
+        ("-sql=/adapters/sql", "the name '-sql' must be"),
     ],
 )
 def test_a_bad_lora_module_fails_at_start_with_a_one_line_message(
