@@ -28,7 +28,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from services.scheduler import policies, unroutable
 from services.scheduler.pickers import Pickers
@@ -135,8 +135,11 @@ class Router:
                 info = wl.info
                 wid = info.worker_id
                 previous = self._workers.get(wid)
-                if previous is not None and previous.info != info:
-                    self._forget(wid)  # registered again with another identity: start clean
+                # registered again with another identity: start clean; LoRA adapters loaded or
+                # unloaded while it runs leave it the same worker (its reservations and cached
+                # prefixes stand: an adapter's blocks never match another's or the base model's)
+                if previous is not None and replace(previous.info, lora_adapters=info.lora_adapters) != info:
+                    self._forget(wid)
                 self._reservations.cover(
                     wid, now - wl.age_ms / 1000.0 - grace_s, [r.num_waiting for r in wl.ranks]
                 )

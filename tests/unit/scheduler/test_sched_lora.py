@@ -148,3 +148,26 @@ def test_conflicting_names_resolve_to_one_base_model() -> None:
     assert pools["x"].parent == "a" and pools["b"].parent == ""
     assert {w.info.worker_id for w in pools["b"].members} == {"b1"}  # not a1's adapter "b"
     assert {w.info.worker_id for w in pools["y"].members} == {"b1"}
+
+
+def test_an_adapter_loaded_at_runtime_keeps_the_workers_state_and_joins_its_pool() -> None:
+    """A worker that registers again with another adapter list (loaded or unloaded while it
+    runs) is the same worker: its reservations and cached prefixes stand, and the adapter's pool
+    follows its list; any other change of identity starts it clean."""
+    plain = worker("u", Role.UNIFIED)
+    r = router(plain, decode="cache_aware")
+    hashes = (11, 22, 33, 44)
+    r.schedule(request("a", 100, hashes))
+    assert r.state().workers[0].reserved_tokens == (100, 0)
+    loaded = with_adapters(plain, "sql")
+    r.apply_snapshot(snapshot(loaded))
+    assert r.state().workers[0].reserved_tokens == (100, 0)
+    assert r._prefix.matched_blocks(hashes, "u") == len(hashes)
+    assert r.schedule(request("b", 10, model="sql")).decode.worker_id == "u"
+    r.apply_snapshot(snapshot(plain))  # unloaded
+    with pytest.raises(Unavailable):
+        r.schedule(request("c", 10, model="sql"))
+    moved = dataclasses.replace(plain, info=dataclasses.replace(plain.info, address="u:2"))
+    r.apply_snapshot(snapshot(moved))
+    assert r.state().workers[0].reserved_tokens == (0, 0)
+    assert r._prefix.matched_blocks(hashes, "u") == 0
