@@ -31,6 +31,11 @@ class Unavailable(PdserveError):
     """No worker can serve the request right now, or the service is draining (UNAVAILABLE)."""
 
 
+class PermissionDenied(PdserveError):
+    """The caller may not make this call on this deployment, e.g. an operation the operator left
+    off (PERMISSION_DENIED); the message names the setting that allows it."""
+
+
 class FailedPrecondition(PdserveError):
     """The system is not in a state that allows the call, e.g. incompatible KV layout."""
 

@@ -25,6 +25,7 @@ STATUS_BY_ERROR: dict[type[errors.PdserveError], grpc.StatusCode] = {
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
     errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     errors.Cancelled: grpc.StatusCode.CANCELLED,
     errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
 }

@@ -12,6 +12,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.gateway import convert
 from services.gateway.ports import (
+    ClusterState,
+    ClusterWorker,
     DecodeEvent,
     KvDestination,
     ModelCard,
@@ -81,6 +83,13 @@ class GrpcScheduler:
         except grpc.aio.AioRpcError as exc:
             raise map_rpc_error(exc, f"scheduler {self._address}") from None
         return convert.model_cards(state)
+
+    async def cluster_state(self, timeout_s: float | None) -> ClusterState:
+        try:
+            state = await self._stub().GetState(scheduler_pb2.GetStateRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise map_rpc_error(exc, f"scheduler {self._address}") from None
+        return convert.cluster_state(state)
 
 
 class GrpcDecodeStream:
@@ -208,3 +217,32 @@ class GrpcWorkers:
             worker_pb2.AbortRequest(request_id=request_id), timeout=self._control_timeout_s
         )
         return bool(resp.found)
+
+    # --- LoRA adapters (1.14); a worker's errors as they are (its NOT_FOUND: not loaded there) ---
+
+    async def load_lora_adapter(self, worker: ClusterWorker, name: str, path: str, timeout_s: float) -> None:
+        try:
+            await self._stub(worker.address).LoadLoraAdapter(
+                worker_pb2.LoadLoraAdapterRequest(name=name, path=path), timeout=timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise _lora_error(exc, worker) from None
+
+    async def unload_lora_adapter(self, worker: ClusterWorker, name: str, timeout_s: float) -> str:
+        try:
+            resp = await self._stub(worker.address).UnloadLoraAdapter(
+                worker_pb2.UnloadLoraAdapterRequest(name=name), timeout=timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise _lora_error(exc, worker) from None
+        return str(resp.path)
+
+
+def _lora_error(exc: grpc.aio.AioRpcError, worker: ClusterWorker) -> errors.PdserveError:
+    """A worker's refusal as the domain error of its status; UNIMPLEMENTED (a worker older than
+    1.14 that advertised lora_runtime anyway) is a FailedPrecondition naming it."""
+    if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+        return errors.FailedPrecondition(f"{worker} cannot load or unload LoRA adapters (UNIMPLEMENTED)")
+    if exc.code() not in ERROR_BY_STATUS:
+        log.error("peer_error", peer=str(worker), code=exc.code().name, detail=exc.details() or "")
+    return error_from_rpc(exc, str(worker))

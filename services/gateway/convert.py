@@ -7,7 +7,10 @@ from collections.abc import Iterable
 
 from services.gateway.accounting import Usage
 from services.gateway.inputs import ChatTurn, GenerateInput, Sampling, TokenLogprob
+from services.gateway.lora_admin import LoraUpdate
 from services.gateway.ports import (
+    ClusterState,
+    ClusterWorker,
     DecodeEvent,
     KvDestination,
     ModelCard,
@@ -24,6 +27,7 @@ from shared.cluster_convert import (
     decode_frame_kind_from_pb,
     finish_reason_from_pb,
     finish_reason_to_pb,
+    role_from_pb,
     serving_mode_from_pb,
 )
 from shared.proto import common_pb2, gateway_pb2, scheduler_pb2, worker_pb2
@@ -208,6 +212,35 @@ def model_cards(state: scheduler_pb2.GetStateResponse) -> list[ModelCard]:
         ModelCard(m, min(lens[m], default=0), bases.get(m, ""))
         for m in sorted(lens, key=lambda m: (m in bases, m))  # base models first
     ]
+
+
+def cluster_state(state: scheduler_pb2.GetStateResponse) -> ClusterState:
+    """The workers the scheduler routes to (a worker of an unknown role is left out: no update
+    reaches a worker the gateway cannot name)."""
+    workers = []
+    for w in state.workers:
+        role = role_from_pb(w.info.role)
+        if role is None or not w.info.address:
+            continue
+        workers.append(
+            ClusterWorker(
+                worker_id=w.info.worker_id,
+                address=w.info.address,
+                role=role,
+                model_id=w.info.model_id,
+                capabilities=tuple(w.info.capabilities),
+                lora_adapters=tuple(w.info.lora_adapters),
+            )
+        )
+    return ClusterState(tuple(workers), state.stale)
+
+
+def load_lora_adapter_response(update: LoraUpdate) -> gateway_pb2.GatewayLoadLoraAdapterResponse:
+    return gateway_pb2.GatewayLoadLoraAdapterResponse(worker_ids=list(update.worker_ids))
+
+
+def unload_lora_adapter_response(update: LoraUpdate) -> gateway_pb2.GatewayUnloadLoraAdapterResponse:
+    return gateway_pb2.GatewayUnloadLoraAdapterResponse(worker_ids=list(update.worker_ids))
 
 
 # --- workers ---

@@ -3,20 +3,22 @@
 convert back (http_responses; streams: http_stream's server-sent events); errors answer through
 http_errors. A client that goes away cancels its request (aborted on the workers).
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health.
+Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, GET /v1/models,
+POST /tokenize, POST /detokenize, POST /v1/load_lora_adapter, POST /v1/unload_lora_adapter
+(vLLM's runtime LoRA updating), GET /health.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import grpc
 import structlog
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from opentelemetry import propagate, trace
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -37,7 +39,9 @@ from services.gateway.http_errors import (
 )
 from services.gateway.http_responses import completion_body, model_list
 from services.gateway.http_stream import EventStream, events
+from services.gateway.lora_admin import AdapterInUse
 from services.gateway.service import GatewayService
+from services.gateway.validation import InvalidField
 from shared.auth import AUTH_HEADER, UNAUTHENTICATED_MESSAGE, ApiKeys
 from shared.errors import InvalidArgument
 from shared.tracing import tracer
@@ -92,6 +96,9 @@ class HttpApi:
         # vLLM's paths (no /v1): the prompt as it would run, and the text of token ids
         app.add_api_route("/tokenize", self.tokenize, methods=["POST"])
         app.add_api_route("/detokenize", self.detokenize, methods=["POST"])
+        # vLLM's runtime LoRA updating (--allow-runtime-lora-updating)
+        app.add_api_route("/v1/load_lora_adapter", self.load_lora_adapter, methods=["POST"])
+        app.add_api_route("/v1/unload_lora_adapter", self.unload_lora_adapter, methods=["POST"])
         return app
 
     # --- error handlers ---
@@ -105,7 +112,8 @@ class HttpApi:
         if exc.status_code == 404:
             message += (
                 "; the API is POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, "
-                "GET /v1/models, POST /tokenize, POST /detokenize"
+                "GET /v1/models, POST /tokenize, POST /detokenize, POST /v1/load_lora_adapter, "
+                "POST /v1/unload_lora_adapter"
             )
         error = HttpError(
             exc.status_code, error_body(message, type_), dict(exc.headers or {}), grpc.StatusCode.UNKNOWN
@@ -170,6 +178,34 @@ class HttpApi:
         except Exception as exc:
             return self._fail(exc, "")
         return JSONResponse({"prompt": text})
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """vLLM's /v1/load_lora_adapter: 200 with a text message once every worker of the base
+        model has the adapter (and /v1/models lists it); a bad adapter is 400 with the reason."""
+        self._authenticate(request)
+        try:
+            body = await read_json(request, m.LoadLoraAdapterRequest, self._max_body_bytes)
+            if body.load_inplace:
+                raise InvalidField(
+                    "load_inplace is not served: unload the adapter, then load it again", "load_inplace"
+                )
+            await self._service.load_lora_adapter(body.model, body.lora_name, body.lora_path)
+        except Exception as exc:
+            return self._fail(exc, "", _LORA_STATUSES)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """vLLM's /v1/unload_lora_adapter: 200 with a text message once no worker serves it;
+        409 while requests of it are running, 404 when no worker has it."""
+        self._authenticate(request)
+        try:
+            body = await read_json(request, m.UnloadLoraAdapterRequest, self._max_body_bytes)
+            await self._service.unload_lora_adapter(body.model, body.lora_name)
+        except AdapterInUse as exc:
+            return self._fail(exc, "", {grpc.StatusCode.FAILED_PRECONDITION: (409, "conflict_error")})
+        except Exception as exc:
+            return self._fail(exc, "", _LORA_STATUSES)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     async def chat(self, request: Request) -> Response:
         return await self._generate(request, m.ChatCompletionRequest, chat=True)
@@ -252,8 +288,13 @@ class HttpApi:
             stream = responses_api.events(asked, stream, request_id, created, result[0][1].model)
         return EventStream(stream, close, headers)
 
-    def _fail(self, exc: BaseException, request_id: str) -> JSONResponse:
-        error = http_error(exc)
+    def _fail(
+        self,
+        exc: BaseException,
+        request_id: str,
+        statuses: Mapping[grpc.StatusCode, tuple[int, str]] | None = None,
+    ) -> JSONResponse:
+        error = http_error(exc, statuses)
         observe.record_error(error.grpc_code.name)
         if error.is_internal:
             log.error("unhandled_error", request_id=request_id, exc_info=exc)
@@ -271,6 +312,12 @@ class HttpApi:
                     grpc.StatusCode.UNAUTHENTICATED,
                 )
             )
+
+
+# A runtime LoRA update's refusals that are the request's fault, as vLLM answers them: an
+# adapter the workers cannot load (a bad path, an adapter of another model) or workers started
+# without --enable-lora is 400, not a server error.
+_LORA_STATUSES = {grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error")}
 
 
 async def _unless_disconnected(request: Request, task: asyncio.Future[Any], run: ChoiceRun) -> Any:

@@ -7,6 +7,7 @@ a request before it reaches the domain (auth, body checks)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import grpc
@@ -21,6 +22,7 @@ REQUEST_ID_HEADER = "X-Request-Id"
 HTTP_BY_STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
     grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
     grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
     grpc.StatusCode.ALREADY_EXISTS: (409, "conflict_error"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
@@ -48,11 +50,14 @@ def error_body(
     return m.ErrorResponse(error=m.ErrorDetail(message=message, type=type_, param=param, code=code))
 
 
-def http_error(exc: BaseException) -> HttpError:
+def http_error(
+    exc: BaseException, statuses: Mapping[grpc.StatusCode, tuple[int, str]] | None = None
+) -> HttpError:
     """The HTTP status, OpenAI error body and headers for an exception (unknown ones: 500 with a
-    generic message; the caller logs the details)."""
+    generic message; the caller logs the details). `statuses`: a route's own HTTP status and
+    error type for some codes, besides HTTP_BY_STATUS."""
     code, message = status_for(exc)
-    status, type_ = HTTP_BY_STATUS.get(code, (500, "internal_error"))
+    status, type_ = (statuses or {}).get(code) or HTTP_BY_STATUS.get(code, (500, "internal_error"))
     if status == 500:
         message = GENERIC_INTERNAL_MESSAGE
     # An error that knows when to come back (admission's Overloaded) says so; whole seconds, >= 1.

@@ -130,6 +130,23 @@ class DetokenizeRequest(_Request):
     tokens: list[int]
 
 
+class LoadLoraAdapterRequest(_Request):
+    """vLLM's POST /v1/load_lora_adapter."""
+
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False  # vLLM's replacement of a loaded adapter: refused (unload first)
+    model: str = ""  # the base model; "" = the served one (pdserve's, not vLLM's)
+
+
+class UnloadLoraAdapterRequest(_Request):
+    """vLLM's POST /v1/unload_lora_adapter (its lora_int_id is accepted and unused)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
+    model: str = ""  # the base model; "" = the served one (pdserve's, not vLLM's)
+
+
 class CompletionRequest(_GenerationRequest):
     # a string, several strings (one set of choices each), token ids, or several lists of token ids
     prompt: str | list[str] | list[int] | list[list[int]]

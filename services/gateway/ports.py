@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from services.gateway.inputs import Sampling, TokenLogprob
-from shared.cluster import DecodeFrameKind, FinishReason, KvTransport, ServingMode
+from shared.cluster import DecodeFrameKind, FinishReason, KvTransport, Role, ServingMode
 from shared.errors import ResourceExhausted, Unavailable
 
 
@@ -194,3 +194,43 @@ class SchedulerClient(Protocol):
     async def schedule(self, query: ScheduleQuery, timeout_s: float | None) -> Placement: ...
 
     async def list_models(self) -> Sequence[ModelCard]: ...
+
+
+@dataclass(frozen=True)
+class ClusterWorker:
+    """A worker as the scheduler routes to it (Scheduler/GetState): what an adapter change needs."""
+
+    worker_id: str
+    address: str
+    role: Role
+    model_id: str
+    capabilities: tuple[str, ...]
+    lora_adapters: tuple[str, ...]  # names, in the worker's order
+
+    def __str__(self) -> str:
+        return f"{self.role.value} worker {self.worker_id} ({self.address})"
+
+
+@dataclass(frozen=True)
+class ClusterState:
+    workers: tuple[ClusterWorker, ...]
+    stale: bool  # the scheduler lost the load-monitor: the list may be out of date
+
+
+class ClusterView(Protocol):
+    async def cluster_state(self, timeout_s: float | None) -> ClusterState:
+        """The workers the scheduler routes to now. Raises as the scheduler client does."""
+        ...
+
+
+class LoraWorkerClient(Protocol):
+    """A worker's LoRA adapter calls (worker.proto LoadLoraAdapter / UnloadLoraAdapter, 1.14).
+    Errors are the worker's own (shared.errors classes, messages naming the worker)."""
+
+    async def load_lora_adapter(
+        self, worker: ClusterWorker, name: str, path: str, timeout_s: float
+    ) -> None: ...
+
+    async def unload_lora_adapter(self, worker: ClusterWorker, name: str, timeout_s: float) -> str:
+        """Returns the folder the worker had loaded the adapter from ("" when it does not say)."""
+        ...

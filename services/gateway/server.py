@@ -14,6 +14,7 @@ import structlog
 from services.gateway.clients import GrpcMembership, GrpcScheduler, GrpcWorkers
 from services.gateway.http_api import HttpApi
 from services.gateway.http_server import HttpServer
+from services.gateway.lora_admin import LoraAdmin
 from services.gateway.service import GatewayService
 from services.gateway.servicer import GatewayServicer
 from services.gateway.settings import GatewaySettings, load_settings
@@ -93,11 +94,17 @@ def build_app(settings: GatewaySettings) -> GatewayApp:
     tls = settings.tls_config()
     # scheduler and worker channels use the same TLS settings; internal calls carry the token
     channels = ChannelCache(tls=tls, call_metadata=token_metadata(settings.cluster_token))
+    scheduler = GrpcScheduler(channels, settings.scheduler_address, settings.worker_rpc_timeout_s)
+    workers = GrpcWorkers(channels, settings.worker_rpc_timeout_s)
     service = GatewayService(
         settings,
-        GrpcScheduler(channels, settings.scheduler_address, settings.worker_rpc_timeout_s),
-        GrpcWorkers(channels, settings.worker_rpc_timeout_s),
+        scheduler,
+        workers,
         membership=GrpcMembership(channels, settings.scheduler_address),
+        # the scheduler shows a change within a registration's round trip: its control timeout
+        lora_admin=LoraAdmin(
+            scheduler, workers, settings.lora_update_timeout_s, settings.worker_rpc_timeout_s
+        ),
     )
     keys = load_api_keys(settings.api_keys, settings.api_key_file)
     # The API key check runs first: an unauthenticated call reaches nothing else.

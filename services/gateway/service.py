@@ -1,5 +1,6 @@
 """The gateway's domain facade: validate + tokenize, run the request life, build Complete's
-single response from the same frames Generate streams, list models."""
+single response from the same frames Generate streams, list models, load and unload LoRA
+adapters at runtime (when allowed; lora_admin.py does the work)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from services.gateway.breaker import CircuitBreakers
 from services.gateway.budget import MaxTokens
 from services.gateway.dispatch import Dispatcher, PreparedRequest
 from services.gateway.inputs import GenerateInput, Sampling, TokenLogprob, new_request_id
+from services.gateway.lora_admin import LoraAdmin, LoraUpdate
 from services.gateway.membership import MembershipWatch
 from services.gateway.model_cards import ModelCards
 from services.gateway.ports import MembershipSource, ModelCard, SchedulerClient, WorkerClient
@@ -33,7 +35,14 @@ from services.gateway.validation import (
     validate_token_ids,
     validate_vocab_ids,
 )
-from shared.errors import AlreadyExists, Unavailable
+from shared.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    NotFound,
+    PdserveError,
+    PermissionDenied,
+    Unavailable,
+)
 from shared.tracing import tracer
 
 log = structlog.get_logger(__name__)
@@ -47,10 +56,13 @@ class GatewayService:
         workers: WorkerClient,
         tokenizer: PromptTokenizer | None = None,
         membership: MembershipSource | None = None,
+        lora_admin: LoraAdmin | None = None,
     ) -> None:
         """`membership`: where the membership of decode workers carrying streams is checked
-        (None: not checked)."""
+        (None: not checked); `lora_admin`: what loads and unloads LoRA adapters at runtime (None:
+        nothing does)."""
         self._settings = settings
+        self._lora_admin = lora_admin
         self._tokenizer = tokenizer
         self._limits = Limits(settings.max_stop_strings, settings.max_stop_string_chars)
         self.membership = (
@@ -313,6 +325,46 @@ class GatewayService:
     async def list_models(self) -> list[ModelCard]:
         """Fresh from the scheduler (and cached for resolving budgets: model_cards.py)."""
         return await self.model_cards.fetch()
+
+    # --- LoRA adapters at runtime ---
+    async def load_lora_adapter(self, model: str, name: str, path: str) -> LoraUpdate:
+        """Load the adapter in folder `path` as `name` into every worker of the base model
+        `model` ("" = the served one), then refresh the model cards, so the next request may
+        name it. PermissionDenied unless --allow-runtime-lora-updating."""
+        admin = self._lora_admin_allowed()
+        update = await admin.load(self._base_model(model), name, path)
+        await self._refresh_model_cards()
+        return update
+
+    async def unload_lora_adapter(self, model: str, name: str) -> LoraUpdate:
+        """Unload adapter `name` from the workers of the base model `model` ("" = the served
+        one), then refresh the model cards. PermissionDenied unless allowed."""
+        admin = self._lora_admin_allowed()
+        update = await admin.unload(self._base_model(model), name)
+        await self._refresh_model_cards()
+        return update
+
+    def _lora_admin_allowed(self) -> LoraAdmin:
+        if not self._settings.allow_runtime_lora_updating:
+            raise PermissionDenied(
+                "loading and unloading LoRA adapters at runtime is off on this gateway; start it "
+                "with --allow-runtime-lora-updating (env PDSERVE_ALLOW_RUNTIME_LORA_UPDATING=true)"
+            )
+        if self._lora_admin is None:
+            raise FailedPrecondition("this gateway has no way to reach the workers' LoRA adapter calls")
+        return self._lora_admin
+
+    def _base_model(self, model: str) -> str:
+        served = self._require_tokenizer().model_id
+        if model and model != served:
+            raise NotFound(f"the model {model!r} is not served here; this gateway serves {served!r}")
+        return served
+
+    async def _refresh_model_cards(self) -> None:
+        try:
+            await self.model_cards.fetch()
+        except PdserveError as exc:  # the cards catch up at their next refresh (model_cards.py)
+            log.warning("model_cards_fetch_failed", error=str(exc))
 
     @property
     def tool_call_format(self) -> Format:

@@ -76,3 +76,25 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             _count_error(exc)
             raise
         return gateway_pb2.DetokenizeResponse(text=text, model=model)
+
+    async def LoadLoraAdapter(
+        self, request: gateway_pb2.GatewayLoadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.GatewayLoadLoraAdapterResponse:
+        try:
+            update = await self._service.load_lora_adapter(
+                request.model, request.lora_name, request.lora_path
+            )
+        except BaseException as exc:
+            _count_error(exc)
+            raise
+        return convert.load_lora_adapter_response(update)
+
+    async def UnloadLoraAdapter(
+        self, request: gateway_pb2.GatewayUnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.GatewayUnloadLoraAdapterResponse:
+        try:
+            update = await self._service.unload_lora_adapter(request.model, request.lora_name)
+        except BaseException as exc:
+            _count_error(exc)
+            raise
+        return convert.unload_lora_adapter_response(update)

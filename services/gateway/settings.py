@@ -119,6 +119,17 @@ class GatewaySettings(TlsSettings):
     membership_probe_timeout_s: float = field(
         2.0, "how long a worker that left membership gets to answer a health check (s)"
     )
+    allow_runtime_lora_updating: bool = field(
+        False,
+        "serve vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (gRPC "
+        "LoadLoraAdapter / UnloadLoraAdapter): load a LoRA adapter into every worker of the base "
+        "model, which must run with --enable-lora, or unload one; off: PERMISSION_DENIED / 403. "
+        "Workers that join later do not get such adapters (--lora-modules is for those that must "
+        "survive restarts and scale-out)",
+    )
+    lora_update_timeout_s: float = field(
+        120.0, "longest one worker may take to load (or unload) a LoRA adapter at runtime (s)"
+    )
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -141,6 +152,8 @@ class GatewaySettings(TlsSettings):
             raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")
         if self.membership_poll_s < 0 or self.membership_probe_timeout_s <= 0:
             raise ValueError("membership_poll_s must be >= 0 and membership_probe_timeout_s > 0")
+        if self.lora_update_timeout_s <= 0:
+            raise ValueError(f"lora_update_timeout_s must be > 0, got {self.lora_update_timeout_s}")
         if self.drain_grace_s < 0:
             raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
 
