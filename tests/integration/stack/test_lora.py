@@ -4,7 +4,11 @@ client and gRPC: an adapter is a model of its own (listed with its parent, named
 greedy text differs from the base model's and is the same disaggregated (prefill + decode
 workers) and unified; concurrent requests of the base model and both adapters, which share engine
 steps, each give their solo text; an adapter's prompt is cached under the adapter only; unknown
-models are 404 naming what is served."""
+models are 404 naming what is served. Adapters loaded while the cluster runs (into workers
+started with --enable-lora only, through a gateway with --allow-runtime-lora-updating): served
+at once with the greedy text of the same adapter loaded at start, listed, 404 once unloaded; a
+gateway without the flag refuses (403), a bad adapter is 400 and loaded nowhere, a second load
+409, an unload while a request of it runs 409 until it ended."""
 
 from __future__ import annotations
 
@@ -15,11 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 import openai
 import pytest
 import pytest_asyncio
 
-from shared.proto import gateway_pb2, gateway_pb2_grpc
+from shared.cluster import LORA_RUNTIME_CAPABILITY
+from shared.proto import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.support.inproc import InProcessStack, five_services
 from tests.support.tiny_models import build_tiny_lora, build_tiny_model
 
@@ -191,3 +197,194 @@ async def test_grpc_model_names_an_adapter_in_every_call(
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.Complete(gateway_pb2.GenerateRequest(model="nope", prompt="x"), timeout=60)
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+# --- adapters loaded and unloaded while the cluster runs (vLLM's runtime LoRA updating) ---
+
+KEY = "lora-admin-key"
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def runtime(model: Path) -> AsyncIterator[dict[str, InProcessStack]]:
+    """One stack per mode whose workers start with --enable-lora and no adapter, behind a gateway
+    with --allow-runtime-lora-updating and an API key."""
+    async with contextlib.AsyncExitStack() as exits:
+        out = {}
+        for mode in MODES:
+            out[mode] = await exits.enter_async_context(
+                five_services(
+                    model,
+                    ROLES[mode],
+                    gateway_overrides={
+                        "http_port": 0,
+                        "block_size": 4,
+                        "allow_runtime_lora_updating": True,
+                        "api_keys": (KEY,),
+                    },
+                    worker_overrides={"enable_lora": True, "block_size": 4},
+                )
+            )
+        yield out
+
+
+def http(stack: InProcessStack, key: str | None = KEY) -> httpx.AsyncClient:
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    return httpx.AsyncClient(base_url=str(stack.gateway.http_url), headers=headers, timeout=60)
+
+
+def adapter_path(model: Path, name: str) -> str:
+    """The folder the `stacks` fixture built for `name` (the same adapter its workers load at start)."""
+    return str(build_tiny_lora(model, model.parent / name, seed=ADAPTERS.index(name) + 1))
+
+
+async def worker_adapters(stack: InProcessStack) -> list[tuple[str, ...]]:
+    """What each worker's Info says it serves."""
+    out = []
+    for w in stack.workers:
+        async with grpc.aio.insecure_channel(w.address) as channel:
+            info = await worker_pb2_grpc.WorkerStub(channel).Info(worker_pb2.InfoRequest())
+        assert LORA_RUNTIME_CAPABILITY in info.capabilities and "lora" in info.capabilities
+        out.append(tuple(info.lora_adapters))
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_an_adapter_loaded_at_runtime_serves_like_one_loaded_at_start_until_unloaded(
+    runtime: dict[str, InProcessStack], stacks: dict[str, InProcessStack], model: Path, mode: str
+) -> None:
+    stack = runtime[mode]
+    async with http(stack) as web, client(stacks[mode]) as at_start:
+        api = openai.AsyncOpenAI(base_url=f"{stack.gateway.http_url}/v1", api_key=KEY, max_retries=0)
+        base = (await complete(api, model.name)).choices[0].text
+        loaded = await web.post(
+            "/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": adapter_path(model, "sql")}
+        )
+        assert (loaded.status_code, loaded.text) == (200, "Success: LoRA adapter 'sql' added successfully.")
+        assert await worker_adapters(stack) == [("sql",)] * len(ROLES[mode])  # every role
+        cards = {c.id: c.model_extra or {} for c in (await api.models.list()).data}
+        assert list(cards) == [model.name, "sql"] and cards["sql"]["parent"] == model.name
+        done = await complete(api, "sql")  # at once: the gateway answered once routing had it
+        assert done.model == "sql"
+        assert done.choices[0].text == (await complete(at_start, "sql")).choices[0].text != base
+        gone = await web.post("/v1/unload_lora_adapter", json={"lora_name": "sql"})
+        assert (gone.status_code, gone.text) == (200, "Success: LoRA adapter 'sql' removed successfully.")
+        assert await worker_adapters(stack) == [()] * len(ROLES[mode])
+        with pytest.raises(openai.NotFoundError):
+            await complete(api, "sql")
+        assert [c.id for c in (await api.models.list()).data] == [model.name]
+        assert (await complete(api, model.name)).choices[0].text == base
+        await api.close()
+
+
+async def test_runtime_updates_are_refused_unless_the_gateway_allows_them(
+    stacks: dict[str, InProcessStack], runtime: dict[str, InProcessStack], model: Path
+) -> None:
+    """The `stacks` gateways run without --allow-runtime-lora-updating: 403 / PERMISSION_DENIED
+    naming the flag, nothing changed; an API key is needed like on every /v1 route."""
+    body = {"lora_name": "more", "lora_path": adapter_path(model, "sql")}
+    async with http(stacks["unified"], key=None) as web:
+        for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+            refused = await web.post(path, json=body)
+            assert refused.status_code == 403, refused.text
+            assert "--allow-runtime-lora-updating" in refused.json()["error"]["message"]
+    async with grpc.aio.insecure_channel(stacks["unified"].gateway.server.address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.LoadLoraAdapter(
+                gateway_pb2.GatewayLoadLoraAdapterRequest(lora_name="more", lora_path="/x")
+            )
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert await worker_adapters(stacks["unified"]) == [ADAPTERS]
+    async with http(runtime["unified"], key=None) as web:
+        assert (await web.post("/v1/load_lora_adapter", json=body)).status_code == 401
+
+
+async def test_a_bad_adapter_is_400_with_the_reason_and_loaded_nowhere(
+    runtime: dict[str, InProcessStack], model: Path
+) -> None:
+    stack = runtime["disaggregated"]
+    async with http(stack) as web:
+        bad = await web.post(
+            "/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": str(model.parent / "nope")}
+        )
+        assert bad.status_code == 400, bad.text
+        assert "no adapter_config.json" in bad.json()["error"]["message"]
+        missing = await web.post("/v1/load_lora_adapter", json={"lora_name": "sql"})
+        assert missing.status_code == 400 and missing.json()["error"]["param"] == "lora_path"
+        assert (await web.post("/v1/unload_lora_adapter", json={"lora_name": "sql"})).status_code == 404
+        listed = (await web.get("/v1/models")).json()["data"]
+    assert [c["id"] for c in listed] == [model.name]
+    assert await worker_adapters(stack) == [(), ()]
+
+
+async def test_loading_twice_is_a_conflict_and_grpc_answers_like_http(
+    runtime: dict[str, InProcessStack], model: Path
+) -> None:
+    stack = runtime["disaggregated"]
+    async with grpc.aio.insecure_channel(stack.gateway.server.address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        auth = (("authorization", f"Bearer {KEY}"),)
+        request = gateway_pb2.GatewayLoadLoraAdapterRequest(
+            lora_name="chat", lora_path=adapter_path(model, "chat")
+        )
+        loaded = await stub.LoadLoraAdapter(request, metadata=auth, timeout=60)
+        assert sorted(loaded.worker_ids) == sorted(w.worker_id for w in stack.workers)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.LoadLoraAdapter(request, metadata=auth, timeout=60)
+        assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS and "already loaded" in (
+            err.value.details() or ""
+        )
+        async with http(stack) as web:
+            again = await web.post(
+                "/v1/load_lora_adapter", json={"lora_name": "chat", "lora_path": "/elsewhere"}
+            )
+            assert again.status_code == 409, again.text
+        unloaded = await stub.UnloadLoraAdapter(
+            gateway_pb2.GatewayUnloadLoraAdapterRequest(lora_name="chat", model=model.name),
+            metadata=auth,
+            timeout=60,
+        )
+        assert sorted(unloaded.worker_ids) == sorted(loaded.worker_ids)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.UnloadLoraAdapter(
+                gateway_pb2.GatewayUnloadLoraAdapterRequest(lora_name="chat"), metadata=auth
+            )
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert await worker_adapters(stack) == [(), ()]
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_an_adapter_is_not_unloaded_while_a_request_of_it_runs(
+    runtime: dict[str, InProcessStack], model: Path, mode: str
+) -> None:
+    """Refused (409, FAILED_PRECONDITION) while a stream of it runs, everything left as it was
+    (disaggregated: the prefill worker, which had finished its part, loads it again); once the
+    stream ended, the unload goes through."""
+    stack = runtime[mode]
+    async with http(stack) as web:
+        body = {"lora_name": "sql", "lora_path": adapter_path(model, "sql")}
+        assert (await web.post("/v1/load_lora_adapter", json=body)).status_code == 200
+        api = openai.AsyncOpenAI(base_url=f"{stack.gateway.http_url}/v1", api_key=KEY, max_retries=0)
+        stream = await api.completions.create(
+            model="sql",
+            prompt=PROMPT,
+            max_tokens=1500,
+            temperature=0.0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        async for _ in stream:
+            break  # running now, with tokens to go
+        refused = await web.post("/v1/unload_lora_adapter", json={"lora_name": "sql"})
+        assert refused.status_code == 409, refused.text
+        assert "queued or running" in refused.json()["error"]["message"]
+        assert await worker_adapters(stack) == [("sql",)] * len(ROLES[mode])
+        await stream.close()  # the client goes away: the request is aborted on the workers
+        await api.close()
+        for _ in range(100):
+            gone = await web.post("/v1/unload_lora_adapter", json={"lora_name": "sql"})
+            if gone.status_code != 409:
+                break
+            await asyncio.sleep(0.05)  # the abort is on its way
+        assert gone.status_code == 200, gone.text
+    assert await worker_adapters(stack) == [()] * len(ROLES[mode])
