@@ -274,6 +274,30 @@ def test_lora_modules_reach_every_worker_from_the_model_volume(tmp_path: Path) -
     assert parse_settings(WorkerSettings, [], env=env).lora_adapters == ("sql-lora", "org/chat")
 
 
+def test_runtime_lora_updating_is_off_unless_asked_for() -> None:
+    """gateway.allowRuntimeLoraUpdating becomes the gateway's PDSERVE_ALLOW_RUNTIME_LORA_UPDATING
+    (false by default), model.enableLora every worker's PDSERVE_ENABLE_LORA (both halves of an
+    adapter's request need it), read the way the services read them."""
+    from services.gateway.settings import GatewaySettings
+    from services.worker.settings import WorkerSettings
+    from shared.settings import parse_settings
+
+    deps = deployments(render())
+    assert env_of(deps["gateway"])["PDSERVE_ALLOW_RUNTIME_LORA_UPDATING"] == "false"
+    for name in WORKERS:
+        assert "PDSERVE_ENABLE_LORA" not in env_of(deps[name])
+    deps = deployments(
+        render("--set", "gateway.allowRuntimeLoraUpdating=true", "--set", "model.enableLora=true")
+    )
+    gateway = env_of(deps["gateway"])
+    assert parse_settings(GatewaySettings, [], env=gateway).allow_runtime_lora_updating
+    assert "PDSERVE_ENABLE_LORA" not in gateway
+    for name in WORKERS:
+        assert parse_settings(WorkerSettings, [], env=env_of(deps[name])).lora_enabled
+    for name in ("scheduler", "load-monitor"):
+        assert not {"PDSERVE_ENABLE_LORA", "PDSERVE_ALLOW_RUNTIME_LORA_UPDATING"} & set(env_of(deps[name]))
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -286,6 +310,7 @@ def test_lora_modules_reach_every_worker_from_the_model_volume(tmp_path: Path) -
         (["--set", "decodeWorker.device=tpu"], "must be one of"),
         (["--set", "common.drainGraceS=-1"], "drainGraceS"),
         (["--set", "model.loraModules[0].name=sql"], "path is required"),
+        (["--set", "model.enableLora=yes"], "enableLora"),
         (["--set", "model.loraModules[0].name=-x", "--set", "model.loraModules[0].path=a"], "pattern"),
         (
             [
