@@ -189,6 +189,14 @@ class FakeGateway(gateway_pb2_grpc.GatewayServicer):
         assert request.messages or request.prompt
         return gateway_pb2.TokenizeResponse(token_ids=[1, 2], count=2, model="fake", token_strs=["a", "b"])
 
+    def LoadLoraAdapter(self, request, context):  # type: ignore[no-untyped-def]
+        assert request.lora_name and request.lora_path
+        return gateway_pb2.GatewayLoadLoraAdapterResponse(worker_ids=["w1"])
+
+    def UnloadLoraAdapter(self, request, context):  # type: ignore[no-untyped-def]
+        assert request.lora_name
+        return gateway_pb2.GatewayUnloadLoraAdapterResponse(worker_ids=["w1"])
+
 
 class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
     def GetState(self, request, context):  # type: ignore[no-untyped-def]

@@ -328,3 +328,23 @@ def test_lora_modules_given_once_reach_every_worker() -> None:
             settings = parse_settings(WorkerSettings, child.args, env={})
             assert settings.lora_modules == ("sql=/a/sql", "chat=/a/chat"), child.name
             assert settings.lora_adapters == ("sql", "chat")
+
+
+def test_runtime_lora_updating_is_turned_on_by_a_gateway_arg_and_a_worker_arg() -> None:
+    """`--gateway-arg=--allow-runtime-lora-updating --worker-arg=--enable-lora` (the README's
+    recipe): every gateway allows the updates and every worker of every role can take them."""
+    from services.gateway.settings import GatewaySettings
+    from services.worker.settings import WorkerSettings
+    from shared.settings import parse_settings
+
+    flags = ("--gateway-arg=--allow-runtime-lora-updating", "--worker-arg=--enable-lora")
+    for shape in ((), ("--unified-workers", "2"), ("--gateways", "2")):
+        children = _children(*shape, *flags)
+        gateways = [c for c in children if c.name.startswith("gateway")]
+        workers = [c for c in children if "worker" in c.name]
+        assert gateways and workers
+        for child in gateways:
+            assert parse_settings(GatewaySettings, child.args, env={}).allow_runtime_lora_updating, child.name
+        for child in workers:
+            settings = parse_settings(WorkerSettings, child.args, env={})
+            assert settings.lora_enabled and settings.lora_adapters == (), child.name
