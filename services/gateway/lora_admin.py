@@ -119,10 +119,10 @@ class LoraAdmin:
         if failed:
             # also where no answer came: a load past its deadline may still finish
             maybe = [w for w, o in zip(targets, outcomes, strict=True) if not isinstance(o, _ANSWERS)]
-            await self._undo_load(maybe, name)
+            stuck = await self._undo_load(maybe, name)
             worker, error = failed[0]
             log.warning("lora_load_failed", lora_adapter=name, worker_id=worker.worker_id, error=str(error))
-            raise _with_note(error, f"nothing was loaded ({len(targets)} workers of {base_model!r})")
+            raise _with_note(error, _undone("nothing stays loaded by this call", stuck))
         ids = {w.worker_id for w in targets}
         if not await self._settle(
             lambda s: all(name in w.lora_adapters for w in s.workers if w.worker_id in ids)
@@ -135,16 +135,21 @@ class LoraAdmin:
         log.info("lora_adapter_loaded", lora_adapter=name, base_model=base_model, workers=len(targets))
         return LoraUpdate(name, tuple(w.worker_id for w in targets))
 
-    async def _undo_load(self, workers: Sequence[ClusterWorker], name: str) -> None:
-        async def undo(w: ClusterWorker) -> None:
+    async def _undo_load(self, workers: Sequence[ClusterWorker], name: str) -> list[ClusterWorker]:
+        """Unload `name` from `workers`; returns those where that failed (it may stay there)."""
+
+        async def undo(w: ClusterWorker) -> bool:
             try:
                 await self._workers.unload_lora_adapter(w, name, self._call_timeout_s)
             except NotFound:
                 pass  # it never loaded there
             except Exception as exc:
                 log.error("lora_rollback_failed", lora_adapter=name, worker=str(w), error=str(exc))
+                return False
+            return True
 
-        await asyncio.gather(*(undo(w) for w in workers))
+        undone = await asyncio.gather(*(undo(w) for w in workers))
+        return [w for w, ok in zip(workers, undone, strict=True) if not ok]
 
     # --- unload ---
 
@@ -165,12 +170,12 @@ class LoraAdmin:
             if isinstance(o, BaseException) and not isinstance(o, NotFound)
         ]
         if failed:
-            await self._undo_unload(unloaded, name)
+            stuck = await self._undo_unload(unloaded, name)
             worker, error = failed[0]
             if isinstance(error, FailedPrecondition):  # the worker's reason: requests of it run there
                 error = AdapterInUse(str(error))
             log.warning("lora_unload_failed", lora_adapter=name, worker_id=worker.worker_id, error=str(error))
-            raise _with_note(error, f"{name!r} stays loaded on every worker that had it")
+            raise _with_note(error, _undone(f"{name!r} stays loaded on every worker that had it", stuck))
         ids = {w.worker_id for w in holders}
         if not await self._settle(
             lambda s: not any(name in w.lora_adapters for w in s.workers if w.worker_id in ids)
@@ -183,16 +188,24 @@ class LoraAdmin:
         log.info("lora_adapter_unloaded", lora_adapter=name, base_model=base_model, workers=len(holders))
         return LoraUpdate(name, tuple(w.worker_id for w in holders))
 
-    async def _undo_unload(self, unloaded: Sequence[tuple[ClusterWorker, str]], name: str) -> None:
-        async def undo(w: ClusterWorker, path: str) -> None:
+    async def _undo_unload(
+        self, unloaded: Sequence[tuple[ClusterWorker, str]], name: str
+    ) -> list[ClusterWorker]:
+        """Load `name` again where it was unloaded, from the folder each worker had it from;
+        returns the workers where that failed (they now lack it)."""
+
+        async def undo(w: ClusterWorker, path: str) -> bool:
             try:
                 if not path:
                     raise FailedPrecondition("the worker did not say where it had loaded it from")
                 await self._workers.load_lora_adapter(w, name, path, self._call_timeout_s)
             except Exception as exc:
                 log.error("lora_rollback_failed", lora_adapter=name, worker=str(w), error=str(exc))
+                return False
+            return True
 
-        await asyncio.gather(*(undo(w, path) for w, path in unloaded))
+        undone = await asyncio.gather(*(undo(w, path) for w, path in unloaded))
+        return [w for (w, _), ok in zip(unloaded, undone, strict=True) if not ok]
 
     # --- helpers ---
 
@@ -237,6 +250,13 @@ def _require_runtime(workers: Sequence[ClusterWorker]) -> None:
             f"{_names(lacking)} cannot load or unload LoRA adapters while running (start workers "
             "with --enable-lora, or upgrade those older than 1.14); nothing was changed"
         )
+
+
+def _undone(done: str, stuck: Sequence[ClusterWorker]) -> str:
+    """What a rollback left: `done`, or which workers it could not put back."""
+    if not stuck:
+        return done
+    return f"undoing it failed on {_names(stuck)} (see the gateway's log): check them, then retry"
 
 
 def _names(workers: Sequence[ClusterWorker]) -> str:

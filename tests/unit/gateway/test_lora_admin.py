@@ -47,8 +47,9 @@ def node(
 
 class Cluster:
     """The scheduler's list (ClusterView) and the workers' LoRA calls (LoraWorkerClient) over it:
-    a worker's change shows in the list after `lag` more reads. `fail` maps a worker id to the
-    error its next load or unload raises; `gate`, when set, holds every call until it is set."""
+    a worker's change shows in the list after `lag` more reads. `fail` maps a worker id (or
+    (op, worker id)) to the error its next load or unload (or that op) raises; `gate`, when set,
+    holds every call until it is set."""
 
     def __init__(self, *workers: ClusterWorker, lag: int = 0, stale: bool = False) -> None:
         self.workers = {w.worker_id: w for w in workers}
@@ -56,7 +57,7 @@ class Cluster:
         self.pending: list[tuple[int, ClusterWorker]] = []  # (reads left, the worker's new info)
         self.lag = lag
         self.stale = stale
-        self.fail: dict[str, BaseException] = {}
+        self.fail: dict[str | tuple[str, str], BaseException] = {}
         self.calls: list[tuple[str, str, str]] = []  # (op, worker id, name)
         self.paths: dict[tuple[str, str], str] = {}
         self.gate: asyncio.Event | None = None
@@ -77,7 +78,7 @@ class Cluster:
         try:
             if self.gate is not None:
                 await self.gate.wait()
-            error = self.fail.pop(worker.worker_id, None)
+            error = self.fail.pop((op, worker.worker_id), None) or self.fail.pop(worker.worker_id, None)
             if error is not None:
                 raise error
         finally:
@@ -183,7 +184,7 @@ async def test_a_failed_load_is_undone_where_it_loaded_or_may_have_and_the_first
     with pytest.raises(FailedPrecondition) as err:
         await admin(cluster).load("m", "sql", "/bad")
     assert "no adapter_config.json there" in str(err.value)
-    assert "nothing was loaded (3 workers of 'm')" in str(err.value)
+    assert "nothing stays loaded by this call" in str(err.value)
     assert sorted(c for c in cluster.calls if c[0] == "unload") == [
         ("unload", "d1", "sql"),
         ("unload", "d2", "sql"),
@@ -333,3 +334,16 @@ def test_the_schedulers_state_converts_to_the_workers_an_update_reaches() -> Non
     update = LoraUpdate("sql", ("p1", "d1"))
     assert list(convert.load_lora_adapter_response(update).worker_ids) == ["p1", "d1"]
     assert list(convert.unload_lora_adapter_response(update).worker_ids) == ["p1", "d1"]
+
+
+async def test_a_rollback_that_fails_says_where() -> None:
+    """u1 loaded it, u2 refused, and u1's unload fails: the answer names u1 instead of claiming
+    that nothing stays loaded."""
+    cluster = Cluster(node("u1"), node("u2"))
+    cluster.fail = {
+        "u2": FailedPrecondition("bad adapter"),
+        ("unload", "u1"): Unavailable("u1 is unavailable"),
+    }
+    with pytest.raises(FailedPrecondition, match=r"bad adapter; undoing it failed on unified worker u1"):
+        await admin(cluster).load("m", "sql", "/bad")
+    assert cluster.adapters() == {"u1": ("sql",), "u2": ()}
