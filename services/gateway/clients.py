@@ -22,6 +22,7 @@ from services.gateway.ports import (
     ScheduleQuery,
     WorkerGone,
     WorkerJob,
+    WorkerLacksFeature,
     WorkerOutOfCapacity,
     WorkerTarget,
     WorkerUnavailable,
@@ -38,17 +39,25 @@ log = structlog.get_logger(__name__)
 _END_OF_STREAM_WAIT_S = 2.0
 
 
-def map_rpc_error(exc: grpc.aio.AioRpcError, peer: str, worker_id: str = "") -> errors.PdserveError:
+def map_rpc_error(
+    exc: grpc.aio.AioRpcError, peer: str, worker_id: str = "", lora_adapter: str = ""
+) -> errors.PdserveError:
     """A peer's failure as a domain error (shared.grpc_errors), made Retryable where another
     worker may succeed: UNAVAILABLE (any peer) and RESOURCE_EXHAUSTED (a worker). A worker's
     NOT_FOUND (it no longer knows the request) is a FailedPrecondition of this request, not a
-    missing thing the client named."""
+    missing thing the client named; but one saying that the request's LoRA adapter is not loaded
+    there (the worker dropped it while the request was on its way: an unload in progress) is a
+    worker lacking a feature, retried on another worker and else RESOURCE_EXHAUSTED (retry
+    later: by then the model is listed, or 404)."""
     error = error_from_rpc(exc, peer)
     if isinstance(error, errors.Unavailable):
         return WorkerUnavailable(str(error), worker_id)
     if worker_id and isinstance(error, errors.ResourceExhausted):
         return WorkerOutOfCapacity(str(error), worker_id)
     if worker_id and isinstance(error, errors.NotFound):
+        # the engine's words (services/worker/engine/rank.py, engine.py) for an adapter it lacks
+        if lora_adapter and f"LoRA adapter {lora_adapter!r} is not loaded" in str(error):
+            return WorkerLacksFeature(str(error), worker_id)
         return errors.FailedPrecondition(str(error))
     if exc.code() not in ERROR_BY_STATUS:  # INTERNAL, UNKNOWN, ...: the client sees a generic INTERNAL
         log.error("peer_error", peer=peer, code=exc.code().name, detail=exc.details() or "")
@@ -95,9 +104,10 @@ class GrpcScheduler:
 class GrpcDecodeStream:
     """A Decode call's frames; cancel() ends the call (the worker sees the cancellation)."""
 
-    def __init__(self, call: grpc.aio.UnaryStreamCall, target: WorkerTarget) -> None:
+    def __init__(self, call: grpc.aio.UnaryStreamCall, target: WorkerTarget, lora_adapter: str = "") -> None:
         self._call = call
         self._target = target
+        self._lora_adapter = lora_adapter  # the request's, for map_rpc_error
         self._abandoned: str | None = None  # why, once abandon() was called
         self._gone_worker_id = target.worker_id  # whose absence abandon() reported
 
@@ -120,6 +130,7 @@ class GrpcDecodeStream:
                 exc,
                 f"decode worker {self._target.worker_id} ({self._target.address})",
                 self._target.worker_id,
+                self._lora_adapter,
             ) from None
         if frame is grpc.aio.EOF:
             return None
@@ -197,7 +208,7 @@ class GrpcWorkers:
         call = self._stub(target.address).Decode(
             convert.decode_request(job, target.dp_rank, local_prefill, transfer_ticket), timeout=timeout_s
         )
-        return GrpcDecodeStream(call, target)
+        return GrpcDecodeStream(call, target, job.sampling.lora_adapter)
 
     async def prefill(
         self, target: WorkerTarget, job: WorkerJob, kv: KvDestination | None, timeout_s: float | None
@@ -208,7 +219,10 @@ class GrpcWorkers:
             )
         except grpc.aio.AioRpcError as exc:
             raise map_rpc_error(
-                exc, f"prefill worker {target.worker_id} ({target.address})", target.worker_id
+                exc,
+                f"prefill worker {target.worker_id} ({target.address})",
+                target.worker_id,
+                job.sampling.lora_adapter,
             ) from None
         return convert.prefill_result(resp)
 

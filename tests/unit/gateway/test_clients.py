@@ -7,7 +7,7 @@ import grpc
 import pytest
 
 from services.gateway.clients import map_rpc_error
-from services.gateway.ports import Retryable, WorkerOutOfCapacity, WorkerUnavailable
+from services.gateway.ports import Retryable, WorkerLacksFeature, WorkerOutOfCapacity, WorkerUnavailable
 from shared import errors
 
 
@@ -35,3 +35,14 @@ def test_peer_failures(code: grpc.StatusCode, worker_id: str, expected: type[Exc
     assert "decode worker d1 (h:1)" in str(error)
     if isinstance(error, Retryable):
         assert error.worker_id == worker_id  # the retry excludes this worker
+
+
+def test_an_adapter_a_worker_just_dropped_is_retried_elsewhere() -> None:
+    """During an unload a request of the adapter may reach a worker that has dropped it: the
+    engine's NOT_FOUND for the request's adapter is a worker lacking a feature (retried on
+    another worker), any other NOT_FOUND stays the worker having lost the request."""
+    dropped = rpc_error(grpc.StatusCode.NOT_FOUND, "LoRA adapter 'sql' is not loaded on this worker")
+    error = map_rpc_error(dropped, "prefill worker p1 (h:1)", "p1", "sql")
+    assert type(error) is WorkerLacksFeature and error.worker_id == "p1"
+    assert type(map_rpc_error(dropped, "prefill worker p1 (h:1)", "p1", "chat")) is errors.FailedPrecondition
+    assert type(map_rpc_error(dropped, "prefill worker p1 (h:1)", "p1")) is errors.FailedPrecondition
