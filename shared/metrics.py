@@ -34,11 +34,13 @@ E2E_SECONDS = Histogram(
 QUEUE_SECONDS = Histogram(
     "pdserve_queue_time_seconds", "Arrival to first scheduled by the engine", buckets=_LATENCY_BUCKETS_S
 )
-PROMPT_TOKENS = Counter("pdserve_prompt_tokens_total", "Prompt tokens of finished requests")
+# by `model`: the model id the request named (the served model, or a LoRA adapter's name): usage
+# per adapter for a cluster serving several (a bounded set: only listed models get this far)
+PROMPT_TOKENS = Counter("pdserve_prompt_tokens_total", "Prompt tokens of finished requests", ["model"])
 GENERATION_TOKENS = Counter(
-    "pdserve_generation_tokens_total", "Generated tokens (sum of usage.completion_tokens)"
+    "pdserve_generation_tokens_total", "Generated tokens (sum of usage.completion_tokens)", ["model"]
 )
-REQUESTS = Counter("pdserve_requests_total", "Finished requests", ["finish_reason"])
+REQUESTS = Counter("pdserve_requests_total", "Finished requests", ["finish_reason", "model"])
 ERRORS = Counter("pdserve_errors_total", "RPCs that ended with an error status", ["code"])
 
 # --- prefix cache (tokens) ---

@@ -21,9 +21,9 @@ def record_finished(state: RequestState) -> None:
     if state.status is RequestStatus.FAILED or not state.status.is_finished:
         return
     usage = state.usage
-    metrics.PROMPT_TOKENS.inc(usage.prompt_tokens)
-    metrics.GENERATION_TOKENS.inc(usage.completion_tokens)
-    metrics.REQUESTS.labels(finish_reason=state.finish_reason.value).inc()
+    metrics.PROMPT_TOKENS.labels(model=state.model).inc(usage.prompt_tokens)
+    metrics.GENERATION_TOKENS.labels(model=state.model).inc(usage.completion_tokens)
+    metrics.REQUESTS.labels(finish_reason=state.finish_reason.value, model=state.model).inc()
     metrics.PREFIX_CACHE_HITS.labels(source="local").inc(usage.cache.local_tokens)
     metrics.PREFIX_CACHE_HITS.labels(source="transferred").inc(usage.cache.transferred_tokens)
 

@@ -9,12 +9,12 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client import REGISTRY
 
 from services.gateway.server import build_app
 from services.gateway.tokenization import PromptTokenizer
 from shared.block_hash import block_hashes
 from shared.proto import common_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb2
+from tests.support.prom import sample_total
 
 from .conftest import Cluster, gateway_settings
 from .fakes import (
@@ -497,16 +497,19 @@ async def test_list_models_scheduler_down(tiny_model: Path) -> None:
 
 
 async def test_metrics_count_usage(cluster: Cluster) -> None:
-    def value(name: str, **labels: str) -> float:
-        return REGISTRY.get_sample_value(name, labels) or 0.0
-
-    before = value("pdserve_generation_tokens_total"), value("pdserve_requests_total", finish_reason="length")
+    before = (
+        sample_total("pdserve_generation_tokens_total"),
+        sample_total("pdserve_requests_total", finish_reason="length"),
+    )
     c = cluster
     c.scheduler.responses.append(disaggregated(c.prefill, c.decode))
     c.decode.decode_scripts.append([admitted(), tokens("b"), final("", 10**9, STOP)])
     c.prefill.prefill_scripts.append(prefill_reply("a", 1))
     await complete(c, prompt="hi", max_tokens=6)
-    after = value("pdserve_generation_tokens_total"), value("pdserve_requests_total", finish_reason="length")
+    after = (
+        sample_total("pdserve_generation_tokens_total"),
+        sample_total("pdserve_requests_total", finish_reason="length"),
+    )
     assert after[0] - before[0] == 6
     assert after[1] - before[1] == 1
 

@@ -10,16 +10,16 @@ from pathlib import Path
 
 import grpc
 import pytest
-from prometheus_client import REGISTRY
 
 from shared.proto import gateway_pb2, gateway_pb2_grpc
 from shared.tracing import configure_tracing
 from tests.support.inproc import five_services
+from tests.support.prom import sample_total
 from tests.support.tiny_models import build_tiny_model
 
 
 def _aborted_total() -> float:
-    return REGISTRY.get_sample_value("pdserve_requests_total", {"finish_reason": "abort"}) or 0.0
+    return sample_total("pdserve_requests_total", finish_reason="abort")
 
 
 async def test_cancelled_and_expired_streams_end_cleanly(

@@ -27,6 +27,7 @@ import pytest_asyncio
 from shared.cluster import LORA_RUNTIME_CAPABILITY
 from shared.proto import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.support.inproc import InProcessStack, five_services
+from tests.support.prom import sample_total
 from tests.support.tiny_models import build_tiny_lora, build_tiny_model
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -103,6 +104,8 @@ async def test_an_adapters_text_differs_from_the_base_models_and_is_the_same_in_
     stacks: dict[str, InProcessStack], model: Path
 ) -> None:
     texts: dict[str, dict[str, str]] = {}
+    counted = ("pdserve_generation_tokens_total", "pdserve_requests_total")
+    before = {(m, name): sample_total(m, model=name) for m in counted for name in ("sql", "chat", model.name)}
     for mode in MODES:
         async with client(stacks[mode]) as api:
             texts[mode] = {}
@@ -129,6 +132,17 @@ async def test_an_adapters_text_differs_from_the_base_models_and_is_the_same_in_
     assert texts["disaggregated"] == texts["unified"]
     by_model = texts["unified"]
     assert len({by_model[""], by_model["sql"], by_model["chat"]}) == 3, by_model
+    # usage by model id, each adapter apart (per mode: sql twice, chat once, the base model twice)
+    expected = {"sql": 2 * len(MODES), "chat": len(MODES), model.name: 2 * len(MODES)}
+    for _ in range(100):  # a request is counted as its call ends: the last one may lag its reply
+        got = {n: sample_total(counted[1], model=n) - before[(counted[1], n)] for n in expected}
+        if got == expected:
+            break
+        await asyncio.sleep(0.02)
+    assert got == expected
+    for name, requests in expected.items():
+        tokens = sample_total(counted[0], model=name) - before[(counted[0], name)]
+        assert tokens == requests * MAX_TOKENS, name
 
 
 async def test_concurrent_base_and_adapter_requests_each_give_their_solo_text(
