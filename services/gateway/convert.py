@@ -53,6 +53,7 @@ def generate_input(req: gateway_pb2.GenerateRequest) -> GenerateInput:
         top_k=req.top_k if req.HasField("top_k") else None,
         min_p=req.min_p if req.HasField("min_p") else None,
         cache_salt=req.cache_salt,
+        skip_special_tokens=req.skip_special_tokens if req.HasField("skip_special_tokens") else True,
         priority=req.priority,
         continue_final_message=req.continue_final_message,
         truncate_prompt_tokens=req.truncate_prompt_tokens if req.HasField("truncate_prompt_tokens") else None,
@@ -263,6 +264,8 @@ def sampling_to_pb(s: Sampling) -> common_pb2.SamplingParams:
         msg.cache_salt = s.cache_salt
     if s.lora_adapter:  # unset: the base model (what an older worker serves)
         msg.lora_adapter = s.lora_adapter
+    if not s.skip_special_tokens:  # unset: hidden (what an older worker does)
+        msg.skip_special_tokens = False
     if s.first_output_index:
         msg.first_output_index = s.first_output_index
     if s.unshown_tail_tokens:

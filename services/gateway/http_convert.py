@@ -47,9 +47,8 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "reasoning_effort": (None,),
     "web_search_options": (None,),
     # vLLM's extras that change the output and are not served (ignoring them would change it
-    # silently): the workers never show special tokens; no beam search, bad words, allowed-token
-    # lists, logits processors or RAG documents
-    "skip_special_tokens": (None, True),
+    # silently): special tokens' text is never spaced apart; no beam search, bad words,
+    # allowed-token lists, logits processors or RAG documents
     "spaces_between_special_tokens": (None, True),
     "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),
@@ -258,6 +257,7 @@ def _common(req: m._GenerationRequest, max_tokens: int | None) -> dict[str, Any]
         include_stop_in_output=req.include_stop_str_in_output,
         truncate_prompt_tokens=req.truncate_prompt_tokens,
         cache_salt=req.cache_salt or "",
+        skip_special_tokens=req.skip_special_tokens,
         ignore_eos=req.ignore_eos,
     )
 

@@ -67,6 +67,8 @@ class _GenerationRequest(_Request):
     truncate_prompt_tokens: int | None = Field(default=None, description="keep the prompt's last k tokens")
     # vLLM's: the prompt is cached and found only under this salt (per-tenant cache isolation)
     cache_salt: str | None = None
+    # vLLM's: false shows the text of special tokens the model writes (never a terminating EOS)
+    skip_special_tokens: bool = True
     n: int = Field(default=1, description="choices per prompt")
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -172,6 +172,7 @@ _CHAT_EXTRAS = (
     "priority",
     "structured_outputs",
     "cache_salt",
+    "skip_special_tokens",
     "stop",
     "ignore_eos",
     "min_tokens",

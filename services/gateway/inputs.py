@@ -54,6 +54,8 @@ class GenerateInput:
     top_k: int | None = None
     min_p: float | None = None
     cache_salt: str = ""  # vLLM's: the prompt is cached and found only under it
+    # vLLM's: False shows the text of special tokens the model writes (never a terminating EOS)
+    skip_special_tokens: bool = True
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -98,6 +100,7 @@ class Sampling:
     # the LoRA adapter serving the request (the model id it named); "" = the base model. Its
     # prefix-cache keys start at shared.block_hash.chain_root(cache_salt, lora_adapter)
     lora_adapter: str = ""
+    skip_special_tokens: bool = True  # False: special tokens' text is output (vLLM's)
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()

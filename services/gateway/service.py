@@ -200,6 +200,7 @@ class GatewayService:
             min_p=float(inp.min_p or 0.0) if inp.temperature != 0 else 0.0,
             cache_salt=inp.cache_salt,
             lora_adapter=lora_adapter,
+            skip_special_tokens=inp.skip_special_tokens,
             seed=inp.seed,
             stop=inp.stop,
             stop_token_ids=inp.stop_token_ids,

@@ -44,6 +44,7 @@ def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingConfig:
         min_p=pb.min_p,
         cache_salt=pb.cache_salt,
         lora_adapter=pb.lora_adapter,  # "" (unset, or an older gateway): the base model
+        skip_special_tokens=pb.skip_special_tokens if pb.HasField("skip_special_tokens") else True,
         seed=pb.seed if pb.HasField("seed") else None,
         stop=tuple(pb.stop),
         stop_token_ids=tuple(pb.stop_token_ids),

@@ -25,6 +25,7 @@ CAPABILITIES = (
     "structured_grammar",
     "cache_salt",
     "lora",
+    "show_special_tokens",
     GATEWAY_TICKET_CAPABILITY,
 )
 # Contract version implemented: 1.0 = compat/v1.0; 1.1 added the optional generated_tokens fields;
@@ -54,6 +55,7 @@ CAPABILITIES = (
 # shared.cluster.LORA_RUNTIME_CAPABILITY, "lora_runtime", on workers with --enable-lora or
 # --lora-modules): adapters loaded and unloaded while the worker runs; the worker registers again
 # with its new WorkerInfo.lora_adapters after each change.
+# 1.14 also added SamplingParams.skip_special_tokens (capability "show_special_tokens").
 PROTO_VERSION = "1.14"
 
 

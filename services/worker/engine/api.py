@@ -56,6 +56,9 @@ class SamplingConfig:
     # the LoRA adapter serving the request (a name of EngineOptions.lora_modules); "" = the base
     # model. Its blocks are keyed under it too (shared.block_hash.chain_root)
     lora_adapter: str = ""
+    # vLLM's skip_special_tokens: False shows the text of special tokens in the output (a
+    # terminating EOS never has any); True hides them (detokenizer.hidden_token_ids)
+    skip_special_tokens: bool = True
     # min-p: after temperature, tokens less likely than min_p x the most likely one are dropped
     # (before top-k / top-p, vLLM's order); 0 = disabled, in [0, 1]
     min_p: float = 0.0

@@ -260,7 +260,7 @@ class PagedEngine:
             IncrementalDetokenizer(
                 self.tokenizer,
                 request.prompt_token_ids,
-                self._hidden_ids,
+                self._hidden_ids if sp.skip_special_tokens else frozenset(),
                 unshown_tail=sp.unshown_tail_tokens,
             ),
             OutputText(sp.stop, sp.include_stop_in_output),

@@ -413,7 +413,7 @@ async def test_vllms_stop_token_ids_stop_strings_kept_and_truncated_prompts(bpe:
     )
     assert chat.usage is not None and chat.usage.prompt_tokens == 3
     for field, value in (
-        ("skip_special_tokens", False),
+        ("spaces_between_special_tokens", False),
         ("bad_words", ["x"]),
         ("use_beam_search", True),
         ("allowed_token_ids", [1, 2]),
@@ -424,6 +424,54 @@ async def test_vllms_stop_token_ids_stop_strings_kept_and_truncated_prompts(bpe:
             await client.completions.create(**base, extra_body={field: value})
         assert err.value.body["param"] == field, field  # type: ignore[index]
     await client.completions.create(**base, extra_body={"skip_special_tokens": True})  # the default
+
+
+async def test_skip_special_tokens_false_shows_special_tokens_text(bpe: HttpStack) -> None:
+    """vLLM's skip_special_tokens: a special token the model writes (forced here by logit_bias)
+    has its text in the output only with false; streamed the same; usage counts it either way;
+    a terminating EOS never shows."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(bpe.model))
+    start = tok.convert_tokens_to_ids("<|im_start|>")
+    assert isinstance(start, int)
+    client = aclient(bpe)
+    base: dict[str, Any] = dict(model="", prompt=LONG_PROMPT, max_tokens=3, temperature=0)
+    bias = {"logit_bias": {str(start): 100}, "ignore_eos": True}
+    hidden = await client.completions.create(**base, extra_body=bias)
+    shown = await client.completions.create(**base, extra_body={**bias, "skip_special_tokens": False})
+    assert hidden.choices[0].text == ""
+    assert shown.choices[0].text == "<|im_start|>" * 3
+    assert shown.usage is not None and hidden.usage is not None
+    assert shown.usage.completion_tokens == hidden.usage.completion_tokens == 3
+    stream = await client.completions.create(
+        **base, stream=True, extra_body={**bias, "skip_special_tokens": False}
+    )
+    assert "".join([c.choices[0].text async for c in stream if c.choices]) == "<|im_start|>" * 3
+    eos = tok.convert_tokens_to_ids("<|im_end|>")  # the model's EOS: ends the choice, no text
+    ended = await client.completions.create(
+        **base, extra_body={"logit_bias": {str(eos): 100}, "skip_special_tokens": False}
+    )
+    assert ended.choices[0].text == "" and ended.choices[0].finish_reason == "stop"
+    chat = await client.chat.completions.create(
+        model="",
+        messages=CHAT,
+        max_tokens=2,
+        temperature=0,
+        extra_body={**bias, "skip_special_tokens": False},
+    )
+    assert chat.choices[0].message.content == "<|im_start|>" * 2
+    done = await bpe.stub.Complete(  # gRPC's field
+        gateway_pb2.GenerateRequest(
+            prompt=LONG_PROMPT,
+            max_tokens=3,
+            temperature=0,
+            ignore_eos=True,
+            logit_bias={start: 100},
+            skip_special_tokens=False,
+        )
+    )
+    assert done.text == "<|im_start|>" * 3
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -855,6 +855,9 @@ async def test_a_worker_without_a_needed_capability_is_skipped_then_the_request_
     assert needed_capabilities(grammar) == {"structured_outputs", "structured_grammar"}
     # an older worker would share its prefix cache across salts
     assert needed_capabilities(dataclasses.replace(prepared().sampling, cache_salt="t")) == {"cache_salt"}
+    # an older worker would hide the special tokens a client asked to see
+    shown = dataclasses.replace(prepared().sampling, skip_special_tokens=False)
+    assert needed_capabilities(shown) == {"show_special_tokens"}
 
 
 async def test_priority_goes_with_every_worker_call_and_needs_no_capability() -> None:

@@ -164,6 +164,20 @@ def test_the_lora_adapter_reaches_the_engine_and_the_base_model_leaves_it_unset(
     assert convert.decode_call_from_pb(base).request.sampling.lora_adapter == ""
 
 
+def test_skip_special_tokens_false_reaches_the_engine_and_true_stays_unset() -> None:
+    from services.gateway import convert as gateway_convert
+    from services.gateway.inputs import Sampling
+    from services.gateway.ports import WorkerJob
+
+    shown = WorkerJob("r", (1, 2), Sampling(max_tokens=4, skip_special_tokens=False), False)
+    pb = gateway_convert.prefill_request(shown, 0, None)
+    assert pb.sampling.HasField("skip_special_tokens") and not pb.sampling.skip_special_tokens
+    assert convert.prefill_call_from_pb(pb).request.sampling.skip_special_tokens is False
+    plain = gateway_convert.decode_request(WorkerJob("r", (1,), Sampling(max_tokens=4), False), 0, True)
+    assert not plain.sampling.HasField("skip_special_tokens")  # what an older gateway sends
+    assert convert.decode_call_from_pb(plain).request.sampling.skip_special_tokens is True
+
+
 def test_lora_changes_convert_to_both_responses() -> None:
     change = LoraChange(lora_adapters=("sql", "chat"), path="/adapters/chat", seconds=1.5)
     loaded = convert.lora_load_response(change)
