@@ -119,6 +119,7 @@ async def test_registers_heartbeats_reregisters_and_deregisters(tiny_model: Path
                 "structured_grammar",
                 "cache_salt",
                 "lora",
+                "show_special_tokens",
                 "kv_gateway_ticket",
                 *(["kv_transport_nixl", "kv_nixl_parts"] if w.app.nixl is not None else []),
             ]
