@@ -44,12 +44,11 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("lora") / "tiny", "bpe")
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def stacks(model: Path) -> AsyncIterator[dict[str, InProcessStack]]:
-    """One stack per mode; every worker serves both adapters (seeds 1 and 2)."""
-    modules = tuple(
-        f"{name}={build_tiny_lora(model, model.parent / name, seed=i + 1)}" for i, name in enumerate(ADAPTERS)
-    )
+@contextlib.asynccontextmanager
+async def stacks_per_mode(
+    model: Path, gateway: dict[str, Any], worker: dict[str, Any]
+) -> AsyncIterator[dict[str, InProcessStack]]:
+    """One in-process stack per mode (blocks of 4 tokens, HTTP on), with these overrides."""
     async with contextlib.AsyncExitStack() as exits:
         out = {}
         for mode in MODES:
@@ -57,10 +56,20 @@ async def stacks(model: Path) -> AsyncIterator[dict[str, InProcessStack]]:
                 five_services(
                     model,
                     ROLES[mode],
-                    gateway_overrides={"http_port": 0, "block_size": 4},
-                    worker_overrides={"lora_modules": modules, "block_size": 4},
+                    gateway_overrides={"http_port": 0, "block_size": 4, **gateway},
+                    worker_overrides={"block_size": 4, **worker},
                 )
             )
+        yield out
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def stacks(model: Path) -> AsyncIterator[dict[str, InProcessStack]]:
+    """One stack per mode; every worker serves both adapters (seeds 1 and 2)."""
+    modules = tuple(
+        f"{name}={build_tiny_lora(model, model.parent / name, seed=i + 1)}" for i, name in enumerate(ADAPTERS)
+    )
+    async with stacks_per_mode(model, {}, {"lora_modules": modules}) as out:
         yield out
 
 
@@ -222,22 +231,8 @@ KEY = "lora-admin-key"
 async def runtime(model: Path) -> AsyncIterator[dict[str, InProcessStack]]:
     """One stack per mode whose workers start with --enable-lora and no adapter, behind a gateway
     with --allow-runtime-lora-updating and an API key."""
-    async with contextlib.AsyncExitStack() as exits:
-        out = {}
-        for mode in MODES:
-            out[mode] = await exits.enter_async_context(
-                five_services(
-                    model,
-                    ROLES[mode],
-                    gateway_overrides={
-                        "http_port": 0,
-                        "block_size": 4,
-                        "allow_runtime_lora_updating": True,
-                        "api_keys": (KEY,),
-                    },
-                    worker_overrides={"enable_lora": True, "block_size": 4},
-                )
-            )
+    gateway = {"allow_runtime_lora_updating": True, "api_keys": (KEY,)}
+    async with stacks_per_mode(model, gateway, {"enable_lora": True}) as out:
         yield out
 
 
