@@ -35,9 +35,9 @@ for name in $NEEDED; do
   pins+=("$pin")
 done
 # and the test pins that modules collected by `pytest -m gpu` import (openai, jsonschema; the
-# H200 image lacked them, 2026-11-28: 7 collection errors)
+# H200 image lacked them, 2026-11-28: 7 collection errors; peft: the LoRA test's reference)
 for name in pytest-asyncio openai jiter sniffio jsonschema jsonschema-specifications attrs \
-  referencing rpds-py; do
+  referencing rpds-py peft; do
   pin=$(grep -i "^${name}==" requirements/dev.txt | awk '{print $1}') || true
   [[ -n $pin ]] || { echo "no pin for $name in requirements/dev.txt" >&2; exit 1; }
   pins+=("$pin")
