@@ -31,7 +31,7 @@ def needed_capabilities(s: Sampling) -> set[str]:
         needed.add("min_p")
     if s.cache_salt:  # an older worker would share its cache across salts
         needed.add("cache_salt")
-    if not s.skip_special_tokens:  # an older worker would hide them
+    if not s.skip_special_tokens and not s.special_tokens_hint:  # an older worker would hide them
         needed.add("show_special_tokens")
     if s.lora_adapter:  # an older worker would serve the base model instead
         needed.add("lora")

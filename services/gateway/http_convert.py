@@ -329,6 +329,9 @@ def chat_plan(
                 "parallel_tool_calls",
             )
         common["tools"] = tools
+        # Mistral's calls open with the special token [TOOL_CALLS]: shown, a call after some
+        # content is found too (tool_calls.py); vLLM's Mistral parser asks for them the same way
+        common["show_tool_markers"] = tool_format == "mistral"
         parsing = ToolParsing(tool_format, forced=False)
     elif not isinstance(choice, str):
         if common["structured"] is not None:

@@ -56,6 +56,9 @@ class GenerateInput:
     cache_salt: str = ""  # vLLM's: the prompt is cached and found only under it
     # vLLM's: False shows the text of special tokens the model writes (never a terminating EOS)
     skip_special_tokens: bool = True
+    # Mistral's tool calls: ask the workers to show special tokens so the parser sees
+    # [TOOL_CALLS] wherever it comes (a hint: a worker that hides them serves the request too)
+    show_tool_markers: bool = False
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -101,6 +104,8 @@ class Sampling:
     # prefix-cache keys start at shared.block_hash.chain_root(cache_salt, lora_adapter)
     lora_adapter: str = ""
     skip_special_tokens: bool = True  # False: special tokens' text is output (vLLM's)
+    # False above only as a hint (Mistral's tool-call markers): no worker capability is needed
+    special_tokens_hint: bool = False
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()

@@ -4,13 +4,15 @@ a model's output into content and tool calls (Hermes `<tool_call>` JSON, Llama-3
 `[TOOL_CALLS]`), one incremental parser for streamed and unary responses alike (unary = all text
 fed at once, so a stream's deltas always reassemble to the unary result).
 
-Mistral: `[TOOL_CALLS]` (and v11's `[ARGS]`) are special tokens, which the workers never show, so
-a call is read from what remains at the start of the output: a JSON array of call objects (v3
-tokenizers: `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`), or one or more
-`name{arguments}` (v11: `[TOOL_CALLS]name[ARGS]{...}`); the markers themselves are skipped where a
-tokenizer does show them. Mistral's templates accept only tool call ids of 9 letters and digits:
-calls parsed in this format get such ids, and the ids of earlier calls a client sends back are
-mapped to such ids the same way in the assistant message and in the tool message answering it."""
+Mistral: `[TOOL_CALLS]` (and v11's `[ARGS]`) are special tokens. The gateway asks the workers to
+show them for such requests (`skip_special_tokens` false, as vLLM's Mistral parser does), so a
+call is read after a `[TOOL_CALLS]` wherever it comes, after some content too; a worker that hides
+them (older than 1.14) leaves what remains, read at the start of the output. Either way a call is
+a JSON array of call objects (v3 tokenizers: `[TOOL_CALLS] [{"name": ..., "arguments": {...}},
+...]`), or one or more `name{arguments}` (v11: `[TOOL_CALLS]name[ARGS]{...}`). Mistral's
+templates accept only tool call ids of 9 letters and digits: calls parsed in this format get such
+ids, and the ids of earlier calls a client sends back are mapped to such ids the same way in the
+assistant message and in the tool message answering it."""
 
 from __future__ import annotations
 
@@ -271,6 +273,9 @@ class ToolCallParser:
         self._after_call = False  # nothing but whitespace since the last call
         self._held_ws = ""  # content's trailing whitespace, dropped if a call follows
         self._call_start = 0  # where in _buf the call's JSON starts (JSON mode)
+        # Mistral: _buf (after whitespace) opens with a shown [TOOL_CALLS] being read as calls;
+        # when they fail, that marker is content and the next one is searched past it
+        self._failed_marker = False
         self.num_calls = 0
 
     # --- content with whitespace next to calls dropped ---
@@ -283,6 +288,7 @@ class ToolCallParser:
             out.append(body)
 
     def _call(self, call: ToolCall, out: list[Event]) -> None:
+        self._failed_marker = False
         self._held_ws = ""
         self._after_call = True
         self.num_calls += 1
@@ -345,6 +351,10 @@ class ToolCallParser:
     def _scan_json(self, out: list[Event], final: bool) -> None:
         while self._buf:
             if self._plain:
+                if self._mistral and not self._forced:
+                    if self._to_mistral_marker(out, final):
+                        continue  # content up to a shown [TOOL_CALLS]: calls may follow it
+                    return
                 self._content(self._buf, out)
                 self._buf = ""
                 return
@@ -359,6 +369,13 @@ class ToolCallParser:
                     if not head:
                         return
                 if self._mistral and not self._forced:
+                    if head.startswith(MISTRAL_CALLS):
+                        # a shown marker: what follows is read as calls (a bare object too);
+                        # if it is none, the marker is content and the search goes on after it
+                        self._failed_marker = True
+                        head = head[len(MISTRAL_CALLS) :].lstrip()
+                        if not head and not final:
+                            return
                     decided = self._scan_mistral(head, out, final)
                     if decided is None:
                         return  # undecided: wait for more text
@@ -398,6 +415,25 @@ class ToolCallParser:
             self._buf = body[end:]
             self._in_call = False
             self._call(call, out)
+
+    def _to_mistral_marker(self, out: list[Event], final: bool) -> bool:
+        """Plain text in Mistral's format: the content before a shown `[TOOL_CALLS]` is sent and
+        True returned (a call position again: _buf starts with the marker). Without one, False
+        with _buf's text sent, except a possible start of the marker at its end (held back while
+        more may come)."""
+        # past a marker whose text turned out not to be calls (it stays content)
+        start = self._buf.find(MISTRAL_CALLS) + len(MISTRAL_CALLS) if self._failed_marker else 0
+        self._failed_marker = False
+        at = self._buf.find(MISTRAL_CALLS, start)
+        if at < 0:
+            keep = 0 if final else _partial_suffix(self._buf, MISTRAL_CALLS)
+            self._content(self._buf[: len(self._buf) - keep], out)
+            self._buf = self._buf[len(self._buf) - keep :]
+            return False
+        self._content(self._buf[:at], out)
+        self._buf = self._buf[at:]
+        self._plain = False
+        return True
 
     def _scan_mistral(self, head: str, out: list[Event], final: bool) -> bool | None:
         """At a call position of Mistral's format: True when calls were taken (a JSON array of

@@ -858,6 +858,9 @@ async def test_a_worker_without_a_needed_capability_is_skipped_then_the_request_
     # an older worker would hide the special tokens a client asked to see
     shown = dataclasses.replace(prepared().sampling, skip_special_tokens=False)
     assert needed_capabilities(shown) == {"show_special_tokens"}
+    # as a hint (Mistral's call markers) an older worker may serve it: it hides them, and the
+    # parser reads its calls at the output's start as before
+    assert needed_capabilities(dataclasses.replace(shown, special_tokens_hint=True)) == set()
 
 
 async def test_priority_goes_with_every_worker_call_and_needs_no_capability() -> None:

@@ -202,3 +202,13 @@ def test_the_parser_setting_beats_the_template() -> None:
         return [detected.tool_call_format, configured.tool_call_format, loading.tool_call_format]
 
     assert asyncio.run(formats()) == ["llama3_json", "hermes", "hermes"]
+
+
+def test_mistral_asks_the_workers_to_show_its_call_marker() -> None:
+    """Mistral's calls open with the special token [TOOL_CALLS]: an auto request asks for special
+    tokens to be shown (a hint), so a call after some content is found; other formats, and a
+    forced call (its grammar writes the bare body), do not."""
+    assert chat("mistral", tools=[WEATHER]).inputs[0].show_tool_markers
+    assert not chat("hermes", tools=[WEATHER]).inputs[0].show_tool_markers
+    forced = chat("mistral", tools=[WEATHER], tool_choice="required").inputs[0]
+    assert not forced.show_tool_markers

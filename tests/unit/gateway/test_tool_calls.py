@@ -118,6 +118,26 @@ CASES: list[tuple[str, bool, str, str | None, list[tuple[str, dict[str, object]]
     ("mistral", False, "[1, 2] is a list", "[1, 2] is a list", []),
     ("mistral", False, '[{"name": "f", "arguments": {"a": 1}', '[{"name": "f", "arguments": {"a": 1}', []),
     ("mistral", True, '{"name": "f", "arguments": {}}', None, [("f", {})]),
+    # Mistral with its markers shown (skip_special_tokens false): a call after some content
+    (
+        "mistral",
+        False,
+        'Let me check. [TOOL_CALLS][{"name": "f", "arguments": {"x": 1}}]',
+        "Let me check.",
+        [("f", {"x": 1})],
+    ),
+    ("mistral", False, 'Sure![TOOL_CALLS]f[ARGS]{"x": 2}', "Sure!", [("f", {"x": 2})]),
+    ("mistral", False, 'A[TOOL_CALLS]{"name": "f", "arguments": {}} B', "A B", [("f", {})]),
+    # a marker not followed by a call is content, and the next one is still read
+    (
+        "mistral",
+        False,
+        'x [TOOL_CALLS] oops [TOOL_CALLS][{"name": "g", "arguments": {}}]',
+        "x [TOOL_CALLS] oops",
+        [("g", {})],
+    ),
+    ("mistral", False, "just text [TOOL_CALLS]", "just text [TOOL_CALLS]", []),
+    ("mistral", False, "ends with [TOOL_CA", "ends with [TOOL_CA", []),
 ]
 
 
