@@ -1386,3 +1386,30 @@ async def test_error_after_the_stream_started_ends_it_with_an_error_event(bpe: H
                     drain = asyncio.ensure_future(gw.service.drain(0.0))
         await drain
     await bpe.wait_idle()
+
+
+async def test_mistral_tool_requests_have_the_workers_show_special_tokens(
+    bpe: HttpStack, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """With --tool-call-parser mistral an auto tool request asks the workers to show special
+    tokens (so [TOOL_CALLS] reaches the parser wherever it comes): a special token the model
+    writes (forced here) is in the content, as vLLM's Mistral parser leaves it; without tools,
+    or as hermes (the `bpe` stack's), it stays hidden."""
+    from transformers import AutoTokenizer
+
+    start = AutoTokenizer.from_pretrained(str(bpe.model)).convert_tokens_to_ids("<|im_start|>")
+    base: dict[str, Any] = dict(
+        model="",
+        messages=CHAT,
+        max_tokens=2,
+        temperature=0,
+        extra_body={"logit_bias": {str(start): 100}, "ignore_eos": True},
+    )
+    hermes = await aclient(bpe).chat.completions.create(**base, tools=TOOLS)
+    assert hermes.choices[0].message.content == ""
+    async with http_stack(bpe.model, tool_call_parser="mistral") as stack:
+        client = aclient(stack)
+        with_tools = await client.chat.completions.create(**base, tools=TOOLS)
+        assert with_tools.choices[0].message.content == "<|im_start|>" * 2
+        plain = await client.chat.completions.create(**base)
+        assert plain.choices[0].message.content == ""
