@@ -184,19 +184,21 @@ class LoraStep:
         # the one adapter of the step when it has one (its rows and base rows only), else 0
         self.only = only
         self.uniform = uniform  # every row is `only`'s: its scaling is a scalar
-        self._factors: dict[int, torch.Tensor] = {}
+        # by the layout object itself (kept alive here), never by id(): a load or unload during
+        # the step may free a layout and allocate a new one at the same address
+        self._factors: dict[_Columns, torch.Tensor] = {}
 
     def factor(self, cols: _Columns) -> torch.Tensor:
         """With several adapters: [rows, columns], the adapter's scaling where the column belongs
         to the row's adapter, else 0. With one: [rows, 1], its scaling on its rows, else 0."""
-        f = self._factors.get(id(cols))
+        f = self._factors.get(cols)
         if f is None:
             if self.only:
                 scaling = cols.scaling[cols.slot == self.only][:1]  # [1] (empty: not adapted)
                 f = torch.where(self.row_slots[:, None] == self.only, scaling[None, :], 0.0)
             else:
                 f = torch.where(cols.slot[None, :] == self.row_slots[:, None], cols.scaling[None, :], 0.0)
-            self._factors[id(cols)] = f
+            self._factors[cols] = f
         return f
 
 

@@ -11,6 +11,8 @@ import asyncio
 import dataclasses
 import json
 import random
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -299,3 +301,63 @@ async def test_run_time_changes_refuse_what_would_break_requests(
     await running
     engine.unload_lora_adapter("sql")
     assert engine.lora_adapters == ()
+
+
+async def test_loads_and_unloads_under_load_leave_every_request_its_output(
+    make_engine: EngineFactory, adapters: dict[str, Path], reference: dict[str, list[int]]
+) -> None:
+    """Churn: one adapter loaded and unloaded over and over while requests of the base model and
+    of a static adapter decode, and requests of the churned one come and go. Every request that
+    was admitted gives its reference tokens (a step running during a load or unload reads
+    consistent matrices), every refused one is NOT_FOUND, nothing leaks."""
+    engine = make_engine(lora_modules=(f"sql={adapters['sql']}",), max_batch_tokens=64)
+    stop = False
+    churned = 0
+
+    admitted = threading.Event()  # a request of the churned adapter got in since its load
+
+    def churn() -> None:
+        nonlocal churned
+        while not stop:
+            admitted.clear()
+            engine.load_lora_adapter("chat", str(adapters["chat"]))
+            admitted.wait(0.5)  # let a request of it in, then unload it as soon as none runs
+            for _ in range(400):
+                try:
+                    engine.unload_lora_adapter("chat")
+                    break
+                except FailedPrecondition:
+                    time.sleep(0.005)
+            else:
+                return
+            churned += 1
+            time.sleep(0.02)
+
+    churner = asyncio.create_task(asyncio.to_thread(churn))
+    outcomes: dict[str, list[int] | None] = {}
+
+    async def one(rid: str, name: str) -> None:
+        try:
+            handle = engine.add_request(request(rid, PROMPT, with_adapter(name)))
+        except NotFound:
+            outcomes[rid] = None
+            return
+        if name == "chat":
+            admitted.set()
+        outcomes[rid] = tokens_of(await collect(handle))
+
+    names = ["", "sql", "chat"]
+    for wave in range(6):
+        await asyncio.gather(*(one(f"w{wave}-{i}", names[i % 3]) for i in range(6)))
+        await asyncio.sleep(0.01)
+    stop = True
+    await churner
+    assert churned >= 1
+    for rid, got in outcomes.items():
+        name = names[int(rid.split("-")[1]) % 3]
+        if got is None:
+            assert name == "chat", rid  # only the churned adapter may be away
+        else:
+            assert got == reference[name], rid
+    assert any(got is not None for rid, got in outcomes.items() if rid.endswith(("-2", "-5")))
+    assert engine.num_free_blocks(0) == engine.num_total_blocks(0)
