@@ -249,7 +249,8 @@ def _common(req: m._GenerationRequest, max_tokens: int | None) -> dict[str, Any]
         max_tokens=max_tokens,
         temperature=req.temperature,
         top_p=req.top_p,
-        top_k=req.top_k if req.top_k is not None and req.top_k > 0 else None,
+        # vLLM's -1 (or 0) is "no top-k", set explicitly: the model's default does not apply
+        top_k=None if req.top_k is None else max(req.top_k, 0),
         min_p=req.min_p,
         priority=req.priority,
         stop=_stop(req.stop),

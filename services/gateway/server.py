@@ -15,6 +15,7 @@ from services.gateway.clients import GrpcMembership, GrpcScheduler, GrpcWorkers
 from services.gateway.http_api import HttpApi
 from services.gateway.http_server import HttpServer
 from services.gateway.lora_admin import LoraAdmin
+from services.gateway.sampling_defaults import SamplingDefaults
 from services.gateway.service import GatewayService
 from services.gateway.servicer import GatewayServicer
 from services.gateway.settings import GatewaySettings, load_settings
@@ -62,7 +63,12 @@ class GatewayApp:
             resolve_model, self.settings.model, self.settings.model_cache_dir or None
         )
         tokenizer = await asyncio.to_thread(PromptTokenizer.load, folder)
-        self.service.set_tokenizer(tokenizer)
+        defaults = (
+            await asyncio.to_thread(SamplingDefaults.of_model, folder)
+            if self.settings.generation_config == "auto"
+            else SamplingDefaults()
+        )
+        self.service.set_tokenizer(tokenizer, defaults)
         log.info("model_ready", model=tokenizer.model_id)
 
     async def start(self) -> None:

@@ -25,6 +25,7 @@ from services.gateway.model_cards import ModelCards
 from services.gateway.ports import MembershipSource, ModelCard, SchedulerClient, WorkerClient
 from services.gateway.reasoning import Kind as ReasoningKind
 from services.gateway.request import Completion, OutputFrame, OutputFrameKind, RequestState, RequestStatus
+from services.gateway.sampling_defaults import SamplingDefaults
 from services.gateway.settings import GatewaySettings
 from services.gateway.tokenization import PromptTokenizer, Tokenized
 from services.gateway.tool_calls import Format
@@ -64,6 +65,7 @@ class GatewayService:
         self._settings = settings
         self._lora_admin = lora_admin
         self._tokenizer = tokenizer
+        self._defaults = SamplingDefaults()  # what unset sampling fields become (set_tokenizer)
         self._limits = Limits(settings.max_stop_strings, settings.max_stop_string_chars)
         self.membership = (
             None
@@ -92,8 +94,10 @@ class GatewayService:
         self._cancelled_by_drain: set[asyncio.Task[object]] = set()
 
     # --- lifecycle ---
-    def set_tokenizer(self, tokenizer: PromptTokenizer) -> None:
+    def set_tokenizer(self, tokenizer: PromptTokenizer, defaults: SamplingDefaults | None = None) -> None:
+        """The served model's tokenizer and the sampling defaults it recommends (None: OpenAI's)."""
         self._tokenizer = tokenizer
+        self._defaults = defaults or SamplingDefaults()
 
     def begin_drain(self) -> None:
         """New requests get UNAVAILABLE; in-flight ones continue."""
@@ -192,12 +196,14 @@ class GatewayService:
     def prepare(self, inp: GenerateInput, lora_adapter: str = "") -> PreparedRequest:
         """`lora_adapter`: the adapter `inp.model` names (`lora_adapter`); "" = the base model."""
         prompt = self.prompt_token_ids(inp, lora_adapter)
+        d = self._defaults
+        temperature = d.temperature if inp.temperature is None else float(inp.temperature)
         sampling = Sampling(
-            temperature=1.0 if inp.temperature is None else float(inp.temperature),
-            top_p=1.0 if inp.top_p is None else float(inp.top_p),
-            top_k=inp.top_k or 0,
+            temperature=temperature,
+            top_p=d.top_p if inp.top_p is None else float(inp.top_p),
+            top_k=d.top_k if inp.top_k is None else inp.top_k,
             # a greedy request ignores min_p: not sent, so it needs no "min_p" worker
-            min_p=float(inp.min_p or 0.0) if inp.temperature != 0 else 0.0,
+            min_p=(d.min_p if inp.min_p is None else float(inp.min_p)) if temperature != 0 else 0.0,
             cache_salt=inp.cache_salt,
             lora_adapter=lora_adapter,
             skip_special_tokens=inp.skip_special_tokens and not inp.show_tool_markers,
@@ -209,7 +215,9 @@ class GatewayService:
             include_stop_in_output=inp.include_stop_in_output,
             presence_penalty=float(inp.presence_penalty or 0.0),
             frequency_penalty=float(inp.frequency_penalty or 0.0),
-            repetition_penalty=1.0 if inp.repetition_penalty is None else float(inp.repetition_penalty),
+            repetition_penalty=(
+                d.repetition_penalty if inp.repetition_penalty is None else float(inp.repetition_penalty)
+            ),
             logit_bias=tuple(sorted((t, float(b)) for t, b in inp.logit_bias if b != 0.0)),
             min_tokens=inp.min_tokens or 0,
             logprobs=inp.logprobs,
@@ -221,7 +229,7 @@ class GatewayService:
             model=inp.model,
             prompt_token_ids=prompt,
             sampling=sampling,
-            max_tokens=MaxTokens(inp.max_tokens, self._settings.default_max_tokens),
+            max_tokens=MaxTokens(inp.max_tokens, d.max_tokens or self._settings.default_max_tokens),
             return_token_ids=inp.return_token_ids,
             priority=inp.priority,
         )

@@ -55,7 +55,16 @@ class GatewaySettings(TlsSettings):
         "tokens per KV block used for the prefix block hashes sent to the scheduler (tokens); "
         "must equal the workers' --block-size or cache-aware routing finds no overlap",
     )
-    default_max_tokens: int = field(256, "max_tokens when a request leaves it unset (tokens)")
+    default_max_tokens: int = field(
+        256, "max_tokens when a request leaves it unset and the model recommends none (tokens)"
+    )
+    generation_config: str = field(
+        "auto",
+        "What unset sampling fields of a request become (vLLM's --generation-config): auto = the "
+        "model's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
+        "max_new_tokens as max_tokens), vllm = OpenAI's defaults (temperature 1, no cuts)",
+        choices=("auto", "vllm"),
+    )
     max_stop_strings: int = field(16, "most stop strings one request may carry (count)")
     max_stop_string_chars: int = field(256, "longest stop string accepted (characters)")
     request_timeout_s: float = field(

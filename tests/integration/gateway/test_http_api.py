@@ -1413,3 +1413,36 @@ async def test_mistral_tool_requests_have_the_workers_show_special_tokens(
         assert with_tools.choices[0].message.content == "<|im_start|>" * 2
         plain = await client.chat.completions.create(**base)
         assert plain.choices[0].message.content == ""
+
+
+async def test_unset_sampling_fields_take_the_models_generation_config(
+    bpe: HttpStack, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """vLLM's --generation-config auto: a request that leaves temperature and max_tokens unset
+    gets the model's recommendation (here greedy, 3 tokens), set ones win; with `vllm` the
+    gateway's own defaults apply."""
+    import json
+    import shutil
+
+    model = tmp_path_factory.mktemp("genconfig") / bpe.model.name
+    shutil.copytree(bpe.model, model)
+    config = json.loads((model / "generation_config.json").read_text())
+    config.update(temperature=0.0, max_new_tokens=3)
+    (model / "generation_config.json").write_text(json.dumps(config))
+    greedy = await aclient(bpe).completions.create(
+        model="", prompt=LONG_PROMPT, max_tokens=3, temperature=0, extra_body={"ignore_eos": True}
+    )
+    async with http_stack(model, default_max_tokens=5) as stack:
+        client = aclient(stack)
+        unset = await client.completions.create(model="", prompt=LONG_PROMPT, extra_body={"ignore_eos": True})
+        assert unset.choices[0].text == greedy.choices[0].text
+        assert unset.usage is not None and unset.usage.completion_tokens == 3
+        longer = await client.completions.create(
+            model="", prompt=LONG_PROMPT, max_tokens=4, extra_body={"ignore_eos": True}
+        )
+        assert longer.usage is not None and longer.usage.completion_tokens == 4
+    async with http_stack(model, default_max_tokens=5, generation_config="vllm") as stack:
+        own = await aclient(stack).completions.create(
+            model="", prompt=LONG_PROMPT, extra_body={"ignore_eos": True}
+        )
+        assert own.usage is not None and own.usage.completion_tokens == 5
