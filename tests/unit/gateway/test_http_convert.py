@@ -44,7 +44,8 @@ def test_chat_becomes_the_grpc_input() -> None:
     )
     (inp,) = plan.inputs
     assert inp.messages == (ChatTurn("system", "be brief"), ChatTurn("user", "a\nb"))
-    assert (inp.max_tokens, inp.temperature, inp.top_p, inp.top_k, inp.seed) == (7, 0.5, 0.9, None, 3)
+    # top_k -1 is vLLM's explicit "no top-k" (0): the model's default top_k does not apply
+    assert (inp.max_tokens, inp.temperature, inp.top_p, inp.top_k, inp.seed) == (7, 0.5, 0.9, 0, 3)
     assert inp.stop == ("END",) and inp.ignore_eos and inp.request_id == "rid"
     assert not plan.stream and not plan.include_usage
 
