@@ -18,8 +18,8 @@ import openai
 import pytest
 import pytest_asyncio
 
-from shared import metrics
 from shared.proto import common_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb2
+from tests.support.prom import sample_total
 from tests.support.tiny_models import build_tiny_model
 
 from .http_stack import HttpStack, gateway_on, http_stack
@@ -1310,7 +1310,7 @@ async def test_api_keys_on_http_and_grpc(bpe: HttpStack) -> None:
 
 # --- disconnects ---
 def _aborted() -> float:
-    return metrics.REQUESTS.labels(finish_reason="abort")._value.get()
+    return sample_total("pdserve_requests_total", finish_reason="abort")
 
 
 async def _leave_mid_stream(stack: HttpStack, path: str, body: dict[str, Any], marker: str) -> None:
