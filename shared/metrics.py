@@ -77,6 +77,12 @@ KV_OFFLOAD_BLOCKS = Counter(
 KV_OFFLOAD_USAGE_RATIO = Gauge(
     "pdserve_kv_offload_usage_ratio", "Used / total blocks of the prefix cache's host tier", ["dp_rank"]
 )
+# LoRA adapters on a worker: how many it serves (loaded at start or at run time), and per rank
+# and adapter the requests of it now queued, running or held (an adapter with none has no series)
+LORA_ADAPTERS = Gauge("pdserve_lora_adapters", "LoRA adapters the worker serves besides its base model")
+LORA_REQUESTS = Gauge(
+    "pdserve_lora_requests", "Unfinished requests of a LoRA adapter on a DP rank", ["dp_rank", "adapter"]
+)
 KV_TRANSFER_BYTES = Counter("pdserve_kv_transfer_bytes_total", "KV bytes pushed or received", ["direction"])
 KV_TRANSFER_SECONDS = Histogram(
     "pdserve_kv_transfer_seconds", "Time to push one request's KV", buckets=_SMALL_BUCKETS_S

@@ -20,6 +20,7 @@ class RankMetrics:
         self._spec_seen: dict[int, SpecStats] = {}
         self._steps_seen: dict[int, StepStats] = {}
         self._offload_seen: dict[int, tuple[int, int]] = {}  # (saved, restored) exported
+        self._lora_series: dict[int, set[str]] = {}  # per rank, adapters with a requests series
 
     def refresh(self) -> None:
         """Update the per-rank gauges and counters from the engine (called periodically and on
@@ -47,6 +48,19 @@ class RankMetrics:
             self._export_spec(dp_rank)
             self._export_steps(dp_rank)
             self._export_offload(dp_rank)
+            self._export_lora(dp_rank)
+        metrics.LORA_ADAPTERS.set(len(self.engine.lora_adapters))
+
+    def _export_lora(self, dp_rank: int) -> None:
+        """Per adapter with requests on the rank, how many; an adapter's series goes when its
+        last request does (no stale series of adapters unloaded long ago)."""
+        counts = self.engine.lora_requests(dp_rank)
+        rank = str(dp_rank)
+        for adapter, n in counts.items():
+            metrics.LORA_REQUESTS.labels(dp_rank=rank, adapter=adapter).set(n)
+        for adapter in self._lora_series.get(dp_rank, set()) - set(counts):
+            metrics.LORA_REQUESTS.remove(rank, adapter)
+        self._lora_series[dp_rank] = set(counts)
 
     def _export_offload(self, dp_rank: int) -> None:
         stats = self.engine.kv_offload_stats(dp_rank)

@@ -367,6 +367,10 @@ class Engine(Protocol):
         loop too). NotFound: not loaded; FailedPrecondition: requests of it are still queued or
         running (unload after they end)."""
 
+    def lora_requests(self, dp_rank: int) -> dict[str, int]:
+        """The rank's unfinished requests by LoRA adapter (queued, running or held; adapters
+        without any and the base model left out)."""
+
     def kv_offload_stats(self, dp_rank: int) -> tuple[int, int, int, int] | None:
         """The host KV tier's (blocks saved, blocks restored since start, blocks held, capacity
         in blocks); None when the rank has none (--kv-offload-tokens 0)."""

@@ -432,6 +432,9 @@ class PagedEngine:
     def kv_offload_stats(self, dp_rank: int) -> tuple[int, int, int, int] | None:
         return self._ranks[dp_rank].kv_offload_stats()
 
+    def lora_requests(self, dp_rank: int) -> dict[str, int]:
+        return self._ranks[dp_rank].lora_requests()
+
     def spec_stats(self, dp_rank: int) -> SpecStats:
         return self._ranks[dp_rank].spec_stats()
 

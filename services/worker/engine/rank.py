@@ -121,6 +121,17 @@ class Rank:
         self._requests[req.request_id] = req
         self._handles[req.request_id] = handle
 
+    def lora_requests(self) -> dict[str, int]:
+        """Requests in the table by LoRA adapter (queued, running or held; the base model's
+        left out)."""
+        counts: dict[str, int] = {}
+        with self.lock:
+            for r in self._requests.values():
+                name = r.sampling.lora_adapter
+                if name and not r.status.is_finished:
+                    counts[name] = counts.get(name, 0) + 1
+        return counts
+
     def lora_requests_locked(self, adapter: str) -> int:
         """Under the lock: requests of `adapter` in the table (queued, running, held)."""
         return sum(1 for r in self._requests.values() if r.sampling.lora_adapter == adapter)

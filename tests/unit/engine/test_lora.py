@@ -361,3 +361,33 @@ async def test_loads_and_unloads_under_load_leave_every_request_its_output(
             assert got == reference[name], rid
     assert any(got is not None for rid, got in outcomes.items() if rid.endswith(("-2", "-5")))
     assert engine.num_free_blocks(0) == engine.num_total_blocks(0)
+
+
+async def test_workers_publish_their_adapters_and_each_ones_requests(
+    make_engine: EngineFactory, adapters: dict[str, Path]
+) -> None:
+    """pdserve_lora_adapters (how many a worker serves) and pdserve_lora_requests{dp_rank,
+    adapter} (unfinished requests of each); an adapter's series goes with its last request."""
+    from prometheus_client import REGISTRY
+
+    from services.worker.rank_metrics import RankMetrics
+
+    def sample(name: str, **labels: str) -> float | None:
+        return REGISTRY.get_sample_value(name, labels)
+
+    engine = make_engine(lora_modules=specs(adapters))
+    exported = RankMetrics(engine)
+    running = [
+        engine.add_request(request(f"q{i}", PROMPT, with_adapter(name, 64)))
+        for i, name in enumerate(("sql", "sql", "chat", ""))
+    ]
+    assert engine.lora_requests(0) == {"sql": 2, "chat": 1}
+    exported.refresh()
+    assert sample("pdserve_lora_adapters") == 2
+    assert sample("pdserve_lora_requests", dp_rank="0", adapter="sql") == 2
+    assert sample("pdserve_lora_requests", dp_rank="0", adapter="chat") == 1
+    for handle in running:
+        await collect(handle)
+    assert engine.lora_requests(0) == {}
+    exported.refresh()
+    assert sample("pdserve_lora_requests", dp_rank="0", adapter="sql") is None
