@@ -56,6 +56,7 @@ def generate_input(req: gateway_pb2.GenerateRequest) -> GenerateInput:
         skip_special_tokens=req.skip_special_tokens if req.HasField("skip_special_tokens") else True,
         priority=req.priority,
         continue_final_message=req.continue_final_message,
+        add_generation_prompt=req.add_generation_prompt if req.HasField("add_generation_prompt") else True,
         truncate_prompt_tokens=req.truncate_prompt_tokens if req.HasField("truncate_prompt_tokens") else None,
         seed=req.seed if req.HasField("seed") else None,
         stop=tuple(req.stop),
@@ -155,6 +156,7 @@ def tokenize_input(req: gateway_pb2.TokenizeRequest) -> GenerateInput:
         prompt=req.prompt,
         messages=tuple(ChatTurn(m.role, m.content) for m in req.messages),
         continue_final_message=req.continue_final_message,
+        add_generation_prompt=req.add_generation_prompt if req.HasField("add_generation_prompt") else True,
     )
 
 

@@ -319,6 +319,7 @@ def chat_plan(
     turns = tuple(http_chat.turn(i, msg) for i, msg in enumerate(req.messages))
     common["chat_template_kwargs"] = http_chat.template_kwargs(req)
     common["continue_final_message"] = _continuation(req.add_generation_prompt, req.continue_final_message)
+    common["add_generation_prompt"] = req.add_generation_prompt
     tools = http_chat.tools(req)
     choice = http_chat.tool_choice(req, tools)
     parsing = None
@@ -348,20 +349,13 @@ def chat_plan(
 
 
 def _continuation(add_generation_prompt: bool, continue_final_message: bool) -> bool:
-    """vLLM's pair as the one choice the chat template gets: a new reply (a generation prompt) or
-    the last message continued. Both on, or both off (a prompt that ends after a closed turn,
-    which no model is trained to answer), is a 400."""
+    """vLLM's pair: a new reply (a generation prompt), the last message continued, or (both off)
+    the prompt ending after the conversation. Both on is a 400."""
     if continue_final_message and add_generation_prompt:
         raise InvalidField(
             "continue_final_message continues the last message; it cannot follow a generation "
             "prompt: set add_generation_prompt to false with it",
             "continue_final_message",
-        )
-    if not continue_final_message and not add_generation_prompt:
-        raise InvalidField(
-            "add_generation_prompt false is only served with continue_final_message true (the last "
-            "message continued)",
-            "add_generation_prompt",
         )
     return continue_final_message
 

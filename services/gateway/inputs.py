@@ -83,6 +83,9 @@ class GenerateInput:
     chat_template_kwargs: tuple[tuple[str, Any], ...] = ()
     # chat: the prompt ends inside the last message (an assistant reply the model continues)
     continue_final_message: bool = False
+    # chat: a generation prompt (the opening of the model's reply) follows the conversation;
+    # False (and not continue_final_message): the prompt ends after the last message
+    add_generation_prompt: bool = True
     # keep only the prompt's last k tokens (after the chat template; vLLM's); None = all of it
     truncate_prompt_tokens: int | None = None
 

@@ -164,6 +164,7 @@ class GatewayService:
                 self.tool_call_format,
                 dict(inp.chat_template_kwargs),
                 inp.continue_final_message,
+                inp.add_generation_prompt,
             )
         else:
             prompt = tok.encode_prompt(inp.prompt)

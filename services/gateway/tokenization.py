@@ -114,6 +114,7 @@ class PromptTokenizer:
         fmt: Format = "hermes",
         template_kwargs: Mapping[str, Any] | None = None,
         continue_final_message: bool = False,
+        add_generation_prompt: bool = True,
     ) -> tuple[int, ...]:
         """The prompt of a conversation. Tools go through the template's `tools` when it renders
         them; otherwise (the bundled SmolLM2's template) a system preamble in `fmt` offers them,
@@ -123,7 +124,8 @@ class PromptTokenizer:
         `continue_final_message`: the prompt ends inside the last message (an assistant reply
         the model continues: no end of turn after it, no generation prompt), as transformers'
         apply_chat_template(continue_final_message=True); otherwise a generation prompt follows
-        the conversation."""
+        the conversation, unless `add_generation_prompt` is False (the prompt then ends after the
+        last message)."""
         if not self.has_chat_template:
             raise InvalidArgument(
                 f"model {self.model_id!r} has no chat template; send a prompt instead of messages"
@@ -142,7 +144,7 @@ class PromptTokenizer:
         try:
             text = self._tok.apply_chat_template(
                 conversation,
-                add_generation_prompt=not continue_final_message,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
                 continue_final_message=continue_final_message,
                 tokenize=False,
                 **extra,

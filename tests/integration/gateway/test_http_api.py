@@ -320,7 +320,6 @@ async def test_tokenize_counts_what_generation_reports_and_detokenize_inverts_it
         for path, body, param in (
             ("/tokenize", {"prompt": "a", "messages": CHAT}, "messages"),
             ("/tokenize", {}, "prompt"),
-            ("/tokenize", {"messages": CHAT, "add_generation_prompt": False}, "add_generation_prompt"),
             ("/tokenize", {"prompt": "a", "add_special_tokens": False}, "add_special_tokens"),
             ("/detokenize", {"tokens": [1, 10**7]}, "tokens"),
             ("/detokenize", {"tokens": [-1]}, "tokens"),
@@ -367,13 +366,29 @@ async def test_continue_final_message_prefills_the_reply_and_counts_it(bpe: Http
         assert detok.json()["prompt"].endswith(prefix)  # no end of turn, no generation prompt
     plain = await client.chat.completions.create(model="", messages=convo, max_tokens=1)
     assert plain.usage is not None and plain.usage.prompt_tokens > want  # closed turn + new reply
-    for body, param in (
-        ({"continue_final_message": True}, "continue_final_message"),  # with a generation prompt
-        ({"add_generation_prompt": False}, "add_generation_prompt"),
-    ):
-        with pytest.raises(openai.BadRequestError) as err:
-            await client.chat.completions.create(model="", messages=convo, max_tokens=1, extra_body=body)
-        assert err.value.body["param"] == param  # type: ignore[index]
+    # add_generation_prompt false alone: the prompt ends after the conversation's last turn
+    closed = len(tok.encode(tok.apply_chat_template(CHAT, tokenize=False), add_special_tokens=False))
+    no_gen = {"add_generation_prompt": False}
+    ended = await client.chat.completions.create(model="", messages=CHAT, max_tokens=1, extra_body=no_gen)
+    assert ended.usage is not None and ended.usage.prompt_tokens == closed
+    done = await bpe.stub.Complete(chat_pb(CHAT, max_tokens=1, add_generation_prompt=False))
+    assert done.usage.prompt_tokens == closed
+    counted = await bpe.stub.Tokenize(
+        gateway_pb2.TokenizeRequest(
+            messages=[gateway_pb2.ChatMessage(**m) for m in CHAT], add_generation_prompt=False
+        )
+    )
+    assert counted.count == closed
+    async with httpx.AsyncClient(base_url=bpe.gateway.http_url or "", timeout=30) as http:
+        r = await http.post("/tokenize", json={"messages": CHAT, **no_gen})
+        assert r.status_code == 200 and r.json()["count"] == closed
+    generated = await client.chat.completions.create(model="", messages=CHAT, max_tokens=1)
+    assert generated.usage is not None and generated.usage.prompt_tokens > closed  # the reply's opening
+    with pytest.raises(openai.BadRequestError) as err:  # both: a generation prompt, then continued?
+        await client.chat.completions.create(
+            model="", messages=convo, max_tokens=1, extra_body={"continue_final_message": True}
+        )
+    assert err.value.body["param"] == "continue_final_message"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError) as err:  # the last message is the user's
         await client.chat.completions.create(model="", messages=CHAT, max_tokens=1, extra_body=flags)
     assert err.value.body["param"] == "continue_final_message"  # type: ignore[index]
