@@ -391,3 +391,56 @@ async def test_workers_publish_their_adapters_and_each_ones_requests(
     assert engine.lora_requests(0) == {}
     exported.refresh()
     assert sample("pdserve_lora_requests", dp_rank="0", adapter="sql") is None
+
+
+def test_the_cuda_layout_runs_adapter_steps_unfused_and_base_steps_static(
+    tiny_bpe: Path, adapters: dict[str, Path]
+) -> None:
+    """The CUDA layout (fused layers, static decode steps, FlexAttention in place), run eagerly on
+    a CPU: a step with adapter rows goes through the unfused layers (graphs hold the base model's
+    projections only), a base-only step through the static steps; the greedy tokens equal the
+    plain runner's, adapter and base rows mixed in the same steps, and the static steps were used."""
+    from services.worker.engine.api import KvLayout
+    from services.worker.engine.lora import LoraSet
+    from services.worker.engine.model_loading import kv_layout_of, load_model
+    from services.worker.engine.model_runner import ModelRunner, ScheduledSeq
+    from tests.unit.engine.test_decode_graphs import _backend
+
+    cpu = torch.device("cpu")
+
+    def runner(static: bool) -> ModelRunner:
+        model = load_model(str(tiny_bpe), cpu, torch.float32, prepack=not static)
+        lora = LoraSet.load({n: str(p) for n, p in adapters.items()}, model, cpu, torch.float32)
+        layout: KvLayout = kv_layout_of(model.config, 4, torch.float32)
+        return ModelRunner(
+            model,
+            layout,
+            96,
+            cpu,
+            torch.float32,
+            backend=_backend(cpu, static, static),
+            lora=lora,
+            max_model_len=64,
+        )
+
+    def run(r: ModelRunner, names: list[str], steps: int) -> list[list[int]]:
+        prompts = [list(PROMPT[: 9 + 5 * i]) for i in range(len(names))]
+        tables = [list(range(12 * i, 12 * i + 12)) for i in range(len(names))]
+
+        def seq(i: int, tokens: list[int], start: int) -> ScheduledSeq:
+            sampling = with_adapter(names[i], 1)
+            return ScheduledSeq(tokens, start, tables[i], True, sampling, None)
+
+        outs = [list(t) for t in r.execute([seq(i, p, 0) for i, p in enumerate(prompts)])]
+        for step in range(steps):
+            live = range(len(names)) if step < steps // 2 else [i for i, n in enumerate(names) if not n]
+            new = r.execute([seq(i, [outs[i][-1]], len(prompts[i]) + len(outs[i]) - 1) for i in live])
+            for i, t in zip(live, new, strict=True):
+                outs[i].extend(t)
+        return outs
+
+    names = ["sql", "", "chat", ""]  # the adapters' rows leave halfway: base-only steps follow
+    plain, static = runner(False), runner(True)
+    assert static.fused and static.graphs is not None and plain.graphs is None
+    assert run(static, names, 8) == run(plain, names, 8)
+    assert any(e.replays for e in static.graphs.buckets.values())  # the base-only steps'
