@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 import grpc
 
@@ -26,6 +27,18 @@ def _count_error(exc: BaseException) -> None:
         observe.record_error(status_for(exc)[0].name)
 
 
+T = TypeVar("T")
+
+
+async def _counted(call: Callable[[], Awaitable[T]]) -> T:
+    """The domain call's result; a failure (conversion included) is counted by its status first."""
+    try:
+        return await call()
+    except BaseException as exc:
+        _count_error(exc)
+        raise
+
+
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, service: GatewayService) -> None:
         self._service = service
@@ -45,11 +58,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def Complete(
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.CompleteResponse:
-        try:
-            done = await self._service.complete(convert.generate_input(request), _client_timeout_s(context))
-        except BaseException as exc:
-            _count_error(exc)
-            raise
+        done = await _counted(
+            lambda: self._service.complete(convert.generate_input(request), _client_timeout_s(context))
+        )
         return convert.complete_response(done)
 
     async def ListModels(
@@ -60,41 +71,29 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def Tokenize(
         self, request: gateway_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.TokenizeResponse:
-        try:
-            done = await self._service.tokenize(convert.tokenize_input(request), request.return_token_strs)
-        except BaseException as exc:
-            _count_error(exc)
-            raise
+        done = await _counted(
+            lambda: self._service.tokenize(convert.tokenize_input(request), request.return_token_strs)
+        )
         return convert.tokenize_response(done)
 
     async def Detokenize(
         self, request: gateway_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.DetokenizeResponse:
-        try:
-            text, model = await self._service.detokenize(request.model, tuple(request.token_ids))
-        except BaseException as exc:
-            _count_error(exc)
-            raise
+        text, model = await _counted(
+            lambda: self._service.detokenize(request.model, tuple(request.token_ids))
+        )
         return gateway_pb2.DetokenizeResponse(text=text, model=model)
 
     async def LoadLoraAdapter(
         self, request: gateway_pb2.GatewayLoadLoraAdapterRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.GatewayLoadLoraAdapterResponse:
-        try:
-            update = await self._service.load_lora_adapter(
-                request.model, request.lora_name, request.lora_path
-            )
-        except BaseException as exc:
-            _count_error(exc)
-            raise
+        update = await _counted(
+            lambda: self._service.load_lora_adapter(request.model, request.lora_name, request.lora_path)
+        )
         return convert.load_lora_adapter_response(update)
 
     async def UnloadLoraAdapter(
         self, request: gateway_pb2.GatewayUnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.GatewayUnloadLoraAdapterResponse:
-        try:
-            update = await self._service.unload_lora_adapter(request.model, request.lora_name)
-        except BaseException as exc:
-            _count_error(exc)
-            raise
+        update = await _counted(lambda: self._service.unload_lora_adapter(request.model, request.lora_name))
         return convert.unload_lora_adapter_response(update)
