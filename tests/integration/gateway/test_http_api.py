@@ -335,6 +335,28 @@ async def test_tokenize_counts_what_generation_reports_and_detokenize_inverts_it
     )
 
 
+async def _prompt_counts(
+    stack: HttpStack, messages: Any, http_flags: dict[str, Any], **grpc_flags: bool
+) -> tuple[list[int], list[int]]:
+    """A conversation's prompt length with these flags as HTTP chat, gRPC Complete, gRPC Tokenize
+    and HTTP /tokenize count it, and /tokenize's token ids."""
+    chat = await aclient(stack).chat.completions.create(
+        model="", messages=messages, max_tokens=1, extra_body=http_flags
+    )
+    assert chat.usage is not None
+    done = await stack.stub.Complete(chat_pb(messages, max_tokens=1, **grpc_flags))
+    turns = [gateway_pb2.ChatMessage(**m) for m in messages]
+    tokenize = gateway_pb2.TokenizeRequest(messages=turns)
+    for name, value in grpc_flags.items():  # the fields GenerateRequest and TokenizeRequest share
+        setattr(tokenize, name, value)
+    counted = await stack.stub.Tokenize(tokenize)
+    async with httpx.AsyncClient(base_url=stack.gateway.http_url or "", timeout=30) as http:
+        r = await http.post("/tokenize", json={"messages": messages, **http_flags})
+        assert r.status_code == 200, r.text
+    counts = [chat.usage.prompt_tokens, done.usage.prompt_tokens, counted.count, r.json()["count"]]
+    return counts, r.json()["tokens"]
+
+
 async def test_continue_final_message_prefills_the_reply_and_counts_it(bpe: HttpStack) -> None:
     """An assistant message at the end, continued (vLLM's continue_final_message with
     add_generation_prompt false): the prompt ends inside it (the template's rendering cut after
@@ -349,39 +371,17 @@ async def test_continue_final_message_prefills_the_reply_and_counts_it(bpe: Http
     assert text.endswith(prefix)
     want = len(tok.encode(text, add_special_tokens=False))
     flags = {"add_generation_prompt": False, "continue_final_message": True}
-    got = await client.chat.completions.create(model="", messages=convo, max_tokens=3, extra_body=flags)
-    assert got.usage is not None and got.usage.prompt_tokens == want
-    done = await bpe.stub.Complete(chat_pb(convo, max_tokens=3, continue_final_message=True))
-    assert done.usage.prompt_tokens == want
-    counted = await bpe.stub.Tokenize(
-        gateway_pb2.TokenizeRequest(
-            messages=[gateway_pb2.ChatMessage(**m) for m in convo], continue_final_message=True
-        )
-    )
-    assert counted.count == want
+    counts, tokens = await _prompt_counts(bpe, convo, flags, continue_final_message=True)
+    assert counts == [want] * 4
     async with httpx.AsyncClient(base_url=bpe.gateway.http_url or "", timeout=30) as http:
-        r = await http.post("/tokenize", json={"messages": convo, **flags})
-        assert r.status_code == 200 and r.json()["count"] == want
-        detok = await http.post("/detokenize", json={"tokens": r.json()["tokens"]})
+        detok = await http.post("/detokenize", json={"tokens": tokens})
         assert detok.json()["prompt"].endswith(prefix)  # no end of turn, no generation prompt
     plain = await client.chat.completions.create(model="", messages=convo, max_tokens=1)
     assert plain.usage is not None and plain.usage.prompt_tokens > want  # closed turn + new reply
     # add_generation_prompt false alone: the prompt ends after the conversation's last turn
     closed = len(tok.encode(tok.apply_chat_template(CHAT, tokenize=False), add_special_tokens=False))
-    no_gen = {"add_generation_prompt": False}
-    ended = await client.chat.completions.create(model="", messages=CHAT, max_tokens=1, extra_body=no_gen)
-    assert ended.usage is not None and ended.usage.prompt_tokens == closed
-    done = await bpe.stub.Complete(chat_pb(CHAT, max_tokens=1, add_generation_prompt=False))
-    assert done.usage.prompt_tokens == closed
-    counted = await bpe.stub.Tokenize(
-        gateway_pb2.TokenizeRequest(
-            messages=[gateway_pb2.ChatMessage(**m) for m in CHAT], add_generation_prompt=False
-        )
-    )
-    assert counted.count == closed
-    async with httpx.AsyncClient(base_url=bpe.gateway.http_url or "", timeout=30) as http:
-        r = await http.post("/tokenize", json={"messages": CHAT, **no_gen})
-        assert r.status_code == 200 and r.json()["count"] == closed
+    counts, _ = await _prompt_counts(bpe, CHAT, {"add_generation_prompt": False}, add_generation_prompt=False)
+    assert counts == [closed] * 4
     generated = await client.chat.completions.create(model="", messages=CHAT, max_tokens=1)
     assert generated.usage is not None and generated.usage.prompt_tokens > closed  # the reply's opening
     with pytest.raises(openai.BadRequestError) as err:  # both: a generation prompt, then continued?
