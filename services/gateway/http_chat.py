@@ -108,8 +108,9 @@ def tool_choice(req: m.ChatCompletionRequest, tools: tuple[Tool, ...]) -> tuple[
 
 
 def template_kwargs(req: m.ChatCompletionRequest) -> tuple[tuple[str, Any], ...]:
-    """chat_template_kwargs (an object, checked by the schema) as the template's extra variables;
-    a name pdserve passes itself (the conversation, tools, add_generation_prompt, ...) is a 400."""
+    """chat_template_kwargs (an object, checked by the schema) as the template's extra variables,
+    with reasoning_effort's; a name pdserve passes itself (the conversation, tools,
+    add_generation_prompt, ...) is a 400."""
     given = req.chat_template_kwargs or {}
     taken = sorted(RESERVED_TEMPLATE_KWARGS.intersection(given))
     if taken:
@@ -118,7 +119,19 @@ def template_kwargs(req: m.ChatCompletionRequest) -> tuple[tuple[str, Any], ...]
             f"{'it' if len(taken) == 1 else 'them'} to the chat template itself",
             "chat_template_kwargs",
         )
-    return tuple(given.items())
+    return tuple((given | _effort_kwargs(req.reasoning_effort, given)).items())
+
+
+def _effort_kwargs(effort: str | None, given: dict[str, Any]) -> dict[str, Any]:
+    """reasoning_effort as vLLM passes it: the template's `reasoning_effort` (over one in
+    chat_template_kwargs) and, unless the client set `enable_thinking`, thinking off for "none"
+    and on otherwise (templates that declare neither ignore both)."""
+    if effort is None:
+        return {}
+    kept: dict[str, Any] = {"reasoning_effort": effort}
+    if "enable_thinking" not in given:
+        kept["enable_thinking"] = effort != "none"
+    return kept
 
 
 def turn(i: int, msg: m.ChatMessage) -> ChatTurn:

@@ -44,7 +44,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "modalities": (None, ["text"]),
     "audio": (None,),
     "prediction": (None,),
-    "reasoning_effort": (None,),
+    "reasoning_effort": (None,),  # completions only: chat serves it
     "web_search_options": (None,),
     # vLLM's extras that change the output and are not served (ignoring them would change it
     # silently): special tokens' text is never spaced apart; no beam search, bad words,

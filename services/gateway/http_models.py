@@ -11,6 +11,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny
 
+# the efforts OpenAI and vLLM accept ("max": DeepSeek's); "none" turns a template's thinking off
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+
 
 class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
@@ -106,6 +109,9 @@ class ChatCompletionRequest(_GenerationRequest):
     parallel_tool_calls: bool | None = None
     # extra variables for the chat template, e.g. {"enable_thinking": false} (Qwen3)
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's, served as vLLM does: the chat template's `reasoning_effort` variable, and its
+    # `enable_thinking` (false for "none") unless chat_template_kwargs sets that one
+    reasoning_effort: ReasoningEffort | None = None
 
 
 class TokenizeRequest(_Request):

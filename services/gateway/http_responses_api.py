@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, get_args
 
 from pydantic import Field, ValidationError
 
@@ -47,6 +47,7 @@ class ResponsesRequest(m._Request):
     background: bool | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    reasoning: dict[str, Any] | None = None  # {"effort": ..., "summary": ...}; effort is served
 
 
 def response_id(request_id: str) -> str:
@@ -184,6 +185,17 @@ _CHAT_EXTRAS = (
 )
 
 
+def _effort(reasoning: dict[str, Any] | None) -> str | None:
+    """reasoning.effort (the chat API's reasoning_effort); the summary is not written (none is)."""
+    effort = (reasoning or {}).get("effort")
+    if effort is not None and effort not in get_args(m.ReasoningEffort):
+        raise InvalidField(
+            f"reasoning.effort must be one of {', '.join(get_args(m.ReasoningEffort))}, got {effort!r}",
+            "reasoning",
+        )
+    return effort
+
+
 def chat_request(req: ResponsesRequest) -> m.ChatCompletionRequest:
     """The chat completion request that serves `req` (one choice; usage always streamed)."""
     if req.previous_response_id is not None:
@@ -209,6 +221,7 @@ def chat_request(req: ResponsesRequest) -> m.ChatCompletionRequest:
         "tool_choice": _tool_choice(req.tool_choice),
         "parallel_tool_calls": req.parallel_tool_calls,
         "user": req.user,
+        "reasoning_effort": _effort(req.reasoning),
         **{k: v for k, v in (req.model_extra or {}).items() if k in _CHAT_EXTRAS},
     }
     try:

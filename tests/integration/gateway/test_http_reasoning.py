@@ -1,7 +1,7 @@
 """Reasoning models through the `openai` client, against a real gateway in front of real workers:
 a tiny random model whose chat template branches on `enable_thinking`; a regex constraint makes
 even the random model write the think tags (each in several tokens).
-chat_template_kwargs reach the template; with --reasoning-parser (deepseek_r1, qwen3) the output
+chat_template_kwargs and reasoning_effort reach the template; with --reasoning-parser (deepseek_r1, qwen3) the output
 is split into reasoning_content and content, streamed == unary, disaggregated == unified, and
 usage counts the reasoning's tokens exactly (checked against the per-token logprobs); the
 Responses API gets the reasoning item."""
@@ -96,6 +96,15 @@ async def test_chat_template_kwargs_reach_the_template(stack: HttpStack) -> None
             input=CHAT[0]["content"],
             max_output_tokens=1,
             extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+        )
+        assert answer.usage is not None and answer.usage.input_tokens == off.usage.prompt_tokens
+        # reasoning_effort "none" turns thinking off as vLLM does (chat and Responses API)
+        effortless = await client.chat.completions.create(**kw, reasoning_effort="none")
+        assert effortless.usage is not None and effortless.usage.prompt_tokens == off.usage.prompt_tokens
+        effortful = await client.chat.completions.create(**kw, reasoning_effort="high")
+        assert effortful.usage is not None and effortful.usage.prompt_tokens == on.usage.prompt_tokens
+        answer = await client.responses.create(
+            model="", input=CHAT[0]["content"], max_output_tokens=1, reasoning={"effort": "none"}
         )
         assert answer.usage is not None and answer.usage.input_tokens == off.usage.prompt_tokens
         bads: list[Any] = [{"tools": []}, {"add_generation_prompt": False}, "enable_thinking"]

@@ -78,6 +78,37 @@ def test_chat_template_kwargs_reach_the_template() -> None:
     assert served.chat_template_kwargs == {"x": 1}
 
 
+def test_reasoning_effort_reaches_the_template_as_vllm_passes_it() -> None:
+    """The template's reasoning_effort, and enable_thinking (off for "none") unless the client's
+    chat_template_kwargs set it; the Responses API's reasoning.effort is the same field."""
+    assert dict(chat(reasoning_effort="none").inputs[0].chat_template_kwargs) == {
+        "reasoning_effort": "none",
+        "enable_thinking": False,
+    }
+    assert dict(chat(reasoning_effort="high").inputs[0].chat_template_kwargs) == {
+        "reasoning_effort": "high",
+        "enable_thinking": True,
+    }
+    given = chat(
+        reasoning_effort="low", chat_template_kwargs={"enable_thinking": False, "reasoning_effort": "x"}
+    )
+    assert dict(given.inputs[0].chat_template_kwargs) == {"enable_thinking": False, "reasoning_effort": "low"}
+    with pytest.raises(ValueError, match="reasoning_effort"):
+        chat(reasoning_effort="extreme")
+    served = chat_request(
+        ResponsesRequest.model_validate({"input": "hi", "reasoning": {"effort": "minimal"}})
+    )
+    assert served.reasoning_effort == "minimal"
+    with pytest.raises(InvalidField) as err:
+        chat_request(ResponsesRequest.model_validate({"input": "hi", "reasoning": {"effort": "extreme"}}))
+    assert err.value.param == "reasoning" and "minimal" in str(err.value)
+    # completions have no chat template: still a 400 there
+    with pytest.raises(InvalidField) as err:
+        req = m.CompletionRequest.model_validate({"prompt": "hi", "reasoning_effort": "low"})
+        conv.unsupported_and_unknown(req.model_extra)
+    assert err.value.param == "reasoning_effort"
+
+
 @pytest.mark.parametrize("name", ["tools", "add_generation_prompt", "conversation", "messages", "tokenize"])
 def test_chat_template_kwargs_may_not_replace_what_pdserve_passes(name: str) -> None:
     with pytest.raises(InvalidField) as err:
