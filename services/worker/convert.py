@@ -57,6 +57,8 @@ def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingConfig:
         repetition_penalty=pb.repetition_penalty if pb.HasField("repetition_penalty") else 1.0,
         logit_bias=tuple(sorted(pb.logit_bias.items())),
         min_tokens=pb.min_tokens,
+        allowed_token_ids=tuple(sorted(set(pb.allowed_token_ids))),
+        bad_words=tuple(tuple(w.token_ids) for w in pb.bad_words if w.token_ids),
         logprobs=pb.logprobs if pb.HasField("logprobs") else None,
         structured=structured_from_pb(pb.structured) if pb.HasField("structured") else None,
         prompt_logprobs=pb.prompt_logprobs if pb.HasField("prompt_logprobs") else None,

@@ -26,6 +26,8 @@ CAPABILITIES = (
     "cache_salt",
     "lora",
     "show_special_tokens",
+    "allowed_token_ids",
+    "bad_words",
     GATEWAY_TICKET_CAPABILITY,
 )
 # Contract version implemented: 1.0 = compat/v1.0; 1.1 added the optional generated_tokens fields;
@@ -56,7 +58,9 @@ CAPABILITIES = (
 # --lora-modules): adapters loaded and unloaded while the worker runs; the worker registers again
 # with its new WorkerInfo.lora_adapters after each change.
 # 1.14 also added SamplingParams.skip_special_tokens (capability "show_special_tokens").
-PROTO_VERSION = "1.14"
+# 1.15 added SamplingParams.allowed_token_ids (capability "allowed_token_ids") and bad_words
+# (token sequences; capability "bad_words"), and GenerateRequest's fields of the same names.
+PROTO_VERSION = "1.15"
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ Token accounting rules (docs/architecture.md "Token accounting"):
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Protocol
@@ -82,6 +83,12 @@ class SamplingConfig:
     logit_bias: tuple[tuple[int, float], ...] = ()
     # EOS (unless ignore_eos) and stop_token_ids cannot be drawn before this output index
     min_tokens: int = 0
+    # vLLM's allowed_token_ids: only these ids may be drawn (every other logit -inf, at every
+    # draw); sorted, no duplicates; () = no restriction
+    allowed_token_ids: tuple[int, ...] = ()
+    # vLLM's bad_words as token sequences (tokenized by the gateway): the last token of each is
+    # banned at a draw whose output so far ends with the rest of it (a one-token one always)
+    bad_words: tuple[tuple[int, ...], ...] = ()
     # per generated token: its log-probability and this many most likely alternatives (0-20)
     # under the distribution the sampler drew from (sampler.py); None = no logprobs
     logprobs: int | None = None
@@ -95,14 +102,23 @@ class SamplingConfig:
     # request ends after its prefill with LENGTH). None = no prompt logprobs
     prompt_logprobs: int | None = None
 
+    @functools.cached_property
+    def allowed_ids_tensor(self) -> torch.Tensor:
+        """allowed_token_ids as a host long tensor, built once per request (the sampler masks
+        every draw with it; a list of a whole vocabulary costs milliseconds to convert)."""
+        import torch
+
+        return torch.tensor(self.allowed_token_ids, dtype=torch.long)
+
     @property
     def needs_history(self) -> bool:
-        """The sampler needs the request's tokens (penalties or min_tokens are on)."""
+        """The sampler needs the request's tokens (penalties, min_tokens or bad_words are on)."""
         return (
             self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
             or self.min_tokens > 0
+            or bool(self.bad_words)
         )
 
 

@@ -1,12 +1,13 @@
-"""Batched next-token sampling: structured-output masks and logits processors (min_tokens,
-logit_bias, penalties), then greedy, temperature, top-k, top-p, per-request seeded generators;
-optionally the logprobs of the distribution drawn from.
+"""Batched next-token sampling: structured-output masks and logits processors (allowed_token_ids,
+bad_words, min_tokens, logit_bias, penalties), then greedy, temperature, top-k, top-p, per-request
+seeded generators; optionally the logprobs of the distribution drawn from.
 
-The order is vLLM v1's: the structured-output mask first (apply_allowed), min_tokens masks the
-stop tokens, logit_bias is added, then the repetition, frequency and presence penalties apply;
-temperature, top-k and top-p then shape the distribution the draw uses. Every processor is
-batched over the rows that use it (indexed ops over the (row, token) pairs involved, never a
-Python loop over the vocabulary), and each row's result depends only on that row's logits,
+The order is vLLM v1's: the structured-output mask first (apply_allowed), then allowed_token_ids
+keeps only the listed tokens and bad_words bans the tokens that would complete a bad word, then
+min_tokens masks the stop tokens, logit_bias is added, then the repetition, frequency and presence
+penalties apply; temperature, top-k and top-p then shape the distribution the draw uses. Every
+processor is batched over the rows that use it (indexed ops over the (row, token) pairs involved,
+never a Python loop over the vocabulary), and each row's result depends only on that row's logits,
 parameters and tokens, so a request gets the same tokens whatever else is in the batch, on a
 prefill worker (its first token) as on a decode worker.
 
@@ -81,9 +82,10 @@ def process_logits(
     params: Sequence[SamplingConfig],
     histories: Sequence[TokenHistory | None] | None,
 ) -> torch.Tensor:
-    """min_tokens, logit_bias and penalties applied to float32 logits [n, vocab] (a new tensor
-    when any row changes; `logits` itself is never written). A row that needs its history
-    (SamplingConfig.needs_history) and has none is left unpenalized."""
+    """allowed_token_ids, bad_words, min_tokens, logit_bias and penalties applied to float32
+    logits [n, vocab] (a new tensor when any row changes; `logits` itself is never written). A
+    row that needs its history (SamplingConfig.needs_history) and has none is left unpenalized
+    (and its bad words unchecked)."""
     n, vocab = logits.shape
     device = logits.device
     out = logits
@@ -91,6 +93,32 @@ def process_logits(
 
     def writable() -> torch.Tensor:
         return out.clone(memory_format=torch.contiguous_format) if out is logits else out
+
+    # allowed_token_ids: a row keeps only its listed tokens. One boolean [rows, vocab] mask
+    # filled by one indexed write of every such row's ids (flattened), then one masked_fill
+    allow_rows = [i for i, p in enumerate(params) if p.allowed_token_ids]
+    if allow_rows:
+        out = writable()
+        flat = torch.cat([_allowed_ids(params[i], vocab) + k * vocab for k, i in enumerate(allow_rows)])
+        keep = torch.zeros(len(allow_rows), vocab, dtype=torch.bool, device=device)
+        keep.view(-1)[flat.to(device, non_blocking=True)] = True
+        idx = to_device(allow_rows, device)
+        out[idx] = out[idx].masked_fill(~keep, float("-inf"))
+
+    # bad_words: the (row, token) pairs banned at this draw are found on the host, where the
+    # output tokens are (a comparison of each bad word's prefix with the output's tail: work
+    # grows with the bad words' tokens, not the vocabulary), then written in one indexed op
+    bad_rows: list[int] = []
+    bad_ids: list[int] = []
+    for i, (p, h) in enumerate(zip(params, hist, strict=True)):
+        if p.bad_words and h is not None:
+            for t in banned_by_bad_words(p.bad_words, h.output_token_ids):
+                if 0 <= t < vocab:
+                    bad_rows.append(i)
+                    bad_ids.append(t)
+    if bad_rows:
+        out = writable()
+        out[to_device(bad_rows, device), to_device(bad_ids, device)] = float("-inf")
 
     # min_tokens: the stop tokens are masked while the output is shorter than min_tokens
     ban_rows: list[int] = []
@@ -166,6 +194,30 @@ def process_logits(
     return out
 
 
+def banned_by_bad_words(bad_words: Sequence[Sequence[int]], output_token_ids: Sequence[int]) -> list[int]:
+    """The tokens a draw may not produce after `output_token_ids` (vLLM's bad_words): the last
+    token of every bad word whose other tokens are the output's last ones (a one-token bad word:
+    always). Only generated tokens count, never the prompt."""
+    num_out = len(output_token_ids)
+    banned = []
+    for word in bad_words:
+        prefix_len = len(word) - 1
+        if prefix_len > num_out:
+            continue
+        if all(output_token_ids[num_out - prefix_len + j] == word[j] for j in range(prefix_len)):
+            banned.append(word[-1])
+    return banned
+
+
+def _allowed_ids(p: SamplingConfig, vocab: int) -> torch.Tensor:
+    """A row's allowed_token_ids inside the vocabulary as a host long tensor (built once per
+    request: SamplingConfig.allowed_ids_tensor)."""
+    ids = p.allowed_ids_tensor
+    if ids.numel() and int(ids[-1]) >= vocab:  # sorted: only a padded-vocabulary mismatch
+        ids = ids[ids < vocab]
+    return ids
+
+
 def _flat_ids(token_ids: Sequence[int], row: int, vocab: int, device: torch.device) -> torch.Tensor:
     """Indices into a flattened [n, vocab] tensor of row `row`'s tokens (ids outside the
     vocabulary dropped)."""
@@ -198,9 +250,10 @@ def sample_with_logprobs(
     the other rows).
 
     The logprobs are those of the distribution the row drew from (vLLM's "processed_logprobs"):
-    a sampled row's log_softmax after min_tokens, logit_bias, penalties, temperature, top-k and
-    top-p (tokens those cut off have -inf); a greedy row's log_softmax after min_tokens,
-    logit_bias and penalties (temperature, top-k and top-p do not change an argmax)."""
+    a sampled row's log_softmax after allowed_token_ids, bad_words, min_tokens, logit_bias,
+    penalties, temperature, top-k and top-p (tokens those cut off have -inf); a greedy row's
+    log_softmax after allowed_token_ids, bad_words, min_tokens, logit_bias and penalties
+    (temperature, top-k and top-p do not change an argmax)."""
     tokens, _, result = sample_with_logprobs_to_host(logits, params, generators, seeds, histories)
     return tokens, result
 
