@@ -35,6 +35,10 @@ def needed_capabilities(s: Sampling) -> set[str]:
         needed.add("show_special_tokens")
     if s.lora_adapter:  # an older worker would serve the base model instead
         needed.add("lora")
+    if s.allowed_token_ids:  # an older worker would draw any token
+        needed.add("allowed_token_ids")
+    if s.bad_words:  # an older worker would write them
+        needed.add("bad_words")
     return needed
 
 

@@ -70,6 +70,9 @@ def generate_input(req: gateway_pb2.GenerateRequest) -> GenerateInput:
         repetition_penalty=req.repetition_penalty if req.HasField("repetition_penalty") else None,
         logit_bias=tuple(req.logit_bias.items()),
         min_tokens=req.min_tokens if req.HasField("min_tokens") else None,
+        # a repeated field has no presence: empty is unset
+        allowed_token_ids=tuple(req.allowed_token_ids) or None,
+        bad_words=tuple(req.bad_words),
         logprobs=req.logprobs if req.HasField("logprobs") else None,
         structured=structured_from_pb(req.structured) if req.HasField("structured") else None,
         prompt_logprobs=req.prompt_logprobs if req.HasField("prompt_logprobs") else None,
@@ -282,6 +285,9 @@ def sampling_to_pb(s: Sampling) -> common_pb2.SamplingParams:
         msg.logit_bias[token_id] = bias
     if s.min_tokens:
         msg.min_tokens = s.min_tokens
+    msg.allowed_token_ids.extend(s.allowed_token_ids)
+    for sequence in s.bad_words:
+        msg.bad_words.add(token_ids=sequence)
     if s.logprobs is not None:
         msg.logprobs = s.logprobs
     if s.structured is not None:

@@ -71,6 +71,10 @@ class GenerateInput:
     repetition_penalty: float | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), in the client's order
     min_tokens: int | None = None
+    # vLLM's: only these token ids may be generated; None = unset (an empty list is refused, as
+    # vLLM refuses it: it would allow nothing)
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()  # vLLM's: text never generated (tokenized by the gateway)
     logprobs: int | None = None  # alternatives per token (0-20); None = no logprobs
     structured: StructuredOutput | None = None  # what the output must match
     tools: tuple[Tool, ...] = ()  # offered to the model in the chat prompt
@@ -121,6 +125,9 @@ class Sampling:
     repetition_penalty: float = 1.0  # 1 = off
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by token id
     min_tokens: int = 0  # counted from output index 0 (unchanged by a migration)
+    allowed_token_ids: tuple[int, ...] = ()  # only these may be drawn, sorted; () = all
+    # the bad words as token sequences (tokenization.PromptTokenizer.bad_word_sequences)
+    bad_words: tuple[tuple[int, ...], ...] = ()
     logprobs: int | None = None  # alternatives per token (0-20); None = no logprobs
     structured: StructuredOutput | None = None  # what the output must match (validated)
     # alternatives per prompt token (0-20) of the raw model distribution; None = none

@@ -31,6 +31,7 @@ from services.gateway.tokenization import PromptTokenizer, Tokenized
 from services.gateway.tool_calls import Format
 from services.gateway.validation import (
     Limits,
+    validate_bad_word_sequences,
     validate_input,
     validate_model,
     validate_token_ids,
@@ -170,7 +171,9 @@ class GatewayService:
             prompt = tok.encode_prompt(inp.prompt)
         if inp.truncate_prompt_tokens is not None:
             prompt = prompt[-inp.truncate_prompt_tokens :]  # left truncation: the last k tokens
-        validate_token_ids(prompt, inp.stop_token_ids, tok.vocab_size, inp.logit_bias)
+        validate_token_ids(
+            prompt, inp.stop_token_ids, tok.vocab_size, inp.logit_bias, inp.allowed_token_ids or ()
+        )
         return prompt
 
     async def tokenize(self, inp: GenerateInput, return_token_strs: bool = False) -> Tokenized:
@@ -221,6 +224,8 @@ class GatewayService:
             ),
             logit_bias=tuple(sorted((t, float(b)) for t, b in inp.logit_bias if b != 0.0)),
             min_tokens=inp.min_tokens or 0,
+            allowed_token_ids=tuple(sorted(set(inp.allowed_token_ids or ()))),
+            bad_words=self._bad_words(inp.bad_words),
             logprobs=inp.logprobs,
             structured=inp.structured,
             prompt_logprobs=inp.prompt_logprobs,
@@ -234,6 +239,15 @@ class GatewayService:
             return_token_ids=inp.return_token_ids,
             priority=inp.priority,
         )
+
+    def _bad_words(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """The bad words as the token sequences the workers ban, within the limits (tokenized
+        once, here: the gateway owns the tokenizer)."""
+        if not words:
+            return ()
+        sequences = self._require_tokenizer().bad_word_sequences(words)
+        validate_bad_word_sequences(sequences)
+        return sequences
 
     async def generate(
         self, inp: GenerateInput, client_timeout_s: float | None = None

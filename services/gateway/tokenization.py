@@ -14,6 +14,7 @@ import structlog
 from services.gateway import tool_calls
 from services.gateway.inputs import ChatTurn
 from services.gateway.tool_calls import Format, Tool
+from services.gateway.validation import InvalidField
 from shared.errors import InvalidArgument
 
 log = structlog.get_logger(__name__)
@@ -97,6 +98,27 @@ class PromptTokenizer:
 
     def encode_prompt(self, text: str) -> tuple[int, ...]:
         return tuple(int(t) for t in self._tok.encode(text))
+
+    def encode_text(self, text: str) -> tuple[int, ...]:
+        """Text's tokens without the special tokens a prompt gets (e.g. a BOS)."""
+        return tuple(int(t) for t in self._tok.encode(text, add_special_tokens=False))
+
+    def bad_word_sequences(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+        """vLLM's bad_words as token sequences (SamplingParams.update_from_tokenizer): each word
+        once (repeats dropped), leading whitespace stripped, tokenized as is and after a space,
+        without special tokens; the spaced variant is kept only when it is as many tokens and
+        starts with another one (a word-initial token, as mid-text occurrences are written).
+        InvalidArgument naming bad_words for a word that makes no token."""
+        sequences: list[tuple[int, ...]] = []
+        for word in dict.fromkeys(words):
+            plain = self.encode_text(word.lstrip())
+            if not plain:
+                raise InvalidField(f"bad_words entry {word!r} makes no token", "bad_words")
+            sequences.append(plain)
+            spaced = self.encode_text(" " + word.lstrip())
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                sequences.append(spaced)
+        return tuple(sequences)
 
     @property
     def chat_template(self) -> str:

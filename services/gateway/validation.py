@@ -22,6 +22,11 @@ MAX_CACHE_SALT_CHARS = 256
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs limit)
+# allowed_token_ids entries: every vocabulary in use fits (Gemma's 262144 is the largest)
+MAX_ALLOWED_TOKEN_IDS = 262_144
+MAX_BAD_WORDS = 128  # words, and token sequences once tokenized (vLLM's VLLM_MAX_NUM_BAD_WORDS)
+MAX_BAD_WORD_CHARS = 256
+MAX_BAD_WORDS_TOKENS = 1024  # all sequences together (vLLM's VLLM_MAX_BAD_WORDS_TOTAL_TOKENS)
 
 
 class InvalidField(InvalidArgument):
@@ -123,6 +128,7 @@ def validate_input(
             )
     validate_request_id(req.request_id)
     validate_penalties(req)
+    validate_token_bans(req)
     if req.structured is not None:
         try:
             grammar_of(req.structured)  # cached per constraint; the workers compile the same
@@ -193,6 +199,52 @@ def validate_penalties(req: GenerateInput) -> None:
             )
 
 
+def validate_token_bans(req: GenerateInput) -> None:
+    """allowed_token_ids' and bad_words' sizes (the ids are checked against the vocabulary in
+    validate_token_ids, the words' tokens in validate_bad_word_sequences)."""
+    allowed = req.allowed_token_ids
+    if allowed is not None and not allowed:
+        raise InvalidField(
+            "allowed_token_ids is empty, which would allow no token at all; list the token ids "
+            "that may be generated, or leave the field out",
+            "allowed_token_ids",
+        )
+    if allowed is not None and len(allowed) > MAX_ALLOWED_TOKEN_IDS:
+        raise InvalidField(
+            f"allowed_token_ids has {len(allowed)} entries; the limit is {MAX_ALLOWED_TOKEN_IDS}",
+            "allowed_token_ids",
+        )
+    if len(req.bad_words) > MAX_BAD_WORDS:
+        raise InvalidField(
+            f"bad_words has {len(req.bad_words)} words; the limit is {MAX_BAD_WORDS}", "bad_words"
+        )
+    for i, word in enumerate(req.bad_words):
+        if not word.strip():
+            raise InvalidField(f"bad_words[{i}] is empty; remove it or give a word", "bad_words")
+        if len(word) > MAX_BAD_WORD_CHARS:
+            raise InvalidField(
+                f"bad_words[{i}] is {len(word)} characters; the limit is {MAX_BAD_WORD_CHARS}",
+                "bad_words",
+            )
+
+
+def validate_bad_word_sequences(sequences: tuple[tuple[int, ...], ...]) -> None:
+    """The tokenized bad words (both variants of each) within vLLM's limits."""
+    if len(sequences) > MAX_BAD_WORDS:
+        raise InvalidField(
+            f"bad_words make {len(sequences)} token sequences once tokenized (each word as written "
+            f"and after a space); the limit is {MAX_BAD_WORDS}",
+            "bad_words",
+        )
+    num_tokens = sum(len(s) for s in sequences)
+    if num_tokens > MAX_BAD_WORDS_TOKENS:
+        raise InvalidField(
+            f"bad_words are {num_tokens} tokens once tokenized (each word as written and after a "
+            f"space); the limit is {MAX_BAD_WORDS_TOKENS}",
+            "bad_words",
+        )
+
+
 def validate_request_id(request_id: str) -> None:
     if len(request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidArgument(
@@ -222,10 +274,12 @@ def validate_token_ids(
     stop_token_ids: tuple[int, ...],
     vocab_size: int,
     logit_bias: tuple[tuple[int, float], ...] = (),
+    allowed_token_ids: tuple[int, ...] = (),
 ) -> None:
     """Token ids the client sent must exist in the served model's vocabulary."""
     validate_vocab_ids("prompt_token_ids", prompt_token_ids, vocab_size)
     validate_vocab_ids("stop_token_ids", stop_token_ids, vocab_size)
+    validate_vocab_ids("allowed_token_ids", allowed_token_ids, vocab_size)
     for t, _ in logit_bias:
         if t >= vocab_size:
             raise InvalidField(

@@ -12,6 +12,7 @@ from services.gateway.validation import (
     InvalidField,
     Limits,
     resolve_max_tokens,
+    validate_bad_word_sequences,
     validate_input,
     validate_request_id,
     validate_token_ids,
@@ -202,3 +203,35 @@ def test_structured_outputs_are_compiled_at_the_gateway() -> None:
         with pytest.raises(InvalidField, match=words) as err:
             check(prompt="x", structured=bad)
         assert err.value.param == "structured"
+
+
+@pytest.mark.parametrize(
+    ("fields", "words"),
+    [
+        ({"allowed_token_ids": ()}, "allowed_token_ids is empty"),  # vLLM refuses [] too
+        ({"allowed_token_ids": tuple(range(262_145))}, "limit is 262144"),
+        ({"bad_words": ("a",) * 129}, "limit is 128"),
+        ({"bad_words": ("ok", "")}, "bad_words[1] is empty"),
+        ({"bad_words": ("  ",)}, "bad_words[0] is empty"),
+        ({"bad_words": ("x" * 257,)}, "limit is 256"),
+    ],
+)
+def test_bad_allowed_token_ids_and_bad_words_name_the_field(fields: dict[str, Any], words: str) -> None:
+    param = next(iter(fields))
+    with pytest.raises(InvalidField) as err:
+        check(prompt="x", **fields)
+    assert err.value.param == param and words in str(err.value)
+
+
+def test_allowed_token_ids_must_be_in_the_vocabulary_and_bad_words_within_limits() -> None:
+    check(prompt="x", allowed_token_ids=(1, 1, 9), bad_words=("a", " b c"))
+    validate_token_ids((1, 2), (), 10, (), (0, 9))
+    with pytest.raises(InvalidField, match=r"allowed_token_ids\[1\] = 10 .*vocabulary size 10") as err:
+        validate_token_ids((1, 2), (), 10, (), (3, 10))
+    assert err.value.param == "allowed_token_ids"
+    validate_bad_word_sequences(((1,),) * 128)
+    validate_bad_word_sequences(((1,) * 512, (2,) * 512))
+    for sequences, words in ((((1,),) * 129, "129 token sequences"), (((1,) * 1025,), "1025 tokens")):
+        with pytest.raises(InvalidField, match=words) as err:
+            validate_bad_word_sequences(sequences)
+        assert err.value.param == "bad_words"

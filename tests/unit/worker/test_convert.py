@@ -178,6 +178,26 @@ def test_skip_special_tokens_false_reaches_the_engine_and_true_stays_unset() -> 
     assert convert.decode_call_from_pb(plain).request.sampling.skip_special_tokens is True
 
 
+def test_allowed_token_ids_and_bad_words_reach_the_engine_as_token_ids() -> None:
+    """The gateway's Sampling (bad words already tokenized) through the protobuf to the engine's
+    SamplingConfig; unset, nothing goes on the wire (what an older gateway sends)."""
+    from services.gateway import convert as gateway_convert
+    from services.gateway.inputs import Sampling
+    from services.gateway.ports import WorkerJob
+
+    banned = Sampling(max_tokens=4, allowed_token_ids=(3, 9, 40), bad_words=((5,), (7, 8, 9)))
+    pb = gateway_convert.prefill_request(WorkerJob("r", (1, 2), banned, False), 0, None)
+    assert list(pb.sampling.allowed_token_ids) == [3, 9, 40]
+    assert [list(w.token_ids) for w in pb.sampling.bad_words] == [[5], [7, 8, 9]]
+    sp = convert.prefill_call_from_pb(pb).request.sampling
+    assert sp.allowed_token_ids == (3, 9, 40) and sp.bad_words == ((5,), (7, 8, 9))
+    assert sp.needs_history  # bad words look at the output so far
+    plain = gateway_convert.decode_request(WorkerJob("r", (1,), Sampling(max_tokens=4), False), 0, True)
+    assert not plain.sampling.allowed_token_ids and not plain.sampling.bad_words
+    plain_sp = convert.decode_call_from_pb(plain).request.sampling
+    assert plain_sp.allowed_token_ids == () and plain_sp.bad_words == () and not plain_sp.needs_history
+
+
 def test_lora_changes_convert_to_both_responses() -> None:
     change = LoraChange(lora_adapters=("sql", "chat"), path="/adapters/chat", seconds=1.5)
     loaded = convert.lora_load_response(change)
