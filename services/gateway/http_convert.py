@@ -47,13 +47,11 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "reasoning_effort": (None,),  # completions only: chat serves it
     "web_search_options": (None,),
     # vLLM's extras that change the output and are not served (ignoring them would change it
-    # silently): special tokens' text is never spaced apart; no beam search, bad words,
-    # allowed-token lists, logits processors or RAG documents
+    # silently): special tokens' text is never spaced apart; no beam search, logits processors
+    # or RAG documents
     "spaces_between_special_tokens": (None, True),
     "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),
-    "bad_words": (None, []),
-    "allowed_token_ids": (None, []),
     "logits_processors": (None, []),
     "documents": (None, []),
 }
@@ -246,6 +244,8 @@ def _common(req: m._GenerationRequest, max_tokens: int | None) -> dict[str, Any]
         repetition_penalty=req.repetition_penalty,
         logit_bias=_logit_bias(req.logit_bias),
         min_tokens=req.min_tokens,
+        allowed_token_ids=None if req.allowed_token_ids is None else tuple(req.allowed_token_ids),
+        bad_words=tuple(req.bad_words or ()),
         max_tokens=max_tokens,
         temperature=req.temperature,
         top_p=req.top_p,

@@ -82,6 +82,10 @@ class _GenerationRequest(_Request):
     repetition_penalty: float | None = Field(default=None, description="(0, 2]; 1 = off (vLLM)")
     logit_bias: dict[str, float] | None = Field(default=None, description="token id (a string) -> bias")
     min_tokens: int | None = Field(default=None, description="no EOS / stop token before this many tokens")
+    # vLLM's: only these token ids may be generated ([] is refused, as vLLM does)
+    allowed_token_ids: list[int] | None = None
+    # vLLM's: text never generated (each word as written and after a space)
+    bad_words: list[str] | None = None
     # structured outputs: OpenAI's response_format, or vLLM's guided_json / guided_regex / guided_choice
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None

@@ -181,6 +181,8 @@ _CHAT_EXTRAS = (
     "frequency_penalty",
     "repetition_penalty",
     "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
     "chat_template_kwargs",
 )
 

@@ -429,9 +429,7 @@ async def test_vllms_stop_token_ids_stop_strings_kept_and_truncated_prompts(bpe:
     assert chat.usage is not None and chat.usage.prompt_tokens == 3
     for field, value in (
         ("spaces_between_special_tokens", False),
-        ("bad_words", ["x"]),
         ("use_beam_search", True),
-        ("allowed_token_ids", [1, 2]),
         ("stop_token_ids", [-1]),
         ("truncate_prompt_tokens", 0),
     ):
@@ -487,6 +485,73 @@ async def test_skip_special_tokens_false_shows_special_tokens_text(bpe: HttpStac
         )
     )
     assert done.text == "<|im_start|>" * 3
+
+
+async def test_allowed_token_ids_and_bad_words(bpe: HttpStack) -> None:
+    """vLLM's allowed_token_ids and bad_words through the openai client (extra_body) and gRPC:
+    every token is one of the allowed ids; a bad word taken from the unconstrained output (its
+    token sequences, as the gateway makes them, occur there) never occurs; the same tokens
+    disaggregated and unified, HTTP and gRPC, chat too; bad input is a 400 / INVALID_ARGUMENT
+    naming the field."""
+    from transformers import AutoTokenizer
+
+    from services.gateway.tokenization import PromptTokenizer
+
+    tok = PromptTokenizer(AutoTokenizer.from_pretrained(str(bpe.model)), "m", 0)
+    client = aclient(bpe)
+    base: dict[str, Any] = dict(prompt=LONG_PROMPT, max_tokens=12, temperature=0, ignore_eos=True)
+    free = list(
+        (await bpe.stub.Complete(gateway_pb2.GenerateRequest(**base, return_token_ids=True))).token_ids
+    )
+
+    def occurs(seq: tuple[int, ...], ids: list[int]) -> bool:
+        return any(tuple(ids[i : i + len(seq)]) == seq for i in range(len(ids) - len(seq) + 1))
+
+    # a word of the output whose token sequences (as is or after a space) the output contains
+    words = [w for w in tok.decode(tuple(free)).split() if w.isalpha()]
+    word = next(w for w in words if any(occurs(s, free) for s in tok.bad_word_sequences([w])))
+    allowed = sorted({free[3], free[7], 40, 41, 300})
+    runs = {}
+    for mode in MODES:
+        bpe.router.mode = mode
+        for name, extra in (("allowed", {"allowed_token_ids": allowed}), ("bad", {"bad_words": [word]})):
+            done = await bpe.stub.Complete(
+                gateway_pb2.GenerateRequest(**base, return_token_ids=True, **extra)
+            )
+            got = await client.completions.create(
+                model="",
+                prompt=LONG_PROMPT,
+                max_tokens=12,
+                temperature=0,
+                extra_body={"ignore_eos": True, **extra},
+            )
+            assert got.choices[0].text == done.text and len(done.token_ids) == 12
+            runs[mode, name] = list(done.token_ids)
+    for mode in MODES:
+        assert set(runs[mode, "allowed"]) <= set(allowed) and runs[mode, "allowed"] != free
+        assert not any(occurs(s, runs[mode, "bad"]) for s in tok.bad_word_sequences([word])), word
+    assert runs["disaggregated", "allowed"] == runs["unified", "allowed"]
+    assert runs["disaggregated", "bad"] == runs["unified", "bad"]
+    chat = await client.chat.completions.create(
+        model="", messages=CHAT, max_tokens=4, temperature=0, extra_body={"allowed_token_ids": [40]}
+    )
+    assert chat.choices[0].message.content == tok.decode((40,) * 4)
+    for field, value, words in (
+        ("allowed_token_ids", [], "is empty"),
+        ("allowed_token_ids", [1, 10**6], "not a token of the served model"),
+        ("bad_words", [""], "is empty"),
+        ("bad_words", ["x"] * 129, "limit is 128"),
+    ):
+        with pytest.raises(openai.BadRequestError) as err:
+            await client.completions.create(model="", prompt="x", max_tokens=2, extra_body={field: value})
+        assert err.value.body["param"] == field and words in err.value.body["message"]  # type: ignore[index]
+    for bad in (
+        gateway_pb2.GenerateRequest(prompt="x", allowed_token_ids=[10**6]),
+        gateway_pb2.GenerateRequest(prompt="x", bad_words=[" "]),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as rpc_err:
+            await bpe.stub.Complete(bad)
+        assert rpc_err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 @pytest.mark.parametrize("mode", MODES)

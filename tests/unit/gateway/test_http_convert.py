@@ -244,6 +244,20 @@ def test_errors_map_to_http(exc: Exception, status: int, retry_after: bool) -> N
     assert herr.HTTP_BY_STATUS[grpc.StatusCode.UNAUTHENTICATED][0] == 401
 
 
+def test_allowed_token_ids_and_bad_words_reach_the_domain_input() -> None:
+    """vLLM's fields on both endpoints (ranges and the vocabulary are the domain's checks: an
+    empty list stays one, to be refused there as vLLM does)."""
+    for plan in (
+        completion(prompt="ab", allowed_token_ids=[5, 3, 5], bad_words=["x", " y"]),
+        chat(allowed_token_ids=[5, 3, 5], bad_words=["x", " y"]),
+    ):
+        inp = plan.inputs[0]
+        assert inp.allowed_token_ids == (5, 3, 5) and inp.bad_words == ("x", " y")
+    assert completion(prompt="ab", allowed_token_ids=[]).inputs[0].allowed_token_ids == ()
+    unset = chat().inputs[0]
+    assert unset.allowed_token_ids is None and unset.bad_words == ()
+
+
 def test_retry_after_follows_the_admission_hint() -> None:
     from services.gateway.admission import Overloaded
 

@@ -81,6 +81,8 @@ def test_instructions_input_items_tools_and_format_become_the_chat_request() -> 
     extras = chat_request(_req(input="hi", seed=7, ignore_eos=True, stop=["x"], include=["y"]))
     assert (extras.seed, extras.ignore_eos, extras.stop) == (7, True, ["x"])
     assert "include" not in (extras.model_extra or {})  # a Responses field this server ignores
+    banned = chat_request(_req(input="hi", allowed_token_ids=[4, 5], bad_words=["x"]))
+    assert (banned.allowed_token_ids, banned.bad_words) == ([4, 5], ["x"])
     plain = chat_request(_req(input="hi", text={"format": {"type": "text"}}))
     assert [(msg.role, msg.content) for msg in plain.messages] == [("user", "hi")]
     assert plain.response_format is None and plain.stream_options is None
