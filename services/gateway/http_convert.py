@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
-from services.gateway import http_chat, tool_calls
+from services.gateway import http_chat, http_prompt_logprobs, tool_calls
 from services.gateway import http_models as m
 from services.gateway.http_chat import ToolParsing
 from services.gateway.inputs import GenerateInput
@@ -32,7 +32,6 @@ _SEED_STRIDE = 0x9E3779B97F4A7C15  # odd: choice j's seed = seed + j * stride (m
 # "not used": a request setting any other value gets 400 naming the field, never silent ignoring.
 # (tools, tool_choice and parallel_tool_calls are chat fields; on completions they land here.)
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "prompt_logprobs": (None, 0),
     "echo": (None, False),  # chat only: completions implement it
     "suffix": (None, ""),
     "best_of": (None, 1),
@@ -70,6 +69,10 @@ class Plan:
     # chat with --reasoning-parser: how every choice's output is split into reasoning and content
     reasoning: ReasoningKind | None = None
     echo: bool = False  # completions: each choice's text (and logprobs) starts with its prompt
+    # vLLM's prompt_logprobs: alternatives the response shows per prompt token (None: no field)
+    prompt_logprobs: int | None = None
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:<id>"
+    continuous_usage: bool = False  # vLLM's continuous_usage_stats: every chunk carries usage
 
 
 # --- requests ---
@@ -288,8 +291,18 @@ def _plan(
                 )
             )
             groups.append(p)
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return Plan(tuple(inputs), tuple(groups), req.stream, include_usage, tools)
+    options = req.stream_options
+    include_usage = bool(options and options.include_usage)
+    return Plan(
+        tuple(inputs),
+        tuple(groups),
+        req.stream,
+        include_usage,
+        tools,
+        return_tokens_as_token_ids=req.return_tokens_as_token_ids,
+        # vLLM's condition: continuous usage only with include_usage
+        continuous_usage=include_usage and bool(options and options.continuous_usage_stats),
+    )
 
 
 def chat_plan(
@@ -314,6 +327,8 @@ def chat_plan(
     if top and not req.logprobs:
         raise InvalidField("top_logprobs needs logprobs: true", "top_logprobs")
     common["logprobs"] = (top or 0) if req.logprobs else None
+    prompt_logprobs = http_prompt_logprobs.chat(req)
+    common["prompt_logprobs"] = prompt_logprobs.to_workers
     if not req.messages:
         raise InvalidField("messages is empty; send at least one message", "messages")
     turns = tuple(http_chat.turn(i, msg) for i, msg in enumerate(req.messages))
@@ -345,6 +360,7 @@ def chat_plan(
         common["structured"] = tool_calls.forced_call(choice, tool_format)
         parsing = ToolParsing(tool_format, forced=True)
     plan = _plan(req, [{"messages": turns}], common, request_id, parsing)
+    plan = dataclasses.replace(plan, prompt_logprobs=prompt_logprobs.shown)
     return _with_reasoning(plan, reasoning_parser)
 
 
@@ -376,7 +392,8 @@ def _with_reasoning(plan: Plan, kind: ReasoningKind | None) -> Plan:
 def completion_plan(req: m.CompletionRequest, request_id: str) -> Plan:
     common = _common(req, req.max_tokens)
     common["logprobs"] = req.logprobs  # range checked by the domain (names "logprobs")
-    common["prompt_logprobs"] = _echo_prompt_logprobs(req)
+    prompt_logprobs = http_prompt_logprobs.completion(req)
+    common["prompt_logprobs"] = prompt_logprobs.to_workers
     prompt = req.prompt
     per_prompt: list[dict[str, Any]]
     if isinstance(prompt, str):
@@ -392,25 +409,8 @@ def completion_plan(req: m.CompletionRequest, request_id: str) -> Plan:
     for k, fields in enumerate(per_prompt):
         if any(t < 0 for t in fields.get("prompt_token_ids", ())):
             raise InvalidField(f"prompt {k} has a negative token id", "prompt")
-    return dataclasses.replace(_plan(req, per_prompt, common, request_id), echo=req.echo)
-
-
-def _echo_prompt_logprobs(req: m.CompletionRequest) -> int | None:
-    """echo (as in OpenAI and vLLM, also with n > 1 and stream): with logprobs k the prompt's
-    tokens get theirs too (k alternatives each); max_tokens 0 only scores the prompt (then the
-    domain needs prompt logprobs, 0 alternatives when logprobs is unset). Without echo,
-    max_tokens 0 is refused."""
-    if not req.echo:
-        if req.max_tokens == 0:
-            raise InvalidField(
-                "max_tokens 0 is only allowed with echo: true (to score the prompt); "
-                "set max_tokens >= 1 or leave it unset",
-                "max_tokens",
-            )
-        return None
-    if req.logprobs is not None:
-        return req.logprobs
-    return 0 if req.max_tokens == 0 else None
+    plan = _plan(req, per_prompt, common, request_id)
+    return dataclasses.replace(plan, echo=req.echo, prompt_logprobs=prompt_logprobs.shown)
 
 
 def tokenize_input(req: m.TokenizeRequest) -> GenerateInput:

@@ -49,6 +49,8 @@ class ChatMessage(_Request):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries its choice's usage so far
+    continuous_usage_stats: bool = False
 
 
 class _GenerationRequest(_Request):
@@ -72,6 +74,10 @@ class _GenerationRequest(_Request):
     cache_salt: str | None = None
     # vLLM's: false shows the text of special tokens the model writes (never a terminating EOS)
     skip_special_tokens: bool = True
+    # vLLM's: each prompt token's logprob and this many alternatives (0-20; unary only)
+    prompt_logprobs: int | None = Field(default=None, description="alternatives per prompt token")
+    # vLLM's: logprobs name tokens "token_id:<id>" instead of by their text (RL frameworks)
+    return_tokens_as_token_ids: bool = False
     n: int = Field(default=1, description="choices per prompt")
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -188,6 +194,19 @@ class Usage(BaseModel):
     )
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob of a prompt position's token or alternative (raw model distribution)."""
+
+    logprob: float
+    rank: int | None  # 1 = most likely; None: a prompt token outside the alternatives (unknown)
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: per prompt token (the first null: nothing precedes it) its token id ->
+# entry, the prompt token first, then the alternatives most likely first
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class TopLogprob(BaseModel):
     token: str
     logprob: float
@@ -251,6 +270,8 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    # vLLM's, with prompt_logprobs (left out otherwise)
+    prompt_logprobs: PromptLogprobs | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class CompletionChoice(BaseModel):
@@ -258,6 +279,8 @@ class CompletionChoice(BaseModel):
     text: str
     finish_reason: str
     logprobs: CompletionLogprobs | None = None
+    # vLLM's, with prompt_logprobs or echo + logprobs (left out otherwise)
+    prompt_logprobs: PromptLogprobs | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class Completion(BaseModel):

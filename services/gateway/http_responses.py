@@ -1,7 +1,8 @@
 """The domain's results as OpenAI HTTP responses: a whole (non-streamed) chat or text completion,
-usage over a request's choices, logprobs, completions' echo (the prompt and its logprobs first),
-reasoning (--reasoning-parser), tool calls, finish reasons, response ids and the model list. The
-streamed form of the same results is `http_stream.py`."""
+usage over a request's choices, logprobs (vLLM's return_tokens_as_token_ids names tokens by id),
+completions' echo (the prompt and its logprobs first), vLLM's prompt_logprobs, reasoning
+(--reasoning-parser), tool calls, finish reasons, response ids and the model list. The streamed
+form of the same results is `http_stream.py`."""
 
 from __future__ import annotations
 
@@ -53,12 +54,28 @@ def _logprob(value: float) -> float:
     return value if value > LOGPROB_FLOOR else LOGPROB_FLOOR  # -inf (and NaN) -> the floor
 
 
-def chat_logprobs(logprobs: Sequence[TokenLogprob], token_text: Callable[[int], str]) -> m.ChatLogprobs:
-    """OpenAI chat's logprobs.content: per token its text, UTF-8 bytes, logprob, alternatives."""
+def token_id_name(token_id: int) -> str:
+    """vLLM's return_tokens_as_token_ids name of a token (what verl and OpenRLHF parse)."""
+    return f"token_id:{token_id}"
+
+
+def token_names(plan: Plan, token_text: Callable[[int], str]) -> Callable[[int], str]:
+    """How the plan's logprobs name tokens: by text, or (return_tokens_as_token_ids) by id."""
+    return token_id_name if plan.return_tokens_as_token_ids else token_text
+
+
+def chat_logprobs(
+    logprobs: Sequence[TokenLogprob],
+    token_text: Callable[[int], str],
+    token_name: Callable[[int], str] | None = None,
+) -> m.ChatLogprobs:
+    """OpenAI chat's logprobs.content: per token its name (`token_name`, its text by default),
+    the UTF-8 bytes of its text, logprob, alternatives."""
 
     def entry(token_id: int, value: float) -> m.TopLogprob:
         text = token_text(token_id)
-        return m.TopLogprob(token=text, logprob=_logprob(value), bytes=list(text.encode()))
+        name = text if token_name is None else token_name(token_id)
+        return m.TopLogprob(token=name, logprob=_logprob(value), bytes=list(text.encode()))
 
     content = []
     for lp in logprobs:
@@ -91,13 +108,19 @@ def completion_logprobs(
 
 
 def prompt_completion_logprobs(
-    prompt_token_ids: Sequence[int], prompt_logprobs: Sequence[TokenLogprob], token_text: Callable[[int], str]
+    prompt_token_ids: Sequence[int],
+    prompt_logprobs: Sequence[TokenLogprob],
+    token_text: Callable[[int], str],
+    top: int | None = None,
 ) -> m.CompletionLogprobs:
     """Echo's part of the legacy completions logprobs: every prompt token, the first with a null
     logprob and null alternatives (nothing precedes it; as OpenAI and vLLM), the others with
-    their logprob and alternatives under the raw model distribution. Empty without them."""
+    their logprob and `top` alternatives (all the workers sent when None) under the raw model
+    distribution. Empty without them."""
     if not prompt_logprobs:
         return m.CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+    if top is not None:  # the workers computed more for prompt_logprobs
+        prompt_logprobs = [TokenLogprob(lp.token_id, lp.logprob, lp.top[:top]) for lp in prompt_logprobs]
     rest = completion_logprobs(prompt_logprobs, token_text, len(token_text(prompt_token_ids[0])))
     assert rest.top_logprobs is not None
     return m.CompletionLogprobs(
@@ -129,20 +152,50 @@ def echoes(plan: Plan, decode: Callable[[tuple[int, ...]], str]) -> list[str] | 
 
 
 def echoed_logprobs(
-    c: Completion | OutputFrame, token_text: Callable[[int], str], generated: m.CompletionLogprobs
+    c: Completion | OutputFrame,
+    token_text: Callable[[int], str],
+    generated: m.CompletionLogprobs,
+    top: int | None = None,
 ) -> m.CompletionLogprobs:
-    """Echo with logprobs: the prompt tokens' entries, then the generated ones (whose
-    text_offset continues after the prompt's token texts)."""
-    prompt = prompt_completion_logprobs(c.prompt_token_ids, c.prompt_logprobs, token_text)
+    """Echo with logprobs: the prompt tokens' entries (`top` alternatives each), then the
+    generated ones (whose text_offset continues after the prompt's token texts)."""
+    prompt = prompt_completion_logprobs(c.prompt_token_ids, c.prompt_logprobs, token_text, top)
     shift = sum(len(t) for t in prompt.tokens)
     generated = generated.model_copy(update={"text_offset": [o + shift for o in generated.text_offset]})
     return joined_logprobs(prompt, generated)
 
 
-def _text_logprobs(c: Completion, token_text: Callable[[int], str], echo: bool) -> m.CompletionLogprobs:
-    """A completions choice's logprobs (with echo, the prompt's first)."""
+def _text_logprobs(
+    c: Completion, token_text: Callable[[int], str], echo: bool, top: int | None
+) -> m.CompletionLogprobs:
+    """A completions choice's logprobs (with echo, the prompt's first, `top` alternatives each)."""
     generated = completion_logprobs(c.logprobs, token_text)
-    return echoed_logprobs(c, token_text, generated) if echo else generated
+    return echoed_logprobs(c, token_text, generated, top) if echo else generated
+
+
+def _prompt_entry(
+    token_id: int, value: float, ranks: dict[int, int], token_text: Callable[[int], str]
+) -> m.PromptLogprob:
+    text = token_text(token_id)
+    return m.PromptLogprob(logprob=_logprob(value), rank=ranks.get(token_id), decoded_token=text)
+
+
+def prompt_logprobs(c: Completion, top: int, token_text: Callable[[int], str]) -> m.PromptLogprobs:
+    """vLLM's prompt_logprobs: null for the first prompt token (nothing precedes it), then per
+    prompt token {token id: its logprob, rank and text, then its `top` alternatives' (most
+    likely first)} under the raw model distribution; -inf as -9999.0. The workers send no rank:
+    a prompt token among the alternatives has its place there, any other None. Token texts
+    stay texts with return_tokens_as_token_ids (as in vLLM)."""
+    out: m.PromptLogprobs = [None]
+    for lp in c.prompt_logprobs:
+        alternatives = lp.top[:top]
+        ranks = {t: r for r, (t, _) in enumerate(alternatives, start=1)}
+        entry = {lp.token_id: _prompt_entry(lp.token_id, lp.logprob, ranks, token_text)}
+        for t, value in alternatives:
+            if t not in entry:
+                entry[t] = _prompt_entry(t, value, ranks, token_text)
+        out.append(entry)
+    return out
 
 
 def response_tool_calls(calls: Sequence[tool_calls.ToolCall]) -> list[m.ResponseToolCall]:
@@ -227,6 +280,8 @@ def completion_body(
     total = usage(plan, [c.usage for c in done], thought_tokens)
     model = done[0].model
     wants = [inp.logprobs is not None for inp in plan.inputs]
+    name = token_names(plan, token_text)
+    shown = plan.prompt_logprobs
     if chat:
         choices = []
         for i, c in enumerate(done):
@@ -236,11 +291,17 @@ def completion_body(
                     index=i,
                     message=message,
                     finish_reason=chat_finish_reason(c.finish_reason.value, called),
-                    logprobs=chat_logprobs(c.logprobs, token_text) if wants[i] else None,
+                    logprobs=chat_logprobs(c.logprobs, token_text, name) if wants[i] else None,
                 )
             )
         return m.ChatCompletion(
-            id=chat_id(request_id), created=created, model=model, choices=choices, usage=total
+            id=chat_id(request_id),
+            created=created,
+            model=model,
+            choices=choices,
+            usage=total,
+            # every choice ran the same prompt: the first one's
+            prompt_logprobs=None if shown is None else prompt_logprobs(done[0], shown, token_text),
         )
     return m.Completion(
         id=completion_id(request_id),
@@ -251,7 +312,10 @@ def completion_body(
                 index=i,
                 text=(echoes[i] if echoes else "") + c.text,
                 finish_reason=c.finish_reason.value,
-                logprobs=_text_logprobs(c, token_text, echo=bool(echoes)) if wants[i] else None,
+                logprobs=(
+                    _text_logprobs(c, name, bool(echoes), plan.inputs[i].logprobs) if wants[i] else None
+                ),
+                prompt_logprobs=None if shown is None else prompt_logprobs(c, shown, token_text),
             )
             for i, c in enumerate(done)
         ],

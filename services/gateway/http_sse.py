@@ -35,14 +35,19 @@ class ChunkTemplate:
         )
         self._tail = ',"logprobs":null}]' + (',"usage":null' if include_usage else "") + "}\n\n"
 
-    def event(self, index: int, text: str, finish_reason: str | None, key: str = "content") -> str:
+    def event(
+        self, index: int, text: str, finish_reason: str | None, key: str = "content", usage: str | None = None
+    ) -> str:
         """The event of choice `index`'s chunk: chat, a delta `{key: text}` (`{}` when text is
         empty; key "content", or "reasoning_content" with --reasoning-parser); completions, its
-        `text`; `finish_reason` null unless given."""
+        `text`; `finish_reason` null unless given; `usage` (JSON, vLLM's continuous usage) in
+        place of the null."""
         reason = "null" if finish_reason is None else json_str(finish_reason)
         if self._chat:
             delta = f'{{"{key}":{json_str(text)}}}' if text else "{}"
             body = f'{index},"delta":{delta},"finish_reason":{reason}'
         else:
             body = f'{index},"text":{json_str(text)},"finish_reason":{reason}'
+        if usage is not None:
+            return f'{self._head}{body},"logprobs":null}}],"usage":{usage}}}\n\n'
         return self._head + body + self._tail

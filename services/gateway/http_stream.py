@@ -6,6 +6,7 @@ event. `EventStream` stops when the client disconnects and then cancels the requ
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Callable, Iterable
 from functools import partial
@@ -59,6 +60,17 @@ def _items(parts: list[dict[str, Any]]) -> list[tuple[str, str]]:
     return [next(iter(p.items())) for p in parts] or [("content", "")]
 
 
+def _usage_so_far(frame: OutputFrame) -> m.Usage:
+    """vLLM's continuous usage of one choice at `frame`: its prompt, the tokens it generated so
+    far (usage.completion_tokens at its FINAL frame), their total; cached_tokens as in usage."""
+    return m.Usage(
+        prompt_tokens=frame.prompt_tokens,
+        completion_tokens=frame.completion_tokens,
+        total_tokens=frame.prompt_tokens + frame.completion_tokens,
+        prompt_tokens_details=m.PromptTokensDetails(cached_tokens=frame.cached_tokens),
+    )
+
+
 def _sse(payload: BaseModel | dict[str, Any], exclude: set[str] | None = None) -> str:
     if isinstance(payload, BaseModel):
         return f"data: {payload.model_dump_json(exclude=exclude)}\n\n"
@@ -84,13 +96,22 @@ async def events(
     With plan.reasoning (chat, --reasoning-parser), a frame's text is split into
     `{"reasoning_content": ...}` and content deltas (a tag is held back until it is whole, and
     never sent), tool calls are parsed from the content only, and the usage chunk counts the
-    reasoning tokens (from the choices' token ids: `decode` turns them into text)."""
+    reasoning tokens (from the choices' token ids: `decode` turns them into text). With
+    plan.continuous_usage (vLLM's continuous_usage_stats) every chunk of a choice carries that
+    choice's usage so far (a role chunk: no tokens yet; reasoning_tokens only in the usage chunk,
+    which sums the choices as always)."""
     model = first[0][1].model
     exclude = None if plan.include_usage else {"usage"}
     usages: list[Any] = [None] * len(plan.inputs)
     rid = resp.chat_id(request_id) if chat else resp.completion_id(request_id)
     template = ChunkTemplate(rid, created, model, chat, plan.include_usage)  # the per-token chunks
     wants = [inp.logprobs is not None for inp in plan.inputs]
+    name = resp.token_names(plan, token_text)  # how logprobs name tokens
+    progress: list[m.Usage | None] = [None] * len(plan.inputs)  # continuous usage, per choice
+    if plan.continuous_usage:
+        for index, opening in first:
+            if progress[index] is None:  # the role chunk's: the prompt, no tokens yet
+                progress[index] = _usage_so_far(dataclasses.replace(opening, completion_tokens=0))
     pending: list[list[TokenLogprob]] = [[] for _ in plan.inputs]  # of frames without text
     offsets = [0] * len(plan.inputs)  # completions' text_offset: where the next token's text starts
     parsers = [plan.tools.parser() if plan.tools else None for _ in plan.inputs]
@@ -166,14 +187,19 @@ async def events(
             pending[index].extend(frame.logprobs)
             if reasoners[index] is not None:
                 generated[index].extend(frame.token_ids)
+            if plan.continuous_usage:
+                progress[index] = _usage_so_far(frame)
             if not text and reason is None:
                 return None  # nothing to say (text held back, e.g. a partial character)
             logprobs, pending[index] = pending[index], []
+        so_far = progress[index]
+        usage_json = None if so_far is None else so_far.model_dump_json()
         if chat:
             if frame is None:
                 parts: list[dict[str, Any]] = [{"role": "assistant", "content": ""}]
             elif parsers[index] is None and reasoners[index] is None and not wants[index]:
-                return template.event(index, text, reason)  # a content delta (or {}): no model built
+                # a content delta (or {}): no model built
+                return template.event(index, text, reason, usage=usage_json)
             else:
                 parts, reason = deltas(index, text, reason)
                 if not parts and reason is None:
@@ -182,11 +208,13 @@ async def events(
                 if parsers[index] is None and not wants[index]:  # reasoning / content deltas only
                     items = _items(parts)
                     return "".join(
-                        template.event(index, piece, reason if n == len(items) - 1 else None, key)
+                        template.event(index, piece, reason if n == len(items) - 1 else None, key, usage_json)
                         for n, (key, piece) in enumerate(items)
                     )
             parts = parts or [{}]
-            chat_lp = resp.chat_logprobs(logprobs, token_text) if wants[index] and frame is not None else None
+            chat_lp = (
+                resp.chat_logprobs(logprobs, token_text, name) if wants[index] and frame is not None else None
+            )
             events = []
             for n, delta in enumerate(parts):
                 last = n == len(parts) - 1
@@ -199,21 +227,21 @@ async def events(
                 events.append(
                     _sse(
                         m.ChatCompletionChunk(
-                            id=rid, created=created, model=model, choices=[choice], usage=None
+                            id=rid, created=created, model=model, choices=[choice], usage=so_far
                         ),
                         exclude,
                     )
                 )
             return "".join(events)
         if not wants[index]:
-            return template.event(index, text, reason)
-        text_lp = resp.completion_logprobs(logprobs, token_text, offsets[index])
+            return template.event(index, text, reason, usage=usage_json)
+        text_lp = resp.completion_logprobs(logprobs, name, offsets[index])
         if echo_frame is not None:
-            text_lp = resp.echoed_logprobs(echo_frame, token_text, text_lp)
+            text_lp = resp.echoed_logprobs(echo_frame, name, text_lp, plan.inputs[index].logprobs)
         offsets[index] += sum(len(t) for t in text_lp.tokens)
         text_choice = m.CompletionChunkChoice(index=index, text=text, finish_reason=reason, logprobs=text_lp)
         return _sse(
-            m.CompletionChunk(id=rid, created=created, model=model, choices=[text_choice], usage=None),
+            m.CompletionChunk(id=rid, created=created, model=model, choices=[text_choice], usage=so_far),
             exclude,
         )
 

@@ -89,6 +89,9 @@ class OutputFrame:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     logprobs: tuple[TokenLogprob, ...] = ()  # per generated token of the frame, when asked
+    # tokens generated so far (the state's count: the workers' reports where they came, else the
+    # relayed token ids), usage.completion_tokens on the FINAL frame (vLLM's continuous usage)
+    completion_tokens: int = 0
     # with prompt_logprobs, on the first frame only: the prompt's ids and one entry per prompt
     # token from the second on (prompt_token_ids[1:]; the first has none)
     prompt_token_ids: tuple[int, ...] = ()

@@ -829,6 +829,110 @@ async def test_echo_prompt_logprobs_through_the_openai_client(bpe: HttpStack) ->
     await stack.wait_idle()
 
 
+# --- vLLM's prompt_logprobs, return_tokens_as_token_ids, continuous usage ---
+async def _sse_chunks(stack: HttpStack, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """A streamed request's chunks over raw HTTP (ending with [DONE])."""
+    async with (
+        httpx.AsyncClient(base_url=stack.base_url, timeout=60) as http,
+        http.stream("POST", path, json={**body, "stream": True}) as r,
+    ):
+        assert r.status_code == 200
+        lines = [line async for line in r.aiter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+
+
+async def test_vllm_prompt_logprobs_token_ids_and_continuous_usage(bpe: HttpStack) -> None:
+    """prompt_logprobs (vLLM's shape: null first, then {token id: logprob, rank, decoded_token},
+    the prompt token first): per choice on completions, top level on chat (max_tokens 0 scores
+    the prompt only), the numbers of the gRPC API's prompt logprobs, disaggregated == unified
+    to 1e-5; streamed is a 400. return_tokens_as_token_ids names logprobs' tokens "token_id:N"
+    (echo's prompt part too). continuous_usage_stats: every chunk carries its choice's usage so
+    far, exact (completions: as many tokens as its logprobs entries so far), ending at what the
+    usage chunk sums."""
+    stack, client = bpe, aclient(bpe)
+    grpc_request = gateway_pb2.GenerateRequest(prompt=LONG_PROMPT, max_tokens=1, prompt_logprobs=2)
+    want = await stack.stub.Complete(grpc_request)
+    ids = list(want.prompt_token_ids)
+    scores: dict[str, list[Any]] = {}
+    for mode in MODES:
+        stack.router.mode = mode
+        text = await client.completions.create(
+            model="", prompt=LONG_PROMPT, max_tokens=3, n=2, temperature=0, extra_body={"prompt_logprobs": 2}
+        )
+        assert text.usage is not None and text.usage.prompt_tokens == len(ids)
+        lists = [(c.model_extra or {})["prompt_logprobs"] for c in text.choices]
+        assert lists[0] == lists[1] and lists[0][0] is None and len(lists[0]) == len(ids)
+        for entry, token_id, grpc_entry in zip(lists[0][1:], ids[1:], want.prompt_logprobs, strict=True):
+            keys = list(entry)
+            assert keys[0] == str(token_id) and 1 <= len(keys) <= 3  # the token, then 2 alternatives
+            assert abs(entry[keys[0]]["logprob"] - grpc_entry.logprob) <= 1e-5
+            assert all(isinstance(e["decoded_token"], str) for e in entry.values())
+            ranks = [e["rank"] for e in entry.values()]  # the token's: its place among them, or null
+            assert ranks[0] in (None, 1, 2) and set(ranks[1:]) <= {1, 2}
+        chat = await client.chat.completions.create(
+            model="", messages=CHAT, max_tokens=0, extra_body={"prompt_logprobs": 1}
+        )
+        assert chat.usage is not None and chat.usage.completion_tokens == 0
+        assert chat.choices[0].finish_reason == "length"
+        chat_lp = (chat.model_extra or {})["prompt_logprobs"]
+        assert chat_lp[0] is None and len(chat_lp) == chat.usage.prompt_tokens
+        scores[mode] = [next(iter(e.values()))["logprob"] for e in lists[0][1:] + chat_lp[1:]]
+    assert all(abs(a - b) <= 1e-5 for a, b in zip(scores["disaggregated"], scores["unified"], strict=True))
+    for kw in ({"prompt_logprobs": 1, "stream": True}, {"prompt_logprobs": -1}, {"prompt_logprobs": 21}):
+        with pytest.raises(openai.BadRequestError) as bad:
+            await client.completions.create(model="", prompt="hi", max_tokens=2, extra_body=kw)
+        assert bad.value.body["param"] == "prompt_logprobs"  # type: ignore[index]
+    # return_tokens_as_token_ids: chat's logprobs, and completions' with echo's prompt part
+    named = {"return_tokens_as_token_ids": True}
+    by_text = await client.chat.completions.create(
+        model="", messages=CHAT, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2
+    )
+    by_id = await client.chat.completions.create(
+        model="", messages=CHAT, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2, extra_body=named
+    )
+    text_lp = by_text.choices[0].logprobs.content or []  # type: ignore[union-attr]
+    id_lp = by_id.choices[0].logprobs.content or []  # type: ignore[union-attr]
+    assert [e.bytes for e in id_lp] == [e.bytes for e in text_lp]
+    assert [e.logprob for e in id_lp] == [e.logprob for e in text_lp]
+    assert all(re.fullmatch(r"token_id:\d+", t.token) for e in id_lp for t in [e, *e.top_logprobs])
+    echoed = await client.completions.create(
+        model="", prompt=LONG_PROMPT, max_tokens=2, temperature=0, echo=True, logprobs=1, extra_body=named
+    )
+    lp = echoed.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and lp.top_logprobs is not None
+    assert lp.tokens[: len(ids)] == [f"token_id:{t}" for t in ids]
+    assert all(re.fullmatch(r"token_id:\d+", k) for alt in lp.top_logprobs[1:] for k in alt or {})
+    # continuous usage: chat n=2 (role chunks: no tokens yet), completions streamed per token
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    for mode in MODES:
+        stack.router.mode = mode
+        body = {"messages": CHAT, "max_tokens": 5, "n": 2, "ignore_eos": True, "stream_options": options}
+        chunks = await _sse_chunks(stack, "/chat/completions", body)
+        *per_choice, tail = chunks
+        assert tail["choices"] == [] and tail["usage"]["completion_tokens"] == 10
+        seen: dict[int, list[int]] = {0: [], 1: []}
+        for c in per_choice:
+            (choice,) = c["choices"]
+            u = c["usage"]
+            assert u["prompt_tokens"] == tail["usage"]["prompt_tokens"]
+            assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+            seen[choice["index"]].append(u["completion_tokens"])
+        assert all(s[0] == 0 and s == sorted(s) and s[-1] == 5 for s in seen.values())
+        body = {"prompt": LONG_PROMPT, "max_tokens": 6, "temperature": 0.8, "seed": 2, "logprobs": 0}
+        chunks = await _sse_chunks(stack, "/completions", {**body, "stream_options": options})
+        *per_token, tail = chunks
+        tokens = 0
+        for c in per_token:
+            tokens += len(c["choices"][0]["logprobs"]["tokens"])
+            assert c["usage"]["completion_tokens"] == tokens
+        assert tokens == tail["usage"]["completion_tokens"] and per_token[-1]["usage"] == {
+            **tail["usage"],
+            "prompt_tokens_details": per_token[-1]["usage"]["prompt_tokens_details"],
+        }
+    await stack.wait_idle()
+
+
 # --- structured outputs ---
 SCHEMAS: list[dict[str, Any]] = [
     {

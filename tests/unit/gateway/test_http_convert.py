@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -14,8 +15,10 @@ from services.gateway import http_models as m
 from services.gateway import http_responses as resp
 from services.gateway.accounting import CacheStats, Usage
 from services.gateway.inputs import ChatTurn, TokenLogprob
+from services.gateway.request import Completion
 from services.gateway.validation import InvalidField
 from shared import errors
+from shared.cluster import FinishReason
 from shared.structured_output import StructuredOutput
 
 
@@ -191,12 +194,98 @@ def test_echo_plan_and_prompt_logprobs_layout() -> None:
     assert resp.prompt_completion_logprobs((1,), (), text.__getitem__).tokens == []
 
 
+def test_vllm_prompt_logprobs_token_ids_and_continuous_usage_plans() -> None:
+    """prompt_logprobs 0-20 (chat and completions; max_tokens 0 then scores the prompt only);
+    with echo the workers compute the larger count and a completions choice shows echo's as
+    vLLM does; streamed, only 0 (which shows nothing); return_tokens_as_token_ids and
+    continuous_usage_stats (only with include_usage, as vLLM) reach the plan."""
+    plan = chat(prompt_logprobs=3, max_tokens=0)
+    assert plan.prompt_logprobs == 3 and plan.inputs[0].prompt_logprobs == 3
+    assert chat().prompt_logprobs is None and chat().inputs[0].prompt_logprobs is None
+    scored = completion(prompt="ab", prompt_logprobs=0, max_tokens=0)
+    assert (scored.prompt_logprobs, scored.inputs[0].prompt_logprobs) == (0, 0)
+    both = completion(prompt="ab", echo=True, logprobs=2, prompt_logprobs=5)
+    assert (both.prompt_logprobs, both.inputs[0].prompt_logprobs) == (5, 5)
+    echoed = completion(prompt="ab", echo=True, logprobs=2)
+    assert (echoed.prompt_logprobs, echoed.inputs[0].prompt_logprobs) == (2, 2)
+    streamed = completion(prompt="ab", echo=True, logprobs=2, stream=True, prompt_logprobs=0)
+    assert (streamed.prompt_logprobs, streamed.inputs[0].prompt_logprobs) == (None, 2)
+    assert chat(stream=True, prompt_logprobs=0).inputs[0].prompt_logprobs is None
+    for kw, words in (
+        ({"prompt_logprobs": -1}, "every token of the vocabulary"),
+        ({"prompt_logprobs": 21}, "[0, 20]"),
+        ({"prompt_logprobs": -2}, "[0, 20]"),
+        ({"prompt_logprobs": 1, "stream": True}, "stream"),
+    ):
+        for make in (chat, lambda **k: completion(prompt="ab", **k)):
+            with pytest.raises(InvalidField) as err:
+                make(**kw)
+            assert err.value.param == "prompt_logprobs" and words in str(err.value), kw
+    assert not chat().return_tokens_as_token_ids
+    named = completion(prompt="ab", return_tokens_as_token_ids=True)
+    assert resp.token_names(named, lambda t: "text")(42) == "token_id:42"
+    usage = {"include_usage": True, "continuous_usage_stats": True}
+    assert chat(stream=True, stream_options=usage).continuous_usage
+    assert not chat(stream=True, stream_options={"continuous_usage_stats": True}).continuous_usage
+    assert not chat(stream=True, stream_options={"include_usage": True}).continuous_usage
+
+
+def test_prompt_logprobs_and_token_id_names_in_the_json() -> None:
+    """vLLM's prompt_logprobs: null first, then {token id: logprob, rank, decoded_token} with
+    the prompt token first (its rank its place among the alternatives, else null) and the
+    alternatives trimmed to the count asked; left out of a response that did not ask.
+    return_tokens_as_token_ids names logprobs' tokens by id, bytes stay the text's."""
+    text = {1: "a", 2: "bc", 3: "\u00e9"}
+    done = Completion(
+        "rid",
+        "x",
+        (3,),
+        FinishReason.STOP,
+        Usage(3, 1, CacheStats()),
+        "m",
+        logprobs=(TokenLogprob(3, -0.25, ((3, -0.25), (1, -2.0))),),
+        prompt_token_ids=(1, 2, 3),
+        prompt_logprobs=(
+            TokenLogprob(2, -1.0, ((3, -0.5), (2, -1.0), (1, -3.0))),
+            TokenLogprob(3, -float("inf"), ((1, -0.1),)),
+        ),
+    )
+    plan = dataclasses.replace(chat(logprobs=True, top_logprobs=1), prompt_logprobs=2)
+    body = resp.completion_body(plan, [done], "rid", 5, True, text.__getitem__)
+    dumped = json.loads(body.model_dump_json())
+    assert dumped["prompt_logprobs"] == [
+        None,
+        {
+            "2": {"logprob": -1.0, "rank": 2, "decoded_token": "bc"},
+            "3": {"logprob": -0.5, "rank": 1, "decoded_token": "\u00e9"},
+        },
+        {
+            "3": {"logprob": resp.LOGPROB_FLOOR, "rank": None, "decoded_token": "\u00e9"},
+            "1": {"logprob": -0.1, "rank": 1, "decoded_token": "a"},
+        },
+    ]
+    named = dataclasses.replace(plan, return_tokens_as_token_ids=True, prompt_logprobs=None)
+    body = resp.completion_body(named, [done], "rid", 5, True, text.__getitem__)
+    assert "prompt_logprobs" not in json.loads(body.model_dump_json())
+    assert isinstance(body, m.ChatCompletion)
+    (entry,) = body.choices[0].logprobs.content or []  # type: ignore[union-attr]
+    assert entry.token == "token_id:3" and entry.bytes == [0xC3, 0xA9]
+    assert [t.token for t in entry.top_logprobs] == ["token_id:3", "token_id:1"]
+    # completions: per choice; echo's prompt part shows the logprobs count, the field its own
+    echo = dataclasses.replace(completion(prompt="ab", echo=True, logprobs=1), prompt_logprobs=2)
+    legacy = resp.completion_body(echo, [done], "rid", 5, False, text.__getitem__, ["ab"])
+    assert isinstance(legacy, m.Completion)
+    choice = legacy.choices[0]
+    assert choice.logprobs is not None and choice.logprobs.top_logprobs is not None
+    assert choice.logprobs.top_logprobs[:3] == [None, {"\u00e9": -0.5}, {"a": -0.1}]
+    assert choice.prompt_logprobs is not None and len(choice.prompt_logprobs) == 3
+
+
 def test_unsupported_fields_refused_unknown_ignored() -> None:
     assert conv.unsupported_and_unknown({"echo": False, "tools": [], "vendor_x": 1}) == ["vendor_x"]
     assert conv.unsupported_and_unknown({"tool_choice": "none", "best_of": 1}) == []
     for name, value in (
         ("echo", True),  # on chat (completions declare it)
-        ("prompt_logprobs", 1),
         ("tools", [{"type": "function"}]),
         ("suffix", "def f():"),
     ):

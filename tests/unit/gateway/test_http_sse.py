@@ -71,3 +71,24 @@ def test_a_chat_chunk_as_clients_see_it() -> None:
         'data: {"id":"cmpl-1","object":"text_completion","created":7,"model":"m",'
         '"choices":[{"index":2,"text":"","finish_reason":"length","logprobs":null}],"usage":null}\n\n'
     )
+
+
+def test_template_chunks_with_continuous_usage_equal_the_models() -> None:
+    """vLLM's continuous usage: the usage spliced in place of the null is the model's."""
+    usage = m.Usage(
+        prompt_tokens=7,
+        completion_tokens=3,
+        total_tokens=10,
+        prompt_tokens_details=m.PromptTokensDetails(cached_tokens=4),
+    )
+    for chat in (True, False):
+        body: m.ChatCompletionChunk | m.CompletionChunk
+        if chat:
+            choice = m.ChatChunkChoice(index=1, delta={"content": 'é"'}, finish_reason="stop", logprobs=None)
+            body = m.ChatCompletionChunk(id="r", created=5, model="x", choices=[choice], usage=usage)
+        else:
+            text = m.CompletionChunkChoice(index=1, text='é"', finish_reason="stop", logprobs=None)
+            body = m.CompletionChunk(id="r", created=5, model="x", choices=[text], usage=usage)
+        template = ChunkTemplate("r", 5, "x", chat, include_usage=True)
+        event = template.event(1, 'é"', "stop", usage=usage.model_dump_json())
+        assert event == f"data: {body.model_dump_json()}\n\n"
