@@ -536,7 +536,7 @@ async def test_allowed_token_ids_and_bad_words(bpe: HttpStack) -> None:
         model="", messages=CHAT, max_tokens=4, temperature=0, extra_body={"allowed_token_ids": [40]}
     )
     assert chat.choices[0].message.content == tok.decode((40,) * 4)
-    for field, value, words in (
+    for field, value, message in (
         ("allowed_token_ids", [], "is empty"),
         ("allowed_token_ids", [1, 10**6], "not a token of the served model"),
         ("bad_words", [""], "is empty"),
@@ -544,7 +544,7 @@ async def test_allowed_token_ids_and_bad_words(bpe: HttpStack) -> None:
     ):
         with pytest.raises(openai.BadRequestError) as err:
             await client.completions.create(model="", prompt="x", max_tokens=2, extra_body={field: value})
-        assert err.value.body["param"] == field and words in err.value.body["message"]  # type: ignore[index]
+        assert err.value.body["param"] == field and message in err.value.body["message"]  # type: ignore[index]
     for bad in (
         gateway_pb2.GenerateRequest(prompt="x", allowed_token_ids=[10**6]),
         gateway_pb2.GenerateRequest(prompt="x", bad_words=[" "]),
