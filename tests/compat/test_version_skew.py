@@ -393,3 +393,72 @@ def test_an_adapter_request_never_reaches_a_worker_older_than_lora(v1_0_stubs: P
     assert router.schedule(RequestFeatures("base", 10)).decode.worker_id == "old"
     with pytest.raises(Unavailable, match="every worker of model 'sql' is excluded"):
         router.schedule(RequestFeatures("x", 10, model="sql", exclude_worker_ids=frozenset({"new"})))
+
+
+@dataclass
+class CapableScheduler(OneWorkerScheduler):
+    """Routes every request to one worker (aggregated), with the capabilities it registered."""
+
+    capabilities: tuple[str, ...] = ()
+
+    async def Schedule(
+        self, request: scheduler_pb2.ScheduleRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.ScheduleResponse:
+        self.requests.append(request)
+        target = scheduler_pb2.WorkerTarget(
+            worker_id="old-1", address=self.address, capabilities=self.capabilities
+        )
+        return scheduler_pb2.ScheduleResponse(mode=AGG, decode=target, model="tiny")
+
+
+async def test_allowed_token_ids_and_bad_words_never_reach_a_worker_older_than_1_15(
+    old_worker: str, tiny_model: Path, v1_0_stubs: Path
+) -> None:
+    """An older worker reads SamplingParams without allowed_token_ids and bad_words (it would
+    draw any token, write any word), so a gateway facing one that advertises capabilities but
+    not these (a 1.14 worker) refuses such a request, naming what it lacks, and still serves
+    the others through it."""
+    sampling = common_pb2.SamplingParams(max_tokens=4, allowed_token_ids=[3, 4])
+    sampling.bad_words.add(token_ids=[5, 6])
+    prefill = worker_pb2.PrefillRequest(request_id="r", prompt_token_ids=[1, 2], sampling=sampling)
+    old = json.loads(
+        run_old_peer(
+            v1_0_stubs, "parse", stdin=json.dumps({"PrefillRequest": prefill.SerializeToString().hex()})
+        )
+    )
+    assert old["PrefillRequest"]["fields"]["sampling"] == {"max_tokens": 4}
+
+    from services.worker.messages import CAPABILITIES
+
+    before = tuple(c for c in CAPABILITIES if c not in ("allowed_token_ids", "bad_words"))
+    scheduler = CapableScheduler(old_worker, capabilities=before)
+    sched_server = grpc.aio.server()
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(scheduler, sched_server)
+    port = sched_server.add_insecure_port("127.0.0.1:0")
+    await sched_server.start()
+    settings = GatewaySettings(
+        listen="127.0.0.1:0", metrics_port=-1, scheduler_address=f"127.0.0.1:{port}", model=str(tiny_model)
+    )
+    app = build_app(settings)
+    await app.start()
+    channel = grpc.aio.insecure_channel(app.server.address)
+    stub = gateway_pb2_grpc.GatewayStub(channel)
+    try:
+        for field, extra in (
+            ("allowed_token_ids", {"allowed_token_ids": [3]}),
+            ("bad_words", {"bad_words": ["fox"]}),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Complete(
+                    gateway_pb2.GenerateRequest(request_id=f"stop-{field}", prompt="hi", **extra)
+                )
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert f"lacks {field}" in (err.value.details() or "")
+        done = await stub.Complete(
+            gateway_pb2.GenerateRequest(request_id="stop-plain", prompt="hi", max_tokens=8)
+        )
+        assert done.finish_reason == STOP
+    finally:
+        await channel.close()
+        await app.stop(0)
+        await sched_server.stop(0)
