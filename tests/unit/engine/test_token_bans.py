@@ -159,6 +159,7 @@ async def test_unified_disaggregated_migrated_and_speculative_agree(
     make_engine: EngineFactory, tiny_bpe: Path, seeded: bool
 ) -> None:
     unified, prefill, decode = make_engine(), make_engine(), make_engine()
+    overlapped = make_engine(async_scheduling=True)  # allowed_token_ids alone keeps the overlap
     ngram = make_engine(speculative="ngram", num_speculative_tokens=3, spec_ngram_min=1, spec_step_cost=False)
     draft = make_engine(  # the model as its own draft: it proposes the unconstrained argmax
         speculative="draft", draft_model_path=str(tiny_bpe), num_speculative_tokens=3, spec_step_cost=False
@@ -187,7 +188,7 @@ async def test_unified_disaggregated_migrated_and_speculative_agree(
         moved = dataclasses.replace(sp, max_tokens=9, first_output_index=5)
         resumed = await collect(unified.add_request(request(f"m-{name}", PROMPT + tuple(want[:5]), moved)))
         assert tokens_of(resumed) == want[5:], name
-        for spec in (ngram, draft):
+        for spec in (ngram, draft, overlapped):
             assert tokens_of(await collect(spec.add_request(request(f"s-{name}", PROMPT, sp)))) == want
     # proposals were really verified against the masks: a repeating prompt (n-gram hits) whose
     # greedy continuation repeats a bad word's first token
