@@ -30,6 +30,7 @@ from tests.unit.engine.conftest import (
     handoff_run,
     random_prompt,
     request,
+    run_all,
     tokens_of,
 )
 
@@ -202,3 +203,24 @@ async def test_unified_disaggregated_migrated_and_speculative_agree(
     assert tokens_of(await collect(ngram.add_request(request("ls", loop, sp)))) == want
     assert ngram.spec_stats(0).num_draft_tokens > drafted
     assert tokens_of(await collect(draft.add_request(request("ld", loop, sp)))) == want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_cuda_matches_cpu(make_engine: EngineFactory) -> None:
+    """The masks on the device (decode graphs and async scheduling on, CUDA's defaults): the same
+    logits and tokens as on the CPU."""
+    rows = [
+        SamplingConfig(max_tokens=4, allowed_token_ids=(1, 3, 7)),
+        SamplingConfig(max_tokens=4, bad_words=((2,), (4, 5))),
+        SamplingConfig(max_tokens=4),
+    ]
+    hists = [None, TokenHistory((9, 4), 1), None]
+    logits = torch.randn(3, VOCAB)
+    assert torch.equal(process_logits(logits.cuda(), rows, hists).cpu(), process_logits(logits, rows, hists))
+    cpu, gpu = make_engine(), make_engine(device="cuda")
+    plain = SamplingConfig(max_tokens=14, temperature=0.0, ignore_eos=True)
+    free = tokens_of(await collect(cpu.add_request(request("free", PROMPT, plain))))
+    reqs = [request(name, PROMPT, sp) for name, sp in _constraints(free).items()]
+    for a, b in zip(await run_all(cpu, reqs), await run_all(gpu, reqs), strict=True):
+        assert tokens_of(b) == tokens_of(a)
