@@ -25,7 +25,7 @@ grpcio-health-checking grpcio-reflection httpcore httpcore2 httptools httpx2
 huggingface-hub llguidance opentelemetry-api opentelemetry-exporter-otlp-common
 opentelemetry-exporter-otlp-proto-common opentelemetry-exporter-otlp-proto-grpc
 opentelemetry-instrumentation opentelemetry-instrumentation-grpc opentelemetry-proto
-opentelemetry-sdk opentelemetry-semantic-conventions pydantic pydantic-core python-dotenv
+opentelemetry-sdk opentelemetry-semantic-conventions pydantic pydantic-core python-dotenv python-multipart
 shellingham starlette structlog tokenizers transformers truststore typer typing-inspection uvicorn
 watchfiles websockets wrapt"
 pins=()

@@ -104,6 +104,12 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
         help="token every internal RPC must carry (passed to the services in their environment); "
         f"default: ${CLUSTER_TOKEN_ENV}, else a random one for this run (never printed)",
     )
+    p.add_argument(
+        "--batch-dir",
+        default="",
+        help="folder of the gateways' Files and Batch APIs (/v1/files, /v1/batches), kept across "
+        "restarts; default ~/.cache/pdserve/batches/<HTTP port> (one per stack); 'off' turns them off",
+    )
     p.add_argument("--metrics", action="store_true", help="expose /metrics on port-base+50+offset")
     p.add_argument(
         "--log-dir", default="", help="write each service's log to DIR/<service>.log (default: this terminal)"

@@ -62,6 +62,14 @@ class Child:
     log_path: Path | None = None
 
 
+def batch_dir(a: argparse.Namespace) -> str:
+    """The gateways' --batch-dir: shared by a stack's gateways (one resumes what another left) and
+    kept across its restarts; stacks on other ports get other folders."""
+    if a.batch_dir == "off":
+        return ""
+    return a.batch_dir or str(Path.home() / ".cache" / "pdserve" / "batches" / str(a.port_base + HTTP_OFFSET))
+
+
 def worker_counts(a: argparse.Namespace) -> dict[str, int]:
     """How many workers of each kind (child name prefix -> count); exits with a one-line error
     for a shape the stack cannot serve."""
@@ -257,6 +265,8 @@ def children(a: argparse.Namespace, model_path: str) -> list[Child]:
                     "--http-port",
                     str(a.port_base + HTTP_OFFSET),
                     *(["--http-reuse-port"] if gateways > 1 else []),
+                    "--batch-dir",
+                    batch_dir(a),
                     *a.gateway_arg,
                 ],
                 env={"PDSERVE_API_KEYS": ",".join(a.api_key)} if a.api_key else None,

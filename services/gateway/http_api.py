@@ -5,12 +5,14 @@ http_errors. A client that goes away cancels its request (aborted on the workers
 
 Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, GET /v1/models,
 POST /tokenize, POST /detokenize, POST /v1/load_lora_adapter, POST /v1/unload_lora_adapter
-(vLLM's runtime LoRA updating), GET /health.
+(vLLM's runtime LoRA updating), GET /health; the Files and Batch APIs' routes are
+http_batches'.
 """
 
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -36,13 +38,14 @@ from services.gateway.http_errors import (
     error_body,
     error_response,
     http_error,
+    unauthenticated,
 )
 from services.gateway.http_responses import completion_body, model_list
 from services.gateway.http_stream import EventStream, events
 from services.gateway.lora_admin import AdapterInUse
 from services.gateway.service import GatewayService
 from services.gateway.validation import InvalidField
-from shared.auth import AUTH_HEADER, UNAUTHENTICATED_MESSAGE, ApiKeys
+from shared.auth import AUTH_HEADER, ApiKeys, bearer_token
 from shared.errors import InvalidArgument
 from shared.tracing import tracer
 
@@ -66,6 +69,9 @@ class HttpApi:
         self._is_serving = is_serving
         self._max_body_bytes = max_body_bytes
         self._tasks: set[asyncio.Task[None]] = set()  # choices still running (cancelled ones too)
+        # the key of this process's own calls (the Batch API's requests), never shown or logged
+        self.inner_authorization = f"Bearer {secrets.token_urlsafe(32)}"
+        self._inner_keys = ApiKeys.of([bearer_token(self.inner_authorization) or ""])
         self.app = self._build()
 
     def _build(self) -> FastAPI:
@@ -113,7 +119,7 @@ class HttpApi:
             message += (
                 "; the API is POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, "
                 "GET /v1/models, POST /tokenize, POST /detokenize, POST /v1/load_lora_adapter, "
-                "POST /v1/unload_lora_adapter"
+                "POST /v1/unload_lora_adapter, /v1/files and /v1/batches (the Batch API)"
             )
         error = HttpError(
             exc.status_code, error_body(message, type_), dict(exc.headers or {}), grpc.StatusCode.UNKNOWN
@@ -303,15 +309,9 @@ class HttpApi:
         return error_response(error, request_id)
 
     def _authenticate(self, request: Request) -> None:
-        if not self._keys.accepts(request.headers.get(AUTH_HEADER)):
-            raise Refusal(
-                HttpError(
-                    401,
-                    error_body(UNAUTHENTICATED_MESSAGE, "authentication_error", code="invalid_api_key"),
-                    {"WWW-Authenticate": "Bearer"},
-                    grpc.StatusCode.UNAUTHENTICATED,
-                )
-            )
+        given = request.headers.get(AUTH_HEADER)
+        if not (self._keys.accepts(given) or self._inner_keys.accepts(given)):
+            raise unauthenticated()
 
 
 # A runtime LoRA update's refusals that are the request's fault, as vLLM answers them: an

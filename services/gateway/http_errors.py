@@ -14,6 +14,7 @@ import grpc
 from fastapi.responses import JSONResponse
 
 from services.gateway import http_models as m
+from shared.auth import UNAUTHENTICATED_MESSAGE
 from shared.grpc_errors import GENERIC_INTERNAL_MESSAGE, status_for
 
 REQUEST_ID_HEADER = "X-Request-Id"
@@ -77,6 +78,12 @@ class Refusal(Exception):
     def __init__(self, error: HttpError) -> None:
         super().__init__(error.body.error.message)
         self.error = error
+
+
+def unauthenticated() -> Refusal:
+    """401 for a call without an accepted API key (the message never echoes what was sent)."""
+    body = error_body(UNAUTHENTICATED_MESSAGE, "authentication_error", code="invalid_api_key")
+    return Refusal(HttpError(401, body, {"WWW-Authenticate": "Bearer"}, grpc.StatusCode.UNAUTHENTICATED))
 
 
 def refusal(status: int, message: str, type_: str, param: str | None = None) -> Refusal:

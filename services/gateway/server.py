@@ -11,8 +11,10 @@ from dataclasses import dataclass
 
 import structlog
 
+from services.gateway.batch_runner import RunnerSettings
 from services.gateway.clients import GrpcMembership, GrpcScheduler, GrpcWorkers
 from services.gateway.http_api import HttpApi
+from services.gateway.http_batches import BatchApi
 from services.gateway.http_server import HttpServer
 from services.gateway.lora_admin import LoraAdmin
 from services.gateway.sampling_defaults import SamplingDefaults
@@ -47,6 +49,7 @@ class GatewayApp:
     channels: ChannelCache
     http_api: HttpApi
     http: HttpServer | None  # None when --http-port -1
+    batches: BatchApi
 
     @property
     def http_url(self) -> str | None:
@@ -77,18 +80,21 @@ class GatewayApp:
         await self.server.start()
         await self.start_http()
         await self.load()
+        self.batches.start()
         await self.server.set_serving(True)
 
     async def drain(self) -> None:
         """SIGTERM: refuse new requests, let in-flight streams finish within drain_grace_s, then
         abort what is left on its workers (the server stops afterwards)."""
         log.info("drain_started", in_flight=self.service.num_in_flight)
+        await self.batches.close()  # its requests in flight end; the next gateway resumes them
         await self.service.drain(self.settings.drain_grace_s)
         if self.http is not None:
             await self.http.stop()
         log.info("drained")
 
     async def stop(self, grace_s: float = 0.0) -> None:
+        await self.batches.close()
         if self.http is not None:
             await self.http.stop()
         await self.server.stop(grace_s)
@@ -130,8 +136,22 @@ def build_app(settings: GatewaySettings) -> GatewayApp:
             client_auth=settings.tls_client_auth,
             reuse_port=settings.http_reuse_port,
         )
+    batches = BatchApi(
+        http_api.app,
+        keys,
+        http_api.inner_authorization,
+        settings.batch_dir,
+        RunnerSettings(
+            settings.batch_concurrency,
+            settings.batch_priority,
+            settings.max_batch_lines,
+            settings.batch_poll_s,
+        ),
+        settings.max_batch_file_bytes,
+        settings.http_max_body_bytes,
+    )
     log.info("api_keys", enabled=keys.enabled, count=len(keys))  # how many, never which
-    return GatewayApp(settings, server, service, channels, http_api, http)
+    return GatewayApp(settings, server, service, channels, http_api, http, batches)
 
 
 async def serve(settings: GatewaySettings) -> None:
@@ -146,6 +166,7 @@ async def serve(settings: GatewaySettings) -> None:
     async def ready() -> None:
         await app.start_http()  # /health answers 503 while the tokenizer loads
         await app.load()
+        app.batches.start()
 
     try:
         await serve_until_stopped(
@@ -156,6 +177,7 @@ async def serve(settings: GatewaySettings) -> None:
         await app.server.stop(0)
         raise SystemExit(1) from None
     finally:
+        await app.batches.close()
         if app.http is not None:
             await app.http.stop()
         await app.service.close()

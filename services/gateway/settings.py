@@ -139,6 +139,23 @@ class GatewaySettings(TlsSettings):
     lora_update_timeout_s: float = field(
         120.0, "longest one worker may take to load (or unload) a LoRA adapter at runtime (s)"
     )
+    batch_dir: str = field(
+        "",
+        "folder of OpenAI's Files and Batch APIs (/v1/files, /v1/batches): uploads, batch records "
+        "and results; gateways that share it share files and batches, and one resumes a batch "
+        "whose gateway died; '' = both APIs off (pdserve up gives one)",
+    )
+    batch_concurrency: int = field(16, "requests of batches in flight at once, all batches (count)")
+    batch_priority: int = field(
+        10,
+        "priority of a batch's requests unless a request sets one (lower is served first; "
+        "interactive requests default to 0, so batches fill what they leave)",
+    )
+    max_batch_file_bytes: int = field(200 * 1024 * 1024, "largest file /v1/files accepts (bytes)")
+    max_batch_lines: int = field(50_000, "most requests in one batch's input file (count)")
+    batch_poll_s: float = field(
+        2.0, "how often batches are looked for (those left by a gateway that died) and cancels (s)"
+    )
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -165,6 +182,10 @@ class GatewaySettings(TlsSettings):
             raise ValueError(f"lora_update_timeout_s must be > 0, got {self.lora_update_timeout_s}")
         if self.drain_grace_s < 0:
             raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
+        if self.batch_concurrency < 1 or self.max_batch_lines < 1 or self.max_batch_file_bytes < 1:
+            raise ValueError("batch_concurrency, max_batch_lines and max_batch_file_bytes must be >= 1")
+        if self.batch_poll_s <= 0:
+            raise ValueError(f"batch_poll_s must be > 0, got {self.batch_poll_s}")
 
 
 def load_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> GatewaySettings:

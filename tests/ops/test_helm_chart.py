@@ -298,10 +298,39 @@ def test_runtime_lora_updating_is_off_unless_asked_for() -> None:
         assert not {"PDSERVE_ENABLE_LORA", "PDSERVE_ALLOW_RUNTIME_LORA_UPDATING"} & set(env_of(deps[name]))
 
 
+def test_the_batch_api_gets_a_folder_shared_by_the_gateways() -> None:
+    """gateway.batches: PDSERVE_BATCH_DIR on the gateway only, over an emptyDir or the PVC every
+    replica mounts (several replicas without one fail to render, in the inconsistent-values test)."""
+    from services.gateway.settings import GatewaySettings
+    from shared.settings import parse_settings
+
+    assert "PDSERVE_BATCH_DIR" not in env_of(deployments(render())["gateway"])  # off by default
+    for extra, volume in (
+        ([], "emptyDir"),
+        (
+            ["--set", "gateway.batches.claimName=batches", "--set", "gateway.replicas=3"],
+            "persistentVolumeClaim",
+        ),
+    ):
+        deps = deployments(render("--set", "gateway.batches.enabled=true", *extra))
+        gateway = deps["gateway"]
+        folder = parse_settings(GatewaySettings, [], env=env_of(gateway)).batch_dir
+        mounts = {m["name"]: m["mountPath"] for m in container(gateway)["volumeMounts"]}
+        assert folder == mounts["batches"] == "/var/lib/pdserve/batches"
+        volumes = {v["name"]: v for v in gateway["spec"]["template"]["spec"]["volumes"]}
+        assert volume in volumes["batches"]
+        for name in ("scheduler", *WORKERS):
+            assert "PDSERVE_BATCH_DIR" not in env_of(deps[name])
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["--set", "model.source=pvc"], "model.pvc.claimName is required"),
+        (
+            ["--set", "gateway.batches.enabled=true", "--set", "gateway.replicas=2"],
+            "needs gateway.batches.claimName",
+        ),
         (["--set", "model.source=s3"], "model.source must be"),
         (["--set", "decodeWorker.blockSize=32"], "blockSize must match"),
         (["--set", "tls.enabled=true"], "tls.secretName is required"),

@@ -1,8 +1,9 @@
 """Reasoning models through the `openai` client, against a real gateway in front of real workers:
 a tiny random model whose chat template branches on `enable_thinking`; a regex constraint makes
 even the random model write the think tags (each in several tokens).
-chat_template_kwargs and reasoning_effort reach the template; with --reasoning-parser (deepseek_r1, qwen3) the output
-is split into reasoning_content and content, streamed == unary, disaggregated == unified, and
+chat_template_kwargs and reasoning_effort reach the template; with --reasoning-parser
+(deepseek_r1, qwen3) the output is split into reasoning_content and content, streamed == unary,
+disaggregated == unified, and
 usage counts the reasoning's tokens exactly (checked against the per-token logprobs); the
 Responses API gets the reasoning item."""
 

@@ -1,0 +1,143 @@
+"""The Files API's store: the files the Batch API reads (uploaded with purpose "batch") and writes
+(a batch's output and error files, purpose "batch_output"), on disk under the gateway's
+--batch-dir as `files/<id>` (the bytes) and `files/<id>.json` (the record, written atomically).
+
+Every call reads the disk, so gateway processes sharing the folder (`pdserve up --gateways N`,
+pods on one volume) see the same files. A file belongs to the API key that made it (`owner`: a
+hash of the key, "" with keys off): another owner's file is not found. Ids are checked against
+their shape before any path is built from them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from services.gateway.validation import InvalidField
+from shared.errors import NotFound
+
+ID_PREFIX = "file-"
+_ID = re.compile(r"file-[0-9a-f]{32}")
+UPLOAD_PURPOSES = ("batch",)  # what a client may upload
+OUTPUT_PURPOSE = "batch_output"  # what a batch writes
+_COPY_CHUNK = 1 << 20  # bytes per read while storing an upload
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    id: str
+    bytes: int  # size (bytes)
+    created_at: int  # unix time (s)
+    filename: str
+    purpose: str
+    owner: str  # hash of the API key that made it; "" with keys off
+
+    def body(self) -> dict[str, Any]:
+        """OpenAI's File object."""
+        return {
+            "id": self.id,
+            "object": "file",
+            "bytes": self.bytes,
+            "created_at": self.created_at,
+            "filename": self.filename,
+            "purpose": self.purpose,
+            "status": "processed",
+            "expires_at": None,
+            "status_details": None,
+        }
+
+
+def too_large(max_bytes: int) -> str:
+    return (
+        f"the file is larger than {max_bytes} bytes, this server's limit (--max-batch-file-bytes); "
+        "split the batch"
+    )
+
+
+def new_file_id() -> str:
+    return ID_PREFIX + uuid.uuid4().hex
+
+
+def write_json_atomically(path: Path, value: dict[str, Any]) -> None:
+    """Readers never see half a record: written beside it, then renamed over it."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    tmp.write_text(json.dumps(value), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+class FileStore:
+    """The files under `root/files`."""
+
+    def __init__(self, root: Path) -> None:
+        self._dir = root / "files"
+        self._dir.mkdir(parents=True, exist_ok=True)
+
+    def data_path(self, file_id: str) -> Path:
+        """Where a file's bytes are (the batch runner appends its output there)."""
+        if not _ID.fullmatch(file_id):
+            raise NotFound(f"no file {file_id!r}")
+        return self._dir / file_id
+
+    def add(self, source: BinaryIO, filename: str, purpose: str, owner: str, max_bytes: int) -> FileRecord:
+        """Stores an upload; INVALID_ARGUMENT past `max_bytes` (nothing is kept then)."""
+        if purpose not in UPLOAD_PURPOSES:
+            raise InvalidField(
+                f"purpose {purpose!r} is not served: this server stores files for the Batch API "
+                f"(purpose {' or '.join(repr(p) for p in UPLOAD_PURPOSES)})",
+                "purpose",
+            )
+        file_id = new_file_id()
+        path = self.data_path(file_id)
+        size = 0
+        try:
+            with path.open("wb") as out:
+                while chunk := source.read(_COPY_CHUNK):
+                    size += len(chunk)
+                    if size > max_bytes:
+                        raise InvalidField(too_large(max_bytes), "file")
+                    out.write(chunk)
+            return self.seal(file_id, filename, purpose, owner)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                path.unlink()
+            raise
+
+    def seal(self, file_id: str, filename: str, purpose: str, owner: str) -> FileRecord:
+        """Writes the record of a file whose bytes are in place (an upload, a batch's output)."""
+        path = self.data_path(file_id)
+        record = FileRecord(file_id, path.stat().st_size, int(time.time()), filename, purpose, owner)
+        write_json_atomically(path.with_name(file_id + ".json"), asdict(record))
+        return record
+
+    def get(self, file_id: str, owner: str) -> FileRecord:
+        path = self.data_path(file_id).with_name(file_id + ".json")
+        try:
+            record = FileRecord(**json.loads(path.read_text(encoding="utf-8")))
+        except FileNotFoundError:
+            raise NotFound(f"no file {file_id!r}") from None
+        if record.owner != owner:
+            raise NotFound(f"no file {file_id!r}")
+        return record
+
+    def list(self, owner: str, purpose: str | None = None) -> list[FileRecord]:
+        """The owner's files, newest first."""
+        records = []
+        for path in self._dir.glob("file-*.json"):
+            with contextlib.suppress(FileNotFoundError, ValueError, TypeError):
+                record = FileRecord(**json.loads(path.read_text(encoding="utf-8")))
+                if record.owner == owner and purpose in (None, record.purpose):
+                    records.append(record)
+        return sorted(records, key=lambda r: (r.created_at, r.id), reverse=True)
+
+    def delete(self, file_id: str, owner: str) -> None:
+        self.get(file_id, owner)
+        path = self.data_path(file_id)
+        path.with_name(file_id + ".json").unlink(missing_ok=True)  # gone for readers first
+        path.unlink(missing_ok=True)

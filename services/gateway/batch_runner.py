@@ -1,0 +1,327 @@
+"""Runs the Batch API's batches in the gateway: each request of a batch is answered exactly as the
+same HTTP request would be (`Answer`: the gateway's own HTTP app, in process), at a lower priority
+than interactive traffic (--batch-priority unless the line sets one), with at most
+--batch-concurrency requests of all batches in flight.
+
+The runner scans the store every `poll_s` (and at once when this process creates a batch) and
+runs every unfinished batch whose run lock it gets (`BatchStore.claim`). A batch's results are
+appended, one flushed JSON line each, to its output file (2xx answers) or error file; those files
+are the truth of what is done: a batch resumed after its gateway died runs only the requests
+neither file holds (a line cut off by the crash is dropped first), and its counts are recounted
+from them. Requests answered 429 or 503 (overload, no worker right now) are tried again with
+backoff while the completion window lasts; requests not done by its end are written to the error
+file as `batch_expired` and the batch ends `expired`. A cancel stops the dispatch, aborts the
+requests in flight (as a client that goes away does) and ends the batch `cancelled` with the files
+of what was done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Literal, TextIO
+
+import structlog
+
+from services.gateway.batch_files import OUTPUT_PURPOSE, FileStore
+from services.gateway.batch_input import BatchLine, parse_input
+from services.gateway.batches import BatchRecord, BatchStatus, BatchStore, LineError, append_line
+from shared.errors import FailedPrecondition
+
+log = structlog.get_logger(__name__)
+
+# (endpoint, body, request id) -> (HTTP status, JSON body), as the HTTP API answers that request
+Answer = Callable[[str, dict[str, Any], str], Awaitable[tuple[int, dict[str, Any]]]]
+Stop = Literal["done", "cancelled", "expired"]
+
+RETRY_STATUSES = frozenset({429, 503})  # overloaded or no worker right now: tried again later
+EXPIRED_CODE = "batch_expired"
+EXPIRED_ERROR = {
+    "code": EXPIRED_CODE,
+    "message": "This request could not be executed before the completion window expired.",
+}
+
+
+@dataclass(frozen=True)
+class RunnerSettings:
+    concurrency: int  # requests of all batches in flight at once (count)
+    priority: int  # a request's priority unless its body sets one (lower is served first)
+    max_lines: int  # most requests in one input file (count)
+    poll_s: float = 2.0  # how often the store is scanned for batches to run, and cancels (s)
+    retry_max_s: float = 30.0  # longest wait between tries of a request answered 429/503 (s)
+
+
+class BatchRunner:
+    def __init__(
+        self,
+        files: FileStore,
+        batches: BatchStore,
+        answer: Answer,
+        settings: RunnerSettings,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._files = files
+        self._batches = batches
+        self._answer = answer
+        self._settings = settings
+        self._clock = clock
+        self._slots = asyncio.Semaphore(settings.concurrency)
+        self._running: dict[str, asyncio.Task[None]] = {}
+        self._cancels: dict[str, asyncio.Event] = {}  # batches running here -> set on a cancel here
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._loop_task = asyncio.ensure_future(self._loop())
+
+    def wake(self) -> None:
+        """A batch was created here: look now, not at the next poll."""
+        self._wake.set()
+
+    def cancelled(self, batch_id: str) -> None:
+        """A batch was set cancelling here: stop it now if it runs here (else at the next poll)."""
+        if batch_id in self._cancels:
+            self._cancels[batch_id].set()
+        self._wake.set()
+
+    async def close(self) -> None:
+        """Stops running (requests in flight are aborted; the batches stay unfinished on disk for
+        the next gateway to resume)."""
+        tasks = [t for t in (self._loop_task, *self._running.values()) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _loop(self) -> None:
+        while True:
+            self._wake.clear()
+            try:
+                for record in self._batches.all():
+                    if not record.final and record.id not in self._running:
+                        task = asyncio.ensure_future(self._claim_and_run(record.id))
+                        self._running[record.id] = task
+                        task.add_done_callback(functools.partial(self._ended, record.id))
+            except OSError as exc:  # the folder went away for a moment: try again at the next poll
+                log.warning("batch_scan_failed", error=str(exc))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self._settings.poll_s)
+
+    def _ended(self, batch_id: str, _: asyncio.Task[None]) -> None:
+        self._running.pop(batch_id, None)
+
+    async def _claim_and_run(self, batch_id: str) -> None:
+        with self._batches.claim(batch_id) as mine:
+            if not mine:
+                return  # another gateway process runs it
+            self._cancels[batch_id] = asyncio.Event()
+            try:
+                await self._run(batch_id)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug or the disk: logged; the batch is tried again at the next poll
+                log.exception("batch_run_failed", batch_id=batch_id)
+            finally:
+                del self._cancels[batch_id]
+
+    async def _run(self, batch_id: str) -> None:
+        record = self._batches.read(batch_id)
+        if record.status == BatchStatus.VALIDATING:
+            record = self._validate(record)
+        if record.status == BatchStatus.IN_PROGRESS:
+            record = await self._execute(record)
+        if record.status == BatchStatus.FINALIZING:
+            record = self._finish(record, BatchStatus.EXPIRED if record.expired else BatchStatus.COMPLETED)
+        if record.status == BatchStatus.CANCELLING:
+            record = self._finish(self._recount(record), BatchStatus.CANCELLED)
+        log.info(
+            "batch_over",
+            batch_id=batch_id,
+            status=record.status.value,
+            total=record.total,
+            completed=record.completed,
+            failed=record.failed,
+        )
+
+    # --- the steps ---
+    def _lines(self, record: BatchRecord) -> tuple[list[BatchLine], list[LineError]]:
+        try:
+            data = self._files.data_path(record.input_file_id).read_bytes()
+        except (FileNotFoundError, LookupError):
+            return [], [LineError("input_file_missing", f"the input file {record.input_file_id} is gone")]
+        return parse_input(data, record.endpoint, self._settings.max_lines)
+
+    def _validate(self, record: BatchRecord) -> BatchRecord:
+        lines, errors = self._lines(record)
+
+        def validated(r: BatchRecord) -> BatchRecord:
+            if r.status != BatchStatus.VALIDATING:  # cancelled meanwhile
+                return r
+            if errors:
+                return replace(r.moved(BatchStatus.FAILED), errors=tuple(errors))
+            return replace(r.moved(BatchStatus.IN_PROGRESS), total=len(lines))
+
+        return self._batches.update(record.id, validated)
+
+    async def _execute(self, record: BatchRecord) -> BatchRecord:
+        lines, errors = self._lines(record)
+        if errors:  # the input file was deleted under a running batch: what is left is not run
+            log.error("batch_input_gone", batch_id=record.id, error=errors[0].message)
+        done = set(_tally(self._path(record.output_file_id))) | set(_tally(self._path(record.error_file_id)))
+        todo = [line for line in lines if line.custom_id not in done]
+        record = self._recount(record)
+        with (
+            self._path(record.output_file_id).open("a", encoding="utf-8") as out,
+            self._path(record.error_file_id).open("a", encoding="utf-8") as err,
+        ):
+            run = _Run(self, record, out, err, self._cancels[record.id])
+            stop = await run.all(todo)
+            if stop == "expired":
+                for line in todo:
+                    if line.custom_id not in run.finished:
+                        append_line(err, _result(line.custom_id, None, EXPIRED_ERROR))
+        if stop == "cancelled":
+            return self._batches.read(record.id)
+        record = self._recount(record)
+        return self._batches.update(
+            record.id, lambda r: r.moved(BatchStatus.FINALIZING) if r.status == BatchStatus.IN_PROGRESS else r
+        )
+
+    def _path(self, file_id: str) -> Path:
+        return self._files.data_path(file_id)
+
+    def _recount(self, record: BatchRecord) -> BatchRecord:
+        """The counts as the output and error files say (the files are the truth)."""
+        completed = len(_tally(self._path(record.output_file_id)))
+        errors = _tally(self._path(record.error_file_id))
+        expired = sum(1 for code in errors.values() if code == EXPIRED_CODE)
+        return self._batches.update(
+            record.id, lambda r: replace(r, completed=completed, failed=len(errors), expired=expired)
+        )
+
+    def _finish(self, record: BatchRecord, to: BatchStatus) -> BatchRecord:
+        for file_id, kind in ((record.output_file_id, "output"), (record.error_file_id, "error")):
+            self._path(file_id).touch()
+            self._files.seal(file_id, f"{record.id}_{kind}.jsonl", OUTPUT_PURPOSE, record.owner)
+        try:
+            return self._batches.update(record.id, lambda r: r.moved(to))
+        except FailedPrecondition:  # already final (another process got there first)
+            return self._batches.read(record.id)
+
+    # --- one request ---
+    async def answer(self, record: BatchRecord, line: BatchLine) -> tuple[int, dict[str, Any], str]:
+        """The line's request answered, tried again while it is answered 429/503 and the window
+        lasts; (status, body, request id)."""
+        body = line.body if "priority" in line.body else {**line.body, "priority": self._settings.priority}
+        request_id = f"{record.id}-{line.line}-{uuid.uuid4().hex[:8]}"
+        wait_s = 1.0
+        while True:
+            try:
+                status, payload = await self._answer(record.endpoint, body, request_id)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("batch_request_failed", batch_id=record.id, line=line.line)
+                status, payload = 500, {"error": {"message": "internal error", "type": "internal_error"}}
+            if status not in RETRY_STATUSES or record.expires_at - self._clock() <= wait_s:
+                return status, payload, request_id
+            await asyncio.sleep(wait_s)
+            wait_s = min(wait_s * 2, self._settings.retry_max_s)
+
+
+class _Run:
+    """One batch's requests in flight: dispatched as the runner's slots allow, each result written
+    as it comes, stopped by a cancel (seen on disk, or made in this process) or the window's end."""
+
+    def __init__(
+        self, runner: BatchRunner, record: BatchRecord, out: TextIO, err: TextIO, cancel: asyncio.Event
+    ) -> None:
+        self._runner = runner
+        self._record = record
+        self._out = out
+        self._err = err
+        self._cancel = cancel
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.finished: set[str] = set()  # custom ids written by this run
+
+    async def all(self, todo: list[BatchLine]) -> Stop:
+        watcher = asyncio.ensure_future(self._watch())
+        slots = self._runner._slots
+        try:
+            for line in todo:
+                slot = asyncio.ensure_future(slots.acquire())
+                await asyncio.wait({watcher, slot}, return_when=asyncio.FIRST_COMPLETED)
+                if watcher.done():
+                    if slot.done():
+                        slots.release()  # got one as the batch stopped: give it back
+                    else:
+                        slot.cancel()  # a cancelled acquire holds no slot
+                    break
+                task = asyncio.ensure_future(self._one(line))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            while self._tasks and not watcher.done():
+                await asyncio.wait({watcher, *self._tasks}, return_when=asyncio.FIRST_COMPLETED)
+            if not watcher.done():
+                return "done"
+            return watcher.result()
+        finally:
+            watcher.cancel()
+            for task in list(self._tasks):
+                task.cancel()  # aborted on the workers, as when a client goes away
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _watch(self) -> Stop:
+        runner = self._runner
+        while True:
+            left_s = self._record.expires_at - runner._clock()
+            if left_s <= 0:
+                return "expired"
+            if runner._batches.read(self._record.id).status == BatchStatus.CANCELLING:
+                return "cancelled"
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._cancel.wait(), min(runner._settings.poll_s, left_s))
+
+    async def _one(self, line: BatchLine) -> None:
+        try:
+            status, payload, request_id = await self._runner.answer(self._record, line)
+        finally:
+            self._runner._slots.release()
+        ok = 200 <= status < 300
+        response = {"status_code": status, "request_id": request_id, "body": payload}
+        append_line(self._out if ok else self._err, _result(line.custom_id, response, None))
+        self.finished.add(line.custom_id)
+        self._runner._batches.update(
+            self._record.id, lambda r: replace(r, completed=r.completed + ok, failed=r.failed + (not ok))
+        )
+
+
+def _result(custom_id: str, response: dict[str, Any] | None, error: dict[str, str] | None) -> dict[str, Any]:
+    """A line of an output or error file, in OpenAI's shape."""
+    line_id = "batch_req_" + uuid.uuid4().hex
+    return {"id": line_id, "custom_id": custom_id, "response": response, "error": error}
+
+
+def _tally(path: Path) -> dict[str, str | None]:
+    """custom id -> its error code (None: answered) for each line of an output or error file; a
+    last line cut off by a crash is removed from the file first."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return {}
+    end = data.rfind(b"\n") + 1
+    if end < len(data):
+        with path.open("r+b") as f:
+            f.truncate(end)
+    lines: dict[str, str | None] = {}
+    for raw in data[:end].splitlines():
+        with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
+            value = json.loads(raw)
+            lines[value["custom_id"]] = (value.get("error") or {}).get("code")
+    return lines

@@ -1,0 +1,211 @@
+"""The Batch API's batches: one record per batch (its status, with the transitions allowed,
+request counts, times and files) and their store on disk under --batch-dir as
+`batches/<id>.json`.
+
+Several gateway processes may share the folder: a record is changed only by `BatchStore.update`,
+a read-modify-write under an exclusive lock on `batches/<id>.lock`, so a cancel from one process
+and the counts of the process running the batch never overwrite each other. The process that
+runs a batch holds `batches/<id>.run` locked (`claim`); the lock goes with its process, so when a
+gateway dies another one (or the same, restarted) claims and resumes the batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import re
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field, replace
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, TextIO
+
+from services.gateway.batch_files import write_json_atomically
+from shared.errors import FailedPrecondition, NotFound
+
+ID_PREFIX = "batch_"
+_ID = re.compile(r"batch_[0-9a-f]{32}")
+COMPLETION_WINDOW_S = {"24h": 24 * 3600}  # the windows OpenAI accepts (s)
+
+
+class BatchStatus(StrEnum):
+    VALIDATING = "validating"
+    FAILED = "failed"  # the input did not validate
+    IN_PROGRESS = "in_progress"
+    FINALIZING = "finalizing"
+    COMPLETED = "completed"
+    EXPIRED = "expired"
+    CANCELLING = "cancelling"
+    CANCELLED = "cancelled"
+
+
+# OpenAI's batch life; the four without successors are final
+ALLOWED: dict[BatchStatus, frozenset[BatchStatus]] = {
+    BatchStatus.VALIDATING: frozenset({BatchStatus.IN_PROGRESS, BatchStatus.FAILED, BatchStatus.CANCELLING}),
+    BatchStatus.IN_PROGRESS: frozenset({BatchStatus.FINALIZING, BatchStatus.CANCELLING}),
+    BatchStatus.FINALIZING: frozenset({BatchStatus.COMPLETED, BatchStatus.EXPIRED}),
+    BatchStatus.CANCELLING: frozenset({BatchStatus.CANCELLED}),
+    BatchStatus.FAILED: frozenset(),
+    BatchStatus.COMPLETED: frozenset(),
+    BatchStatus.EXPIRED: frozenset(),
+    BatchStatus.CANCELLED: frozenset(),
+}
+
+
+@dataclass(frozen=True)
+class LineError:
+    """Why the input file did not validate (OpenAI's batch `errors.data` entry)."""
+
+    code: str
+    message: str
+    line: int | None = None  # 1-based line of the input file
+    param: str | None = None
+
+
+@dataclass(frozen=True)
+class BatchRecord:
+    id: str
+    owner: str  # hash of the API key that created it; "" with keys off
+    endpoint: str  # e.g. /v1/chat/completions
+    input_file_id: str
+    completion_window: str
+    created_at: int  # unix time (s), as every *_at
+    expires_at: int
+    output_file_id: str  # chosen at creation; shown once the batch is over
+    error_file_id: str
+    metadata: dict[str, str] = field(default_factory=dict)
+    status: BatchStatus = BatchStatus.VALIDATING
+    times: dict[str, int] = field(default_factory=dict)  # status -> when it was entered
+    total: int = 0  # requests (lines) in the input
+    completed: int = 0  # requests answered 2xx
+    failed: int = 0  # requests answered otherwise (or not run before the window ended)
+    expired: int = 0  # of the failed: not run before the window ended (the batch ends expired)
+    errors: tuple[LineError, ...] = ()
+
+    @property
+    def final(self) -> bool:
+        return not ALLOWED[self.status]
+
+    def moved(self, to: BatchStatus, now: int | None = None) -> BatchRecord:
+        if to not in ALLOWED[self.status]:
+            raise FailedPrecondition(f"batch {self.id} is {self.status.value}; it cannot become {to.value}")
+        when = int(time.time()) if now is None else now
+        return replace(self, status=to, times=self.times | {to.value: when})
+
+    def body(self) -> dict[str, Any]:
+        """OpenAI's Batch object. The output file is shown once the batch is over and answered
+        some requests, the error file once it is over and some failed."""
+        over = self.final and self.status != BatchStatus.FAILED
+        return {
+            "id": self.id,
+            "object": "batch",
+            "endpoint": self.endpoint,
+            "errors": ({"object": "list", "data": [asdict(e) for e in self.errors]} if self.errors else None),
+            "input_file_id": self.input_file_id,
+            "completion_window": self.completion_window,
+            "status": self.status.value,
+            "output_file_id": self.output_file_id if over and self.completed else None,
+            "error_file_id": self.error_file_id if over and self.failed else None,
+            "created_at": self.created_at,
+            "in_progress_at": self.times.get(BatchStatus.IN_PROGRESS.value),
+            "expires_at": self.expires_at,
+            "finalizing_at": self.times.get(BatchStatus.FINALIZING.value),
+            "completed_at": self.times.get(BatchStatus.COMPLETED.value),
+            "failed_at": self.times.get(BatchStatus.FAILED.value),
+            "expired_at": self.times.get(BatchStatus.EXPIRED.value),
+            "cancelling_at": self.times.get(BatchStatus.CANCELLING.value),
+            "cancelled_at": self.times.get(BatchStatus.CANCELLED.value),
+            "request_counts": {"total": self.total, "completed": self.completed, "failed": self.failed},
+            "metadata": self.metadata or None,
+        }
+
+
+def _record(value: dict[str, Any]) -> BatchRecord:
+    value = dict(value)
+    value["status"] = BatchStatus(value["status"])
+    value["errors"] = tuple(LineError(**e) for e in value.get("errors", ()))
+    return BatchRecord(**value)
+
+
+def new_batch_id() -> str:
+    return ID_PREFIX + uuid.uuid4().hex
+
+
+class BatchStore:
+    """The records under `root/batches`."""
+
+    def __init__(self, root: Path) -> None:
+        self._dir = root / "batches"
+        self._dir.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, batch_id: str, suffix: str) -> Path:
+        if not _ID.fullmatch(batch_id):
+            raise NotFound(f"no batch {batch_id!r}")
+        return self._dir / (batch_id + suffix)
+
+    def create(self, record: BatchRecord) -> None:
+        write_json_atomically(self._path(record.id, ".json"), _plain(record))
+
+    def read(self, batch_id: str) -> BatchRecord:
+        try:
+            return _record(json.loads(self._path(batch_id, ".json").read_text(encoding="utf-8")))
+        except FileNotFoundError:
+            raise NotFound(f"no batch {batch_id!r}") from None
+
+    def get(self, batch_id: str, owner: str) -> BatchRecord:
+        record = self.read(batch_id)
+        if record.owner != owner:
+            raise NotFound(f"no batch {batch_id!r}")
+        return record
+
+    def all(self) -> list[BatchRecord]:
+        """Every batch, oldest first (records being written are skipped)."""
+        records = []
+        for path in self._dir.glob("batch_*.json"):
+            with contextlib.suppress(FileNotFoundError, ValueError, TypeError, KeyError):
+                records.append(_record(json.loads(path.read_text(encoding="utf-8"))))
+        return sorted(records, key=lambda r: (r.created_at, r.id))
+
+    def update(self, batch_id: str, change: Callable[[BatchRecord], BatchRecord]) -> BatchRecord:
+        """Applies `change` to the record as it is on disk now, under the record's lock."""
+        with self._locked(self._path(batch_id, ".lock"), blocking=True):
+            record = change(self.read(batch_id))
+            write_json_atomically(self._path(batch_id, ".json"), _plain(record))
+            return record
+
+    @contextlib.contextmanager
+    def claim(self, batch_id: str) -> Iterator[bool]:
+        """Holds the batch's run lock while the block runs: True when this process got it (it runs
+        the batch), False when another process holds it."""
+        with self._locked(self._path(batch_id, ".run"), blocking=False) as got:
+            yield got
+
+    @contextlib.contextmanager
+    def _locked(self, path: Path, blocking: bool) -> Iterator[bool]:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+            except BlockingIOError:
+                yield False
+                return
+            yield True
+        finally:
+            os.close(fd)  # releases the lock
+
+
+def _plain(record: BatchRecord) -> dict[str, Any]:
+    value = asdict(record)
+    value["status"] = record.status.value
+    return value
+
+
+def append_line(out: TextIO, value: dict[str, Any]) -> None:
+    """One JSON line of an output or error file, flushed (a crash loses at most the line being
+    written, which resume cuts off)."""
+    out.write(json.dumps(value, ensure_ascii=False, separators=(",", ":")) + "\n")
+    out.flush()

@@ -1,0 +1,334 @@
+"""OpenAI's Files and Batch APIs on the gateway's HTTP face (`client.files.*`, `client.batches.*`):
+POST/GET /v1/files, GET/DELETE /v1/files/{id}, GET /v1/files/{id}/content, POST/GET /v1/batches,
+GET /v1/batches/{id}, POST /v1/batches/{id}/cancel. Routes convert and call the stores
+(batch_files, batches) and the runner (batch_runner), which answers each request of a batch through
+this same HTTP app in process (`InProcessAnswer`).
+
+Files and batches belong to the API key that made them (a hash of it; one owner with keys off):
+another key sees none of them. Without --batch-dir every route answers 404 saying how to turn
+the API on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import structlog
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import FileResponse, JSONResponse
+from starlette.datastructures import UploadFile
+
+from services.gateway import http_models as m
+from services.gateway import observe
+from services.gateway.batch_files import FileStore, new_file_id, too_large
+from services.gateway.batch_runner import BatchRunner, RunnerSettings
+from services.gateway.batches import (
+    COMPLETION_WINDOW_S,
+    BatchRecord,
+    BatchStatus,
+    BatchStore,
+    new_batch_id,
+)
+from services.gateway.http_body import read_json
+from services.gateway.http_errors import (
+    REQUEST_ID_HEADER,
+    Refusal,
+    error_response,
+    http_error,
+    unauthenticated,
+)
+from services.gateway.validation import InvalidField
+from shared.auth import AUTH_HEADER, ApiKeys, bearer_token
+from shared.errors import FailedPrecondition, NotFound
+
+log = structlog.get_logger(__name__)
+
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")  # what a batch may run
+MAX_METADATA = 16  # OpenAI's limits on a batch's metadata: pairs, key and value characters
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 512
+_FORM_SLACK = 64 * 1024  # multipart framing around an upload (bytes)
+# a cancel of a batch already over, a delete of a file a running batch uses: the caller's mistake
+_STATE_STATUSES = {grpc.StatusCode.FAILED_PRECONDITION: (409, "conflict_error")}
+
+
+class CreateBatchRequest(m._Request):
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    metadata: dict[str, str] | None = None
+
+
+class InProcessAnswer:
+    """A batch request answered by the gateway's own HTTP app (no socket): the same checks,
+    conversion, admission, metrics and errors as the request sent over HTTP."""
+
+    def __init__(self, app: FastAPI, authorization: str) -> None:
+        transport = httpx.ASGITransport(app=app)
+        self._client = httpx.AsyncClient(transport=transport, base_url="http://batch.gateway", timeout=None)
+        self._authorization = authorization
+
+    async def __call__(
+        self, endpoint: str, body: dict[str, Any], request_id: str
+    ) -> tuple[int, dict[str, Any]]:
+        headers = {AUTH_HEADER: self._authorization, REQUEST_ID_HEADER: request_id}
+        answer = await self._client.post(endpoint, json=body, headers=headers)
+        try:
+            payload = answer.json()
+        except ValueError:
+            payload = {"error": {"message": answer.text[:200], "type": "internal_error"}}
+        return answer.status_code, payload
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+class BatchApi:
+    """The routes, the stores under `folder` ('' = off) and the runner."""
+
+    def __init__(
+        self,
+        app: FastAPI,
+        keys: ApiKeys,
+        inner_authorization: str,
+        folder: str,
+        runner_settings: RunnerSettings,
+        max_file_bytes: int,
+        max_body_bytes: int,
+    ) -> None:
+        self._keys = keys
+        self._max_file_bytes = max_file_bytes
+        self._max_body_bytes = max_body_bytes
+        self._answer = InProcessAnswer(app, inner_authorization)
+        self._files: FileStore | None = None
+        self._batches: BatchStore | None = None
+        self._runner: BatchRunner | None = None
+        if folder:
+            root = Path(folder).expanduser()
+            self._files, self._batches = FileStore(root), BatchStore(root)
+            self._runner = BatchRunner(self._files, self._batches, self._answer, runner_settings)
+        for path, route, method in (
+            ("/v1/files", self.upload, "POST"),
+            ("/v1/files", self.list_files, "GET"),
+            ("/v1/files/{file_id}", self.file, "GET"),
+            ("/v1/files/{file_id}", self.delete_file, "DELETE"),
+            ("/v1/files/{file_id}/content", self.content, "GET"),
+            ("/v1/batches", self.create, "POST"),
+            ("/v1/batches", self.list_batches, "GET"),
+            ("/v1/batches/{batch_id}", self.batch, "GET"),
+            ("/v1/batches/{batch_id}/cancel", self.cancel, "POST"),
+        ):
+            app.add_api_route(path, route, methods=[method])
+
+    def start(self) -> None:
+        if self._runner is not None:
+            self._runner.start()
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.close()
+        await self._answer.close()
+
+    # --- files ---
+    async def upload(self, request: Request) -> Response:
+        try:
+            files, owner = self._open(request)
+            declared = request.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > self._max_file_bytes + _FORM_SLACK:
+                raise InvalidField(too_large(self._max_file_bytes), "file")
+            async with request.form(max_files=1, max_fields=8) as form:
+                upload, purpose = form.get("file"), form.get("purpose")
+                if not isinstance(upload, UploadFile):
+                    raise InvalidField("send the file as the multipart/form-data field 'file'", "file")
+                if not isinstance(purpose, str):
+                    raise InvalidField("purpose is required: 'batch'", "purpose")
+                name = upload.filename or "upload.jsonl"
+                record = await asyncio.to_thread(
+                    files.add, upload.file, name, purpose, owner, self._max_file_bytes
+                )
+        except Exception as exc:
+            return _fail(exc)
+        return JSONResponse(record.body())
+
+    async def list_files(self, request: Request) -> Response:
+        try:
+            files, owner = self._open(request)
+            purpose = request.query_params.get("purpose") or None
+            records = [r.body() for r in files.list(owner, purpose)]
+            if request.query_params.get("order") == "asc":
+                records.reverse()
+            return JSONResponse(_page(records, request, default_limit=10000))
+        except Exception as exc:
+            return _fail(exc)
+
+    async def file(self, request: Request, file_id: str) -> Response:
+        try:
+            files, owner = self._open(request)
+            return JSONResponse(files.get(file_id, owner).body())
+        except Exception as exc:
+            return _fail(exc)
+
+    async def content(self, request: Request, file_id: str) -> Response:
+        try:
+            files, owner = self._open(request)
+            record = files.get(file_id, owner)
+            return FileResponse(files.data_path(file_id), media_type="application/octet-stream",
+                                filename=record.filename)  # fmt: skip
+        except Exception as exc:
+            return _fail(exc)
+
+    async def delete_file(self, request: Request, file_id: str) -> Response:
+        try:
+            files, owner = self._open(request)
+            files.get(file_id, owner)
+            for record in self._stores()[1].all():
+                used = (record.input_file_id, record.output_file_id, record.error_file_id)
+                if not record.final and file_id in used:
+                    raise FailedPrecondition(
+                        f"file {file_id} is used by {record.id}, which is {record.status.value}; "
+                        "cancel the batch or wait for it to end"
+                    )
+            files.delete(file_id, owner)
+        except Exception as exc:
+            return _fail(exc, _STATE_STATUSES)
+        return JSONResponse({"id": file_id, "object": "file", "deleted": True})
+
+    # --- batches ---
+    async def create(self, request: Request) -> Response:
+        try:
+            files, owner = self._open(request)
+            body = await read_json(request, CreateBatchRequest, self._max_body_bytes)
+            record = _new_batch(body, owner, files)
+            self._stores()[1].create(record)
+        except Exception as exc:
+            return _fail(exc)
+        assert self._runner is not None
+        self._runner.wake()
+        return JSONResponse(record.body())
+
+    async def list_batches(self, request: Request) -> Response:
+        try:
+            _, owner = self._open(request)
+            records = [r.body() for r in reversed(self._stores()[1].all()) if r.owner == owner]
+            return JSONResponse(_page(records, request, default_limit=20))
+        except Exception as exc:
+            return _fail(exc)
+
+    async def batch(self, request: Request, batch_id: str) -> Response:
+        try:
+            _, owner = self._open(request)
+            return JSONResponse(self._stores()[1].get(batch_id, owner).body())
+        except Exception as exc:
+            return _fail(exc)
+
+    async def cancel(self, request: Request, batch_id: str) -> Response:
+        try:
+            _, owner = self._open(request)
+            batches = self._stores()[1]
+            batches.get(batch_id, owner)
+            record = batches.update(batch_id, _cancelling)
+        except Exception as exc:
+            return _fail(exc, _STATE_STATUSES)
+        assert self._runner is not None
+        self._runner.cancelled(batch_id)
+        return JSONResponse(record.body())
+
+    # --- helpers ---
+    def _open(self, request: Request) -> tuple[FileStore, str]:
+        """The file store and the caller's owner id, after the API key check."""
+        authorization = request.headers.get(AUTH_HEADER)
+        if not self._keys.accepts(authorization):
+            raise unauthenticated()
+        files, _ = self._stores()
+        token = bearer_token(authorization) if self._keys.enabled else None
+        return files, hashlib.sha256(token.encode()).hexdigest()[:32] if token else ""
+
+    def _stores(self) -> tuple[FileStore, BatchStore]:
+        if self._files is None or self._batches is None:
+            raise NotFound(
+                "the Files and Batch APIs are off on this gateway: start it with --batch-dir DIR "
+                "(pdserve up gives it one)"
+            )
+        return self._files, self._batches
+
+
+def _new_batch(body: CreateBatchRequest, owner: str, files: FileStore) -> BatchRecord:
+    if body.endpoint not in ENDPOINTS:
+        raise InvalidField(
+            f"endpoint must be one of {', '.join(ENDPOINTS)}, got {body.endpoint!r}", "endpoint"
+        )
+    window_s = COMPLETION_WINDOW_S.get(body.completion_window)
+    if window_s is None:
+        windows = ", ".join(repr(w) for w in COMPLETION_WINDOW_S)
+        raise InvalidField(f"completion_window must be {windows}", "completion_window")
+    metadata = body.metadata or {}
+    if len(metadata) > MAX_METADATA or any(
+        len(k) > MAX_METADATA_KEY or len(v) > MAX_METADATA_VALUE for k, v in metadata.items()
+    ):
+        raise InvalidField(
+            f"metadata holds at most {MAX_METADATA} pairs, keys of at most {MAX_METADATA_KEY} and "
+            f"values of at most {MAX_METADATA_VALUE} characters",
+            "metadata",
+        )
+    try:
+        source = files.get(body.input_file_id, owner)
+    except NotFound:
+        raise InvalidField(f"no file {body.input_file_id!r}; upload it first", "input_file_id") from None
+    if source.purpose != "batch":
+        raise InvalidField(f"file {source.id} has purpose {source.purpose!r}, not 'batch'", "input_file_id")
+    now = int(time.time())
+    return BatchRecord(
+        id=new_batch_id(),
+        owner=owner,
+        endpoint=body.endpoint,
+        input_file_id=source.id,
+        completion_window=body.completion_window,
+        created_at=now,
+        expires_at=now + window_s,
+        output_file_id=new_file_id(),
+        error_file_id=new_file_id(),
+        metadata=metadata,
+    )
+
+
+def _cancelling(record: BatchRecord) -> BatchRecord:
+    if record.status in (BatchStatus.CANCELLING, BatchStatus.CANCELLED):
+        return record  # cancelling twice is no error
+    if record.status not in (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS):
+        raise FailedPrecondition(
+            f"batch {record.id} is {record.status.value}; only a validating or in-progress batch can "
+            "be cancelled"
+        )
+    return record.moved(BatchStatus.CANCELLING)
+
+
+def _page(data: list[dict[str, Any]], request: Request, default_limit: int) -> dict[str, Any]:
+    """OpenAI's cursor page: the items after `after` (an id), at most `limit`."""
+    after = request.query_params.get("after")
+    if after:
+        ids = [d["id"] for d in data]
+        data = data[ids.index(after) + 1 :] if after in ids else []
+    limit_text = request.query_params.get("limit", "")
+    limit = int(limit_text) if limit_text.isdigit() and int(limit_text) > 0 else default_limit
+    page = data[:limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(data) > limit,
+    }
+
+
+def _fail(exc: BaseException, statuses: dict[grpc.StatusCode, tuple[int, str]] | None = None) -> Response:
+    error = exc.error if isinstance(exc, Refusal) else http_error(exc, statuses)
+    observe.record_error(error.grpc_code.name)
+    if error.is_internal:
+        log.error("unhandled_error", exc_info=exc)
+    return error_response(error)
