@@ -48,6 +48,24 @@ def message_text(i: int, msg: m.ChatMessage) -> str:
     return "\n".join(texts)
 
 
+def reply_role(req: m.ChatCompletionRequest) -> str:
+    """vLLM's role of the reply: assistant after a generation prompt; without one (the reply
+    continues the last message, or follows it with no new turn) the last message's role."""
+    return "assistant" if req.add_generation_prompt else req.messages[-1].role
+
+
+def echo(req: m.ChatCompletionRequest, role: str) -> str | None:
+    """vLLM's chat `echo`: the reply starts with the last message's text when that message has
+    the reply's role (with continue_final_message, the message the model continues); "" when it
+    has another role; None without echo."""
+    if not req.echo:
+        return None
+    last = req.messages[-1]
+    if last.role != role or last.content is None:
+        return ""
+    return message_text(len(req.messages) - 1, last)
+
+
 def tools(req: m.ChatCompletionRequest) -> tuple[Tool, ...]:
     """`tools` as Tools; each problem a 400 naming `tools` (a parameters schema must compile)."""
     tools: list[Tool] = []

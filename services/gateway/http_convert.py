@@ -32,7 +32,7 @@ _SEED_STRIDE = 0x9E3779B97F4A7C15  # odd: choice j's seed = seed + j * stride (m
 # "not used": a request setting any other value gets 400 naming the field, never silent ignoring.
 # (tools, tool_choice and parallel_tool_calls are chat fields; on completions they land here.)
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "echo": (None, False),  # chat only: completions implement it
+    "echo": (None, False),  # the Responses API's: chat and completions implement it
     "suffix": (None, ""),
     "best_of": (None, 1),
     "tools": (None, []),
@@ -73,6 +73,8 @@ class Plan:
     prompt_logprobs: int | None = None
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:<id>"
     continuous_usage: bool = False  # vLLM's continuous_usage_stats: every chunk carries usage
+    role: str = "assistant"  # chat: the reply's role (vLLM's, http_chat.reply_role)
+    chat_echo: str | None = None  # chat's echo: the text every choice's content starts with
 
 
 # --- requests ---
@@ -360,7 +362,10 @@ def chat_plan(
         common["structured"] = tool_calls.forced_call(choice, tool_format)
         parsing = ToolParsing(tool_format, forced=True)
     plan = _plan(req, [{"messages": turns}], common, request_id, parsing)
-    plan = dataclasses.replace(plan, prompt_logprobs=prompt_logprobs.shown)
+    role = http_chat.reply_role(req)
+    plan = dataclasses.replace(
+        plan, prompt_logprobs=prompt_logprobs.shown, role=role, chat_echo=http_chat.echo(req, role)
+    )
     return _with_reasoning(plan, reasoning_parser)
 
 

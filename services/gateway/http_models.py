@@ -2,7 +2,7 @@
 
 Requests are validated strictly (a string is not a number, a float is not an integer); fields this
 API does not declare land in `model_extra`, where `http_convert` refuses the known-unsupported ones
-(echo, functions, ...) and ignores vendor fields with a debug log.
+(functions, ...) and ignores vendor fields with a debug log.
 """
 
 from __future__ import annotations
@@ -108,6 +108,8 @@ class ChatCompletionRequest(_GenerationRequest):
     # vLLM's: continue the last (assistant) message instead of starting a new reply
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # vLLM's: the reply starts with the last message's text when it has the reply's role
+    echo: bool = False
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, description="0-20 alternatives per token; needs logprobs")
@@ -244,7 +246,7 @@ class ResponseToolCall(BaseModel):
 
 
 class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
+    role: str = "assistant"  # vLLM's: without a generation prompt, the last message's role
     content: str | None
     tool_calls: list[ResponseToolCall] | None = None
 

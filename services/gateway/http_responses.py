@@ -229,11 +229,15 @@ def chat_message(plan: Plan, text: str) -> tuple[m.AssistantMessage, bool]:
     if plan.tools is not None:
         content, calls = tool_calls.parse(text, plan.tools.fmt, plan.tools.forced)
     called = response_tool_calls(calls) or None
-    if plan.reasoning is None:
-        return m.AssistantMessage(content=content, tool_calls=called), bool(calls)
-    if thought is not None and not content:
+    if plan.reasoning is not None and thought is not None and not content:
         content = None
-    message = m.ReasoningMessage(content=content, tool_calls=called, reasoning_content=thought or None)
+    if plan.chat_echo is not None:  # vLLM's: the echo goes before the parsed content, as is
+        content = plan.chat_echo + (content or "")
+    if plan.reasoning is None:
+        return m.AssistantMessage(role=plan.role, content=content, tool_calls=called), bool(calls)
+    message = m.ReasoningMessage(
+        role=plan.role, content=content, tool_calls=called, reasoning_content=thought or None
+    )
     return message, bool(calls)
 
 

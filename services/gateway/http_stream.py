@@ -196,7 +196,7 @@ async def events(
         usage_json = None if so_far is None else so_far.model_dump_json()
         if chat:
             if frame is None:
-                parts: list[dict[str, Any]] = [{"role": "assistant", "content": ""}]
+                parts: list[dict[str, Any]] = [{"role": plan.role, "content": ""}]
             elif parsers[index] is None and reasoners[index] is None and not wants[index]:
                 # a content delta (or {}): no model built
                 return template.event(index, text, reason, usage=usage_json)
@@ -255,6 +255,10 @@ async def events(
         if chat:
             for piece in pieces((i, None) for i in range(len(plan.inputs))):
                 yield piece
+            if plan.chat_echo:  # vLLM's chat echo: a content chunk per choice, before its output
+                for i, so_far in enumerate(progress):
+                    usage = None if so_far is None else so_far.model_dump_json()
+                    yield template.event(i, plan.chat_echo, None, usage=usage)
         for piece in pieces(first):
             yield piece
         async for index, frame in run.rest():

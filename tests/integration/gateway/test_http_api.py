@@ -812,13 +812,10 @@ async def test_echo_prompt_logprobs_through_the_openai_client(bpe: HttpStack) ->
     assert all(
         abs(e.logprob - x) <= 1e-5 for e, x in zip(done.prompt_logprobs, scored["unified"][1:], strict=True)
     )
-    # refused: max_tokens 0 without echo, echo on chat, prompt_logprobs out of range (gRPC)
+    # refused: max_tokens 0 without echo (or prompt_logprobs), prompt_logprobs out of range (gRPC)
     with pytest.raises(openai.BadRequestError) as bad:
         await client.completions.create(model="", prompt="hi", max_tokens=0)
     assert bad.value.body["param"] == "max_tokens"  # type: ignore[index]
-    with pytest.raises(openai.BadRequestError) as bad:
-        await client.chat.completions.create(model="", messages=CHAT, max_tokens=2, extra_body={"echo": True})
-    assert bad.value.body["param"] == "echo"  # type: ignore[index]
     for request, words in (
         (gateway_pb2.GenerateRequest(prompt="hi", max_tokens=0), "0 is allowed only to score the prompt"),
         (gateway_pb2.GenerateRequest(prompt="hi", prompt_logprobs=21), "prompt_logprobs"),
@@ -930,6 +927,52 @@ async def test_vllm_prompt_logprobs_token_ids_and_continuous_usage(bpe: HttpStac
             **tail["usage"],
             "prompt_tokens_details": per_token[-1]["usage"]["prompt_tokens_details"],
         }
+    await stack.wait_idle()
+
+
+async def test_chat_echo_as_vllm(bpe: HttpStack) -> None:
+    """vLLM's chat echo: every choice's content starts with the last message's text when that
+    message has the reply's role (the continued assistant message; without a generation prompt
+    the reply takes the last message's role), streamed as a chunk of its own after the role
+    chunk (with continuous usage, no tokens yet); a user message is not echoed after a
+    generation prompt; usage is the request's without echo (the echo is no generated token)."""
+    stack, client = bpe, aclient(bpe)
+    stack.router.mode = "unified"
+    prefix = "The capital of France is"
+    convo: Any = [*CHAT, {"role": "assistant", "content": prefix}]
+    flags = {"add_generation_prompt": False, "continue_final_message": True}
+    fields: dict[str, Any] = dict(model="", messages=convo, max_tokens=4, temperature=0, n=2)
+    plain = await client.chat.completions.create(**fields, extra_body=flags)
+    echoed = await client.chat.completions.create(**fields, extra_body={**flags, "echo": True})
+    assert [c.message.content for c in echoed.choices] == [
+        prefix + (c.message.content or "") for c in plain.choices
+    ]
+    assert echoed.usage is not None and plain.usage is not None
+    assert usage_of(echoed.usage)[:3] == usage_of(plain.usage)[:3]  # (the cache warmed between)
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = {**fields, **flags, "echo": True, "stream_options": options}
+    chunks = await _sse_chunks(stack, "/chat/completions", body)
+    assert [c["choices"][0]["delta"] for c in chunks[:4]] == [
+        {"role": "assistant", "content": ""},
+        {"role": "assistant", "content": ""},
+        {"content": prefix},
+        {"content": prefix},
+    ]
+    assert all(c["usage"]["completion_tokens"] == 0 for c in chunks[:4])
+    for i, choice in enumerate(echoed.choices):
+        text = "".join(
+            c["choices"][0]["delta"].get("content", "") for c in chunks[:-1] if c["choices"][0]["index"] == i
+        )
+        assert text == choice.message.content
+    after_prompt = await client.chat.completions.create(
+        model="", messages=CHAT, max_tokens=2, extra_body={"echo": True}
+    )
+    assert after_prompt.choices[0].message.role == "assistant"  # the user message is not echoed
+    as_user = await client.chat.completions.create(
+        model="", messages=CHAT, max_tokens=2, extra_body={"echo": True, "add_generation_prompt": False}
+    )
+    assert as_user.choices[0].message.role == "user"
+    assert (as_user.choices[0].message.content or "").startswith(CHAT[0]["content"])
     await stack.wait_idle()
 
 

@@ -281,11 +281,31 @@ def test_prompt_logprobs_and_token_id_names_in_the_json() -> None:
     assert choice.prompt_logprobs is not None and len(choice.prompt_logprobs) == 3
 
 
+def test_chat_echo_and_the_replys_role_as_vllm() -> None:
+    """The reply's role: assistant after a generation prompt, else the last message's; echo
+    starts the content with the last message's text when it has that role (parts joined as
+    the prompt joins them), after the parsed content, also when that content is null."""
+    said = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [{"type": "text", "text": "A"}, {"type": "text", "text": "B"}]},
+    ]
+    cont = chat(messages=said, echo=True, add_generation_prompt=False, continue_final_message=True)
+    assert (cont.role, cont.chat_echo) == ("assistant", "A\nB")
+    assert (chat(echo=True).role, chat(echo=True).chat_echo) == ("assistant", "")
+    assert (chat().role, chat().chat_echo) == ("assistant", None)
+    as_user = chat(echo=True, add_generation_prompt=False)
+    assert (as_user.role, as_user.chat_echo) == ("user", "hi")
+    message, _ = resp.chat_message(cont, " C")
+    assert (message.role, message.content) == ("assistant", "A\nB C")
+    message, _ = resp.chat_message(dataclasses.replace(cont, chat_echo=""), "")
+    assert message.content == ""
+
+
 def test_unsupported_fields_refused_unknown_ignored() -> None:
     assert conv.unsupported_and_unknown({"echo": False, "tools": [], "vendor_x": 1}) == ["vendor_x"]
     assert conv.unsupported_and_unknown({"tool_choice": "none", "best_of": 1}) == []
     for name, value in (
-        ("echo", True),  # on chat (completions declare it)
+        ("echo", True),  # on the Responses API (chat and completions declare it)
         ("tools", [{"type": "function"}]),
         ("suffix", "def f():"),
     ):
