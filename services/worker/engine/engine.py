@@ -240,6 +240,13 @@ class PagedEngine:
             raise InvalidArgument(f"sampling.top_k must be >= 0, got {sp.top_k}")
         if not 0.0 <= sp.min_p <= 1.0:  # NaN fails too
             raise InvalidArgument(f"sampling.min_p must be in [0, 1], got {sp.min_p}")
+        ids = sp.allowed_token_ids
+        if ids and not (min(ids) >= 0 and max(ids) < self.vocab_size):
+            raise InvalidArgument(f"sampling.allowed_token_ids must be in [0, {self.vocab_size})")
+        if any(not word or min(word) < 0 or max(word) >= self.vocab_size for word in sp.bad_words):
+            raise InvalidArgument(
+                f"sampling.bad_words must be non-empty token sequences of ids in [0, {self.vocab_size})"
+            )
         if sp.lora_adapter and sp.lora_adapter not in self.lora_adapters:
             served = ", ".join(repr(n) for n in self.lora_adapters) or "none"
             raise NotFound(

@@ -23,6 +23,7 @@ from services.worker.engine.sampler import (
     sample,
     sample_with_logprobs,
 )
+from shared.errors import InvalidArgument
 from tests.unit.engine.conftest import (
     EngineFactory,
     collect,
@@ -200,9 +201,27 @@ async def test_unified_disaggregated_migrated_and_speculative_agree(
     assert want != looping
     _check(want, sp)
     drafted = ngram.spec_stats(0).num_draft_tokens
+    # the prefill worker's proposals, handed over with the KV, verified under the masks too
+    spec_prefill = make_engine(
+        speculative="ngram", num_speculative_tokens=3, spec_ngram_min=1, spec_step_cost=False
+    )
+    first, rest = await handoff_run(spec_prefill, ngram, "lh", loop, sp)
+    assert list(first.new_token_ids) + tokens_of(rest) == want
     assert tokens_of(await collect(ngram.add_request(request("ls", loop, sp)))) == want
     assert ngram.spec_stats(0).num_draft_tokens > drafted
     assert tokens_of(await collect(draft.add_request(request("ld", loop, sp)))) == want
+
+
+def test_the_engine_refuses_ids_outside_the_vocabulary(make_engine: EngineFactory) -> None:
+    engine = make_engine()
+    vocab = engine.vocab_size  # type: ignore[attr-defined]
+    for sp in (
+        SamplingConfig(max_tokens=2, allowed_token_ids=(1, vocab)),
+        SamplingConfig(max_tokens=2, bad_words=((1,), (2, vocab))),
+        SamplingConfig(max_tokens=2, bad_words=((),)),
+    ):
+        with pytest.raises(InvalidArgument, match="sampling"):
+            engine.add_request(request("r", PROMPT, sp))
 
 
 @pytest.mark.gpu
