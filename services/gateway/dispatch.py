@@ -66,6 +66,7 @@ class PreparedRequest:
     max_tokens: MaxTokens  # resolved once before scheduling (Dispatcher.run; budget.py)
     return_token_ids: bool
     priority: int = 0  # lower is served first (admission queue and workers' queues)
+    continuous_usage: bool = False  # every frame carries completion_tokens so far
 
 
 def attempt_request_id(request_id: str, attempt: int) -> str:

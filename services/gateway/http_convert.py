@@ -280,6 +280,10 @@ def _plan(
         raise InvalidField(
             f"{len(per_prompt)} prompts x n={req.n} is {total} choices; the limit is {MAX_CHOICES}", "n"
         )
+    options = req.stream_options
+    include_usage = bool(options and options.include_usage)
+    # vLLM's condition: continuous usage only with include_usage
+    continuous_usage = include_usage and bool(options and options.continuous_usage_stats)
     inputs, groups = [], []
     for p, prompt_fields in enumerate(per_prompt):
         for j in range(req.n):
@@ -289,12 +293,11 @@ def _plan(
                     **common,
                     **prompt_fields,
                     seed=_seed(req.seed, j),
+                    continuous_usage=continuous_usage,
                     request_id=request_id if total == 1 else f"{request_id}-{i}",
                 )
             )
             groups.append(p)
-    options = req.stream_options
-    include_usage = bool(options and options.include_usage)
     return Plan(
         tuple(inputs),
         tuple(groups),
@@ -302,8 +305,7 @@ def _plan(
         include_usage,
         tools,
         return_tokens_as_token_ids=req.return_tokens_as_token_ids,
-        # vLLM's condition: continuous usage only with include_usage
-        continuous_usage=include_usage and bool(options and options.continuous_usage_stats),
+        continuous_usage=continuous_usage,
     )
 
 

@@ -64,6 +64,9 @@ class GenerateInput:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     return_token_ids: bool = False
+    # every frame carries the tokens generated so far (HTTP's continuous_usage_stats; counting
+    # per frame costs a few microseconds, so only when asked)
+    continuous_usage: bool = False
     request_id: str = ""
     include_stop_in_output: bool = False
     presence_penalty: float | None = None

@@ -90,7 +90,8 @@ class OutputFrame:
     usage: Usage | None = None
     logprobs: tuple[TokenLogprob, ...] = ()  # per generated token of the frame, when asked
     # tokens generated so far (the state's count: the workers' reports where they came, else the
-    # relayed token ids), usage.completion_tokens on the FINAL frame (vLLM's continuous usage)
+    # relayed token ids), usage.completion_tokens on the FINAL frame; on other frames only with
+    # RequestState.continuous_usage (else 0)
     completion_tokens: int = 0
     # with prompt_logprobs, on the first frame only: the prompt's ids and one entry per prompt
     # token from the second on (prompt_token_ids[1:]; the first has none)
@@ -130,6 +131,7 @@ class RequestState:
     return_token_ids: bool
     model: str
     arrival_s: float = field(default_factory=time.monotonic)
+    continuous_usage: bool = False  # every frame carries completion_tokens so far
     status: RequestStatus = RequestStatus.WAITING
     max_tokens: int = 0  # the budget of the run's placement, set when scheduled (budget.py)
     attempts: int = 0  # Schedule calls made

@@ -374,7 +374,7 @@ def frame(
         finish_reason=state.finish_reason if final else None,
         usage=state.usage if final else None,
         logprobs=logprobs,
-        completion_tokens=state.num_completion_tokens,
+        completion_tokens=state.num_completion_tokens if final or state.continuous_usage else 0,
     )
 
 

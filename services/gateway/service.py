@@ -238,6 +238,7 @@ class GatewayService:
             max_tokens=MaxTokens(inp.max_tokens, d.max_tokens or self._settings.default_max_tokens),
             return_token_ids=inp.return_token_ids,
             priority=inp.priority,
+            continuous_usage=inp.continuous_usage,
         )
 
     def _bad_words(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
@@ -274,6 +275,7 @@ class GatewayService:
                 request_id=prepared.request_id,
                 prompt_token_ids=prepared.prompt_token_ids,
                 return_token_ids=prepared.return_token_ids,
+                continuous_usage=prepared.continuous_usage,
                 # what responses echo as their model: the adapter's id for an adapter's request
                 model=prepared.sampling.lora_adapter or self._require_tokenizer().model_id,
                 arrival_s=arrival_s,

@@ -225,7 +225,9 @@ def test_vllm_prompt_logprobs_token_ids_and_continuous_usage_plans() -> None:
     named = completion(prompt="ab", return_tokens_as_token_ids=True)
     assert resp.token_names(named, lambda t: "text")(42) == "token_id:42"
     usage = {"include_usage": True, "continuous_usage_stats": True}
-    assert chat(stream=True, stream_options=usage).continuous_usage
+    continuous = chat(stream=True, stream_options=usage, n=2)
+    assert continuous.continuous_usage and all(i.continuous_usage for i in continuous.inputs)
+    assert not chat(stream=True).inputs[0].continuous_usage
     assert not chat(stream=True, stream_options={"continuous_usage_stats": True}).continuous_usage
     assert not chat(stream=True, stream_options={"include_usage": True}).continuous_usage
 
