@@ -4,6 +4,7 @@ or go away, as an operator expects when something is killed with SIGKILL."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -16,10 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 import jsonschema
 import openai
 import pytest
 
+from services import up_processes
+from services.gateway.batches import BatchStatus, BatchStore
 from shared.cluster import NIXL_CAPABILITY
 from shared.proto import (
     common_pb2,
@@ -426,10 +430,27 @@ async def test_cancel_storm_leaves_every_pool_free(two_decode_stack: Stack) -> N
         assert reply.usage.completion_tokens == 4
 
 
-def test_kill9_of_the_gateway_frees_every_workers_kv(tiny_bpe_model: Path, tmp_path: Path) -> None:
-    """Streams in flight when the gateway dies: the workers see their calls end and free the KV."""
-    with running_processes(str(tiny_bpe_model), tmp_path) as stack:
+def test_kill9_of_the_gateway_frees_every_workers_kv_and_a_new_gateway_finishes_its_batch(
+    tiny_bpe_model: Path, tmp_path: Path
+) -> None:
+    """Streams in flight when the gateway dies: the workers see their calls end and free the KV.
+    A batch it was running (requests in flight too) is finished by the gateway started after it
+    on the same --batch-dir (its run lock died with it), each request answered once."""
+    batches = tmp_path / "batches"
+    gateway_args = ["--batch-dir", str(batches), "--gateway-arg=--batch-concurrency=2"]
+    with running_processes(str(tiny_bpe_model), tmp_path, up_args=gateway_args) as stack:
         workers = [stack.prefill or "", stack.decode or ""]
+        client = openai.OpenAI(base_url=stack.http_base_url, api_key="none", max_retries=0)
+        bodies = {f"r{i}": {"prompt": f"batch {i}", "max_tokens": 300, "ignore_eos": True} for i in range(6)}
+        lines = [
+            {"custom_id": k, "method": "POST", "url": "/v1/completions", "body": b} for k, b in bodies.items()
+        ]
+        upload = client.files.create(
+            file=("in.jsonl", "".join(json.dumps(x) + "\n" for x in lines).encode()), purpose="batch"
+        )
+        batch = client.batches.create(
+            input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h"
+        )
 
         async def run() -> dict[str, int]:
             ch = grpc.aio.insecure_channel(stack.gateway)
@@ -446,7 +467,52 @@ def test_kill9_of_the_gateway_frees_every_workers_kv(tiny_bpe_model: Path, tmp_p
             return used
 
         used = asyncio.run(run())
-    assert not any(used.values()), f"KV held after the gateway died: {used}"
+        assert not any(used.values()), f"KV held after the gateway died: {used}"
+        left = BatchStore(batches).read(batch.id)  # what the dead gateway left
+        assert left.status == BatchStatus.IN_PROGRESS and left.completed < 6, left
+        successor = _gateway_like_the_stacks(stack, str(tiny_bpe_model), gateway_args, tmp_path)
+        try:
+            client = openai.OpenAI(base_url=stack.http_base_url, api_key="none", max_retries=3)
+            deadline = time.monotonic() + 120
+            while (done := client.batches.retrieve(batch.id)).status not in ("completed", "failed"):
+                assert time.monotonic() < deadline, f"batch not finished: {done}\n{stack.logs()}"
+                time.sleep(0.2)
+            assert done.status == "completed" and done.request_counts is not None
+            assert (done.request_counts.completed, done.request_counts.failed) == (6, 0)
+            assert done.output_file_id is not None
+            out = [json.loads(raw) for raw in client.files.content(done.output_file_id).text.splitlines()]
+            assert sorted(x["custom_id"] for x in out) == sorted(bodies)  # each once
+            assert {x["response"]["body"]["usage"]["completion_tokens"] for x in out} == {300}
+        finally:
+            up_processes.stop_all([successor], grace_s=10.0)
+
+
+def _gateway_like_the_stacks(stack: Stack, model: str, up_args: list[str], log_dir: Path) -> Any:
+    """A gateway process started as `pdserve up` starts the stack's own (same ports, scheduler,
+    cluster token and flags), once the first is dead; returned when its HTTP health answers."""
+    from services import up, up_shape
+
+    args = up._parse(
+        [
+            "--model",
+            model,
+            "--port-base",
+            str(stack.port_base),
+            "--cluster-token",
+            stack.cluster_token,
+            *up_args,
+        ]
+    )
+    child = next(c for c in up_shape.children(args, model) if c.name == "gateway")
+    up_processes.start(child, str(log_dir / "successor"))
+    health = f"http://127.0.0.1:{stack.port_base + 40}/health"
+    deadline = time.monotonic() + 120
+    while True:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(health, timeout=2).status_code == 200:
+                return child
+        assert time.monotonic() < deadline, "the new gateway did not come up"
+        time.sleep(0.2)
 
 
 # Leases short enough that a stopped worker leaves membership in a few seconds.
