@@ -42,6 +42,12 @@ GENERATION_TOKENS = Counter(
 )
 REQUESTS = Counter("pdserve_requests_total", "Finished requests", ["finish_reason", "model"])
 ERRORS = Counter("pdserve_errors_total", "RPCs that ended with an error status", ["code"])
+# The Batch API (gateway): a batch's requests as written to its output file (outcome completed)
+# or error file (failed: answered non-2xx; expired: not run within the window), batches by how
+# they ended, and the batches this gateway runs now
+BATCH_REQUESTS = Counter("pdserve_batch_requests_total", "Requests of batches, by outcome", ["outcome"])
+BATCHES = Counter("pdserve_batches_total", "Batches that ended, by final status", ["status"])
+BATCHES_RUNNING = Gauge("pdserve_batches_running", "Batches this gateway process is running")
 
 # --- prefix cache (tokens) ---
 PREFIX_CACHE_QUERIES = Counter(

@@ -33,6 +33,7 @@ import structlog
 from services.gateway.batch_files import OUTPUT_PURPOSE, FileStore
 from services.gateway.batch_input import BatchLine, parse_input
 from services.gateway.batches import BatchRecord, BatchStatus, BatchStore, LineError, append_line
+from shared import metrics
 from shared.errors import FailedPrecondition
 
 log = structlog.get_logger(__name__)
@@ -121,6 +122,7 @@ class BatchRunner:
             if not mine:
                 return  # another gateway process runs it
             self._cancels[batch_id] = asyncio.Event()
+            metrics.BATCHES_RUNNING.inc()
             try:
                 await self._run(batch_id)
             except asyncio.CancelledError:
@@ -129,6 +131,7 @@ class BatchRunner:
                 log.exception("batch_run_failed", batch_id=batch_id)
             finally:
                 del self._cancels[batch_id]
+                metrics.BATCHES_RUNNING.dec()
 
     async def _run(self, batch_id: str) -> None:
         record = self._batches.read(batch_id)
@@ -167,7 +170,10 @@ class BatchRunner:
                 return replace(r.moved(BatchStatus.FAILED), errors=tuple(errors))
             return replace(r.moved(BatchStatus.IN_PROGRESS), total=len(lines))
 
-        return self._batches.update(record.id, validated)
+        record = self._batches.update(record.id, validated)
+        if record.status == BatchStatus.FAILED:
+            metrics.BATCHES.labels(status=record.status.value).inc()
+        return record
 
     async def _execute(self, record: BatchRecord) -> BatchRecord:
         lines, errors = self._lines(record)
@@ -186,6 +192,7 @@ class BatchRunner:
                 for line in todo:
                     if line.custom_id not in run.finished:
                         append_line(err, _result(line.custom_id, None, EXPIRED_ERROR))
+                        metrics.BATCH_REQUESTS.labels(outcome="expired").inc()
         if stop == "cancelled":
             return self._batches.read(record.id)
         record = self._recount(record)
@@ -210,9 +217,11 @@ class BatchRunner:
             self._path(file_id).touch()
             self._files.seal(file_id, f"{record.id}_{kind}.jsonl", OUTPUT_PURPOSE, record.owner)
         try:
-            return self._batches.update(record.id, lambda r: r.moved(to))
+            record = self._batches.update(record.id, lambda r: r.moved(to))
         except FailedPrecondition:  # already final (another process got there first)
             return self._batches.read(record.id)
+        metrics.BATCHES.labels(status=to.value).inc()
+        return record
 
     # --- one request ---
     async def answer(self, record: BatchRecord, line: BatchLine) -> tuple[int, dict[str, Any], str]:
@@ -296,6 +305,7 @@ class _Run:
         ok = 200 <= status < 300
         response = {"status_code": status, "request_id": request_id, "body": payload}
         append_line(self._out if ok else self._err, _result(line.custom_id, response, None))
+        metrics.BATCH_REQUESTS.labels(outcome="completed" if ok else "failed").inc()
         self.finished.add(line.custom_id)
         self._runner._batches.update(
             self._record.id, lambda r: replace(r, completed=r.completed + ok, failed=r.failed + (not ok))

@@ -20,6 +20,7 @@ from services.gateway.batch_input import parse_input
 from services.gateway.batch_runner import BatchRunner, RunnerSettings
 from services.gateway.batches import ALLOWED, BatchRecord, BatchStatus, BatchStore, new_batch_id
 from shared.errors import FailedPrecondition
+from tests.support.prom import sample_total
 
 CHAT = "/v1/chat/completions"
 FAST = RunnerSettings(concurrency=4, priority=10, max_lines=100, poll_s=0.05, retry_max_s=0.01)
@@ -186,11 +187,17 @@ async def test_results_go_to_the_output_and_error_files_and_overload_is_tried_ag
     folder: Folder, runner: tuple[BatchRunner, FakeAnswer]
 ) -> None:
     running, answer = runner
+    before = {o: sample_total("pdserve_batch_requests_total", outcome=o) for o in ("completed", "failed")}
+    ended = sample_total("pdserve_batches_total", status="completed")
     batch_id = folder.submit(
         jsonl(line("ok", n=1), line("bad", n=2, answer=[400]), line("busy", n=3, answer=[429, 503, 200]))
     )
     running.wake()
     await until(lambda: status_of(folder, batch_id) == BatchStatus.COMPLETED)
+    assert sample_total("pdserve_batch_requests_total", outcome="completed") == before["completed"] + 2
+    assert sample_total("pdserve_batch_requests_total", outcome="failed") == before["failed"] + 1
+    assert sample_total("pdserve_batches_total", status="completed") == ended + 1
+    await until(lambda: sample_total("pdserve_batches_running") == 0)  # it ran, and is no more
     record = folder.batches.read(batch_id)
     assert (record.total, record.completed, record.failed) == (3, 2, 1)
     out, err = folder.results(batch_id)
