@@ -203,6 +203,7 @@ class RankBuilder:
             eos_token_ids=frozenset(self.eos_token_ids),
             max_model_len=self.max_model_len,
             host_cache=host_cache,
+            priority_preemption=cfg.priority_preemption,
         )
         proposer: NgramProposer | DraftProposer | None = None
         if cfg.speculative == "ngram":

@@ -128,6 +128,12 @@ class EngineOptions(BackendOptions, SpecOptions):
         0, "Tokens per forward pass (decode + prefill chunks); 0 = 512 on CPU, 2048 on CUDA"
     )
     max_num_seqs: int = field(64, "Running requests per rank")
+    priority_preemption: bool = field(
+        True,
+        "When every running slot is taken, a waiting request of strictly better (lower) priority "
+        "preempts the worst-priority running one (which recomputes later) instead of waiting for "
+        "it to finish; with every priority equal nothing changes",
+    )
     async_scheduling: bool | None = field(
         None,
         "Schedule and launch the next decode step while the device runs the current one (its "

@@ -6,7 +6,10 @@ priority order, arrival order among equals, so the running requests with the bes
 the step's budget and blocks first, the waiting one with the best priority is admitted next,
 and preemption takes the worst (the newest among equals). With every priority equal (the
 default, 0) this is plain first come first served: `add` appends, a preempted request goes back
-to the front, new running requests are appended (`place`, `place_preempted`).
+to the front, new running requests are appended (`place`, `place_preempted`). With
+`priority_preemption` (on by default), a waiting request of strictly better priority than the worst
+running one does not wait for a sequence slot: the worst is preempted for it (SGLang's priority
+preemption; the Batch API's requests make room for interactive ones this way).
 
 `schedule()` plans the next forward pass (a StepPlan); `update(plan, output)` applies what it
 produced (engine/step.py has the whole step). `on_computed()` records KV progress,
@@ -96,8 +99,11 @@ class Scheduler:
         eos_token_ids: frozenset[int] = frozenset(),
         max_model_len: int = 0,
         host_cache: HostKvCache | None = None,
+        priority_preemption: bool = True,
     ) -> None:
         self.blocks = block_manager
+        # a better-priority waiting request takes the worst running one's sequence slot
+        self.priority_preemption = priority_preemption
         # the prefix cache's host tier (kv_offload.py): where the pool's hits end, a prompt's
         # next blocks may be copied back from it
         self.host_cache = host_cache
@@ -170,11 +176,25 @@ class Scheduler:
         req.num_hashed_blocks = 0
         req.last_block_hash = req.hash_root
 
+    def _make_room_for_better_waiting(self) -> None:
+        """Priority preemption: every sequence slot is taken and the best waiting request has a
+        strictly better priority than the worst running one, which gives up its slot and blocks
+        (it recomputes later). One per step: a slot frees for the next better waiting request
+        at the next step."""
+        if not (self.priority_preemption and self.waiting and self.running):
+            return
+        if len(self.running) < self.max_num_seqs:
+            return
+        victim = preemption_victim(self.running)
+        if self.waiting[0].priority < victim.priority:
+            self.preempt(victim)
+
     def schedule(self) -> StepPlan:
         budget = self.max_batch_tokens
         scheduled: list[ScheduledRequest] = []
         unfittable: list[Request] = []
         preempted = False
+        self._make_room_for_better_waiting()
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]

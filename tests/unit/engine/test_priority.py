@@ -1,5 +1,6 @@
 """Request priority through a real engine (tiny model): with one sequence slot taken, the
-waiting request of better (lower) priority runs first whatever the arrival order, and
+waiting request of better (lower) priority runs first whatever the arrival order (and a strictly
+better one preempts the running request, which then resumes first among its equals), and
 priorities leave each request's tokens unchanged."""
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ async def test_the_better_priority_runs_first_and_outputs_do_not_change(make_eng
         for rid, start, priority in (("batch", 30, 10), ("default", 50, 0), ("urgent", 70, -5))
     ]
     outs = await asyncio.gather(busy, *rest)
-    assert finished == ["busy", "urgent", "default", "batch"]
+    # urgent preempted busy (priority 0) for its slot; busy resumes before default, its equal
+    assert finished == ["urgent", "busy", "default", "batch"]
     # the same requests without priorities, all at once: the same tokens
     plain = [
         tokens_of(await collect(engine.add_request(req(f"p{i}", f, 0)))) for i, f in enumerate((30, 50, 70))

@@ -147,6 +147,35 @@ def test_the_best_priority_waiting_request_is_admitted_first() -> None:
     assert [r.request_id for r in sched.waiting] == ["chat", "batch"]
 
 
+def test_a_better_waiting_request_takes_the_worst_running_ones_slot() -> None:
+    """Every slot taken: a waiting request of strictly better priority preempts the worst running
+    one (the newest among equals); equal or worse ones wait; off, it waits too."""
+    for on in (True, False):
+        sched = Scheduler(
+            BlockManager(64, 4, True), max_batch_tokens=100, max_num_seqs=2, priority_preemption=on
+        )
+        first, second = (
+            make_request("batch1", 4, priority=10),
+            make_request("batch2", 4, first=100, priority=10),
+        )
+        sched.add(first)
+        sched.add(second)
+        step(sched)
+        peer = make_request("peer", 4, first=200, priority=10)  # as good as the worst: waits
+        sched.add(peer)
+        assert step(sched) == {"batch1": 1, "batch2": 1}
+        chat = make_request("chat", 4, first=300, priority=0)
+        sched.add(chat)
+        if not on:
+            assert step(sched) == {"batch1": 1, "batch2": 1}
+            continue
+        assert step(sched) == {"batch1": 1, "chat": 4}  # batch2 (the newest of the worst) made room
+        assert second.status is RequestStatus.PREEMPTED and second.block_ids == []
+        assert [r.request_id for r in sched.waiting] == ["batch2", "peer"]  # back before its equals
+        assert [r.request_id for r in sched.running] == ["chat", "batch1"]
+        assert step(sched) == {"chat": 1, "batch1": 1}  # nothing better waits: no more preemption
+
+
 def test_under_kv_pressure_the_worst_priority_is_preempted_and_runs_last() -> None:
     bm = BlockManager(6, 4, False)
     sched = Scheduler(bm, max_batch_tokens=100, max_num_seqs=8)
