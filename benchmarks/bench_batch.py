@@ -133,6 +133,23 @@ async def condition(client: httpx.AsyncClient, name: str, args: argparse.Namespa
     return row
 
 
+def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per condition the median over the repeats of each figure, and the batch conditions'
+    TTFT and TPOT as ratios to `alone`."""
+    summary: dict[str, dict[str, float]] = {}
+    for name in CONDITIONS:
+        rows = [r for r in runs if r["condition"] == name]
+        summary[name] = {
+            key: statistics.median(r[key] for r in rows)
+            for key in ("ttft_p50_s", "tpot_p50_s", "batch_requests_per_s")
+            if key in rows[0]
+        }
+    for name in CONDITIONS[1:]:
+        for key in ("ttft_p50_s", "tpot_p50_s"):
+            summary[name][key.replace("_s", "_vs_alone")] = summary[name][key] / summary["alone"][key]
+    return summary
+
+
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     with (
         tempfile.TemporaryDirectory() as logs,
@@ -157,17 +174,6 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                     row = await condition(client, name, args)
                     print(json.dumps(row), flush=True)
                     runs.append({"repeat": rep, **row})
-    summary: dict[str, dict[str, float]] = {}
-    for name in CONDITIONS:
-        rows = [r for r in runs if r["condition"] == name]
-        summary[name] = {
-            key: statistics.median(r[key] for r in rows)
-            for key in ("ttft_p50_s", "tpot_p50_s", "batch_requests_per_s")
-            if key in rows[0]
-        }
-    for name in CONDITIONS[1:]:
-        for key in ("ttft_p50_s", "tpot_p50_s"):
-            summary[name][key.replace("_s", "_vs_alone")] = summary[name][key] / summary["alone"][key]
     return {
         "benchmark": "batch",
         "command": "python -m benchmarks.bench_batch" + (" --quick" if args.quick else ""),
@@ -187,7 +193,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "model": "SmolLM2-135M-Instruct (bundled), fp32, pdserve up --unified, 1 torch thread",
         "machine": describe_machine("cpu"),
         "runs": runs,
-        "summary": summary,
+        "summary": summarize(runs),
     }
 
 

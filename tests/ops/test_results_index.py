@@ -15,7 +15,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 # the first part of every result file's name (benchmarks/results/README.md: <benchmark>-<class>)
 BENCHMARKS = (
     "attention-kernel|cuda-attention|cuda-step-profile|engine|goodput|http|linear-kernels|"
-    "kv-offload|lora|ngram-proposer|sampling|sched|serving|soak|spec|stack|step-profile"
+    "kv-offload|lora|ngram-proposer|sampling|sched|serving|soak|spec|stack|step-profile|batch"
 )
 FILE = r"[\w.-]+\.(?:json|png|txt|md)"
 # benchmarks/results/<file> anywhere, or a bare result-file name in backticks or a link target
