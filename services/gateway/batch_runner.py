@@ -104,11 +104,11 @@ class BatchRunner:
         while True:
             self._wake.clear()
             try:
-                for record in self._batches.all():
-                    if not record.final and record.id not in self._running:
-                        task = asyncio.ensure_future(self._claim_and_run(record.id))
-                        self._running[record.id] = task
-                        task.add_done_callback(functools.partial(self._ended, record.id))
+                for batch_id in self._batches.unfinished():
+                    if batch_id not in self._running:
+                        task = asyncio.ensure_future(self._claim_and_run(batch_id))
+                        self._running[batch_id] = task
+                        task.add_done_callback(functools.partial(self._ended, batch_id))
             except OSError as exc:  # the folder went away for a moment: try again at the next poll
                 log.warning("batch_scan_failed", error=str(exc))
             with contextlib.suppress(TimeoutError):

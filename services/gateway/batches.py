@@ -141,6 +141,7 @@ class BatchStore:
     def __init__(self, root: Path) -> None:
         self._dir = root / "batches"
         self._dir.mkdir(parents=True, exist_ok=True)
+        self._final_seen: dict[str, int] = {}  # record file -> its mtime (ns) when seen final
 
     def _path(self, batch_id: str, suffix: str) -> Path:
         if not _ID.fullmatch(batch_id):
@@ -169,6 +170,25 @@ class BatchStore:
             with contextlib.suppress(FileNotFoundError, ValueError, TypeError, KeyError):
                 records.append(_record(json.loads(path.read_text(encoding="utf-8"))))
         return sorted(records, key=lambda r: (r.created_at, r.id))
+
+    def unfinished(self) -> list[str]:
+        """Ids of the batches not yet over, oldest first: what a runner looks for every poll. A
+        record seen final is not read again while its file is unchanged (a folder of many old
+        batches costs a stat each)."""
+        ids = []
+        for path in self._dir.glob("batch_*.json"):
+            try:
+                mtime = path.stat().st_mtime_ns
+                if self._final_seen.get(path.name) == mtime:
+                    continue
+                record = _record(json.loads(path.read_text(encoding="utf-8")))
+            except (FileNotFoundError, ValueError, TypeError, KeyError):
+                continue  # being written, or gone
+            if record.final:
+                self._final_seen[path.name] = mtime
+            else:
+                ids.append((record.created_at, record.id))
+        return [batch_id for _, batch_id in sorted(ids)]
 
     def update(self, batch_id: str, change: Callable[[BatchRecord], BatchRecord]) -> BatchRecord:
         """Applies `change` to the record as it is on disk now, under the record's lock."""

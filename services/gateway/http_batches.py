@@ -12,8 +12,10 @@ the API on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,9 @@ import httpx
 import structlog
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import FileResponse, JSONResponse
-from starlette.datastructures import UploadFile
+from starlette.datastructures import FormData, UploadFile
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.formparsers import MultiPartException
 
 from services.gateway import http_models as m
 from services.gateway import observe
@@ -142,7 +146,7 @@ class BatchApi:
             declared = request.headers.get("content-length", "")
             if declared.isdigit() and int(declared) > self._max_file_bytes + _FORM_SLACK:
                 raise InvalidField(too_large(self._max_file_bytes), "file")
-            async with request.form(max_files=1, max_fields=8) as form:
+            async with _form(request) as form:
                 upload, purpose = form.get("file"), form.get("purpose")
                 if not isinstance(upload, UploadFile):
                     raise InvalidField("send the file as the multipart/form-data field 'file'", "file")
@@ -256,6 +260,20 @@ class BatchApi:
                 "(pdserve up gives it one)"
             )
         return self._files, self._batches
+
+
+@contextlib.asynccontextmanager
+async def _form(request: Request) -> AsyncIterator[FormData]:
+    """The multipart body (one file, a few fields); a malformed one is a 400 naming `file`."""
+    try:
+        form = await request.form(max_files=1, max_fields=8)
+    except (MultiPartException, StarletteHTTPException) as exc:
+        detail = getattr(exc, "detail", None) or getattr(exc, "message", "")
+        raise InvalidField(f"the body must be multipart/form-data with one file: {detail}", "file") from None
+    try:
+        yield form
+    finally:
+        await form.close()
 
 
 def _new_batch(body: CreateBatchRequest, owner: str, files: FileStore) -> BatchRecord:

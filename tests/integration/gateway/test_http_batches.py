@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 import pytest_asyncio
@@ -168,6 +169,14 @@ async def test_keys_see_only_their_own_and_bad_requests_are_refused(stack: HttpS
             with pytest.raises(openai.BadRequestError) as refused:
                 await one.files.create(file=("x.jsonl", b"{}\n"), purpose="fine-tune")
             assert refused.value.body["param"] == "purpose"  # type: ignore[index]
+            headers = {"authorization": "Bearer k1"}
+            async with httpx.AsyncClient(base_url=gateway.http_url or "", headers=headers) as raw:
+                files = [("file", ("a.jsonl", b"{}")), ("file", ("b.jsonl", b"{}"))]
+                for sent in (
+                    await raw.post("/v1/files", files=files, data={"purpose": "batch"}),  # two files
+                    await raw.post("/v1/files", json={"purpose": "batch"}),  # not multipart
+                ):
+                    assert sent.status_code == 400 and sent.json()["error"]["param"] == "file", sent.text
         finally:
             for client in (one, two, anonymous):
                 await client.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -306,3 +307,16 @@ async def test_two_runners_on_one_folder_never_run_the_same_batch(folder: Folder
         await two.close()
     out, _ = folder.results(batch_id)
     assert sorted(out) == [f"r{i}" for i in range(6)] and len(second.calls) == 6
+
+
+def test_the_scan_lists_unfinished_batches_and_reads_a_final_one_once(folder: Folder) -> None:
+    done, running = folder.submit(jsonl(line("a"))), folder.submit(jsonl(line("b")))
+    folder.batches.update(done, lambda r: r.moved(BatchStatus.FAILED))
+    assert folder.batches.unfinished() == [running]
+    path = folder.root / "batches" / f"{done}.json"
+    stamp = path.stat()
+    path.write_text("not read again")  # the same mtime: the final record is not parsed again
+    os.utime(path, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    assert folder.batches.unfinished() == [running]
+    folder.batches.update(running, lambda r: r.moved(BatchStatus.CANCELLING))
+    assert folder.batches.unfinished() == [running]  # cancelling is not over yet
