@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,28 @@ class CreateBatchRequest(m._Request):
     endpoint: str
     completion_window: str
     metadata: dict[str, str] | None = None
+
+
+Answered = dict[str, Any] | Response  # a route's JSON body, or its whole response
+Route = Callable[..., Awaitable[Answered]]
+
+
+def _answered(statuses: dict[grpc.StatusCode, tuple[int, str]] | None = None) -> Callable[[Route], Route]:
+    """A route's failures as OpenAI error responses (`statuses`: its own HTTP status for some
+    codes), its dict answers as JSON."""
+
+    def wrap(route: Route) -> Route:
+        @functools.wraps(route)
+        async def answer(*args: Any, **kwargs: Any) -> Response:
+            try:
+                answered = await route(*args, **kwargs)
+            except Exception as exc:
+                return _fail(exc, statuses)
+            return answered if isinstance(answered, Response) else JSONResponse(answered)
+
+        return answer
+
+    return wrap
 
 
 class InProcessAnswer:
@@ -128,7 +151,7 @@ class BatchApi:
             ("/v1/batches/{batch_id}", self.batch, "GET"),
             ("/v1/batches/{batch_id}/cancel", self.cancel, "POST"),
         ):
-            app.add_api_route(path, route, methods=[method])
+            app.add_api_route(path, route, methods=[method], response_model=None)
 
     def start(self) -> None:
         if self._runner is not None:
@@ -140,108 +163,91 @@ class BatchApi:
         await self._answer.close()
 
     # --- files ---
-    async def upload(self, request: Request) -> Response:
-        try:
-            files, owner = self._open(request)
-            declared = request.headers.get("content-length", "")
-            if declared.isdigit() and int(declared) > self._max_file_bytes + _FORM_SLACK:
-                raise InvalidField(too_large(self._max_file_bytes), "file")
-            async with _form(request) as form:
-                upload, purpose = form.get("file"), form.get("purpose")
-                if not isinstance(upload, UploadFile):
-                    raise InvalidField("send the file as the multipart/form-data field 'file'", "file")
-                if not isinstance(purpose, str):
-                    raise InvalidField("purpose is required: 'batch'", "purpose")
-                name = upload.filename or "upload.jsonl"
-                record = await asyncio.to_thread(
-                    files.add, upload.file, name, purpose, owner, self._max_file_bytes
+    @_answered()
+    async def upload(self, request: Request) -> Answered:
+        files, owner = self._open(request)
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self._max_file_bytes + _FORM_SLACK:
+            raise InvalidField(too_large(self._max_file_bytes), "file")
+        async with _form(request) as form:
+            upload, purpose = form.get("file"), form.get("purpose")
+            if not isinstance(upload, UploadFile):
+                raise InvalidField("send the file as the multipart/form-data field 'file'", "file")
+            if not isinstance(purpose, str):
+                raise InvalidField("purpose is required: 'batch'", "purpose")
+            name = upload.filename or "upload.jsonl"
+            record = await asyncio.to_thread(
+                files.add, upload.file, name, purpose, owner, self._max_file_bytes
+            )
+        return record.body()
+
+    @_answered()
+    async def list_files(self, request: Request) -> Answered:
+        files, owner = self._open(request)
+        records = [r.body() for r in files.list(owner, request.query_params.get("purpose") or None)]
+        if request.query_params.get("order") == "asc":
+            records.reverse()
+        return _page(records, request, default_limit=10000)
+
+    @_answered()
+    async def file(self, request: Request, file_id: str) -> Answered:
+        files, owner = self._open(request)
+        return files.get(file_id, owner).body()
+
+    @_answered()
+    async def content(self, request: Request, file_id: str) -> Answered:
+        files, owner = self._open(request)
+        name = files.get(file_id, owner).filename
+        return FileResponse(files.data_path(file_id), media_type="application/octet-stream", filename=name)
+
+    @_answered(_STATE_STATUSES)
+    async def delete_file(self, request: Request, file_id: str) -> Answered:
+        files, owner = self._open(request)
+        files.get(file_id, owner)
+        for record in self._stores()[1].all():
+            if not record.final and file_id in (
+                record.input_file_id,
+                record.output_file_id,
+                record.error_file_id,
+            ):
+                raise FailedPrecondition(
+                    f"file {file_id} is used by {record.id}, which is {record.status.value}; "
+                    "cancel the batch or wait for it to end"
                 )
-        except Exception as exc:
-            return _fail(exc)
-        return JSONResponse(record.body())
-
-    async def list_files(self, request: Request) -> Response:
-        try:
-            files, owner = self._open(request)
-            purpose = request.query_params.get("purpose") or None
-            records = [r.body() for r in files.list(owner, purpose)]
-            if request.query_params.get("order") == "asc":
-                records.reverse()
-            return JSONResponse(_page(records, request, default_limit=10000))
-        except Exception as exc:
-            return _fail(exc)
-
-    async def file(self, request: Request, file_id: str) -> Response:
-        try:
-            files, owner = self._open(request)
-            return JSONResponse(files.get(file_id, owner).body())
-        except Exception as exc:
-            return _fail(exc)
-
-    async def content(self, request: Request, file_id: str) -> Response:
-        try:
-            files, owner = self._open(request)
-            record = files.get(file_id, owner)
-            return FileResponse(files.data_path(file_id), media_type="application/octet-stream",
-                                filename=record.filename)  # fmt: skip
-        except Exception as exc:
-            return _fail(exc)
-
-    async def delete_file(self, request: Request, file_id: str) -> Response:
-        try:
-            files, owner = self._open(request)
-            files.get(file_id, owner)
-            for record in self._stores()[1].all():
-                used = (record.input_file_id, record.output_file_id, record.error_file_id)
-                if not record.final and file_id in used:
-                    raise FailedPrecondition(
-                        f"file {file_id} is used by {record.id}, which is {record.status.value}; "
-                        "cancel the batch or wait for it to end"
-                    )
-            files.delete(file_id, owner)
-        except Exception as exc:
-            return _fail(exc, _STATE_STATUSES)
-        return JSONResponse({"id": file_id, "object": "file", "deleted": True})
+        files.delete(file_id, owner)
+        return {"id": file_id, "object": "file", "deleted": True}
 
     # --- batches ---
-    async def create(self, request: Request) -> Response:
-        try:
-            files, owner = self._open(request)
-            body = await read_json(request, CreateBatchRequest, self._max_body_bytes)
-            record = _new_batch(body, owner, files)
-            self._stores()[1].create(record)
-        except Exception as exc:
-            return _fail(exc)
+    @_answered()
+    async def create(self, request: Request) -> Answered:
+        files, owner = self._open(request)
+        body = await read_json(request, CreateBatchRequest, self._max_body_bytes)
+        record = _new_batch(body, owner, files)
+        self._stores()[1].create(record)
         assert self._runner is not None
         self._runner.wake()
-        return JSONResponse(record.body())
+        return record.body()
 
-    async def list_batches(self, request: Request) -> Response:
-        try:
-            _, owner = self._open(request)
-            records = [r.body() for r in reversed(self._stores()[1].all()) if r.owner == owner]
-            return JSONResponse(_page(records, request, default_limit=20))
-        except Exception as exc:
-            return _fail(exc)
+    @_answered()
+    async def list_batches(self, request: Request) -> Answered:
+        _, owner = self._open(request)
+        records = [r.body() for r in reversed(self._stores()[1].all()) if r.owner == owner]
+        return _page(records, request, default_limit=20)
 
-    async def batch(self, request: Request, batch_id: str) -> Response:
-        try:
-            _, owner = self._open(request)
-            return JSONResponse(self._stores()[1].get(batch_id, owner).body())
-        except Exception as exc:
-            return _fail(exc)
+    @_answered()
+    async def batch(self, request: Request, batch_id: str) -> Answered:
+        _, owner = self._open(request)
+        return self._stores()[1].get(batch_id, owner).body()
 
-    async def cancel(self, request: Request, batch_id: str) -> Response:
-        try:
-            _, owner = self._open(request)
-            batches = self._stores()[1]
-            batches.get(batch_id, owner)
-            record = batches.update(batch_id, _cancelling)
-        except Exception as exc:
-            return _fail(exc, _STATE_STATUSES)
+    @_answered(_STATE_STATUSES)
+    async def cancel(self, request: Request, batch_id: str) -> Answered:
+        _, owner = self._open(request)
+        batches = self._stores()[1]
+        batches.get(batch_id, owner)
+        record = batches.update(batch_id, _cancelling)
         assert self._runner is not None
         self._runner.cancelled(batch_id)
-        return JSONResponse(record.body())
+        return record.body()
 
     # --- helpers ---
     def _open(self, request: Request) -> tuple[FileStore, str]:

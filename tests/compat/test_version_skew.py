@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 from collections.abc import AsyncIterator
@@ -71,7 +72,13 @@ class Gateway:
 
 @pytest.fixture
 async def gateway(old_worker: str, tiny_model: Path) -> AsyncIterator[Gateway]:
-    scheduler = OneWorkerScheduler(old_worker)
+    async with gateway_over(OneWorkerScheduler(old_worker), tiny_model) as served:
+        yield served
+
+
+@contextlib.asynccontextmanager
+async def gateway_over(scheduler: OneWorkerScheduler, tiny_model: Path) -> AsyncIterator[Gateway]:
+    """A real gateway in front of `scheduler` (which routes to the old worker)."""
     sched_server = grpc.aio.server()
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(scheduler, sched_server)
     port = sched_server.add_insecure_port("127.0.0.1:0")
@@ -431,34 +438,18 @@ async def test_allowed_token_ids_and_bad_words_never_reach_a_worker_older_than_1
     from services.worker.messages import CAPABILITIES
 
     before = tuple(c for c in CAPABILITIES if c not in ("allowed_token_ids", "bad_words"))
-    scheduler = CapableScheduler(old_worker, capabilities=before)
-    sched_server = grpc.aio.server()
-    scheduler_pb2_grpc.add_SchedulerServicer_to_server(scheduler, sched_server)
-    port = sched_server.add_insecure_port("127.0.0.1:0")
-    await sched_server.start()
-    settings = GatewaySettings(
-        listen="127.0.0.1:0", metrics_port=-1, scheduler_address=f"127.0.0.1:{port}", model=str(tiny_model)
-    )
-    app = build_app(settings)
-    await app.start()
-    channel = grpc.aio.insecure_channel(app.server.address)
-    stub = gateway_pb2_grpc.GatewayStub(channel)
-    try:
-        for field, extra in (
+    async with gateway_over(CapableScheduler(old_worker, capabilities=before), tiny_model) as served:
+        for field_name, extra in (
             ("allowed_token_ids", {"allowed_token_ids": [3]}),
             ("bad_words", {"bad_words": ["fox"]}),
         ):
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await stub.Complete(
-                    gateway_pb2.GenerateRequest(request_id=f"stop-{field}", prompt="hi", **extra)
+                await served.stub.Complete(
+                    gateway_pb2.GenerateRequest(request_id=f"stop-{field_name}", prompt="hi", **extra)
                 )
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert f"lacks {field}" in (err.value.details() or "")
-        done = await stub.Complete(
+            assert f"lacks {field_name}" in (err.value.details() or "")
+        done = await served.stub.Complete(
             gateway_pb2.GenerateRequest(request_id="stop-plain", prompt="hi", max_tokens=8)
         )
         assert done.finish_reason == STOP
-    finally:
-        await channel.close()
-        await app.stop(0)
-        await sched_server.stop(0)
