@@ -126,18 +126,22 @@ class FileStore:
             raise NotFound(f"no file {file_id!r}")
         return record
 
-    def list(self, owner: str, purpose: str | None = None) -> list[FileRecord]:
-        """The owner's files, newest first."""
+    def list(self, owner: str | None, purpose: str | None = None) -> list[FileRecord]:
+        """The owner's files (None: everyone's), newest first."""
         records = []
         for path in self._dir.glob("file-*.json"):
             with contextlib.suppress(FileNotFoundError, ValueError, TypeError):
                 record = FileRecord(**json.loads(path.read_text(encoding="utf-8")))
-                if record.owner == owner and purpose in (None, record.purpose):
+                if owner in (None, record.owner) and purpose in (None, record.purpose):
                     records.append(record)
         return sorted(records, key=lambda r: (r.created_at, r.id), reverse=True)
 
     def delete(self, file_id: str, owner: str) -> None:
         self.get(file_id, owner)
+        self.remove(file_id)
+
+    def remove(self, file_id: str) -> None:
+        """Deletes a file (or what a batch wrote of one) whatever its owner; gone is no error."""
         path = self.data_path(file_id)
         path.with_name(file_id + ".json").unlink(missing_ok=True)  # gone for readers first
         path.unlink(missing_ok=True)

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -32,6 +33,7 @@ import structlog
 
 from services.gateway.batch_files import OUTPUT_PURPOSE, FileStore
 from services.gateway.batch_input import BatchLine, parse_input
+from services.gateway.batch_retention import expired
 from services.gateway.batches import BatchRecord, BatchStatus, BatchStore, LineError, append_line
 from shared import metrics
 from shared.errors import FailedPrecondition
@@ -57,6 +59,8 @@ class RunnerSettings:
     max_lines: int  # most requests in one input file (count)
     poll_s: float = 2.0  # how often the store is scanned for batches to run, and cancels (s)
     retry_max_s: float = 30.0  # longest wait between tries of a request answered 429/503 (s)
+    retention_s: float = 0.0  # how long finished batches and uploads are kept; 0 = forever (s)
+    prune_every_s: float = 600.0  # how often what retention_s let go is deleted (s)
 
 
 class BatchRunner:
@@ -101,9 +105,13 @@ class BatchRunner:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _loop(self) -> None:
+        pruned_at = -math.inf
         while True:
             self._wake.clear()
             try:
+                if self._clock() - pruned_at >= self._settings.prune_every_s:
+                    pruned_at = self._clock()
+                    self._prune()
                 for batch_id in self._batches.unfinished():
                     if batch_id not in self._running:
                         task = asyncio.ensure_future(self._claim_and_run(batch_id))
@@ -113,6 +121,16 @@ class BatchRunner:
                 log.warning("batch_scan_failed", error=str(exc))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self._settings.poll_s)
+
+    def _prune(self) -> None:
+        """Deletes the batches and files --batch-retention-s let go (batch_retention.py)."""
+        gone = expired(self._batches.all(), self._files.list(None), self._clock(), self._settings.retention_s)
+        for batch_id in gone.batch_ids:
+            self._batches.remove(batch_id)
+        for file_id in gone.file_ids:
+            self._files.remove(file_id)
+        if gone.batch_ids or gone.file_ids:
+            log.info("batch_retention", batches=len(gone.batch_ids), files=len(gone.file_ids))
 
     def _ended(self, batch_id: str, _: asyncio.Task[None]) -> None:
         self._running.pop(batch_id, None)

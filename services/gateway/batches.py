@@ -90,6 +90,11 @@ class BatchRecord:
     def final(self) -> bool:
         return not ALLOWED[self.status]
 
+    @property
+    def ended_at(self) -> int | None:
+        """When the batch became final (unix s); None while it is not."""
+        return self.times.get(self.status.value) if self.final else None
+
     def moved(self, to: BatchStatus, now: int | None = None) -> BatchRecord:
         if to not in ALLOWED[self.status]:
             raise FailedPrecondition(f"batch {self.id} is {self.status.value}; it cannot become {to.value}")
@@ -196,6 +201,12 @@ class BatchStore:
             record = change(self.read(batch_id))
             write_json_atomically(self._path(batch_id, ".json"), _plain(record))
             return record
+
+    def remove(self, batch_id: str) -> None:
+        """Deletes a batch's record and lock files (gone is no error)."""
+        for suffix in (".json", ".lock", ".run"):
+            self._path(batch_id, suffix).unlink(missing_ok=True)
+        self._final_seen.pop(batch_id + ".json", None)
 
     @contextlib.contextmanager
     def claim(self, batch_id: str) -> Iterator[bool]:

@@ -146,6 +146,7 @@ def build_app(settings: GatewaySettings) -> GatewayApp:
             settings.batch_priority,
             settings.max_batch_lines,
             settings.batch_poll_s,
+            retention_s=settings.batch_retention_s,
         ),
         settings.max_batch_file_bytes,
         settings.http_max_body_bytes,

@@ -156,6 +156,11 @@ class GatewaySettings(TlsSettings):
     batch_poll_s: float = field(
         2.0, "how often batches are looked for (those left by a gateway that died) and cancels (s)"
     )
+    batch_retention_s: float = field(
+        30 * 24 * 3600.0,
+        "how long a finished batch (its record, output and error files) is kept after it ended, "
+        "and an uploaded file after it was made unless an unfinished batch reads it; 0 = forever (s)",
+    )
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -184,8 +189,8 @@ class GatewaySettings(TlsSettings):
             raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
         if self.batch_concurrency < 1 or self.max_batch_lines < 1 or self.max_batch_file_bytes < 1:
             raise ValueError("batch_concurrency, max_batch_lines and max_batch_file_bytes must be >= 1")
-        if self.batch_poll_s <= 0:
-            raise ValueError(f"batch_poll_s must be > 0, got {self.batch_poll_s}")
+        if self.batch_poll_s <= 0 or self.batch_retention_s < 0:
+            raise ValueError("batch_poll_s must be > 0 and batch_retention_s >= 0")
 
 
 def load_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> GatewaySettings:

@@ -7,8 +7,10 @@ runners on one folder never run the same batch."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -16,8 +18,9 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from services.gateway.batch_files import FileStore, new_file_id
+from services.gateway.batch_files import FileRecord, FileStore, new_file_id
 from services.gateway.batch_input import parse_input
+from services.gateway.batch_retention import Expired, expired
 from services.gateway.batch_runner import BatchRunner, RunnerSettings
 from services.gateway.batches import ALLOWED, BatchRecord, BatchStatus, BatchStore, new_batch_id
 from shared.errors import FailedPrecondition
@@ -320,3 +323,53 @@ def test_the_scan_lists_unfinished_batches_and_reads_a_final_one_once(folder: Fo
     assert folder.batches.unfinished() == [running]
     folder.batches.update(running, lambda r: r.moved(BatchStatus.CANCELLING))
     assert folder.batches.unfinished() == [running]  # cancelling is not over yet
+
+
+# --- retention ---
+def test_retention_lets_finished_batches_and_unused_uploads_go() -> None:
+    day = 86_400
+    old_done = BatchRecord(
+        **{**_record("file-in-old").__dict__, "status": BatchStatus.COMPLETED, "times": {"completed": 10}}
+    )
+    new_done = BatchRecord(
+        **{
+            **_record("file-in-new").__dict__,
+            "status": BatchStatus.CANCELLED,
+            "times": {"cancelled": 5 * day},
+        }
+    )
+    running = BatchRecord(**{**_record("file-in-run").__dict__, "created_at": 0})
+    uploads = [
+        FileRecord(f, 1, 0, "in.jsonl", "batch", "") for f in ("file-in-old", "file-in-new", "file-in-run")
+    ]
+    gone = expired([old_done, new_done, running], uploads, now=5 * day, retention_s=2 * day)
+    assert gone.batch_ids == (old_done.id,)  # ended long ago; the other ended just now, one runs
+    # the old batch's results, and the uploads no unfinished batch reads
+    assert set(gone.file_ids) == {
+        old_done.output_file_id,
+        old_done.error_file_id,
+        "file-in-old",
+        "file-in-new",
+    }
+    assert expired([old_done], uploads, now=5 * day, retention_s=0) == Expired((), ())  # 0: forever
+
+
+async def test_the_runner_deletes_what_retention_let_go(folder: Folder) -> None:
+    now = [1_000.0]
+    answer = FakeAnswer()
+    settings = dataclasses.replace(FAST, retention_s=100.0, prune_every_s=0.0)
+    running = BatchRunner(folder.files, folder.batches, answer, settings, clock=lambda: now[0])
+    batch_id = folder.submit(jsonl(line("a")))
+    running.start()
+    try:
+        await until(lambda: status_of(folder, batch_id) == BatchStatus.COMPLETED)
+        record = folder.batches.read(batch_id)
+        kept = {f.id for f in folder.files.list(None)}
+        assert {record.input_file_id, record.output_file_id} <= kept
+        now[0] = time.time() + 101  # past the retention of what it wrote (time-stamped now)
+        running.wake()
+        await until(lambda: not folder.files.list(None) and not folder.batches.all())
+    finally:
+        await running.close()
+    assert not folder.files.data_path(record.output_file_id).exists()
+    assert sorted(p.name for p in (folder.root / "batches").iterdir()) == []
