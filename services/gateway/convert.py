@@ -39,6 +39,13 @@ _FRAME_KIND_TO_PB = {
     OutputFrameKind.FINAL: gateway_pb2.FRAME_KIND_FINAL,
 }
 
+# an unknown enum value (a newer client) stays as its number: validation refuses it by name
+_TRUNCATION_SIDES = {
+    gateway_pb2.TRUNCATION_SIDE_UNSPECIFIED: "left",  # vLLM's default
+    gateway_pb2.TRUNCATION_SIDE_LEFT: "left",
+    gateway_pb2.TRUNCATION_SIDE_RIGHT: "right",
+}
+
 
 # --- public API ---
 def generate_input(req: gateway_pb2.GenerateRequest) -> GenerateInput:
@@ -58,6 +65,7 @@ def generate_input(req: gateway_pb2.GenerateRequest) -> GenerateInput:
         continue_final_message=req.continue_final_message,
         add_generation_prompt=req.add_generation_prompt if req.HasField("add_generation_prompt") else True,
         truncate_prompt_tokens=req.truncate_prompt_tokens if req.HasField("truncate_prompt_tokens") else None,
+        truncation_side=_TRUNCATION_SIDES.get(req.truncation_side, f"TruncationSide {req.truncation_side}"),
         seed=req.seed if req.HasField("seed") else None,
         stop=tuple(req.stop),
         stop_token_ids=tuple(req.stop_token_ids),
@@ -121,7 +129,8 @@ def generate_response(frame: OutputFrame) -> gateway_pb2.GenerateResponse:
         cached_tokens=frame.cached_tokens,
         model=frame.model,
         logprobs=logprobs_to_pb(frame.logprobs),
-        prompt_token_ids=frame.prompt_token_ids,
+        # the gRPC API sends the prompt's ids with its prompt logprobs only (gateway.proto)
+        prompt_token_ids=frame.prompt_token_ids if frame.prompt_logprobs else (),
         prompt_logprobs=logprobs_to_pb(frame.prompt_logprobs),
     )
     if frame.usage is not None:
@@ -138,7 +147,7 @@ def complete_response(done: Completion) -> gateway_pb2.CompleteResponse:
         usage=usage_to_pb(done.usage),
         model=done.model,
         logprobs=logprobs_to_pb(done.logprobs),
-        prompt_token_ids=done.prompt_token_ids,
+        prompt_token_ids=done.prompt_token_ids if done.prompt_logprobs else (),
         prompt_logprobs=logprobs_to_pb(done.prompt_logprobs),
     )
 

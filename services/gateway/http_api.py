@@ -276,7 +276,15 @@ class HttpApi:
             span.end()
             text_of = self._service.token_text
             payload = completion_body(
-                plan, result, request_id, created, chat, text_of, echoes, self._service.decode
+                plan,
+                result,
+                request_id,
+                created,
+                chat,
+                text_of,
+                echoes,
+                self._service.decode,
+                self._service.output_text,
             )
             if asked is not None:
                 assert isinstance(payload, m.ChatCompletion)
@@ -289,7 +297,8 @@ class HttpApi:
             span.end()
 
         text_of, decode = self._service.token_text, self._service.decode
-        stream = events(plan, run, result, request_id, created, chat, text_of, echoes, decode)
+        output_text = self._service.output_text
+        stream = events(plan, run, result, request_id, created, chat, text_of, echoes, decode, output_text)
         if asked is not None:
             stream = responses_api.events(asked, stream, request_id, created, result[0][1].model)
         return EventStream(stream, close, headers)

@@ -75,6 +75,7 @@ class Plan:
     continuous_usage: bool = False  # vLLM's continuous_usage_stats: every chunk carries usage
     role: str = "assistant"  # chat: the reply's role (vLLM's, http_chat.reply_role)
     chat_echo: str | None = None  # chat's echo: the text every choice's content starts with
+    return_token_ids: bool = False  # vLLM's: the prompt's and every choice's ids are shown
 
 
 # --- requests ---
@@ -262,9 +263,11 @@ def _common(req: m._GenerationRequest, max_tokens: int | None) -> dict[str, Any]
         stop_token_ids=tuple(req.stop_token_ids or ()),
         include_stop_in_output=req.include_stop_str_in_output,
         truncate_prompt_tokens=req.truncate_prompt_tokens,
+        truncation_side="left" if req.truncation_side is None else req.truncation_side,  # vLLM's default
         cache_salt=req.cache_salt or "",
         skip_special_tokens=req.skip_special_tokens,
         ignore_eos=req.ignore_eos,
+        return_token_ids=bool(req.return_token_ids or req.stop or req.stop_token_ids),  # stop_reason's too
     )
 
 
@@ -306,6 +309,7 @@ def _plan(
         tools,
         return_tokens_as_token_ids=req.return_tokens_as_token_ids,
         continuous_usage=continuous_usage,
+        return_token_ids=bool(req.return_token_ids),
     )
 
 

@@ -9,10 +9,25 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializeAsAny,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+)
 
 # the efforts OpenAI and vLLM accept ("max": DeepSeek's); "none" turns a template's thinking off
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+
+# vLLM's stop_reason: the stop string or stop token id that ended a choice, None otherwise
+StopReason = int | str | None
+
+
+def _unless_none(value: Any) -> bool:
+    """exclude_if of vLLM's extra fields: left out of the JSON unless asked for."""
+    return value is None
 
 
 class _Request(BaseModel):
@@ -68,8 +83,12 @@ class _GenerationRequest(_Request):
     # vLLM's: token ids that end generation too; the stop string or token kept in the output
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
-    # vLLM's: keep only the prompt's last k tokens (after the chat template); None = all
-    truncate_prompt_tokens: int | None = Field(default=None, description="keep the prompt's last k tokens")
+    # vLLM's: keep only k of the prompt's tokens (after the chat template); None = all
+    truncate_prompt_tokens: int | None = Field(default=None, description="keep k of the prompt's tokens")
+    # vLLM's: which k, "left" (cut on the left: the last k; the default) or "right" (the first k)
+    truncation_side: str | None = None
+    # vLLM's: the generated token ids per choice and the prompt's (RL and agent frameworks)
+    return_token_ids: bool | None = None
     # vLLM's: the prompt is cached and found only under this salt (per-tenant cache isolation)
     cache_salt: str | None = None
     # vLLM's: false shows the text of special tokens the model writes (never a terminating EOS)
@@ -263,6 +282,9 @@ class ChatChoice(BaseModel):
     message: SerializeAsAny[AssistantMessage]  # a ReasoningMessage keeps its reasoning_content
     finish_reason: str
     logprobs: ChatLogprobs | None = None
+    stop_reason: StopReason = None  # vLLM's, always there
+    # vLLM's return_token_ids: the generated ids (as many as the choice's completion tokens)
+    token_ids: list[int] | None = Field(default=None, exclude_if=_unless_none)
 
 
 class ChatCompletion(BaseModel):
@@ -274,6 +296,8 @@ class ChatCompletion(BaseModel):
     usage: Usage
     # vLLM's, with prompt_logprobs (left out otherwise)
     prompt_logprobs: PromptLogprobs | None = Field(default=None, exclude_if=lambda v: v is None)
+    # vLLM's return_token_ids: the prompt's ids (every choice's; left out otherwise)
+    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=_unless_none)
 
 
 class CompletionChoice(BaseModel):
@@ -283,6 +307,10 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     # vLLM's, with prompt_logprobs or echo + logprobs (left out otherwise)
     prompt_logprobs: PromptLogprobs | None = Field(default=None, exclude_if=lambda v: v is None)
+    stop_reason: StopReason = None  # vLLM's, always there
+    # vLLM's return_token_ids: this choice's prompt and generated ids (left out otherwise)
+    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=_unless_none)
+    token_ids: list[int] | None = Field(default=None, exclude_if=_unless_none)
 
 
 class Completion(BaseModel):
@@ -294,12 +322,27 @@ class Completion(BaseModel):
     usage: Usage
 
 
-class ChatChunkChoice(BaseModel):
+class _FinishedChunkChoice(BaseModel):
+    """A streamed choice whose chunk with finish_reason carries vLLM's stop_reason (null or
+    not); other chunks have no stop_reason key (the per-token chunks stay as they were)."""
+
+    @model_serializer(mode="wrap")
+    def _stop_reason_when_finished(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        if getattr(self, "finish_reason", None) is None:
+            data.pop("stop_reason", None)
+        return data
+
+
+class ChatChunkChoice(_FinishedChunkChoice):
     index: int
     # {"role": "assistant", "content": ""} first, then {"content": text}, {"tool_calls": [...]} or {}
     delta: dict[str, Any]
     finish_reason: str | None = None
     logprobs: ChatLogprobs | None = None
+    stop_reason: StopReason = None  # with finish_reason only
+    # vLLM's return_token_ids: the ids generated since the choice's previous chunk
+    token_ids: list[int] | None = Field(default=None, exclude_if=_unless_none)
 
 
 class ChatCompletionChunk(BaseModel):
@@ -309,13 +352,20 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    # vLLM's return_token_ids: on each choice's first (role) chunk
+    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=_unless_none)
 
 
-class CompletionChunkChoice(BaseModel):
+class CompletionChunkChoice(_FinishedChunkChoice):
     index: int
     text: str
     finish_reason: str | None = None
     logprobs: CompletionLogprobs | None = None
+    stop_reason: StopReason = None  # with finish_reason only
+    # vLLM's return_token_ids: the prompt's ids on the choice's first chunk, and the ids generated
+    # since its previous chunk
+    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=_unless_none)
+    token_ids: list[int] | None = Field(default=None, exclude_if=_unless_none)
 
 
 class CompletionChunk(BaseModel):

@@ -12,6 +12,7 @@ from services.gateway import http_models as m
 from services.gateway import reasoning, tool_calls
 from services.gateway.accounting import Usage
 from services.gateway.http_convert import Plan
+from services.gateway.http_token_ids import ChoiceIds, OutputText
 from services.gateway.inputs import GenerateInput, TokenLogprob
 from services.gateway.ports import ModelCard
 from services.gateway.reasoning import Decode
@@ -147,8 +148,13 @@ def echo_text(inp: GenerateInput, decode: Callable[[tuple[int, ...]], str]) -> s
 
 
 def echoes(plan: Plan, decode: Callable[[tuple[int, ...]], str]) -> list[str] | None:
-    """Completions with echo: each choice's prompt text (None without echo)."""
-    return [echo_text(inp, decode) for inp in plan.inputs] if plan.echo else None
+    """Completions with echo: each choice's prompt text (None without echo); "" with vLLM's
+    return_token_ids, as vLLM (the prompt is in prompt_token_ids; its logprobs stay)."""
+    if not plan.echo:
+        return None
+    if plan.return_token_ids:
+        return [""] * len(plan.inputs)
+    return [echo_text(inp, decode) for inp in plan.inputs]
 
 
 def echoed_logprobs(
@@ -273,8 +279,12 @@ def completion_body(
     token_text: Callable[[int], str],
     echoes: list[str] | None = None,
     decode: Decode | None = None,
+    output_text: OutputText | None = None,
 ) -> m.ChatCompletion | m.Completion:
-    """`decode` (token ids -> text): needed with plan.reasoning, to count reasoning tokens."""
+    """`decode` (token ids -> text): needed with plan.reasoning, to count reasoning tokens;
+    `output_text` (ids -> the workers' text): where vLLM's stop_reason is read when the request
+    has stop strings (http_token_ids)."""
+    extras = [ChoiceIds.of(plan, i, c, output_text or (lambda ids, skip: "")) for i, c in enumerate(done)]
     thought_tokens = None
     if plan.reasoning is not None:
         assert decode is not None
@@ -296,6 +306,8 @@ def completion_body(
                     message=message,
                     finish_reason=chat_finish_reason(c.finish_reason.value, called),
                     logprobs=chat_logprobs(c.logprobs, token_text, name) if wants[i] else None,
+                    stop_reason=extras[i].stop_reason,
+                    token_ids=extras[i].token_ids,
                 )
             )
         return m.ChatCompletion(
@@ -306,6 +318,7 @@ def completion_body(
             usage=total,
             # every choice ran the same prompt: the first one's
             prompt_logprobs=None if shown is None else prompt_logprobs(done[0], shown, token_text),
+            prompt_token_ids=extras[0].prompt_token_ids,
         )
     return m.Completion(
         id=completion_id(request_id),
@@ -320,6 +333,9 @@ def completion_body(
                     _text_logprobs(c, name, bool(echoes), plan.inputs[i].logprobs) if wants[i] else None
                 ),
                 prompt_logprobs=None if shown is None else prompt_logprobs(c, shown, token_text),
+                stop_reason=extras[i].stop_reason,
+                prompt_token_ids=extras[i].prompt_token_ids,
+                token_ids=extras[i].token_ids,
             )
             for i, c in enumerate(done)
         ],

@@ -33,21 +33,41 @@ class ChunkTemplate:
             f'data: {{"id":{json_str(response_id)},"object":"{kind}","created":{created},'
             f'"model":{json_str(model)},"choices":[{{"index":'
         )
-        self._tail = ',"logprobs":null}]' + (',"usage":null' if include_usage else "") + "}\n\n"
+        self._end = (',"usage":null' if include_usage else "") + "}\n\n"  # after the choices
+        self._tail = ',"logprobs":null}]' + self._end
 
     def event(
-        self, index: int, text: str, finish_reason: str | None, key: str = "content", usage: str | None = None
+        self,
+        index: int,
+        text: str,
+        finish_reason: str | None,
+        key: str = "content",
+        usage: str | None = None,
+        stop_reason: int | str | None = None,
     ) -> str:
         """The event of choice `index`'s chunk: chat, a delta `{key: text}` (`{}` when text is
         empty; key "content", or "reasoning_content" with --reasoning-parser); completions, its
-        `text`; `finish_reason` null unless given; `usage` (JSON, vLLM's continuous usage) in
-        place of the null."""
+        `text`; `finish_reason` null unless given, and with it vLLM's `stop_reason` (null unless
+        given); `usage` (JSON, vLLM's continuous usage) in place of the null."""
         reason = "null" if finish_reason is None else json_str(finish_reason)
         if self._chat:
             delta = f'{{"{key}":{json_str(text)}}}' if text else "{}"
             body = f'{index},"delta":{delta},"finish_reason":{reason}'
         else:
             body = f'{index},"text":{json_str(text)},"finish_reason":{reason}'
+        if finish_reason is not None:
+            return self._finished(body, usage, stop_reason)
         if usage is not None:
             return f'{self._head}{body},"logprobs":null}}],"usage":{usage}}}\n\n'
         return self._head + body + self._tail
+
+    def _finished(self, body: str, usage: str | None, stop_reason: int | str | None) -> str:
+        """A choice's last chunk (once per choice: no need to be quick)."""
+        if stop_reason is None:
+            stop = "null"
+        else:
+            stop = str(stop_reason) if isinstance(stop_reason, int) else json_str(stop_reason)
+        head = f'{self._head}{body},"logprobs":null,"stop_reason":{stop}}}]'
+        if usage is not None:
+            return f'{head},"usage":{usage}}}\n\n'
+        return head + self._end

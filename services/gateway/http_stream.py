@@ -25,6 +25,7 @@ from services.gateway.http_choices import ChoiceRun
 from services.gateway.http_convert import Plan
 from services.gateway.http_errors import http_error
 from services.gateway.http_sse import ChunkTemplate
+from services.gateway.http_token_ids import OutputText, StreamIds
 from services.gateway.inputs import TokenLogprob
 from services.gateway.reasoning import Decode, ReasoningParser
 from services.gateway.request import OutputFrame
@@ -87,6 +88,7 @@ async def events(
     token_text: Callable[[int], str],
     echoes: list[str] | None = None,
     decode: Decode | None = None,
+    output_text: OutputText | None = None,
 ) -> AsyncIterator[str]:
     """The SSE body: (chat) a role chunk per choice, one chunk per frame with text (the last one
     of a choice carries finish_reason), the usage chunk when asked, then [DONE]. An error after
@@ -99,7 +101,10 @@ async def events(
     reasoning tokens (from the choices' token ids: `decode` turns them into text). With
     plan.continuous_usage (vLLM's continuous_usage_stats) every chunk of a choice carries that
     choice's usage so far (a role chunk: no tokens yet; reasoning_tokens only in the usage chunk,
-    which sums the choices as always)."""
+    which sums the choices as always). A choice's chunk with finish_reason carries vLLM's
+    stop_reason (read from its ids: `output_text` turns them into the workers' text); with
+    return_token_ids each chunk carries the ids generated since its choice's previous chunk, and
+    each choice's first chunk the prompt's (chat: on the role chunk, at the top level)."""
     model = first[0][1].model
     exclude = None if plan.include_usage else {"usage"}
     usages: list[Any] = [None] * len(plan.inputs)
@@ -121,6 +126,10 @@ async def events(
     generated: list[list[int]] = [[] for _ in plan.inputs]  # with reasoners: each choice's token ids
     # per choice: the prompt text not yet sent (echo), None once sent
     to_echo: list[str | None] | None = list(echoes) if echoes else None
+    echo_frames: list[OutputFrame | None] = [None] * len(plan.inputs)  # echoed, its chunk not sent
+    ids = StreamIds(plan, output_text or (lambda token_ids, skip: ""))
+    for index, opening in first:
+        ids.note_prompt(index, opening)  # chat's role chunks carry it before any frame is relayed
 
     def deltas(index: int, text: str, reason: str | None) -> tuple[list[dict[str, Any]], str | None]:
         """A chat frame's deltas: its reasoning and content, in the order written (the content
@@ -174,6 +183,7 @@ async def events(
     def chunk(index: int, frame: OutputFrame | None) -> str | None:
         """The SSE event for one frame (None: the chat role chunk that opens a choice)."""
         reason: str | None = None
+        stop: int | str | None = None  # vLLM's stop_reason, on the chunk with finish_reason
         text = ""
         logprobs: list[TokenLogprob] = []
         echo_frame: OutputFrame | None = None  # the choice's first frame, with echo
@@ -181,7 +191,9 @@ async def events(
             reason, text = resp.finish_reason(frame.finish_reason), frame.text
             pending_echo = to_echo[index] if to_echo is not None else None
             if to_echo is not None and pending_echo is not None:
-                text, to_echo[index], echo_frame = pending_echo + text, None, frame
+                text, to_echo[index], echo_frames[index] = pending_echo + text, None, frame
+            ids.record(index, frame)
+            stop = ids.stop_reason(index, frame.finish_reason)
             if frame.usage is not None:
                 usages[index] = frame.usage
             pending[index].extend(frame.logprobs)
@@ -192,29 +204,33 @@ async def events(
             if not text and reason is None:
                 return None  # nothing to say (text held back, e.g. a partial character)
             logprobs, pending[index] = pending[index], []
+            echo_frame, echo_frames[index] = echo_frames[index], None
         so_far = progress[index]
         usage_json = None if so_far is None else so_far.model_dump_json()
         if chat:
             if frame is None:
                 parts: list[dict[str, Any]] = [{"role": plan.role, "content": ""}]
-            elif parsers[index] is None and reasoners[index] is None and not wants[index]:
+            elif parsers[index] is None and reasoners[index] is None and not wants[index] and not ids.shown:
                 # a content delta (or {}): no model built
-                return template.event(index, text, reason, usage=usage_json)
+                return template.event(index, text, reason, usage=usage_json, stop_reason=stop)
             else:
                 parts, reason = deltas(index, text, reason)
                 if not parts and reason is None:
                     pending[index][:0] = logprobs  # the parser holds the text back: later
                     return None
-                if parsers[index] is None and not wants[index]:  # reasoning / content deltas only
-                    items = _items(parts)
+                if parsers[index] is None and not wants[index] and not ids.shown:
+                    items = _items(parts)  # reasoning / content deltas only
                     return "".join(
-                        template.event(index, piece, reason if n == len(items) - 1 else None, key, usage_json)
+                        template.event(
+                            index, piece, reason if n == len(items) - 1 else None, key, usage_json, stop
+                        )
                         for n, (key, piece) in enumerate(items)
                     )
             parts = parts or [{}]
             chat_lp = (
                 resp.chat_logprobs(logprobs, token_text, name) if wants[index] and frame is not None else None
             )
+            token_ids = ids.take(index) if frame is not None else None
             events = []
             for n, delta in enumerate(parts):
                 last = n == len(parts) - 1
@@ -223,23 +239,36 @@ async def events(
                     delta=delta,
                     finish_reason=reason if last else None,
                     logprobs=chat_lp if n == 0 else None,
+                    stop_reason=stop,
+                    token_ids=token_ids if n == 0 else None,
                 )
-                events.append(
-                    _sse(
-                        m.ChatCompletionChunk(
-                            id=rid, created=created, model=model, choices=[choice], usage=so_far
-                        ),
-                        exclude,
-                    )
+                chunk = m.ChatCompletionChunk(
+                    id=rid,
+                    created=created,
+                    model=model,
+                    choices=[choice],
+                    usage=so_far,
+                    prompt_token_ids=ids.prompt(index) if frame is None else None,
                 )
+                events.append(_sse(chunk, exclude))
             return "".join(events)
-        if not wants[index]:
-            return template.event(index, text, reason, usage=usage_json)
-        text_lp = resp.completion_logprobs(logprobs, name, offsets[index])
-        if echo_frame is not None:
-            text_lp = resp.echoed_logprobs(echo_frame, name, text_lp, plan.inputs[index].logprobs)
-        offsets[index] += sum(len(t) for t in text_lp.tokens)
-        text_choice = m.CompletionChunkChoice(index=index, text=text, finish_reason=reason, logprobs=text_lp)
+        if not wants[index] and not ids.shown:
+            return template.event(index, text, reason, usage=usage_json, stop_reason=stop)
+        text_lp = None
+        if wants[index]:
+            text_lp = resp.completion_logprobs(logprobs, name, offsets[index])
+            if echo_frame is not None:
+                text_lp = resp.echoed_logprobs(echo_frame, name, text_lp, plan.inputs[index].logprobs)
+            offsets[index] += sum(len(t) for t in text_lp.tokens)
+        text_choice = m.CompletionChunkChoice(
+            index=index,
+            text=text,
+            finish_reason=reason,
+            logprobs=text_lp,
+            stop_reason=stop,
+            prompt_token_ids=ids.prompt(index),
+            token_ids=ids.take(index),
+        )
         return _sse(
             m.CompletionChunk(id=rid, created=created, model=model, choices=[text_choice], usage=so_far),
             exclude,

@@ -93,8 +93,11 @@ class GenerateInput:
     # chat: a generation prompt (the opening of the model's reply) follows the conversation;
     # False (and not continue_final_message): the prompt ends after the last message
     add_generation_prompt: bool = True
-    # keep only the prompt's last k tokens (after the chat template; vLLM's); None = all of it
+    # keep only k of the prompt's tokens (after the chat template; vLLM's); None = all of it
     truncate_prompt_tokens: int | None = None
+    # vLLM's truncation_side: which of them, "left" (the last k: cut on the left) or "right" (the
+    # first k); anything else is refused by validation
+    truncation_side: str = "left"
 
 
 @dataclass(frozen=True)

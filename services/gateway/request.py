@@ -93,8 +93,9 @@ class OutputFrame:
     # relayed token ids), usage.completion_tokens on the FINAL frame; on other frames only with
     # RequestState.continuous_usage (else 0)
     completion_tokens: int = 0
-    # with prompt_logprobs, on the first frame only: the prompt's ids and one entry per prompt
-    # token from the second on (prompt_token_ids[1:]; the first has none)
+    # on the first frame only: the prompt's ids (with return_token_ids or prompt_logprobs) and,
+    # with prompt_logprobs, one entry per prompt token from the second on (prompt_token_ids[1:];
+    # the first has none)
     prompt_token_ids: tuple[int, ...] = ()
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
 

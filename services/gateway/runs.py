@@ -360,7 +360,10 @@ def frame(
     token_ids: tuple[int, ...],
     logprobs: tuple[TokenLogprob, ...] = (),
 ) -> OutputFrame:
-    """The client's next frame (noted as sent); FINAL ones carry the state's usage and finish."""
+    """The client's next frame (noted as sent); FINAL ones carry the state's usage and finish.
+    With return_token_ids the client's first frame carries the prompt's ids too (the HTTP face
+    shows them: vLLM's prompt_token_ids)."""
+    first = state.return_token_ids and not state.handed_off
     state.note_frame_sent()
     final = kind is OutputFrameKind.FINAL
     return OutputFrame(
@@ -375,6 +378,7 @@ def frame(
         usage=state.usage if final else None,
         logprobs=logprobs,
         completion_tokens=state.num_completion_tokens if final or state.continuous_usage else 0,
+        prompt_token_ids=state.prompt_token_ids if first else (),
     )
 
 

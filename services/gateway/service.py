@@ -169,8 +169,9 @@ class GatewayService:
             )
         else:
             prompt = tok.encode_prompt(inp.prompt)
-        if inp.truncate_prompt_tokens is not None:
-            prompt = prompt[-inp.truncate_prompt_tokens :]  # left truncation: the last k tokens
+        k = inp.truncate_prompt_tokens
+        if k is not None:  # vLLM's: "left" cuts on the left (keeps the last k), "right" the first k
+            prompt = prompt[-k:] if inp.truncation_side == "left" else prompt[:k]
         validate_token_ids(
             prompt, inp.stop_token_ids, tok.vocab_size, inp.logit_bias, inp.allowed_token_ids or ()
         )
@@ -412,6 +413,11 @@ class GatewayService:
     def decode(self, token_ids: tuple[int, ...]) -> str:
         """Token ids' text (an echoed prompt given as token ids)."""
         return self._require_tokenizer().decode(token_ids)
+
+    def output_text(self, token_ids: tuple[int, ...], skip_special_tokens: bool) -> str:
+        """Generated ids' text as the workers write it (special tokens' text hidden unless
+        skip_special_tokens is false): where a stop string is looked for (stop_reason.py)."""
+        return self._require_tokenizer().decode(token_ids, skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:
         """A generated token's text on its own (for logprobs)."""

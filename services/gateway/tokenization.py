@@ -83,9 +83,10 @@ class PromptTokenizer:
                 self._token_texts[token_id] = text
         return text
 
-    def decode(self, token_ids: tuple[int, ...]) -> str:
-        """The text of token ids (special tokens kept, as a prompt shows them)."""
-        return str(self._tok.decode(list(token_ids)))
+    def decode(self, token_ids: tuple[int, ...], skip_special_tokens: bool = False) -> str:
+        """The text of token ids (special tokens kept, as a prompt shows them, unless
+        skip_special_tokens)."""
+        return str(self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
     def pieces(self, token_ids: tuple[int, ...]) -> tuple[str, ...]:
         """Each id's piece as the tokenizer's vocabulary writes it (e.g. "Ġthe"), "" for an id

@@ -19,6 +19,7 @@ PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty, frequency_penalty (OpenAI)
 MAX_REPETITION_PENALTY = 2.0  # repetition_penalty in (0, 2] (vLLM)
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1  # priority travels as a protobuf int32
 MAX_CACHE_SALT_CHARS = 256
+TRUNCATION_SIDES = ("left", "right")  # vLLM's truncation_side values
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs limit)
@@ -109,9 +110,14 @@ def validate_input(
         )
     if req.truncate_prompt_tokens is not None and req.truncate_prompt_tokens < 1:
         raise InvalidField(
-            f"truncate_prompt_tokens must be >= 1 (the prompt tokens kept, the last ones), got "
-            f"{req.truncate_prompt_tokens}",
+            f"truncate_prompt_tokens must be >= 1 (the prompt tokens kept), got {req.truncate_prompt_tokens}",
             "truncate_prompt_tokens",
+        )
+    if req.truncation_side not in TRUNCATION_SIDES:
+        raise InvalidField(
+            f'truncation_side must be "left" (truncate_prompt_tokens keeps the prompt\'s last tokens, '
+            f'the default) or "right" (its first tokens), got {req.truncation_side!r}',
+            "truncation_side",
         )
     if req.min_p is not None and not (math.isfinite(req.min_p) and 0 <= req.min_p <= 1):
         raise InvalidField(f"min_p must be in [0, 1] (0 disables min-p sampling), got {req.min_p}", "min_p")

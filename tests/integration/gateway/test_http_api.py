@@ -93,6 +93,10 @@ def chat_pb(messages: list[dict[str, str]], **kw: Any) -> gateway_pb2.GenerateRe
     return gateway_pb2.GenerateRequest(messages=[gateway_pb2.ChatMessage(**m) for m in messages], **kw)
 
 
+def chat_tokenize_pb(messages: list[dict[str, str]]) -> gateway_pb2.TokenizeRequest:
+    return gateway_pb2.TokenizeRequest(messages=[gateway_pb2.ChatMessage(**m) for m in messages])
+
+
 # --- the same request through HTTP and gRPC ---
 @pytest.mark.parametrize("tokenizer", ["bpe", "byte_fallback"])
 @pytest.mark.parametrize("mode", MODES)
@@ -927,6 +931,124 @@ async def test_vllm_prompt_logprobs_token_ids_and_continuous_usage(bpe: HttpStac
             **tail["usage"],
             "prompt_tokens_details": per_token[-1]["usage"]["prompt_tokens_details"],
         }
+    await stack.wait_idle()
+
+
+# --- vLLM's return_token_ids, stop_reason and truncation_side ---
+def _extra(obj: Any, name: str) -> Any:
+    return (obj.model_extra or {})[name]
+
+
+def _streamed_ids(chunks: list[dict[str, Any]], n: int) -> tuple[list[list[int]], list[Any], list[Any]]:
+    """Per choice: the token_ids of its chunks joined, its prompt_token_ids (from its first chunk:
+    chat's at the top level, completions' in the choice) and its finished chunk's stop_reason."""
+    ids: list[list[int]] = [[] for _ in range(n)]
+    prompts: list[Any] = [None] * n
+    stops: list[Any] = ["unset"] * n
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            i = choice["index"]
+            if prompts[i] is None:
+                prompts[i] = chunk.get("prompt_token_ids", choice.get("prompt_token_ids"))
+            ids[i] += choice.get("token_ids") or []
+            assert ("stop_reason" in choice) == (choice["finish_reason"] is not None), choice
+            if choice["finish_reason"] is not None:
+                stops[i] = choice["stop_reason"]
+    return ids, prompts, stops
+
+
+async def test_return_token_ids_stop_reason_and_truncation_side(bpe: HttpStack) -> None:
+    """vLLM's return_token_ids: every choice's generated ids (as many as its completion tokens,
+    streamed as the ids since the choice's previous chunk, joined equal to unary) and the
+    prompt's (completions: per choice; chat: top level; streamed: each choice's first chunk),
+    disaggregated == unified; echo leaves the prompt's text out (vLLM's). stop_reason: null
+    (length), the stop token id, the stop string (cut or kept; its tokens are in token_ids).
+    truncation_side "right" keeps the prompt's first tokens (HTTP and gRPC); bad values: 400."""
+    stack, client = bpe, aclient(bpe)
+    want = await stack.stub.Tokenize(gateway_pb2.TokenizeRequest(prompt=LONG_PROMPT))
+    prompt_ids = list(want.token_ids)
+    chat_ids = list((await stack.stub.Tokenize(chat_tokenize_pb(CHAT))).token_ids)
+    asked: dict[str, Any] = {"return_token_ids": True, "ignore_eos": True}
+    base: dict[str, Any] = dict(model="", max_tokens=5, n=2, temperature=0.8, seed=3)
+    by_mode: dict[str, list[Any]] = {}
+    for mode in MODES:
+        stack.router.mode = mode
+        text = await client.completions.create(**base, prompt=LONG_PROMPT, extra_body=asked)
+        chat = await client.chat.completions.create(**base, messages=CHAT, extra_body=asked)
+        assert _extra(chat, "prompt_token_ids") == chat_ids
+        assert text.usage is not None and chat.usage is not None
+        for reply, u in ((text, text.usage), (chat, chat.usage)):
+            got = [_extra(c, "token_ids") for c in reply.choices]
+            assert sum(len(ids) for ids in got) == u.completion_tokens == 10
+            assert all(
+                c.finish_reason == "length" and _extra(c, "stop_reason") is None for c in reply.choices
+            )
+        assert all(_extra(c, "prompt_token_ids") == prompt_ids for c in text.choices)
+        unary = [[_extra(c, "token_ids") for c in r.choices] for r in (text, chat)]
+        body: dict[str, Any] = {"max_tokens": 5, "n": 2, "temperature": 0.8, "seed": 3, **asked}
+        streamed = [
+            _streamed_ids(await _sse_chunks(stack, "/completions", {**body, "prompt": LONG_PROMPT}), 2),
+            _streamed_ids(await _sse_chunks(stack, "/chat/completions", {**body, "messages": CHAT}), 2),
+        ]
+        for (ids, prompts, stops), want_ids, want_prompt in zip(
+            streamed, unary, (prompt_ids, chat_ids), strict=True
+        ):
+            assert ids == want_ids and prompts == [want_prompt] * 2 and stops == [None, None]
+        by_mode[mode] = unary
+    assert by_mode["disaggregated"] == by_mode["unified"]
+    # no return_token_ids: no ids, stop_reason still there
+    plain = await client.completions.create(model="", prompt=LONG_PROMPT, max_tokens=8, temperature=0)
+    assert "token_ids" not in (plain.choices[0].model_extra or {})
+    assert _extra(plain.choices[0], "stop_reason") is None
+    # stop_reason: a stop token id, a stop string (cut or kept); echo without the prompt's text
+    greedy: dict[str, Any] = dict(model="", prompt=LONG_PROMPT, max_tokens=8, temperature=0)
+    full = await client.completions.create(**greedy, extra_body=asked)
+    ids = _extra(full.choices[0], "token_ids")
+    stopped = await client.completions.create(**greedy, extra_body={**asked, "stop_token_ids": [ids[2]]})
+    (choice,) = stopped.choices
+    assert choice.finish_reason == "stop" and _extra(choice, "stop_reason") == ids[2]
+    assert _extra(choice, "token_ids") == ids[: ids.index(ids[2]) + 1]
+    word = full.choices[0].text[3:6]
+    for keep in (False, True):
+        flags: dict[str, Any] = {**asked, "include_stop_str_in_output": keep}
+        cut = await client.completions.create(**greedy, stop=["\x00never", word], extra_body=flags)
+        (choice,) = cut.choices
+        assert choice.finish_reason == "stop" and _extra(choice, "stop_reason") == word
+        assert cut.usage is not None and len(_extra(choice, "token_ids")) == cut.usage.completion_tokens
+        body = {"prompt": LONG_PROMPT, "max_tokens": 8, "temperature": 0, "stop": word, **flags}
+        _, _, stops = _streamed_ids(await _sse_chunks(stack, "/completions", body), 1)
+        assert stops == [word]
+    echoed = await client.completions.create(**greedy, echo=True, extra_body=asked)
+    assert echoed.choices[0].text == full.choices[0].text  # vLLM's: the prompt is in its ids
+    assert _extra(echoed.choices[0], "prompt_token_ids") == prompt_ids
+    # truncation_side
+    for side, kept in (("left", prompt_ids[-5:]), ("right", prompt_ids[:5]), (None, prompt_ids[-5:])):
+        truncation = {"truncate_prompt_tokens": 5, "truncation_side": side, "return_token_ids": True}
+        short = await client.completions.create(**greedy, extra_body=truncation)
+        assert _extra(short.choices[0], "prompt_token_ids") == kept, side
+    right = await stack.stub.Complete(
+        gateway_pb2.GenerateRequest(
+            prompt=LONG_PROMPT,
+            max_tokens=1,
+            prompt_logprobs=0,
+            truncate_prompt_tokens=5,
+            truncation_side=gateway_pb2.TRUNCATION_SIDE_RIGHT,
+        )
+    )
+    assert list(right.prompt_token_ids) == prompt_ids[:5]
+    bad: list[tuple[str, dict[str, Any]]] = [
+        ("/completions", {"prompt": "hi", "truncate_prompt_tokens": 1, "truncation_side": "middle"}),
+        ("/chat/completions", {"messages": CHAT, "truncation_side": 1}),
+    ]
+    for path, refused in bad:
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=30) as http:
+            r = await http.post(path, json={**refused, "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncation_side", r.text
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stack.stub.Complete(gateway_pb2.GenerateRequest(prompt="hi", max_tokens=1, truncation_side=7))  # type: ignore[arg-type]
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "truncation_side" in (
+        err.value.details() or ""
+    )
     await stack.wait_idle()
 
 

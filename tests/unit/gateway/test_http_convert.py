@@ -375,3 +375,35 @@ def test_retry_after_follows_the_admission_hint() -> None:
     assert herr.http_error(Overloaded("busy", 2.5)).headers == {"Retry-After": "3"}
     assert herr.http_error(Overloaded("busy", 0.2)).headers == {"Retry-After": "1"}
     assert herr.http_error(Overloaded("busy", 2.5)).status == 429
+
+
+def test_return_token_ids_stop_reason_and_truncation_side() -> None:
+    """return_token_ids shows the ids (completions per choice, chat's prompt at the top level);
+    the workers return them also when only a stop_reason needs them; echo's text leaves the
+    prompt out then (vLLM's). truncation_side reaches the domain input ("left" by default)."""
+    asked = completion(prompt="ab", return_token_ids=True, truncate_prompt_tokens=2, truncation_side="right")
+    assert asked.return_token_ids and asked.inputs[0].return_token_ids
+    assert (asked.inputs[0].truncate_prompt_tokens, asked.inputs[0].truncation_side) == (2, "right")
+    assert completion(prompt="ab").inputs[0].truncation_side == "left"
+    stops = completion(prompt="ab", stop="x")
+    assert not stops.return_token_ids and stops.inputs[0].return_token_ids  # for stop_reason
+    assert not completion(prompt="ab").inputs[0].return_token_ids
+    assert resp.echoes(dataclasses.replace(asked, echo=True), lambda ids: "ab") == [""]
+    done = Completion(
+        "rid", "cd", (5, 6), FinishReason.STOP, Usage(2, 2, CacheStats()), "m", prompt_token_ids=(1, 2)
+    )
+    body = resp.completion_body(asked, [done], "rid", 5, False, str, output_text=lambda ids, skip: "")
+    dumped = json.loads(body.model_dump_json())["choices"][0]
+    assert (dumped["stop_reason"], dumped["prompt_token_ids"], dumped["token_ids"]) == (None, [1, 2], [5, 6])
+    cut = dataclasses.replace(done, text="c")
+    plan = chat(stop=["c"], stop_token_ids=[6], return_token_ids=True)
+    reply = json.loads(
+        resp.completion_body(
+            plan, [cut], "rid", 5, True, str, output_text=lambda ids, skip: "cd"[: len(ids)]
+        ).model_dump_json()
+    )
+    assert reply["prompt_token_ids"] == [1, 2] and reply["choices"][0]["token_ids"] == [5, 6]
+    assert reply["choices"][0]["stop_reason"] == "c"  # a stop string wins over the stop token
+    plain = json.loads(resp.completion_body(chat(), [done], "rid", 5, True, str).model_dump_json())
+    assert plain["choices"][0]["stop_reason"] is None and "token_ids" not in plain["choices"][0]
+    assert "prompt_token_ids" not in plain

@@ -364,5 +364,6 @@ def test_the_last_chunk_carries_the_finish_reason_after_a_held_back_tail(
         "delta": last_delta,
         "finish_reason": "stop",
         "logprobs": None,
+        "stop_reason": None,  # vLLM's, on the chunk with finish_reason
     }
     assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
