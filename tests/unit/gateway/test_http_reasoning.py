@@ -193,7 +193,18 @@ class _Run:
 def _stream(plan: conv.Plan, frames: list[OutputFrame]) -> list[dict[str, Any]]:
     async def collect() -> list[str]:
         run: Any = _Run(frames[1:])
-        body = events(plan, run, [(0, frames[0])], "rid", 1, True, lambda t: VOCAB[t], None, _decode)
+        body = events(
+            plan,
+            run,
+            [(0, frames[0])],
+            "rid",
+            1,
+            True,
+            lambda t: VOCAB[t],
+            None,
+            _decode,
+            lambda ids, skip: _decode(ids),
+        )
         return [event async for event in body]
 
     raw = "".join(asyncio.run(collect()))
@@ -367,3 +378,19 @@ def test_the_last_chunk_carries_the_finish_reason_after_a_held_back_tail(
         "stop_reason": None,  # vLLM's, on the chunk with finish_reason
     }
     assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+
+
+def test_token_ids_of_held_back_text_ride_on_the_next_chunk() -> None:
+    """vLLM's return_token_ids through the reasoning parser: the ids of a frame whose text is
+    held back (a tag) come with the next chunk, so the chunks' ids join to every generated id;
+    the role chunk carries the prompt's; the last chunk the stop string that ended the choice."""
+    plan = chat("qwen3", stream=True, return_token_ids=True, stop=["."])
+    frames = _frames(THOUGHT)
+    frames[0] = dataclasses.replace(frames[0], prompt_token_ids=(7, 8))
+    chunks = _stream(plan, frames)
+    assert chunks[0]["prompt_token_ids"] == [7, 8] and "token_ids" not in chunks[0]["choices"][0]
+    joined = [t for c in chunks if c["choices"] for t in c["choices"][0].get("token_ids") or []]
+    assert joined == [VOCAB.index(t) for t in THOUGHT]
+    assert len(chunks) - 1 < len(THOUGHT)  # the tags' frames had no chunk of their own
+    assert chunks[-1]["choices"][0]["stop_reason"] == "."
+    assert all("stop_reason" not in c["choices"][0] for c in chunks[:-1])
