@@ -60,7 +60,8 @@ CAPABILITIES = (
 # 1.14 also added SamplingParams.skip_special_tokens (capability "show_special_tokens").
 # 1.15 added SamplingParams.allowed_token_ids (capability "allowed_token_ids") and bad_words
 # (token sequences; capability "bad_words"), and GenerateRequest's fields of the same names.
-PROTO_VERSION = "1.15"
+# 1.16 added GenerateRequest.truncation_side (the gateway's; nothing a worker reads changed).
+PROTO_VERSION = "1.16"
 
 
 @dataclass(frozen=True)
