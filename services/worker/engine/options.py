@@ -130,9 +130,10 @@ class EngineOptions(BackendOptions, SpecOptions):
     max_num_seqs: int = field(64, "Running requests per rank")
     priority_preemption: bool = field(
         True,
-        "When every running slot is taken, a waiting request of strictly better (lower) priority "
-        "preempts the worst-priority running one (which recomputes later) instead of waiting for "
-        "it to finish; with every priority equal nothing changes",
+        "When every running slot, or the KV blocks it needs, is taken, a waiting request of "
+        "strictly better (lower) priority preempts the worst-priority running one (which "
+        "recomputes later) instead of waiting for it to finish; with every priority equal nothing "
+        "changes",
     )
     async_scheduling: bool | None = field(
         None,

@@ -8,8 +8,8 @@ and preemption takes the worst (the newest among equals). With every priority eq
 default, 0) this is plain first come first served: `add` appends, a preempted request goes back
 to the front, new running requests are appended (`place`, `place_preempted`). With
 `priority_preemption` (on by default), a waiting request of strictly better priority than the worst
-running one does not wait for a sequence slot: the worst is preempted for it (SGLang's priority
-preemption; the Batch API's requests make room for interactive ones this way).
+running one waits neither for a sequence slot nor for KV blocks: the worst is preempted for it
+(SGLang's priority preemption; the Batch API's requests make room for interactive ones this way).
 
 `schedule()` plans the next forward pass (a StepPlan); `update(plan, output)` applies what it
 produced (engine/step.py has the whole step). `on_computed()` records KV progress,
@@ -189,6 +189,22 @@ class Scheduler:
         if self.waiting[0].priority < victim.priority:
             self.preempt(victim)
 
+    def _victim_for_blocks(self, req: Request, budget: int) -> Request | None:
+        """Priority preemption under KV pressure: the running request that gives its blocks to
+        `req`, a waiting one that does not get blocks for its next chunk: the worst running one
+        when its priority is strictly worse than `req`'s, and only if the blocks of every such
+        request could make room (else none is preempted for nothing)."""
+        if not self.priority_preemption:
+            return None
+        worse = [r for r in self.running if r.priority > req.priority]
+        if not worse:
+            return None
+        need = self.blocks.blocks_needed(min(req.num_uncomputed_tokens, budget))
+        held = sum(len(r.block_ids) - r.num_released_blocks for r in worse)
+        if self.blocks.num_free_blocks + held < need:
+            return None
+        return preemption_victim(worse)
+
     def schedule(self) -> StepPlan:
         budget = self.max_batch_tokens
         scheduled: list[ScheduledRequest] = []
@@ -222,7 +238,14 @@ class Scheduler:
             req = self.waiting[0]
             n = self._admit_waiting(req, budget)
             if n == 0:
-                break
+                victim = self._victim_for_blocks(req, budget)
+                if victim is None:
+                    break
+                # the victim may be in this step already: it leaves it with its budget
+                budget += sum(s.num_new_tokens for s in scheduled if s.request is victim)
+                scheduled = [s for s in scheduled if s.request is not victim]
+                self.preempt(victim)
+                continue
             self.waiting.popleft()
             self.running.insert(place(self.running, req.priority), req)
             req.mark_running()

@@ -176,6 +176,30 @@ def test_a_better_waiting_request_takes_the_worst_running_ones_slot() -> None:
         assert step(sched) == {"chat": 1, "batch1": 1}  # nothing better waits: no more preemption
 
 
+def test_a_better_waiting_request_takes_the_blocks_of_worse_running_ones() -> None:
+    """KV full, slots free: a waiting request of strictly better priority preempts the worst
+    running one for its blocks (leaving the step it was in); a request whose need the worse
+    ones' blocks could not cover preempts nobody; off, it waits."""
+    for on in (True, False):
+        bm = BlockManager(6, 4, False)
+        sched = Scheduler(bm, max_batch_tokens=100, max_num_seqs=8, priority_preemption=on)
+        low1, low2 = make_request("low1", 11, priority=10), make_request("low2", 11, first=50, priority=10)
+        sched.add(low1)
+        sched.add(low2)
+        step(sched)  # 3 + 3 blocks: the pool is full
+        assert bm.num_free_blocks == 0
+        chat = make_request("chat", 6, first=100, priority=0)
+        sched.add(chat)
+        if not on:
+            assert step(sched) == {"low1": 1, "low2": 1}
+            continue
+        assert step(sched) == {"low1": 1, "chat": 6}  # low2 (the newest of the worst) made room
+        assert low2.status is RequestStatus.PREEMPTED and "low2" not in {r.request_id for r in sched.running}
+        huge = make_request("huge", 40, first=200, priority=-1)  # more than low1's blocks could free
+        sched.add(huge)
+        assert step(sched) == {"chat": 1, "low1": 1} and low1.status is RequestStatus.RUNNING
+
+
 def test_under_kv_pressure_the_worst_priority_is_preempted_and_runs_last() -> None:
     bm = BlockManager(6, 4, False)
     sched = Scheduler(bm, max_batch_tokens=100, max_num_seqs=8)
