@@ -11,6 +11,7 @@ from services.worker.engine.api import (
     SamplingConfig,
     TokenLogprobs,
 )
+from services.worker.engine.thinking_budget import ThinkingBudget
 from services.worker.messages import (
     DecodeCall,
     DecodeEvent,
@@ -59,9 +60,21 @@ def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingConfig:
         min_tokens=pb.min_tokens,
         allowed_token_ids=tuple(sorted(set(pb.allowed_token_ids))),
         bad_words=tuple(tuple(w.token_ids) for w in pb.bad_words if w.token_ids),
+        thinking_budget=(
+            thinking_budget_from_pb(pb.thinking_budget) if pb.HasField("thinking_budget") else None
+        ),
         logprobs=pb.logprobs if pb.HasField("logprobs") else None,
         structured=structured_from_pb(pb.structured) if pb.HasField("structured") else None,
         prompt_logprobs=pb.prompt_logprobs if pb.HasField("prompt_logprobs") else None,
+    )
+
+
+def thinking_budget_from_pb(pb: common_pb2.ThinkingBudget) -> ThinkingBudget:
+    return ThinkingBudget(
+        max_tokens=pb.max_tokens,
+        start_token_ids=tuple(pb.start_token_ids),
+        end_token_ids=tuple(pb.end_token_ids),
+        open_at_start=pb.open_at_start,
     )
 
 

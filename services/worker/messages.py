@@ -28,6 +28,7 @@ CAPABILITIES = (
     "show_special_tokens",
     "allowed_token_ids",
     "bad_words",
+    "thinking_token_budget",
     GATEWAY_TICKET_CAPABILITY,
 )
 # Contract version implemented: 1.0 = compat/v1.0; 1.1 added the optional generated_tokens fields;
@@ -61,7 +62,9 @@ CAPABILITIES = (
 # 1.15 added SamplingParams.allowed_token_ids (capability "allowed_token_ids") and bad_words
 # (token sequences; capability "bad_words"), and GenerateRequest's fields of the same names.
 # 1.16 added GenerateRequest.truncation_side (the gateway's; nothing a worker reads changed).
-PROTO_VERSION = "1.16"
+# 1.17 added SamplingParams.thinking_budget (capability "thinking_token_budget") and
+# GenerateRequest.thinking_token_budget.
+PROTO_VERSION = "1.17"
 
 
 @dataclass(frozen=True)

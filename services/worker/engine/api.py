@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 from services.worker.engine.options import EngineOptions
 from services.worker.engine.spec.stats import SpecStats
 from services.worker.engine.step_stats import StepStats
+from services.worker.engine.thinking_budget import ThinkingBudget
 from shared.cluster import FinishReason, KvLayout, RankLoad
 from shared.structured_output import StructuredOutput
 
@@ -89,6 +90,10 @@ class SamplingConfig:
     # vLLM's bad_words as token sequences (tokenized by the gateway): the last token of each is
     # banned at a draw whose output so far ends with the rest of it (a one-token one always)
     bad_words: tuple[tuple[int, ...], ...] = ()
+    # vLLM's thinking_token_budget with the thinking tags' ids (engine/thinking_budget.py): once
+    # that many tokens were generated inside the thinking section, the closing tag is forced;
+    # None = no limit
+    thinking_budget: ThinkingBudget | None = None
     # per generated token: its log-probability and this many most likely alternatives (0-20)
     # under the distribution the sampler drew from (sampler.py); None = no logprobs
     logprobs: int | None = None
@@ -112,13 +117,15 @@ class SamplingConfig:
 
     @property
     def needs_history(self) -> bool:
-        """The sampler needs the request's tokens (penalties, min_tokens or bad_words are on)."""
+        """The sampler needs the request's tokens (penalties, min_tokens, bad_words or a
+        thinking budget are on)."""
         return (
             self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
             or self.min_tokens > 0
             or bool(self.bad_words)
+            or self.thinking_budget is not None
         )
 
 

@@ -247,6 +247,13 @@ class PagedEngine:
             raise InvalidArgument(
                 f"sampling.bad_words must be non-empty token sequences of ids in [0, {self.vocab_size})"
             )
+        tb = sp.thinking_budget
+        tags = () if tb is None else (tb.start_token_ids, tb.end_token_ids)
+        if any(not tag or min(tag) < 0 or max(tag) >= self.vocab_size for tag in tags):
+            raise InvalidArgument(
+                "sampling.thinking_budget's start and end tags must be non-empty token sequences of ids "
+                f"in [0, {self.vocab_size})"
+            )
         if sp.lora_adapter and sp.lora_adapter not in self.lora_adapters:
             served = ", ".join(repr(n) for n in self.lora_adapters) or "none"
             raise NotFound(

@@ -9,6 +9,7 @@ the model). Output delivery (handles) lives in the rank; the detokenized text si
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 from services.worker.engine.api import EngineRequest, FinishReason, RequestKind, SamplingConfig, TokenLogprobs
 from services.worker.engine.sampler import TokenHistory
 from services.worker.engine.spec.policy import SpecRecord
+from services.worker.engine.thinking_budget import ThinkingTracker
 from shared.block_hash import chain_root
 
 if TYPE_CHECKING:
@@ -154,6 +156,8 @@ class Request:
     # preempted request that recomputes its prompt does not compute them again)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs_sent: bool = False  # they left with an output (the first after the prefill)
+    # with sampling.thinking_budget: its state, advanced over the output at each draw
+    thinking: ThinkingTracker | None = None
 
     @classmethod
     def from_engine_request(
@@ -309,9 +313,10 @@ class Request:
         return _mix_seed(self.sampling.seed, index)
 
     def token_history(self, eos_token_ids: frozenset[int]) -> TokenHistory | None:
-        """What the sampler needs for penalties and min_tokens at the next draw (None when the
-        request uses neither). The output index is draw_seed's: a migrated request's prompt ends
-        with its first_output_index generated tokens, so they count as output here too."""
+        """What the sampler needs for penalties, min_tokens, bad_words and a thinking budget at
+        the next draw (None when the request uses none). The output index is draw_seed's: a
+        migrated request's prompt ends with its first_output_index generated tokens, so they
+        count as output here too (and in the thinking budget's count)."""
         sp = self.sampling
         if not sp.needs_history:
             return None
@@ -319,7 +324,14 @@ class Request:
         if sp.min_tokens > 0:
             eos = () if sp.ignore_eos else tuple(sorted(eos_token_ids))
             stop_ids = eos + sp.stop_token_ids
-        return TokenHistory(tuple(self.token_ids), sp.first_output_index + self.num_output_tokens, stop_ids)
+        output_index = sp.first_output_index + self.num_output_tokens
+        history = TokenHistory(tuple(self.token_ids), output_index, stop_ids)
+        if sp.thinking_budget is None:
+            return history
+        if self.thinking is None:
+            self.thinking = ThinkingTracker(sp.thinking_budget)
+        state = self.thinking.state(history.output_token_ids)
+        return dataclasses.replace(history, thinking_budget=sp.thinking_budget, thinking=state)
 
     # ---- prompt logprobs -----------------------------------------------------------------
     @property

@@ -5,7 +5,9 @@ seeded generators; optionally the logprobs of the distribution drawn from.
 The order is vLLM v1's: the structured-output mask first (apply_allowed), then allowed_token_ids
 keeps only the listed tokens and bad_words bans the tokens that would complete a bad word, then
 min_tokens masks the stop tokens, logit_bias is added, then the repetition, frequency and presence
-penalties apply; temperature, top-k and top-p then shape the distribution the draw uses. Every
+penalties apply; a row whose thinking_token_budget is spent (thinking_budget.py) then keeps only
+the closing tag's next token (whatever the mask or the other processors allowed: the tag must
+come); temperature, top-k and top-p then shape the distribution the draw uses. Every
 processor is batched over the rows that use it (indexed ops over the (row, token) pairs involved,
 never a Python loop over the vocabulary), and each row's result depends only on that row's logits,
 parameters and tokens, so a request gets the same tokens whatever else is in the batch, on a
@@ -20,13 +22,16 @@ each draw what plain decoding would have drawn at their index.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from services.worker.engine import thinking_budget
 from services.worker.engine.api import SamplingConfig, TokenLogprobs
 from services.worker.engine.pinned import to_device
+from services.worker.engine.thinking_budget import ThinkingBudget, ThinkingState
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,16 @@ class TokenHistory:
     # token ids this draw may not produce while output_index < min_tokens (EOS unless
     # ignore_eos, and stop_token_ids)
     min_tokens_stop_ids: tuple[int, ...] = ()
+    # thinking_token_budget: the budget and the state after the output tokens (None: no budget)
+    thinking_budget: ThinkingBudget | None = None
+    thinking: ThinkingState | None = None
+
+    @property
+    def forced_token(self) -> int | None:
+        """The token this draw must produce (a spent thinking budget's closing tag), or None."""
+        if self.thinking_budget is None or self.thinking is None:
+            return None
+        return thinking_budget.forced_token(self.thinking_budget, self.thinking)
 
     @property
     def output_token_ids(self) -> Sequence[int]:
@@ -52,9 +67,13 @@ class TokenHistory:
         """The history of a later draw, once `token_ids` (accepted proposals) were output."""
         if not token_ids:
             return self
-        return TokenHistory(
+        longer = TokenHistory(
             [*self.token_ids, *token_ids], self.output_index + len(token_ids), self.min_tokens_stop_ids
         )
+        if self.thinking_budget is None or self.thinking is None:
+            return longer
+        state = thinking_budget.advance(self.thinking_budget, self.thinking, longer.output_token_ids)
+        return dataclasses.replace(longer, thinking_budget=self.thinking_budget, thinking=state)
 
 
 def apply_allowed(logits: torch.Tensor, masks: Sequence[torch.Tensor | None]) -> torch.Tensor:
@@ -82,10 +101,11 @@ def process_logits(
     params: Sequence[SamplingConfig],
     histories: Sequence[TokenHistory | None] | None,
 ) -> torch.Tensor:
-    """allowed_token_ids, bad_words, min_tokens, logit_bias and penalties applied to float32
-    logits [n, vocab] (a new tensor when any row changes; `logits` itself is never written). A
-    row that needs its history (SamplingConfig.needs_history) and has none is left unpenalized
-    (and its bad words unchecked)."""
+    """allowed_token_ids, bad_words, min_tokens, logit_bias and penalties, then a spent thinking
+    budget's forced token, applied to float32 logits [n, vocab] (a new tensor when any row
+    changes; `logits` itself is never written). A row that needs its history
+    (SamplingConfig.needs_history) and has none is left unpenalized (and its bad words and
+    thinking budget unchecked)."""
     n, vocab = logits.shape
     device = logits.device
     out = logits
@@ -191,6 +211,23 @@ def process_logits(
             pres = to_device([p.presence_penalty for p in params], device, out.dtype)
             row_of = occurring // vocab
             flat[occurring] -= freq[row_of] * counts.to(out.dtype) + pres[row_of]
+
+    # thinking_token_budget: a row whose budget is spent must draw the closing tag's next token:
+    # its row becomes -inf but that token, 0 (two indexed writes over the forced rows; vLLM's
+    # forcing, so the forced token's logprob is 0). Last, so nothing before it (bias,
+    # penalties) can make another token possible
+    force_rows: list[int] = []
+    force_ids: list[int] = []
+    for i, h in enumerate(hist):
+        forced = h.forced_token if h is not None else None
+        if forced is not None and 0 <= forced < vocab:
+            force_rows.append(i)
+            force_ids.append(forced)
+    if force_rows:
+        out = writable()
+        idx = to_device(force_rows, device)
+        out[idx] = float("-inf")
+        out[idx, to_device(force_ids, device)] = 0.0
     return out
 
 
