@@ -39,6 +39,8 @@ def needed_capabilities(s: Sampling) -> set[str]:
         needed.add("allowed_token_ids")
     if s.bad_words:  # an older worker would write them
         needed.add("bad_words")
+    if s.thinking_budget is not None:  # an older worker would let the model think on
+        needed.add("thinking_token_budget")
     return needed
 
 

@@ -81,6 +81,7 @@ def generate_input(req: gateway_pb2.GenerateRequest) -> GenerateInput:
         # a repeated field has no presence: empty is unset
         allowed_token_ids=tuple(req.allowed_token_ids) or None,
         bad_words=tuple(req.bad_words),
+        thinking_token_budget=req.thinking_token_budget if req.HasField("thinking_token_budget") else None,
         logprobs=req.logprobs if req.HasField("logprobs") else None,
         structured=structured_from_pb(req.structured) if req.HasField("structured") else None,
         prompt_logprobs=req.prompt_logprobs if req.HasField("prompt_logprobs") else None,
@@ -297,6 +298,12 @@ def sampling_to_pb(s: Sampling) -> common_pb2.SamplingParams:
     msg.allowed_token_ids.extend(s.allowed_token_ids)
     for sequence in s.bad_words:
         msg.bad_words.add(token_ids=sequence)
+    if s.thinking_budget is not None:
+        tb = s.thinking_budget
+        msg.thinking_budget.max_tokens = tb.max_tokens
+        msg.thinking_budget.start_token_ids.extend(tb.start_token_ids)
+        msg.thinking_budget.end_token_ids.extend(tb.end_token_ids)
+        msg.thinking_budget.open_at_start = tb.open_at_start
     if s.logprobs is not None:
         msg.logprobs = s.logprobs
     if s.structured is not None:

@@ -98,6 +98,9 @@ class GenerateInput:
     # vLLM's truncation_side: which of them, "left" (the last k: cut on the left) or "right" (the
     # first k); anything else is refused by validation
     truncation_side: str = "left"
+    # vLLM's thinking_token_budget (tokens generated inside the reasoning section at most; needs
+    # --reasoning-parser); None = no limit
+    thinking_token_budget: int | None = None
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,19 @@ class Sampling:
     structured: StructuredOutput | None = None  # what the output must match (validated)
     # alternatives per prompt token (0-20) of the raw model distribution; None = none
     prompt_logprobs: int | None = None
+    # the thinking_token_budget with the reasoning tags' ids (thinking_budget.py); None = none
+    thinking_budget: ThinkingBudget | None = None
+
+
+@dataclass(frozen=True)
+class ThinkingBudget:
+    """vLLM's thinking_token_budget as the workers apply it (common.proto ThinkingBudget): once
+    max_tokens tokens were generated inside the thinking section, end_token_ids is forced."""
+
+    max_tokens: int  # tokens inside the thinking section at most (>= 0)
+    start_token_ids: tuple[int, ...]  # "<think>" in the served model's tokens
+    end_token_ids: tuple[int, ...]  # "</think>" in the served model's tokens
+    open_at_start: bool  # the prompt left thinking open (deepseek_r1 templates)
 
 
 def new_request_id() -> str:

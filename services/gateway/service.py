@@ -13,12 +13,12 @@ from typing import cast
 import structlog
 from opentelemetry import trace
 
-from services.gateway import observe
+from services.gateway import observe, thinking_budget
 from services.gateway.admission import Admission
 from services.gateway.breaker import CircuitBreakers
 from services.gateway.budget import MaxTokens
 from services.gateway.dispatch import Dispatcher, PreparedRequest
-from services.gateway.inputs import GenerateInput, Sampling, TokenLogprob, new_request_id
+from services.gateway.inputs import GenerateInput, Sampling, ThinkingBudget, TokenLogprob, new_request_id
 from services.gateway.lora_admin import LoraAdmin, LoraUpdate
 from services.gateway.membership import MembershipWatch
 from services.gateway.model_cards import ModelCards
@@ -227,6 +227,7 @@ class GatewayService:
             min_tokens=inp.min_tokens or 0,
             allowed_token_ids=tuple(sorted(set(inp.allowed_token_ids or ()))),
             bad_words=self._bad_words(inp.bad_words),
+            thinking_budget=self._thinking_budget(inp.thinking_token_budget, prompt),
             logprobs=inp.logprobs,
             structured=inp.structured,
             prompt_logprobs=inp.prompt_logprobs,
@@ -250,6 +251,13 @@ class GatewayService:
         sequences = self._require_tokenizer().bad_word_sequences(words)
         validate_bad_word_sequences(sequences)
         return sequences
+
+    def _thinking_budget(self, budget: int | None, prompt: tuple[int, ...]) -> ThinkingBudget | None:
+        """thinking_token_budget with the reasoning parser's tags in the model's tokens."""
+        tok = self._require_tokenizer()
+        tail = prompt[-thinking_budget.PROMPT_TAIL_TOKENS :]
+        kind = self.reasoning_parser
+        return thinking_budget.resolve(budget, kind, lambda: tok.think_tag_ids, lambda: tok.decode(tail))
 
     async def generate(
         self, inp: GenerateInput, client_timeout_s: float | None = None

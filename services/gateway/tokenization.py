@@ -3,6 +3,7 @@ template."""
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ import structlog
 
 from services.gateway import tool_calls
 from services.gateway.inputs import ChatTurn
+from services.gateway.reasoning import THINK_END, THINK_START
 from services.gateway.tool_calls import Format, Tool
 from services.gateway.validation import InvalidField
 from shared.errors import InvalidArgument
@@ -103,6 +105,12 @@ class PromptTokenizer:
     def encode_text(self, text: str) -> tuple[int, ...]:
         """Text's tokens without the special tokens a prompt gets (e.g. a BOS)."""
         return tuple(int(t) for t in self._tok.encode(text, add_special_tokens=False))
+
+    @functools.cached_property
+    def think_tag_ids(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The reasoning tags ("<think>", "</think>") as the model's tokens, without special
+        tokens (vLLM's reasoning config tokenizes them so), computed once."""
+        return self.encode_text(THINK_START), self.encode_text(THINK_END)
 
     def bad_word_sequences(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
         """vLLM's bad_words as token sequences (SamplingParams.update_from_tokenizer): each word
