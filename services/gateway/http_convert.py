@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
-from services.gateway import http_chat, http_prompt_logprobs, tool_calls
+from services.gateway import http_chat, http_prompt_logprobs, thinking_budget, tool_calls
 from services.gateway import http_models as m
 from services.gateway.http_chat import ToolParsing
 from services.gateway.inputs import GenerateInput
@@ -343,6 +343,7 @@ def chat_plan(
     common["chat_template_kwargs"] = http_chat.template_kwargs(req)
     common["continue_final_message"] = _continuation(req.add_generation_prompt, req.continue_final_message)
     common["add_generation_prompt"] = req.add_generation_prompt
+    common["thinking_token_budget"] = thinking_budget.check(req.thinking_token_budget)
     tools = http_chat.tools(req)
     choice = http_chat.tool_choice(req, tools)
     parsing = None

@@ -143,6 +143,9 @@ class ChatCompletionRequest(_GenerationRequest):
     # OpenAI's, served as vLLM does: the chat template's `reasoning_effort` variable, and its
     # `enable_thinking` (false for "none") unless chat_template_kwargs sets that one
     reasoning_effort: ReasoningEffort | None = None
+    # vLLM's: tokens generated inside the reasoning at most, then </think> is forced (needs
+    # --reasoning-parser); -1 or unset = no limit
+    thinking_token_budget: int | None = None
 
 
 class TokenizeRequest(_Request):

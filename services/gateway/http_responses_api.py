@@ -184,6 +184,7 @@ _CHAT_EXTRAS = (
     "allowed_token_ids",
     "bad_words",
     "chat_template_kwargs",
+    "thinking_token_budget",
 )
 
 

@@ -221,3 +221,72 @@ async def test_the_responses_api_returns_the_reasoning_item(stack: HttpStack) ->
         finally:
             await client.close()
     await stack.wait_idle()
+
+
+async def test_thinking_token_budget_forces_the_end_of_thinking(stack: HttpStack) -> None:
+    """vLLM's thinking_token_budget (deepseek_r1: the template opened <think>): exactly N
+    reasoning tokens, then </think> forced token by token (logprob 0), then the answer;
+    reasoning_tokens counts them with the tags; streamed == unary, disaggregated == unified; no
+    budget (or -1, or one the model never reaches) changes nothing. Without a reasoning parser, or
+    with a bad value: 400 naming the field."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(stack.model))
+    end_tokens = len(tokenizer.encode("</think>", add_special_tokens=False))
+    regex = r"[a-z ]{0,40}</think>[a-z ]{1,8}"  # the close tag may come at any point
+    kw: dict[str, Any] = dict(model="", messages=CHAT, max_tokens=40, temperature=1.0, seed=3)
+    results = []
+    async with gateway_on(stack, reasoning_parser="deepseek_r1") as gateway:
+        client = client_of(gateway.http_url or "")
+        try:
+            for mode in MODES:
+                stack.router.mode = mode
+                free, *_ = await _both_ways(client, **kw, extra_body={"guided_regex": regex})
+                free_tokens = [t.token for t in free.choices[0].logprobs.content]
+                assert split_by_token(free_tokens) > 3 + end_tokens  # it would think longer
+                for budget in (-1, 1000):  # no limit, and one it never reaches: unchanged
+                    same = await client.chat.completions.create(
+                        **kw, extra_body={"guided_regex": regex, "thinking_token_budget": budget}
+                    )
+                    assert same.choices[0].message.model_dump() == free.choices[0].message.model_dump()
+                for n in (3, 0):
+                    body = {"guided_regex": regex, "thinking_token_budget": n}
+                    got, reasoning, content, usage, tokens = await _both_ways(client, **kw, extra_body=body)
+                    message = got.choices[0].message.model_dump()
+                    assert tokens[:n] == free_tokens[:n]  # N reasoning tokens as drawn freely
+                    assert "".join(tokens[n : n + end_tokens]) == "</think>"  # then the forced close
+                    forced = got.choices[0].logprobs.content[n : n + end_tokens]
+                    assert [lp.logprob for lp in forced] == [0.0] * end_tokens
+                    assert (message["reasoning_content"] or "") == "".join(tokens[:n])
+                    assert re.fullmatch(r"[a-z ]{1,8}", message["content"])  # the answer follows
+                    assert (reasoning, content) == (message["reasoning_content"] or "", message["content"])
+                    details = got.usage.completion_tokens_details
+                    assert details is not None and details.reasoning_tokens == n + end_tokens
+                    assert usage.completion_tokens_details.reasoning_tokens == n + end_tokens
+                    results.append((mode, n, message, got.usage.completion_tokens))
+            # the Responses API takes it as an extra field
+            answer = await client.responses.create(
+                model="",
+                input="Hi",
+                max_output_tokens=12,
+                temperature=0,
+                extra_body={"thinking_token_budget": 2},
+            )
+            assert answer.usage is not None
+            assert answer.usage.output_tokens_details.reasoning_tokens == 2 + end_tokens
+            for bad in (-2, 1.5, "3", True, 1 << 21):
+                with pytest.raises(openai.BadRequestError) as err:
+                    await client.chat.completions.create(**kw, extra_body={"thinking_token_budget": bad})
+                assert err.value.body["param"] == "thinking_token_budget"  # type: ignore[index]
+        finally:
+            await client.close()
+    assert [r[1:] for r in results if r[0] == "unified"] == [r[1:] for r in results if r[0] != "unified"]
+    client = client_of(stack.gateway.http_url or "")  # no --reasoning-parser
+    try:
+        with pytest.raises(openai.BadRequestError) as err:
+            await client.chat.completions.create(**kw, extra_body={"thinking_token_budget": 3})
+        assert err.value.body["param"] == "thinking_token_budget"  # type: ignore[index]
+        assert "--reasoning-parser" in err.value.body["message"]  # type: ignore[index]
+    finally:
+        await client.close()
+    await stack.wait_idle()
