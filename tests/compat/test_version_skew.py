@@ -77,14 +77,21 @@ async def gateway(old_worker: str, tiny_model: Path) -> AsyncIterator[Gateway]:
 
 
 @contextlib.asynccontextmanager
-async def gateway_over(scheduler: OneWorkerScheduler, tiny_model: Path) -> AsyncIterator[Gateway]:
-    """A real gateway in front of `scheduler` (which routes to the old worker)."""
+async def gateway_over(
+    scheduler: OneWorkerScheduler, tiny_model: Path, **overrides: Any
+) -> AsyncIterator[Gateway]:
+    """A real gateway (GatewaySettings `overrides`) in front of `scheduler` (which routes to the
+    old worker)."""
     sched_server = grpc.aio.server()
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(scheduler, sched_server)
     port = sched_server.add_insecure_port("127.0.0.1:0")
     await sched_server.start()
     settings = GatewaySettings(
-        listen="127.0.0.1:0", metrics_port=-1, scheduler_address=f"127.0.0.1:{port}", model=str(tiny_model)
+        listen="127.0.0.1:0",
+        metrics_port=-1,
+        scheduler_address=f"127.0.0.1:{port}",
+        model=str(tiny_model),
+        **overrides,
     )
     app = build_app(settings)
     await app.start()
@@ -453,3 +460,43 @@ async def test_allowed_token_ids_and_bad_words_never_reach_a_worker_older_than_1
             gateway_pb2.GenerateRequest(request_id="stop-plain", prompt="hi", max_tokens=8)
         )
         assert done.finish_reason == STOP
+
+
+async def test_a_thinking_token_budget_never_reaches_a_worker_older_than_1_17(
+    old_worker: str, tiny_model: Path, v1_0_stubs: Path
+) -> None:
+    """An older worker reads SamplingParams without thinking_budget (the model would think on),
+    so a gateway facing one that advertises capabilities but not thinking_token_budget (a 1.16
+    worker) refuses such a request, naming what it lacks, and serves the others through it. A
+    gateway without --reasoning-parser refuses the field: INVALID_ARGUMENT naming it."""
+    sampling = common_pb2.SamplingParams(max_tokens=4)
+    sampling.thinking_budget.max_tokens = 3
+    sampling.thinking_budget.end_token_ids.extend([5, 6])
+    prefill = worker_pb2.PrefillRequest(request_id="r", prompt_token_ids=[1, 2], sampling=sampling)
+    old = json.loads(
+        run_old_peer(
+            v1_0_stubs, "parse", stdin=json.dumps({"PrefillRequest": prefill.SerializeToString().hex()})
+        )
+    )
+    assert old["PrefillRequest"]["fields"]["sampling"] == {"max_tokens": 4}
+
+    from services.worker.messages import CAPABILITIES
+
+    before = tuple(c for c in CAPABILITIES if c != "thinking_token_budget")
+    budget = gateway_pb2.GenerateRequest(request_id="think", prompt="hi", thinking_token_budget=3)
+    scheduler = CapableScheduler(old_worker, capabilities=before)
+    async with gateway_over(scheduler, tiny_model, reasoning_parser="qwen3") as served:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await served.stub.Complete(budget)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "lacks thinking_token_budget" in (err.value.details() or "")
+        done = await served.stub.Complete(
+            gateway_pb2.GenerateRequest(request_id="plain", prompt="hi", max_tokens=8)
+        )
+        assert done.finish_reason == STOP
+    async with gateway_over(CapableScheduler(old_worker, capabilities=CAPABILITIES), tiny_model) as served:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await served.stub.Complete(budget)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "thinking_token_budget" in (err.value.details() or "")
+        assert "--reasoning-parser" in (err.value.details() or "")
