@@ -139,7 +139,8 @@ class EngineOptions(BackendOptions, SpecOptions):
         None,
         "Schedule and launch the next decode step while the device runs the current one (its "
         "input ids come from the current step's draws on the device; outputs unchanged); off for "
-        "steps with prefill chunks, aborts, logprobs, penalties, min_tokens, bad_words, structured output "
+        "steps with prefill chunks, aborts, logprobs, penalties, min_tokens, bad_words, a thinking "
+        "budget, structured output "
         "and with speculative decoding (engine/rank.py). Default (unset): on for CUDA, off on CPU",
     )
     enable_lora: bool = field(
