@@ -122,6 +122,7 @@ async def test_registers_heartbeats_reregisters_and_deregisters(tiny_model: Path
                 "show_special_tokens",
                 "allowed_token_ids",
                 "bad_words",
+                "thinking_token_budget",
                 "kv_gateway_ticket",
                 *(["kv_transport_nixl", "kv_nixl_parts"] if w.app.nixl is not None else []),
             ]
