@@ -21,7 +21,15 @@ from services.worker.engine.api import SamplingConfig
 from services.worker.engine.sampler import TokenHistory, sample_with_logprobs
 from services.worker.engine.thinking_budget import Phase, ThinkingBudget, ThinkingTracker
 from shared.errors import InvalidArgument
-from tests.unit.engine.conftest import EngineFactory, collect, handoff_run, random_prompt, request, tokens_of
+from tests.unit.engine.conftest import (
+    EngineFactory,
+    collect,
+    drain,
+    handoff_run,
+    random_prompt,
+    request,
+    tokens_of,
+)
 
 START, END = (7, 8), (9, 10, 11)
 
@@ -139,9 +147,19 @@ async def test_engine_forces_after_n_thinking_tokens_on_every_path(
         "open-0": (ThinkingBudget(0, (free[0],), end, open_at_start=True), 0, 0),
         "tag-2": (ThinkingBudget(2, (free[1], free[2]), end), 3, 2),
     }
-    for name, (budget, opens, n) in cases.items():
+    # all at once with an unbudgeted request in the same steps: each as alone
+    together = await drain(
+        [
+            unified.add_request(request(f"t-{k}", PROMPT, dataclasses.replace(base, thinking_budget=c[0])))
+            for k, c in cases.items()
+        ]
+        + [unified.add_request(request("t-free", PROMPT, base))]
+    )
+    assert tokens_of(together[-1]) == free
+    for (name, (budget, opens, n)), batched in zip(cases.items(), together, strict=False):
         sp = dataclasses.replace(base, thinking_budget=budget)
         want = tokens_of(await collect(unified.add_request(request(f"u-{name}", PROMPT, sp))))
+        assert tokens_of(batched) == want, name
         assert want[: opens + n] == free[: opens + n], name  # N thinking tokens as drawn freely
         assert tuple(want[opens + n : opens + n + len(end)]) == end, name  # then the close sequence
         assert len(want) == 16
