@@ -238,13 +238,13 @@ class Scheduler:
             req = self.waiting[0]
             n = self._admit_waiting(req, budget)
             if n == 0:
-                victim = self._victim_for_blocks(req, budget)
-                if victim is None:
+                giver = self._victim_for_blocks(req, budget)
+                if giver is None:
                     break
-                # the victim may be in this step already: it leaves it with its budget
-                budget += sum(s.num_new_tokens for s in scheduled if s.request is victim)
-                scheduled = [s for s in scheduled if s.request is not victim]
-                self.preempt(victim)
+                # the giver may be in this step already: it leaves it with its budget
+                budget += sum(s.num_new_tokens for s in scheduled if s.request is giver)
+                scheduled = [s for s in scheduled if s.request is not giver]
+                self.preempt(giver)
                 continue
             self.waiting.popleft()
             self.running.insert(place(self.running, req.priority), req)
