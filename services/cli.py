@@ -3,6 +3,7 @@
 pdserve gateway|scheduler|load-monitor|prefill-worker|decode-worker|worker [service flags]
 pdserve up [--unified] [--model default] [--device cpu] ...
 pdserve generate "Why is the sky blue?" [--address 127.0.0.1:50051] [--max-tokens 64]
+pdserve run-batch -i requests.jsonl -o results.jsonl [--url http://127.0.0.1:50091]
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ USAGE = """usage: pdserve COMMAND [flags]
 commands:
   up               start load-monitor, scheduler, workers and gateway on this machine
   generate TEXT    stream a completion from a running gateway
+  run-batch        run an OpenAI batch file (JSONL) through a running gateway's Batch API
   gateway | scheduler | load-monitor | prefill-worker | decode-worker | worker
                    run one service (pdserve SERVICE --help lists its flags and env vars)
 """
@@ -49,6 +51,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         from services.generate_cli import main as generate_main
 
         generate_main(rest)
+        return
+    if command == "run-batch":
+        from services.batch_cli import main as batch_main
+
+        batch_main(rest)
         return
     print(f"pdserve: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     raise SystemExit(2)

@@ -241,3 +241,28 @@ async def test_a_cancel_frees_everything_and_a_stopped_gateways_batch_is_resumed
         finally:
             await client.close()
     await stack.wait_idle()
+
+
+async def test_pdserve_run_batch_writes_every_result_in_the_inputs_order(
+    stack: HttpStack, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from services import batch_cli
+
+    bodies: dict[str, dict[str, Any]] = {
+        f"c{i}": {"model": "", "prompt": p, "max_tokens": 4, "temperature": 0} for i, p in enumerate(PROMPTS)
+    }
+    bodies["c1"]["max_tokens"] = -1  # answered 400: its line carries the error
+    source, results = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_bytes(jsonl("/v1/completions", bodies))
+    async with gateway_on(stack, batch_dir=str(tmp_path / "batches"), batch_poll_s=0.1) as gateway:
+        argv = ["-i", str(source), "-o", str(results), "--url", gateway.http_url or "", "--poll-s", "0.05"]
+        await asyncio.to_thread(batch_cli.main, argv)
+        lines = [json.loads(raw) for raw in results.read_text().splitlines()]
+        assert [x["custom_id"] for x in lines] == list(bodies)  # the input's order
+        assert [x["response"]["status_code"] for x in lines] == [200, 400, 200, 200]
+        assert "completed: 3 completed, 1 failed of 4" in capsys.readouterr().err
+        source.write_bytes(jsonl("/v1/completions", {"a": bodies["c0"]}) * 2)  # a custom_id twice
+        with pytest.raises(SystemExit) as failed:
+            await asyncio.to_thread(batch_cli.main, argv)
+        assert failed.value.code == 1 and "duplicate_custom_id" in capsys.readouterr().err
+    await stack.wait_idle()
