@@ -13,9 +13,10 @@ Per interactive request: TTFT (first streamed text) and TPOT ((last - first) / (
 Per batch condition: the batch's requests answered per second while the interactive clients ran.
 Prints medians and the ratios to `alone`.
 
-    python -m benchmarks.bench_batch [--quick]     (make bench-batch)
+    python -m benchmarks.bench_batch [--mode disaggregated] [--quick]     (make bench-batch)
 
-Writes benchmarks/results/batch-<machine class>.json, with the machine it ran on.
+Writes benchmarks/results/batch-<machine class>.json (batch-disagg-... for --mode disaggregated),
+with the machine it ran on.
 """
 
 from __future__ import annotations
@@ -156,7 +157,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         running_stack(
             "default",
             Path(logs),
-            unified=True,
+            unified=args.mode == "unified",
             worker_args=[f"--max-num-seqs={args.max_num_seqs}"],
             up_args=[
                 f"--batch-dir={Path(logs) / 'batches'}",
@@ -176,7 +177,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                     runs.append({"repeat": rep, **row})
     return {
         "benchmark": "batch",
-        "command": "python -m benchmarks.bench_batch" + (" --quick" if args.quick else ""),
+        "command": "python -m benchmarks.bench_batch"
+        + (" --mode disaggregated" if args.mode == "disaggregated" else "")
+        + (" --quick" if args.quick else ""),
         "setup": {
             k: getattr(args, k)
             for k in (
@@ -190,7 +193,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 "repeats",
             )
         },
-        "model": "SmolLM2-135M-Instruct (bundled), fp32, pdserve up --unified, 1 torch thread",
+        "model": f"SmolLM2-135M-Instruct (bundled), fp32, pdserve up ({args.mode}), 1 torch thread",
         "machine": describe_machine("cpu"),
         "runs": runs,
         "summary": summarize(runs),
@@ -208,13 +211,20 @@ def main() -> None:
     p.add_argument("--batch-tokens", type=int, default=64, help="tokens per batch answer")
     p.add_argument("--warmup-s", type=float, default=5.0, help="the batch runs alone first (s)")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument(
+        "--mode",
+        choices=("unified", "disaggregated"),
+        default="unified",
+        help="one unified worker, or a prefill and a decode worker (each at --max-num-seqs)",
+    )
     p.add_argument("--quick", action="store_true", help="a harness check: short, one repeat")
     p.add_argument("--out", default="", help="result file (default benchmarks/results/batch-<class>.json)")
     args = p.parse_args()
     if args.quick:
         args.seconds, args.repeats, args.warmup_s, args.batch_lines = 6.0, 1, 2.0, 200
     result = asyncio.run(main_async(args))
-    out = Path(args.out) if args.out else result_path("batch", quick=args.quick)
+    name = "batch" if args.mode == "unified" else "batch-disagg"
+    out = Path(args.out) if args.out else result_path(name, quick=args.quick)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result["summary"], indent=2))
     print(f"wrote {out}")
