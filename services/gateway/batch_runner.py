@@ -12,7 +12,8 @@ from them. Requests answered 429 or 503 (overload, no worker right now) are trie
 backoff while the completion window lasts; requests not done by its end are written to the error
 file as `batch_expired` and the batch ends `expired`. A cancel stops the dispatch, aborts the
 requests in flight (as a client that goes away does) and ends the batch `cancelled` with the files
-of what was done.
+of what was done. A drain (SIGTERM) sends no new request and lets those in flight finish and be
+written within the grace, so a rolling update does not run them twice.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ log = structlog.get_logger(__name__)
 
 # (endpoint, body, request id) -> (HTTP status, JSON body), as the HTTP API answers that request
 Answer = Callable[[str, dict[str, Any], str], Awaitable[tuple[int, dict[str, Any]]]]
-Stop = Literal["done", "cancelled", "expired"]
+Stop = Literal["done", "cancelled", "expired", "draining"]
 
 RETRY_STATUSES = frozenset({429, 503})  # overloaded or no worker right now: tried again later
 EXPIRED_CODE = "batch_expired"
@@ -81,6 +82,7 @@ class BatchRunner:
         self._running: dict[str, asyncio.Task[None]] = {}
         self._cancels: dict[str, asyncio.Event] = {}  # batches running here -> set on a cancel here
         self._wake = asyncio.Event()
+        self._draining = asyncio.Event()  # set by drain(): no new request is sent
         self._loop_task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -95,6 +97,18 @@ class BatchRunner:
         if batch_id in self._cancels:
             self._cancels[batch_id].set()
         self._wake.set()
+
+    async def drain(self, grace_s: float) -> None:
+        """SIGTERM: send no new request and claim no batch; the requests in flight get `grace_s`
+        to finish (their answers written, so the next gateway does not run them again), then
+        close() aborts what is left."""
+        self._draining.set()
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        running = list(self._running.values())
+        if running:
+            await asyncio.wait(running, timeout=grace_s)
+        await self.close()
 
     async def close(self) -> None:
         """Stops running (requests in flight are aborted; the batches stay unfinished on disk for
@@ -157,6 +171,9 @@ class BatchRunner:
             record = self._validate(record)
         if record.status == BatchStatus.IN_PROGRESS:
             record = await self._execute(record)
+            if record.status == BatchStatus.IN_PROGRESS:  # draining: the next gateway resumes it
+                log.info("batch_left", batch_id=batch_id, completed=record.completed, failed=record.failed)
+                return
         if record.status == BatchStatus.FINALIZING:
             record = self._finish(record, BatchStatus.EXPIRED if record.expired else BatchStatus.COMPLETED)
         if record.status == BatchStatus.CANCELLING:
@@ -211,7 +228,7 @@ class BatchRunner:
                     if line.custom_id not in run.finished:
                         append_line(err, _result(line.custom_id, None, EXPIRED_ERROR))
                         metrics.BATCH_REQUESTS.labels(outcome="expired").inc()
-        if stop == "cancelled":
+        if stop in ("cancelled", "draining"):
             return self._batches.read(record.id)
         record = self._recount(record)
         return self._batches.update(
@@ -297,7 +314,10 @@ class _Run:
                 await asyncio.wait({watcher, *self._tasks}, return_when=asyncio.FIRST_COMPLETED)
             if not watcher.done():
                 return "done"
-            return watcher.result()
+            stop: Stop = watcher.result()
+            if stop == "draining":  # what is in flight finishes and is written (drain's grace)
+                await asyncio.gather(*self._tasks, return_exceptions=True)
+            return stop
         finally:
             watcher.cancel()
             for task in list(self._tasks):
@@ -307,13 +327,22 @@ class _Run:
     async def _watch(self) -> Stop:
         runner = self._runner
         while True:
+            if runner._draining.is_set():
+                return "draining"
             left_s = self._record.expires_at - runner._clock()
             if left_s <= 0:
                 return "expired"
             if runner._batches.read(self._record.id).status == BatchStatus.CANCELLING:
                 return "cancelled"
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._cancel.wait(), min(runner._settings.poll_s, left_s))
+            events = {
+                asyncio.ensure_future(self._cancel.wait()),
+                asyncio.ensure_future(runner._draining.wait()),
+            }
+            await asyncio.wait(
+                events, timeout=min(runner._settings.poll_s, left_s), return_when=asyncio.FIRST_COMPLETED
+            )
+            for waiting in events:
+                waiting.cancel()
 
     async def _one(self, line: BatchLine) -> None:
         try:

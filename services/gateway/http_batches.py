@@ -157,6 +157,12 @@ class BatchApi:
         if self._runner is not None:
             self._runner.start()
 
+    async def drain(self, grace_s: float) -> None:
+        """SIGTERM: no new batch request; those in flight get `grace_s` to finish."""
+        if self._runner is not None:
+            await self._runner.drain(grace_s)
+        await self._answer.close()
+
     async def close(self) -> None:
         if self._runner is not None:
             await self._runner.close()

@@ -87,8 +87,10 @@ class GatewayApp:
         """SIGTERM: refuse new requests, let in-flight streams finish within drain_grace_s, then
         abort what is left on its workers (the server stops afterwards)."""
         log.info("drain_started", in_flight=self.service.num_in_flight)
-        await self.batches.close()  # its requests in flight end; the next gateway resumes them
-        await self.service.drain(self.settings.drain_grace_s)
+        # batches send no new request; theirs in flight finish with the rest (the next gateway
+        # resumes the batches)
+        grace_s = self.settings.drain_grace_s
+        await asyncio.gather(self.batches.drain(grace_s), self.service.drain(grace_s))
         if self.http is not None:
             await self.http.stop()
         log.info("drained")

@@ -373,3 +373,31 @@ async def test_the_runner_deletes_what_retention_let_go(folder: Folder) -> None:
         await running.close()
     assert not folder.files.data_path(record.output_file_id).exists()
     assert sorted(p.name for p in (folder.root / "batches").iterdir()) == []
+
+
+async def test_a_drain_lets_the_requests_in_flight_finish_and_leaves_the_rest(folder: Folder) -> None:
+    """SIGTERM: no new request is sent, those in flight are answered and written within the
+    grace, the batch stays in progress; the next runner sends only what is left."""
+    answer = FakeAnswer()
+    first = BatchRunner(folder.files, folder.batches, answer, FAST)
+    batch_id = folder.submit(jsonl(*(line(f"r{i}", n=i) for i in range(10))))
+    answer.hold()
+    first.start()
+    await until(lambda: len(answer.calls) == FAST.concurrency)
+    draining = asyncio.ensure_future(first.drain(grace_s=10.0))
+    await asyncio.sleep(FAST.poll_s * 2)
+    answer.release()  # the 4 in flight are answered during the grace
+    await draining
+    assert len(answer.calls) == FAST.concurrency and answer.aborted == 0  # none sent after SIGTERM
+    record = folder.batches.read(batch_id)
+    assert record.status == BatchStatus.IN_PROGRESS and record.completed == FAST.concurrency
+    successor = FakeAnswer()
+    second = BatchRunner(folder.files, folder.batches, successor, FAST)
+    second.start()
+    try:
+        await until(lambda: status_of(folder, batch_id) == BatchStatus.COMPLETED)
+    finally:
+        await second.close()
+    assert len(successor.calls) == 10 - FAST.concurrency
+    out, _ = folder.results(batch_id)
+    assert sorted(out) == sorted(f"r{i}" for i in range(10))
