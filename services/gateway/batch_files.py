@@ -38,6 +38,7 @@ class FileRecord:
     filename: str
     purpose: str
     owner: str  # hash of the API key that made it; "" with keys off
+    expires_at: int | None = None  # unix time (s) after which it is deleted (OpenAI's expires_after)
 
     def body(self) -> dict[str, Any]:
         """OpenAI's File object."""
@@ -49,9 +50,32 @@ class FileRecord:
             "filename": self.filename,
             "purpose": self.purpose,
             "status": "processed",
-            "expires_at": None,
+            "expires_at": self.expires_at,
             "status_details": None,
         }
+
+
+# OpenAI's bounds of expires_after / output_expires_after seconds (anchor created_at)
+MIN_EXPIRES_AFTER_S = 3600
+MAX_EXPIRES_AFTER_S = 30 * 24 * 3600
+
+
+def expires_after(anchor: object, seconds: object, param: str) -> int | None:
+    """OpenAI's `{"anchor": "created_at", "seconds": N}` as N (None when neither is given)."""
+    if anchor is None and seconds is None:
+        return None
+    if anchor != "created_at":
+        raise InvalidField(f"{param}.anchor must be 'created_at'", param)
+    try:
+        value = int(str(seconds))
+    except ValueError:
+        value = -1
+    if not MIN_EXPIRES_AFTER_S <= value <= MAX_EXPIRES_AFTER_S:
+        raise InvalidField(
+            f"{param}.seconds must be an integer from {MIN_EXPIRES_AFTER_S} to {MAX_EXPIRES_AFTER_S}",
+            param,
+        )
+    return value
 
 
 def too_large(max_bytes: int) -> str:
@@ -85,7 +109,15 @@ class FileStore:
             raise NotFound(f"no file {file_id!r}")
         return self._dir / file_id
 
-    def add(self, source: BinaryIO, filename: str, purpose: str, owner: str, max_bytes: int) -> FileRecord:
+    def add(
+        self,
+        source: BinaryIO,
+        filename: str,
+        purpose: str,
+        owner: str,
+        max_bytes: int,
+        expires_after_s: int | None = None,
+    ) -> FileRecord:
         """Stores an upload; INVALID_ARGUMENT past `max_bytes` (nothing is kept then)."""
         if purpose not in UPLOAD_PURPOSES:
             raise InvalidField(
@@ -103,16 +135,21 @@ class FileStore:
                     if size > max_bytes:
                         raise InvalidField(too_large(max_bytes), "file")
                     out.write(chunk)
-            return self.seal(file_id, filename, purpose, owner)
+            return self.seal(file_id, filename, purpose, owner, expires_after_s)
         except BaseException:
             with contextlib.suppress(OSError):
                 path.unlink()
             raise
 
-    def seal(self, file_id: str, filename: str, purpose: str, owner: str) -> FileRecord:
-        """Writes the record of a file whose bytes are in place (an upload, a batch's output)."""
+    def seal(
+        self, file_id: str, filename: str, purpose: str, owner: str, expires_after_s: int | None = None
+    ) -> FileRecord:
+        """Writes the record of a file whose bytes are in place (an upload, a batch's output);
+        `expires_after_s`: deleted that long after now (s), else as --batch-retention-s says."""
         path = self.data_path(file_id)
-        record = FileRecord(file_id, path.stat().st_size, int(time.time()), filename, purpose, owner)
+        now = int(time.time())
+        expires_at = None if expires_after_s is None else now + expires_after_s
+        record = FileRecord(file_id, path.stat().st_size, now, filename, purpose, owner, expires_at)
         write_json_atomically(path.with_name(file_id + ".json"), asdict(record))
         return record
 

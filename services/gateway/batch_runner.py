@@ -250,7 +250,8 @@ class BatchRunner:
     def _finish(self, record: BatchRecord, to: BatchStatus) -> BatchRecord:
         for file_id, kind in ((record.output_file_id, "output"), (record.error_file_id, "error")):
             self._path(file_id).touch()
-            self._files.seal(file_id, f"{record.id}_{kind}.jsonl", OUTPUT_PURPOSE, record.owner)
+            name = f"{record.id}_{kind}.jsonl"
+            self._files.seal(file_id, name, OUTPUT_PURPOSE, record.owner, record.output_expires_after_s)
         try:
             record = self._batches.update(record.id, lambda r: r.moved(to))
         except FailedPrecondition:  # already final (another process got there first)

@@ -78,6 +78,7 @@ class BatchRecord:
     output_file_id: str  # chosen at creation; shown once the batch is over
     error_file_id: str
     metadata: dict[str, str] = field(default_factory=dict)
+    output_expires_after_s: int | None = None  # the output and error files' lifetime (s)
     status: BatchStatus = BatchStatus.VALIDATING
     times: dict[str, int] = field(default_factory=dict)  # status -> when it was entered
     total: int = 0  # requests (lines) in the input

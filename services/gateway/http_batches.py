@@ -31,7 +31,7 @@ from starlette.formparsers import MultiPartException
 
 from services.gateway import http_models as m
 from services.gateway import observe
-from services.gateway.batch_files import FileStore, new_file_id, too_large
+from services.gateway.batch_files import FileStore, expires_after, new_file_id, too_large
 from services.gateway.batch_runner import BatchRunner, RunnerSettings
 from services.gateway.batches import (
     COMPLETION_WINDOW_S,
@@ -68,6 +68,8 @@ class CreateBatchRequest(m._Request):
     endpoint: str
     completion_window: str
     metadata: dict[str, str] | None = None
+    # {"anchor": "created_at", "seconds": N}: the output and error files' lifetime
+    output_expires_after: dict[str, Any] | None = None
 
 
 Answered = dict[str, Any] | Response  # a route's JSON body, or its whole response
@@ -182,8 +184,10 @@ class BatchApi:
             if not isinstance(purpose, str):
                 raise InvalidField("purpose is required: 'batch'", "purpose")
             name = upload.filename or "upload.jsonl"
+            anchor, seconds = form.get("expires_after[anchor]"), form.get("expires_after[seconds]")
+            lifetime_s = expires_after(anchor, seconds, "expires_after")
             record = await asyncio.to_thread(
-                files.add, upload.file, name, purpose, owner, self._max_file_bytes
+                files.add, upload.file, name, purpose, owner, self._max_file_bytes, lifetime_s
             )
         return record.body()
 
@@ -289,6 +293,7 @@ async def _form(request: Request) -> AsyncIterator[FormData]:
 
 
 def _new_batch(body: CreateBatchRequest, owner: str, files: FileStore) -> BatchRecord:
+    given = body.output_expires_after or {}
     if body.endpoint not in ENDPOINTS:
         raise InvalidField(
             f"endpoint must be one of {', '.join(ENDPOINTS)}, got {body.endpoint!r}", "endpoint"
@@ -324,6 +329,9 @@ def _new_batch(body: CreateBatchRequest, owner: str, files: FileStore) -> BatchR
         output_file_id=new_file_id(),
         error_file_id=new_file_id(),
         metadata=metadata,
+        output_expires_after_s=expires_after(
+            given.get("anchor"), given.get("seconds"), "output_expires_after"
+        ),
     )
 
 

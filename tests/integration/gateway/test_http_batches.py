@@ -74,14 +74,18 @@ async def test_a_batch_answers_as_the_same_requests_one_by_one(stack: HttpStack,
             }
             bodies["bad"] = {"model": "", "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}
             upload = await client.files.create(
-                file=("in.jsonl", jsonl("/v1/chat/completions", bodies)), purpose="batch"
+                file=("in.jsonl", jsonl("/v1/chat/completions", bodies)),
+                purpose="batch",
+                expires_after={"anchor": "created_at", "seconds": 7200},
             )
             assert upload.purpose == "batch" and upload.bytes > 0
+            assert upload.expires_at == upload.created_at + 7200
             batch = await client.batches.create(
                 input_file_id=upload.id,
                 endpoint="/v1/chat/completions",
                 completion_window="24h",
                 metadata={"job": "nightly"},
+                output_expires_after={"anchor": "created_at", "seconds": 3600},
             )
             assert batch.status == "validating" and batch.metadata == {"job": "nightly"}
             batch = await finished(client, batch.id)
@@ -114,6 +118,8 @@ async def test_a_batch_answers_as_the_same_requests_one_by_one(stack: HttpStack,
             assert refused["status_code"] == 400 and refused["body"]["error"]["param"] == "max_tokens"
             listed = [b.id async for b in client.batches.list()]
             assert listed == [batch.id]
+            output = await client.files.retrieve(batch.output_file_id or "")
+            assert output.expires_at == output.created_at + 3600
             files = {f.id: f.purpose async for f in client.files.list()}
             assert files == {
                 upload.id: "batch",
@@ -169,6 +175,13 @@ async def test_keys_see_only_their_own_and_bad_requests_are_refused(stack: HttpS
             with pytest.raises(openai.BadRequestError) as refused:
                 await one.files.create(file=("x.jsonl", b"{}\n"), purpose="fine-tune")
             assert refused.value.body["param"] == "purpose"  # type: ignore[index]
+            with pytest.raises(openai.BadRequestError) as refused:  # under OpenAI's hour
+                await one.files.create(
+                    file=("x.jsonl", b"{}\n"),
+                    purpose="batch",
+                    expires_after={"anchor": "created_at", "seconds": 60},
+                )
+            assert refused.value.body["param"] == "expires_after"  # type: ignore[index]
             headers = {"authorization": "Bearer k1"}
             async with httpx.AsyncClient(base_url=gateway.http_url or "", headers=headers) as raw:
                 files = [("file", ("a.jsonl", b"{}")), ("file", ("b.jsonl", b"{}"))]

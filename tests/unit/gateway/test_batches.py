@@ -18,11 +18,12 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from services.gateway.batch_files import FileRecord, FileStore, new_file_id
+from services.gateway.batch_files import FileRecord, FileStore, expires_after, new_file_id
 from services.gateway.batch_input import parse_input
 from services.gateway.batch_retention import Expired, expired
 from services.gateway.batch_runner import BatchRunner, RunnerSettings
 from services.gateway.batches import ALLOWED, BatchRecord, BatchStatus, BatchStore, new_batch_id
+from services.gateway.validation import InvalidField
 from shared.errors import FailedPrecondition
 from tests.support.prom import sample_total
 
@@ -352,6 +353,34 @@ def test_retention_lets_finished_batches_and_unused_uploads_go() -> None:
         "file-in-new",
     }
     assert expired([old_done], uploads, now=5 * day, retention_s=0) == Expired((), ())  # 0: forever
+    # a file whose client asked for an expiry goes then, retention or not, unless a batch reads it
+    asked = [FileRecord(f, 1, 0, "x", "batch", "", expires_at=day) for f in ("file-asked", "file-in-run")]
+    for retention_s in (0, 30 * day):
+        assert expired([running], asked, now=day, retention_s=retention_s).file_ids == ("file-asked",)
+    assert expired([running], asked, now=day - 1, retention_s=0).file_ids == ()
+
+
+@pytest.mark.parametrize(
+    ("anchor", "seconds", "ok"),
+    [
+        ("created_at", 3600, True),
+        ("created_at", "86400", True),
+        (None, None, True),
+        ("created_at", 59, False),
+        ("created_at", 31 * 86_400, False),
+        ("last_active_at", 3600, False),
+        ("created_at", "soon", False),
+    ],
+)
+def test_expires_after_is_openais(anchor: object, seconds: object, ok: bool) -> None:
+    if ok:
+        assert expires_after(anchor, seconds, "expires_after") == (
+            None if seconds is None else int(str(seconds))
+        )
+    else:
+        with pytest.raises(InvalidField) as err:
+            expires_after(anchor, seconds, "expires_after")
+        assert err.value.param == "expires_after"
 
 
 async def test_the_runner_deletes_what_retention_let_go(folder: Folder) -> None:
