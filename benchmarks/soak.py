@@ -3,7 +3,10 @@ starts them), printing every service's RSS series and a pass/fail line: RSS flat
 --tolerance (default 3 %) or --tolerance-mib (default 4 MiB) from minute --settle-min (default 2)
 on. Not part of CI (`make soak`).
 
-python -m benchmarks.soak --minutes 30 [--model default] [--concurrency 8]
+python -m benchmarks.soak --minutes 30 [--model default] [--concurrency 8] [--batch-lines 40]
+
+With --batch-lines N, Batch API batches of N short requests run all the while beside the load
+(one after the other, every third cancelled half way), and their counts are printed too.
 """
 
 from __future__ import annotations
@@ -103,6 +106,45 @@ async def load(
     return counts
 
 
+def batch_load(url: str, lines: int, stop: threading.Event, counts: dict[str, int]) -> None:
+    """Batches of `lines` short completions, one after the other until `stop`; every third is
+    cancelled once half its requests are done. `counts`: batches by final status, and requests."""
+    import json
+
+    import httpx
+
+    rows = [
+        {"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": " ".join(random.choices(WORDS, k=12)), "max_tokens": 8}}
+        for i in range(lines)
+    ]  # fmt: skip
+    data = "".join(json.dumps(r) + "\n" for r in rows).encode()
+    with httpx.Client(base_url=url, timeout=60) as client:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            upload = client.post("/v1/files", files={"file": ("b.jsonl", data)}, data={"purpose": "batch"})
+            body = {
+                "input_file_id": upload.json()["id"],
+                "endpoint": "/v1/completions",
+                "completion_window": "24h",
+            }
+            batch = client.post("/v1/batches", json=body).json()
+            cancelled = False
+            while not stop.is_set():
+                batch = client.get(f"/v1/batches/{batch['id']}").json()
+                if batch["status"] in ("completed", "failed", "expired", "cancelled"):
+                    break
+                done = batch["request_counts"]["completed"] + batch["request_counts"]["failed"]
+                if n % 3 == 0 and not cancelled and done >= lines // 2:
+                    client.post(f"/v1/batches/{batch['id']}/cancel")
+                    cancelled = True
+                time.sleep(0.5)
+            counts[batch["status"]] = counts.get(batch["status"], 0) + 1
+            counts["requests"] = counts.get("requests", 0) + batch["request_counts"]["completed"]
+            client.delete(f"/v1/files/{upload.json()['id']}")
+
+
 def rss_growth(settled: Sequence[float]) -> float:
     """MiB an RSS series grew after settling: the median of its last third minus the median of
     its first third. A leak raises the whole tail; a worker whose RSS swings with the sizes of the
@@ -129,6 +171,9 @@ def main() -> None:
     )
     p.add_argument("--port-base", type=int, default=0)
     p.add_argument(
+        "--batch-lines", type=int, default=0, help="run Batch API batches of N requests beside the load"
+    )
+    p.add_argument(
         "--up-arg",
         action="append",
         default=[],
@@ -143,6 +188,7 @@ def main() -> None:
     base = a.port_base or free_port_base()
     log_dir = Path(tempfile.mkdtemp(prefix="pdserve-soak-"))
     up_args = ["--model", model, "--port-base", str(base), "--log-dir", str(log_dir), "--torch-threads", "1"]
+    up_args += ["--batch-dir", str(log_dir / "batches")]
     args = up._parse([*up_args, *a.up_arg])
     children = up_shape.children(args, model)
     print(
@@ -170,10 +216,24 @@ def main() -> None:
                 if rss is not None:
                     series[c.name].append((t_min, rss))
 
+        stop = threading.Event()
+        batches: dict[str, int] = {}
+        batcher = threading.Thread(
+            target=batch_load,
+            args=(f"http://127.0.0.1:{base + 40}", a.batch_lines, stop, batches),
+            daemon=True,
+        )
+        if a.batch_lines:
+            batcher.start()
         counts = asyncio.run(load(f"127.0.0.1:{base}", a.minutes, a.concurrency, sample, a.sample_s))
+        stop.set()
+        if a.batch_lines:
+            batcher.join(timeout=120)
     finally:
         up_processes.stop_all(children, grace_s=30)
     print(f"requests: {counts}")
+    if a.batch_lines:
+        print(f"batches: {batches}")
     ok_all = True
     for name, points in series.items():
         settled = [rss for t, rss in points if t >= a.settle_min]
