@@ -123,9 +123,10 @@ def batch_load(url: str, lines: int, stop: threading.Event, counts: dict[str, in
         n = 0
         while not stop.is_set():
             n += 1
-            upload = client.post("/v1/files", files={"file": ("b.jsonl", data)}, data={"purpose": "batch"})
+            sent = client.post("/v1/files", files={"file": ("b.jsonl", data)}, data={"purpose": "batch"})
+            file_id = sent.json()["id"]
             body = {
-                "input_file_id": upload.json()["id"],
+                "input_file_id": file_id,
                 "endpoint": "/v1/completions",
                 "completion_window": "24h",
             }
@@ -142,7 +143,7 @@ def batch_load(url: str, lines: int, stop: threading.Event, counts: dict[str, in
                 time.sleep(0.5)
             counts[batch["status"]] = counts.get(batch["status"], 0) + 1
             counts["requests"] = counts.get("requests", 0) + batch["request_counts"]["completed"]
-            client.delete(f"/v1/files/{upload.json()['id']}")
+            client.delete(f"/v1/files/{file_id}")
 
 
 def rss_growth(settled: Sequence[float]) -> float:

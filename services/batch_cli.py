@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,28 +60,24 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(1)
 
 
-def _endpoint(data: bytes) -> str | None:
-    """The url of the first request line (the batch's endpoint; the gateway checks the rest)."""
+def _requests(data: bytes) -> Iterator[dict[str, Any]]:
+    """The batch file's JSON object lines (the gateway checks them; these only name things)."""
     for raw in data.splitlines():
         try:
             value = json.loads(raw)
         except ValueError:
             continue
-        if isinstance(value, dict) and isinstance(value.get("url"), str):
-            return str(value["url"])
-    return None
+        if isinstance(value, dict):
+            yield value
+
+
+def _endpoint(data: bytes) -> str | None:
+    """The url of the first request line (the batch's endpoint; the gateway checks the rest)."""
+    return next((str(r["url"]) for r in _requests(data) if isinstance(r.get("url"), str)), None)
 
 
 def _custom_ids(data: bytes) -> list[str]:
-    ids = []
-    for raw in data.splitlines():
-        try:
-            value = json.loads(raw)
-        except ValueError:
-            continue
-        if isinstance(value, dict) and isinstance(value.get("custom_id"), str):
-            ids.append(value["custom_id"])
-    return ids
+    return [str(r["custom_id"]) for r in _requests(data) if isinstance(r.get("custom_id"), str)]
 
 
 def _call(response: httpx.Response) -> Any:

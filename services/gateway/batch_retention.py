@@ -34,7 +34,7 @@ def expired(
 
 
 def _in_use(batches: Sequence[BatchRecord]) -> set[str]:
-    return {f for b in batches if not b.final for f in (b.input_file_id, b.output_file_id, b.error_file_id)}
+    return {f for b in batches if not b.final for f in b.file_ids}
 
 
 def _asked(files: Sequence[FileRecord], now: float, in_use: set[str]) -> set[str]:

@@ -214,9 +214,9 @@ class BatchRunner:
         lines, errors = self._lines(record)
         if errors:  # the input file was deleted under a running batch: what is left is not run
             log.error("batch_input_gone", batch_id=record.id, error=errors[0].message)
-        done = set(_tally(self._path(record.output_file_id))) | set(_tally(self._path(record.error_file_id)))
-        todo = [line for line in lines if line.custom_id not in done]
-        record = self._recount(record)
+        answered, failed = self._tallies(record)
+        todo = [line for line in lines if line.custom_id not in answered and line.custom_id not in failed]
+        record = self._counted(record, answered, failed)
         with (
             self._path(record.output_file_id).open("a", encoding="utf-8") as out,
             self._path(record.error_file_id).open("a", encoding="utf-8") as err,
@@ -238,13 +238,20 @@ class BatchRunner:
     def _path(self, file_id: str) -> Path:
         return self._files.data_path(file_id)
 
+    def _tallies(self, record: BatchRecord) -> tuple[dict[str, str | None], dict[str, str | None]]:
+        """What the output and error files hold (_tally of each)."""
+        return _tally(self._path(record.output_file_id)), _tally(self._path(record.error_file_id))
+
     def _recount(self, record: BatchRecord) -> BatchRecord:
         """The counts as the output and error files say (the files are the truth)."""
-        completed = len(_tally(self._path(record.output_file_id)))
-        errors = _tally(self._path(record.error_file_id))
-        expired = sum(1 for code in errors.values() if code == EXPIRED_CODE)
+        return self._counted(record, *self._tallies(record))
+
+    def _counted(
+        self, record: BatchRecord, answered: dict[str, str | None], failed: dict[str, str | None]
+    ) -> BatchRecord:
+        expired = sum(1 for code in failed.values() if code == EXPIRED_CODE)
         return self._batches.update(
-            record.id, lambda r: replace(r, completed=completed, failed=len(errors), expired=expired)
+            record.id, lambda r: replace(r, completed=len(answered), failed=len(failed), expired=expired)
         )
 
     def _finish(self, record: BatchRecord, to: BatchStatus) -> BatchRecord:

@@ -92,6 +92,11 @@ class BatchRecord:
         return not ALLOWED[self.status]
 
     @property
+    def file_ids(self) -> tuple[str, str, str]:
+        """The files it reads or writes: input, output, error."""
+        return self.input_file_id, self.output_file_id, self.error_file_id
+
+    @property
     def ended_at(self) -> int | None:
         """When the batch became final (unix s); None while it is not."""
         return self.times.get(self.status.value) if self.final else None

@@ -45,7 +45,7 @@ from services.gateway.http_stream import EventStream, events
 from services.gateway.lora_admin import AdapterInUse
 from services.gateway.service import GatewayService
 from services.gateway.validation import InvalidField
-from shared.auth import AUTH_HEADER, ApiKeys, bearer_token
+from shared.auth import AUTH_HEADER, ApiKeys
 from shared.errors import InvalidArgument
 from shared.tracing import tracer
 
@@ -70,8 +70,9 @@ class HttpApi:
         self._max_body_bytes = max_body_bytes
         self._tasks: set[asyncio.Task[None]] = set()  # choices still running (cancelled ones too)
         # the key of this process's own calls (the Batch API's requests), never shown or logged
-        self.inner_authorization = f"Bearer {secrets.token_urlsafe(32)}"
-        self._inner_keys = ApiKeys.of([bearer_token(self.inner_authorization) or ""])
+        inner_key = secrets.token_urlsafe(32)
+        self.inner_authorization = f"Bearer {inner_key}"
+        self._inner_keys = ApiKeys.of([inner_key])
         self.app = self._build()
 
     def _build(self) -> FastAPI:

@@ -17,6 +17,7 @@ import functools
 import hashlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -173,7 +174,7 @@ class BatchApi:
     # --- files ---
     @_answered()
     async def upload(self, request: Request) -> Answered:
-        files, owner = self._open(request)
+        c = self._open(request)
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self._max_file_bytes + _FORM_SLACK:
             raise InvalidField(too_large(self._max_file_bytes), "file")
@@ -187,95 +188,95 @@ class BatchApi:
             anchor, seconds = form.get("expires_after[anchor]"), form.get("expires_after[seconds]")
             lifetime_s = expires_after(anchor, seconds, "expires_after")
             record = await asyncio.to_thread(
-                files.add, upload.file, name, purpose, owner, self._max_file_bytes, lifetime_s
+                c.files.add, upload.file, name, purpose, c.owner, self._max_file_bytes, lifetime_s
             )
         return record.body()
 
     @_answered()
     async def list_files(self, request: Request) -> Answered:
-        files, owner = self._open(request)
-        records = [r.body() for r in files.list(owner, request.query_params.get("purpose") or None)]
+        c = self._open(request)
+        records = [r.body() for r in c.files.list(c.owner, request.query_params.get("purpose") or None)]
         if request.query_params.get("order") == "asc":
             records.reverse()
         return _page(records, request, default_limit=10000)
 
     @_answered()
     async def file(self, request: Request, file_id: str) -> Answered:
-        files, owner = self._open(request)
-        return files.get(file_id, owner).body()
+        c = self._open(request)
+        return c.files.get(file_id, c.owner).body()
 
     @_answered()
     async def content(self, request: Request, file_id: str) -> Answered:
-        files, owner = self._open(request)
-        name = files.get(file_id, owner).filename
-        return FileResponse(files.data_path(file_id), media_type="application/octet-stream", filename=name)
+        c = self._open(request)
+        name = c.files.get(file_id, c.owner).filename
+        return FileResponse(c.files.data_path(file_id), media_type="application/octet-stream", filename=name)
 
     @_answered(_STATE_STATUSES)
     async def delete_file(self, request: Request, file_id: str) -> Answered:
-        files, owner = self._open(request)
-        files.get(file_id, owner)
-        for record in self._stores()[1].all():
-            if not record.final and file_id in (
-                record.input_file_id,
-                record.output_file_id,
-                record.error_file_id,
-            ):
+        c = self._open(request)
+        c.files.get(file_id, c.owner)
+        for record in c.batches.all():
+            if not record.final and file_id in record.file_ids:
                 raise FailedPrecondition(
                     f"file {file_id} is used by {record.id}, which is {record.status.value}; "
                     "cancel the batch or wait for it to end"
                 )
-        files.delete(file_id, owner)
+        c.files.delete(file_id, c.owner)
         return {"id": file_id, "object": "file", "deleted": True}
 
     # --- batches ---
     @_answered()
     async def create(self, request: Request) -> Answered:
-        files, owner = self._open(request)
+        c = self._open(request)
         body = await read_json(request, CreateBatchRequest, self._max_body_bytes)
-        record = _new_batch(body, owner, files)
-        self._stores()[1].create(record)
-        assert self._runner is not None
-        self._runner.wake()
+        record = _new_batch(body, c.owner, c.files)
+        c.batches.create(record)
+        c.runner.wake()
         return record.body()
 
     @_answered()
     async def list_batches(self, request: Request) -> Answered:
-        _, owner = self._open(request)
-        records = [r.body() for r in reversed(self._stores()[1].all()) if r.owner == owner]
+        c = self._open(request)
+        records = [r.body() for r in reversed(c.batches.all()) if r.owner == c.owner]
         return _page(records, request, default_limit=20)
 
     @_answered()
     async def batch(self, request: Request, batch_id: str) -> Answered:
-        _, owner = self._open(request)
-        return self._stores()[1].get(batch_id, owner).body()
+        c = self._open(request)
+        return c.batches.get(batch_id, c.owner).body()
 
     @_answered(_STATE_STATUSES)
     async def cancel(self, request: Request, batch_id: str) -> Answered:
-        _, owner = self._open(request)
-        batches = self._stores()[1]
-        batches.get(batch_id, owner)
-        record = batches.update(batch_id, _cancelling)
-        assert self._runner is not None
-        self._runner.cancelled(batch_id)
+        c = self._open(request)
+        c.batches.get(batch_id, c.owner)
+        record = c.batches.update(batch_id, _cancelling)
+        c.runner.cancelled(batch_id)
         return record.body()
 
     # --- helpers ---
-    def _open(self, request: Request) -> tuple[FileStore, str]:
-        """The file store and the caller's owner id, after the API key check."""
+    def _open(self, request: Request) -> _Caller:
+        """What a route works with, after the API key check (NOT_FOUND when the APIs are off)."""
         authorization = request.headers.get(AUTH_HEADER)
         if not self._keys.accepts(authorization):
             raise unauthenticated()
-        files, _ = self._stores()
-        token = bearer_token(authorization) if self._keys.enabled else None
-        return files, hashlib.sha256(token.encode()).hexdigest()[:32] if token else ""
-
-    def _stores(self) -> tuple[FileStore, BatchStore]:
-        if self._files is None or self._batches is None:
+        if self._files is None or self._batches is None or self._runner is None:
             raise NotFound(
                 "the Files and Batch APIs are off on this gateway: start it with --batch-dir DIR "
                 "(pdserve up gives it one)"
             )
-        return self._files, self._batches
+        token = bearer_token(authorization) if self._keys.enabled else None
+        owner = hashlib.sha256(token.encode()).hexdigest()[:32] if token else ""
+        return _Caller(self._files, self._batches, self._runner, owner)
+
+
+@dataclass(frozen=True)
+class _Caller:
+    """A route's stores and runner, and the caller's owner id (a hash of its API key)."""
+
+    files: FileStore
+    batches: BatchStore
+    runner: BatchRunner
+    owner: str
 
 
 @contextlib.asynccontextmanager

@@ -188,6 +188,16 @@ def status_of(folder: Folder, batch_id: str) -> BatchStatus:
     return folder.batches.read(batch_id).status
 
 
+async def run_to_completion(folder: Folder, answer: FakeAnswer, batch_id: str) -> None:
+    """A runner on `folder` (a gateway started after another), closed once the batch completed."""
+    running = BatchRunner(folder.files, folder.batches, answer, FAST)
+    running.start()
+    try:
+        await until(lambda: status_of(folder, batch_id) == BatchStatus.COMPLETED)
+    finally:
+        await running.close()
+
+
 async def test_results_go_to_the_output_and_error_files_and_overload_is_tried_again(
     folder: Folder, runner: tuple[BatchRunner, FakeAnswer]
 ) -> None:
@@ -280,12 +290,7 @@ async def test_a_resumed_batch_runs_only_what_its_files_lack(folder: Folder) -> 
     )
     folder.files.data_path(record.error_file_id).write_text(json.dumps(done[1]) + "\n")
     answer = FakeAnswer()
-    running = BatchRunner(folder.files, folder.batches, answer, FAST)
-    running.start()
-    try:
-        await until(lambda: status_of(folder, batch_id) == BatchStatus.COMPLETED)
-    finally:
-        await running.close()
+    await run_to_completion(folder, answer, batch_id)
     assert sorted(body["n"] for _, body in answer.calls) == [2, 3, 4, 5]
     out, err = folder.results(batch_id)  # each request once
     assert sorted(out) == ["r0", "r2", "r3", "r4", "r5"] and list(err) == ["r1"]
@@ -421,12 +426,7 @@ async def test_a_drain_lets_the_requests_in_flight_finish_and_leaves_the_rest(fo
     record = folder.batches.read(batch_id)
     assert record.status == BatchStatus.IN_PROGRESS and record.completed == FAST.concurrency
     successor = FakeAnswer()
-    second = BatchRunner(folder.files, folder.batches, successor, FAST)
-    second.start()
-    try:
-        await until(lambda: status_of(folder, batch_id) == BatchStatus.COMPLETED)
-    finally:
-        await second.close()
+    await run_to_completion(folder, successor, batch_id)
     assert len(successor.calls) == 10 - FAST.concurrency
     out, _ = folder.results(batch_id)
     assert sorted(out) == sorted(f"r{i}" for i in range(10))
