@@ -64,7 +64,9 @@ CAPABILITIES = (
 # 1.16 added GenerateRequest.truncation_side (the gateway's; nothing a worker reads changed).
 # 1.17 added SamplingParams.thinking_budget (capability "thinking_token_budget") and
 # GenerateRequest.thinking_token_budget.
-PROTO_VERSION = "1.17"
+# 1.18 added TokenLogprob.rank (no capability: an output field, so an older worker only leaves it
+# unset and the gateway falls back to the prompt token's place among the alternatives, or null).
+PROTO_VERSION = "1.18"
 
 
 @dataclass(frozen=True)
