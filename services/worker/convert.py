@@ -84,6 +84,7 @@ def logprobs_to_pb(logprobs: Iterable[TokenLogprobs]) -> list[common_pb2.TokenLo
             token_id=lp.token_id,
             logprob=lp.logprob,
             top_logprobs=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+            rank=lp.rank,
         )
         for lp in logprobs
     ]

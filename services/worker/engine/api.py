@@ -131,12 +131,15 @@ class SamplingConfig:
 
 @dataclass(frozen=True)
 class TokenLogprobs:
-    """One generated token's log-probability and the most likely tokens at its position (most
-    likely first; natural log; -inf for a token top-k / top-p ruled out)."""
+    """One generated (or prompt) token's log-probability, its rank and the most likely tokens at
+    its position (most likely first; natural log; -inf for a token top-k / top-p ruled out)."""
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), SamplingConfig.logprobs of them
+    # 1-based rank of token_id in the distribution `logprob` comes from: 1 + the tokens with a
+    # strictly greater logprob (vLLM's); None where it was not computed
+    rank: int | None = None
 
 
 @dataclass(frozen=True)

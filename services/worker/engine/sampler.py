@@ -323,21 +323,33 @@ def sample_with_logprobs_to_host(
         dist = torch.where(use_scaled, scaled.index_select(0, idx), processed.index_select(0, idx))
     logp = dist.log_softmax(dim=-1)
     chosen = logp.gather(1, tokens.index_select(0, idx)[:, None])[:, 0]
+    ranks = token_ranks(logp, chosen)
     max_k = max(params[i].logprobs or 0 for i in rows)
     top_vals, top_ids = logp.topk(max_k, dim=-1) if max_k > 0 else (logp[:, :0], logp[:, :0].long())
     n, r = len(params), len(rows)
     packed = torch.cat(
-        [t.reshape(-1).double() for t in (tokens, chosen, top_vals, top_ids)]
-    ).tolist()  # the one copy: n tokens, r chosen logprobs, r x max_k values, r x max_k ids
+        [t.reshape(-1).double() for t in (tokens, chosen, ranks, top_vals, top_ids)]
+    ).tolist()  # the one copy: n tokens, r chosen logprobs, r ranks, r x max_k values, r x max_k ids
     tokens_l = [int(t) for t in packed[:n]]
     chosen_l = packed[n : n + r]
-    vals_at, ids_at = n + r, n + r + r * max_k
+    ranks_l = packed[n + r : n + 2 * r]
+    vals_at, ids_at = n + 2 * r, n + 2 * r + r * max_k
     for k, i in enumerate(rows):
         m = params[i].logprobs or 0
         vals = packed[vals_at + k * max_k : vals_at + k * max_k + m]
         ids = [int(t) for t in packed[ids_at + k * max_k : ids_at + k * max_k + m]]
-        result[i] = TokenLogprobs(tokens_l[i], float(chosen_l[k]), tuple(zip(ids, vals, strict=True)))
+        result[i] = TokenLogprobs(
+            tokens_l[i], float(chosen_l[k]), tuple(zip(ids, vals, strict=True)), int(ranks_l[k])
+        )
     return tokens, tokens_l, result
+
+
+def token_ranks(logp: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """logp [n, vocab] log-probabilities, chosen [n] the logprob of one token per row -> [n]
+    (long) each token's 1-based rank in its row: 1 + the entries with a strictly greater logprob
+    (vLLM's batched_count_greater_than + 1), so tied tokens share the best of their ranks and a
+    row's most likely token has rank 1. One comparison over the rows, no loop per token."""
+    return (logp > chosen[:, None]).sum(dim=-1) + 1
 
 
 def sample_logits(
@@ -421,8 +433,9 @@ def prompt_logprobs(logits: torch.Tensor, targets: Sequence[int], ks: Sequence[i
     """Prompt logprobs: logits [n, vocab] at n prompt positions (the model's raw output, no
     processor applied), targets[i] the prompt token that follows position i, ks[i] how many
     most likely alternatives row i reports. Each row's log_softmax in float32 is that of the
-    raw model distribution (vLLM's prompt logprobs); rows are independent of each other, so a
-    prompt gets the same values however it was split into chunks or batched."""
+    raw model distribution (vLLM's prompt logprobs), and each prompt token's rank is taken in
+    that distribution (token_ranks); rows are independent of each other, so a prompt gets the
+    same values however it was split into chunks or batched."""
     out: list[TokenLogprobs] = []
     for first in range(0, logits.shape[0], _PROMPT_LOGPROBS_ROWS):
         end = first + _PROMPT_LOGPROBS_ROWS
@@ -435,13 +448,18 @@ def _prompt_logprobs_rows(
 ) -> list[TokenLogprobs]:
     logp = logits.float().log_softmax(dim=-1)
     idx = to_device(list(targets), logits.device, torch.long)
-    chosen = logp.gather(1, idx[:, None])[:, 0].tolist()
+    chosen = logp.gather(1, idx[:, None])[:, 0]
+    # one copy for both (float64: exact for float32 logprobs and for ranks)
+    chosen_l, ranks = torch.stack([chosen.double(), token_ranks(logp, chosen).double()]).tolist()
     max_k = max(ks)
     top_vals, top_ids = logp.topk(max_k, dim=-1) if max_k > 0 else (logp[:, :0], logp[:, :0].long())
     vals_l, ids_l = top_vals.tolist(), top_ids.tolist()
     return [
         TokenLogprobs(
-            int(t), float(chosen[i]), tuple(zip(ids_l[i][: ks[i]], vals_l[i][: ks[i]], strict=True))
+            int(t),
+            float(chosen_l[i]),
+            tuple(zip(ids_l[i][: ks[i]], vals_l[i][: ks[i]], strict=True)),
+            int(ranks[i]),
         )
         for i, t in enumerate(targets)
     ]

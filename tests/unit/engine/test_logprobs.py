@@ -13,7 +13,13 @@ import pytest
 import torch
 
 from services.worker.engine.api import FinishReason, RequestKind, RequestOutput, SamplingConfig, TokenLogprobs
-from services.worker.engine.sampler import TokenHistory, prompt_logprobs, sample, sample_with_logprobs
+from services.worker.engine.sampler import (
+    TokenHistory,
+    prompt_logprobs,
+    sample,
+    sample_with_logprobs,
+    token_ranks,
+)
 from shared.errors import InvalidArgument
 from tests.unit.engine.conftest import EngineFactory, collect, greedy, handoff_run, request, tokens_of
 
@@ -43,10 +49,12 @@ def test_logprobs_are_those_of_the_processed_distribution() -> None:
     assert greedy.token_id == int(want.argmax()) and greedy.top[0] == (greedy.token_id, greedy.logprob)
     assert [t for t, _ in greedy.top] == want.topk(3).indices.tolist()
     assert math.isclose(greedy.logprob, float(want.max()), rel_tol=1e-6)
+    assert greedy.rank == 1  # the argmax: nothing more likely
     # top-k 5 at temperature 0.5: mass only on the 5, the chosen one among them, no alternatives
     scaled = logits[1] / 0.5
     kept = scaled.topk(5).indices.tolist()
     assert topk.token_id in kept and topk.top == ()
+    assert topk.rank == 1 + int((scaled[kept] > scaled[topk.token_id]).sum())  # among the 5 kept
     ref = scaled[kept].log_softmax(-1)[kept.index(topk.token_id)]
     assert math.isclose(topk.logprob, float(ref), rel_tol=1e-5)
     # temperature 2 with a bias: 20 alternatives, sorted, probabilities summing below 1
@@ -56,6 +64,24 @@ def test_logprobs_are_those_of_the_processed_distribution() -> None:
     assert len(hot.top) == 20 and [v for _, v in hot.top] == sorted((v for _, v in hot.top), reverse=True)
     assert math.isclose(hot.logprob, float(ref_hot[hot.token_id]), rel_tol=1e-5)
     assert sum(math.exp(v) for _, v in hot.top) <= 1.0 + 1e-6
+    assert hot.rank == 1 + int((ref_hot > ref_hot[hot.token_id]).sum())
+
+
+def test_token_ranks_count_the_strictly_more_likely_entries() -> None:
+    """vLLM's rank: 1 + the entries with a strictly greater logprob, so tied tokens share the
+    best rank of their tie; -inf entries are below everything else."""
+    inf = float("-inf")
+    logp = torch.tensor(
+        [
+            [-1.0, -2.0, -2.0, -0.5, inf],
+            [-1.0, -1.0, -1.0, -1.0, -1.0],  # all tied: every token rank 1
+            [-3.0, -1.0, -2.0, -1.0, inf],
+        ]
+    )
+    chosen = torch.tensor([-2.0, -1.0, inf])
+    assert token_ranks(logp, chosen).tolist() == [3, 1, 5]
+    everyone = [[int(token_ranks(logp, logp[:, t])[r]) for t in range(5)] for r in range(3)]
+    assert everyone == [[2, 3, 3, 1, 5], [1, 1, 1, 1, 1], [4, 1, 3, 1, 5]]
 
 
 def test_prompt_logprobs_are_the_raw_log_softmax_row_by_row() -> None:
@@ -71,6 +97,18 @@ def test_prompt_logprobs_are_the_raw_log_softmax_row_by_row() -> None:
     for i, lp in enumerate(got):
         assert abs(lp.logprob - float(want[i, targets[i]])) <= 1e-6
         assert [t for t, _ in lp.top] == want[i].topk(ks[i]).indices.tolist()
+        assert lp.rank == 1 + int((want[i] > want[i, targets[i]]).sum())
+    # each rank in the whole vocabulary, also for a target far outside the top k
+    outside = [lp for i, lp in enumerate(got) if lp.rank is not None and lp.rank > ks[i] + 5]
+    assert outside and all(lp.token_id not in [t for t, _ in lp.top] for lp in outside)
+
+
+def test_prompt_logprob_ranks_share_a_tie() -> None:
+    """Tied logits (a row of equal values, two equal maxima): the prompt token's rank counts
+    only strictly more likely tokens, in the raw distribution (no processor applies)."""
+    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [2.0, 5.0, 5.0, 1.0], [2.0, 5.0, 5.0, 1.0]])
+    got = prompt_logprobs(logits, [3, 2, 0], [1, 1, 2])
+    assert [lp.rank for lp in got] == [1, 1, 3]
 
 
 PROMPT = tuple(random.Random(5).randrange(3, 450) for _ in range(29))
@@ -84,6 +122,7 @@ def _assert_close(a: list[TokenLogprobs], b: list[TokenLogprobs]) -> None:
     assert [x.token_id for x in a] == [y.token_id for y in b]
     for x, y in zip(a, b, strict=True):
         assert abs(x.logprob - y.logprob) <= 1e-5
+        assert x.rank == y.rank and x.rank is not None
         assert [t for t, _ in x.top] == [t for t, _ in y.top]
         assert all(abs(u - v) <= 1e-5 for (_, u), (_, v) in zip(x.top, y.top, strict=True))
 
@@ -132,6 +171,13 @@ def _assert_prompt_logprobs(
     assert [lp.token_id for lp in got] == list(prompt[1:])
     for i, lp in enumerate(got):
         assert abs(lp.logprob - float(logp[i, prompt[i + 1]])) <= tol
+        # the rank in the whole vocabulary, up to ties within tol of the token's logprob
+        assert lp.rank is not None
+        assert (
+            1 + int((logp[i] > lp.logprob + tol).sum())
+            <= lp.rank
+            <= 1 + int((logp[i] > lp.logprob - tol).sum())
+        )
         assert len(lp.top) == k
         assert [t for t, _ in lp.top] == logp[i].topk(k).indices.tolist()
 
