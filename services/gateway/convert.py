@@ -94,6 +94,7 @@ def logprobs_to_pb(logprobs: tuple[TokenLogprob, ...]) -> list[common_pb2.TokenL
             token_id=lp.token_id,
             logprob=lp.logprob,
             top_logprobs=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+            rank=lp.rank,
         )
         for lp in logprobs
     ]
@@ -103,7 +104,12 @@ def logprobs_from_pb(logprobs: Iterable[common_pb2.TokenLogprob]) -> tuple[Token
     if not logprobs:  # most frames carry none: no generator and tuple built per token for nothing
         return ()
     return tuple(
-        TokenLogprob(lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top_logprobs))
+        TokenLogprob(
+            lp.token_id,
+            lp.logprob,
+            tuple((t.token_id, t.logprob) for t in lp.top_logprobs),
+            lp.rank if lp.HasField("rank") else None,  # unset from a worker older than 1.18
+        )
         for lp in logprobs
     )
 

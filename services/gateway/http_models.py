@@ -222,7 +222,9 @@ class PromptLogprob(BaseModel):
     """vLLM's Logprob of a prompt position's token or alternative (raw model distribution)."""
 
     logprob: float
-    rank: int | None  # 1 = most likely; None: a prompt token outside the alternatives (unknown)
+    # 1 = most likely: 1 + the tokens with a greater logprob; None only for a prompt token outside
+    # the alternatives from a worker older than 1.18 (which sends no rank)
+    rank: int | None
     decoded_token: str
 
 

@@ -6,6 +6,7 @@ form of the same results is `http_stream.py`."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 from services.gateway import http_models as m
@@ -121,7 +122,7 @@ def prompt_completion_logprobs(
     if not prompt_logprobs:
         return m.CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
     if top is not None:  # the workers computed more for prompt_logprobs
-        prompt_logprobs = [TokenLogprob(lp.token_id, lp.logprob, lp.top[:top]) for lp in prompt_logprobs]
+        prompt_logprobs = [dataclasses.replace(lp, top=lp.top[:top]) for lp in prompt_logprobs]
     rest = completion_logprobs(prompt_logprobs, token_text, len(token_text(prompt_token_ids[0])))
     assert rest.top_logprobs is not None
     return m.CompletionLogprobs(
@@ -180,26 +181,29 @@ def _text_logprobs(
 
 
 def _prompt_entry(
-    token_id: int, value: float, ranks: dict[int, int], token_text: Callable[[int], str]
+    token_id: int, value: float, rank: int | None, token_text: Callable[[int], str]
 ) -> m.PromptLogprob:
     text = token_text(token_id)
-    return m.PromptLogprob(logprob=_logprob(value), rank=ranks.get(token_id), decoded_token=text)
+    return m.PromptLogprob(logprob=_logprob(value), rank=rank, decoded_token=text)
 
 
 def prompt_logprobs(c: Completion, top: int, token_text: Callable[[int], str]) -> m.PromptLogprobs:
     """vLLM's prompt_logprobs: null for the first prompt token (nothing precedes it), then per
     prompt token {token id: its logprob, rank and text, then its `top` alternatives' (most
-    likely first)} under the raw model distribution; -inf as -9999.0. The workers send no rank:
-    a prompt token among the alternatives has its place there, any other None. Token texts
-    stay texts with return_tokens_as_token_ids (as in vLLM)."""
+    likely first, ranks 1..top)} under the raw model distribution; -inf as -9999.0. A prompt
+    token among the alternatives has its place there (vLLM's dict keeps the alternative's entry,
+    which only differs from the worker's rank on a tie), any other the worker's rank (1 + the
+    tokens more likely than it, as vLLM's), None from a worker older than 1.18, which sends
+    none. Token texts stay texts with return_tokens_as_token_ids (as in vLLM)."""
     out: m.PromptLogprobs = [None]
     for lp in c.prompt_logprobs:
         alternatives = lp.top[:top]
         ranks = {t: r for r, (t, _) in enumerate(alternatives, start=1)}
-        entry = {lp.token_id: _prompt_entry(lp.token_id, lp.logprob, ranks, token_text)}
+        rank = ranks.get(lp.token_id, lp.rank)
+        entry = {lp.token_id: _prompt_entry(lp.token_id, lp.logprob, rank, token_text)}
         for t, value in alternatives:
             if t not in entry:
-                entry[t] = _prompt_entry(t, value, ranks, token_text)
+                entry[t] = _prompt_entry(t, value, ranks[t], token_text)
         out.append(entry)
     return out
 

@@ -32,12 +32,15 @@ class ChatTurn:
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """One generated token's log-probability and the most likely tokens at its position (most
-    likely first; natural log; -inf for a token that top-k / top-p ruled out)."""
+    """One generated (or prompt) token's log-probability, its rank and the most likely tokens at
+    its position (most likely first; natural log; -inf for a token that top-k / top-p ruled out)."""
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # (token id, logprob)
+    # 1-based rank of token_id in its distribution (1 = most likely; 1 + the tokens with a
+    # strictly greater logprob); None: the worker sent none (older than 1.18)
+    rank: int | None = None
 
 
 @dataclass(frozen=True)

@@ -843,19 +843,34 @@ async def _sse_chunks(stack: HttpStack, path: str, body: dict[str, Any]) -> list
     return [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
 
 
+def _reference_log_softmax(stack: HttpStack, token_ids: list[int]) -> Any:
+    """transformers' own log_softmax of the stack's tiny model at every position of token_ids
+    (float32 tensor [len(token_ids), vocab])."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(stack.model), dtype=torch.float32)
+    with torch.no_grad():
+        return model(torch.tensor([token_ids])).logits[0].float().log_softmax(-1)
+
+
 async def test_vllm_prompt_logprobs_token_ids_and_continuous_usage(bpe: HttpStack) -> None:
     """prompt_logprobs (vLLM's shape: null first, then {token id: logprob, rank, decoded_token},
     the prompt token first): per choice on completions, top level on chat (max_tokens 0 scores
     the prompt only), the numbers of the gRPC API's prompt logprobs, disaggregated == unified
-    to 1e-5; streamed is a 400. return_tokens_as_token_ids names logprobs' tokens "token_id:N"
-    (echo's prompt part too). continuous_usage_stats: every chunk carries its choice's usage so
-    far, exact (completions: as many tokens as its logprobs entries so far), ending at what the
-    usage chunk sums."""
+    to 1e-5 (the ranks exactly); streamed is a 400. The prompt token's rank is vLLM's, 1 + the
+    vocabulary entries more likely than it in transformers' own log_softmax of the tiny model,
+    also (> 2) for a token outside the 2 alternatives. return_tokens_as_token_ids names
+    logprobs' tokens "token_id:N" (echo's prompt part too). continuous_usage_stats: every chunk
+    carries its choice's usage so far, exact (completions: as many tokens as its logprobs
+    entries so far), ending at what the usage chunk sums."""
     stack, client = bpe, aclient(bpe)
     grpc_request = gateway_pb2.GenerateRequest(prompt=LONG_PROMPT, max_tokens=1, prompt_logprobs=2)
     want = await stack.stub.Complete(grpc_request)
     ids = list(want.prompt_token_ids)
+    ref = _reference_log_softmax(stack, ids)
     scores: dict[str, list[Any]] = {}
+    ranked: dict[str, list[int]] = {}
     for mode in MODES:
         stack.router.mode = mode
         text = await client.completions.create(
@@ -869,8 +884,16 @@ async def test_vllm_prompt_logprobs_token_ids_and_continuous_usage(bpe: HttpStac
             assert keys[0] == str(token_id) and 1 <= len(keys) <= 3  # the token, then 2 alternatives
             assert abs(entry[keys[0]]["logprob"] - grpc_entry.logprob) <= 1e-5
             assert all(isinstance(e["decoded_token"], str) for e in entry.values())
-            ranks = [e["rank"] for e in entry.values()]  # the token's: its place among them, or null
-            assert ranks[0] in (None, 1, 2) and set(ranks[1:]) <= {1, 2}
+            ranks = [e["rank"] for e in entry.values()]  # the token's first, then 1..2
+            assert set(ranks[1:]) <= {1, 2} and ranks[0] == grpc_entry.rank
+            if len(keys) == 3:  # outside the alternatives: ranked in the whole vocabulary
+                assert grpc_entry.rank > 2
+        ranked[mode] = [next(iter(e.values()))["rank"] for e in lists[0][1:]]
+        assert any(r > 2 for r in ranked[mode])  # the tiny model ranks some prompt token lower
+        for i, (rank, token_id) in enumerate(zip(ranked[mode], ids[1:], strict=True)):
+            own = float(ref[i, token_id])
+            tol = 1e-4  # the worker's paged attention vs transformers' own forward
+            assert 1 + int((ref[i] > own + tol).sum()) <= rank <= 1 + int((ref[i] > own - tol).sum())
         chat = await client.chat.completions.create(
             model="", messages=CHAT, max_tokens=0, extra_body={"prompt_logprobs": 1}
         )
@@ -880,6 +903,7 @@ async def test_vllm_prompt_logprobs_token_ids_and_continuous_usage(bpe: HttpStac
         assert chat_lp[0] is None and len(chat_lp) == chat.usage.prompt_tokens
         scores[mode] = [next(iter(e.values()))["logprob"] for e in lists[0][1:] + chat_lp[1:]]
     assert all(abs(a - b) <= 1e-5 for a, b in zip(scores["disaggregated"], scores["unified"], strict=True))
+    assert ranked["disaggregated"] == ranked["unified"]
     for kw in ({"prompt_logprobs": 1, "stream": True}, {"prompt_logprobs": -1}, {"prompt_logprobs": 21}):
         with pytest.raises(openai.BadRequestError) as bad:
             await client.completions.create(model="", prompt="hi", max_tokens=2, extra_body=kw)

@@ -253,7 +253,8 @@ async def test_bad_penalties_are_invalid_argument(stack: Stack, fields: dict[str
 @pytest.mark.parametrize("seed", [None, 5], ids=["greedy", "seeded"])
 async def test_logprobs_modes_agree_stream_and_unary(stack: Stack, seed: int | None) -> None:
     """The first token's logprobs come from the prefill worker, the rest from the decode worker:
-    the same as unified to 1e-5, one per counted token, streamed as unary."""
+    the same as unified to 1e-5 (their ranks exactly), one per counted token, streamed as
+    unary; each token's rank is its place in the distribution drawn from (greedy: 1)."""
     sampled = {"temperature": 1.0, "seed": seed, "top_k": 50} if seed is not None else {"temperature": 0.0}
     fields = dict(prompt=PROMPTS[1], max_tokens=10, return_token_ids=True, logprobs=4, **sampled)
     runs = {
@@ -267,11 +268,15 @@ async def test_logprobs_modes_agree_stream_and_unary(stack: Stack, seed: int | N
         assert len(streamed) == done.usage.completion_tokens
         for lp in streamed:
             assert len(lp.top_logprobs) == 4 and lp.logprob <= 0.0
+            assert lp.HasField("rank") and lp.rank >= 1
             if seed is None:
-                assert lp.top_logprobs[0].token_id == lp.token_id
-        got[mode] = [(lp.logprob, [t.logprob for t in lp.top_logprobs]) for lp in done.logprobs]
-    for (a, tops_a), (b, tops_b) in zip(got["disaggregated"], got["unified"], strict=True):
+                assert lp.top_logprobs[0].token_id == lp.token_id and lp.rank == 1
+            if lp.token_id in [t.token_id for t in lp.top_logprobs]:  # all those above it are too
+                assert lp.rank == 1 + sum(t.logprob > lp.logprob for t in lp.top_logprobs)
+        got[mode] = [(lp.logprob, lp.rank, [t.logprob for t in lp.top_logprobs]) for lp in done.logprobs]
+    for (a, rank_a, tops_a), (b, rank_b, tops_b) in zip(got["disaggregated"], got["unified"], strict=True):
         assert abs(a - b) <= 1e-5 and all(abs(x - y) <= 1e-5 for x, y in zip(tops_a, tops_b, strict=True))
+        assert rank_a == rank_b
     frames, done = await stack.run("disaggregated", **{**fields, "logprobs": 0})
     assert all(len(lp.top_logprobs) == 0 for lp in done.logprobs) and len(done.logprobs) == 10
     plain, plain_done = await stack.run("disaggregated", prompt=PROMPTS[1], max_tokens=3)

@@ -234,7 +234,8 @@ def test_vllm_prompt_logprobs_token_ids_and_continuous_usage_plans() -> None:
 
 def test_prompt_logprobs_and_token_id_names_in_the_json() -> None:
     """vLLM's prompt_logprobs: null first, then {token id: logprob, rank, decoded_token} with
-    the prompt token first (its rank its place among the alternatives, else null) and the
+    the prompt token first (its rank the worker's; among the alternatives, its place there, as
+    vLLM; from a worker older than 1.18, which sends no rank, null outside them) and the
     alternatives trimmed to the count asked; left out of a response that did not ask.
     return_tokens_as_token_ids names logprobs' tokens by id, bytes stay the text's."""
     text = {1: "a", 2: "bc", 3: "\u00e9"}
@@ -246,10 +247,12 @@ def test_prompt_logprobs_and_token_id_names_in_the_json() -> None:
         Usage(3, 1, CacheStats()),
         "m",
         logprobs=(TokenLogprob(3, -0.25, ((3, -0.25), (1, -2.0))),),
-        prompt_token_ids=(1, 2, 3),
+        prompt_token_ids=(1, 2, 3, 1, 2),
         prompt_logprobs=(
-            TokenLogprob(2, -1.0, ((3, -0.5), (2, -1.0), (1, -3.0))),
+            TokenLogprob(2, -1.0, ((3, -0.5), (2, -1.0), (1, -3.0))),  # an older worker: no rank
             TokenLogprob(3, -float("inf"), ((1, -0.1),)),
+            TokenLogprob(1, -4.0, ((3, -0.5), (2, -1.0), (1, -4.0)), rank=7),  # outside the 2 shown
+            TokenLogprob(2, -1.0, ((3, -1.0), (2, -1.0)), rank=1),  # tied with the first: its place
         ),
     )
     plan = dataclasses.replace(chat(logprobs=True, top_logprobs=1), prompt_logprobs=2)
@@ -264,6 +267,15 @@ def test_prompt_logprobs_and_token_id_names_in_the_json() -> None:
         {
             "3": {"logprob": resp.LOGPROB_FLOOR, "rank": None, "decoded_token": "\u00e9"},
             "1": {"logprob": -0.1, "rank": 1, "decoded_token": "a"},
+        },
+        {
+            "1": {"logprob": -4.0, "rank": 7, "decoded_token": "a"},
+            "3": {"logprob": -0.5, "rank": 1, "decoded_token": "\u00e9"},
+            "2": {"logprob": -1.0, "rank": 2, "decoded_token": "bc"},
+        },
+        {
+            "2": {"logprob": -1.0, "rank": 2, "decoded_token": "bc"},
+            "3": {"logprob": -1.0, "rank": 1, "decoded_token": "\u00e9"},
         },
     ]
     named = dataclasses.replace(plan, return_tokens_as_token_ids=True, prompt_logprobs=None)
@@ -280,7 +292,8 @@ def test_prompt_logprobs_and_token_id_names_in_the_json() -> None:
     choice = legacy.choices[0]
     assert choice.logprobs is not None and choice.logprobs.top_logprobs is not None
     assert choice.logprobs.top_logprobs[:3] == [None, {"\u00e9": -0.5}, {"a": -0.1}]
-    assert choice.prompt_logprobs is not None and len(choice.prompt_logprobs) == 3
+    assert choice.prompt_logprobs is not None and len(choice.prompt_logprobs) == 5
+    assert choice.prompt_logprobs[3] is not None and choice.prompt_logprobs[3][1].rank == 7
 
 
 def test_chat_echo_and_the_replys_role_as_vllm() -> None:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from services.gateway import convert as gateway_convert
+from services.gateway.inputs import TokenLogprob
 from services.worker import convert
-from services.worker.engine.api import KvBlocksChunk
+from services.worker.engine.api import KvBlocksChunk, TokenLogprobs
 from services.worker.messages import DecodeEvent, KvTargetSpec, LoraChange, PrefillResult
 from shared.cluster import DecodeFrameKind, FinishReason, KvLayout
 from shared.cluster_convert import kv_layout_to_pb
@@ -61,6 +63,22 @@ def test_prefill_reply_always_carries_generated_tokens() -> None:
     pb = convert.prefill_result_to_pb(result)
     assert pb.HasField("generated_tokens") and pb.generated_tokens == 0  # immediate EOS
     assert pb.finish_reason == common_pb2.FINISH_REASON_STOP
+
+
+def test_logprob_ranks_cross_the_wire_and_an_older_workers_stay_unset() -> None:
+    """TokenLogprob.rank (1.18): the worker's rank reaches the gateway (and its own clients); a
+    worker older than 1.18 sends none, which the gateway reads as None, not as rank 0."""
+    (pb,) = convert.logprobs_to_pb([TokenLogprobs(5, -3.5, ((1, -0.25),), rank=40)])
+    assert pb.HasField("rank") and pb.rank == 40
+    (got,) = gateway_convert.logprobs_from_pb([pb])
+    assert got == TokenLogprob(5, -3.5, ((1, -0.25),), rank=40)
+    assert gateway_convert.logprobs_to_pb((got,)) == [pb]
+    old = common_pb2.TokenLogprob(token_id=5, logprob=-3.5)  # from a 1.17 worker
+    (unranked,) = gateway_convert.logprobs_from_pb([old])
+    assert unranked.rank is None
+    assert not gateway_convert.logprobs_to_pb((unranked,))[0].HasField("rank")
+    (unset,) = convert.logprobs_to_pb([TokenLogprobs(5, -3.5)])
+    assert not unset.HasField("rank")
 
 
 def test_generated_tokens_only_on_final_frames() -> None:
