@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import time
 import uuid
@@ -20,6 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from services.gateway.shared_folder import write_json_atomically
 from services.gateway.validation import InvalidField
 from shared.errors import NotFound
 
@@ -87,13 +87,6 @@ def too_large(max_bytes: int) -> str:
 
 def new_file_id() -> str:
     return ID_PREFIX + uuid.uuid4().hex
-
-
-def write_json_atomically(path: Path, value: dict[str, Any]) -> None:
-    """Readers never see half a record: written beside it, then renamed over it."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    tmp.write_text(json.dumps(value), encoding="utf-8")
-    os.replace(tmp, path)
 
 
 class FileStore:

@@ -12,9 +12,7 @@ gateway dies another one (or the same, restarted) claims and resumes the batch.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
-import os
 import re
 import time
 import uuid
@@ -24,7 +22,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, TextIO
 
-from services.gateway.batch_files import write_json_atomically
+from services.gateway.shared_folder import locked, write_json_atomically
 from shared.errors import FailedPrecondition, NotFound
 
 ID_PREFIX = "batch_"
@@ -203,7 +201,7 @@ class BatchStore:
 
     def update(self, batch_id: str, change: Callable[[BatchRecord], BatchRecord]) -> BatchRecord:
         """Applies `change` to the record as it is on disk now, under the record's lock."""
-        with self._locked(self._path(batch_id, ".lock"), blocking=True):
+        with locked(self._path(batch_id, ".lock"), blocking=True):
             record = change(self.read(batch_id))
             write_json_atomically(self._path(batch_id, ".json"), _plain(record))
             return record
@@ -218,21 +216,8 @@ class BatchStore:
     def claim(self, batch_id: str) -> Iterator[bool]:
         """Holds the batch's run lock while the block runs: True when this process got it (it runs
         the batch), False when another process holds it."""
-        with self._locked(self._path(batch_id, ".run"), blocking=False) as got:
+        with locked(self._path(batch_id, ".run"), blocking=False) as got:
             yield got
-
-    @contextlib.contextmanager
-    def _locked(self, path: Path, blocking: bool) -> Iterator[bool]:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-            except BlockingIOError:
-                yield False
-                return
-            yield True
-        finally:
-            os.close(fd)  # releases the lock
 
 
 def _plain(record: BatchRecord) -> dict[str, Any]:

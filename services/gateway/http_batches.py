@@ -13,25 +13,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
-import hashlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 import httpx
-import structlog
-from fastapi import FastAPI, Request, Response
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi import FastAPI, Request
+from fastapi.responses import FileResponse
 from starlette.datastructures import FormData, UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.formparsers import MultiPartException
 
 from services.gateway import http_models as m
-from services.gateway import observe
 from services.gateway.batch_files import FileStore, expires_after, new_file_id, too_large
 from services.gateway.batch_runner import BatchRunner, RunnerSettings
 from services.gateway.batches import (
@@ -44,16 +40,11 @@ from services.gateway.batches import (
 from services.gateway.http_body import read_json
 from services.gateway.http_errors import (
     REQUEST_ID_HEADER,
-    Refusal,
-    error_response,
-    http_error,
-    unauthenticated,
 )
+from services.gateway.http_routes import Answered, answered, owner, page
 from services.gateway.validation import InvalidField
-from shared.auth import AUTH_HEADER, ApiKeys, bearer_token
+from shared.auth import AUTH_HEADER, ApiKeys
 from shared.errors import FailedPrecondition, NotFound
-
-log = structlog.get_logger(__name__)
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")  # what a batch may run
 MAX_METADATA = 16  # OpenAI's limits on a batch's metadata: pairs, key and value characters
@@ -71,28 +62,6 @@ class CreateBatchRequest(m._Request):
     metadata: dict[str, str] | None = None
     # {"anchor": "created_at", "seconds": N}: the output and error files' lifetime
     output_expires_after: dict[str, Any] | None = None
-
-
-Answered = dict[str, Any] | Response  # a route's JSON body, or its whole response
-Route = Callable[..., Awaitable[Answered]]
-
-
-def _answered(statuses: dict[grpc.StatusCode, tuple[int, str]] | None = None) -> Callable[[Route], Route]:
-    """A route's failures as OpenAI error responses (`statuses`: its own HTTP status for some
-    codes), its dict answers as JSON."""
-
-    def wrap(route: Route) -> Route:
-        @functools.wraps(route)
-        async def answer(*args: Any, **kwargs: Any) -> Response:
-            try:
-                answered = await route(*args, **kwargs)
-            except Exception as exc:
-                return _fail(exc, statuses)
-            return answered if isinstance(answered, Response) else JSONResponse(answered)
-
-        return answer
-
-    return wrap
 
 
 class InProcessAnswer:
@@ -172,7 +141,7 @@ class BatchApi:
         await self._answer.close()
 
     # --- files ---
-    @_answered()
+    @answered()
     async def upload(self, request: Request) -> Answered:
         c = self._open(request)
         declared = request.headers.get("content-length", "")
@@ -192,26 +161,26 @@ class BatchApi:
             )
         return record.body()
 
-    @_answered()
+    @answered()
     async def list_files(self, request: Request) -> Answered:
         c = self._open(request)
         records = [r.body() for r in c.files.list(c.owner, request.query_params.get("purpose") or None)]
         if request.query_params.get("order") == "asc":
             records.reverse()
-        return _page(records, request, default_limit=10000)
+        return page(records, request, default_limit=10000)
 
-    @_answered()
+    @answered()
     async def file(self, request: Request, file_id: str) -> Answered:
         c = self._open(request)
         return c.files.get(file_id, c.owner).body()
 
-    @_answered()
+    @answered()
     async def content(self, request: Request, file_id: str) -> Answered:
         c = self._open(request)
         name = c.files.get(file_id, c.owner).filename
         return FileResponse(c.files.data_path(file_id), media_type="application/octet-stream", filename=name)
 
-    @_answered(_STATE_STATUSES)
+    @answered(_STATE_STATUSES)
     async def delete_file(self, request: Request, file_id: str) -> Answered:
         c = self._open(request)
         c.files.get(file_id, c.owner)
@@ -225,7 +194,7 @@ class BatchApi:
         return {"id": file_id, "object": "file", "deleted": True}
 
     # --- batches ---
-    @_answered()
+    @answered()
     async def create(self, request: Request) -> Answered:
         c = self._open(request)
         body = await read_json(request, CreateBatchRequest, self._max_body_bytes)
@@ -234,18 +203,18 @@ class BatchApi:
         c.runner.wake()
         return record.body()
 
-    @_answered()
+    @answered()
     async def list_batches(self, request: Request) -> Answered:
         c = self._open(request)
         records = [r.body() for r in reversed(c.batches.all()) if r.owner == c.owner]
-        return _page(records, request, default_limit=20)
+        return page(records, request, default_limit=20)
 
-    @_answered()
+    @answered()
     async def batch(self, request: Request, batch_id: str) -> Answered:
         c = self._open(request)
         return c.batches.get(batch_id, c.owner).body()
 
-    @_answered(_STATE_STATUSES)
+    @answered(_STATE_STATUSES)
     async def cancel(self, request: Request, batch_id: str) -> Answered:
         c = self._open(request)
         c.batches.get(batch_id, c.owner)
@@ -256,17 +225,13 @@ class BatchApi:
     # --- helpers ---
     def _open(self, request: Request) -> _Caller:
         """What a route works with, after the API key check (NOT_FOUND when the APIs are off)."""
-        authorization = request.headers.get(AUTH_HEADER)
-        if not self._keys.accepts(authorization):
-            raise unauthenticated()
+        caller = owner(self._keys, request)
         if self._files is None or self._batches is None or self._runner is None:
             raise NotFound(
                 "the Files and Batch APIs are off on this gateway: start it with --batch-dir DIR "
                 "(pdserve up gives it one)"
             )
-        token = bearer_token(authorization) if self._keys.enabled else None
-        owner = hashlib.sha256(token.encode()).hexdigest()[:32] if token else ""
-        return _Caller(self._files, self._batches, self._runner, owner)
+        return _Caller(self._files, self._batches, self._runner, caller)
 
 
 @dataclass(frozen=True)
@@ -345,29 +310,3 @@ def _cancelling(record: BatchRecord) -> BatchRecord:
             "be cancelled"
         )
     return record.moved(BatchStatus.CANCELLING)
-
-
-def _page(data: list[dict[str, Any]], request: Request, default_limit: int) -> dict[str, Any]:
-    """OpenAI's cursor page: the items after `after` (an id), at most `limit`."""
-    after = request.query_params.get("after")
-    if after:
-        ids = [d["id"] for d in data]
-        data = data[ids.index(after) + 1 :] if after in ids else []
-    limit_text = request.query_params.get("limit", "")
-    limit = int(limit_text) if limit_text.isdigit() and int(limit_text) > 0 else default_limit
-    page = data[:limit]
-    return {
-        "object": "list",
-        "data": page,
-        "first_id": page[0]["id"] if page else None,
-        "last_id": page[-1]["id"] if page else None,
-        "has_more": len(data) > limit,
-    }
-
-
-def _fail(exc: BaseException, statuses: dict[grpc.StatusCode, tuple[int, str]] | None = None) -> Response:
-    error = exc.error if isinstance(exc, Refusal) else http_error(exc, statuses)
-    observe.record_error(error.grpc_code.name)
-    if error.is_internal:
-        log.error("unhandled_error", exc_info=exc)
-    return error_response(error)

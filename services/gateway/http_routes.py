@@ -1,0 +1,79 @@
+"""What the gateway's stored-object routes share (the Files, Batch and stored Responses APIs):
+failures as OpenAI error responses, dict answers as JSON, OpenAI's cursor pages, and the owner
+of what a caller stores (a hash of its API key)."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+import structlog
+from fastapi import Request, Response
+from fastapi.responses import JSONResponse
+
+from services.gateway import observe
+from services.gateway.http_errors import Refusal, error_response, http_error, unauthenticated
+from shared.auth import AUTH_HEADER, ApiKeys, bearer_token
+
+log = structlog.get_logger(__name__)
+
+Answered = dict[str, Any] | Response  # a route's JSON body, or its whole response
+Route = Callable[..., Awaitable[Answered]]
+Statuses = dict[grpc.StatusCode, tuple[int, str]]
+
+
+def answered(statuses: Statuses | None = None) -> Callable[[Route], Route]:
+    """A route's failures as OpenAI error responses (`statuses`: its own HTTP status for some
+    codes), its dict answers as JSON."""
+
+    def wrap(route: Route) -> Route:
+        @functools.wraps(route)
+        async def answer(*args: Any, **kwargs: Any) -> Response:
+            try:
+                result = await route(*args, **kwargs)
+            except Exception as exc:
+                return fail(exc, statuses)
+            return result if isinstance(result, Response) else JSONResponse(result)
+
+        return answer
+
+    return wrap
+
+
+def page(data: list[dict[str, Any]], request: Request, default_limit: int) -> dict[str, Any]:
+    """OpenAI's cursor page: the items after `after` (an id), at most `limit`."""
+    after = request.query_params.get("after")
+    if after:
+        ids = [d["id"] for d in data]
+        data = data[ids.index(after) + 1 :] if after in ids else []
+    limit_text = request.query_params.get("limit", "")
+    limit = int(limit_text) if limit_text.isdigit() and int(limit_text) > 0 else default_limit
+    shown = data[:limit]
+    return {
+        "object": "list",
+        "data": shown,
+        "first_id": shown[0]["id"] if shown else None,
+        "last_id": shown[-1]["id"] if shown else None,
+        "has_more": len(data) > limit,
+    }
+
+
+def fail(exc: BaseException, statuses: Statuses | None = None) -> Response:
+    error = exc.error if isinstance(exc, Refusal) else http_error(exc, statuses)
+    observe.record_error(error.grpc_code.name)
+    if error.is_internal:
+        log.error("unhandled_error", exc_info=exc)
+    return error_response(error)
+
+
+def owner(keys: ApiKeys, request: Request) -> str:
+    """Who owns what this caller stores: a hash of its API key ("" with keys off: one owner).
+    UNAUTHENTICATED without a key the gateway accepts."""
+    authorization = request.headers.get(AUTH_HEADER)
+    if not keys.accepts(authorization):
+        raise unauthenticated()
+    token = bearer_token(authorization) if keys.enabled else None
+    return hashlib.sha256(token.encode()).hexdigest()[:32] if token else ""
