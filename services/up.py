@@ -110,6 +110,13 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
         help="folder of the gateways' Files and Batch APIs (/v1/files, /v1/batches), kept across "
         "restarts; default ~/.cache/pdserve/batches/<HTTP port> (one per stack); 'off' turns them off",
     )
+    p.add_argument(
+        "--response-dir",
+        default="",
+        help="folder of the gateways' stored Responses API responses (store, previous_response_id, "
+        "background), kept across restarts; default ~/.cache/pdserve/responses/<HTTP port>; 'off': "
+        "nothing stored",
+    )
     p.add_argument("--metrics", action="store_true", help="expose /metrics on port-base+50+offset")
     p.add_argument(
         "--log-dir", default="", help="write each service's log to DIR/<service>.log (default: this terminal)"

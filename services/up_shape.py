@@ -62,12 +62,13 @@ class Child:
     log_path: Path | None = None
 
 
-def batch_dir(a: argparse.Namespace) -> str:
-    """The gateways' --batch-dir: shared by a stack's gateways (one resumes what another left) and
-    kept across its restarts; stacks on other ports get other folders."""
-    if a.batch_dir == "off":
+def gateway_folder(a: argparse.Namespace, given: str, kind: str) -> str:
+    """A gateways' folder (--batch-dir, kind "batches"; --response-dir, "responses"): shared by a
+    stack's gateways (each sees what another stored, one resumes what another left) and kept
+    across its restarts; stacks on other ports get other folders; "off": none."""
+    if given == "off":
         return ""
-    return a.batch_dir or str(Path.home() / ".cache" / "pdserve" / "batches" / str(a.port_base + HTTP_OFFSET))
+    return given or str(Path.home() / ".cache" / "pdserve" / kind / str(a.port_base + HTTP_OFFSET))
 
 
 def worker_counts(a: argparse.Namespace) -> dict[str, int]:
@@ -266,7 +267,9 @@ def children(a: argparse.Namespace, model_path: str) -> list[Child]:
                     str(a.port_base + HTTP_OFFSET),
                     *(["--http-reuse-port"] if gateways > 1 else []),
                     "--batch-dir",
-                    batch_dir(a),
+                    gateway_folder(a, a.batch_dir, "batches"),
+                    "--response-dir",
+                    gateway_folder(a, a.response_dir, "responses"),
                     *a.gateway_arg,
                 ],
                 env={"PDSERVE_API_KEYS": ",".join(a.api_key)} if a.api_key else None,

@@ -6,12 +6,14 @@ http_errors. A client that goes away cancels its request (aborted on the workers
 Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, GET /v1/models,
 POST /tokenize, POST /detokenize, POST /v1/load_lora_adapter, POST /v1/unload_lora_adapter
 (vLLM's runtime LoRA updating), GET /health; the Files and Batch APIs' routes are
-http_batches'.
+http_batches', the stored Responses' (GET / DELETE /v1/responses/{id}, ...) and what a Responses
+request keeps are http_stored_responses'.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import secrets
 import time
 from collections.abc import Callable, Mapping
@@ -31,6 +33,7 @@ from services.gateway import http_responses, observe
 from services.gateway import http_responses_api as responses_api
 from services.gateway.http_body import read_json, read_request_id
 from services.gateway.http_choices import ChoiceRun
+from services.gateway.http_convert import Plan
 from services.gateway.http_errors import (
     REQUEST_ID_HEADER,
     HttpError,
@@ -41,12 +44,13 @@ from services.gateway.http_errors import (
     unauthenticated,
 )
 from services.gateway.http_responses import completion_body, model_list
+from services.gateway.http_stored_responses import Keeping, StoredResponses
 from services.gateway.http_stream import EventStream, events
 from services.gateway.lora_admin import AdapterInUse
 from services.gateway.service import GatewayService
 from services.gateway.validation import InvalidField
 from shared.auth import AUTH_HEADER, ApiKeys
-from shared.errors import InvalidArgument
+from shared.errors import InvalidArgument, NotFound
 from shared.tracing import tracer
 
 log = structlog.get_logger(__name__)
@@ -63,6 +67,8 @@ class HttpApi:
         keys: ApiKeys,
         is_serving: Callable[[], bool],
         max_body_bytes: int,
+        response_dir: str = "",
+        response_retention_s: float = 0.0,
     ) -> None:
         self._service = service
         self._keys = keys
@@ -74,6 +80,8 @@ class HttpApi:
         self.inner_authorization = f"Bearer {inner_key}"
         self._inner_keys = ApiKeys.of([inner_key])
         self.app = self._build()
+        # stored Responses API responses: the routes that read them, what POST /v1/responses keeps
+        self.stored = StoredResponses(self.app, keys, response_dir, response_retention_s)
 
     def _build(self) -> FastAPI:
         # FastAPI's own OpenTelemetry (on whenever a tracer provider is installed, as every
@@ -234,9 +242,15 @@ class HttpApi:
             unknown = conv.unsupported_and_unknown(body.model_extra)
             if unknown:
                 log.debug("ignored_unknown_fields", fields=sorted(unknown))
-            # a Responses request is served as the chat completion request it becomes
+            # a Responses request is served as the chat completion request it becomes, after
+            # the conversation it continues (previous_response_id)
             asked = body if isinstance(body, responses_api.ResponsesRequest) else None
-            served: BaseModel = body if asked is None else responses_api.chat_request(asked)
+            keeping = None
+            if asked is not None:
+                inner = self._inner_keys.accepts(request.headers.get(AUTH_HEADER))
+                keeping = self.stored.prepare(asked, request, inner)
+            context = keeping.context if keeping else ()
+            served: BaseModel = body if asked is None else responses_api.chat_request(asked, context)
             plan = (
                 conv.chat_plan(
                     served,  # type: ignore[arg-type]
@@ -247,8 +261,10 @@ class HttpApi:
                 if chat
                 else conv.completion_plan(served, request_id)  # type: ignore[arg-type]
             )
-        except InvalidArgument as exc:
+        except (InvalidArgument, NotFound) as exc:
             return self._fail(exc, request_id)
+        if asked is not None and keeping is not None and asked.background:
+            return self._background(request, asked, keeping, plan, request_id)
         span = tracer().start_span(
             request.url.path, context=propagate.extract(dict(request.headers)), kind=trace.SpanKind.SERVER
         )
@@ -287,9 +303,10 @@ class HttpApi:
                 self._service.decode,
                 self._service.output_text,
             )
-            if asked is not None:
+            if asked is not None and keeping is not None:
                 assert isinstance(payload, m.ChatCompletion)
-                body_json = responses_api.response_body(asked, payload, request_id, created)
+                body_json = responses_api.response_body(asked, payload, request_id, created, keeping.kept)
+                self.stored.keep(keeping, body_json)
                 return JSONResponse(body_json, headers=headers)
             return JSONResponse(payload.model_dump(), headers=headers)
 
@@ -300,9 +317,56 @@ class HttpApi:
         text_of, decode = self._service.token_text, self._service.decode
         output_text = self._service.output_text
         stream = events(plan, run, result, request_id, created, chat, text_of, echoes, decode, output_text)
-        if asked is not None:
-            stream = responses_api.events(asked, stream, request_id, created, result[0][1].model)
+        if asked is not None and keeping is not None:
+            served_model = result[0][1].model
+            kept, keep = keeping.kept, functools.partial(self.stored.keep, keeping)
+            stream = responses_api.events(asked, stream, request_id, created, served_model, kept, keep)
         return EventStream(stream, close, headers)
+
+    def _background(
+        self,
+        request: Request,
+        asked: responses_api.ResponsesRequest,
+        keeping: Keeping,
+        plan: Plan,
+        request_id: str,
+    ) -> Response:
+        """A background Response: stored queued and answered at once; its run continues in this
+        process (not tied to the connection) and stores what it answers."""
+        created = int(time.time())
+        context = propagate.extract(dict(request.headers))
+
+        async def produce() -> dict[str, Any]:
+            span = tracer().start_span(request.url.path, context=context, kind=trace.SpanKind.SERVER)
+            span.set_attribute("pdserve.request_id", request_id)
+            run = ChoiceRun(self._service, plan.inputs, self._tasks)
+            try:
+                with trace.use_span(span, end_on_exit=False):
+                    result = await run.complete()
+            except BaseException:
+                run.cancel()
+                raise
+            finally:
+                span.end()
+            service = self._service
+            payload = completion_body(
+                plan,
+                result,
+                request_id,
+                created,
+                True,
+                service.token_text,
+                http_responses.echoes(plan, service.decode),
+                service.decode,
+                service.output_text,
+            )
+            assert isinstance(payload, m.ChatCompletion)
+            return responses_api.response_body(asked, payload, request_id, created, keeping.kept)
+
+        assert keeping.kept is not None
+        queued = responses_api.queued_body(asked, request_id, created, keeping.kept)
+        answer = self.stored.start_background(keeping, queued, produce)
+        return JSONResponse(answer, headers={REQUEST_ID_HEADER: request_id})
 
     def _fail(
         self,

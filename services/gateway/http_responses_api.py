@@ -8,10 +8,10 @@ the text, one `function_call` item per tool call, the status, usage in the Respo
 streamed, the chat stream's chunks become the Responses events (`events`: response.created ...
 reasoning_text and output_text deltas ... response.completed, each with its sequence_number).
 
-What is not served gets 400 naming the field: `previous_response_id` and `background` (this
-server keeps no responses: send the whole conversation in `input`), input items other than
-messages, function calls and their outputs (images, files), and tools other than functions.
-`store` is accepted and nothing is stored (the response says `"store": false`). Chat's sampling
+Stored responses (`store`, `previous_response_id`, `background`, and the routes that read them)
+are http_stored_responses': a follow-up's conversation (`context`, input items) comes before its
+own input here. What is not served gets 400 naming the field: input items other than messages,
+function calls and their outputs (images, files), and tools other than functions. Chat's sampling
 fields that the Responses API lacks (`seed`, `top_k`, `stop`, `ignore_eos`, penalties, ...) may come
 as extra fields, as vLLM takes them.
 """
@@ -19,7 +19,8 @@ as extra fields, as vLLM takes them.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, get_args
 
 from pydantic import Field, ValidationError
@@ -77,16 +78,44 @@ def _text_of(content: Any, where: str) -> str:
     return "".join(texts)
 
 
-def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
-    """instructions + input -> chat messages (an assistant turn's text and function calls in one
-    assistant message)."""
+def _input(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's input as items (a string is one user message)."""
+    if isinstance(req.input, str):
+        return [{"type": "message", "role": "user", "content": req.input}]
+    return req.input
+
+
+# an input item's id prefix by its type, as OpenAI's input_items list shows them
+_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def input_items(req: ResponsesRequest, response_id: str) -> tuple[dict[str, Any], ...]:
+    """The request's input as OpenAI lists it (`GET /v1/responses/{id}/input_items`): each item
+    with its type and an id (the given one, else one made from the response's), a message's
+    string content as one text part."""
+    suffix = response_id.removeprefix("resp_")
+    out = []
+    for i, item in enumerate(_input(req)):
+        kind = item.get("type", "message")
+        made_id = f"{_ID_PREFIXES.get(kind, 'item')}_{suffix}_{i}"
+        shown = {**item, "type": kind, "id": item.get("id") or made_id}
+        if kind == "message" and isinstance(item.get("content"), str):
+            part = "output_text" if item.get("role") == "assistant" else "input_text"
+            shown["content"] = [{"type": part, "text": item["content"]}]
+        out.append(shown)
+    return tuple(out)
+
+
+def _messages(req: ResponsesRequest, context: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """instructions + the earlier conversation (`context`: a previous response's input and output
+    items) + input -> chat messages (an assistant turn's text and function calls in one assistant
+    message)."""
     out: list[dict[str, Any]] = []
     if req.instructions:
         out.append({"role": "system", "content": req.instructions})
-    if isinstance(req.input, str):
-        return [*out, {"role": "user", "content": req.input}]
-    for i, item in enumerate(req.input):
-        where = f"input[{i}]"
+    for i, item in enumerate([*context, *_input(req)]):
+        k = i - len(context)
+        where = f"input[{k}]" if k >= 0 else f"the conversation's item {i} (previous_response_id)"
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
@@ -199,21 +228,12 @@ def _effort(reasoning: dict[str, Any] | None) -> str | None:
     return effort
 
 
-def chat_request(req: ResponsesRequest) -> m.ChatCompletionRequest:
-    """The chat completion request that serves `req` (one choice; usage always streamed)."""
-    if req.previous_response_id is not None:
-        raise InvalidField(
-            "previous_response_id is not served: this server keeps no responses; send the whole "
-            "conversation in input",
-            "previous_response_id",
-        )
-    if req.background:
-        raise InvalidField(
-            "background responses are not served: this server keeps no responses", "background"
-        )
+def chat_request(req: ResponsesRequest, context: Sequence[dict[str, Any]] = ()) -> m.ChatCompletionRequest:
+    """The chat completion request that serves `req` after the conversation `context` (one
+    choice; usage always streamed)."""
     fields: dict[str, Any] = {
         "model": req.model,
-        "messages": _messages(req),
+        "messages": _messages(req, context),
         "max_completion_tokens": req.max_output_tokens,
         "temperature": req.temperature,
         "top_p": req.top_p,
@@ -290,6 +310,15 @@ def _call_item(call_id: str, name: str, arguments: str, status: str) -> dict[str
     }
 
 
+@dataclass(frozen=True)
+class Kept:
+    """How a Response is shown when it is stored: its id (stored ids are the store's), and
+    whether it runs in the background."""
+
+    id: str
+    background: bool = False
+
+
 def _response(
     req: ResponsesRequest,
     request_id: str,
@@ -298,9 +327,10 @@ def _response(
     status: str,
     output: list[dict[str, Any]],
     usage: dict[str, Any] | None,
+    kept: Kept | None = None,
 ) -> dict[str, Any]:
     return {
-        "id": response_id(request_id),
+        "id": kept.id if kept else response_id(request_id),
         "object": "response",
         "created_at": created,
         "status": status,
@@ -317,7 +347,9 @@ def _response(
         "tools": req.tools or [],
         "text": req.text or {"format": {"type": "text"}},
         "truncation": "disabled",
-        "store": False,
+        "store": kept is not None,
+        "background": kept.background if kept else False,
+        "previous_response_id": req.previous_response_id,
         "metadata": req.metadata or {},
         "user": req.user,
         "usage": usage,
@@ -328,8 +360,17 @@ def _status(finish_reason: str | None) -> str:
     return "incomplete" if finish_reason == "length" else "completed"
 
 
+def queued_body(req: ResponsesRequest, request_id: str, created: int, kept: Kept) -> dict[str, Any]:
+    """A background Response as its create call answers it: queued, no output yet."""
+    return _response(req, request_id, created, req.model, "queued", [], None, kept)
+
+
 def response_body(
-    req: ResponsesRequest, chat: m.ChatCompletion, request_id: str, created: int
+    req: ResponsesRequest,
+    chat: m.ChatCompletion,
+    request_id: str,
+    created: int,
+    kept: Kept | None = None,
 ) -> dict[str, Any]:
     """The Response of a finished chat completion (one choice)."""
     choice = chat.choices[0]
@@ -341,7 +382,7 @@ def response_body(
     for call in choice.message.tool_calls or []:
         output.append(_call_item(call.id, call.function.name, call.function.arguments, "completed"))
     status = _status(choice.finish_reason)
-    return _response(req, request_id, created, chat.model, status, output, _usage(chat.usage))
+    return _response(req, request_id, created, chat.model, status, output, _usage(chat.usage), kept)
 
 
 # --- streamed ---
@@ -397,15 +438,21 @@ class _TextItem:
 
 
 async def events(
-    req: ResponsesRequest, chat_events: AsyncIterator[str], request_id: str, created: int, model: str
+    req: ResponsesRequest,
+    chat_events: AsyncIterator[str],
+    request_id: str,
+    created: int,
+    model: str,
+    kept: Kept | None = None,
+    on_done: Callable[[dict[str, Any]], None] | None = None,
 ) -> AsyncIterator[str]:
     """The Responses events of a streamed chat completion (its SSE body, one choice, usage last):
     response.created and .in_progress; the reasoning item (--reasoning-parser; opened at its
     first text) with its reasoning_text deltas; the message item (opened at its first text) with
     its output_text deltas; each function call's item with its arguments deltas; the items' .done
     events (at the end: the reasoning's, the message's, the calls'); then response.completed (or
-    .incomplete at max_output_tokens). An error event of the chat stream ends this one with an
-    `error` event."""
+    .incomplete at max_output_tokens), whose Response goes to `on_done` first (the store). An
+    error event of the chat stream ends this one with an `error` event."""
     seq = 0
 
     def event(kind: str, **body: Any) -> str:
@@ -414,7 +461,7 @@ async def events(
         seq += 1
         return f"event: {kind}\ndata: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
-    shell = _response(req, request_id, created, model, "in_progress", [], None)
+    shell = _response(req, request_id, created, model, "in_progress", [], None, kept)
     yield event("response.created", response=shell)
     yield event("response.in_progress", response=shell)
     items: list[dict[str, Any]] = []  # output items in order, each as it will be when done
@@ -490,5 +537,7 @@ async def events(
         )
         yield event("response.output_item.done", output_index=index, item=item)
     status = _status(finish)
-    done = _response(req, request_id, created, model, status, items, usage)
+    done = _response(req, request_id, created, model, status, items, usage, kept)
+    if on_done is not None:
+        on_done(done)
     yield event(f"response.{status}", response=done)

@@ -81,6 +81,7 @@ class GatewayApp:
         await self.start_http()
         await self.load()
         self.batches.start()
+        self.http_api.stored.start()
         await self.server.set_serving(True)
 
     async def drain(self) -> None:
@@ -90,13 +91,16 @@ class GatewayApp:
         # batches send no new request; theirs in flight finish with the rest (the next gateway
         # resumes the batches)
         grace_s = self.settings.drain_grace_s
-        await asyncio.gather(self.batches.drain(grace_s), self.service.drain(grace_s))
+        await asyncio.gather(
+            self.batches.drain(grace_s), self.http_api.stored.drain(grace_s), self.service.drain(grace_s)
+        )
         if self.http is not None:
             await self.http.stop()
         log.info("drained")
 
     async def stop(self, grace_s: float = 0.0) -> None:
         await self.batches.close()
+        await self.http_api.stored.close()
         if self.http is not None:
             await self.http.stop()
         await self.server.stop(grace_s)
@@ -125,7 +129,14 @@ def build_app(settings: GatewaySettings) -> GatewayApp:
     auth = ApiKeyInterceptor(keys, [SERVICE_NAME])
     server = Server(settings.listen, [SERVICE_NAME], interceptors=[auth, *server_interceptors()], tls=tls)
     gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(service), server.grpc)
-    http_api = HttpApi(service, keys, lambda: server.serving, settings.http_max_body_bytes)
+    http_api = HttpApi(
+        service,
+        keys,
+        lambda: server.serving,
+        settings.http_max_body_bytes,
+        response_dir=settings.response_dir,
+        response_retention_s=settings.response_retention_s,
+    )
     http = None
     if settings.http_port >= 0:
         http = HttpServer(
@@ -170,6 +181,7 @@ async def serve(settings: GatewaySettings) -> None:
         await app.start_http()  # /health answers 503 while the tokenizer loads
         await app.load()
         app.batches.start()
+        app.http_api.stored.start()
 
     try:
         await serve_until_stopped(
@@ -181,6 +193,7 @@ async def serve(settings: GatewaySettings) -> None:
         raise SystemExit(1) from None
     finally:
         await app.batches.close()
+        await app.http_api.stored.close()
         if app.http is not None:
             await app.http.stop()
         await app.service.close()

@@ -161,6 +161,15 @@ class GatewaySettings(TlsSettings):
         "how long a finished batch (its record, output and error files) is kept after it ended, "
         "and an uploaded file after it was made unless an unfinished batch reads it; 0 = forever (s)",
     )
+    response_dir: str = field(
+        "",
+        "folder of stored Responses API responses (store, previous_response_id, background, GET / "
+        "DELETE /v1/responses/{id}); gateways that share it share them; '' = nothing stored "
+        "(pdserve up gives one)",
+    )
+    response_retention_s: float = field(
+        30 * 24 * 3600.0, "how long a stored response is kept after it was created; 0 = forever (s)"
+    )
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -191,6 +200,8 @@ class GatewaySettings(TlsSettings):
             raise ValueError("batch_concurrency, max_batch_lines and max_batch_file_bytes must be >= 1")
         if self.batch_poll_s <= 0 or self.batch_retention_s < 0:
             raise ValueError("batch_poll_s must be > 0 and batch_retention_s >= 0")
+        if self.response_retention_s < 0:
+            raise ValueError(f"response_retention_s must be >= 0, got {self.response_retention_s}")
 
 
 def load_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> GatewaySettings:

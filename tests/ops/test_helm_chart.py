@@ -298,29 +298,35 @@ def test_runtime_lora_updating_is_off_unless_asked_for() -> None:
         assert not {"PDSERVE_ENABLE_LORA", "PDSERVE_ALLOW_RUNTIME_LORA_UPDATING"} & set(env_of(deps[name]))
 
 
-def test_the_batch_api_gets_a_folder_shared_by_the_gateways() -> None:
-    """gateway.batches: PDSERVE_BATCH_DIR on the gateway only, over an emptyDir or the PVC every
-    replica mounts (several replicas without one fail to render, in the inconsistent-values test)."""
+@pytest.mark.parametrize(
+    ("folder", "var", "field"),
+    [("batches", "PDSERVE_BATCH_DIR", "batch_dir"), ("responses", "PDSERVE_RESPONSE_DIR", "response_dir")],
+)
+def test_the_gateways_get_their_shared_folders(folder: str, var: str, field: str) -> None:
+    """gateway.batches (the Batch API) and gateway.responses (stored responses): the folder's
+    setting on the gateway only, over an emptyDir or the PVC every replica mounts (several
+    replicas without one fail to render, in the inconsistent-values test); each on its own."""
     from services.gateway.settings import GatewaySettings
     from shared.settings import parse_settings
 
-    assert "PDSERVE_BATCH_DIR" not in env_of(deployments(render())["gateway"])  # off by default
+    assert var not in env_of(deployments(render())["gateway"])  # off by default
     for extra, volume in (
         ([], "emptyDir"),
         (
-            ["--set", "gateway.batches.claimName=batches", "--set", "gateway.replicas=3"],
+            ["--set", f"gateway.{folder}.claimName=shared", "--set", "gateway.replicas=3"],
             "persistentVolumeClaim",
         ),
     ):
-        deps = deployments(render("--set", "gateway.batches.enabled=true", *extra))
+        deps = deployments(render("--set", f"gateway.{folder}.enabled=true", *extra))
         gateway = deps["gateway"]
-        folder = parse_settings(GatewaySettings, [], env=env_of(gateway)).batch_dir
+        settings = parse_settings(GatewaySettings, [], env=env_of(gateway))
         mounts = {m["name"]: m["mountPath"] for m in container(gateway)["volumeMounts"]}
-        assert folder == mounts["batches"] == "/var/lib/pdserve/batches"
+        assert getattr(settings, field) == mounts[folder] == f"/var/lib/pdserve/{folder}"
         volumes = {v["name"]: v for v in gateway["spec"]["template"]["spec"]["volumes"]}
-        assert volume in volumes["batches"]
+        assert volume in volumes[folder]
+        assert {"batches", "responses"} - {folder} - set(volumes)  # the other one stays off
         for name in ("scheduler", *WORKERS):
-            assert "PDSERVE_BATCH_DIR" not in env_of(deps[name])
+            assert var not in env_of(deps[name])
 
 
 @pytest.mark.parametrize(
@@ -330,6 +336,10 @@ def test_the_batch_api_gets_a_folder_shared_by_the_gateways() -> None:
         (
             ["--set", "gateway.batches.enabled=true", "--set", "gateway.replicas=2"],
             "needs gateway.batches.claimName",
+        ),
+        (
+            ["--set", "gateway.responses.enabled=true", "--set", "gateway.replicas=2"],
+            "needs gateway.responses.claimName",
         ),
         (["--set", "model.source=s3"], "model.source must be"),
         (["--set", "decodeWorker.blockSize=32"], "blockSize must match"),

@@ -350,12 +350,13 @@ def test_runtime_lora_updating_is_turned_on_by_a_gateway_arg_and_a_worker_arg() 
             assert settings.lora_enabled and settings.lora_adapters == (), child.name
 
 
-def test_the_gateways_share_a_batch_folder_of_their_stack() -> None:
+@pytest.mark.parametrize(("flag", "kind"), [("--batch-dir", "batches"), ("--response-dir", "responses")])
+def test_the_gateways_share_the_folders_of_their_stack(flag: str, kind: str) -> None:
     def folder(*argv: str) -> list[str]:
         gateways = [c for c in _children("--gateways", "2", *argv) if c.name.startswith("gateway")]
-        return [c.args[c.args.index("--batch-dir") + 1] for c in gateways]
+        return [c.args[c.args.index(flag) + 1] for c in gateways]
 
     default = folder()
-    assert len(set(default)) == 1 and default[0].endswith("/.cache/pdserve/batches/40040")
-    assert folder("--batch-dir", "/data/b") == ["/data/b", "/data/b"]
-    assert folder("--batch-dir", "off") == ["", ""]
+    assert len(set(default)) == 1 and default[0].endswith(f"/.cache/pdserve/{kind}/40040")
+    assert folder(flag, "/data/b") == ["/data/b", "/data/b"]
+    assert folder(flag, "off") == ["", ""]

@@ -11,7 +11,15 @@ from typing import Any
 import pytest
 
 from services.gateway import http_models as m
-from services.gateway.http_responses_api import ResponsesRequest, chat_request, events, response_body
+from services.gateway.http_responses_api import (
+    Kept,
+    ResponsesRequest,
+    chat_request,
+    events,
+    input_items,
+    queued_body,
+    response_body,
+)
 from services.gateway.validation import InvalidField
 
 
@@ -91,8 +99,6 @@ def test_instructions_input_items_tools_and_format_become_the_chat_request() -> 
 @pytest.mark.parametrize(
     ("kw", "param"),
     [
-        ({"input": "hi", "previous_response_id": "resp_x"}, "previous_response_id"),
-        ({"input": "hi", "background": True}, "background"),
         ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input"),
         ({"input": [{"type": "computer_call"}]}, "input"),
         ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input"),  # no call_id
@@ -248,3 +254,48 @@ def test_a_finished_chat_completion_becomes_the_response() -> None:
         }
     ]
     assert body["tools"] == [{"type": "function", "name": "f"}] and body["store"] is False
+
+
+def test_a_follow_up_continues_the_conversation_and_its_input_items_get_ids() -> None:
+    """previous_response_id: the earlier turns (input and output items) come after this
+    request's instructions and before its input; the earlier instructions are not carried."""
+    first = _req(instructions="Old rules.", input="Time?")
+    items = input_items(first, "resp_" + "a" * 32)
+    assert items == (
+        {
+            "type": "message",
+            "role": "user",
+            "content": [{"type": "input_text", "text": "Time?"}],
+            "id": f"msg_{'a' * 32}_0",
+        },
+    )
+    output: list[dict[str, Any]] = [
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": []},
+        {
+            "type": "message",
+            "id": "msg_1",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": "Noon"}],
+        },
+        {"type": "function_call", "id": "fc_1", "call_id": "c1", "name": "now", "arguments": "{}"},
+    ]
+    follow = _req(
+        instructions="Be brief.", input=[{"type": "function_call_output", "call_id": "c1", "output": "12"}]
+    )
+    chat = chat_request(follow, [*items, *output])
+    got = [(msg.role, msg.content) for msg in chat.messages]
+    assert got == [("system", "Be brief."), ("user", "Time?"), ("assistant", "Noon"), ("tool", "12")]
+    assert chat.messages[2].tool_calls is not None and chat.messages[2].tool_calls[0].id == "c1"
+    given = input_items(
+        _req(input=[{"role": "assistant", "content": "x", "id": "msg_mine"}]), "resp_" + "b" * 32
+    )
+    assert given[0]["id"] == "msg_mine" and given[0]["content"] == [{"type": "output_text", "text": "x"}]
+    kept = Kept("resp_" + "c" * 32, background=True)
+    queued = queued_body(_req(input="hi", previous_response_id="resp_x"), "r", 5, kept)
+    assert (queued["id"], queued["status"], queued["store"], queued["background"]) == (
+        kept.id,
+        "queued",
+        True,
+        True,
+    )
+    assert queued["previous_response_id"] == "resp_x" and queued["output"] == []

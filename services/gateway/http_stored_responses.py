@@ -1,0 +1,305 @@
+"""Stored responses on the gateway's HTTP face: what `POST /v1/responses` keeps (`store`, on by
+default as in OpenAI's API, when the gateway has --response-dir), a follow-up's conversation
+(`previous_response_id`), background responses (`background: true`: answered `queued` at once,
+run here, polled with GET), and the routes that read them: GET /v1/responses/{id},
+DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items, POST /v1/responses/{id}/cancel.
+
+Responses belong to the API key that made them (a hash of it; one owner with keys off). A
+request the gateway sends itself (a Batch API line) stores nothing. Without --response-dir a
+response is not stored (`"store": false`), and `previous_response_id`, `background` and these
+routes answer 400 / 404 saying how to turn the store on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import structlog
+from fastapi import FastAPI, Request
+
+from services.gateway import http_responses_api as responses_api
+from services.gateway.http_errors import http_error
+from services.gateway.http_routes import Answered, answered, owner, page
+from services.gateway.stored_responses import (
+    ResponseStatus,
+    ResponseStore,
+    StoredResponse,
+    new_response_id,
+)
+from services.gateway.validation import InvalidField
+from shared.auth import ApiKeys
+from shared.errors import NotFound
+
+log = structlog.get_logger(__name__)
+
+_OFF = "stored responses are off on this gateway: start it with --response-dir DIR (pdserve up gives it one)"
+_PRUNE_EVERY_S = 600.0  # how often records past their retention are removed (s)
+_STOPPED = "the gateway stopped before this response finished; create it again"
+
+
+class PreviousResponseNotFound(NotFound):
+    param = "previous_response_id"
+
+
+@dataclasses.dataclass(frozen=True)
+class Keeping:
+    """How one Responses request is kept: its record (None: not stored) and the conversation it
+    continues (`previous_response_id`)."""
+
+    record: StoredResponse | None
+    context: tuple[dict[str, Any], ...] = ()
+
+    @property
+    def kept(self) -> responses_api.Kept | None:
+        if self.record is None:
+            return None
+        return responses_api.Kept(self.record.id, self.record.background)
+
+
+class StoredResponses:
+    """The store under `folder` ('' = off), the background runs of this process, and the routes."""
+
+    def __init__(
+        self, app: FastAPI, keys: ApiKeys, folder: str, retention_s: float, poll_s: float = 1.0
+    ) -> None:
+        self._keys = keys
+        self._store = ResponseStore(Path(folder).expanduser()) if folder else None
+        self._retention_s = retention_s
+        self._poll_s = poll_s  # how often a cancel made through another gateway is looked for (s)
+        self._running: dict[str, asyncio.Task[None]] = {}  # background runs here, by response id
+        self._watcher: asyncio.Task[None] | None = None
+        for path, route, method in (
+            ("/v1/responses/{response_id}", self.retrieve, "GET"),
+            ("/v1/responses/{response_id}", self.delete, "DELETE"),
+            ("/v1/responses/{response_id}/input_items", self.list_input_items, "GET"),
+            ("/v1/responses/{response_id}/cancel", self.cancel, "POST"),
+        ):
+            app.add_api_route(path, route, methods=[method], response_model=None)
+
+    def start(self) -> None:
+        if self._store is not None and self._watcher is None:
+            self._watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    async def drain(self, grace_s: float) -> None:
+        """SIGTERM: background responses running here get `grace_s` to finish; the rest fail."""
+        running = set(self._running.values())
+        if running:
+            await asyncio.wait(running, timeout=max(grace_s, 0.0))
+        await self.close()
+
+    async def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
+        store = self._store
+        for response_id, task in list(self._running.items()):
+            task.cancel()
+            if store is not None:
+                with contextlib.suppress(Exception):
+                    store.update(response_id, lambda r: _ended(r, ResponseStatus.FAILED, _STOPPED))
+        if self._running:
+            await asyncio.gather(*self._running.values(), return_exceptions=True)
+
+    # --- what POST /v1/responses keeps ---
+    def prepare(self, req: responses_api.ResponsesRequest, request: Request, inner: bool) -> Keeping:
+        """How `req` is kept; the previous response's conversation. `inner`: the gateway's own
+        call (a Batch API line), which stores nothing."""
+        stores = self._store is not None and req.store is not False and not inner
+        if req.background and not stores:
+            if req.store is False:
+                raise InvalidField("a background response is stored: send store true, or no store", "store")
+            raise InvalidField(f"background needs stored responses; {_OFF}", "background")
+        if req.background and req.stream:
+            raise InvalidField(
+                "a background response is not streamed here: create it without stream and poll "
+                "GET /v1/responses/{id} until its status is completed",
+                "stream",
+            )
+        context: tuple[dict[str, Any], ...] = ()
+        who = "" if inner else owner(self._keys, request)
+        if req.previous_response_id is not None:
+            context = self._previous(req.previous_response_id, who, inner)
+        if not stores:
+            return Keeping(None, context)
+        response_id = new_response_id()
+        items = responses_api.input_items(req, response_id)
+        record = StoredResponse(
+            id=response_id,
+            owner=who,
+            created_at=int(time.time()),
+            body={"status": ResponseStatus.IN_PROGRESS.value},
+            input_items=items,
+            context=context + items,
+            background=bool(req.background),
+        )
+        return Keeping(record, context)
+
+    def _previous(self, response_id: str, who: str, inner: bool) -> tuple[dict[str, Any], ...]:
+        if inner:
+            raise InvalidField(
+                "previous_response_id is not served in a batch: send the whole conversation in input",
+                "previous_response_id",
+            )
+        if self._store is None:
+            raise InvalidField(f"previous_response_id needs stored responses; {_OFF}", "previous_response_id")
+        try:
+            record = self._store.get(response_id, who)
+        except NotFound:
+            raise PreviousResponseNotFound(
+                f"previous_response_id: no response {response_id!r} (deleted, expired, or made with "
+                "another API key)"
+            ) from None
+        if not record.final:
+            raise InvalidField(
+                f"previous_response_id: response {response_id} is {record.status.value}; wait until it "
+                "is completed",
+                "previous_response_id",
+            )
+        return record.context
+
+    def keep(self, keeping: Keeping, body: dict[str, Any]) -> None:
+        """Stores a finished response (a no-op when it is not kept)."""
+        if keeping.record is not None and self._store is not None:
+            self._store.create(keeping.record.finished(body))
+
+    def start_background(
+        self, keeping: Keeping, queued: dict[str, Any], produce: Callable[[], Awaitable[dict[str, Any]]]
+    ) -> dict[str, Any]:
+        """Stores the queued response and runs `produce` (the finished Response) in a task of
+        this process, holding the response's run lock; returns the queued Response."""
+        assert keeping.record is not None and self._store is not None
+        record = dataclasses.replace(keeping.record, body=queued)
+        held = contextlib.ExitStack()
+        if not held.enter_context(self._store.claim(record.id)):  # a fresh id: nobody holds it
+            held.close()
+            raise RuntimeError(f"the run lock of {record.id} is held")
+        try:
+            self._store.create(record)
+        except BaseException:
+            held.close()
+            raise
+        task = asyncio.get_running_loop().create_task(self._run(record.id, produce, held))
+        self._running[record.id] = task
+        return queued
+
+    async def _run(
+        self, response_id: str, produce: Callable[[], Awaitable[dict[str, Any]]], held: contextlib.ExitStack
+    ) -> None:
+        store = self._store
+        assert store is not None
+        try:
+            store.update(response_id, _started)
+            body = await produce()
+            store.update(response_id, lambda r: r if r.final else r.finished(body))
+        except asyncio.CancelledError:
+            pass  # a cancel (its record says so) or the gateway stopping (close says so)
+        except Exception as exc:
+            error = http_error(exc)
+            if error.is_internal:
+                log.error("background_response_failed", response_id=response_id, exc_info=exc)
+            code = "rate_limit_exceeded" if error.status == 429 else "server_error"
+            message = error.body.error.message
+            with contextlib.suppress(Exception):
+                store.update(response_id, lambda r: _ended(r, ResponseStatus.FAILED, message, code))
+        finally:
+            held.close()
+            self._running.pop(response_id, None)
+
+    async def _watch(self) -> None:
+        """Cancels the runs here whose record was cancelled through another gateway; removes the
+        records past their retention."""
+        store = self._store
+        assert store is not None
+        pruned_at = 0.0
+        while True:
+            for response_id, task in list(self._running.items()):
+                with contextlib.suppress(Exception):
+                    if store.read(response_id).status == ResponseStatus.CANCELLED:
+                        task.cancel()
+            if time.monotonic() - pruned_at >= _PRUNE_EVERY_S:
+                pruned_at = time.monotonic()
+                with contextlib.suppress(Exception):
+                    gone = await asyncio.to_thread(store.prune, time.time(), self._retention_s)
+                    if gone:
+                        log.info("responses_pruned", count=len(gone))
+            await asyncio.sleep(self._poll_s)
+
+    # --- routes ---
+    @answered()
+    async def retrieve(self, request: Request, response_id: str) -> Answered:
+        store, who = self._open(request)
+        if request.query_params.get("stream") in ("true", "1"):
+            raise InvalidField("a stored response is not streamed again: GET it without stream", "stream")
+        return store.get(response_id, who).body
+
+    @answered()
+    async def delete(self, request: Request, response_id: str) -> Answered:
+        store, who = self._open(request)
+        record = store.get(response_id, who)
+        if not record.final:
+            self._cancel(store, record)
+        store.remove(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    @answered()
+    async def list_input_items(self, request: Request, response_id: str) -> Answered:
+        store, who = self._open(request)
+        items = list(store.get(response_id, who).input_items)
+        order = request.query_params.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise InvalidField(f"order must be asc or desc, got {order!r}", "order")
+        if order == "desc":  # OpenAI's default: the newest item first
+            items.reverse()
+        return page(items, request, default_limit=20)
+
+    @answered()
+    async def cancel(self, request: Request, response_id: str) -> Answered:
+        store, who = self._open(request)
+        record = store.get(response_id, who)
+        if not record.background:
+            raise InvalidField(
+                f"response {response_id} was not created with background true; only a background "
+                "response can be cancelled",
+                "response_id",
+            )
+        if record.final:
+            return record.body  # cancelling one that has ended changes nothing
+        return self._cancel(store, record).body
+
+    def _cancel(self, store: ResponseStore, record: StoredResponse) -> StoredResponse:
+        """Marks an unfinished response cancelled and stops its run here (another gateway's run
+        sees the record within its poll)."""
+        done = store.update(record.id, lambda r: _ended(r, ResponseStatus.CANCELLED))
+        task = self._running.get(record.id)
+        if task is not None:
+            task.cancel()
+        return done
+
+    def _open(self, request: Request) -> tuple[ResponseStore, str]:
+        who = owner(self._keys, request)
+        if self._store is None:
+            raise NotFound(_OFF)
+        return self._store, who
+
+
+def _started(record: StoredResponse) -> StoredResponse:
+    if record.status != ResponseStatus.QUEUED:
+        return record  # cancelled before it started
+    return record.moved(ResponseStatus.IN_PROGRESS)
+
+
+def _ended(
+    record: StoredResponse, to: ResponseStatus, message: str = "", code: str = "server_error"
+) -> StoredResponse:
+    """`record` cancelled or failed (`message`), unless it has ended already."""
+    if record.final:
+        return record
+    if to == ResponseStatus.FAILED:
+        return record.moved(to, error={"code": code, "message": message})
+    return record.moved(to)

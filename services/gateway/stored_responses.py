@@ -1,0 +1,200 @@
+"""The Responses API's stored responses (`store`, `previous_response_id`, `background`): one
+record per response, its status with the transitions allowed, and their store on disk under
+--response-dir as `<id>.json`.
+
+A record holds the Response object as the API shows it, the request's own input items (what
+`GET /v1/responses/{id}/input_items` lists) and the conversation up to and including this
+response (`context`: the input items of every response in its `previous_response_id` chain and
+their output items, in order), so a follow-up is served from one record even when earlier ones
+were deleted or expired.
+
+Several gateway processes may share the folder (`pdserve up --gateways 2` shares one HTTP port):
+a record changes only through `ResponseStore.update`, under `<id>.lock`; the process running a
+background response holds `<id>.run` locked while it runs (`claim`), and the lock goes with its
+process, so a record left queued or in progress by a gateway that died is found unclaimed and
+marked failed (`fail_if_abandoned`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, replace
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from services.gateway.shared_folder import locked, write_json_atomically
+from shared.errors import FailedPrecondition, NotFound
+
+ID_PREFIX = "resp_"
+_ID = re.compile(r"resp_[0-9a-f]{32}")
+
+
+class ResponseStatus(StrEnum):
+    QUEUED = "queued"  # background: accepted, not yet started
+    IN_PROGRESS = "in_progress"
+    COMPLETED = "completed"
+    INCOMPLETE = "incomplete"  # stopped at max_output_tokens
+    FAILED = "failed"
+    CANCELLED = "cancelled"  # background only
+
+
+# OpenAI's response life; the four without successors are final
+ALLOWED: dict[ResponseStatus, frozenset[ResponseStatus]] = {
+    ResponseStatus.QUEUED: frozenset(
+        {ResponseStatus.IN_PROGRESS, ResponseStatus.FAILED, ResponseStatus.CANCELLED}
+    ),
+    ResponseStatus.IN_PROGRESS: frozenset(
+        {
+            ResponseStatus.COMPLETED,
+            ResponseStatus.INCOMPLETE,
+            ResponseStatus.FAILED,
+            ResponseStatus.CANCELLED,
+        }
+    ),
+    ResponseStatus.COMPLETED: frozenset(),
+    ResponseStatus.INCOMPLETE: frozenset(),
+    ResponseStatus.FAILED: frozenset(),
+    ResponseStatus.CANCELLED: frozenset(),
+}
+
+ABANDONED = "the gateway running this response stopped before it finished; create it again"
+
+
+@dataclass(frozen=True)
+class StoredResponse:
+    id: str
+    owner: str  # hash of the API key that created it; "" with keys off
+    created_at: int  # unix time (s)
+    body: dict[str, Any]  # the Response object as the API shows it (its status is `status`)
+    input_items: tuple[dict[str, Any], ...]  # this request's input, as items with ids
+    context: tuple[dict[str, Any], ...] = ()  # the conversation through this response's output
+    background: bool = False
+
+    @property
+    def status(self) -> ResponseStatus:
+        return ResponseStatus(self.body["status"])
+
+    @property
+    def final(self) -> bool:
+        return not ALLOWED[self.status]
+
+    def _may_become(self, to: ResponseStatus) -> None:
+        if to not in ALLOWED[self.status]:
+            raise FailedPrecondition(f"response {self.id} is {self.status.value}; it cannot be {to.value}")
+
+    def moved(self, to: ResponseStatus, **changes: Any) -> StoredResponse:
+        """The record in status `to`, with `changes` to its Response object (FailedPrecondition
+        when the transition is not allowed)."""
+        self._may_become(to)
+        return replace(self, body={**self.body, **changes, "status": to.value})
+
+    def finished(self, body: dict[str, Any]) -> StoredResponse:
+        """The record with the Response `body` of its finished run, and its output appended to
+        the conversation."""
+        done = replace(self, body={**body, "id": self.id, "background": self.background, "store": True})
+        self._may_become(ResponseStatus(body["status"]))
+        return replace(done, context=self.context + tuple(_as_input(item) for item in body["output"]))
+
+
+def _as_input(item: dict[str, Any]) -> dict[str, Any]:
+    """An output item as a later request's input item (the same shape, without its status)."""
+    return {k: v for k, v in item.items() if k != "status"}
+
+
+def new_response_id() -> str:
+    return ID_PREFIX + uuid.uuid4().hex
+
+
+def _record(value: dict[str, Any]) -> StoredResponse:
+    value = dict(value)
+    value["input_items"] = tuple(value.get("input_items", ()))
+    value["context"] = tuple(value.get("context", ()))
+    return StoredResponse(**value)
+
+
+class ResponseStore:
+    """The records under `root`."""
+
+    def __init__(self, root: Path) -> None:
+        self._dir = root
+        self._dir.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, response_id: str, suffix: str) -> Path:
+        if not _ID.fullmatch(response_id):
+            raise NotFound(f"no response {response_id!r}")
+        return self._dir / (response_id + suffix)
+
+    def create(self, record: StoredResponse) -> None:
+        write_json_atomically(self._path(record.id, ".json"), asdict(record))
+
+    def read(self, response_id: str) -> StoredResponse:
+        try:
+            return _record(json.loads(self._path(response_id, ".json").read_text(encoding="utf-8")))
+        except FileNotFoundError:
+            raise NotFound(f"no response {response_id!r}") from None
+
+    def get(self, response_id: str, owner: str) -> StoredResponse:
+        """The record, as another owner's or a missing one: NotFound. A record that a dead
+        gateway left unfinished is marked failed first."""
+        record = self.read(response_id)
+        if record.owner != owner:
+            raise NotFound(f"no response {response_id!r}")
+        return record if record.final else self.fail_if_abandoned(response_id)
+
+    def update(self, response_id: str, change: Callable[[StoredResponse], StoredResponse]) -> StoredResponse:
+        """Applies `change` to the record as it is on disk now, under the record's lock."""
+        with locked(self._path(response_id, ".lock"), blocking=True):
+            record = change(self.read(response_id))
+            write_json_atomically(self._path(response_id, ".json"), asdict(record))
+            return record
+
+    def remove(self, response_id: str) -> None:
+        """Deletes a record and its lock files (gone is no error)."""
+        for suffix in (".json", ".lock", ".run"):
+            self._path(response_id, suffix).unlink(missing_ok=True)
+
+    @contextlib.contextmanager
+    def claim(self, response_id: str) -> Iterator[bool]:
+        """Holds the response's run lock while the block runs: True when this process got it,
+        False when another run (in this process or another) holds it."""
+        with locked(self._path(response_id, ".run"), blocking=False) as got:
+            yield got
+
+    def fail_if_abandoned(self, response_id: str) -> StoredResponse:
+        """The record; when it is unfinished and nobody holds its run lock (its gateway died),
+        it becomes failed first."""
+        with self.claim(response_id) as got:
+            if not got:
+                return self.read(response_id)  # it runs somewhere
+            return self.update(response_id, _abandoned)
+
+    def ids(self) -> list[str]:
+        return sorted(p.name[: -len(".json")] for p in self._dir.glob(f"{ID_PREFIX}*.json"))
+
+    def prune(self, now: float, retention_s: float) -> list[str]:
+        """Removes the records created more than `retention_s` ago (an unfinished one once it is
+        abandoned); returns their ids. 0 keeps every record."""
+        if retention_s <= 0:
+            return []
+        gone = []
+        for response_id in self.ids():
+            with contextlib.suppress(FileNotFoundError, ValueError, TypeError, KeyError, NotFound):
+                record = self.read(response_id)
+                if record.created_at + retention_s > now:
+                    continue
+                if not record.final and not self.fail_if_abandoned(response_id).final:
+                    continue  # still running
+                self.remove(response_id)
+                gone.append(response_id)
+        return gone
+
+
+def _abandoned(record: StoredResponse) -> StoredResponse:
+    if record.final:
+        return record
+    return record.moved(ResponseStatus.FAILED, error={"code": "server_error", "message": ABANDONED})

@@ -1,0 +1,217 @@
+"""Stored responses of the Responses API through the `openai` client, against a real gateway in
+front of real workers (tiny model): a stored response is retrieved as it was answered (streamed
+or not), a follow-up with previous_response_id answers as the whole conversation sent to chat
+completions (greedy), input items are listed, a delete does not break a later turn, keys see only
+their own, background responses run to the same answer and can be cancelled (KV freed) through
+this gateway or another one on the same folder, and one left by a gateway that stopped is
+failed, not left in progress."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import pytest_asyncio
+
+from services.gateway.stored_responses import ABANDONED, ResponseStatus, ResponseStore, StoredResponse
+
+from .http_stack import HttpStack, gateway_on, http_stack
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+GREEDY: dict[str, Any] = {"model": "", "max_output_tokens": 6, "temperature": 0.0}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def stack(tiny_model: Path) -> AsyncIterator[HttpStack]:
+    async with http_stack(tiny_model) as served:
+        yield served
+
+
+def client_of(url: str | None, key: str = "none") -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+
+
+async def ended(client: openai.AsyncOpenAI, response_id: str, timeout_s: float = 60.0) -> Any:
+    async with asyncio.timeout(timeout_s):
+        while True:
+            got = await client.responses.retrieve(response_id)
+            if got.status not in ("queued", "in_progress"):
+                return got
+            await asyncio.sleep(0.05)
+
+
+async def test_stored_responses_continue_a_conversation(stack: HttpStack, tmp_path: Path) -> None:
+    async with gateway_on(stack, response_dir=str(tmp_path)) as gateway:
+        client = client_of(gateway.http_url)
+        try:
+            first = await client.responses.create(input="the sky is", instructions="Be brief.", **GREEDY)
+            assert first.store is True and first.status in ("completed", "incomplete")
+            assert (await client.responses.retrieve(first.id)).model_dump() == first.model_dump()
+            second = await client.responses.create(input="and then", previous_response_id=first.id, **GREEDY)
+            assert second.previous_response_id == first.id
+            # the same conversation sent whole to chat completions (instructions are not carried)
+            history: list[Any] = [
+                {"role": "user", "content": "the sky is"},
+                {"role": "assistant", "content": first.output_text},
+                {"role": "user", "content": "and then"},
+            ]
+            direct = await client.chat.completions.create(
+                model="", messages=history, max_tokens=6, temperature=0.0
+            )
+            assert second.output_text == direct.choices[0].message.content
+            assert second.usage is not None and direct.usage is not None
+            assert second.usage.input_tokens == direct.usage.prompt_tokens
+            # streamed: the final Response is what is stored
+            final = None
+            stream = await client.responses.create(
+                input="go on", previous_response_id=second.id, stream=True, **GREEDY
+            )
+            async for event in stream:
+                if event.type in ("response.completed", "response.incomplete"):
+                    final = event.response
+            assert final is not None and final.store is True
+            stored = await client.responses.retrieve(final.id)
+            assert stored.output_text == final.output_text and stored.usage == final.usage
+            items = [i async for i in client.responses.input_items.list(second.id)]
+            shown = [i.model_dump(exclude_none=True) for i in items]
+            assert [(i["type"], i["role"], i["content"]) for i in shown] == [
+                ("message", "user", [{"type": "input_text", "text": "and then"}])
+            ]
+            # deleting an earlier turn leaves the later ones whole
+            deleted = await client.responses.with_raw_response.delete(first.id)
+            assert deleted.http_response.json() == {"id": first.id, "object": "response", "deleted": True}
+            with pytest.raises(openai.NotFoundError):
+                await client.responses.retrieve(first.id)
+            third = await client.responses.create(input="more", previous_response_id=final.id, **GREEDY)
+            assert third.status in ("completed", "incomplete")
+            with pytest.raises(openai.NotFoundError) as missing:
+                await client.responses.create(input="x", previous_response_id=first.id, **GREEDY)
+            assert missing.value.body["param"] == "previous_response_id"  # type: ignore[index]
+            unstored = await client.responses.create(input="x", store=False, **GREEDY)
+            assert unstored.store is False
+            with pytest.raises(openai.NotFoundError):
+                await client.responses.retrieve(unstored.id)
+            with pytest.raises(openai.BadRequestError) as bad:  # only background ones are cancelled
+                await client.responses.cancel(third.id)
+            assert bad.value.body["param"] == "response_id"  # type: ignore[index]
+        finally:
+            await client.close()
+    await stack.wait_idle()
+
+
+async def test_keys_see_only_their_own(stack: HttpStack, tmp_path: Path) -> None:
+    async with gateway_on(stack, response_dir=str(tmp_path), api_keys=("k1", "k2")) as gateway:
+        one, two = client_of(gateway.http_url, "k1"), client_of(gateway.http_url, "k2")
+        try:
+            mine = await one.responses.create(input="hello", **GREEDY)
+            for call in (
+                two.responses.retrieve(mine.id),
+                two.responses.delete(mine.id),
+                two.responses.create(input="x", previous_response_id=mine.id, **GREEDY),
+            ):
+                with pytest.raises(openai.NotFoundError):
+                    await call
+            assert (await one.responses.retrieve(mine.id)).id == mine.id
+        finally:
+            await one.close()
+            await two.close()
+    async with gateway_on(stack) as off:  # no --response-dir: nothing stored, and it says why
+        client = client_of(off.http_url)
+        try:
+            plain = await client.responses.create(input="hello", **GREEDY)
+            assert plain.store is False
+            with pytest.raises(openai.NotFoundError, match="--response-dir"):
+                await client.responses.retrieve(plain.id)
+            for kw, param in (
+                ({"previous_response_id": plain.id}, "previous_response_id"),
+                ({"background": True}, "background"),
+            ):
+                with pytest.raises(openai.BadRequestError, match="--response-dir") as bad:
+                    await client.responses.create(input="x", **kw, **GREEDY)
+                assert bad.value.body["param"] == param  # type: ignore[index]
+        finally:
+            await client.close()
+    await stack.wait_idle()
+
+
+async def test_background_responses_run_and_cancel(stack: HttpStack, tmp_path: Path) -> None:
+    async with (
+        gateway_on(stack, response_dir=str(tmp_path)) as a,
+        gateway_on(stack, response_dir=str(tmp_path)) as b,
+    ):
+        one, other = client_of(a.http_url), client_of(b.http_url)
+        try:
+            queued = await one.responses.create(input="the sky is", background=True, **GREEDY)
+            assert queued.status == "queued" and queued.background is True and queued.output == []
+            done = await ended(other, queued.id)  # read through the other gateway
+            assert done.status in ("completed", "incomplete") and done.background is True
+            foreground = await one.responses.create(input="the sky is", **GREEDY)
+            assert done.output_text == foreground.output_text
+            assert done.usage is not None and foreground.usage is not None
+            assert done.usage.output_tokens == foreground.usage.output_tokens
+            # a long one, cancelled through this gateway, then one through the other
+            long: dict[str, Any] = {**GREEDY, "max_output_tokens": 1500, "extra_body": {"ignore_eos": True}}
+            for canceller in (one, other):
+                running = await one.responses.create(input="count", background=True, **long)
+                await _until_running(one, running.id)
+                cancelled = await canceller.responses.cancel(running.id)
+                assert cancelled.status == "cancelled"
+                await stack.wait_idle(timeout_s=30)  # aborted on the workers: every KV block back
+                assert (await ended(one, running.id)).status == "cancelled"
+                again = await one.responses.cancel(running.id)  # cancelling again changes nothing
+                assert again.status == "cancelled"
+            refused: list[tuple[dict[str, Any], str]] = [
+                ({"stream": True}, "stream"),
+                ({"store": False}, "store"),
+            ]
+            for kw, param in refused:
+                with pytest.raises(openai.BadRequestError) as bad:
+                    await one.responses.create(input="x", background=True, **kw, **GREEDY)
+                assert bad.value.body["param"] == param  # type: ignore[index]
+        finally:
+            await one.close()
+            await other.close()
+    await stack.wait_idle()
+
+
+async def _until_running(client: openai.AsyncOpenAI, response_id: str) -> None:
+    async with asyncio.timeout(30):
+        while (await client.responses.retrieve(response_id)).status == "queued":
+            await asyncio.sleep(0.02)
+
+
+async def test_a_response_left_by_a_stopped_gateway_fails(stack: HttpStack, tmp_path: Path) -> None:
+    """One whose gateway died (its run lock free) reads as failed; a gateway that stops fails
+    what it still runs after the grace; neither stays in progress."""
+    store = ResponseStore(tmp_path)
+    left = StoredResponse(
+        id="resp_" + "e" * 32,
+        owner="",
+        created_at=int(time.time()),
+        body={"id": "resp_" + "e" * 32, "object": "response", "status": "in_progress", "output": []},
+        input_items=(),
+        background=True,
+    )
+    store.create(left)
+    async with gateway_on(stack, response_dir=str(tmp_path), drain_grace_s=0.0) as gateway:
+        async with httpx.AsyncClient(base_url=gateway.http_url or "") as raw:
+            got = (await raw.get(f"/v1/responses/{left.id}")).json()
+            assert got["status"] == "failed" and got["error"]["message"] == ABANDONED
+            body = {
+                **GREEDY,
+                "input": "count",
+                "background": True,
+                "max_output_tokens": 1500,
+                "ignore_eos": True,
+            }
+            running = (await raw.post("/v1/responses", json=body)).json()
+        await gateway.drain()
+    assert store.read(running["id"]).status == ResponseStatus.FAILED
+    await stack.wait_idle(timeout_s=30)
