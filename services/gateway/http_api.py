@@ -128,7 +128,8 @@ class HttpApi:
             message += (
                 "; the API is POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, "
                 "GET /v1/models, POST /tokenize, POST /detokenize, POST /v1/load_lora_adapter, "
-                "POST /v1/unload_lora_adapter, /v1/files and /v1/batches (the Batch API)"
+                "POST /v1/unload_lora_adapter, GET/DELETE /v1/responses/{id} (stored responses), "
+                "/v1/files and /v1/batches (the Batch API)"
             )
         error = HttpError(
             exc.status_code, error_body(message, type_), dict(exc.headers or {}), grpc.StatusCode.UNKNOWN

@@ -435,9 +435,17 @@ def test_kill9_of_the_gateway_frees_every_workers_kv_and_a_new_gateway_finishes_
 ) -> None:
     """Streams in flight when the gateway dies: the workers see their calls end and free the KV.
     A batch it was running (requests in flight too) is finished by the gateway started after it
-    on the same --batch-dir (its run lock died with it), each request answered once."""
+    on the same --batch-dir (its run lock died with it), each request answered once. On the same
+    --response-dir, the background response it was running reads as failed (not in progress
+    forever) and a stored conversation goes on."""
     batches = tmp_path / "batches"
-    gateway_args = ["--batch-dir", str(batches), "--gateway-arg=--batch-concurrency=2"]
+    gateway_args = [
+        "--batch-dir",
+        str(batches),
+        "--gateway-arg=--batch-concurrency=2",
+        "--response-dir",
+        str(tmp_path / "responses"),
+    ]
     with running_processes(str(tiny_bpe_model), tmp_path, up_args=gateway_args) as stack:
         workers = [stack.prefill or "", stack.decode or ""]
         client = openai.OpenAI(base_url=stack.http_base_url, api_key="none", max_retries=0)
@@ -451,6 +459,14 @@ def test_kill9_of_the_gateway_frees_every_workers_kv_and_a_new_gateway_finishes_
         batch = client.batches.create(
             input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h"
         )
+        kept = client.responses.create(model="", input="remember this", max_output_tokens=4)
+        background = client.responses.create(
+            model="", input="go on", background=True, max_output_tokens=1500, extra_body={"ignore_eos": True}
+        )
+        deadline = time.monotonic() + 60
+        while client.responses.retrieve(background.id).status != "in_progress":
+            assert time.monotonic() < deadline, "the background response did not start"
+            time.sleep(0.05)
 
         async def run() -> dict[str, int]:
             ch = grpc.aio.insecure_channel(stack.gateway)
@@ -483,6 +499,13 @@ def test_kill9_of_the_gateway_frees_every_workers_kv_and_a_new_gateway_finishes_
             out = [json.loads(raw) for raw in client.files.content(done.output_file_id).text.splitlines()]
             assert sorted(x["custom_id"] for x in out) == sorted(bodies)  # each once
             assert {x["response"]["body"]["usage"]["completion_tokens"] for x in out} == {300}
+            failed = client.responses.retrieve(background.id)
+            assert failed.status == "failed" and failed.error is not None
+            assert "stopped" in failed.error.message
+            follow = client.responses.create(
+                model="", input="and now?", previous_response_id=kept.id, max_output_tokens=4
+            )
+            assert follow.status in ("completed", "incomplete") and follow.previous_response_id == kept.id
         finally:
             up_processes.stop_all([successor], grace_s=10.0)
 
