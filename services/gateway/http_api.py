@@ -44,7 +44,7 @@ from services.gateway.http_errors import (
     unauthenticated,
 )
 from services.gateway.http_responses import completion_body, model_list
-from services.gateway.http_stored_responses import Keeping, StoredResponses
+from services.gateway.http_stored_responses import Emit, Keeping, ResponseFailed, StoredResponses
 from services.gateway.http_stream import EventStream, events
 from services.gateway.lora_admin import AdapterInUse
 from services.gateway.service import GatewayService
@@ -332,42 +332,48 @@ class HttpApi:
         plan: Plan,
         request_id: str,
     ) -> Response:
-        """A background Response: stored queued and answered at once; its run continues in this
-        process (not tied to the connection) and stores what it answers."""
+        """A background Response: stored queued and answered at once (or its events streamed as
+        they are logged); its run continues in this process, not tied to the connection, streamed
+        whatever the request said: its events go to the response's log, the final Response to
+        its record."""
         created = int(time.time())
         context = propagate.extract(dict(request.headers))
 
-        async def produce() -> dict[str, Any]:
+        async def produce(emit: Emit) -> dict[str, Any]:
             span = tracer().start_span(request.url.path, context=context, kind=trace.SpanKind.SERVER)
             span.set_attribute("pdserve.request_id", request_id)
             run = ChoiceRun(self._service, plan.inputs, self._tasks)
+            final: dict[str, Any] = {}
             try:
                 with trace.use_span(span, end_on_exit=False):
-                    result = await run.complete()
-            except BaseException:
-                run.cancel()
-                raise
+                    work = asyncio.ensure_future(run.first_frames())
+                    run.stream()
+                result = await work
+                service = self._service
+                echoes = http_responses.echoes(plan, service.decode)
+                chat = events(
+                    plan, run, result, request_id, created, True, service.token_text, echoes,
+                    service.decode, service.output_text,
+                )  # fmt: skip
+                model = result[0][1].model
+                async for event in responses_api.event_payloads(
+                    asked, chat, request_id, created, model, keeping.kept, final.update
+                ):
+                    emit(event)
+                    if event["type"] == "error":
+                        raise ResponseFailed(event.get("message") or "", event.get("code"))
             finally:
+                run.cancel()
                 span.end()
-            service = self._service
-            payload = completion_body(
-                plan,
-                result,
-                request_id,
-                created,
-                True,
-                service.token_text,
-                http_responses.echoes(plan, service.decode),
-                service.decode,
-                service.output_text,
-            )
-            assert isinstance(payload, m.ChatCompletion)
-            return responses_api.response_body(asked, payload, request_id, created, keeping.kept)
+            return final
 
-        assert keeping.kept is not None
+        assert keeping.kept is not None and keeping.record is not None
         queued = responses_api.queued_body(asked, request_id, created, keeping.kept)
         answer = self.stored.start_background(keeping, queued, produce)
-        return JSONResponse(answer, headers={REQUEST_ID_HEADER: request_id})
+        headers = {REQUEST_ID_HEADER: request_id}
+        if asked.stream:  # its events as they are logged; going away leaves it running
+            return self.stored.stream(answer["id"], keeping.record.owner, after=-1, headers=headers)
+        return JSONResponse(answer, headers=headers)
 
     def _fail(
         self,

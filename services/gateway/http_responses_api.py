@@ -237,8 +237,9 @@ def chat_request(req: ResponsesRequest, context: Sequence[dict[str, Any]] = ()) 
         "max_completion_tokens": req.max_output_tokens,
         "temperature": req.temperature,
         "top_p": req.top_p,
-        "stream": req.stream,
-        "stream_options": {"include_usage": True} if req.stream else None,
+        # a background response is run streamed (its events are logged, http_stored_responses)
+        "stream": req.stream or bool(req.background),
+        "stream_options": {"include_usage": True} if req.stream or req.background else None,
         "response_format": _response_format(req.text),
         "tools": _tools(req.tools),
         "tool_choice": _tool_choice(req.tool_choice),
@@ -395,7 +396,7 @@ class _TextItem:
     def __init__(
         self,
         items: list[dict[str, Any]],
-        event: Callable[..., str],
+        event: Callable[..., dict[str, Any]],
         item_id: str,
         part_type: str,
         new_item: Callable[[], dict[str, Any]],
@@ -411,7 +412,7 @@ class _TextItem:
     def _where(self) -> dict[str, Any]:
         return {"item_id": self._id, "output_index": self._index, "content_index": 0}
 
-    def add(self, text: str) -> list[str]:
+    def add(self, text: str) -> list[dict[str, Any]]:
         out = []
         if self._index is None:
             self._index = len(self._items)
@@ -424,7 +425,7 @@ class _TextItem:
         out.append(self._event(f"response.{self._type}.delta", **self._where(), delta=text, **self._extra))
         return out
 
-    def close(self) -> list[str]:
+    def close(self) -> list[dict[str, Any]]:
         if self._index is None:
             return []
         item = self._items[self._index]
@@ -437,6 +438,12 @@ class _TextItem:
         ]
 
 
+def sse(payload: dict[str, Any]) -> str:
+    """One Responses event as server-sent event text (`event:` + `data:`)."""
+    data = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+    return f"event: {payload['type']}\ndata: {data}\n\n"
+
+
 async def events(
     req: ResponsesRequest,
     chat_events: AsyncIterator[str],
@@ -446,6 +453,20 @@ async def events(
     kept: Kept | None = None,
     on_done: Callable[[dict[str, Any]], None] | None = None,
 ) -> AsyncIterator[str]:
+    """`event_payloads` as server-sent event text."""
+    async for payload in event_payloads(req, chat_events, request_id, created, model, kept, on_done):
+        yield sse(payload)
+
+
+async def event_payloads(
+    req: ResponsesRequest,
+    chat_events: AsyncIterator[str],
+    request_id: str,
+    created: int,
+    model: str,
+    kept: Kept | None = None,
+    on_done: Callable[[dict[str, Any]], None] | None = None,
+) -> AsyncIterator[dict[str, Any]]:
     """The Responses events of a streamed chat completion (its SSE body, one choice, usage last):
     response.created and .in_progress; the reasoning item (--reasoning-parser; opened at its
     first text) with its reasoning_text deltas; the message item (opened at its first text) with
@@ -455,11 +476,11 @@ async def events(
     error event of the chat stream ends this one with an `error` event."""
     seq = 0
 
-    def event(kind: str, **body: Any) -> str:
+    def event(kind: str, **body: Any) -> dict[str, Any]:
         nonlocal seq
         payload = {"type": kind, "sequence_number": seq, **body}
         seq += 1
-        return f"event: {kind}\ndata: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
+        return payload
 
     shell = _response(req, request_id, created, model, "in_progress", [], None, kept)
     yield event("response.created", response=shell)

@@ -1,8 +1,10 @@
 """Stored responses on the gateway's HTTP face: what `POST /v1/responses` keeps (`store`, on by
 default as in OpenAI's API, when the gateway has --response-dir), a follow-up's conversation
 (`previous_response_id`), background responses (`background: true`: answered `queued` at once,
-run here, polled with GET), and the routes that read them: GET /v1/responses/{id},
-DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items, POST /v1/responses/{id}/cancel.
+or streamed, run here, their events logged; polled with GET, or streamed again from any event
+with `GET ...?stream=true&starting_after=N`, from any gateway on the folder), and the routes that
+read them: GET /v1/responses/{id}, DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items,
+POST /v1/responses/{id}/cancel.
 
 Responses belong to the API key that made them (a hash of it; one owner with keys off). A
 request the gateway sends itself (a Batch API line) stores nothing. Without --response-dir a
@@ -16,7 +18,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,9 @@ from fastapi import FastAPI, Request
 from services.gateway import http_responses_api as responses_api
 from services.gateway.http_errors import http_error
 from services.gateway.http_routes import Answered, answered, owner, page
+from services.gateway.http_stream import EventStream
 from services.gateway.stored_responses import (
+    TERMINAL_EVENTS,
     ResponseStatus,
     ResponseStore,
     StoredResponse,
@@ -41,6 +45,21 @@ log = structlog.get_logger(__name__)
 _OFF = "stored responses are off on this gateway: start it with --response-dir DIR (pdserve up gives it one)"
 _PRUNE_EVERY_S = 600.0  # how often records past their retention are removed (s)
 _STOPPED = "the gateway stopped before this response finished; create it again"
+_TAIL_WAIT_S = 0.02  # a streaming reader's wait for the next event (s)
+_TAIL_CHECK_S = 0.25  # how often it looks whether the response ended without a last event (s)
+
+Emit = Callable[[dict[str, Any]], None]
+# a background run: writes each Responses event through its argument, returns the final Response
+Produce = Callable[[Emit], Awaitable[dict[str, Any]]]
+
+
+class ResponseFailed(Exception):
+    """A background run's stream ended with an error event (written already): the response
+    fails with its message."""
+
+    def __init__(self, message: str, code: str | None) -> None:
+        super().__init__(message)
+        self.message, self.code = message, code or "server_error"
 
 
 class PreviousResponseNotFound(NotFound):
@@ -115,12 +134,6 @@ class StoredResponses:
             if req.store is False:
                 raise InvalidField("a background response is stored: send store true, or no store", "store")
             raise InvalidField(f"background needs stored responses; {_OFF}", "background")
-        if req.background and req.stream:
-            raise InvalidField(
-                "a background response is not streamed here: create it without stream and poll "
-                "GET /v1/responses/{id} until its status is completed",
-                "stream",
-            )
         context: tuple[dict[str, Any], ...] = ()
         who = "" if inner else owner(self._keys, request)
         if req.previous_response_id is not None:
@@ -168,11 +181,10 @@ class StoredResponses:
         if keeping.record is not None and self._store is not None:
             self._store.create(keeping.record.finished(body))
 
-    def start_background(
-        self, keeping: Keeping, queued: dict[str, Any], produce: Callable[[], Awaitable[dict[str, Any]]]
-    ) -> dict[str, Any]:
-        """Stores the queued response and runs `produce` (the finished Response) in a task of
-        this process, holding the response's run lock; returns the queued Response."""
+    def start_background(self, keeping: Keeping, queued: dict[str, Any], produce: Produce) -> dict[str, Any]:
+        """Stores the queued response and runs `produce` (its events to the response's log, the
+        finished Response to its record) in a task of this process, holding the response's run
+        lock; returns the queued Response."""
         assert keeping.record is not None and self._store is not None
         record = dataclasses.replace(keeping.record, body=queued)
         held = contextlib.ExitStack()
@@ -188,17 +200,20 @@ class StoredResponses:
         self._running[record.id] = task
         return queued
 
-    async def _run(
-        self, response_id: str, produce: Callable[[], Awaitable[dict[str, Any]]], held: contextlib.ExitStack
-    ) -> None:
+    async def _run(self, response_id: str, produce: Produce, held: contextlib.ExitStack) -> None:
         store = self._store
         assert store is not None
+        events = store.event_log(response_id)
         try:
             store.update(response_id, _started)
-            body = await produce()
+            body = await produce(events.write)
             store.update(response_id, lambda r: r if r.final else r.finished(body))
         except asyncio.CancelledError:
             pass  # a cancel (its record says so) or the gateway stopping (close says so)
+        except ResponseFailed as failure:  # its error event is in the log
+            reason, code = failure.message, failure.code
+            with contextlib.suppress(Exception):
+                store.update(response_id, lambda r: _ended(r, ResponseStatus.FAILED, reason, code))
         except Exception as exc:
             error = http_error(exc)
             if error.is_internal:
@@ -206,10 +221,45 @@ class StoredResponses:
             code = "rate_limit_exceeded" if error.status == 429 else "server_error"
             message = error.body.error.message
             with contextlib.suppress(Exception):
-                store.update(response_id, lambda r: _ended(r, ResponseStatus.FAILED, message, code))
+                failed = store.update(response_id, lambda r: _ended(r, ResponseStatus.FAILED, message, code))
+                events.write(_failed_event(failed, events.next_sequence))
         finally:
+            events.close()
             held.close()
             self._running.pop(response_id, None)
+
+    async def tail(self, response_id: str, who: str, after: int) -> AsyncIterator[str]:
+        """A background response's events after sequence number `after`, as server-sent events,
+        as its run writes them (in any gateway on the folder), until its last event; one that
+        ended without one (cancelled; failed as abandoned) ends there, a failed one with
+        `response.failed`."""
+        store = self._store
+        assert store is not None
+        offset, last, checked = 0, -1, 0.0
+        while True:
+            written, offset = store.events_from(response_id, offset)
+            for event in written:
+                last = event.get("sequence_number", last)
+                if last > after:
+                    yield responses_api.sse(event)
+                if event.get("type") in TERMINAL_EVENTS:
+                    return
+            if written:
+                continue
+            if time.monotonic() - checked >= _TAIL_CHECK_S:
+                checked = time.monotonic()
+                try:
+                    record = store.get(response_id, who)  # one its gateway left is failed here
+                except NotFound:
+                    return  # deleted
+                if record.final:
+                    written, offset = store.events_from(response_id, offset)
+                    if written:
+                        continue  # what it wrote before it ended first
+                    if record.status == ResponseStatus.FAILED:
+                        yield responses_api.sse(_failed_event(record, last + 1))
+                    return
+            await asyncio.sleep(_TAIL_WAIT_S)
 
     async def _watch(self) -> None:
         """Cancels the runs here whose record was cancelled through another gateway; removes the
@@ -234,9 +284,30 @@ class StoredResponses:
     @answered()
     async def retrieve(self, request: Request, response_id: str) -> Answered:
         store, who = self._open(request)
-        if request.query_params.get("stream") in ("true", "1"):
-            raise InvalidField("a stored response is not streamed again: GET it without stream", "stream")
-        return store.get(response_id, who).body
+        record = store.get(response_id, who)
+        if request.query_params.get("stream") not in ("true", "1"):
+            return record.body
+        if not record.background:
+            raise InvalidField(
+                f"response {response_id} was not created with background true; only a background "
+                "response's events are kept to stream again",
+                "stream",
+            )
+        after_text = request.query_params.get("starting_after", "-1")
+        try:
+            after = int(after_text)
+        except ValueError:
+            raise InvalidField(
+                f"starting_after must be an event's sequence_number, got {after_text!r}", "starting_after"
+            ) from None
+        return self.stream(response_id, who, after)
+
+    def stream(
+        self, response_id: str, who: str, after: int, headers: dict[str, str] | None = None
+    ) -> EventStream:
+        """A background response's events after `after` as a server-sent event response; the
+        client going away leaves the response running."""
+        return EventStream(self.tail(response_id, who, after), lambda: None, headers or {})
 
     @answered()
     async def delete(self, request: Request, response_id: str) -> Answered:
@@ -303,3 +374,7 @@ def _ended(
     if to == ResponseStatus.FAILED:
         return record.moved(to, error={"code": code, "message": message})
     return record.moved(to)
+
+
+def _failed_event(record: StoredResponse, sequence_number: int) -> dict[str, Any]:
+    return {"type": "response.failed", "sequence_number": sequence_number, "response": record.body}

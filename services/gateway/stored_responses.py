@@ -12,7 +12,10 @@ Several gateway processes may share the folder (`pdserve up --gateways 2` shares
 a record changes only through `ResponseStore.update`, under `<id>.lock`; the process running a
 background response holds `<id>.run` locked while it runs (`claim`), and the lock goes with its
 process, so a record left queued or in progress by a gateway that died is found unclaimed and
-marked failed (`fail_if_abandoned`).
+marked failed (`fail_if_abandoned`). A background response's events (the Responses stream
+events, one JSON line each) go to `<id>.events` as it runs (`EventLog`), where a client that
+streams it, now or later (`GET /v1/responses/{id}?stream=true&starting_after=N`), reads them
+(`events_from`) from any gateway on the folder.
 """
 
 from __future__ import annotations
@@ -63,6 +66,8 @@ ALLOWED: dict[ResponseStatus, frozenset[ResponseStatus]] = {
 }
 
 ABANDONED = "the gateway running this response stopped before it finished; create it again"
+# the events after which a response's stream has nothing more
+TERMINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed", "error"})
 
 
 @dataclass(frozen=True)
@@ -154,8 +159,8 @@ class ResponseStore:
             return record
 
     def remove(self, response_id: str) -> None:
-        """Deletes a record and its lock files (gone is no error)."""
-        for suffix in (".json", ".lock", ".run"):
+        """Deletes a record, its events and its lock files (gone is no error)."""
+        for suffix in (".json", ".events", ".lock", ".run"):
             self._path(response_id, suffix).unlink(missing_ok=True)
 
     @contextlib.contextmanager
@@ -172,6 +177,21 @@ class ResponseStore:
             if not got:
                 return self.read(response_id)  # it runs somewhere
             return self.update(response_id, _abandoned)
+
+    def event_log(self, response_id: str) -> EventLog:
+        return EventLog(self._path(response_id, ".events"))
+
+    def events_from(self, response_id: str, offset: int) -> tuple[list[dict[str, Any]], int]:
+        """The events written after byte `offset` of the response's event log, and the offset
+        after them; a line being written (no newline yet) is left for the next read."""
+        try:
+            with self._path(response_id, ".events").open("rb") as f:
+                f.seek(offset)
+                data = f.read()
+        except FileNotFoundError:
+            return [], offset
+        end = data.rfind(b"\n") + 1
+        return [json.loads(line) for line in data[:end].splitlines() if line], offset + end
 
     def ids(self) -> list[str]:
         return sorted(p.name[: -len(".json")] for p in self._dir.glob(f"{ID_PREFIX}*.json"))
@@ -198,3 +218,20 @@ def _abandoned(record: StoredResponse) -> StoredResponse:
     if record.final:
         return record
     return record.moved(ResponseStatus.FAILED, error={"code": "server_error", "message": ABANDONED})
+
+
+class EventLog:
+    """Appends a background response's events to its log, a JSON line each, flushed (a reader
+    sees whole lines; a crash loses at most the line being written)."""
+
+    def __init__(self, path: Path) -> None:
+        self._file = path.open("a", encoding="utf-8")
+        self.next_sequence = 0  # the sequence_number after the last event written
+
+    def write(self, event: dict[str, Any]) -> None:
+        self._file.write(json.dumps(event, ensure_ascii=False, separators=(",", ":")) + "\n")
+        self._file.flush()
+        self.next_sequence = int(event.get("sequence_number", self.next_sequence)) + 1
+
+    def close(self) -> None:
+        self._file.close()

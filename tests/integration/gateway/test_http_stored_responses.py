@@ -9,6 +9,7 @@ failed, not left in progress."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -167,14 +168,57 @@ async def test_background_responses_run_and_cancel(stack: HttpStack, tmp_path: P
                 assert (await ended(one, running.id)).status == "cancelled"
                 again = await one.responses.cancel(running.id)  # cancelling again changes nothing
                 assert again.status == "cancelled"
-            refused: list[tuple[dict[str, Any], str]] = [
-                ({"stream": True}, "stream"),
-                ({"store": False}, "store"),
-            ]
-            for kw, param in refused:
-                with pytest.raises(openai.BadRequestError) as bad:
-                    await one.responses.create(input="x", background=True, **kw, **GREEDY)
-                assert bad.value.body["param"] == param  # type: ignore[index]
+            with pytest.raises(openai.BadRequestError) as bad:
+                await one.responses.create(input="x", background=True, store=False, **GREEDY)
+            assert bad.value.body["param"] == "store"  # type: ignore[index]
+            with pytest.raises(openai.BadRequestError) as bad:  # only background events are kept
+                await one.responses.retrieve(foreground.id, stream=True)
+            assert bad.value.body["param"] == "stream"  # type: ignore[index]
+        finally:
+            await one.close()
+            await other.close()
+    await stack.wait_idle()
+
+
+async def test_background_responses_stream_and_streams_resume(stack: HttpStack, tmp_path: Path) -> None:
+    """background + stream: the events as they are logged; the same events again from any one
+    on (starting_after), through another gateway too; a cancel ends a stream being read."""
+    async with (
+        gateway_on(stack, response_dir=str(tmp_path)) as a,
+        gateway_on(stack, response_dir=str(tmp_path)) as b,
+    ):
+        one, other = client_of(a.http_url), client_of(b.http_url)
+        try:
+            created = await one.responses.create(input="a b c", background=True, stream=True, **GREEDY)
+            streamed = [e async for e in created]
+            kinds = [e.type for e in streamed]
+            assert kinds[0] == "response.created"
+            assert kinds[-1] in ("response.completed", "response.incomplete")
+            assert [e.sequence_number for e in streamed] == list(range(len(streamed)))
+            final = streamed[-1].response
+            assert final.background is True and final.store is True
+            stored = await other.responses.retrieve(final.id)
+            assert stored.output_text == final.output_text and stored.status == final.status
+            foreground = await one.responses.create(input="a b c", **GREEDY)
+            assert final.output_text == foreground.output_text
+            for client in (one, other):  # resumed after the third event, through either gateway
+                resumed = await client.responses.retrieve(final.id, stream=True, starting_after=2)
+                again = [e async for e in resumed]
+                assert [e.model_dump() for e in again] == [e.model_dump() for e in streamed[3:]]
+            # a long one: its reader sees deltas, then the cancel (through the other gateway) ends it
+            long: dict[str, Any] = {**GREEDY, "max_output_tokens": 1500, "extra_body": {"ignore_eos": True}}
+            reading = await one.responses.create(input="count", background=True, stream=True, **long)
+            seen: list[str] = []
+            async with asyncio.timeout(60):
+                async for event in reading:
+                    seen.append(event.type)
+                    if event.type == "response.created":
+                        response_id = event.response.id
+                    if seen.count("response.output_text.delta") == 3:
+                        assert (await other.responses.cancel(response_id)).status == "cancelled"
+            assert seen.count("response.output_text.delta") >= 3 and "response.completed" not in seen
+            assert (await one.responses.retrieve(response_id)).status == "cancelled"
+            await stack.wait_idle(timeout_s=30)
         finally:
             await one.close()
             await other.close()
@@ -204,6 +248,9 @@ async def test_a_response_left_by_a_stopped_gateway_fails(stack: HttpStack, tmp_
         async with httpx.AsyncClient(base_url=gateway.http_url or "") as raw:
             got = (await raw.get(f"/v1/responses/{left.id}")).json()
             assert got["status"] == "failed" and got["error"]["message"] == ABANDONED
+            async with raw.stream("GET", f"/v1/responses/{left.id}", params={"stream": "true"}) as answer:
+                data = [json.loads(x[6:]) async for x in answer.aiter_lines() if x.startswith("data: ")]
+            assert [(e["type"], e["response"]["status"]) for e in data] == [("response.failed", "failed")]
             body = {
                 **GREEDY,
                 "input": "count",

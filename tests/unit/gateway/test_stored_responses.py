@@ -127,3 +127,26 @@ def test_retention_removes_old_records_only(tmp_path: Path) -> None:
     assert sorted(store.prune(now=4_000, retention_s=2_000)) == sorted([old.id, stuck.id])
     assert store.ids() == [new.id]
     assert not list(tmp_path.glob(f"{old.id}*"))  # its lock files too
+
+
+def test_the_event_log_is_read_in_whole_lines_from_where_a_reader_stopped(tmp_path: Path) -> None:
+    store = ResponseStore(tmp_path)
+    record = _record(ResponseStatus.QUEUED, background=True)
+    store.create(record)
+    assert store.events_from(record.id, 0) == ([], 0)  # nothing written yet
+    log = store.event_log(record.id)
+    log.write({"type": "response.created", "sequence_number": 0})
+    log.write({"type": "response.in_progress", "sequence_number": 1})
+    assert log.next_sequence == 2
+    got, offset = store.events_from(record.id, 0)
+    assert [e["sequence_number"] for e in got] == [0, 1]
+    with (tmp_path / f"{record.id}.events").open("a") as f:
+        f.write('{"type": "response.output_text.delta", "seq')  # a line being written
+    assert store.events_from(record.id, offset) == ([], offset)
+    with (tmp_path / f"{record.id}.events").open("a") as f:
+        f.write('uence_number": 2}\n')
+    more, _ = store.events_from(record.id, offset)
+    assert more == [{"type": "response.output_text.delta", "sequence_number": 2}]
+    log.close()
+    store.remove(record.id)
+    assert not list(tmp_path.glob(f"{record.id}*"))
