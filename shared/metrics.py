@@ -48,6 +48,14 @@ ERRORS = Counter("pdserve_errors_total", "RPCs that ended with an error status",
 BATCH_REQUESTS = Counter("pdserve_batch_requests_total", "Requests of batches, by outcome", ["outcome"])
 BATCHES = Counter("pdserve_batches_total", "Batches that ended, by final status", ["status"])
 BATCHES_RUNNING = Gauge("pdserve_batches_running", "Batches this gateway process is running")
+# Stored Responses API responses (gateway, --response-dir): by the status they ended with, as
+# stored by this gateway process; the background ones it runs now
+RESPONSES_STORED = Counter(
+    "pdserve_responses_stored_total", "Stored Responses API responses that ended, by status", ["status"]
+)
+BACKGROUND_RESPONSES_RUNNING = Gauge(
+    "pdserve_background_responses_running", "Background responses this gateway process is running"
+)
 
 # --- prefix cache (tokens) ---
 PREFIX_CACHE_QUERIES = Counter(

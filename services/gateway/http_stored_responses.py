@@ -37,6 +37,7 @@ from services.gateway.stored_responses import (
     new_response_id,
 )
 from services.gateway.validation import InvalidField
+from shared import metrics
 from shared.auth import ApiKeys
 from shared.errors import NotFound
 
@@ -179,7 +180,9 @@ class StoredResponses:
     def keep(self, keeping: Keeping, body: dict[str, Any]) -> None:
         """Stores a finished response (a no-op when it is not kept)."""
         if keeping.record is not None and self._store is not None:
-            self._store.create(keeping.record.finished(body))
+            done = keeping.record.finished(body)
+            self._store.create(done)
+            metrics.RESPONSES_STORED.labels(status=done.status.value).inc()
 
     def start_background(self, keeping: Keeping, queued: dict[str, Any], produce: Produce) -> dict[str, Any]:
         """Stores the queued response and runs `produce` (its events to the response's log, the
@@ -204,6 +207,7 @@ class StoredResponses:
         store = self._store
         assert store is not None
         events = store.event_log(response_id)
+        metrics.BACKGROUND_RESPONSES_RUNNING.inc()
         try:
             store.update(response_id, _started)
             body = await produce(events.write)
@@ -225,6 +229,9 @@ class StoredResponses:
                 events.write(_failed_event(failed, events.next_sequence))
         finally:
             events.close()
+            with contextlib.suppress(Exception):  # however it ended: completed, failed, cancelled
+                metrics.RESPONSES_STORED.labels(status=store.read(response_id).status.value).inc()
+            metrics.BACKGROUND_RESPONSES_RUNNING.dec()
             held.close()
             self._running.pop(response_id, None)
 

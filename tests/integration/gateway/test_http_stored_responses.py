@@ -21,6 +21,7 @@ import pytest
 import pytest_asyncio
 
 from services.gateway.stored_responses import ABANDONED, ResponseStatus, ResponseStore, StoredResponse
+from tests.support.prom import sample_total
 
 from .http_stack import HttpStack, gateway_on, http_stack
 
@@ -262,3 +263,19 @@ async def test_a_response_left_by_a_stopped_gateway_fails(stack: HttpStack, tmp_
         await gateway.drain()
     assert store.read(running["id"]).status == ResponseStatus.FAILED
     await stack.wait_idle(timeout_s=30)
+
+
+async def test_stored_responses_are_counted(stack: HttpStack, tmp_path: Path) -> None:
+    before = sample_total("pdserve_responses_stored_total")
+    async with gateway_on(stack, response_dir=str(tmp_path)) as gateway:
+        client = client_of(gateway.http_url)
+        try:
+            await client.responses.create(input="hi", **GREEDY)
+            queued = await client.responses.create(input="hi", background=True, **GREEDY)
+            await ended(client, queued.id)
+            async with asyncio.timeout(10):  # its task counts it as it ends
+                while sample_total("pdserve_background_responses_running") != 0:
+                    await asyncio.sleep(0.02)
+        finally:
+            await client.close()
+    assert sample_total("pdserve_responses_stored_total") == before + 2
