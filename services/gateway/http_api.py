@@ -369,7 +369,10 @@ class HttpApi:
 
         assert keeping.kept is not None and keeping.record is not None
         queued = responses_api.queued_body(asked, request_id, created, keeping.kept)
-        answer = self.stored.start_background(keeping, queued, produce)
+        try:
+            answer = self.stored.start_background(keeping, queued, produce)
+        except Exception as exc:  # the store cannot be written: nothing started
+            return self._fail(exc, request_id)
         headers = {REQUEST_ID_HEADER: request_id}
         if asked.stream:  # its events as they are logged; going away leaves it running
             return self.stored.stream(answer["id"], keeping.record.owner, after=-1, headers=headers)

@@ -178,11 +178,19 @@ class StoredResponses:
         return record.context
 
     def keep(self, keeping: Keeping, body: dict[str, Any]) -> None:
-        """Stores a finished response (a no-op when it is not kept)."""
-        if keeping.record is not None and self._store is not None:
-            done = keeping.record.finished(body)
+        """Stores a finished response (a no-op when it is not kept). A store that cannot be
+        written (a full disk) loses no answer: the Response goes out saying `"store": false`
+        (its body is changed in place), and the log says why."""
+        if keeping.record is None or self._store is None:
+            return
+        done = keeping.record.finished(body)
+        try:
             self._store.create(done)
-            metrics.RESPONSES_STORED.labels(status=done.status.value).inc()
+        except OSError as exc:
+            log.error("response_not_stored", response_id=done.id, error=str(exc))
+            body["store"] = False
+            return
+        metrics.RESPONSES_STORED.labels(status=done.status.value).inc()
 
     def start_background(self, keeping: Keeping, queued: dict[str, Any], produce: Produce) -> dict[str, Any]:
         """Stores the queued response and runs `produce` (its events to the response's log, the
@@ -198,6 +206,8 @@ class StoredResponses:
             self._store.create(record)
         except BaseException:
             held.close()
+            with contextlib.suppress(OSError):
+                self._store.remove(record.id)  # its run lock file
             raise
         task = asyncio.get_running_loop().create_task(self._run(record.id, produce, held))
         self._running[record.id] = task

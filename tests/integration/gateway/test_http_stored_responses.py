@@ -279,3 +279,31 @@ async def test_stored_responses_are_counted(stack: HttpStack, tmp_path: Path) ->
         finally:
             await client.close()
     assert sample_total("pdserve_responses_stored_total") == before + 2
+
+
+async def test_a_store_that_cannot_be_written_loses_no_answer(
+    stack: HttpStack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk: the answer still goes out, saying it was not stored; a background response
+    is refused (500) with nothing started."""
+
+    def full(*args: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    async with gateway_on(stack, response_dir=str(tmp_path)) as gateway:
+        client = client_of(gateway.http_url)
+        try:
+            monkeypatch.setattr(ResponseStore, "create", full)
+            plain = await client.responses.create(input="hi", **GREEDY)
+            assert plain.store is False and plain.output_text is not None
+            final = None
+            async for event in await client.responses.create(input="hi", stream=True, **GREEDY):
+                if event.type in ("response.completed", "response.incomplete"):
+                    final = event.response
+            assert final is not None and final.store is False
+            with pytest.raises(openai.InternalServerError):
+                await client.responses.create(input="hi", background=True, **GREEDY)
+            assert not list(tmp_path.iterdir())
+        finally:
+            await client.close()
+    await stack.wait_idle()
