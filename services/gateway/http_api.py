@@ -50,7 +50,7 @@ from services.gateway.lora_admin import AdapterInUse
 from services.gateway.service import GatewayService
 from services.gateway.validation import InvalidField
 from shared.auth import AUTH_HEADER, ApiKeys
-from shared.errors import InvalidArgument, NotFound
+from shared.errors import PdserveError
 from shared.tracing import tracer
 
 log = structlog.get_logger(__name__)
@@ -250,19 +250,12 @@ class HttpApi:
             if asked is not None:
                 inner = self._inner_keys.accepts(request.headers.get(AUTH_HEADER))
                 keeping = self.stored.prepare(asked, request, inner)
-            context = keeping.context if keeping else ()
-            served: BaseModel = body if asked is None else responses_api.chat_request(asked, context)
-            plan = (
-                conv.chat_plan(
-                    served,  # type: ignore[arg-type]
-                    request_id,
-                    self._service.tool_call_format,
-                    self._service.reasoning_parser,
-                )
-                if chat
-                else conv.completion_plan(served, request_id)  # type: ignore[arg-type]
-            )
-        except (InvalidArgument, NotFound) as exc:
+                plan = await self._responses_plan(asked, keeping.context, request_id)
+            elif chat:
+                plan = self._chat_plan(body, request_id)
+            else:
+                plan = conv.completion_plan(body, request_id)  # type: ignore[arg-type]
+        except PdserveError as exc:  # the body's faults; no tokenizer yet (truncation "auto")
             return self._fail(exc, request_id)
         if asked is not None and keeping is not None and asked.background:
             return self._background(request, asked, keeping, plan, request_id)
@@ -323,6 +316,31 @@ class HttpApi:
             kept, keep = keeping.kept, functools.partial(self.stored.keep, keeping)
             stream = responses_api.events(asked, stream, request_id, created, served_model, kept, keep)
         return EventStream(stream, close, headers)
+
+    def _chat_plan(self, body: BaseModel, request_id: str) -> Plan:
+        service = self._service
+        return conv.chat_plan(
+            body,  # type: ignore[arg-type]
+            request_id,
+            service.tool_call_format,
+            service.reasoning_parser,
+        )
+
+    async def _responses_plan(
+        self, asked: responses_api.ResponsesRequest, context: tuple[dict[str, Any], ...], request_id: str
+    ) -> Plan:
+        """The plan of a Responses request after the conversation `context`; with truncation
+        "auto", without as many of the conversation's oldest turns as its prompt needs to fit
+        the model's context with max_output_tokens (at least one) after it."""
+        while True:
+            plan = self._chat_plan(responses_api.chat_request(asked, context), request_id)
+            if asked.truncation != "auto" or not context:
+                return plan
+            fit = await self._service.tokenize(plan.inputs[0])
+            room = fit.max_model_len - (asked.max_output_tokens or 1)
+            if fit.max_model_len <= 0 or len(fit.token_ids) <= room:
+                return plan
+            context = responses_api.without_oldest_turn(context)
 
     def _background(
         self,

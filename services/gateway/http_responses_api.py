@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, get_args
+from typing import Any, Literal, get_args
 
 from pydantic import Field, ValidationError
 
@@ -49,6 +49,9 @@ class ResponsesRequest(m._Request):
     metadata: dict[str, str] | None = None
     user: str | None = None
     reasoning: dict[str, Any] | None = None  # {"effort": ..., "summary": ...}; effort is served
+    # "auto": a conversation (previous_response_id) too long for the context loses its oldest
+    # turns first (`without_oldest_turn`); "disabled" (OpenAI's default): it is a 400
+    truncation: Literal["auto", "disabled"] | None = None
 
 
 def response_id(request_id: str) -> str:
@@ -104,6 +107,17 @@ def input_items(req: ResponsesRequest, response_id: str) -> tuple[dict[str, Any]
             shown["content"] = [{"type": part, "text": item["content"]}]
         out.append(shown)
     return tuple(out)
+
+
+def without_oldest_turn(context: Sequence[dict[str, Any]]) -> tuple[dict[str, Any], ...]:
+    """The conversation without its oldest turn: its items up to the second user message (a
+    turn's calls and their outputs go together); none left when it has one turn."""
+    users = [i for i, item in enumerate(context) if _is_user_message(item)]
+    return tuple(context[users[1] :]) if len(users) > 1 else ()
+
+
+def _is_user_message(item: dict[str, Any]) -> bool:
+    return item.get("type", "message") == "message" and item.get("role") == "user"
 
 
 def _messages(req: ResponsesRequest, context: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -347,7 +361,7 @@ def _response(
         "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
         "tools": req.tools or [],
         "text": req.text or {"format": {"type": "text"}},
-        "truncation": "disabled",
+        "truncation": req.truncation or "disabled",
         "store": kept is not None,
         "background": kept.background if kept else False,
         "previous_response_id": req.previous_response_id,

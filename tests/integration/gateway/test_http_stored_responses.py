@@ -307,3 +307,32 @@ async def test_a_store_that_cannot_be_written_loses_no_answer(
         finally:
             await client.close()
     await stack.wait_idle()
+
+
+async def test_truncation_auto_keeps_a_long_conversation_going(stack: HttpStack, tmp_path: Path) -> None:
+    """A conversation grown past the context: "disabled" (the default) is a 400 saying the
+    model's limit, "auto" drops its oldest turns until the prompt fits."""
+    async with gateway_on(stack, response_dir=str(tmp_path)) as gateway:
+        client = client_of(gateway.http_url)
+        try:
+            long = " ".join(f"w{i}" for i in range(200))
+            async with httpx.AsyncClient(base_url=gateway.http_url or "") as raw:
+                per_turn = (await raw.post("/tokenize", json={"prompt": long})).json()["count"]
+            assert per_turn * 3 > 2048 > per_turn * 2 + 100  # two turns fit the context, three do not
+            previous = None
+            for _ in range(2):
+                turn = await client.responses.create(input=long, previous_response_id=previous, **GREEDY)
+                previous = turn.id
+            with pytest.raises(openai.BadRequestError, match="at most 2048 tokens"):
+                await client.responses.create(input=long, previous_response_id=previous, **GREEDY)
+            cut = await client.responses.create(
+                input=long, previous_response_id=previous, truncation="auto", **GREEDY
+            )
+            assert cut.truncation == "auto" and cut.usage is not None
+            assert per_turn < cut.usage.input_tokens <= 2048 - GREEDY["max_output_tokens"]
+            # the stored conversation is whole: a follow-up without truncation still overflows
+            with pytest.raises(openai.BadRequestError):
+                await client.responses.create(input="x", previous_response_id=cut.id, **GREEDY)
+        finally:
+            await client.close()
+    await stack.wait_idle()

@@ -19,6 +19,7 @@ from services.gateway.http_responses_api import (
     input_items,
     queued_body,
     response_body,
+    without_oldest_turn,
 )
 from services.gateway.validation import InvalidField
 
@@ -299,3 +300,19 @@ def test_a_follow_up_continues_the_conversation_and_its_input_items_get_ids() ->
         True,
     )
     assert queued["previous_response_id"] == "resp_x" and queued["output"] == []
+
+
+def test_truncation_drops_the_oldest_turns_whole() -> None:
+    def user(text: str) -> dict[str, Any]:
+        return {"type": "message", "role": "user", "content": text}
+
+    call = {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}
+    output = {"type": "function_call_output", "call_id": "c", "output": "1"}
+    reply = {"role": "assistant", "content": "ok"}
+    context = (user("one"), call, output, reply, user("two"), reply, user("three"))
+    once = without_oldest_turn(context)
+    assert once == (user("two"), reply, user("three"))  # the call and its output went together
+    assert without_oldest_turn(without_oldest_turn(once)) == ()
+    assert _req(input="hi", truncation="auto").truncation == "auto"
+    with pytest.raises(ValueError):
+        _req(input="hi", truncation="middle")
