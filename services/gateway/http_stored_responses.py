@@ -279,16 +279,21 @@ class StoredResponses:
             await asyncio.sleep(_TAIL_WAIT_S)
 
     async def _watch(self) -> None:
-        """Cancels the runs here whose record was cancelled through another gateway; removes the
-        records past their retention."""
+        """Cancels the runs here whose record was cancelled (or deleted) through another gateway;
+        removes the records past their retention."""
         store = self._store
         assert store is not None
         pruned_at = 0.0
         while True:
             for response_id, task in list(self._running.items()):
-                with contextlib.suppress(Exception):
-                    if store.read(response_id).status == ResponseStatus.CANCELLED:
-                        task.cancel()
+                try:
+                    stopped = store.read(response_id).status == ResponseStatus.CANCELLED
+                except NotFound:
+                    stopped = True  # deleted
+                except Exception:
+                    continue  # being written: the next poll
+                if stopped:
+                    task.cancel()
             if time.monotonic() - pruned_at >= _PRUNE_EVERY_S:
                 pruned_at = time.monotonic()
                 with contextlib.suppress(Exception):
