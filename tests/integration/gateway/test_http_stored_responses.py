@@ -169,6 +169,16 @@ async def test_background_responses_run_and_cancel(stack: HttpStack, tmp_path: P
                 assert (await ended(one, running.id)).status == "cancelled"
                 again = await one.responses.cancel(running.id)  # cancelling again changes nothing
                 assert again.status == "cancelled"
+            # deleted through the other gateway: the run here stops (within its poll), KV freed
+            running = await one.responses.create(input="count", background=True, **long)
+            await _until_running(one, running.id)
+            await other.responses.delete(running.id)
+            async with asyncio.timeout(30):
+                while sample_total("pdserve_background_responses_running") > 0:
+                    await asyncio.sleep(0.02)
+            await stack.wait_idle(timeout_s=30)
+            # nothing of it is left (a run that went on would write its end: a lock file)
+            assert not list(tmp_path.glob(f"{running.id}*"))
             with pytest.raises(openai.BadRequestError) as bad:
                 await one.responses.create(input="x", background=True, store=False, **GREEDY)
             assert bad.value.body["param"] == "store"  # type: ignore[index]
