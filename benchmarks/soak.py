@@ -6,7 +6,11 @@ on. Not part of CI (`make soak`).
 python -m benchmarks.soak --minutes 30 [--model default] [--concurrency 8] [--batch-lines 40]
 
 With --batch-lines N, Batch API batches of N short requests run all the while beside the load
-(one after the other, every third cancelled half way), and their counts are printed too.
+(one after the other, every third cancelled half way), and their counts are printed too. With
+--responses, stored Responses API conversations run beside it too: three turns chained by
+previous_response_id (one streamed), a background response streamed and, every third, cancelled
+while it is read, another resumed from its log, each conversation deleted at its end; every
+service's open file descriptors are sampled with its RSS and must not grow either.
 """
 
 from __future__ import annotations
@@ -47,6 +51,13 @@ WORDS = (
     "has",
     "seen",
 )
+
+
+def open_fds(pid: int) -> int | None:
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return None
 
 
 def rss_mib(pid: int) -> float | None:
@@ -146,8 +157,71 @@ def batch_load(url: str, lines: int, stop: threading.Event, counts: dict[str, in
             client.delete(f"/v1/files/{file_id}")
 
 
+def response_load(url: str, stop: threading.Event, counts: dict[str, int]) -> None:
+    """Stored-response conversations until `stop` (see the module's docstring); `counts`: by
+    what happened."""
+    import httpx
+
+    def create(client: httpx.Client, **body: object) -> dict[str, object]:
+        answer = client.post("/v1/responses", json={"input": "tell me more", "max_output_tokens": 12, **body})
+        answer.raise_for_status()
+        return dict(answer.json())
+
+    def events(client: httpx.Client, method: str, path: str, cancel_after: int = 0, **kw: object) -> int:
+        """Reads a stream of events (cancelling its response after `cancel_after` deltas)."""
+        import json
+
+        seen, response_id = 0, ""
+        with client.stream(method, path, **kw) as answer:  # type: ignore[arg-type]
+            for line in answer.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                event = json.loads(line[len("data: ") :])
+                response_id = event.get("response", {}).get("id", response_id)
+                seen += event["type"] == "response.output_text.delta"
+                if cancel_after and seen == cancel_after:
+                    client.post(f"/v1/responses/{response_id}/cancel")
+        return seen
+
+    with httpx.Client(base_url=url, timeout=120) as client:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            kept: list[str] = []
+            previous = None
+            for turn in range(3):
+                body: dict[str, object] = {"previous_response_id": previous} if previous else {}
+                if turn == 1:
+                    events(client, "POST", "/v1/responses", json={"input": "go on", "stream": True, **body})
+                    continue  # streamed: the next turn continues the first
+                previous = str(create(client, **body)["id"])
+                kept.append(previous)
+            counts["turns"] = counts.get("turns", 0) + 3
+            long = {"input": "count", "background": True, "max_output_tokens": 64, "ignore_eos": True}
+            events(
+                client,
+                "POST",
+                "/v1/responses",
+                cancel_after=4 if n % 3 == 0 else 0,
+                json={**long, "stream": True},
+            )
+            counts["background_streams"] = counts.get("background_streams", 0) + 1
+            queued = create(client, **long)
+            while client.get(f"/v1/responses/{queued['id']}").json()["status"] in ("queued", "in_progress"):
+                time.sleep(0.2)
+            events(
+                client,
+                "GET",
+                f"/v1/responses/{queued['id']}",
+                params={"stream": "true", "starting_after": "3"},
+            )
+            counts["resumed"] = counts.get("resumed", 0) + 1
+            for response_id in [*kept, str(queued["id"])]:
+                client.delete(f"/v1/responses/{response_id}")
+
+
 def rss_growth(settled: Sequence[float]) -> float:
-    """MiB an RSS series grew after settling: the median of its last third minus the median of
+    """MiB an RSS series (or count a file descriptor series) grew after settling: the median of its last third minus the median of
     its first third. A leak raises the whole tail; a worker whose RSS swings with the sizes of the
     chunks it happens to be running (a prefill worker: +-35 MiB sample to sample) does not, where
     the largest sample minus the first would call one high sample growth."""
@@ -175,6 +249,9 @@ def main() -> None:
         "--batch-lines", type=int, default=0, help="run Batch API batches of N requests beside the load"
     )
     p.add_argument(
+        "--responses", action="store_true", help="run stored Responses API conversations beside the load"
+    )
+    p.add_argument(
         "--up-arg",
         action="append",
         default=[],
@@ -189,7 +266,7 @@ def main() -> None:
     base = a.port_base or free_port_base()
     log_dir = Path(tempfile.mkdtemp(prefix="pdserve-soak-"))
     up_args = ["--model", model, "--port-base", str(base), "--log-dir", str(log_dir), "--torch-threads", "1"]
-    up_args += ["--batch-dir", str(log_dir / "batches")]
+    up_args += ["--batch-dir", str(log_dir / "batches"), "--response-dir", str(log_dir / "responses")]
     args = up._parse([*up_args, *a.up_arg])
     children = up_shape.children(args, model)
     print(
@@ -208,14 +285,17 @@ def main() -> None:
             raise SystemExit(f"soak: the stack did not come up: {problem}")
         t0 = time.monotonic()
         series: dict[str, list[tuple[float, float]]] = {c.name: [] for c in children}
+        fds: dict[str, list[tuple[float, int]]] = {c.name: [] for c in children}
 
         def sample() -> None:
             t_min = (time.monotonic() - t0) / 60
             for c in children:
                 assert c.proc is not None
-                rss = rss_mib(c.proc.pid)
+                rss, files = rss_mib(c.proc.pid), open_fds(c.proc.pid)
                 if rss is not None:
                     series[c.name].append((t_min, rss))
+                if files is not None:
+                    fds[c.name].append((t_min, files))
 
         stop = threading.Event()
         batches: dict[str, int] = {}
@@ -224,17 +304,29 @@ def main() -> None:
             args=(f"http://127.0.0.1:{base + 40}", a.batch_lines, stop, batches),
             daemon=True,
         )
+        responses: dict[str, int] = {}
+        responder = threading.Thread(
+            target=response_load, args=(f"http://127.0.0.1:{base + 40}", stop, responses), daemon=True
+        )
         if a.batch_lines:
             batcher.start()
+        if a.responses:
+            responder.start()
         counts = asyncio.run(load(f"127.0.0.1:{base}", a.minutes, a.concurrency, sample, a.sample_s))
         stop.set()
         if a.batch_lines:
             batcher.join(timeout=120)
+        if a.responses:
+            responder.join(timeout=120)
+            left = sorted(p.name for p in (log_dir / "responses").glob("resp_*"))
+            responses["files_left"] = len(left)
     finally:
         up_processes.stop_all(children, grace_s=30)
     print(f"requests: {counts}")
     if a.batch_lines:
         print(f"batches: {batches}")
+    if a.responses:
+        print(f"responses: {responses}")
     ok_all = True
     for name, points in series.items():
         settled = [rss for t, rss in points if t >= a.settle_min]
@@ -252,6 +344,14 @@ def main() -> None:
             verdict = "too short to judge"
             ok_all = False
         print(f"{name:16s} RSS MiB  {line}\n{'':16s} {verdict}")
+        held = [n for t, n in fds[name] if t >= a.settle_min]
+        if len(held) >= 3:
+            more = int(rss_growth(held))  # the same tail-against-head median
+            fds_ok = more <= 16  # sockets of connections in flight come and go; a leak keeps climbing
+            ok_all &= fds_ok
+            print(
+                f"{'':16s} open fds {' '.join(str(n) for n in held)}: {more:+d} {'ok' if fds_ok else 'FAIL'}"
+            )
     print(
         f"soak: {'PASS' if ok_all else 'FAIL'} (RSS flat within {a.tolerance * 100:g}% or "
         f"{a.tolerance_mib:g} MiB from minute {a.settle_min:g}; "
