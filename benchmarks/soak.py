@@ -221,10 +221,11 @@ def response_load(url: str, stop: threading.Event, counts: dict[str, int]) -> No
 
 
 def rss_growth(settled: Sequence[float]) -> float:
-    """MiB an RSS series (or count a file descriptor series) grew after settling: the median of its last third minus the median of
-    its first third. A leak raises the whole tail; a worker whose RSS swings with the sizes of the
-    chunks it happens to be running (a prefill worker: +-35 MiB sample to sample) does not, where
-    the largest sample minus the first would call one high sample growth."""
+    """MiB an RSS series (or count: a series of open file descriptors) grew after settling: the
+    median of its last third minus the median of its first third. A leak raises the whole tail;
+    a worker whose RSS swings with the sizes of the chunks it happens to be running (a prefill
+    worker: +-35 MiB sample to sample) does not, where the largest sample minus the first would
+    call one high sample growth."""
     third = max(1, len(settled) // 3)
     return statistics.median(settled[-third:]) - statistics.median(settled[:third])
 
