@@ -346,11 +346,13 @@ class _Run:
                 asyncio.ensure_future(self._cancel.wait()),
                 asyncio.ensure_future(runner._draining.wait()),
             }
-            await asyncio.wait(
-                events, timeout=min(runner._settings.poll_s, left_s), return_when=asyncio.FIRST_COMPLETED
-            )
-            for waiting in events:
-                waiting.cancel()
+            try:
+                await asyncio.wait(
+                    events, timeout=min(runner._settings.poll_s, left_s), return_when=asyncio.FIRST_COMPLETED
+                )
+            finally:  # also when this watch is cancelled (the batch ended): no waiter left pending
+                for waiting in events:
+                    waiting.cancel()
 
     async def _one(self, line: BatchLine) -> None:
         try:

@@ -196,6 +196,9 @@ async def run_to_completion(folder: Folder, answer: FakeAnswer, batch_id: str) -
         await until(lambda: status_of(folder, batch_id) == BatchStatus.COMPLETED)
     finally:
         await running.close()
+    await asyncio.sleep(0)  # what close cancelled ends
+    # nothing of the run is left waiting (a task left pending is destroyed pending, and logged)
+    assert [t for t in asyncio.all_tasks() if "Event.wait" in repr(t.get_coro()) and not t.done()] == []
 
 
 async def test_results_go_to_the_output_and_error_files_and_overload_is_tried_again(
