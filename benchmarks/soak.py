@@ -167,8 +167,9 @@ def response_load(url: str, stop: threading.Event, counts: dict[str, int]) -> No
         answer.raise_for_status()
         return dict(answer.json())
 
-    def events(client: httpx.Client, method: str, path: str, cancel_after: int = 0, **kw: object) -> int:
-        """Reads a stream of events (cancelling its response after `cancel_after` deltas)."""
+    def events(client: httpx.Client, method: str, path: str, cancel_after: int = 0, **kw: object) -> str:
+        """Reads a stream of events (cancelling its response after `cancel_after` deltas); the
+        response's id."""
         import json
 
         seen, response_id = 0, ""
@@ -181,7 +182,7 @@ def response_load(url: str, stop: threading.Event, counts: dict[str, int]) -> No
                 seen += event["type"] == "response.output_text.delta"
                 if cancel_after and seen == cancel_after:
                     client.post(f"/v1/responses/{response_id}/cancel")
-        return seen
+        return response_id
 
     with httpx.Client(base_url=url, timeout=120) as client:
         n = 0
@@ -191,20 +192,16 @@ def response_load(url: str, stop: threading.Event, counts: dict[str, int]) -> No
             previous = None
             for turn in range(3):
                 body: dict[str, object] = {"previous_response_id": previous} if previous else {}
-                if turn == 1:
-                    events(client, "POST", "/v1/responses", json={"input": "go on", "stream": True, **body})
-                    continue  # streamed: the next turn continues the first
+                if turn == 1:  # streamed: the next turn continues the first
+                    streamed = {"input": "go on", "stream": True, **body}
+                    kept.append(events(client, "POST", "/v1/responses", json=streamed))
+                    continue
                 previous = str(create(client, **body)["id"])
                 kept.append(previous)
             counts["turns"] = counts.get("turns", 0) + 3
             long = {"input": "count", "background": True, "max_output_tokens": 64, "ignore_eos": True}
-            events(
-                client,
-                "POST",
-                "/v1/responses",
-                cancel_after=4 if n % 3 == 0 else 0,
-                json={**long, "stream": True},
-            )
+            cancel_after = 4 if n % 3 == 0 else 0
+            kept.append(events(client, "POST", "/v1/responses", cancel_after, json={**long, "stream": True}))
             counts["background_streams"] = counts.get("background_streams", 0) + 1
             queued = create(client, **long)
             while client.get(f"/v1/responses/{queued['id']}").json()["status"] in ("queued", "in_progress"):
