@@ -314,7 +314,10 @@ class HttpApi:
         if asked is not None and keeping is not None:
             served_model = result[0][1].model
             kept, keep = keeping.kept, functools.partial(self.stored.keep, keeping)
-            stream = responses_api.events(asked, stream, request_id, created, served_model, kept, keep)
+            payloads = responses_api.event_payloads(
+                asked, stream, request_id, created, served_model, kept, keep
+            )
+            stream = responses_api.as_sse(payloads)
         return EventStream(stream, close, headers)
 
     def _chat_plan(self, body: BaseModel, request_id: str) -> Plan:

@@ -458,17 +458,9 @@ def sse(payload: dict[str, Any]) -> str:
     return f"event: {payload['type']}\ndata: {data}\n\n"
 
 
-async def events(
-    req: ResponsesRequest,
-    chat_events: AsyncIterator[str],
-    request_id: str,
-    created: int,
-    model: str,
-    kept: Kept | None = None,
-    on_done: Callable[[dict[str, Any]], None] | None = None,
-) -> AsyncIterator[str]:
-    """`event_payloads` as server-sent event text."""
-    async for payload in event_payloads(req, chat_events, request_id, created, model, kept, on_done):
+async def as_sse(payloads: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    """Events (`event_payloads`) as server-sent event text."""
+    async for payload in payloads:
         yield sse(payload)
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import openai
 
 from services.gateway.server import GatewayApp, build_app
 from services.worker.server import WorkerApp
@@ -173,3 +174,8 @@ async def http_stack(
         await sched.stop(0)
         for app in workers.values():
             await app.stop()
+
+
+def client_of(url: str | None, key: str = "none") -> openai.AsyncOpenAI:
+    """The `openai` client of a gateway's HTTP face (no retries: a test sees every answer)."""
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)

@@ -19,7 +19,7 @@ import pytest_asyncio
 
 from services.gateway.batches import BatchStatus, BatchStore
 
-from .http_stack import HttpStack, gateway_on, http_stack
+from .http_stack import HttpStack, client_of, gateway_on, http_stack
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -30,10 +30,6 @@ PROMPTS = ["the sky is", "one two three", "hello there", "a b c d"]
 async def stack(tiny_model: Path) -> AsyncIterator[HttpStack]:
     async with http_stack(tiny_model) as served:
         yield served
-
-
-def client_of(url: str | None, key: str = "none") -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
 
 
 def jsonl(url: str, bodies: dict[str, dict[str, Any]]) -> bytes:

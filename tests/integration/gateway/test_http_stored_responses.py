@@ -23,7 +23,7 @@ import pytest_asyncio
 from services.gateway.stored_responses import ABANDONED, ResponseStatus, ResponseStore, StoredResponse
 from tests.support.prom import sample_total
 
-from .http_stack import HttpStack, gateway_on, http_stack
+from .http_stack import HttpStack, client_of, gateway_on, http_stack
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -34,10 +34,6 @@ GREEDY: dict[str, Any] = {"model": "", "max_output_tokens": 6, "temperature": 0.
 async def stack(tiny_model: Path) -> AsyncIterator[HttpStack]:
     async with http_stack(tiny_model) as served:
         yield served
-
-
-def client_of(url: str | None, key: str = "none") -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
 
 
 async def ended(client: openai.AsyncOpenAI, response_id: str, timeout_s: float = 60.0) -> Any:

@@ -14,8 +14,9 @@ from services.gateway import http_models as m
 from services.gateway.http_responses_api import (
     Kept,
     ResponsesRequest,
+    as_sse,
     chat_request,
-    events,
+    event_payloads,
     input_items,
     queued_body,
     response_body,
@@ -133,7 +134,7 @@ def _events(chunks: list[str], **req: Any) -> list[dict[str, Any]]:
             yield c
 
     async def collect() -> list[str]:
-        return [e async for e in events(_req(input="hi", **req), source(), "r1", 5, "m")]
+        return [e async for e in as_sse(event_payloads(_req(input="hi", **req), source(), "r1", 5, "m"))]
 
     out = []
     for raw in asyncio.run(collect()):
