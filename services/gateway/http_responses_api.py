@@ -49,6 +49,10 @@ class ResponsesRequest(m._Request):
     metadata: dict[str, str] | None = None
     user: str | None = None
     reasoning: dict[str, Any] | None = None  # {"effort": ..., "summary": ...}; effort is served
+    # "message.output_text.logprobs" returns the output tokens' logprobs (others: not served,
+    # ignored: they name tools' outputs this server has no tools for)
+    include: list[str] | None = None
+    top_logprobs: int | None = Field(default=None, description="0-20 alternatives per output token")
     # "auto": a conversation (previous_response_id) too long for the context loses its oldest
     # turns first (`without_oldest_turn`); "disabled" (OpenAI's default): it is a 400
     truncation: Literal["auto", "disabled"] | None = None
@@ -242,6 +246,14 @@ def _effort(reasoning: dict[str, Any] | None) -> str | None:
     return effort
 
 
+LOGPROBS = "message.output_text.logprobs"  # the `include` value that asks for them
+
+
+def _logprobs_asked(req: ResponsesRequest) -> bool:
+    """Logprobs are returned when `include` asks for them, or alternatives are asked for."""
+    return LOGPROBS in (req.include or ()) or bool(req.top_logprobs)
+
+
 def chat_request(req: ResponsesRequest, context: Sequence[dict[str, Any]] = ()) -> m.ChatCompletionRequest:
     """The chat completion request that serves `req` after the conversation `context` (one
     choice; usage always streamed)."""
@@ -260,6 +272,8 @@ def chat_request(req: ResponsesRequest, context: Sequence[dict[str, Any]] = ()) 
         "parallel_tool_calls": req.parallel_tool_calls,
         "user": req.user,
         "reasoning_effort": _effort(req.reasoning),
+        "logprobs": True if _logprobs_asked(req) else None,
+        "top_logprobs": (req.top_logprobs or 0) if _logprobs_asked(req) else None,
         **{k: v for k, v in (req.model_extra or {}).items() if k in _CHAT_EXTRAS},
     }
     try:
@@ -288,13 +302,18 @@ def _usage(usage: m.Usage | dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _message_item(request_id: str, text: str, status: str) -> dict[str, Any]:
+def _message_item(
+    request_id: str, text: str, status: str, logprobs: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """The message item; `logprobs`: one entry per output token, as chat's (`token`, `logprob`,
+    `bytes`, `top_logprobs`), empty unless asked for."""
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
     return {
         "type": "message",
         "id": _message_id(request_id),
         "status": status,
         "role": "assistant",
-        "content": [{"type": "output_text", "text": text, "annotations": []}],
+        "content": [part],
     }
 
 
@@ -393,7 +412,9 @@ def response_body(
     if isinstance(choice.message, m.ReasoningMessage) and choice.message.reasoning_content:
         output.append(_reasoning_item(request_id, choice.message.reasoning_content, "completed"))
     if choice.message.content:
-        output.append(_message_item(request_id, choice.message.content, "completed"))
+        entries = choice.logprobs.content if choice.logprobs is not None else None
+        logprobs = [e.model_dump() for e in entries or ()]
+        output.append(_message_item(request_id, choice.message.content, "completed", logprobs))
     for call in choice.message.tool_calls or []:
         output.append(_call_item(call.id, call.function.name, call.function.arguments, "completed"))
     status = _status(choice.finish_reason)
@@ -404,8 +425,8 @@ def response_body(
 class _TextItem:
     """One streamed output item holding one text part: the reasoning (`reasoning_text`) or the
     message (`output_text`). Added at its first text, a delta event per piece, done at the end;
-    `extra` goes into its delta and done events (output_text's logprobs), `part_extra` into its
-    part (output_text's annotations)."""
+    `part_extra` goes into its part (output_text's annotations); with `logprobs` its delta and
+    done events and its part carry the output tokens' logprobs (each delta its own)."""
 
     def __init__(
         self,
@@ -415,18 +436,24 @@ class _TextItem:
         part_type: str,
         new_item: Callable[[], dict[str, Any]],
         part_extra: dict[str, Any] | None = None,
-        extra: dict[str, Any] | None = None,
+        logprobs: bool = False,
     ) -> None:
         self._items, self._event, self._id, self._type = items, event, item_id, part_type
         self._new_item = new_item
         self._part_extra = part_extra or {}
-        self._extra = extra or {}
+        self._logprobs: list[dict[str, Any]] | None = [] if logprobs else None  # all so far
         self._index: int | None = None  # its output_index, once added
 
     def _where(self) -> dict[str, Any]:
         return {"item_id": self._id, "output_index": self._index, "content_index": 0}
 
-    def add(self, text: str) -> list[dict[str, Any]]:
+    def _with_logprobs(self, entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        if self._logprobs is None:
+            return {}
+        self._logprobs.extend(entries)
+        return {"logprobs": list(entries)}
+
+    def add(self, text: str, logprobs: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
         out = []
         if self._index is None:
             self._index = len(self._items)
@@ -436,17 +463,23 @@ class _TextItem:
             part = {"type": self._type, "text": "", **self._part_extra}
             out.append(self._event("response.content_part.added", **self._where(), part=part))
         self._items[self._index]["content"][0]["text"] += text
-        out.append(self._event(f"response.{self._type}.delta", **self._where(), delta=text, **self._extra))
+        extra = self._with_logprobs(logprobs)
+        out.append(self._event(f"response.{self._type}.delta", **self._where(), delta=text, **extra))
         return out
 
-    def close(self) -> list[dict[str, Any]]:
+    def close(self, logprobs: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+        """The done events; `logprobs`: entries that came after the last text (tokens without
+        text of their own)."""
         if self._index is None:
             return []
         item = self._items[self._index]
         item["status"] = "completed"
         part = item["content"][0]
+        self._with_logprobs(logprobs)
+        extra = {} if self._logprobs is None else {"logprobs": self._logprobs}
+        part.update(extra)
         return [
-            self._event(f"response.{self._type}.done", **self._where(), text=part["text"], **self._extra),
+            self._event(f"response.{self._type}.done", **self._where(), text=part["text"], **extra),
             self._event("response.content_part.done", **self._where(), part=part),
             self._event("response.output_item.done", output_index=self._index, item=item),
         ]
@@ -509,8 +542,9 @@ async def event_payloads(
         "output_text",
         lambda: _message_item(request_id, "", "in_progress"),
         part_extra={"annotations": []},
-        extra={"logprobs": []},  # (top_logprobs are not served on this face)
+        logprobs=True,
     )
+    pending: list[dict[str, Any]] = []  # logprobs of tokens whose text has not come yet
 
     async for raw in chat_events:
         for line in raw.split("\n"):
@@ -528,13 +562,14 @@ async def event_payloads(
             for choice in chunk.get("choices", []):
                 delta = choice.get("delta", {})
                 finish = choice.get("finish_reason") or finish
-                for streamed, text in (
-                    (thought, delta.get("reasoning_content")),
-                    (message, delta.get("content")),
-                ):
-                    if text:
-                        for piece in streamed.add(text):
-                            yield piece
+                pending.extend((choice.get("logprobs") or {}).get("content") or ())
+                if delta.get("reasoning_content"):
+                    for piece in thought.add(delta["reasoning_content"]):
+                        yield piece
+                if delta.get("content"):
+                    for piece in message.add(delta["content"], pending):
+                        yield piece
+                    pending = []
                 for call in delta.get("tool_calls") or []:
                     k = call["index"]
                     function = call.get("function", {})
@@ -551,7 +586,7 @@ async def event_payloads(
                             output_index=calls[k],
                             delta=function["arguments"],
                         )
-    for piece in thought.close() + message.close():
+    for piece in thought.close() + message.close(pending):
         yield piece
     for index in calls.values():
         item = items[index]

@@ -1448,6 +1448,39 @@ async def _responses_stream(client: openai.AsyncOpenAI, **kw: Any) -> tuple[list
     return got, got[-1].response
 
 
+async def test_responses_api_logprobs_are_chats(bpe: HttpStack) -> None:
+    """include ["message.output_text.logprobs"] + top_logprobs: one entry per output token with
+    its alternatives, the chat completion's entries (greedy); streamed, each delta carries its
+    own and the final part all of them."""
+    client = aclient(bpe)
+    kw: dict[str, Any] = {"model": "", "input": "the sky is", "max_output_tokens": 6, "temperature": 0.0}
+    asked: dict[str, Any] = {"include": ["message.output_text.logprobs"], "top_logprobs": 2, **kw}
+
+    def seen(entries: Any) -> list[Any]:
+        return [(e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs]) for e in entries]
+
+    chat = await client.chat.completions.create(
+        model="",
+        messages=[{"role": "user", "content": "the sky is"}],
+        max_tokens=6,
+        temperature=0.0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    assert chat.choices[0].logprobs is not None
+    expected = seen(chat.choices[0].logprobs.content)
+    got = await client.responses.create(**asked)
+    part: Any = got.output[0].content[0]
+    assert got.usage is not None and len(part.logprobs) == got.usage.output_tokens == len(expected)
+    assert seen(part.logprobs) == expected and all(len(e.top_logprobs) == 2 for e in part.logprobs)
+    events, final = await _responses_stream(client, **asked)
+    streamed = [entry for e in events if e.type == "response.output_text.delta" for entry in e.logprobs]
+    assert seen(streamed) == seen(final.output[0].content[0].logprobs) == expected
+    plain: Any = await client.responses.create(**kw)  # not asked: none
+    assert plain.output[0].content[0].logprobs == []
+    await bpe.wait_idle()
+
+
 async def test_responses_api_through_the_openai_client(bpe: HttpStack) -> None:
     """`client.responses.create` gives the chat completion's text and usage (greedy), with
     instructions as the system message and input items as messages; streamed, the output_text
