@@ -41,15 +41,12 @@ from services.gateway.http_body import read_json
 from services.gateway.http_errors import (
     REQUEST_ID_HEADER,
 )
-from services.gateway.http_routes import Answered, answered, owner, page
+from services.gateway.http_routes import Answered, answered, metadata, owner, page
 from services.gateway.validation import InvalidField
 from shared.auth import AUTH_HEADER, ApiKeys
 from shared.errors import FailedPrecondition, NotFound
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")  # what a batch may run
-MAX_METADATA = 16  # OpenAI's limits on a batch's metadata: pairs, key and value characters
-MAX_METADATA_KEY = 64
-MAX_METADATA_VALUE = 512
 _FORM_SLACK = 64 * 1024  # multipart framing around an upload (bytes)
 # a cancel of a batch already over, a delete of a file a running batch uses: the caller's mistake
 _STATE_STATUSES = {grpc.StatusCode.FAILED_PRECONDITION: (409, "conflict_error")}
@@ -268,15 +265,7 @@ def _new_batch(body: CreateBatchRequest, owner: str, files: FileStore) -> BatchR
     if window_s is None:
         windows = ", ".join(repr(w) for w in COMPLETION_WINDOW_S)
         raise InvalidField(f"completion_window must be {windows}", "completion_window")
-    metadata = body.metadata or {}
-    if len(metadata) > MAX_METADATA or any(
-        len(k) > MAX_METADATA_KEY or len(v) > MAX_METADATA_VALUE for k, v in metadata.items()
-    ):
-        raise InvalidField(
-            f"metadata holds at most {MAX_METADATA} pairs, keys of at most {MAX_METADATA_KEY} and "
-            f"values of at most {MAX_METADATA_VALUE} characters",
-            "metadata",
-        )
+    pairs = metadata(body.metadata)
     try:
         source = files.get(body.input_file_id, owner)
     except NotFound:
@@ -294,7 +283,7 @@ def _new_batch(body: CreateBatchRequest, owner: str, files: FileStore) -> BatchR
         expires_at=now + window_s,
         output_file_id=new_file_id(),
         error_file_id=new_file_id(),
-        metadata=metadata,
+        metadata=pairs,
         output_expires_after_s=expires_after(
             given.get("anchor"), given.get("seconds"), "output_expires_after"
         ),

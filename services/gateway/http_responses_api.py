@@ -45,6 +45,7 @@ class ResponsesRequest(m._Request):
     parallel_tool_calls: bool | None = None
     store: bool | None = None
     previous_response_id: str | None = None
+    conversation: str | dict[str, Any] | None = None  # an id, or {"id": ...}
     background: bool | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
@@ -97,12 +98,15 @@ _ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output":
 
 
 def input_items(req: ResponsesRequest, response_id: str) -> tuple[dict[str, Any], ...]:
-    """The request's input as OpenAI lists it (`GET /v1/responses/{id}/input_items`): each item
-    with its type and an id (the given one, else one made from the response's), a message's
-    string content as one text part."""
-    suffix = response_id.removeprefix("resp_")
+    """The request's input as OpenAI lists it (`GET /v1/responses/{id}/input_items`)."""
+    return with_ids(_input(req), response_id.removeprefix("resp_"))
+
+
+def with_ids(items: Sequence[dict[str, Any]], suffix: str) -> tuple[dict[str, Any], ...]:
+    """Items as OpenAI lists them: each with its type and an id (the given one, else one made
+    from `suffix`), a message's string content as one text part."""
     out = []
-    for i, item in enumerate(_input(req)):
+    for i, item in enumerate(items):
         kind = item.get("type", "message")
         made_id = f"{_ID_PREFIXES.get(kind, 'item')}_{suffix}_{i}"
         shown = {**item, "type": kind, "id": item.get("id") or made_id}
@@ -128,12 +132,19 @@ def _messages(req: ResponsesRequest, context: Sequence[dict[str, Any]]) -> list[
     """instructions + the earlier conversation (`context`: a previous response's input and output
     items) + input -> chat messages (an assistant turn's text and function calls in one assistant
     message)."""
+    system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    return system + as_chat_messages([*context, *_input(req)], len(context))
+
+
+def as_chat_messages(
+    items: Sequence[dict[str, Any]], given_from: int = 0, name: str = "input"
+) -> list[dict[str, Any]]:
+    """Responses items as chat messages; items from `given_from` on are the request's own
+    (`name`[k] in a refusal), those before it the conversation's."""
     out: list[dict[str, Any]] = []
-    if req.instructions:
-        out.append({"role": "system", "content": req.instructions})
-    for i, item in enumerate([*context, *_input(req)]):
-        k = i - len(context)
-        where = f"input[{k}]" if k >= 0 else f"the conversation's item {i} (previous_response_id)"
+    for i, item in enumerate(items):
+        k = i - given_from
+        where = f"{name}[{k}]" if k >= 0 else f"the conversation's item {i}"
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
@@ -244,6 +255,17 @@ def _effort(reasoning: dict[str, Any] | None) -> str | None:
             "reasoning",
         )
     return effort
+
+
+def conversation_id(req: ResponsesRequest) -> str | None:
+    """The conversation a request names (`conversation`: an id or {"id": ...})."""
+    given = req.conversation
+    if given is None:
+        return None
+    value = given.get("id") if isinstance(given, dict) else given
+    if not isinstance(value, str) or not value:
+        raise InvalidField('conversation must be a conversation id or {"id": ...}', "conversation")
+    return value
 
 
 LOGPROBS = "message.output_text.logprobs"  # the `include` value that asks for them
@@ -384,6 +406,7 @@ def _response(
         "store": kept is not None,
         "background": kept.background if kept else False,
         "previous_response_id": req.previous_response_id,
+        "conversation": {"id": conversation_id(req)} if req.conversation is not None else None,
         "metadata": req.metadata or {},
         "user": req.user,
         "usage": usage,

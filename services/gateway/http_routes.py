@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 
 from services.gateway import observe
 from services.gateway.http_errors import Refusal, error_response, http_error, unauthenticated
+from services.gateway.validation import InvalidField
 from shared.auth import AUTH_HEADER, ApiKeys, bearer_token
 
 log = structlog.get_logger(__name__)
@@ -77,3 +78,22 @@ def owner(keys: ApiKeys, request: Request) -> str:
         raise unauthenticated()
     token = bearer_token(authorization) if keys.enabled else None
     return hashlib.sha256(token.encode()).hexdigest()[:32] if token else ""
+
+
+MAX_METADATA = 16  # OpenAI's limits on an object's metadata: pairs, key and value characters
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 512
+
+
+def metadata(given: dict[str, str] | None) -> dict[str, str]:
+    """An object's metadata (a batch's, a conversation's) within OpenAI's limits, else a 400."""
+    pairs = given or {}
+    if len(pairs) > MAX_METADATA or any(
+        len(k) > MAX_METADATA_KEY or len(v) > MAX_METADATA_VALUE for k, v in pairs.items()
+    ):
+        raise InvalidField(
+            f"metadata holds at most {MAX_METADATA} pairs, keys of at most {MAX_METADATA_KEY} and "
+            f"values of at most {MAX_METADATA_VALUE} characters",
+            "metadata",
+        )
+    return pairs

@@ -26,6 +26,8 @@ import structlog
 from fastapi import FastAPI, Request
 
 from services.gateway import http_responses_api as responses_api
+from services.gateway.conversations import ConversationStore
+from services.gateway.http_conversations import ConversationsApi
 from services.gateway.http_errors import http_error
 from services.gateway.http_routes import Answered, answered, owner, page
 from services.gateway.http_stream import EventStream
@@ -34,6 +36,7 @@ from services.gateway.stored_responses import (
     ResponseStatus,
     ResponseStore,
     StoredResponse,
+    as_input_item,
     new_response_id,
 )
 from services.gateway.validation import InvalidField
@@ -67,13 +70,22 @@ class PreviousResponseNotFound(NotFound):
     param = "previous_response_id"
 
 
+class ConversationNotFound(NotFound):
+    param = "conversation"
+
+
 @dataclasses.dataclass(frozen=True)
 class Keeping:
-    """How one Responses request is kept: its record (None: not stored) and the conversation it
-    continues (`previous_response_id`)."""
+    """How one Responses request is kept: its record (None: not stored), the conversation it
+    continues (`previous_response_id`'s, or a `conversation`'s items), and, with `conversation`,
+    that conversation's id, its owner and this request's input items (what the conversation gets,
+    with the output, once the response finishes)."""
 
     record: StoredResponse | None
     context: tuple[dict[str, Any], ...] = ()
+    conversation: str | None = None
+    owner: str = ""
+    items: tuple[dict[str, Any], ...] = ()
 
     @property
     def kept(self) -> responses_api.Kept | None:
@@ -90,6 +102,8 @@ class StoredResponses:
     ) -> None:
         self._keys = keys
         self._store = ResponseStore(Path(folder).expanduser()) if folder else None
+        self._conversations = ConversationStore(Path(folder).expanduser()) if folder else None
+        ConversationsApi(app, keys, self._conversations)
         self._retention_s = retention_s
         self._poll_s = poll_s  # how often a cancel made through another gateway is looked for (s)
         self._running: dict[str, asyncio.Task[None]] = {}  # background runs here, by response id
@@ -139,10 +153,13 @@ class StoredResponses:
         who = "" if inner else owner(self._keys, request)
         if req.previous_response_id is not None:
             context = self._previous(req.previous_response_id, who, inner)
-        if not stores:
-            return Keeping(None, context)
+        conversation = responses_api.conversation_id(req)
+        if conversation is not None:
+            context = self._conversation(conversation, who, inner, req)
         response_id = new_response_id()
         items = responses_api.input_items(req, response_id)
+        if not stores:
+            return Keeping(None, context, conversation, who, items)
         record = StoredResponse(
             id=response_id,
             owner=who,
@@ -152,7 +169,33 @@ class StoredResponses:
             context=context + items,
             background=bool(req.background),
         )
-        return Keeping(record, context)
+        return Keeping(record, context, conversation, who, items)
+
+    def _conversation(
+        self, conversation: str, who: str, inner: bool, req: responses_api.ResponsesRequest
+    ) -> tuple[dict[str, Any], ...]:
+        if req.previous_response_id is not None:
+            raise InvalidField("send previous_response_id or conversation, not both", "conversation")
+        if inner:
+            raise InvalidField("conversation is not served in a batch", "conversation")
+        if self._conversations is None:
+            raise InvalidField(f"conversation needs stored responses; {_OFF}", "conversation")
+        try:
+            return self._conversations.get(conversation, who).items
+        except NotFound:
+            raise ConversationNotFound(
+                f"conversation: no conversation {conversation!r} (deleted, or made with another API key)"
+            ) from None
+
+    def _add_turn(self, keeping: Keeping, body: dict[str, Any]) -> None:
+        """A finished response's input and output items join its conversation (if it has one)."""
+        if keeping.conversation is None or self._conversations is None:
+            return
+        turn = keeping.items + tuple(as_input_item(item) for item in body["output"])
+        try:
+            self._conversations.update(keeping.conversation, keeping.owner, lambda c: c.added(turn))
+        except Exception as exc:  # deleted meanwhile, a full disk: the answer still goes out
+            log.warning("conversation_not_updated", conversation=keeping.conversation, error=str(exc))
 
     def _previous(self, response_id: str, who: str, inner: bool) -> tuple[dict[str, Any], ...]:
         if inner:
@@ -181,6 +224,7 @@ class StoredResponses:
         """Stores a finished response (a no-op when it is not kept). A store that cannot be
         written (a full disk) loses no answer: the Response goes out saying `"store": false`
         (its body is changed in place), and the log says why."""
+        self._add_turn(keeping, body)
         if keeping.record is None or self._store is None:
             return
         done = keeping.record.finished(body)
@@ -209,19 +253,22 @@ class StoredResponses:
             with contextlib.suppress(OSError):
                 self._store.remove(record.id)  # its run lock file
             raise
-        task = asyncio.get_running_loop().create_task(self._run(record.id, produce, held))
+        task = asyncio.get_running_loop().create_task(self._run(keeping, produce, held))
         self._running[record.id] = task
         return queued
 
-    async def _run(self, response_id: str, produce: Produce, held: contextlib.ExitStack) -> None:
+    async def _run(self, keeping: Keeping, produce: Produce, held: contextlib.ExitStack) -> None:
         store = self._store
-        assert store is not None
+        assert store is not None and keeping.record is not None
+        response_id = keeping.record.id
         events = store.event_log(response_id)
         metrics.BACKGROUND_RESPONSES_RUNNING.inc()
         try:
             store.update(response_id, _started)
             body = await produce(events.write)
-            store.update(response_id, lambda r: r if r.final else r.finished(body))
+            done = store.update(response_id, lambda r: r if r.final else r.finished(body))
+            if done.status.value == body["status"]:  # it ended as run (not cancelled first)
+                self._add_turn(keeping, body)
         except asyncio.CancelledError:
             pass  # a cancel (its record says so) or the gateway stopping (close says so)
         except ResponseFailed as failure:  # its error event is in the log

@@ -103,10 +103,10 @@ class StoredResponse:
         the conversation."""
         done = replace(self, body={**body, "id": self.id, "background": self.background, "store": True})
         self._may_become(ResponseStatus(body["status"]))
-        return replace(done, context=self.context + tuple(_as_input(item) for item in body["output"]))
+        return replace(done, context=self.context + tuple(as_input_item(item) for item in body["output"]))
 
 
-def _as_input(item: dict[str, Any]) -> dict[str, Any]:
+def as_input_item(item: dict[str, Any]) -> dict[str, Any]:
     """An output item as a later request's input item (the same shape, without its status)."""
     return {k: v for k, v in item.items() if k != "status"}
 

@@ -309,7 +309,7 @@ async def test_a_store_that_cannot_be_written_loses_no_answer(
             assert final is not None and final.store is False
             with pytest.raises(openai.InternalServerError):
                 await client.responses.create(input="hi", background=True, **GREEDY)
-            assert not list(tmp_path.iterdir())
+            assert not list(tmp_path.glob("resp_*"))
         finally:
             await client.close()
     await stack.wait_idle()
@@ -341,4 +341,78 @@ async def test_truncation_auto_keeps_a_long_conversation_going(stack: HttpStack,
                 await client.responses.create(input="x", previous_response_id=cut.id, **GREEDY)
         finally:
             await client.close()
+    await stack.wait_idle()
+
+
+async def test_conversations_hold_the_turns_of_their_responses(stack: HttpStack, tmp_path: Path) -> None:
+    """The Conversations API: a conversation made with items, a response in it (after its items,
+    as the whole conversation sent to chat completions) adds its input and output items, a
+    streamed one and a background one too; items listed, fetched, deleted; per key; refusals."""
+    async with gateway_on(stack, response_dir=str(tmp_path), api_keys=("k1", "k2")) as gateway:
+        client, other = client_of(gateway.http_url, "k1"), client_of(gateway.http_url, "k2")
+        try:
+            conv = await client.conversations.create(
+                items=[{"type": "message", "role": "user", "content": "the sky is"}],
+                metadata={"topic": "sky"},
+            )
+            assert conv.id.startswith("conv_") and conv.metadata == {"topic": "sky"}
+            said = await client.responses.create(input="and then", conversation=conv.id, **GREEDY)
+            assert said.conversation is not None and said.conversation.id == conv.id
+            history: list[Any] = [
+                {"role": "user", "content": "the sky is"},
+                {"role": "user", "content": "and then"},
+            ]
+            direct = await client.chat.completions.create(
+                model="", messages=history, max_tokens=6, temperature=0.0
+            )
+            assert said.output_text == direct.choices[0].message.content
+            items = [i async for i in client.conversations.items.list(conv.id, order="asc")]
+            assert [(i.type, getattr(i, "role", None)) for i in items] == [
+                ("message", "user"),
+                ("message", "user"),
+                ("message", "assistant"),
+            ]
+            assert items[2].id == said.output[0].id  # the response's own output item
+            streamed = await client.responses.create(
+                input="more", conversation={"id": conv.id}, stream=True, **GREEDY
+            )
+            async for _ in streamed:
+                pass
+            queued = await client.responses.create(
+                input="again", conversation=conv.id, background=True, **GREEDY
+            )
+            await ended(client, queued.id)
+            items = [i async for i in client.conversations.items.list(conv.id)]  # newest first
+            assert len(items) == 7 and getattr(items[0], "role", None) == "assistant"
+            first = str(items[-1].id)
+            assert (await client.conversations.items.retrieve(first, conversation_id=conv.id)).id == first
+            await client.conversations.items.delete(first, conversation_id=conv.id)
+            assert len([i async for i in client.conversations.items.list(conv.id)]) == 6
+            updated = await client.conversations.update(conv.id, metadata={"topic": "sea"})
+            assert updated.metadata == {"topic": "sea"}
+            added = await client.conversations.items.create(
+                conv.id, items=[{"type": "message", "role": "user", "content": "hi"}]
+            )
+            assert len(added.data) == 1 and added.data[0].id
+            with pytest.raises(openai.NotFoundError):  # another key's
+                await other.conversations.retrieve(conv.id)
+            with pytest.raises(openai.NotFoundError) as missing:
+                await other.responses.create(input="x", conversation=conv.id, **GREEDY)
+            assert missing.value.body["param"] == "conversation"  # type: ignore[index]
+            with pytest.raises(openai.BadRequestError) as both:
+                await client.responses.create(
+                    input="x", conversation=conv.id, previous_response_id=said.id, **GREEDY
+                )
+            assert both.value.body["param"] == "conversation"  # type: ignore[index]
+            with pytest.raises(openai.BadRequestError) as bad:
+                unknown: Any = [{"type": "computer_call"}]
+                await client.conversations.items.create(conv.id, items=unknown)
+            assert bad.value.body["param"] == "items"  # type: ignore[index]
+            deleted = await client.conversations.delete(conv.id)
+            assert deleted.deleted and deleted.id == conv.id
+            with pytest.raises(openai.NotFoundError):
+                await client.conversations.retrieve(conv.id)
+        finally:
+            await client.close()
+            await other.close()
     await stack.wait_idle()

@@ -20,8 +20,13 @@ from services.gateway import http_convert as conv
 from services.gateway import http_models as m
 from services.gateway.accounting import CacheStats, Usage
 from services.gateway.http_responses import completion_body
-from services.gateway.http_responses_api import ResponsesRequest, chat_request, response_body
-from services.gateway.http_responses_api import events as response_events
+from services.gateway.http_responses_api import (
+    ResponsesRequest,
+    as_sse,
+    chat_request,
+    event_payloads,
+    response_body,
+)
 from services.gateway.http_stream import events
 from services.gateway.inputs import ChatTurn
 from services.gateway.reasoning import Kind
@@ -312,7 +317,7 @@ def test_the_streamed_response_has_the_reasoning_events() -> None:
                 yield "data: " + json.dumps(chunk) + "\n\n"
 
         req = ResponsesRequest.model_validate({"input": "hi", "stream": True})
-        return [e async for e in response_events(req, source(), "rid", 1, "m")]
+        return [e async for e in as_sse(event_payloads(req, source(), "rid", 1, "m"))]
 
     got = [json.loads(e.split("data: ", 1)[1]) for e in asyncio.run(collect())]
     kinds = [e["type"] for e in got]
