@@ -164,8 +164,8 @@ class GatewaySettings(TlsSettings):
     response_dir: str = field(
         "",
         "folder of stored Responses API responses (store, previous_response_id, background, GET / "
-        "DELETE /v1/responses/{id}); gateways that share it share them; '' = nothing stored "
-        "(pdserve up gives one)",
+        "DELETE /v1/responses/{id}) and of the Conversations API (/v1/conversations); gateways "
+        "that share it share them; '' = nothing stored (pdserve up gives one)",
     )
     response_retention_s: float = field(
         30 * 24 * 3600.0, "how long a stored response is kept after it was created; 0 = forever (s)"
