@@ -24,7 +24,7 @@ from services.gateway.conversations import (
     new_conversation_id,
 )
 from services.gateway.http_body import read_json
-from services.gateway.http_routes import Answered, answered, metadata, owner, page
+from services.gateway.http_routes import Answered, answered, items_page, metadata, owner
 from services.gateway.validation import InvalidField
 from shared.auth import ApiKeys
 from shared.errors import NotFound
@@ -113,13 +113,7 @@ class ConversationsApi:
     @answered()
     async def list_items(self, request: Request, conversation_id: str) -> Answered:
         store, who = self._open(request)
-        items = list(store.get(conversation_id, who).items)
-        order = request.query_params.get("order", "desc")
-        if order not in ("asc", "desc"):
-            raise InvalidField(f"order must be asc or desc, got {order!r}", "order")
-        if order == "desc":  # OpenAI's default: the newest item first
-            items.reverse()
-        return page(items, request, default_limit=20)
+        return items_page(store.get(conversation_id, who).items, request)
 
     @answered()
     async def item(self, request: Request, conversation_id: str, item_id: str) -> Answered:

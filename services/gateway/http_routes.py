@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -60,6 +60,18 @@ def page(data: list[dict[str, Any]], request: Request, default_limit: int) -> di
         "last_id": shown[-1]["id"] if shown else None,
         "has_more": len(data) > limit,
     }
+
+
+def items_page(items: Sequence[dict[str, Any]], request: Request) -> dict[str, Any]:
+    """A page of items (a response's input, a conversation's) in `order`: desc (OpenAI's
+    default: the newest first) or asc; 20 by default."""
+    order = request.query_params.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise InvalidField(f"order must be asc or desc, got {order!r}", "order")
+    ordered = list(items)
+    if order == "desc":
+        ordered.reverse()
+    return page(ordered, request, default_limit=20)
 
 
 def fail(exc: BaseException, statuses: Statuses | None = None) -> Response:

@@ -29,7 +29,7 @@ from services.gateway import http_responses_api as responses_api
 from services.gateway.conversations import ConversationStore
 from services.gateway.http_conversations import ConversationsApi
 from services.gateway.http_errors import http_error
-from services.gateway.http_routes import Answered, answered, owner, page
+from services.gateway.http_routes import Answered, answered, items_page, owner
 from services.gateway.http_stream import EventStream
 from services.gateway.stored_responses import (
     TERMINAL_EVENTS,
@@ -390,13 +390,7 @@ class StoredResponses:
     @answered()
     async def list_input_items(self, request: Request, response_id: str) -> Answered:
         store, who = self._open(request)
-        items = list(store.get(response_id, who).input_items)
-        order = request.query_params.get("order", "desc")
-        if order not in ("asc", "desc"):
-            raise InvalidField(f"order must be asc or desc, got {order!r}", "order")
-        if order == "desc":  # OpenAI's default: the newest item first
-            items.reverse()
-        return page(items, request, default_limit=20)
+        return items_page(store.get(response_id, who).input_items, request)
 
     @answered()
     async def cancel(self, request: Request, response_id: str) -> Answered:
