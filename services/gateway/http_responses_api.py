@@ -26,6 +26,7 @@ from typing import Any, Literal, get_args
 from pydantic import Field, ValidationError
 
 from services.gateway import http_models as m
+from services.gateway.http_routes import metadata
 from services.gateway.validation import InvalidField
 
 
@@ -279,6 +280,7 @@ def _logprobs_asked(req: ResponsesRequest) -> bool:
 def chat_request(req: ResponsesRequest, context: Sequence[dict[str, Any]] = ()) -> m.ChatCompletionRequest:
     """The chat completion request that serves `req` after the conversation `context` (one
     choice; usage always streamed)."""
+    metadata(req.metadata)  # echoed (and stored) as given, within OpenAI's limits
     fields: dict[str, Any] = {
         "model": req.model,
         "messages": _messages(req, context),

@@ -106,6 +106,8 @@ def test_instructions_input_items_tools_and_format_become_the_chat_request() -> 
         ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input"),  # no call_id
         ({"input": [{"type": "function_call_output", "call_id": "c", "output": 3}]}, "input"),
         ({"input": "hi", "tools": [{"type": "file_search"}]}, "tools"),
+        ({"input": "hi", "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+        ({"input": "hi", "metadata": {"k": "v" * 513}}, "metadata"),
     ],
 )
 def test_what_is_not_served_is_refused_naming_the_field(kw: dict[str, Any], param: str) -> None:
