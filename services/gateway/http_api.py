@@ -74,6 +74,9 @@ class HttpApi:
         self._keys = keys
         self._is_serving = is_serving
         self._max_body_bytes = max_body_bytes
+        # the models' `created` (unix s): when this gateway started serving them, the same in every
+        # answer (a list and a retrieve a second apart agree)
+        self._created = int(time.time())
         self._tasks: set[asyncio.Task[None]] = set()  # choices still running (cancelled ones too)
         # the key of this process's own calls (the Batch API's requests), never shown or logged
         inner_key = secrets.token_urlsafe(32)
@@ -149,7 +152,7 @@ class HttpApi:
             cards = await self._service.list_models()
         except Exception as exc:
             return self._fail(exc, "")
-        return JSONResponse(model_list(cards, int(time.time())).model_dump())
+        return JSONResponse(model_list(cards, self._created).model_dump())
 
     async def model(self, request: Request, model_id: str) -> JSONResponse:
         """One served model's card (`client.models.retrieve`), or 404 model_not_found."""
@@ -158,7 +161,7 @@ class HttpApi:
             cards = await self._service.list_models()
         except Exception as exc:
             return self._fail(exc, "")
-        for card in model_list(cards, int(time.time())).data:
+        for card in model_list(cards, self._created).data:
             if card.id == model_id:
                 return JSONResponse(card.model_dump())
         message = f"the model {model_id!r} is not served here; GET /v1/models lists the served ones"

@@ -268,6 +268,8 @@ async def test_models_and_health(bpe: HttpStack) -> None:
     assert [mdl.id for mdl in models.data] == [bpe.model.name]
     card = await aclient(bpe).models.retrieve(bpe.model.name)
     assert card == models.data[0]
+    await asyncio.sleep(1.1)  # `created` is the model's, not the answer's: a second later, the same
+    assert (await aclient(bpe).models.retrieve(bpe.model.name)).created == card.created
     with pytest.raises(openai.NotFoundError) as err:
         await aclient(bpe).models.retrieve("org/other-model")
     assert err.value.body["code"] == "model_not_found"  # type: ignore[index]
