@@ -16,7 +16,7 @@ import asyncio
 import functools
 import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, TypeVar
 
 import grpc
@@ -84,7 +84,7 @@ class HttpApi:
         self._inner_keys = ApiKeys.of([inner_key])
         self.app = self._build()
         # stored Responses API responses: the routes that read them, what POST /v1/responses keeps
-        self.stored = StoredResponses(self.app, keys, response_dir, response_retention_s)
+        self.stored = StoredResponses(self.app, keys, response_dir, response_retention_s, max_body_bytes)
 
     def _build(self) -> FastAPI:
         # FastAPI's own OpenTelemetry (on whenever a tracer provider is installed, as every
@@ -285,20 +285,19 @@ class HttpApi:
             span.end()
             observe.record_error(grpc.StatusCode.CANCELLED.name)
             return Response(status_code=499)  # nobody reads it: the client is gone
-        echoes = http_responses.echoes(plan, self._service.decode)
         if not plan.stream:
             span.end()
-            text_of = self._service.token_text
+            service = self._service
             payload = completion_body(
                 plan,
                 result,
                 request_id,
                 created,
                 chat,
-                text_of,
-                echoes,
-                self._service.decode,
-                self._service.output_text,
+                service.token_text,
+                http_responses.echoes(plan, service.decode),
+                service.decode,
+                service.output_text,
             )
             if asked is not None and keeping is not None:
                 assert isinstance(payload, m.ChatCompletion)
@@ -311,17 +310,38 @@ class HttpApi:
             run.cancel()
             span.end()
 
-        text_of, decode = self._service.token_text, self._service.decode
-        output_text = self._service.output_text
-        stream = events(plan, run, result, request_id, created, chat, text_of, echoes, decode, output_text)
         if asked is not None and keeping is not None:
-            served_model = result[0][1].model
-            kept, keep = keeping.kept, functools.partial(self.stored.keep, keeping)
-            payloads = responses_api.event_payloads(
-                asked, stream, request_id, created, served_model, kept, keep
-            )
-            stream = responses_api.as_sse(payloads)
-        return EventStream(stream, close, headers)
+            keep = functools.partial(self.stored.keep, keeping)
+            payloads = self._response_events(asked, keeping, plan, run, result, request_id, created, keep)
+            return EventStream(responses_api.as_sse(payloads), close, headers)
+        return EventStream(self._chat_events(plan, run, result, request_id, created, chat), close, headers)
+
+    def _chat_events(
+        self, plan: Plan, run: ChoiceRun, result: Any, request_id: str, created: int, chat: bool
+    ) -> AsyncIterator[str]:
+        """A streamed request's server-sent events (chat or completion chunks)."""
+        s = self._service
+        echoes = http_responses.echoes(plan, s.decode)
+        return events(
+            plan, run, result, request_id, created, chat, s.token_text, echoes, s.decode, s.output_text
+        )
+
+    def _response_events(
+        self,
+        asked: responses_api.ResponsesRequest,
+        keeping: Keeping,
+        plan: Plan,
+        run: ChoiceRun,
+        result: Any,
+        request_id: str,
+        created: int,
+        on_done: Callable[[dict[str, Any]], None],
+    ) -> AsyncIterator[dict[str, Any]]:
+        """A streamed Responses request's events, from the chat stream it runs as; the final
+        Response goes to `on_done` (the store)."""
+        chat = self._chat_events(plan, run, result, request_id, created, True)
+        model = result[0][1].model
+        return responses_api.event_payloads(asked, chat, request_id, created, model, keeping.kept, on_done)
 
     def _chat_plan(self, body: BaseModel, request_id: str) -> Plan:
         service = self._service
@@ -373,15 +393,8 @@ class HttpApi:
                     work = asyncio.ensure_future(run.first_frames())
                     run.stream()
                 result = await work
-                service = self._service
-                echoes = http_responses.echoes(plan, service.decode)
-                chat = events(
-                    plan, run, result, request_id, created, True, service.token_text, echoes,
-                    service.decode, service.output_text,
-                )  # fmt: skip
-                model = result[0][1].model
-                async for event in responses_api.event_payloads(
-                    asked, chat, request_id, created, model, keeping.kept, final.update
+                async for event in self._response_events(
+                    asked, keeping, plan, run, result, request_id, created, final.update
                 ):
                     emit(event)
                     if event["type"] == "error":

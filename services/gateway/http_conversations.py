@@ -30,7 +30,6 @@ from shared.auth import ApiKeys
 from shared.errors import NotFound
 
 _OFF = "conversations are off on this gateway: start it with --response-dir DIR (pdserve up gives it one)"
-_BODY_BYTES = 8 * 1024 * 1024  # the largest create / add body read (bytes)
 
 
 class CreateConversation(m._Request):
@@ -49,8 +48,11 @@ class UpdateConversation(m._Request):
 class ConversationsApi:
     """The routes over `store` (None: off)."""
 
-    def __init__(self, app: FastAPI, keys: ApiKeys, store: ConversationStore | None) -> None:
+    def __init__(
+        self, app: FastAPI, keys: ApiKeys, store: ConversationStore | None, max_body_bytes: int
+    ) -> None:
         self._keys, self._store = keys, store
+        self._max_body_bytes = max_body_bytes  # --http-max-body-bytes, as every route
         for path, route, method in (
             ("/v1/conversations", self.create, "POST"),
             ("/v1/conversations/{conversation_id}", self.retrieve, "GET"),
@@ -66,7 +68,7 @@ class ConversationsApi:
     @answered()
     async def create(self, request: Request) -> Answered:
         store, who = self._open(request)
-        body = await read_json(request, CreateConversation, _BODY_BYTES)
+        body = await read_json(request, CreateConversation, self._max_body_bytes)
         conversation = Conversation(
             id=new_conversation_id(),
             owner=who,
@@ -85,7 +87,7 @@ class ConversationsApi:
     @answered()
     async def update(self, request: Request, conversation_id: str) -> Answered:
         store, who = self._open(request)
-        body = await read_json(request, UpdateConversation, _BODY_BYTES)
+        body = await read_json(request, UpdateConversation, self._max_body_bytes)
         pairs = metadata(body.metadata)
         return store.update(conversation_id, who, lambda c: _with_metadata(c, pairs)).body()
 
@@ -99,7 +101,7 @@ class ConversationsApi:
     @answered()
     async def add_items(self, request: Request, conversation_id: str) -> Answered:
         store, who = self._open(request)
-        body = await read_json(request, AddItems, _BODY_BYTES)
+        body = await read_json(request, AddItems, self._max_body_bytes)
         added = _items(body.items)
         store.update(conversation_id, who, lambda c: c.added(added))
         return {

@@ -98,12 +98,18 @@ class StoredResponses:
     """The store under `folder` ('' = off), the background runs of this process, and the routes."""
 
     def __init__(
-        self, app: FastAPI, keys: ApiKeys, folder: str, retention_s: float, poll_s: float = 1.0
+        self,
+        app: FastAPI,
+        keys: ApiKeys,
+        folder: str,
+        retention_s: float,
+        max_body_bytes: int,
+        poll_s: float = 1.0,
     ) -> None:
         self._keys = keys
         self._store = ResponseStore(Path(folder).expanduser()) if folder else None
         self._conversations = ConversationStore(Path(folder).expanduser()) if folder else None
-        ConversationsApi(app, keys, self._conversations)
+        ConversationsApi(app, keys, self._conversations, max_body_bytes)
         self._retention_s = retention_s
         self._poll_s = poll_s  # how often a cancel made through another gateway is looked for (s)
         self._running: dict[str, asyncio.Task[None]] = {}  # background runs here, by response id
