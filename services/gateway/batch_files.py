@@ -11,20 +11,17 @@ their shape before any path is built from them.
 from __future__ import annotations
 
 import contextlib
-import json
-import re
 import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from services.gateway.shared_folder import write_json_atomically
+from services.gateway.shared_folder import RecordFolder
 from services.gateway.validation import InvalidField
-from shared.errors import NotFound
 
 ID_PREFIX = "file-"
-_ID = re.compile(r"file-[0-9a-f]{32}")
+_ID = r"file-[0-9a-f]{32}"
 UPLOAD_PURPOSES = ("batch",)  # what a client may upload
 OUTPUT_PURPOSE = "batch_output"  # what a batch writes
 _COPY_CHUNK = 1 << 20  # bytes per read while storing an upload
@@ -85,22 +82,25 @@ def too_large(max_bytes: int) -> str:
     )
 
 
+def _file_record(value: dict[str, Any]) -> FileRecord:
+    return FileRecord(**value)
+
+
 def new_file_id() -> str:
     return ID_PREFIX + uuid.uuid4().hex
 
 
-class FileStore:
+class FileStore(RecordFolder[FileRecord]):
     """The files under `root/files`."""
 
+    SUFFIXES = (".json", "")  # the record first: gone for readers before the bytes
+
     def __init__(self, root: Path) -> None:
-        self._dir = root / "files"
-        self._dir.mkdir(parents=True, exist_ok=True)
+        super().__init__(root / "files", "file", _ID, _file_record, asdict)
 
     def data_path(self, file_id: str) -> Path:
         """Where a file's bytes are (the batch runner appends its output there)."""
-        if not _ID.fullmatch(file_id):
-            raise NotFound(f"no file {file_id!r}")
-        return self._dir / file_id
+        return self.path(file_id, "")
 
     def add(
         self,
@@ -143,35 +143,14 @@ class FileStore:
         now = int(time.time())
         expires_at = None if expires_after_s is None else now + expires_after_s
         record = FileRecord(file_id, path.stat().st_size, now, filename, purpose, owner, expires_at)
-        write_json_atomically(path.with_name(file_id + ".json"), asdict(record))
-        return record
-
-    def get(self, file_id: str, owner: str) -> FileRecord:
-        path = self.data_path(file_id).with_name(file_id + ".json")
-        try:
-            record = FileRecord(**json.loads(path.read_text(encoding="utf-8")))
-        except FileNotFoundError:
-            raise NotFound(f"no file {file_id!r}") from None
-        if record.owner != owner:
-            raise NotFound(f"no file {file_id!r}")
+        self.create(record)
         return record
 
     def list(self, owner: str | None, purpose: str | None = None) -> list[FileRecord]:
         """The owner's files (None: everyone's), newest first."""
-        records = []
-        for path in self._dir.glob("file-*.json"):
-            with contextlib.suppress(FileNotFoundError, ValueError, TypeError):
-                record = FileRecord(**json.loads(path.read_text(encoding="utf-8")))
-                if owner in (None, record.owner) and purpose in (None, record.purpose):
-                    records.append(record)
+        records = [r for r in self.records() if owner in (None, r.owner) and purpose in (None, r.purpose)]
         return sorted(records, key=lambda r: (r.created_at, r.id), reverse=True)
 
     def delete(self, file_id: str, owner: str) -> None:
         self.get(file_id, owner)
         self.remove(file_id)
-
-    def remove(self, file_id: str) -> None:
-        """Deletes a file (or what a batch wrote of one) whatever its owner; gone is no error."""
-        path = self.data_path(file_id)
-        path.with_name(file_id + ".json").unlink(missing_ok=True)  # gone for readers first
-        path.unlink(missing_ok=True)

@@ -2,31 +2,29 @@
 request counts, times and files) and their store on disk under --batch-dir as
 `batches/<id>.json`.
 
-Several gateway processes may share the folder: a record is changed only by `BatchStore.update`,
-a read-modify-write under an exclusive lock on `batches/<id>.lock`, so a cancel from one process
-and the counts of the process running the batch never overwrite each other. The process that
-runs a batch holds `batches/<id>.run` locked (`claim`); the lock goes with its process, so when a
-gateway dies another one (or the same, restarted) claims and resumes the batch.
+Several gateway processes may share the folder: a record is changed only by `BatchStore.update`
+(shared_folder.RecordFolder), a read-modify-write under an exclusive lock on
+`batches/<id>.lock`, so a cancel from one process and the counts of the process running the
+batch never overwrite each other. The process that runs a batch holds `batches/<id>.run`
+locked (`claim`); the lock goes with its process, so when a gateway dies another one (or the
+same, restarted) claims and resumes the batch.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import re
 import time
 import uuid
-from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, TextIO
 
-from services.gateway.shared_folder import locked, write_json_atomically
-from shared.errors import FailedPrecondition, NotFound
+from services.gateway.shared_folder import RecordFolder
+from shared.errors import FailedPrecondition
 
 ID_PREFIX = "batch_"
-_ID = re.compile(r"batch_[0-9a-f]{32}")
+_ID = r"batch_[0-9a-f]{32}"
 COMPLETION_WINDOW_S = {"24h": 24 * 3600}  # the windows OpenAI accepts (s)
 
 
@@ -144,53 +142,30 @@ def new_batch_id() -> str:
     return ID_PREFIX + uuid.uuid4().hex
 
 
-class BatchStore:
+class BatchStore(RecordFolder[BatchRecord]):
     """The records under `root/batches`."""
 
+    SUFFIXES = (".json", ".lock", ".run")
+
     def __init__(self, root: Path) -> None:
-        self._dir = root / "batches"
-        self._dir.mkdir(parents=True, exist_ok=True)
+        super().__init__(root / "batches", "batch", _ID, _record, asdict)
         self._final_seen: dict[str, int] = {}  # record file -> its mtime (ns) when seen final
-
-    def _path(self, batch_id: str, suffix: str) -> Path:
-        if not _ID.fullmatch(batch_id):
-            raise NotFound(f"no batch {batch_id!r}")
-        return self._dir / (batch_id + suffix)
-
-    def create(self, record: BatchRecord) -> None:
-        write_json_atomically(self._path(record.id, ".json"), _plain(record))
-
-    def read(self, batch_id: str) -> BatchRecord:
-        try:
-            return _record(json.loads(self._path(batch_id, ".json").read_text(encoding="utf-8")))
-        except FileNotFoundError:
-            raise NotFound(f"no batch {batch_id!r}") from None
-
-    def get(self, batch_id: str, owner: str) -> BatchRecord:
-        record = self.read(batch_id)
-        if record.owner != owner:
-            raise NotFound(f"no batch {batch_id!r}")
-        return record
 
     def all(self) -> list[BatchRecord]:
         """Every batch, oldest first (records being written are skipped)."""
-        records = []
-        for path in self._dir.glob("batch_*.json"):
-            with contextlib.suppress(FileNotFoundError, ValueError, TypeError, KeyError):
-                records.append(_record(json.loads(path.read_text(encoding="utf-8"))))
-        return sorted(records, key=lambda r: (r.created_at, r.id))
+        return sorted(self.records(), key=lambda r: (r.created_at, r.id))
 
     def unfinished(self) -> list[str]:
         """Ids of the batches not yet over, oldest first: what a runner looks for every poll. A
         record seen final is not read again while its file is unchanged (a folder of many old
         batches costs a stat each)."""
         ids = []
-        for path in self._dir.glob("batch_*.json"):
+        for path in self.record_files():
             try:
                 mtime = path.stat().st_mtime_ns
                 if self._final_seen.get(path.name) == mtime:
                     continue
-                record = _record(json.loads(path.read_text(encoding="utf-8")))
+                record = self.load(path)
             except (FileNotFoundError, ValueError, TypeError, KeyError):
                 continue  # being written, or gone
             if record.final:
@@ -199,31 +174,9 @@ class BatchStore:
                 ids.append((record.created_at, record.id))
         return [batch_id for _, batch_id in sorted(ids)]
 
-    def update(self, batch_id: str, change: Callable[[BatchRecord], BatchRecord]) -> BatchRecord:
-        """Applies `change` to the record as it is on disk now, under the record's lock."""
-        with locked(self._path(batch_id, ".lock"), blocking=True):
-            record = change(self.read(batch_id))
-            write_json_atomically(self._path(batch_id, ".json"), _plain(record))
-            return record
-
     def remove(self, batch_id: str) -> None:
-        """Deletes a batch's record and lock files (gone is no error)."""
-        for suffix in (".json", ".lock", ".run"):
-            self._path(batch_id, suffix).unlink(missing_ok=True)
+        super().remove(batch_id)
         self._final_seen.pop(batch_id + ".json", None)
-
-    @contextlib.contextmanager
-    def claim(self, batch_id: str) -> Iterator[bool]:
-        """Holds the batch's run lock while the block runs: True when this process got it (it runs
-        the batch), False when another process holds it."""
-        with locked(self._path(batch_id, ".run"), blocking=False) as got:
-            yield got
-
-
-def _plain(record: BatchRecord) -> dict[str, Any]:
-    value = asdict(record)
-    value["status"] = record.status.value
-    return value
 
 
 def append_line(out: TextIO, value: dict[str, Any]) -> None:

@@ -2,26 +2,24 @@
 record per conversation (its owner, metadata and items: Responses input and output items, each
 with an id) and their store on disk under --response-dir as `conversations/<id>.json`.
 
-A record changes only through `ConversationStore.update`, a read-modify-write under
-`conversations/<id>.lock`, so two gateways appending a turn each to the same conversation never
-lose one.
+A record changes only through `ConversationStore.update` (shared_folder.RecordFolder), a
+read-modify-write under `conversations/<id>.lock`, so two gateways appending a turn each to the
+same conversation never lose one.
 """
 
 from __future__ import annotations
 
-import json
-import re
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from services.gateway.shared_folder import locked, write_json_atomically
+from services.gateway.shared_folder import RecordFolder
 from shared.errors import NotFound
 
 ID_PREFIX = "conv_"
-_ID = re.compile(r"conv_[0-9a-f]{32}")
+_ID = r"conv_[0-9a-f]{32}"
 MAX_ITEMS_PER_ADD = 20  # OpenAI's limit on the items one create or add call takes (count)
 
 
@@ -61,44 +59,12 @@ def new_conversation_id() -> str:
     return ID_PREFIX + uuid.uuid4().hex
 
 
-class ConversationStore:
+def _conversation(value: dict[str, Any]) -> Conversation:
+    return Conversation(**(value | {"items": tuple(value.get("items", ()))}))
+
+
+class ConversationStore(RecordFolder[Conversation]):
     """The records under `root/conversations`."""
 
     def __init__(self, root: Path) -> None:
-        self._dir = root / "conversations"
-        self._dir.mkdir(parents=True, exist_ok=True)
-
-    def _path(self, conversation_id: str, suffix: str) -> Path:
-        if not _ID.fullmatch(conversation_id):
-            raise NotFound(f"no conversation {conversation_id!r}")
-        return self._dir / (conversation_id + suffix)
-
-    def create(self, conversation: Conversation) -> None:
-        write_json_atomically(self._path(conversation.id, ".json"), asdict(conversation))
-
-    def read(self, conversation_id: str) -> Conversation:
-        try:
-            value = json.loads(self._path(conversation_id, ".json").read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise NotFound(f"no conversation {conversation_id!r}") from None
-        return Conversation(**(value | {"items": tuple(value.get("items", ()))}))
-
-    def get(self, conversation_id: str, owner: str) -> Conversation:
-        """The record; another owner's, or a missing one: NotFound."""
-        conversation = self.read(conversation_id)
-        if conversation.owner != owner:
-            raise NotFound(f"no conversation {conversation_id!r}")
-        return conversation
-
-    def update(
-        self, conversation_id: str, owner: str, change: Callable[[Conversation], Conversation]
-    ) -> Conversation:
-        """Applies `change` to the owner's record as it is on disk now, under its lock."""
-        with locked(self._path(conversation_id, ".lock"), blocking=True):
-            conversation = change(self.get(conversation_id, owner))
-            write_json_atomically(self._path(conversation_id, ".json"), asdict(conversation))
-            return conversation
-
-    def remove(self, conversation_id: str) -> None:
-        for suffix in (".json", ".lock"):
-            self._path(conversation_id, suffix).unlink(missing_ok=True)
+        super().__init__(root / "conversations", "conversation", _ID, _conversation, asdict)

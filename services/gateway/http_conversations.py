@@ -89,7 +89,7 @@ class ConversationsApi:
         store, who = self._open(request)
         body = await read_json(request, UpdateConversation, self._max_body_bytes)
         pairs = metadata(body.metadata)
-        return store.update(conversation_id, who, lambda c: _with_metadata(c, pairs)).body()
+        return store.update(conversation_id, lambda c: _with_metadata(c, pairs), who).body()
 
     @answered()
     async def delete(self, request: Request, conversation_id: str) -> Answered:
@@ -103,7 +103,7 @@ class ConversationsApi:
         store, who = self._open(request)
         body = await read_json(request, AddItems, self._max_body_bytes)
         added = _items(body.items)
-        store.update(conversation_id, who, lambda c: c.added(added))
+        store.update(conversation_id, lambda c: c.added(added), who)
         return {
             "object": "list",
             "data": list(added),
@@ -125,7 +125,7 @@ class ConversationsApi:
     @answered()
     async def delete_item(self, request: Request, conversation_id: str, item_id: str) -> Answered:
         store, who = self._open(request)
-        return store.update(conversation_id, who, lambda c: c.without(item_id)).body()
+        return store.update(conversation_id, lambda c: c.without(item_id), who).body()
 
     def _open(self, request: Request) -> tuple[ConversationStore, str]:
         who = owner(self._keys, request)

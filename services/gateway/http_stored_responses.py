@@ -199,7 +199,7 @@ class StoredResponses:
             return
         turn = keeping.items + tuple(as_input_item(item) for item in body["output"])
         try:
-            self._conversations.update(keeping.conversation, keeping.owner, lambda c: c.added(turn))
+            self._conversations.update(keeping.conversation, lambda c: c.added(turn), keeping.owner)
         except Exception as exc:  # deleted meanwhile, a full disk: the answer still goes out
             log.warning("conversation_not_updated", conversation=keeping.conversation, error=str(exc))
 

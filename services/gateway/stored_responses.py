@@ -9,32 +9,31 @@ their output items, in order), so a follow-up is served from one record even whe
 were deleted or expired.
 
 Several gateway processes may share the folder (`pdserve up --gateways 2` shares one HTTP port):
-a record changes only through `ResponseStore.update`, under `<id>.lock`; the process running a
-background response holds `<id>.run` locked while it runs (`claim`), and the lock goes with its
-process, so a record left queued or in progress by a gateway that died is found unclaimed and
-marked failed (`fail_if_abandoned`). A background response's events (the Responses stream
-events, one JSON line each) go to `<id>.events` as it runs (`EventLog`), where a client that
-streams it, now or later (`GET /v1/responses/{id}?stream=true&starting_after=N`), reads them
-(`events_from`) from any gateway on the folder.
+a record changes only through `ResponseStore.update` (shared_folder.RecordFolder), under
+`<id>.lock`; the process running a background response holds `<id>.run` locked while it runs
+(`claim`), and the lock goes with its process, so a record left queued or in progress by a
+gateway that died is found unclaimed and marked failed (`fail_if_abandoned`). A background
+response's events (the Responses stream events, one JSON line each) go to `<id>.events` as it
+runs (`EventLog`), where a client that streams it, now or later (`GET
+/v1/responses/{id}?stream=true&starting_after=N`), reads them (`events_from`) from any gateway
+on the folder.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import re
 import uuid
-from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from services.gateway.shared_folder import locked, write_json_atomically
+from services.gateway.shared_folder import RecordFolder
 from shared.errors import FailedPrecondition, NotFound
 
 ID_PREFIX = "resp_"
-_ID = re.compile(r"resp_[0-9a-f]{32}")
+_ID = r"resp_[0-9a-f]{32}"
 
 
 class ResponseStatus(StrEnum):
@@ -122,53 +121,19 @@ def _record(value: dict[str, Any]) -> StoredResponse:
     return StoredResponse(**value)
 
 
-class ResponseStore:
+class ResponseStore(RecordFolder[StoredResponse]):
     """The records under `root`."""
 
+    SUFFIXES = (".json", ".events", ".lock", ".run")
+
     def __init__(self, root: Path) -> None:
-        self._dir = root
-        self._dir.mkdir(parents=True, exist_ok=True)
-
-    def _path(self, response_id: str, suffix: str) -> Path:
-        if not _ID.fullmatch(response_id):
-            raise NotFound(f"no response {response_id!r}")
-        return self._dir / (response_id + suffix)
-
-    def create(self, record: StoredResponse) -> None:
-        write_json_atomically(self._path(record.id, ".json"), asdict(record))
-
-    def read(self, response_id: str) -> StoredResponse:
-        try:
-            return _record(json.loads(self._path(response_id, ".json").read_text(encoding="utf-8")))
-        except FileNotFoundError:
-            raise NotFound(f"no response {response_id!r}") from None
+        super().__init__(root, "response", _ID, _record, asdict)
 
     def get(self, response_id: str, owner: str) -> StoredResponse:
         """The record, as another owner's or a missing one: NotFound. A record that a dead
         gateway left unfinished is marked failed first."""
-        record = self.read(response_id)
-        if record.owner != owner:
-            raise NotFound(f"no response {response_id!r}")
+        record = super().get(response_id, owner)
         return record if record.final else self.fail_if_abandoned(response_id)
-
-    def update(self, response_id: str, change: Callable[[StoredResponse], StoredResponse]) -> StoredResponse:
-        """Applies `change` to the record as it is on disk now, under the record's lock."""
-        with locked(self._path(response_id, ".lock"), blocking=True):
-            record = change(self.read(response_id))
-            write_json_atomically(self._path(response_id, ".json"), asdict(record))
-            return record
-
-    def remove(self, response_id: str) -> None:
-        """Deletes a record, its events and its lock files (gone is no error)."""
-        for suffix in (".json", ".events", ".lock", ".run"):
-            self._path(response_id, suffix).unlink(missing_ok=True)
-
-    @contextlib.contextmanager
-    def claim(self, response_id: str) -> Iterator[bool]:
-        """Holds the response's run lock while the block runs: True when this process got it,
-        False when another run (in this process or another) holds it."""
-        with locked(self._path(response_id, ".run"), blocking=False) as got:
-            yield got
 
     def fail_if_abandoned(self, response_id: str) -> StoredResponse:
         """The record; when it is unfinished and nobody holds its run lock (its gateway died),
@@ -179,22 +144,19 @@ class ResponseStore:
             return self.update(response_id, _abandoned)
 
     def event_log(self, response_id: str) -> EventLog:
-        return EventLog(self._path(response_id, ".events"))
+        return EventLog(self.path(response_id, ".events"))
 
     def events_from(self, response_id: str, offset: int) -> tuple[list[dict[str, Any]], int]:
         """The events written after byte `offset` of the response's event log, and the offset
         after them; a line being written (no newline yet) is left for the next read."""
         try:
-            with self._path(response_id, ".events").open("rb") as f:
+            with self.path(response_id, ".events").open("rb") as f:
                 f.seek(offset)
                 data = f.read()
         except FileNotFoundError:
             return [], offset
         end = data.rfind(b"\n") + 1
         return [json.loads(line) for line in data[:end].splitlines() if line], offset + end
-
-    def ids(self) -> list[str]:
-        return sorted(p.name[: -len(".json")] for p in self._dir.glob(f"{ID_PREFIX}*.json"))
 
     def prune(self, now: float, retention_s: float) -> list[str]:
         """Removes the records created more than `retention_s` ago (an unfinished one once it is

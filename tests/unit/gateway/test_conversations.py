@@ -22,10 +22,10 @@ def test_items_are_added_in_order_and_removed_by_id(tmp_path: Path) -> None:
     store.create(conv)
     assert store.get(conv.id, "o1") == conv
     assert conv.body() == {"id": conv.id, "object": "conversation", "created_at": 5, "metadata": {"k": "v"}}
-    grown = store.update(conv.id, "o1", lambda c: c.added([_message(1), _message(2)]))
+    grown = store.update(conv.id, lambda c: c.added([_message(1), _message(2)]), "o1")
     assert [i["id"] for i in grown.items] == ["msg_0", "msg_1", "msg_2"]
     assert grown.item("msg_1")["content"] == "m1"
-    shrunk = store.update(conv.id, "o1", lambda c: c.without("msg_1"))
+    shrunk = store.update(conv.id, lambda c: c.without("msg_1"), "o1")
     assert (
         [i["id"] for i in store.read(conv.id).items] == ["msg_0", "msg_2"] == [i["id"] for i in shrunk.items]
     )
@@ -35,7 +35,7 @@ def test_items_are_added_in_order_and_removed_by_id(tmp_path: Path) -> None:
     with pytest.raises(NotFound):
         store.get(conv.id, "o2")  # another key's
     with pytest.raises(NotFound):
-        store.update(conv.id, "o2", lambda c: c.added([_message(3)]))
+        store.update(conv.id, lambda c: c.added([_message(3)]), "o2")
     with pytest.raises(NotFound):
         store.get("conv_../x", "o1")
     store.remove(conv.id)
@@ -50,7 +50,7 @@ def test_turns_added_at_once_are_all_kept(tmp_path: Path) -> None:
     def add(first: int) -> None:
         for i in range(first, first + 25):
             item = _message(i)
-            store.update(conv.id, "", lambda c: c.added([item]))  # noqa: B023 (called at once)
+            store.update(conv.id, lambda c: c.added([item]), "")  # noqa: B023 (called at once)
 
     writers = [threading.Thread(target=add, args=(k * 100,)) for k in range(4)]
     for w in writers:
