@@ -24,9 +24,10 @@ class ToolParsing:
 
     fmt: Format
     forced: bool  # tool_choice required / a named function: the output is one call's JSON body
+    tools: tuple[Tool, ...] = ()  # those offered (Qwen3-Coder's values are typed by their schemas)
 
     def parser(self) -> tool_calls.ToolCallParser:
-        return tool_calls.ToolCallParser(self.fmt, self.forced)
+        return tool_calls.ToolCallParser(self.fmt, self.forced, self.tools)
 
 
 def message_text(i: int, msg: m.ChatMessage) -> str:

@@ -358,7 +358,7 @@ def chat_plan(
         # Mistral's calls open with the special token [TOOL_CALLS]: shown, a call after some
         # content is found too (tool_calls.py); vLLM's Mistral parser asks for them the same way
         common["show_tool_markers"] = tool_format == "mistral"
-        parsing = ToolParsing(tool_format, forced=False)
+        parsing = ToolParsing(tool_format, forced=False, tools=tools)
     elif not isinstance(choice, str):
         if common["structured"] is not None:
             raise InvalidField(
@@ -367,7 +367,7 @@ def chat_plan(
             )
         common["tools"] = tools
         common["structured"] = tool_calls.forced_call(choice, tool_format)
-        parsing = ToolParsing(tool_format, forced=True)
+        parsing = ToolParsing(tool_format, forced=True, tools=tools)
     plan = _plan(req, [{"messages": turns}], common, request_id, parsing)
     role = http_chat.reply_role(req)
     plan = dataclasses.replace(

@@ -237,7 +237,7 @@ def chat_message(plan: Plan, text: str) -> tuple[m.AssistantMessage, bool]:
     content: str | None = text
     calls: list[ToolCall] = []
     if plan.tools is not None:
-        content, calls = tool_calls.parse(text, plan.tools.fmt, plan.tools.forced)
+        content, calls = tool_calls.parse(text, plan.tools.fmt, plan.tools.forced, plan.tools.tools)
     called = response_tool_calls(calls) or None
     if plan.reasoning is not None and thought is not None and not content:
         content = None

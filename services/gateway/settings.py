@@ -74,10 +74,11 @@ class GatewaySettings(TlsSettings):
     tool_call_parser: str = field(
         "",
         "how tool calls are read from chat output: hermes (<tool_call>{json}</tool_call>), "
-        'llama3_json ({"name": ..., "parameters": ...}) or mistral ([TOOL_CALLS] [{"name": ..., '
-        "\"arguments\": ...}] or name[ARGS]{...}); '' = detected from the chat template (hermes "
-        "when it says nothing)",
-        choices=("", "hermes", "llama3_json", "mistral"),
+        'llama3_json ({"name": ..., "parameters": ...}), mistral ([TOOL_CALLS] [{"name": ..., '
+        '"arguments": ...}] or name[ARGS]{...}), pythonic (Llama 3.2 / 4: [f(a=1), g(b="x")]) '
+        "or qwen3_coder (Qwen3-Coder: <tool_call><function=f><parameter=a>1</parameter>"
+        "</function></tool_call>); '' = detected from the chat template (hermes when it says nothing)",
+        choices=("", "hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"),
     )
     reasoning_parser: str = field(
         "",

@@ -205,7 +205,7 @@ def _turn(m: ChatTurn, fmt: Format, template_renders_calls: bool) -> dict[str, A
             turn["tool_call_id"] = tool_calls.template_call_id(m.tool_call_id, fmt)
         return turn
     if m.tool_calls:
-        calls = "\n".join(tool_calls.call_text(c.name, c.arguments, fmt) for c in m.tool_calls)
+        calls = tool_calls.calls_text([(c.name, c.arguments) for c in m.tool_calls], fmt)
         turn["content"] = f"{m.content}\n{calls}" if m.content else calls
     if m.role == "tool":
         turn["content"] = tool_calls.tool_result_text(m.content, fmt)

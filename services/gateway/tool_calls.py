@@ -1,8 +1,10 @@
 """Tool calls: the tools a chat request offers, the tool_choice that forces a call (as a JSON-schema
 structured output), the prompt preamble for templates that ignore tools, and the parsers that turn
 a model's output into content and tool calls (Hermes `<tool_call>` JSON, Llama-3 JSON, Mistral's
-`[TOOL_CALLS]`), one incremental parser for streamed and unary responses alike (unary = all text
-fed at once, so a stream's deltas always reassemble to the unary result).
+`[TOOL_CALLS]`, the pythonic call list of Llama 3.2 / 4, Qwen3-Coder's XML), one incremental
+parser for streamed and unary responses alike (unary = all text fed at once, so a stream's deltas
+always reassemble to the unary result). The pythonic and Qwen3-Coder syntaxes are read and written
+by tool_call_syntax.py.
 
 Mistral: `[TOOL_CALLS]` (and v11's `[ARGS]`) are special tokens. The gateway asks the workers to
 show them for such requests (`skip_special_tokens` false, as vLLM's Mistral parser does), so a
@@ -20,13 +22,29 @@ import hashlib
 import json
 import re
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from services.gateway.tool_call_syntax import (
+    NEED_MORE,
+    PYTHON_END,
+    PYTHON_START,
+    PYTHONIC_HEAD,
+    PYTHONIC_HEAD_SO_FAR,
+    QWEN_START,
+    PythonListScanner,
+    QwenCall,
+    pythonic_calls,
+    pythonic_text,
+    qwen_call,
+    qwen_text,
+    typed_value,
+)
 from shared.structured_output import StructuredOutput
 
-Format = Literal["hermes", "llama3_json", "mistral"]
-FORMATS: tuple[Format, ...] = ("hermes", "llama3_json", "mistral")
+Format = Literal["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"]
+FORMATS: tuple[Format, ...] = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder")
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.1 may open a JSON call with it
 MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
@@ -85,7 +103,14 @@ def valid_name(name: str) -> bool:
 
 
 def detect_format(chat_template: str) -> Format:
-    """The parser a chat template's own tool format calls for (hermes when it says nothing)."""
+    """The parser a chat template's own tool format calls for (hermes when it says nothing):
+    Qwen3-Coder's writes calls with `<function=` and `<parameter=` (inside `<tool_call>`, so it is
+    looked for first); the pythonic templates of Llama 3.2 / 4 (vLLM's) show the call list as
+    `[func_name1(...), ...]`. (Meta's own Llama 3.2 / 4 templates ask for JSON: llama3_json.)"""
+    if "<function=" in chat_template and "<parameter=" in chat_template:
+        return "qwen3_coder"
+    if "[func_name1(" in chat_template:
+        return "pythonic"
     if HERMES_START in chat_template:
         return "hermes"
     if PYTHON_TAG in chat_template or ("ipython" in chat_template and '"parameters"' in chat_template):
@@ -120,9 +145,22 @@ def forced_call(tools: tuple[Tool, ...], fmt: Format) -> StructuredOutput:
 
 def preamble(tools: tuple[Tool, ...], fmt: Format) -> str:
     """A system-prompt text offering `tools`, for chat templates that do not render tools (the
-    bundled SmolLM2's): the Hermes function-calling prompt (NousResearch's), or its Llama-3 JSON
-    counterpart."""
+    bundled SmolLM2's): the Hermes function-calling prompt (NousResearch's), or its counterpart in
+    the other formats."""
     listed = "\n".join(json.dumps(t.as_openai()) for t in tools)
+    if fmt == "pythonic":
+        return (
+            "You have access to the following functions. To call functions, respond with only a "
+            "python list of the calls, in the format [func_name1(params_name1=params_value1, "
+            "params_name2=params_value2...), func_name2(params)]. Do not use variables.\n\n" + listed
+        )
+    if fmt == "qwen3_coder":
+        return (
+            "You have access to the following functions:\n\n<tools>\n" + listed + "\n</tools>\n\n"
+            "If you choose to call a function ONLY reply in the following format:\n\n<tool_call>\n"
+            "<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n"
+            "</parameter>\n</function>\n</tool_call>"
+        )
     if fmt == "llama3_json":
         return (
             "You have access to the following functions. To call a function, respond with only a JSON "
@@ -147,14 +185,27 @@ def preamble(tools: tuple[Tool, ...], fmt: Format) -> str:
 
 def call_text(name: str, arguments: str, fmt: Format) -> str:
     """An earlier assistant call as the model writes it (for templates that do not render calls)."""
+    if fmt == "pythonic":
+        return pythonic_text([(name, json.loads(arguments))])
+    if fmt == "qwen3_coder":
+        return qwen_text(name, json.loads(arguments))
     body = f'{{"name": {json.dumps(name)}, "{arguments_key(fmt)}": {arguments}}}'
     if fmt == "mistral":
         return f"{MISTRAL_CALLS} [{body}]"
     return f"{HERMES_START}\n{body}\n{HERMES_END}" if fmt == "hermes" else body
 
 
+def calls_text(calls: Sequence[tuple[str, str]], fmt: Format) -> str:
+    """An earlier assistant turn's calls, (name, arguments) each, as the model writes them: one
+    pythonic list, or each call in turn."""
+    if fmt == "pythonic":
+        return pythonic_text([(name, json.loads(arguments)) for name, arguments in calls])
+    return "\n".join(call_text(name, arguments, fmt) for name, arguments in calls)
+
+
 def tool_result_text(content: str, fmt: Format) -> str:
-    return f"<tool_response>\n{content}\n</tool_response>" if fmt == "hermes" else content
+    wrapped = fmt in ("hermes", "qwen3_coder")
+    return f"<tool_response>\n{content}\n</tool_response>" if wrapped else content
 
 
 def _call_of(body: str) -> ToolCall | None:
@@ -257,12 +308,28 @@ class ToolCallParser:
     (optionally after `<|python_tag|>`), calls may follow each other separated by `;` or
     whitespace; output that does not open with `{` is content. Mistral (module docstring): the
     same, and at the output's start or after a call also a JSON array of calls or `name{...}`.
+
+    Pythonic: the output opens (after whitespace, and Llama 4's `<|python_start|>` where shown)
+    with a Python list of calls, `[name(arg=literal, ...), ...]`; it is held until the list
+    closes, then its calls are sent together (none is sent before the whole list is known to be
+    calls); a list that is not one, or output that does not open with `[name(`, is content as
+    written. Text after the list (past `<|python_end|>`) is content. Qwen3-Coder: calls are
+    `<tool_call><function=NAME><parameter=ARG>VALUE</parameter>...</function></tool_call>`
+    anywhere in the text, as Hermes' calls are; a value is typed by the parameter's type in the
+    tool's schema (`tools`; tool_call_syntax.typed_value), else a string. A block that is not a
+    call leaves its `<tool_call>` as content and the search goes on after it.
     """
 
-    def __init__(self, fmt: Format, forced: bool = False) -> None:
+    def __init__(self, fmt: Format, forced: bool = False, tools: Sequence[Tool] = ()) -> None:
         self._fmt = fmt
         self._mistral = fmt == "mistral"
         self._json_calls = forced or fmt in ("llama3_json", "mistral")
+        self._pythonic = fmt == "pythonic" and not forced
+        self._qwen = fmt == "qwen3_coder" and not forced
+        self._tools = tuple(tools)
+        self._properties: dict[str, dict[str, Any]] | None = None  # per tool (Qwen3-Coder typing)
+        self._list: PythonListScanner | None = None  # pythonic: scanning the call list
+        self._after_list = False  # pythonic: the call list was read; the rest is content
         # a forced call (the grammar makes the output one) streams its arguments as they come
         self._forced = forced
         self._open: _OpenCall | None = None
@@ -298,18 +365,12 @@ class ToolCallParser:
     def feed(self, text: str) -> list[Event]:
         out: list[Event] = []
         self._buf += text
-        if self._json_calls:
-            self._scan_json(out, final=False)
-        else:
-            self._scan_hermes(out, final=False)
+        self._scan(out, final=False)
         return out
 
     def finish(self) -> list[Event]:
         out: list[Event] = []
-        if self._json_calls:
-            self._scan_json(out, final=True)
-        else:
-            self._scan_hermes(out, final=True)
+        self._scan(out, final=True)
         if self._buf:
             self._content(self._buf, out)
             self._buf = ""
@@ -317,6 +378,88 @@ class ToolCallParser:
             out.append(self._held_ws)
         self._held_ws = ""
         return out
+
+    def _scan(self, out: list[Event], final: bool) -> None:
+        if self._json_calls:
+            self._scan_json(out, final)
+        elif self._pythonic:
+            self._scan_pythonic(out, final)
+        elif self._qwen:
+            self._scan_qwen(out, final)
+        else:
+            self._scan_hermes(out, final)
+
+    def _scan_pythonic(self, out: list[Event], final: bool) -> None:
+        if self._after_list and not self._plain:  # Llama 4's <|python_end|> closes the calls
+            head = self._buf.lstrip()
+            if not final and PYTHON_END.startswith(head):
+                return  # (nothing yet, or the start of the marker)
+            if head.startswith(PYTHON_END):
+                self._buf = head[len(PYTHON_END) :]
+            self._plain = True
+        if not self._plain and self._list is None:
+            head = self._buf.lstrip()
+            if head.startswith(PYTHON_START):
+                head = head[len(PYTHON_START) :].lstrip()
+            elif not final and PYTHON_START.startswith(head):
+                return  # undecided: whitespace, or the start of <|python_start|>
+            if PYTHONIC_HEAD.match(head):
+                self._list = PythonListScanner()
+                self._call_start = len(self._buf) - len(head)
+            elif not final and (not head or PYTHONIC_HEAD_SO_FAR.fullmatch(head)):
+                return  # may still become "[name("
+            else:
+                self._plain = True
+        if self._list is not None and not self._plain:
+            body = self._buf[self._call_start :]
+            end = self._list.advance(body, final)
+            if end is None and not final:
+                return
+            calls = pythonic_calls(body[:end]) if end is not None else None
+            if end is not None and calls is not None and all(valid_name(name) for name, _ in calls):
+                for name, arguments in calls:
+                    self._call(ToolCall(new_call_id(), name, json.dumps(arguments, ensure_ascii=False)), out)
+                self._buf, self._list, self._after_list = body[end:], None, True
+                self._scan_pythonic(out, final)
+                return
+            self._plain = True  # not a call list (or never closed): all of it is content
+        if self._buf:
+            self._content(self._buf, out)
+            self._buf = ""
+
+    def _scan_qwen(self, out: list[Event], final: bool) -> None:
+        while self._buf:
+            if not self._in_call:
+                at = self._buf.find(QWEN_START)
+                if at < 0:
+                    keep = 0 if final else _partial_suffix(self._buf, QWEN_START)
+                    self._content(self._buf[: len(self._buf) - keep], out)
+                    self._buf = self._buf[len(self._buf) - keep :]
+                    return
+                self._content(self._buf[:at], out)
+                self._buf = self._buf[at:]
+                self._in_call = True
+            found = qwen_call(self._buf, final)
+            if found == NEED_MORE:
+                return
+            self._in_call = False
+            if isinstance(found, QwenCall) and (call := self._qwen_call(found)) is not None:
+                self._call(call, out)
+                self._buf = self._buf[found.end :]
+            else:  # not a call: its <tool_call> is content
+                self._content(QWEN_START, out)
+                self._buf = self._buf[len(QWEN_START) :]
+
+    def _qwen_call(self, found: QwenCall) -> ToolCall | None:
+        """A Qwen3-Coder block's call, its values typed by the tool's schema (when it is one of
+        the tools offered); None when its name is not a function name."""
+        if not valid_name(found.name):
+            return None
+        if self._properties is None:
+            self._properties = {t.name: _properties(t) for t in self._tools}
+        properties = self._properties.get(found.name, {})
+        arguments = {name: typed_value(value, properties.get(name)) for name, value in found.parameters}
+        return ToolCall(new_call_id(), found.name, json.dumps(arguments, ensure_ascii=False))
 
     def _scan_hermes(self, out: list[Event], final: bool) -> None:
         while self._buf:
@@ -492,6 +635,13 @@ class ToolCallParser:
             out.append(ArgumentsDelta(args[sent : call.scanned]))
 
 
+def _properties(tool: Tool) -> dict[str, Any]:
+    """A tool's parameters' schemas by name (its schema's `properties`)."""
+    schema = json.loads(tool.parameters)
+    properties = schema.get("properties") if isinstance(schema, dict) else None
+    return properties if isinstance(properties, dict) else {}
+
+
 def _partial_suffix(text: str, marker: str) -> int:
     """Length of the longest end of `text` that is a proper start of `marker`."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
@@ -500,9 +650,11 @@ def _partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
-def parse(text: str, fmt: Format, forced: bool = False) -> tuple[str | None, list[ToolCall]]:
+def parse(
+    text: str, fmt: Format, forced: bool = False, tools: Sequence[Tool] = ()
+) -> tuple[str | None, list[ToolCall]]:
     """A whole output -> (content, calls). Content is None when there are calls and no text."""
-    parser = ToolCallParser(fmt, forced)
+    parser = ToolCallParser(fmt, forced, tools)
     events = parser.feed(text) + parser.finish()
     calls = [e for e in events if isinstance(e, ToolCall)]
     content = "".join(e for e in events if isinstance(e, str))  # (CallStart / deltas: in calls)

@@ -37,8 +37,9 @@ def test_auto_offers_the_tools_and_parses_freely() -> None:
     assert json.loads(inp.tools[0].parameters) == PARAMS and inp.tools[0].description == "d"
     assert json.loads(inp.tools[1].parameters) == {"type": "object", "properties": {}}
     assert inp.structured is None
-    assert plan.tools == ToolParsing("hermes", forced=False)
-    assert chat(tools=[WEATHER], tool_choice="auto").tools == plan.tools
+    assert plan.tools == ToolParsing("hermes", forced=False, tools=inp.tools)
+    auto = chat(tools=[WEATHER], tool_choice="auto")
+    assert auto.tools == ToolParsing("hermes", forced=False, tools=auto.inputs[0].tools)
 
 
 def test_none_leaves_tools_out() -> None:
@@ -47,11 +48,11 @@ def test_none_leaves_tools_out() -> None:
     assert chat().tools is None and chat(tool_choice="auto").tools is None  # no tools: nothing to parse
 
 
-@pytest.mark.parametrize("fmt", ["hermes", "llama3_json"])
+@pytest.mark.parametrize("fmt", ["hermes", "llama3_json", "pythonic", "qwen3_coder"])
 def test_required_and_named_force_a_call_with_a_schema(fmt: str) -> None:
     key = "parameters" if fmt == "llama3_json" else "arguments"
     required = chat(fmt, tools=[WEATHER, TIME], tool_choice="required")
-    assert required.tools == ToolParsing(fmt, forced=True)  # type: ignore[arg-type]
+    assert required.tools == ToolParsing(fmt, forced=True, tools=required.inputs[0].tools)  # type: ignore[arg-type]
     spec = required.inputs[0].structured
     assert spec is not None and spec.kind == "json_schema"
     assert [v["properties"]["name"]["const"] for v in json.loads(spec.spec)["anyOf"]] == [

@@ -24,6 +24,8 @@ def test_flags_beat_env() -> None:
     assert s.metrics_port == -1
     assert s.tool_call_parser == ""  # detected from the chat template
     assert load_settings(["--tool-call-parser", "llama3_json"], env={}).tool_call_parser == "llama3_json"
+    for parser in ("pythonic", "qwen3_coder"):
+        assert load_settings(["--tool-call-parser", parser], env={}).tool_call_parser == parser
 
 
 @pytest.mark.parametrize(
@@ -33,7 +35,7 @@ def test_flags_beat_env() -> None:
         ["--default-max-tokens", "0"],
         ["--request-timeout-s", "0"],
         ["--log-format", "xml"],
-        ["--tool-call-parser", "pythonic"],
+        ["--tool-call-parser", "granite"],
     ],
 )
 def test_invalid_values_exit_with_a_message(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
