@@ -284,10 +284,12 @@ async def _read_seconds(metrics_url: str) -> float | None:
                 text = resp.read().decode()
         except OSError:
             return None
-        for line in text.splitlines():
-            if line.startswith("pdserve_kv_transfer_read_seconds_sum "):
-                return float(line.split()[1])
-        return 0.0  # no READ yet
+        # one series per read path (nixl, cuda_ipc); 0 before the first read
+        return sum(
+            float(line.split()[-1])
+            for line in text.splitlines()
+            if line.startswith("pdserve_kv_transfer_read_seconds_sum")
+        )
 
     return await asyncio.to_thread(scrape)
 

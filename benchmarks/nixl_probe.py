@@ -18,6 +18,9 @@ worker applies on GPUs (kv_nixl.UCX_CUDA_DEFAULTS), `--ucx as-is` without them, 
 the main process into the target's pool, checked by the target: CUDA IPC's put_zcopy is not
 switched off without NVLink as its get_zcopy is, so if the GET stays slow on a GPU, a WRITE from
 the prefill side (as SGLang's and Dynamo's NIXL transfers do) is the measured alternative.
+`--ops IPC` times what a decode worker does instead of a READ within one host on GPUs
+(kv_cuda_ipc.py): the target's pool shared through CUDA IPC, mapped here once, the same blocks
+copied device to device.
 
   python -m benchmarks.nixl_probe --device cuda --modes poll spin thread --ucx worker as-is --out r.json
 """
@@ -37,6 +40,7 @@ import numpy as np
 import torch
 
 from benchmarks.bench_stack import machine
+from services.worker import kv_cuda_ipc
 from services.worker.kv_descriptors import block_runs, plane_descriptors
 from services.worker.kv_nixl import UCX_CUDA_DEFAULTS, ucx_cuda_defaults
 from shared.cluster import KvLayout
@@ -85,7 +89,7 @@ def _target(
     agent = api.nixl_agent(f"target-{mode}", config)
     agent.register_memory(pool)
     torch.cuda.synchronize() if device == "cuda" else None
-    conn.send((agent.get_agent_metadata(), pool.data_ptr()))
+    conn.send((agent.get_agent_metadata(), pool.data_ptr(), kv_cuda_ipc.share(pool)))
     while True:
         while not conn.poll(0):
             if mode in ("poll", "spin"):
@@ -144,7 +148,7 @@ def probe(mode: str, ucx: str, args: argparse.Namespace) -> list[dict[str, Any]]
     proc.start()
     rows = []
     try:
-        metadata, remote_addr = parent.recv()
+        metadata, remote_addr, ipc_share = parent.recv()
         dtype = getattr(torch, args.dtype)
         pool = _pool(layout, args.slots, args.device, dtype, 0.0)
         config = api.nixl_agent_config(backends=["UCX"], enable_prog_thread=mode == "thread")
@@ -168,7 +172,7 @@ def probe(mode: str, ucx: str, args: argparse.Namespace) -> list[dict[str, Any]]
             at = [d * args.block_size for d in dst]
             for op in args.ops:
                 # READ: the target's src blocks into ours at dst; WRITE: ours at src into its dst
-                their_starts, our_starts = (s0, d0) if op == "READ" else (d0, s0)
+                their_starts, our_starts = (s0, d0) if op in ("READ", "IPC") else (d0, s0)
                 theirs = plane_descriptors(
                     remote_addr, args.slots, layout, itemsize, dev, their_starts, counts
                 )
@@ -177,19 +181,27 @@ def probe(mode: str, ucx: str, args: argparse.Namespace) -> list[dict[str, Any]]
                 )
                 for where in args.threads:
                     # both sides as they started (an earlier WRITE changed the target's blocks)
-                    if op == "READ":
+                    if op in ("READ", "IPC"):
                         pool.zero_()
                     else:
                         pool.copy_(_pool(layout, args.slots, args.device, dtype, 0.0))
                     parent.send("reset")
                     parent.recv()
 
-                    def once(op: str = op, local: np.ndarray = ours, remote: np.ndarray = theirs) -> float:
+                    def once(
+                        op: str = op,
+                        local: np.ndarray = ours,
+                        remote: np.ndarray = theirs,
+                        src: list[int] = src,
+                        dst: list[int] = dst,
+                    ) -> float:
+                        if op == "IPC":
+                            return _ipc_copy(layout, pool, ipc_share, args.slots, src, dst)
                         return _transfer(op, agent, name, local, remote, mem)
 
                     run_in = once if where == "main" else lambda once=once: _in_fresh_thread(once)
                     times = [run_in() for _ in range(args.repeat)]
-                    if op == "READ":
+                    if op in ("READ", "IPC"):
                         got = pool[0, 0, 0, at, 0].float()
                         want = torch.tensor([s % 97 + 1.0 for s in src], device=args.device)
                         ok = bool(torch.equal(got, want))
@@ -201,6 +213,25 @@ def probe(mode: str, ucx: str, args: argparse.Namespace) -> list[dict[str, Any]]
         parent.send("stop")
         proc.join(10)
     return rows
+
+
+_PEERS: dict[Any, kv_cuda_ipc.PeerPools] = {}  # by share: one mapping per target
+
+
+def _ipc_copy(
+    layout: KvLayout, pool: torch.Tensor, share: Any, slots: int, src: list[int], dst: list[int]
+) -> float:
+    """ms for one copy of the target's src blocks into ours at dst through its CUDA IPC share
+    (mapped on first use, as a decode worker maps a peer's pool once)."""
+    if share is None:
+        raise RuntimeError("the target's pool is not shared through CUDA IPC (a CPU pool)")
+    peers = _PEERS.setdefault(share.key(), kv_cuda_ipc.PeerPools(layout, pool.device, pool.dtype))
+    remote = peers.get("target", share, slots)
+    if remote is None:
+        raise RuntimeError("the target's pool is not shared through CUDA IPC here (a CPU pool?)")
+    t0 = time.perf_counter()
+    kv_cuda_ipc.copy_blocks(remote, pool, layout.block_size, src, dst, stream=peers.stream())
+    return (time.perf_counter() - t0) * 1e3
 
 
 def _row(
@@ -249,8 +280,9 @@ def main() -> None:
         "--ops",
         nargs="+",
         default=["READ"],
-        choices=["READ", "WRITE"],
-        help="READ the target's blocks (what workers do), or WRITE ours into its pool",
+        choices=["READ", "WRITE", "IPC"],
+        help="READ the target's blocks (what workers do), WRITE ours into its pool, or copy them "
+        "through CUDA IPC (what a decode worker does within one host on GPUs)",
     )
     p.add_argument(
         "--ucx",

@@ -105,7 +105,7 @@ if [[ $what == window ]]; then
         # the READ alone first: two processes, per progress mode, UCX's protocol choice logged
         # with the worker's UCX settings (GET over CUDA IPC on) and without, for the A/B
         UCX_PROTO_INFO=y timeout -s INT "${T_NIXL:-60}" $PY -m benchmarks.nixl_probe --device cuda \
-          --modes poll --ucx worker as-is --shapes run --ops READ WRITE --out "$RES/nixl-probe-$TAG.json" > "$RES/nixl-probe-$TAG.log" 2>&1 || rc=1
+          --modes poll --ucx worker as-is --shapes run --ops READ WRITE IPC --out "$RES/nixl-probe-$TAG.json" > "$RES/nixl-probe-$TAG.log" 2>&1 || rc=1
         timeout -s INT 30 $PY -m benchmarks.nixl_probe --device cuda --modes poll --shapes scattered \
           --threads main --repeat 2 --out "$RES/nixl-probe-scattered-$TAG.json" >> "$RES/nixl-probe-$TAG.log" 2>&1 || rc=1
         grep "^{" "$RES/nixl-probe-$TAG.log"

@@ -118,9 +118,11 @@ KV_TRANSFER_BANDWIDTH = Histogram(
     ["transport"],
     buckets=(1e7, 1e8, 2.5e8, 5e8, 1e9, 2e9, 4e9, 8e9, 1.6e10, 3.2e10, 6.4e10),
 )
+# path: nixl (a NIXL READ) or cuda_ipc (a copy from the peer's pool mapped on this host)
 KV_TRANSFER_READ_SECONDS = Histogram(
     "pdserve_kv_transfer_read_seconds",
-    "Decode side: time of one request's NIXL READ, its wait included",
+    "Decode side: time of one request's NIXL READ (or same-host CUDA IPC copy), its wait included",
+    ["path"],
     buckets=_SMALL_BUCKETS_S,
 )
 KV_TRANSFER_FAILURES = Counter(

@@ -13,6 +13,7 @@ from services.worker.engine.api import (
 )
 from services.worker.engine.thinking_budget import ThinkingBudget
 from services.worker.messages import (
+    CudaIpcShare,
     DecodeCall,
     DecodeEvent,
     IncomingKvChunk,
@@ -236,6 +237,35 @@ def nixl_source_from_pb(pb: worker_pb2.NixlKvSource) -> NixlSource:
         mem_type=pb.mem_type,
         block_ids=tuple(pb.block_ids),
         first_block=pb.first_block,
+        cuda_ipc=cuda_ipc_share_from_pb(pb.cuda_ipc) if pb.HasField("cuda_ipc") else None,
+    )
+
+
+def cuda_ipc_share_from_pb(pb: worker_pb2.CudaIpcShare) -> CudaIpcShare:
+    return CudaIpcShare(
+        host_id=pb.host_id,
+        device_index=pb.device_index,
+        mem_handle=pb.mem_handle,
+        storage_bytes=pb.storage_bytes,
+        storage_offset=pb.storage_offset,
+        ref_counter_handle=pb.ref_counter_handle,
+        ref_counter_offset=pb.ref_counter_offset,
+        event_handle=pb.event_handle,
+        event_sync_required=pb.event_sync_required,
+    )
+
+
+def cuda_ipc_share_to_pb(s: CudaIpcShare) -> worker_pb2.CudaIpcShare:
+    return worker_pb2.CudaIpcShare(
+        host_id=s.host_id,
+        device_index=s.device_index,
+        mem_handle=s.mem_handle,
+        storage_bytes=s.storage_bytes,
+        storage_offset=s.storage_offset,
+        ref_counter_handle=s.ref_counter_handle,
+        ref_counter_offset=s.ref_counter_offset,
+        event_handle=s.event_handle,
+        event_sync_required=s.event_sync_required,
     )
 
 
@@ -249,6 +279,7 @@ def nixl_source_to_pb(s: NixlSource) -> worker_pb2.NixlKvSource:
         mem_type=s.mem_type,
         block_ids=s.block_ids,
         first_block=s.first_block,
+        cuda_ipc=None if s.cuda_ipc is None else cuda_ipc_share_to_pb(s.cuda_ipc),
     )
 
 

@@ -79,6 +79,7 @@ import numpy as np
 import structlog
 import torch
 
+from services.worker import kv_cuda_ipc
 from services.worker.engine.api import KvReadUnsettled
 from services.worker.kv_descriptors import block_runs, plane_descriptors
 from services.worker.messages import NixlSource
@@ -166,8 +167,14 @@ class NixlKvAgent:
     worker threads; one at a time keeps the agent's use simple and the link busy)."""
 
     def __init__(
-        self, api: Any, pools: list[torch.Tensor], layout: KvLayout, progress_thread: bool = False
+        self,
+        api: Any,
+        pools: list[torch.Tensor],
+        layout: KvLayout,
+        progress_thread: bool = False,
+        direct: bool = True,
     ) -> None:
+        """direct: GPU pools are shared and peers' mapped through CUDA IPC (kv_cuda_ipc.py)."""
         self.name = f"pdserve-{uuid.uuid4().hex}"  # unique per process: a restarted peer is new
         self._api = api
         # with NIXL's own progress thread, `progress` has nothing to do
@@ -195,6 +202,14 @@ class NixlKvAgent:
                 raise ValueError("a KV pool registered with NIXL must be contiguous")
             self._agent.register_memory(pool)
         self._metadata: bytes = self._agent.get_agent_metadata()
+        # GPU pools: shared through CUDA IPC for decode workers on this host, and the peers'
+        # pools this worker maps to copy from (kv_cuda_ipc.py; NIXL READs elsewhere)
+        self._shares = [kv_cuda_ipc.share(p) if direct else None for p in pools]
+        self._peers = (
+            kv_cuda_ipc.PeerPools(layout, self._cuda, pools[0].dtype)
+            if direct and self._cuda is not None
+            else None
+        )
         log.info(
             "nixl_ready",
             agent=self.name,
@@ -206,14 +221,14 @@ class NixlKvAgent:
 
     @classmethod
     def create(
-        cls, pools: list[torch.Tensor], layout: KvLayout, progress_thread: bool = False
+        cls, pools: list[torch.Tensor], layout: KvLayout, progress_thread: bool = False, direct: bool = True
     ) -> NixlKvAgent | None:
         """The agent with every pool registered, or None (logged) where NIXL does not work."""
         api = load_nixl()
         if api is None:
             return None
         try:
-            return cls(api, pools, layout, progress_thread)
+            return cls(api, pools, layout, progress_thread, direct)
         except Exception as exc:  # no UCX plugin, registration refused: serve over gRPC
             log.warning("nixl_agent_failed", error=f"{type(exc).__name__}: {exc}")
             return None
@@ -230,7 +245,18 @@ class NixlKvAgent:
             mem_type="DRAM" if pool.device.type == "cpu" else "VRAM",
             block_ids=tuple(block_ids),
             first_block=first_block,
+            cuda_ipc=self._shares[dp_rank],
         )
+
+    def read_path(self, source: NixlSource) -> str:
+        """How a read of `source` goes: "cuda_ipc" (its pool is mapped here, mapped now if it
+        can be) or "nixl"."""
+        if (
+            self._peers is None
+            or self._peers.get(source.agent_name, source.cuda_ipc, source.pool_slots) is None
+        ):
+            return "nixl"
+        return "cuda_ipc"
 
     def read(
         self,
@@ -254,6 +280,25 @@ class NixlKvAgent:
                 f"NIXL source has {len(source.block_ids)} blocks, {src_offset + len(block_ids)} needed"
             )
         pool = self._pools[dp_rank]
+        peers = self._peers
+        remote_pool = (
+            None if peers is None else peers.get(source.agent_name, source.cuda_ipc, source.pool_slots)
+        )
+        if peers is not None and remote_pool is not None:
+            self._bind()
+            try:
+                return kv_cuda_ipc.copy_blocks(
+                    remote_pool,
+                    pool,
+                    self._layout.block_size,
+                    src,
+                    block_ids,
+                    num_trimmed,
+                    layers,
+                    peers.stream(),
+                )
+            except Exception as exc:  # the mapping went bad (peer gone): its handoff falls back
+                raise KvTransferFailed(f"CUDA IPC copy from {source.agent_name} failed: {exc}") from exc
         itemsize = pool.element_size()
         num_trimmed = min(num_trimmed, len(block_ids)) if layers else 0
         # (source blocks, our blocks, layers; None = all): the trimmed blocks, then the rest
@@ -404,8 +449,11 @@ class NixlKvAgent:
                 return
 
     def forget(self, agent_name: str) -> None:
-        """Drop a peer's metadata (after a failed READ: the peer may have restarted); once its
-        unsettled READs ended, when it has some (removed, their state could not be read)."""
+        """Drop a peer's metadata and mapped pools (after a failed READ: the peer may have
+        restarted); its NIXL metadata once its unsettled READs ended, when it has some (removed,
+        their state could not be read)."""
+        if self._peers is not None:
+            self._peers.forget(agent_name)
         with self._lock:
             if any(p.peer == agent_name for p in self._unsettled):
                 self._forget_later.add(agent_name)

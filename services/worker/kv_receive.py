@@ -200,7 +200,9 @@ class KvReceiver:
                 span.set_attribute("pdserve.kv_recomputing", True)
                 return None, 0
             elapsed_ns = time.perf_counter_ns() - start
+            path = nixl.read_path(source)  # decided (and cached) by the read
+            span.set_attribute("pdserve.kv_read_path", path)
             span.set_attribute("pdserve.bytes", nbytes)
             span.set_attribute("pdserve.kv_read_seconds", elapsed_ns / 1e9)
-        metrics.KV_TRANSFER_READ_SECONDS.observe(elapsed_ns / 1e9)
+        metrics.KV_TRANSFER_READ_SECONDS.labels(path=path).observe(elapsed_ns / 1e9)
         return elapsed_ns, nbytes

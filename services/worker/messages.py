@@ -66,7 +66,7 @@ CAPABILITIES = (
 # GenerateRequest.thinking_token_budget.
 # 1.18 added TokenLogprob.rank (no capability: an output field, so an older worker only leaves it
 # unset and the gateway falls back to the prompt token's place among the alternatives, or null).
-PROTO_VERSION = "1.18"
+PROTO_VERSION = "1.19"
 
 
 @dataclass(frozen=True)
@@ -164,6 +164,29 @@ class NixlSource:
     mem_type: str  # "DRAM" | "VRAM"
     block_ids: tuple[int, ...]  # pool block ids of the request's blocks from first_block on
     first_block: int  # index of block_ids[0] in the request's block table
+    # the pool shared through CUDA IPC (a GPU pool; 1.19): a decode worker on the same host
+    # copies from it directly (kv_cuda_ipc.py); None: NIXL READ only
+    cuda_ipc: CudaIpcShare | None = None
+
+
+@dataclass(frozen=True)
+class CudaIpcShare:
+    """A GPU KV pool shared through CUDA IPC (worker.proto CudaIpcShare): torch's
+    `UntypedStorage._share_cuda_` values, and the host they can be opened on."""
+
+    host_id: str  # the sharing host's boot id
+    device_index: int  # the pool's GPU in the sharing process
+    mem_handle: bytes  # cudaIpcMemHandle of the allocation holding the pool's storage
+    storage_bytes: int  # size of the storage (bytes)
+    storage_offset: int  # where the storage starts in that allocation (bytes)
+    ref_counter_handle: bytes  # torch's shared-memory reference counter (its name)
+    ref_counter_offset: int
+    event_handle: bytes  # cudaIpcEventHandle of the sharing stream's event (b"": none)
+    event_sync_required: bool
+
+    def key(self) -> tuple[str, bytes, int]:
+        """One share's identity (a restarted peer's pool is another share)."""
+        return self.host_id, self.mem_handle, self.storage_offset
 
 
 @dataclass(frozen=True)

@@ -191,7 +191,10 @@ class WorkerApp:
         # NIXL: every rank's pool registered once, now that the pools are committed
         if s.kv_transport == "auto":
             self.nixl = NixlKvAgent.create(
-                engine.kv_pools(), engine.kv_layout, progress_thread=s.kv_nixl_progress == "thread"
+                engine.kv_pools(),
+                engine.kv_layout,
+                progress_thread=s.kv_nixl_progress == "thread",
+                direct=s.kv_cuda_ipc,
             )
         nixl = (NIXL_CAPABILITY, NIXL_PARTS_CAPABILITY) if self.nixl is not None else ()
         # adapters load while it runs where the engine's LoRA machinery is on

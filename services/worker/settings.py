@@ -95,6 +95,12 @@ class WorkerSettings(TlsSettings, EngineOptions):
         choices=("loop", "thread"),
     )
     kv_read_timeout_s: float = field(10.0, "Deadline of one NIXL READ of a request's KV (seconds)")
+    kv_cuda_ipc: bool = field(
+        True,
+        "With NIXL and KV pools on a GPU: share this worker's pools through CUDA IPC, and copy a "
+        "peer's blocks device to device where its pool is on this host and opens here (NIXL READ "
+        "otherwise; UCX moves VRAM over TCP on hosts without RDMA NICs)",
+    )
     log_prompts: bool = field(False, "Log prompt and completion text (off: never logged)")
 
     def __post_init__(self) -> None:

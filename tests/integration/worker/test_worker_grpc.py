@@ -604,7 +604,7 @@ async def test_info_and_get_load(decode: RunningWorker, tiny_model: Path) -> Non
     assert info.kv_layout.head_dim == 16
     assert set(info.capabilities) >= {"generated_tokens", "kv_block_skip", "local_prefill"}
     # 1.3 first_output_index, 1.4 penalties, 1.5 logprobs, 1.6 structured, 1.7 kv_transport
-    assert info.proto_version == "1.18"
+    assert info.proto_version == "1.19"
     assert info.max_model_len == MAX_MODEL_LEN
     assert info.device == "cpu"
 

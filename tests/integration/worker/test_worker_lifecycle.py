@@ -126,7 +126,7 @@ async def test_registers_heartbeats_reregisters_and_deregisters(tiny_model: Path
                 "kv_gateway_ticket",
                 *(["kv_transport_nixl", "kv_nixl_parts"] if w.app.nixl is not None else []),
             ]
-            assert info.proto_version == "1.18"
+            assert info.proto_version == "1.19"
             assert info.max_model_len == settings.max_model_len
             assert info.device == "cpu"
             assert set(lm.heartbeats) == {w.app.worker_id}

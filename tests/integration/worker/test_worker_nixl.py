@@ -89,7 +89,7 @@ async def test_nixl_handoff_matches_unified_and_skips_cached_blocks(
 ) -> None:
     info = await decode.stub.Info(worker_pb2.InfoRequest())
     assert NIXL_CAPABILITY in info.capabilities
-    assert info.proto_version == "1.18"
+    assert info.proto_version == "1.19"
     ids = prompt_ids(tiny_model)
     reply, frames = await nixl_handoff(prefill, decode, "n1", ids, 12)
     assert reply.kv_transport == worker_pb2.KV_TRANSPORT_NIXL

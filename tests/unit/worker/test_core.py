@@ -384,6 +384,9 @@ class FakeNixl:
     def forget(self, agent_name: str) -> None:
         pass
 
+    def read_path(self, source: NixlSource) -> str:
+        return "nixl"
+
 
 def nixl_part(first: int, n: int, last: bool = False) -> IncomingKvChunk:
     source = NixlSource("p", b"m", 0, 64, 0, "DRAM", tuple(range(first, first + n)), first)
