@@ -205,9 +205,14 @@ async def test_a_named_tool_choice_forces_the_call(stack: HttpStack, parser: str
                 temperature=0,
             )
             (call,) = got.choices[0].message.tool_calls or []
-            assert call.function.name == "get_time" and json.loads(call.function.arguments)["tz"] in (
-                "UTC",
-                "CET",
+            assert (
+                call.type == "function"
+                and call.function.name == "get_time"
+                and json.loads(call.function.arguments)["tz"]
+                in (
+                    "UTC",
+                    "CET",
+                )
             )
             assert got.choices[0].finish_reason == "tool_calls"
         finally:
