@@ -54,6 +54,7 @@ RUNNERS = {
     "pdserve_transformers": engine_runs.run_pdserve_transformers,
     "pdserve_eager": engine_runs.run_pdserve_eager,
     "pdserve_torch": engine_runs.run_pdserve_torch,
+    "pdserve_fp8": engine_runs.run_pdserve_fp8,
     "pdserve_no_row_copy": engine_runs.run_pdserve_no_row_copy,
     "prefix": engine_runs.run_prefix,
     "floor": engine_runs.run_floor,
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     results: dict[str, dict[str, Any] | None] = {}
     for name in args.contenders.split(","):
-        if name in ("pdserve_eager", "pdserve_torch") and args.device != "cuda":
+        if name in ("pdserve_eager", "pdserve_torch", "pdserve_fp8") and args.device != "cuda":
             continue  # the same engine as pdserve off CUDA
         if name == "pdserve_no_row_copy" and args.device != "cpu":
             continue  # the row copy is a CPU kernel

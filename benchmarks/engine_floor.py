@@ -124,12 +124,13 @@ def flops_per_step(model: Any, batch: int, context: int) -> int:
     """Multiply-adds x 2 of one decode step: every linear over `batch` rows plus attention
     (scores and weighted values over `context` keys, every head and layer)."""
     from services.worker.engine.cpu_linear import PackedLinear
+    from services.worker.engine.fp8 import Fp8Linear
 
     cfg = model.config.get_text_config()
     linear = sum(
         m.in_features * m.out_features
         for m in model.modules()
-        if isinstance(m, torch.nn.Linear | PackedLinear)
+        if isinstance(m, torch.nn.Linear | PackedLinear | Fp8Linear)
     )
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     attn = 2 * context * cfg.num_attention_heads * head_dim * cfg.num_hidden_layers
@@ -141,6 +142,7 @@ def weight_bytes_per_step(model: Any, batch: int) -> int:
     or not; a tied LM head counts once as the head), 1-D weights (norms), and `batch` rows of
     the input embedding."""
     from services.worker.engine.cpu_linear import PackedLinear
+    from services.worker.engine.fp8 import Fp8Linear
 
     embed = model.get_input_embeddings().weight
     seen: set[int] = set()
@@ -149,6 +151,8 @@ def weight_bytes_per_step(model: Any, batch: int) -> int:
         tensors: list[torch.Tensor] = []
         if isinstance(mod, torch.nn.Linear):
             tensors = [mod.weight] + ([mod.bias] if mod.bias is not None else [])
+        elif isinstance(mod, Fp8Linear):  # --quantization fp8: one byte a weight + scales
+            tensors = [mod.weight_fp8, mod.weight_scale]
         elif isinstance(mod, PackedLinear):
             packed = mod.packed_weight
             assert isinstance(packed, torch.Tensor)  # a registered buffer

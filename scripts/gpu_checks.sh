@@ -86,6 +86,7 @@ if [[ $what == window ]]; then
   #   engine   bench-engine on the 8B shape against HF's padded batch, steps vs floor as served;
   #   disagg   `pdserve up` disaggregated on the one GPU as up starts it (the decode worker with
   #            graphs, the prefill worker without) and with no graphs in either (`+eager`);
+  #   fp8      bench-engine on the 8B shape, bf16 against --quantization fp8 (one run);
   #   offload  the host KV tier (--kv-offload-tokens) against a pool hit and a recompute;
   #   lora     LoRA adapters' cost: decode TPOT base / one adapter / mixed, prefill TTFT.
   # Each part has its own limit (T_<PART> seconds; SIGINT, so pytest and the benchmarks still
@@ -125,6 +126,13 @@ if [[ $what == window ]]; then
           --model random:llama-8b --contenders hf_padded,pdserve --num-requests 32 \
           --kv-cache-tokens 40960 --no-prefix-run --floor-batches 1,8,16,64 --child-timeout-s 150 \
           --output "$RES/engine-cuda-llama-8b-$TAG.json" || rc=1 ;;
+      fp8)
+        # FP8 weights (--quantization fp8) against bf16 on the 8B shape, in one run: tok/s and
+        # the decode steps against their floors (FP8's floor reads half the weight bytes)
+        timeout -s INT "${T_FP8:-200}" $PY -m benchmarks.bench_engine --device cuda --dtype bfloat16 \
+          --model random:llama-8b --contenders pdserve,pdserve_fp8 --num-requests 32 \
+          --kv-cache-tokens 40960 --no-prefix-run --no-floor-run --child-timeout-s 150 \
+          --output "$RES/engine-fp8-llama-8b-$TAG.json" || rc=1 ;;
       offload)
         # the prefix cache's host tier: a revisited 2,048-token prompt from the pool, copied
         # back from pinned host memory, recomputed (one 8B engine per way)

@@ -10,7 +10,8 @@ from services.up_shape import CPU_BLOCK_SIZE, GPU_BLOCK_SIZE
 
 # pdserve_eager: the engine with --no-cuda-graphs (CUDA only, where pdserve replays its decode
 # steps as CUDA graphs; left out on CPU, where both are the same engine). pdserve_no_row_copy: the
-# engine with --no-cpu-row-copy (CPU only: every step on oneDNN, no panel kernel)
+# engine with --no-cpu-row-copy (CPU only: every step on oneDNN, no panel kernel). pdserve_fp8:
+# the engine with --quantization fp8 (CUDA only: on a CPU FP8 products are a reference, slower)
 CONTENDERS = (
     "hf_sequential",
     "hf_padded",
@@ -20,6 +21,7 @@ CONTENDERS = (
     "pdserve_eager",
     "pdserve_torch",
     "pdserve_no_row_copy",
+    "pdserve_fp8",
 )
 
 

@@ -58,6 +58,8 @@ def write(
         ratios["ratio_cuda_graphs_vs_eager"] = ratio("pdserve_eager")
     if tps.get("pdserve_torch"):
         ratios["ratio_cuda_kernels_vs_torch_path"] = ratio("pdserve_torch")
+    if tps.get("pdserve_fp8"):  # > 1: FP8 weights are faster than the model's dtype
+        ratios["ratio_fp8_vs_model_dtype"] = _ratio(tps.get("pdserve_fp8"), ours)
     if tps.get("pdserve_no_row_copy"):
         ratios["ratio_row_copy_vs_onednn_only"] = ratio("pdserve_no_row_copy")
     print("\n" + "  ".join(f"{k} {_fmt(v, 2)}" for k, v in ratios.items()))

@@ -274,6 +274,21 @@ def test_lora_modules_reach_every_worker_from_the_model_volume(tmp_path: Path) -
     assert parse_settings(WorkerSettings, [], env=env).lora_adapters == ("sql-lora", "org/chat")
 
 
+def test_fp8_weights_are_set_on_every_worker_alike() -> None:
+    """model.quantization becomes PDSERVE_QUANTIZATION of every worker (prefill and decode must
+    compute with the same weights), read the way the workers read it; unset by default."""
+    from services.worker.settings import WorkerSettings
+    from shared.settings import parse_settings
+
+    for name in WORKERS:
+        assert "PDSERVE_QUANTIZATION" not in env_of(deployments(render())[name])
+    deps = deployments(render("--set", "model.quantization=fp8"))
+    for name in WORKERS:
+        assert parse_settings(WorkerSettings, [], env=env_of(deps[name])).quantization == "fp8"
+    for name in ("gateway", "scheduler", "load-monitor"):
+        assert "PDSERVE_QUANTIZATION" not in env_of(deps[name])
+
+
 def test_runtime_lora_updating_is_off_unless_asked_for() -> None:
     """gateway.allowRuntimeLoraUpdating becomes the gateway's PDSERVE_ALLOW_RUNTIME_LORA_UPDATING
     (false by default), model.enableLora every worker's PDSERVE_ENABLE_LORA (both halves of an
@@ -350,6 +365,7 @@ def test_the_gateways_get_their_shared_folders(folder: str, var: str, field: str
         (["--set", "common.drainGraceS=-1"], "drainGraceS"),
         (["--set", "model.loraModules[0].name=sql"], "path is required"),
         (["--set", "model.enableLora=yes"], "enableLora"),
+        (["--set", "model.quantization=int4"], "quantization"),
         (["--set", "model.loraModules[0].name=-x", "--set", "model.loraModules[0].path=a"], "pattern"),
         (
             [

@@ -109,7 +109,12 @@ class RankBuilder:
         allocated_before = torch.cuda.memory_allocated(device) if cuda else 0
         try:
             model = load_model(
-                cfg.model_path, device, dtype, prepack=backend.cpu.prepack, row_copy=backend.cpu.row_copy
+                cfg.model_path,
+                device,
+                dtype,
+                prepack=backend.cpu.prepack,
+                row_copy=backend.cpu.row_copy,
+                quantization=cfg.quantization,
             )
         except torch.OutOfMemoryError:
             free, total = torch.cuda.mem_get_info(device)

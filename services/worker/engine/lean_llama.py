@@ -41,8 +41,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from services.worker.engine import attention, cpu_linear, flex_paged
+from services.worker.engine import attention, cpu_linear, flex_paged, fp8
 from services.worker.engine.cpu_linear import PackedLinear
+from services.worker.engine.fp8 import Fp8Linear, Fp8Weight, linear
 from services.worker.engine.lora import LoraModule
 
 # Models whose decoder is Llama's, op for op (Mistral: Llama plus a sliding window, which the
@@ -52,21 +53,33 @@ _ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM"})
 
 class _Linear:
     """One projection: the prepacked kernels of cpu_linear (oneDNN with fused post-ops, or the
-    panel kernel for steps of up to 16 rows, exactly as PackedLinear's forward) or torch's matmul."""
+    panel kernel for steps of up to 16 rows, exactly as PackedLinear's forward), an FP8 product
+    (fp8.py, --quantization fp8) or torch's matmul."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.packed = isinstance(module, PackedLinear)
-        weight = module.packed_weight if self.packed else module.weight
-        assert isinstance(weight, torch.Tensor)
-        self.weight: torch.Tensor = weight  # oneDNN's blocked layout when packed, else [out, in]
+        # the weight as the fused halves take it: [out, in], or its FP8 form
+        self.w: torch.Tensor | Fp8Weight
+        if isinstance(module, Fp8Linear):
+            self.w = module.fp8
+        else:
+            weight = module.packed_weight if self.packed else module.weight
+            assert isinstance(weight, torch.Tensor)
+            self.w = weight  # oneDNN's blocked layout when packed
         row = module.row_weight if self.packed else None
         self.row_weight: torch.Tensor | None = row if isinstance(row, torch.Tensor) else None
         # the LoRA adapters that target this projection (lora.py), if any
         lora = getattr(module, "pdserve_lora", None)
         self.lora: LoraModule | None = lora if isinstance(lora, LoraModule) else None
 
+    def _base(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            assert isinstance(self.w, torch.Tensor)
+            return cpu_linear.linear(x, self.w, self.row_weight)
+        return linear(x, self.w)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = cpu_linear.linear(x, self.weight, self.row_weight) if self.packed else F.linear(x, self.weight)
+        out = self._base(x)
         if self.lora is not None and self.lora.active:
             return self.lora.apply(x, out)  # PEFT's order: base(x) + lora_B(lora_A(x)) * scaling
         return out
@@ -76,31 +89,45 @@ class _Linear:
         if self.lora is not None and self.lora.active:  # the adapted projection, then the add
             return residual + self(x)
         if self.packed:
-            return cpu_linear.linear_add(x, residual, self.weight, self.row_weight)
-        return residual + F.linear(x, self.weight)
+            assert isinstance(self.w, torch.Tensor)
+            return cpu_linear.linear_add(x, residual, self.w, self.row_weight)
+        return residual + linear(x, self.w)
 
     def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """other * x W^T"""
         if self.lora is not None and self.lora.active:
             return other * self(x)
         if self.packed:
-            return cpu_linear.linear_mul(x, other, self.weight, self.row_weight)
-        return other * F.linear(x, self.weight)
+            assert isinstance(self.w, torch.Tensor)
+            return cpu_linear.linear_mul(x, other, self.w, self.row_weight)
+        return other * linear(x, self.w)
 
 
-def _fuse(modules: list[Any]) -> torch.Tensor:
-    """One [sum of out, in] weight for projections of the same input; each module's weight
-    becomes a view of it (the separate copies are freed). Idempotent: a second runner over the
-    same model gets the same tensor (no second copy)."""
+def _fuse(modules: list[Any]) -> torch.Tensor | Fp8Weight:
+    """One [sum of out, in] weight (or FP8 weight) for projections of the same input; each
+    module's weight becomes a view of it (the separate copies are freed). Idempotent: a second
+    runner over the same model gets the same one (no second copy)."""
     done = getattr(modules[0], "pdserve_fused_weight", None)
-    if isinstance(done, torch.Tensor):
+    if isinstance(done, (torch.Tensor, Fp8Weight)):
         return done
-    fused = torch.cat([m.weight.detach() for m in modules])
-    start = 0
-    for m in modules:
-        rows = m.weight.shape[0]
-        m.weight.data = fused[start : start + rows]
-        start += rows
+    fused: torch.Tensor | Fp8Weight
+    kinds = {isinstance(m, Fp8Linear) for m in modules}
+    if len(kinds) > 1:  # fp8.quantize_linears keeps a layer's projections all FP8 or none
+        raise ValueError("projections of one input are partly FP8: they cannot be fused")
+    if kinds == {True}:
+        fused = fp8.cat([m.fp8 for m in modules])
+        start = 0
+        for m in modules:
+            rows = m.out_features
+            m.set_fp8(Fp8Weight(fused.q[start : start + rows], fused.scale[:, start : start + rows]))
+            start += rows
+    else:
+        fused = torch.cat([m.weight.detach() for m in modules])
+        start = 0
+        for m in modules:
+            rows = m.weight.shape[0]
+            m.weight.data = fused[start : start + rows]
+            start += rows
     modules[0].pdserve_fused_weight = fused
     return fused
 
@@ -132,7 +159,7 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 def _attn_in(
     x: torch.Tensor,  # [T, hidden], normed (the previous layer's _attn_out normed it)
-    qkv: torch.Tensor,  # [(heads + 2 kv_heads) * D, hidden]
+    qkv: torch.Tensor | Fp8Weight,  # [(heads + 2 kv_heads) * D, hidden]
     cos: torch.Tensor,  # [T, 1, D]
     sin: torch.Tensor,  # [T, 1, D], sign of rotate_half folded in
     heads: int,
@@ -140,7 +167,7 @@ def _attn_in(
     head_dim: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused path: one q/k/v product, RoPE -> q [T, heads, D], k, v [T, kv_heads, D]."""
-    q, k, v = F.linear(x, qkv).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    q, k, v = linear(x, qkv).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
     half = head_dim // 2
     q = q.reshape(-1, heads, head_dim)
     k = k.reshape(-1, kv_heads, head_dim)
@@ -151,7 +178,7 @@ def _attn_in(
 
 def _attn_in_cached(
     x: torch.Tensor,  # [T, hidden], normed
-    qkv: torch.Tensor,
+    qkv: torch.Tensor | Fp8Weight,
     cos: torch.Tensor,
     sin: torch.Tensor,
     heads: int,
@@ -174,19 +201,19 @@ def _attn_in_cached(
 def _attn_out(
     o: torch.Tensor,  # [T, heads * D] attention output
     h: torch.Tensor,  # [T, hidden] residual
-    o_proj: torch.Tensor,
+    o_proj: torch.Tensor | Fp8Weight,
     norm: torch.Tensor,
-    gate_up: torch.Tensor,  # [2 * intermediate, hidden]
-    down: torch.Tensor,
+    gate_up: torch.Tensor | Fp8Weight,  # [2 * intermediate, hidden]
+    down: torch.Tensor | Fp8Weight,
     norm_next: torch.Tensor,  # the next layer's input norm (the final norm after the last)
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused path: output projection + residual, norm, SwiGLU MLP + residual -> new h, and h
     normed for the next layer: the residual add and the next norm are one kernel this way, not
     an add here and a norm at the next layer's start."""
-    h = h + F.linear(o, o_proj)
-    gate, up = F.linear(_rms_norm(h, norm, eps), gate_up).chunk(2, -1)
-    h = h + F.linear(F.silu(gate) * up, down)
+    h = h + linear(o, o_proj)
+    gate, up = linear(_rms_norm(h, norm, eps), gate_up).chunk(2, -1)
+    h = h + linear(F.silu(gate) * up, down)
     return h, _rms_norm(h, norm_next, eps)
 
 
@@ -395,10 +422,10 @@ class LeanLlama:
             h, x = self.attn_out(
                 o.reshape(num_tokens, -1),
                 h,
-                layer.o.weight,
+                layer.o.w,
                 layer.norm_post,
                 layer.gate_up,
-                layer.down.weight,
+                layer.down.w,
                 self.norm_final if last else self.layers[i + 1].norm_in,
                 self.eps,
             )

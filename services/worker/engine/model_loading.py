@@ -1,16 +1,20 @@
 """Loading a model for the engine: transformers' own class with the paged attention registered,
-checked against the attention variants the engine reproduces (model_variants.py), its linear
-layers prepacked on CPU (cpu_linear.py); its KV layout; dtype names."""
+checked against the attention variants the engine reproduces (model_variants.py), its decoder
+layers' products in FP8 if asked (fp8.py), its linear layers prepacked on CPU (cpu_linear.py);
+its KV layout; dtype names."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 
-from services.worker.engine import attention, cpu_linear, model_variants
+from services.worker.engine import attention, cpu_linear, fp8, model_variants
 from services.worker.engine.api import KvLayout
 from shared.model_store import load_causal_lm
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -24,12 +28,18 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def load_model(
-    model_path: str, device: torch.device, dtype: torch.dtype, prepack: bool = True, row_copy: bool = False
+    model_path: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    prepack: bool = True,
+    row_copy: bool = False,
+    quantization: str = "",
 ) -> Any:
-    """transformers' own model class with our attention; on CPU its linear layers prepacked
-    for oneDNN unless `prepack` is False, with `row_copy` also as a copy for steps of few rows
-    (see cpu_linear). Raises model_variants.UnsupportedAttention (before loading weights) for
-    a model whose attention the engine cannot reproduce exactly."""
+    """transformers' own model class with our attention; with quantization "fp8" its decoder
+    layers' products in FP8 (fp8.py); on CPU its other linear layers prepacked for oneDNN
+    unless `prepack` is False, with `row_copy` also as a copy for steps of few rows (see
+    cpu_linear). Raises model_variants.UnsupportedAttention (before loading weights) for a model
+    whose attention the engine cannot reproduce exactly."""
     from transformers import AutoConfig
 
     model_variants.check_supported(AutoConfig.from_pretrained(model_path))
@@ -41,6 +51,13 @@ def load_model(
     # serving never differentiates: no autograd state in the weights (torch.compile'd layers
     # would otherwise trace for training)
     model.requires_grad_(False)
+    if quantization == "fp8":
+        fp8.check_supported(quantization, device)
+        with torch.no_grad():
+            n = fp8.quantize_linears(model, fp8.CUDA_ALIGN if device.type == "cuda" else 1)
+        if device.type == "cuda":  # the freed bf16 weights' segments back to the driver (KV pool)
+            torch.cuda.empty_cache()
+        log.info("fp8: %d linear layers quantized", n)
     if prepack:
         cpu_linear.prepack_linears(model, row_copy)
     return model

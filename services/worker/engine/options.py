@@ -156,5 +156,14 @@ class EngineOptions(BackendOptions, SpecOptions):
         "loaded at start and requests of different adapters share steps",
         repeatable=True,
     )
+    quantization: str = field(
+        "",
+        "Weights of the decoder layers' linear products: '' = the model's dtype; fp8 = float8 e4m3 "
+        "with a scale per output channel, inputs quantized per token as each product runs (vLLM's "
+        "online FP8: half the weight bytes of bf16; GPUs of compute capability 9.0 or more, or the "
+        "CPU for tests). The embedding, LM head, norms and KV cache keep --dtype. Give prefill and "
+        "decode workers the same value",
+        choices=("", "fp8"),
+    )
     max_model_len: int = field(0, "Longest prompt + generation (tokens); 0 = the model's limit")
     torch_threads: int = field(0, "torch intra-op threads; 0 = torch default")

@@ -52,17 +52,20 @@ def _runners(
     fused: bool | None = False,
     max_model_len: int = 0,
     block: int = BLOCK,
+    quantization: str = "",
 ) -> tuple[ModelRunner, ModelRunner]:
     """The runner's own path (transformers' weights, one model each: fusing rewrites the weights)
     and the static-step path; `fused` True: the CUDA layout (fused layers, FlexAttention in place),
     run eagerly on CPU; None: the device's default."""
-    model = load_model(str(model_path), device, torch.float32)
+    model = load_model(str(model_path), device, torch.float32, quantization=quantization)
     layout = kv_layout_of(model.config, block, torch.float32)
     plain = ModelRunner(
         model, layout, NUM_BLOCKS, device, torch.float32, backend=_backend(device, False, False)
     )
     static_model = (
-        load_model(str(model_path), device, torch.float32, prepack=False) if fused is not False else model
+        load_model(str(model_path), device, torch.float32, prepack=False, quantization=quantization)
+        if fused is not False
+        else model
     )
     static = ModelRunner(
         static_model,
@@ -108,8 +111,11 @@ def _check_static_equals_plain(
     fused: bool | None = False,
     tolerance: float = 1e-5,
     block: int = BLOCK,
+    quantization: str = "",
 ) -> None:
-    plain, static = _runners(model_path, device, fused=fused, max_model_len=64, block=block)
+    plain, static = _runners(
+        model_path, device, fused=fused, max_model_len=64, block=block, quantization=quantization
+    )
     # five prompts (bucket 8 of sequences: three padding rows), contexts from 3 to 41 tokens that
     # grow past 16 and 32 (block buckets 4, 8, 16), scattered and consecutive block tables
     prompts = [list(range(7, 7 + n)) for n in (3, 9, 14, 26, 41)]
