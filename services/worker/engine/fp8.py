@@ -66,7 +66,9 @@ def dequantize(w: Fp8Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor
 def cat(weights: list[Fp8Weight]) -> Fp8Weight:
     """Weights of projections of the same input as one (rows stacked): per-channel scales make
     this the same as quantizing the stacked weight."""
-    return Fp8Weight(torch.cat([w.q for w in weights]), torch.cat([w.scale for w in weights], dim=1))
+    # concatenated as bytes (the same values; cat of float8 tensors is not every build's kernel)
+    q = torch.cat([w.q.view(torch.uint8) for w in weights]).view(FP8)
+    return Fp8Weight(q, torch.cat([w.scale for w in weights], dim=1))
 
 
 def fp8_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
