@@ -150,12 +150,18 @@ def main() -> None:
         "PROMPTS fresh prompts of TOKENS each (default 1), e.g. 60:2048 or 0:4x512 (a burst's step; "
         "on the first of --block-sizes)",
     )
+    ap.add_argument(
+        "--quantization",
+        default="",
+        choices=["", "fp8"],
+        help="the engine's --quantization (fp8: the floor counts FP8 weight bytes)",
+    )
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     mixed = [_mixed_spec(m) for m in a.mixed]
     t0 = time.perf_counter()
     dev = torch.device(a.device)
-    model = load_model(str(resolve_model(a.model)), dev, torch.bfloat16)
+    model = load_model(str(resolve_model(a.model)), dev, torch.bfloat16, quantization=a.quantization)
     bandwidth = cuda_bandwidth(dev) if dev.type == "cuda" else read_bandwidth(1)
     layout = kv_layout_of(model.config, 16, torch.bfloat16)
     kv_bytes = 2 * layout.num_layers * layout.num_kv_heads * layout.head_dim * 2  # per token (bf16)
@@ -196,6 +202,7 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name(0) if dev.type == "cuda" else "none (cpu)",
         "torch": torch.__version__,
         "model": a.model,
+        "quantization": a.quantization,
         "bandwidth_gb_s": round(bandwidth / 1e9, 1),
         # one batch size: its profiles at the top level (the first results' layout)
         **(runs[0] if len(runs) == 1 else {"runs": runs}),
@@ -206,7 +213,9 @@ def main() -> None:
         + " ".join(a.paths)
         + " --block-sizes "
         + " ".join(map(str, a.block_sizes))
-        + (" --mixed " + " ".join(a.mixed) if a.mixed else ""),
+        + (" --mixed " + " ".join(a.mixed) if a.mixed else "")
+        + (f" --model {a.model}" if a.model != "random:llama-8b" else "")
+        + (f" --quantization {a.quantization}" if a.quantization else ""),
     }
     doc["seconds"] = round(time.perf_counter() - t0, 1)
     out = a.out or RESULTS / f"cuda-step-profile-{gpu_tag(doc['gpu'])}.json"

@@ -47,11 +47,11 @@ for n in 17 24 27 28 31 34; do platforms+=(--platform "manylinux_2_${n}_x86_64")
 mkdir -p .whl
 $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   "${platforms[@]}" --platform manylinux2014_x86_64 -d .whl "${pins[@]}"
-for m in llama-8b smollm2; do  # add qwen2.5-7b here when a check needs it
+for m in llama-8b llama-70b smollm2; do  # add qwen2.5-7b here when a check needs it
   $PY -c "from shared.model_store import resolve_model; print(resolve_model('random:$m'))"
 done
 mkdir -p .gpu/models
-cp -r ~/.cache/pdserve/models/random-{llama-8b,smollm2} .gpu/models/
+cp -r ~/.cache/pdserve/models/random-{llama-8b,llama-70b,smollm2} .gpu/models/
 scripts/nixl_bundle.sh "" .gpu/nixl.tar.xz
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >>.git/info/exclude
 grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >>.git/info/exclude

@@ -87,6 +87,7 @@ if [[ $what == window ]]; then
   #   disagg   `pdserve up` disaggregated on the one GPU as up starts it (the decode worker with
   #            graphs, the prefill worker without) and with no graphs in either (`+eager`);
   #   fp8      bench-engine on the 8B shape, bf16 against --quantization fp8 (one run);
+  #   fp8-70b  a 70B shape in FP8 on the one GPU: decode steps against their floor;
   #   offload  the host KV tier (--kv-offload-tokens) against a pool hit and a recompute;
   #   lora     LoRA adapters' cost: decode TPOT base / one adapter / mixed, prefill TTFT.
   # Each part has its own limit (T_<PART> seconds; SIGINT, so pytest and the benchmarks still
@@ -133,6 +134,12 @@ if [[ $what == window ]]; then
           --model random:llama-8b --contenders pdserve,pdserve_fp8 --num-requests 32 \
           --kv-cache-tokens 40960 --no-prefix-run --no-floor-run --child-timeout-s 150 \
           --output "$RES/engine-fp8-llama-8b-$TAG.json" || rc=1 ;;
+      fp8-70b)
+        # a Llama-3-70B shape on the one GPU, possible only with FP8 weights (68 GB of products;
+        # 139 GB in bf16): decode steps against their floor at 1/8/64 sequences, then the engine
+        timeout -s INT "${T_FP8_70B:-240}" $PY -m benchmarks.cuda_step_profile --model random:llama-70b \
+          --quantization fp8 --seqs 1 8 64 --paths fused --block-sizes 32 \
+          --out "$RES/cuda-step-profile-fp8-llama-70b-$TAG.json" || rc=1 ;;
       offload)
         # the prefix cache's host tier: a revisited 2,048-token prompt from the pool, copied
         # back from pinned host memory, recomputed (one 8B engine per way)

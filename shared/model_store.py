@@ -80,6 +80,19 @@ RANDOM_SHAPES: dict[str, dict[str, Any]] = {
         "rope_theta": 10000.0,
         "tie_word_embeddings": False,
     },
+    # Llama-3-70B: 70.0B parameters with this vocabulary (139 GB in bf16: more than one H200;
+    # with --quantization fp8 its products take 68 GB, built layer by layer on the device)
+    "llama-70b": {
+        "model_type": "llama",
+        "hidden_size": 8192,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "intermediate_size": 28672,
+        "max_position_embeddings": 8192,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+    },
     # SmolLM2-135M's own shape
     "smollm2": {
         "model_type": "llama",
@@ -204,24 +217,76 @@ def is_random(path: str | Path) -> bool:
     return (Path(path) / RANDOM_MARKER).exists()
 
 
-def load_causal_lm(path: str | Path, device: Any = "cpu", **kwargs: Any) -> Any:
+def load_causal_lm(
+    path: str | Path, device: Any = "cpu", layer_hook: Callable[[Any], None] | None = None, **kwargs: Any
+) -> Any:
     """transformers' AutoModelForCausalLM for a folder from `resolve_model`, on `device`
     (kwargs: dtype=, attn_implementation=, ...). A random-weight folder is built with its seeded
-    weights directly on the device; any other folder is read with `from_pretrained`."""
+    weights directly on the device; any other folder is read with `from_pretrained`.
+
+    layer_hook: called with each decoder layer once it is on the device, before the next one
+    goes there (e.g. to quantize its weights): the device then never holds more than one layer
+    in the load's dtype beside what the hook left of the others. A folder is read into host
+    memory first; a random-weight model is made on the meta device and built layer by layer."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    dev = torch.device(device)
     if not is_random(path):
         model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+        if layer_hook is not None:
+            for layer in _decoder_layers(model):
+                layer_hook(layer.to(dev))
         return model.to(device)
     seed = int(json.loads((Path(path) / RANDOM_MARKER).read_text())["seed"])
     config = AutoConfig.from_pretrained(str(path))
-    dev = torch.device(device)
     # the same weights in every process: a fixed seed, this device's generator, the global RNG
     # state untouched afterwards
-    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []), dev:
+    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
         torch.manual_seed(seed)
-        return AutoModelForCausalLM.from_config(config, **kwargs)
+        if layer_hook is None:
+            with dev:
+                return AutoModelForCausalLM.from_config(config, **kwargs)
+        return _build_by_layer(config, dev, layer_hook, **kwargs)
+
+
+def _decoder_layers(model: Any) -> Any:
+    return model.get_decoder().layers
+
+
+def _build_by_layer(config: Any, dev: Any, layer_hook: Callable[[Any], None], **kwargs: Any) -> Any:
+    """A random-weight model made on the meta device (no memory), then its decoder layers made
+    on `dev` one at a time, each handed to layer_hook, and the rest (embedding, norm, rotary
+    embedding, head) made there last."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, **kwargs)
+    dtype = kwargs.get("dtype") or next(model.parameters()).dtype
+    layers = _decoder_layers(model)
+    for i, meta_layer in enumerate(layers):
+        with dev:
+            layer = type(meta_layer)(model.config, layer_idx=i).to(dtype)
+        layer.requires_grad_(False)
+        layers[i] = layer
+        layer_hook(layer)
+    decoder = model.get_decoder()
+    rotary = getattr(decoder, "rotary_emb", None)
+    if rotary is not None:  # its buffers are computed from the config when made
+        with dev:
+            decoder.rotary_emb = type(rotary)(model.config).to(dev)
+    std = float(getattr(model.config, "initializer_range", 0.02))
+    with torch.no_grad():
+        for module in model.modules():  # what is still on the meta device: the non-layer parts
+            for name, param in list(module.named_parameters(recurse=False)):
+                if param.device.type != "meta":
+                    continue
+                fresh = torch.empty(param.shape, dtype=dtype, device=dev)
+                fresh.fill_(1.0) if param.dim() == 1 else fresh.normal_(0.0, std)
+                setattr(module, name, torch.nn.Parameter(fresh, requires_grad=False))
+    model.tie_weights()
+    return model
 
 
 def model_id_for(path: Path) -> str:

@@ -140,38 +140,41 @@ def check_supported(quantization: str, device: torch.device) -> None:
 
 def quantize_linears(model: Any, align: int = 1) -> int:
     """Replace the decoder layers' bias-free nn.Linear modules by Fp8Linear, in place (the LM
-    head and embedding stay); returns how many. The original weights are freed as each module
-    goes. align: what both dimensions of a weight must be a multiple of (16 for cuBLASLt's FP8
-    GEMM); the projections of one input (q/k/v, gate/up), which the lean forward fuses, are
-    quantized all or none."""
+    head and embedding stay); returns how many (quantize_layer, layer by layer)."""
     layers = model.get_decoder().layers if hasattr(model, "get_decoder") else model.model.layers
-    count = skipped = 0
-    for layer in layers:
-        linears = {name: mod for name, mod in layer.named_modules() if type(mod) is torch.nn.Linear}
+    return sum(quantize_layer(layer, align) for layer in layers)
 
-        def fits(mod: torch.nn.Linear) -> bool:
-            return mod.bias is None and mod.in_features % align == 0 and mod.out_features % align == 0
 
-        keep = {name for name, mod in linears.items() if not fits(mod)}
-        for group in _SAME_INPUT:
-            names = {f"{prefix}.{proj}" for prefix, proj in group} & set(linears)
-            if names & keep:
-                keep |= names
+def quantize_layer(layer: torch.nn.Module, align: int = 1) -> int:
+    """One decoder layer's bias-free nn.Linear modules as Fp8Linear, in place; returns how many.
+    Each original weight is freed as its module goes. align: what both dimensions of a weight
+    must be a multiple of (16 for cuBLASLt's FP8 GEMM); the projections of one input (q/k/v,
+    gate/up), which the lean forward fuses, are quantized all or none."""
+    linears = {name: mod for name, mod in layer.named_modules() if type(mod) is torch.nn.Linear}
+
+    def fits(mod: torch.nn.Linear) -> bool:
+        return mod.bias is None and mod.in_features % align == 0 and mod.out_features % align == 0
+
+    keep = {name for name, mod in linears.items() if not fits(mod)}
+    for group in _SAME_INPUT:
+        names = {f"{prefix}.{proj}" for prefix, proj in group} & set(linears)
+        if names & keep:
+            keep |= names
+    with torch.no_grad():
         for name, mod in linears.items():
             if name in keep:
-                skipped += 1
                 continue
             parent_name, _, attr = name.rpartition(".")
             parent = layer.get_submodule(parent_name) if parent_name else layer
             setattr(parent, attr, Fp8Linear(mod))
-            count += 1
-    if skipped:
+    if keep:
         log.warning(
-            "fp8: %d linear layers kept in the model's dtype (a bias, or a dimension not a multiple of %d)",
-            skipped,
+            "fp8: %d linear layers of a decoder layer kept in the model's dtype (a bias, or a "
+            "dimension not a multiple of %d)",
+            len(keep),
             align,
         )
-    return count
+    return len(linears) - len(keep)
 
 
 # projections of one input that the lean forward fuses into one product (lean_llama._Layer)

@@ -44,20 +44,32 @@ def load_model(
 
     model_variants.check_supported(AutoConfig.from_pretrained(model_path))
     attention.register()
+    fp8.check_supported(quantization, device)
+    quantized: list[int] = []
+
+    def to_fp8(layer: Any) -> None:
+        """Each decoder layer as it reaches the device: its products in FP8, so the device
+        never holds more than one layer in `dtype` (a 70B model's bf16 weights would not fit
+        on one GPU beside anything)."""
+        quantized.append(fp8.quantize_layer(layer, fp8.CUDA_ALIGN if device.type == "cuda" else 1))
+
     # a folder's weights, or a random-weight model built on the device (`random:` models)
-    model = load_causal_lm(model_path, device, dtype=dtype, attn_implementation=attention.ATTN_IMPLEMENTATION)
+    model = load_causal_lm(
+        model_path,
+        device,
+        layer_hook=to_fp8 if quantization == "fp8" else None,
+        dtype=dtype,
+        attn_implementation=attention.ATTN_IMPLEMENTATION,
+    )
     model_variants.check_loaded(model)
     model.eval()
     # serving never differentiates: no autograd state in the weights (torch.compile'd layers
     # would otherwise trace for training)
     model.requires_grad_(False)
-    if quantization == "fp8":
-        fp8.check_supported(quantization, device)
-        with torch.no_grad():
-            n = fp8.quantize_linears(model, fp8.CUDA_ALIGN if device.type == "cuda" else 1)
+    if quantized:
         if device.type == "cuda":  # the freed bf16 weights' segments back to the driver (KV pool)
             torch.cuda.empty_cache()
-        log.info("fp8: %d linear layers quantized", n)
+        log.info("fp8: %d linear layers quantized", sum(quantized))
     if prepack:
         cpu_linear.prepack_linears(model, row_copy)
     return model
