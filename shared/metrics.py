@@ -56,6 +56,11 @@ RESPONSES_STORED = Counter(
 BACKGROUND_RESPONSES_RUNNING = Gauge(
     "pdserve_background_responses_running", "Background responses this gateway process is running"
 )
+BACKGROUND_RESPONSES_RESUMED = Counter(
+    "pdserve_background_responses_resumed_total",
+    "Background responses this gateway process took over from a gateway that died or stopped "
+    "before they wrote output, and ran again from the start",
+)
 
 # --- prefix cache (tokens) ---
 PREFIX_CACHE_QUERIES = Counter(

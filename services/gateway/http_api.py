@@ -24,6 +24,7 @@ import structlog
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 from opentelemetry import propagate, trace
+from opentelemetry.context import Context
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -44,10 +45,11 @@ from services.gateway.http_errors import (
     unauthenticated,
 )
 from services.gateway.http_responses import completion_body, model_list
-from services.gateway.http_stored_responses import Emit, Keeping, ResponseFailed, StoredResponses
+from services.gateway.http_stored_responses import Emit, Keeping, Produce, ResponseFailed, StoredResponses
 from services.gateway.http_stream import EventStream, events
 from services.gateway.lora_admin import AdapterInUse
 from services.gateway.service import GatewayService
+from services.gateway.stored_responses import RunRequest
 from services.gateway.validation import InvalidField
 from shared.auth import AUTH_HEADER, ApiKeys
 from shared.errors import PdserveError
@@ -84,7 +86,9 @@ class HttpApi:
         self._inner_keys = ApiKeys.of([inner_key])
         self.app = self._build()
         # stored Responses API responses: the routes that read them, what POST /v1/responses keeps
-        self.stored = StoredResponses(self.app, keys, response_dir, response_retention_s, max_body_bytes)
+        self.stored = StoredResponses(
+            self.app, keys, response_dir, response_retention_s, max_body_bytes, self._rerun
+        )
 
     def _build(self) -> FastAPI:
         # FastAPI's own OpenTelemetry (on whenever a tracer provider is installed, as every
@@ -382,9 +386,40 @@ class HttpApi:
         its record."""
         created = int(time.time())
         context = propagate.extract(dict(request.headers))
+        produce = self._background_run(asked, keeping, plan, request_id, created, context)
+        assert keeping.kept is not None and keeping.record is not None
+        queued = responses_api.queued_body(asked, request_id, created, keeping.kept)
+        again = RunRequest(asked.model_dump(mode="json", exclude_unset=True), request_id, created)
+        try:
+            answer = self.stored.start_background(keeping, queued, produce, again)
+        except Exception as exc:  # the store cannot be written: nothing started
+            return self._fail(exc, request_id)
+        headers = {REQUEST_ID_HEADER: request_id}
+        if asked.stream:  # its events as they are logged; going away leaves it running
+            return self.stored.stream(answer["id"], keeping.record.owner, after=-1, headers=headers)
+        return JSONResponse(answer, headers=headers)
+
+    async def _rerun(
+        self, asked: responses_api.ResponsesRequest, keeping: Keeping, request_id: str, created: int
+    ) -> Produce:
+        """The run of a background response that another gateway left before it wrote output,
+        from the start, as its POST /v1/responses would run it (a trace of its own)."""
+        plan = await self._responses_plan(asked, keeping.context, request_id)
+        return self._background_run(asked, keeping, plan, request_id, created, None)
+
+    def _background_run(
+        self,
+        asked: responses_api.ResponsesRequest,
+        keeping: Keeping,
+        plan: Plan,
+        request_id: str,
+        created: int,
+        context: Context | None,
+    ) -> Produce:
+        """A background response's run: its events through `emit`, its final Response returned."""
 
         async def produce(emit: Emit) -> dict[str, Any]:
-            span = tracer().start_span(request.url.path, context=context, kind=trace.SpanKind.SERVER)
+            span = tracer().start_span("/v1/responses", context=context, kind=trace.SpanKind.SERVER)
             span.set_attribute("pdserve.request_id", request_id)
             run = ChoiceRun(self._service, plan.inputs, self._tasks)
             final: dict[str, Any] = {}
@@ -404,16 +439,7 @@ class HttpApi:
                 span.end()
             return final
 
-        assert keeping.kept is not None and keeping.record is not None
-        queued = responses_api.queued_body(asked, request_id, created, keeping.kept)
-        try:
-            answer = self.stored.start_background(keeping, queued, produce)
-        except Exception as exc:  # the store cannot be written: nothing started
-            return self._fail(exc, request_id)
-        headers = {REQUEST_ID_HEADER: request_id}
-        if asked.stream:  # its events as they are logged; going away leaves it running
-            return self.stored.stream(answer["id"], keeping.record.owner, after=-1, headers=headers)
-        return JSONResponse(answer, headers=headers)
+        return produce
 
     def _fail(
         self,

@@ -6,6 +6,13 @@ with `GET ...?stream=true&starting_after=N`, from any gateway on the folder), an
 read them: GET /v1/responses/{id}, DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items,
 POST /v1/responses/{id}/cancel.
 
+A background response outlives its gateway when it can be reproduced exactly: every gateway on
+the folder polls for ones whose run lock is free (their gateway died, or stopped and let them go)
+and takes over those that have written no output yet, running them again from the start with
+the same id and request, their events appended to the same log (numbered on, no second
+`response.created`); one that had written output is marked failed. A gateway that stops lets go
+at once of the runs that have written no output, and gives the others the drain grace.
+
 Responses belong to the API key that made them (a hash of it; one owner with keys off). A
 request the gateway sends itself (a Batch API line) stores nothing. Without --response-dir a
 response is not stored (`"store": false`), and `previous_response_id`, `background` and these
@@ -17,6 +24,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
+import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -32,9 +41,11 @@ from services.gateway.http_errors import http_error
 from services.gateway.http_routes import Answered, answered, items_page, owner
 from services.gateway.http_stream import EventStream
 from services.gateway.stored_responses import (
+    PREAMBLE_EVENTS,
     TERMINAL_EVENTS,
     ResponseStatus,
     ResponseStore,
+    RunRequest,
     StoredResponse,
     as_input_item,
     new_response_id,
@@ -94,6 +105,21 @@ class Keeping:
         return responses_api.Kept(self.record.id, self.record.background)
 
 
+# builds the run of a background response taken over from another gateway: (its request, how it
+# is kept, its request id, its created_at) -> what `Produce`s it (as POST /v1/responses would)
+Rerun = Callable[[responses_api.ResponsesRequest, Keeping, str, int], Awaitable[Produce]]
+
+
+@dataclasses.dataclass
+class _Run:
+    """A background run in this process: whether it has written output (until it has, it can
+    be let go for another gateway to run again), and whether it was let go."""
+
+    task: asyncio.Task[None] | None = None
+    output: bool = False
+    released: bool = False
+
+
 class StoredResponses:
     """The store under `folder` ('' = off), the background runs of this process, and the routes."""
 
@@ -104,15 +130,18 @@ class StoredResponses:
         folder: str,
         retention_s: float,
         max_body_bytes: int,
+        rerun: Rerun,
         poll_s: float = 1.0,
     ) -> None:
         self._keys = keys
+        self._rerun = rerun
         self._store = ResponseStore(Path(folder).expanduser()) if folder else None
         self._conversations = ConversationStore(Path(folder).expanduser()) if folder else None
         ConversationsApi(app, keys, self._conversations, max_body_bytes)
         self._retention_s = retention_s
-        self._poll_s = poll_s  # how often a cancel made through another gateway is looked for (s)
-        self._running: dict[str, asyncio.Task[None]] = {}  # background runs here, by response id
+        # how often a cancel made through another gateway, and runs left by one, are looked for (s)
+        self._poll_s = poll_s
+        self._running: dict[str, _Run] = {}  # background runs here, by response id
         self._watcher: asyncio.Task[None] | None = None
         for path, route, method in (
             ("/v1/responses/{response_id}", self.retrieve, "GET"),
@@ -127,24 +156,45 @@ class StoredResponses:
             self._watcher = asyncio.get_running_loop().create_task(self._watch())
 
     async def drain(self, grace_s: float) -> None:
-        """SIGTERM: background responses running here get `grace_s` to finish; the rest fail."""
-        running = set(self._running.values())
-        if running:
-            await asyncio.wait(running, timeout=max(grace_s, 0.0))
+        """SIGTERM: nothing more is taken over; the background responses running here that have
+        written no output are let go at once (another gateway runs them again), the others get
+        `grace_s` to finish; then close()."""
+        self._stop_watching()
+        self._let_go()
+        tasks = {run.task for run in self._running.values() if run.task is not None}
+        if tasks:
+            await asyncio.wait(tasks, timeout=max(grace_s, 0.0))
         await self.close()
 
     async def close(self) -> None:
+        """Stops the runs here: those without output are let go (their records stay queued or in
+        progress, their run locks free, for another gateway), the rest fail."""
+        self._stop_watching()
+        self._let_go()
+        store = self._store
+        for response_id, run in list(self._running.items()):
+            if run.task is not None:
+                run.task.cancel()
+            if store is not None and not run.released:
+                with contextlib.suppress(Exception):
+                    store.update(response_id, lambda r: _ended(r, ResponseStatus.FAILED, _STOPPED))
+        tasks = [run.task for run in self._running.values() if run.task is not None]
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _stop_watching(self) -> None:
         if self._watcher is not None:
             self._watcher.cancel()
             self._watcher = None
-        store = self._store
-        for response_id, task in list(self._running.items()):
-            task.cancel()
-            if store is not None:
-                with contextlib.suppress(Exception):
-                    store.update(response_id, lambda r: _ended(r, ResponseStatus.FAILED, _STOPPED))
-        if self._running:
-            await asyncio.gather(*self._running.values(), return_exceptions=True)
+
+    def _let_go(self) -> None:
+        """Stops the runs here that have written no output, leaving them for another gateway
+        (their tasks end with their run locks released; nothing more reaches their logs)."""
+        for response_id, run in self._running.items():
+            if not run.output and not run.released and run.task is not None:
+                run.released = True
+                run.task.cancel()
+                log.info("background_response_let_go", response_id=response_id)
 
     # --- what POST /v1/responses keeps ---
     def prepare(self, req: responses_api.ResponsesRequest, request: Request, inner: bool) -> Keeping:
@@ -242,8 +292,11 @@ class StoredResponses:
             return
         metrics.RESPONSES_STORED.labels(status=done.status.value).inc()
 
-    def start_background(self, keeping: Keeping, queued: dict[str, Any], produce: Produce) -> dict[str, Any]:
-        """Stores the queued response and runs `produce` (its events to the response's log, the
+    def start_background(
+        self, keeping: Keeping, queued: dict[str, Any], produce: Produce, request: RunRequest
+    ) -> dict[str, Any]:
+        """Stores the queued response, and `request` (to run it again if this gateway goes away
+        before it writes output), and runs `produce` (its events to the response's log, the
         finished Response to its record) in a task of this process, holding the response's run
         lock; returns the queued Response."""
         assert keeping.record is not None and self._store is not None
@@ -253,30 +306,62 @@ class StoredResponses:
             held.close()
             raise RuntimeError(f"the run lock of {record.id} is held")
         try:
+            self._store.keep_request(record.id, request)
             self._store.create(record)
         except BaseException:
             held.close()
             with contextlib.suppress(OSError):
-                self._store.remove(record.id)  # its run lock file
+                self._store.remove(record.id)  # its run lock and request files
             raise
-        task = asyncio.get_running_loop().create_task(self._run(keeping, produce, held))
-        self._running[record.id] = task
+        self._start_run(keeping, produce, held, [])
         return queued
 
-    async def _run(self, keeping: Keeping, produce: Produce, held: contextlib.ExitStack) -> None:
+    def _start_run(
+        self, keeping: Keeping, produce: Produce, held: contextlib.ExitStack, logged: list[dict[str, Any]]
+    ) -> None:
+        """Runs `produce` in a task here; `held`: the run lock (the task releases it);
+        `logged`: the events its log holds already (a run taken over)."""
+        assert keeping.record is not None
+        response_id = keeping.record.id
+        run = _Run()
+        run.task = asyncio.get_running_loop().create_task(self._run(keeping, produce, run, logged))
+        # the run lock goes once the task is done, also when it is cancelled before it started
+        run.task.add_done_callback(functools.partial(self._run_over, response_id, run, held))
+        self._running[response_id] = run
+
+    def _run_over(self, response_id: str, run: _Run, held: contextlib.ExitStack, _: object) -> None:
+        held.close()
+        if self._running.get(response_id) is run:
+            del self._running[response_id]
+
+    async def _run(self, keeping: Keeping, produce: Produce, run: _Run, logged: list[dict[str, Any]]) -> None:
         store = self._store
         assert store is not None and keeping.record is not None
         response_id = keeping.record.id
-        events = store.event_log(response_id)
+        after = max((int(e.get("sequence_number", -1)) for e in logged), default=-1)
+        events = store.event_log(response_id, after + 1)
+        again = {str(e.get("type")) for e in logged}  # what a run taken over does not log twice
+
+        def emit(event: dict[str, Any]) -> None:
+            if run.released:  # let go: another gateway may be running it already
+                raise asyncio.CancelledError
+            kind = event["type"]
+            if kind in again and kind in PREAMBLE_EVENTS:
+                again.discard(kind)
+                return
+            if kind not in PREAMBLE_EVENTS:
+                run.output = True
+            events.write({**event, "sequence_number": events.next_sequence})
+
         metrics.BACKGROUND_RESPONSES_RUNNING.inc()
         try:
             store.update(response_id, _started)
-            body = await produce(events.write)
+            body = await produce(emit)
             done = store.update(response_id, lambda r: r if r.final else r.finished(body))
             if done.status.value == body["status"]:  # it ended as run (not cancelled first)
                 self._add_turn(keeping, body)
         except asyncio.CancelledError:
-            pass  # a cancel (its record says so) or the gateway stopping (close says so)
+            pass  # a cancel (its record says so), the gateway stopping (close says so), or let go
         except ResponseFailed as failure:  # its error event is in the log
             reason, code = failure.message, failure.code
             with contextlib.suppress(Exception):
@@ -292,11 +377,24 @@ class StoredResponses:
                 events.write(_failed_event(failed, events.next_sequence))
         finally:
             events.close()
-            with contextlib.suppress(Exception):  # however it ended: completed, failed, cancelled
-                metrics.RESPONSES_STORED.labels(status=store.read(response_id).status.value).inc()
+            self._ended(store, response_id)
             metrics.BACKGROUND_RESPONSES_RUNNING.dec()
-            held.close()
-            self._running.pop(response_id, None)
+
+    def _ended(self, store: ResponseStore, response_id: str) -> None:
+        """After a run here (its run lock still held): an ended response is counted and its kept
+        request dropped; a deleted one loses what the run may have written since."""
+        try:
+            record = store.read(response_id)
+        except NotFound:
+            with contextlib.suppress(OSError):
+                store.remove(response_id)
+            return
+        except Exception:
+            return  # being written: the next gateway's poll sees it
+        if record.final:  # completed, failed, cancelled (not one let go)
+            metrics.RESPONSES_STORED.labels(status=record.status.value).inc()
+            with contextlib.suppress(OSError):
+                store.drop_request(response_id)
 
     async def tail(self, response_id: str, who: str, after: int) -> AsyncIterator[str]:
         """A background response's events after sequence number `after`, as server-sent events,
@@ -333,20 +431,29 @@ class StoredResponses:
 
     async def _watch(self) -> None:
         """Cancels the runs here whose record was cancelled (or deleted) through another gateway;
-        removes the records past their retention."""
+        takes over the background responses whose run lock is free; removes the records past
+        their retention."""
         store = self._store
         assert store is not None
         pruned_at = 0.0
         while True:
-            for response_id, task in list(self._running.items()):
+            for response_id, run in list(self._running.items()):
                 try:
                     stopped = store.read(response_id).status == ResponseStatus.CANCELLED
                 except NotFound:
                     stopped = True  # deleted
                 except Exception:
                     continue  # being written: the next poll
-                if stopped:
-                    task.cancel()
+                if stopped and run.task is not None:
+                    run.task.cancel()
+            try:
+                left = await asyncio.to_thread(store.unfinished)
+            except OSError as exc:  # the folder went away for a moment: the next poll
+                log.warning("response_scan_failed", error=str(exc))
+                left = []
+            for response_id in left:
+                if response_id not in self._running:
+                    await self._take_over(store, response_id)
             if time.monotonic() - pruned_at >= _PRUNE_EVERY_S:
                 pruned_at = time.monotonic()
                 with contextlib.suppress(Exception):
@@ -354,6 +461,60 @@ class StoredResponses:
                     if gone:
                         log.info("responses_pruned", count=len(gone))
             await asyncio.sleep(self._poll_s)
+
+    async def _take_over(self, store: ResponseStore, response_id: str) -> None:
+        """Claims a background response whose run lock is free and runs it here again from the
+        start when it has written no output (one that has is marked failed); the run lock
+        decides between gateways, and a GET that finds it free leaves such a response alone."""
+        held = contextlib.ExitStack()
+        try:
+            if not held.enter_context(store.claim(response_id)):
+                held.close()
+                return  # it runs somewhere
+            started = await self._resume(store, response_id, held)
+        except BaseException as exc:
+            held.close()
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            log.warning("response_take_over_failed", response_id=response_id, error=str(exc))
+            return
+        if not started:
+            held.close()
+
+    async def _resume(self, store: ResponseStore, response_id: str, held: contextlib.ExitStack) -> bool:
+        """Under the response's run lock: whether a run of it started here (it then owns `held`)."""
+        try:
+            record = store.read(response_id)
+        except NotFound:  # deleted: what the claim made, and its request, go too
+            store.remove(response_id)
+            return False
+        if record.final:
+            store.drop_request(response_id)  # its run ended just before it dropped it
+            return False
+        request = store.resumable(response_id)
+        if request is None:  # it wrote output: it cannot be reproduced exactly
+            store.fail_abandoned(response_id)
+            metrics.RESPONSES_STORED.labels(status=ResponseStatus.FAILED.value).inc()
+            log.info("background_response_abandoned", response_id=response_id)
+            return False
+        logged, _ = store.events_from(response_id, 0)
+        context = record.context[: len(record.context) - len(record.input_items)]
+        try:
+            asked = responses_api.ResponsesRequest.model_validate_json(json.dumps(request.body))
+            keeping = Keeping(
+                record, context, responses_api.conversation_id(asked), record.owner, record.input_items
+            )
+            produce = await self._rerun(asked, keeping, request.request_id, request.created)
+        except Exception as exc:  # a request this gateway cannot run (a model it does not serve)
+            message = http_error(exc).body.error.message
+            store.update(response_id, lambda r: _ended(r, ResponseStatus.FAILED, message))
+            store.drop_request(response_id)
+            metrics.RESPONSES_STORED.labels(status=ResponseStatus.FAILED.value).inc()
+            return False
+        self._start_run(keeping, produce, held, logged)
+        metrics.BACKGROUND_RESPONSES_RESUMED.inc()
+        log.info("background_response_resumed", response_id=response_id, events_logged=len(logged))
+        return True
 
     # --- routes ---
     @answered()
@@ -416,9 +577,9 @@ class StoredResponses:
         """Marks an unfinished response cancelled and stops its run here (another gateway's run
         sees the record within its poll)."""
         done = store.update(record.id, lambda r: _ended(r, ResponseStatus.CANCELLED))
-        task = self._running.get(record.id)
-        if task is not None:
-            task.cancel()
+        run = self._running.get(record.id)
+        if run is not None and run.task is not None:
+            run.task.cancel()
         return done
 
     def _open(self, request: Request) -> tuple[ResponseStore, str]:

@@ -3,8 +3,9 @@ front of real workers (tiny model): a stored response is retrieved as it was ans
 or not), a follow-up with previous_response_id answers as the whole conversation sent to chat
 completions (greedy), input items are listed, a delete does not break a later turn, keys see only
 their own, background responses run to the same answer and can be cancelled (KV freed) through
-this gateway or another one on the same folder, and one left by a gateway that stopped is
-failed, not left in progress."""
+this gateway or another one on the same folder; one left by a gateway that died or stopped
+before it wrote output runs again on another gateway on the folder (the same answer, one
+stream), one left after is failed, not left in progress."""
 
 from __future__ import annotations
 
@@ -20,7 +21,13 @@ import openai
 import pytest
 import pytest_asyncio
 
-from services.gateway.stored_responses import ABANDONED, ResponseStatus, ResponseStore, StoredResponse
+from services.gateway.stored_responses import (
+    ABANDONED,
+    ResponseStore,
+    RunRequest,
+    StoredResponse,
+    new_response_id,
+)
 from tests.support.prom import sample_total
 
 from .http_stack import HttpStack, client_of, gateway_on, http_stack
@@ -238,37 +245,162 @@ async def _until_running(client: openai.AsyncOpenAI, response_id: str) -> None:
             await asyncio.sleep(0.02)
 
 
-async def test_a_response_left_by_a_stopped_gateway_fails(stack: HttpStack, tmp_path: Path) -> None:
-    """One whose gateway died (its run lock free) reads as failed; a gateway that stops fails
-    what it still runs after the grace; neither stays in progress."""
+def _left_by_a_dead_gateway(
+    store: ResponseStore, text: str, logged: tuple[str, ...], kept: bool = True
+) -> str:
+    """A background response as a gateway killed -9 leaves it: in progress, its run lock free,
+    its request kept (unless not `kept`: an earlier version made it), events of the types
+    `logged` in its log."""
+    response_id = new_response_id()
+    created = int(time.time())
+    body = {
+        "id": response_id,
+        "object": "response",
+        "created_at": created,
+        "status": "in_progress",
+        "output": [],
+    }
+    item = {
+        "type": "message",
+        "role": "user",
+        "content": [{"type": "input_text", "text": text}],
+        "id": "msg_0",
+    }
+    store.create(StoredResponse(response_id, "", created, body, (item,), (item,), background=True))
+    if kept:
+        asked = {"model": "", "input": text, "background": True, "max_output_tokens": 6, "temperature": 0.0}
+        store.keep_request(response_id, RunRequest(asked, response_id.removeprefix("resp_"), created))
+    log = store.event_log(response_id)
+    for kind in logged:
+        log.write({"type": kind, "sequence_number": log.next_sequence, "response": body, "delta": "x"})
+    log.close()
+    return response_id
+
+
+async def _events(raw: httpx.AsyncClient, response_id: str) -> list[dict[str, Any]]:
+    async with raw.stream("GET", f"/v1/responses/{response_id}", params={"stream": "true"}) as answer:
+        return [json.loads(x[6:]) async for x in answer.aiter_lines() if x.startswith("data: ")]
+
+
+async def test_a_response_left_by_a_dead_gateway_runs_again_unless_it_had_written_output(
+    stack: HttpStack, tmp_path: Path
+) -> None:
+    """Left before its output (its log: response.created, .in_progress): a gateway on the folder
+    takes it over and runs it from the start, numbering its events on (one response.created),
+    to the answer of a fresh run; left after its first delta, or made by an earlier version (no
+    request kept): it reads as failed, never in progress for ever."""
     store = ResponseStore(tmp_path)
-    left = StoredResponse(
-        id="resp_" + "e" * 32,
-        owner="",
-        created_at=int(time.time()),
-        body={"id": "resp_" + "e" * 32, "object": "response", "status": "in_progress", "output": []},
-        input_items=(),
-        background=True,
-    )
-    store.create(left)
-    async with gateway_on(stack, response_dir=str(tmp_path), drain_grace_s=0.0) as gateway:
-        async with httpx.AsyncClient(base_url=gateway.http_url or "") as raw:
-            got = (await raw.get(f"/v1/responses/{left.id}")).json()
-            assert got["status"] == "failed" and got["error"]["message"] == ABANDONED
-            async with raw.stream("GET", f"/v1/responses/{left.id}", params={"stream": "true"}) as answer:
-                data = [json.loads(x[6:]) async for x in answer.aiter_lines() if x.startswith("data: ")]
-            assert [(e["type"], e["response"]["status"]) for e in data] == [("response.failed", "failed")]
-            body = {
-                **GREEDY,
-                "input": "count",
-                "background": True,
-                "max_output_tokens": 1500,
-                "ignore_eos": True,
-            }
-            running = (await raw.post("/v1/responses", json=body)).json()
-        await gateway.drain()
-    assert store.read(running["id"]).status == ResponseStatus.FAILED
+    quiet = _left_by_a_dead_gateway(store, "the sky is", ("response.created", "response.in_progress"))
+    preamble = ("response.created", "response.in_progress", "response.output_text.delta")
+    spoke = _left_by_a_dead_gateway(store, "the sky is", preamble)
+    older = _left_by_a_dead_gateway(store, "the sky is", (), kept=False)
+    resumed = sample_total("pdserve_background_responses_resumed_total")
+    async with gateway_on(stack, response_dir=str(tmp_path)) as gateway:
+        client = client_of(gateway.http_url)
+        try:
+            async with httpx.AsyncClient(base_url=gateway.http_url or "") as raw:
+                for left in (spoke, older):
+                    got = (await raw.get(f"/v1/responses/{left}")).json()
+                    assert got["status"] == "failed" and got["error"]["message"] == ABANDONED
+                data = await _events(raw, older)
+                assert [(e["type"], e["response"]["status"]) for e in data] == [("response.failed", "failed")]
+                data = await _events(raw, spoke)  # what it wrote, then how it ended
+                assert [e["type"] for e in data] == [*preamble, "response.failed"]
+                done = await ended(client, quiet)
+                fresh = await client.responses.create(input="the sky is", **GREEDY)
+                assert done.status == fresh.status and done.output_text == fresh.output_text
+                assert done.id == quiet and done.background is True
+                data = await _events(raw, quiet)
+            kinds = [e["type"] for e in data]
+            assert [e["sequence_number"] for e in data] == list(range(len(data)))
+            assert kinds.count("response.created") == 1 and kinds.count("response.in_progress") == 1
+            assert kinds[-1] == f"response.{done.status}" and "response.output_text.delta" in kinds
+        finally:
+            await client.close()
+    assert sample_total("pdserve_background_responses_resumed_total") == resumed + 1
+    assert not list(tmp_path.glob("*.request"))  # each ended: nothing is run again
     await stack.wait_idle(timeout_s=30)
+
+
+async def _no_first_token(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+    await asyncio.Event().wait()  # a prefill that has not answered yet
+    yield None
+
+
+async def _first_output(client: openai.AsyncOpenAI, response_id: str) -> None:
+    """Until the background response has logged output (read through `client`'s gateway)."""
+    async with asyncio.timeout(30):
+        stream = await client.responses.retrieve(response_id, stream=True)
+        async for event in stream:
+            if event.type == "response.output_text.delta":
+                break
+        await stream.close()
+
+
+async def test_a_background_response_outlives_a_gateway_that_stops(
+    stack: HttpStack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gateway A stops (drain, no grace) while it runs background responses: those with no
+    output yet run again on gateway B (the same answer as a fresh greedy run; one consistent
+    stream through B); cancel and delete work before the take-over and during it; the one that
+    had written output is failed; every KV block comes back."""
+    long: dict[str, Any] = {**GREEDY, "max_output_tokens": 1500, "extra_body": {"ignore_eos": True}}
+    resumed = sample_total("pdserve_background_responses_resumed_total")
+    async with gateway_on(stack, response_dir=str(tmp_path)) as b:
+        other = client_of(b.http_url)
+        try:
+            async with gateway_on(stack, response_dir=str(tmp_path), drain_grace_s=0.0) as a:
+                one = client_of(a.http_url)
+                try:
+                    talking = await one.responses.create(input="count", background=True, **long)
+                    await _first_output(other, talking.id)
+                    monkeypatch.setattr(a.service, "generate", _no_first_token)  # A's next: no output
+                    quiet = await one.responses.create(input="the sky is", background=True, **GREEDY)
+                    doomed, gone, longer = [
+                        (await one.responses.create(input="count", background=True, **long)).id
+                        for _ in range(3)
+                    ]
+                    await a.drain()
+                finally:
+                    await one.close()
+            # before B takes them over (or just after): a cancel and a delete through B
+            assert (await other.responses.cancel(doomed)).status == "cancelled"
+            await other.responses.delete(gone)
+            done = await ended(other, quiet.id)
+            fresh = await other.responses.create(input="the sky is", **GREEDY)
+            assert done.status == fresh.status and done.output_text == fresh.output_text
+            assert done.usage is not None and fresh.usage is not None
+            assert done.usage.output_tokens == fresh.usage.output_tokens
+            streamed = [e async for e in await other.responses.retrieve(quiet.id, stream=True)]
+            numbers = [e.sequence_number for e in streamed]
+            assert numbers == sorted(set(numbers))
+            assert [e.type for e in streamed].count("response.created") == 1
+            last = streamed[-1]
+            assert last.type in ("response.completed", "response.incomplete")
+            assert last.type == f"response.{done.status}" and last.response.output_text == done.output_text
+            # during B's run: cancelled through B, aborted on the workers
+            await _first_output(other, longer)
+            assert (await other.responses.cancel(longer)).status == "cancelled"
+            failed = await other.responses.retrieve(talking.id)
+            assert (
+                failed.status == "failed" and failed.error is not None and "stopped" in failed.error.message
+            )
+            assert (await ended(other, doomed)).status == "cancelled"
+            with pytest.raises(openai.NotFoundError):
+                await other.responses.retrieve(gone)
+            # after: cancelling an ended one changes nothing; delete removes it
+            assert (await other.responses.cancel(quiet.id)).status == done.status
+            await other.responses.delete(quiet.id)
+            async with asyncio.timeout(30):
+                while sample_total("pdserve_background_responses_running") > 0:
+                    await asyncio.sleep(0.02)
+            await stack.wait_idle(timeout_s=30)
+            assert not list(tmp_path.glob(f"{gone}*")) and not list(tmp_path.glob(f"{quiet.id}*"))
+        finally:
+            await other.close()
+    # quiet and longer at least (doomed and gone too when B took them before the cancel, delete)
+    assert 2 <= sample_total("pdserve_background_responses_resumed_total") - resumed <= 4
+    await stack.wait_idle()
 
 
 async def test_stored_responses_are_counted(stack: HttpStack, tmp_path: Path) -> None:
