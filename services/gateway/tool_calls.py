@@ -427,17 +427,24 @@ class ToolCallParser:
             self._content(self._buf, out)
             self._buf = ""
 
+    def _to_marker(self, marker: str, out: list[Event], final: bool) -> bool:
+        """The text before `marker` as content; True when the buffer now starts with it (a call
+        begins), False when it is not there (only what may be its start is kept back)."""
+        at = self._buf.find(marker)
+        if at < 0:
+            keep = 0 if final else _partial_suffix(self._buf, marker)
+            self._content(self._buf[: len(self._buf) - keep], out)
+            self._buf = self._buf[len(self._buf) - keep :]
+            return False
+        self._content(self._buf[:at], out)
+        self._buf = self._buf[at:]
+        return True
+
     def _scan_qwen(self, out: list[Event], final: bool) -> None:
         while self._buf:
             if not self._in_call:
-                at = self._buf.find(QWEN_START)
-                if at < 0:
-                    keep = 0 if final else _partial_suffix(self._buf, QWEN_START)
-                    self._content(self._buf[: len(self._buf) - keep], out)
-                    self._buf = self._buf[len(self._buf) - keep :]
+                if not self._to_marker(QWEN_START, out, final):
                     return
-                self._content(self._buf[:at], out)
-                self._buf = self._buf[at:]
                 self._in_call = True
             found = qwen_call(self._buf, final)
             if found == NEED_MORE:
@@ -464,14 +471,8 @@ class ToolCallParser:
     def _scan_hermes(self, out: list[Event], final: bool) -> None:
         while self._buf:
             if not self._in_call:
-                at = self._buf.find(HERMES_START)
-                if at < 0:
-                    keep = 0 if final else _partial_suffix(self._buf, HERMES_START)
-                    self._content(self._buf[: len(self._buf) - keep], out)
-                    self._buf = self._buf[len(self._buf) - keep :]
+                if not self._to_marker(HERMES_START, out, final):
                     return
-                self._content(self._buf[:at], out)
-                self._buf = self._buf[at:]
                 self._in_call = True
             end = self._buf.find(HERMES_END)
             if end < 0:

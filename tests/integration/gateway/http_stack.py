@@ -179,3 +179,36 @@ async def http_stack(
 def client_of(url: str | None, key: str = "none") -> openai.AsyncOpenAI:
     """The `openai` client of a gateway's HTTP face (no retries: a test sees every answer)."""
     return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+
+
+def model_with_template(folder: Path, template: str) -> Path:
+    """A tiny BPE model in `folder` whose tokenizer's chat template is `template`."""
+    from transformers import AutoTokenizer
+
+    from tests.support.tiny_models import build_tiny_model
+
+    build_tiny_model(folder, "bpe")
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(str(folder))
+    return folder
+
+
+def reassembled(chunks: list[Any]) -> tuple[str, list[tuple[str, ...]], str | None]:
+    """A chat stream's content, tool calls (id, name, arguments) from their deltas (the id and
+    name first, once per call), finish_reason."""
+    content, reason = "", None
+    calls: dict[int, list[str]] = {}
+    for c in chunks:
+        if not c.choices:
+            continue
+        delta = c.choices[0].delta
+        content += delta.content or ""
+        for tc in delta.tool_calls or ():
+            call = calls.setdefault(tc.index, ["", "", ""])
+            if tc.id:
+                assert call[0] == "" and tc.function.name  # the id and name come first, once
+                call[0], call[1] = tc.id, tc.function.name
+            call[2] += tc.function.arguments or ""
+        reason = c.choices[0].finish_reason or reason
+    return content, [tuple(calls[k]) for k in sorted(calls)], reason

@@ -22,7 +22,7 @@ from shared.proto import common_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb
 from tests.support.prom import sample_total
 from tests.support.tiny_models import build_tiny_model
 
-from .http_stack import HttpStack, gateway_on, http_stack
+from .http_stack import HttpStack, gateway_on, http_stack, reassembled
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -1298,25 +1298,6 @@ TOOLS: Any = [
     },
     {"type": "function", "function": {"name": "get_time", "parameters": TOOL_PARAMS[1]}},
 ]
-
-
-def reassembled(chunks: list[Any]) -> tuple[str, list[tuple[str, ...]], str | None]:
-    """A chat stream's content, tool calls (id, name, arguments) from their deltas, finish_reason."""
-    content, reason = "", None
-    calls: dict[int, list[str]] = {}
-    for c in chunks:
-        if not c.choices:
-            continue
-        delta = c.choices[0].delta
-        content += delta.content or ""
-        for tc in delta.tool_calls or ():
-            call = calls.setdefault(tc.index, ["", "", ""])
-            if tc.id:
-                assert call[0] == "" and tc.function.name  # the id and name come first, once
-                call[0], call[1] = tc.id, tc.function.name
-            call[2] += tc.function.arguments or ""
-        reason = c.choices[0].finish_reason or reason
-    return content, [tuple(calls[k]) for k in sorted(calls)], reason
 
 
 async def test_tool_calls_through_the_openai_client(bpe: HttpStack) -> None:

@@ -11,16 +11,13 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 import pytest_asyncio
 
-from tests.support.tiny_models import build_tiny_model
-
-from .http_stack import HttpStack, http_stack
+from .http_stack import HttpStack, http_stack, model_with_template
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -66,14 +63,8 @@ CHAT: Any = [{"role": "user", "content": "Weather in Paris?"}]
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[HttpStack]:
-    from transformers import AutoTokenizer
-
-    folder = tmp_path_factory.mktemp("mistral") / "tiny-mistral"
-    build_tiny_model(folder, "bpe")
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    tokenizer.chat_template = MISTRAL_TEMPLATE
-    tokenizer.save_pretrained(str(folder))
-    async with http_stack(Path(folder)) as served:
+    folder = model_with_template(tmp_path_factory.mktemp("mistral") / "tiny-mistral", MISTRAL_TEMPLATE)
+    async with http_stack(folder) as served:
         yield served
 
 

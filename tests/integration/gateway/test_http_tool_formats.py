@@ -12,16 +12,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 import pytest_asyncio
 
-from tests.support.tiny_models import build_tiny_model
-
-from .http_stack import HttpStack, client_of, gateway_on, http_stack
+from .http_stack import HttpStack, client_of, gateway_on, http_stack, model_with_template, reassembled
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -83,36 +80,18 @@ def literal_regex(text: str) -> str:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[HttpStack]:
-    from transformers import AutoTokenizer
-
-    folder = tmp_path_factory.mktemp("tool-formats") / "tiny-qwen3-coder"
-    build_tiny_model(folder, "bpe")
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    tokenizer.chat_template = QWEN3_CODER_TEMPLATE
-    tokenizer.save_pretrained(str(folder))
-    async with http_stack(Path(folder)) as served:
+    folder = model_with_template(
+        tmp_path_factory.mktemp("tool-formats") / "tiny-qwen3-coder", QWEN3_CODER_TEMPLATE
+    )
+    async with http_stack(folder) as served:
         yield served
 
 
-def reassembled(chunks: list[Any]) -> tuple[str, list[tuple[str, str]], str | None]:
-    """A chat stream's content, calls (name, arguments) from their deltas (each with an id),
-    finish_reason."""
-    content, reason = "", None
-    calls: dict[int, list[str]] = {}
-    for chunk in chunks:
-        if not chunk.choices:
-            continue
-        delta = chunk.choices[0].delta
-        content += delta.content or ""
-        for tc in delta.tool_calls or ():
-            call = calls.setdefault(tc.index, ["", "", ""])
-            if tc.id:
-                assert call[0] == "" and tc.function.name  # the id and name come first, once
-                call[0], call[1] = tc.id, tc.function.name
-            call[2] += tc.function.arguments or ""
-        reason = chunk.choices[0].finish_reason or reason
-    assert all(c[0].startswith("call_") for c in calls.values())
-    return content, [(c[1], c[2]) for _, c in sorted(calls.items())], reason
+def calls_of(chunks: list[Any]) -> tuple[str, list[tuple[str, str]], str | None]:
+    """A chat stream's content, calls (name, arguments), finish_reason; every call has an id."""
+    content, calls, reason = reassembled(chunks)
+    assert all(c[0].startswith("call_") for c in calls)
+    return content, [(c[1], c[2]) for c in calls], reason
 
 
 async def known_output(client: openai.AsyncOpenAI, output: str) -> tuple[Any, tuple[Any, ...]]:
@@ -127,7 +106,7 @@ async def known_output(client: openai.AsyncOpenAI, output: str) -> tuple[Any, tu
     )
     unary = await client.chat.completions.create(**kw)
     stream = await client.chat.completions.create(**kw, stream=True)
-    return unary.choices[0], reassembled([chunk async for chunk in stream])
+    return unary.choices[0], calls_of([chunk async for chunk in stream])
 
 
 def summary(choice: Any) -> tuple[str | None, list[tuple[str, dict[str, Any]]], str]:
