@@ -497,6 +497,7 @@ class StoredResponses:
             metrics.RESPONSES_STORED.labels(status=ResponseStatus.FAILED.value).inc()
             log.info("background_response_abandoned", response_id=response_id)
             return False
+        store.keep_request(response_id, dataclasses.replace(request, runs=request.runs + 1))
         logged, _ = store.events_from(response_id, 0)
         context = record.context[: len(record.context) - len(record.input_items)]
         try:

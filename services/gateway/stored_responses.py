@@ -75,6 +75,9 @@ ABANDONED = "the gateway running this response stopped before it finished; creat
 TERMINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed", "error"})
 # the events a run writes before any output: a response whose log holds only these can run again
 PREAMBLE_EVENTS = frozenset({"response.created", "response.queued", "response.in_progress"})
+# runs of one background response at most: one that every gateway running it took down (or lost)
+# before it wrote output is not tried for ever
+MAX_RUNS = 3
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,7 @@ class RunRequest:
     body: dict[str, Any]
     request_id: str
     created: int
+    runs: int = 1  # runs started so far (the first, and one per take-over)
 
 
 def _record(value: dict[str, Any]) -> StoredResponse:
@@ -192,12 +196,13 @@ class ResponseStore(RecordFolder[StoredResponse]):
     def resumable(self, response_id: str) -> RunRequest | None:
         """The request to run the response again from the start, when that reproduces what a
         client may have seen: its event log holds no output yet (only PREAMBLE_EVENTS); None
-        when it does, or no request is kept. The caller holds the run lock (the log does not
-        grow meanwhile)."""
+        when it does, when no request is kept, or when it ran MAX_RUNS times already. The caller
+        holds the run lock (the log does not grow meanwhile)."""
         logged, _ = self.events_from(response_id, 0)
         if any(event.get("type") not in PREAMBLE_EVENTS for event in logged):
             return None
-        return self.run_request(response_id)
+        request = self.run_request(response_id)
+        return None if request is None or request.runs >= MAX_RUNS else request
 
     def unfinished(self) -> list[str]:
         """Ids of the background responses with a kept request (not ended, or ended a moment

@@ -22,6 +22,7 @@ from services.gateway.http_stored_responses import Emit, Keeping, Produce, Store
 from services.gateway.stored_responses import (
     ABANDONED,
     ALLOWED,
+    MAX_RUNS,
     ResponseStatus,
     ResponseStore,
     RunRequest,
@@ -274,6 +275,40 @@ async def test_of_two_gateways_polling_one_takes_a_left_response_over_and_number
         ("response.completed", 3),
     ]
     assert store.unfinished() == []  # ended: its request dropped
+
+
+async def test_each_take_over_counts_and_a_response_run_max_runs_times_is_not_run_again(
+    tmp_path: Path,
+) -> None:
+    """A request that takes down (or loses) every gateway that runs it before it writes output
+    is tried MAX_RUNS times in all, not for ever: each take-over counts in its kept request."""
+    store = ResponseStore(tmp_path)
+    record = _left(store, ("response.created",))
+    started = asyncio.Event()
+
+    async def rerun(*args: Any) -> Produce:
+        async def produce(emit: Emit) -> dict[str, Any]:
+            started.set()
+            await asyncio.Event().wait()
+            raise AssertionError("unreachable")
+
+        return produce
+
+    gateway = _gateway(tmp_path, rerun, poll_s=0.01)
+    gateway.start()
+    try:
+        async with asyncio.timeout(10):
+            await started.wait()
+        kept = store.run_request(record.id)
+        assert kept is not None and kept.runs == 2  # the first run and this take-over
+    finally:
+        await gateway.close()
+    worn = _left(store, ("response.created",))
+    store.keep_request(worn.id, dataclasses.replace(REQUEST, runs=MAX_RUNS))
+    assert store.resumable(worn.id) is None
+    failed = store.get(worn.id, "o1")
+    assert failed.status == ResponseStatus.FAILED and failed.body["error"]["message"] == ABANDONED
+    assert store.run_request(worn.id) is None
 
 
 async def test_a_stopping_gateway_lets_go_of_runs_without_output_and_fails_the_others(tmp_path: Path) -> None:
