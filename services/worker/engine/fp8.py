@@ -100,13 +100,18 @@ class Fp8Linear(torch.nn.Module):
     weight_fp8: torch.Tensor
     weight_scale: torch.Tensor
 
-    def __init__(self, module: torch.nn.Linear) -> None:
+    def __init__(self, weight: Fp8Weight, dtype: torch.dtype) -> None:
+        """weight: the FP8 values and scales; dtype: the model's (the meta `weight`'s)."""
         super().__init__()
-        self.in_features, self.out_features = module.in_features, module.out_features
-        q, scale = quantize_weight(module.weight)
-        self.register_buffer("weight_fp8", q)
-        self.register_buffer("weight_scale", scale)
-        self.weight = torch.empty(module.weight.shape, dtype=module.weight.dtype, device="meta")
+        self.out_features, self.in_features = weight.q.shape
+        self.register_buffer("weight_fp8", weight.q)
+        self.register_buffer("weight_scale", weight.scale)
+        self.weight = torch.empty(weight.q.shape, dtype=dtype, device="meta")
+
+    @classmethod
+    def from_linear(cls, module: torch.nn.Linear) -> Fp8Linear:
+        """A bias-free nn.Linear quantized (quantize_weight)."""
+        return cls(quantize_weight(module.weight), module.weight.dtype)
 
     @property
     def fp8(self) -> Fp8Weight:
@@ -166,7 +171,7 @@ def quantize_layer(layer: torch.nn.Module, align: int = 1) -> int:
                 continue
             parent_name, _, attr = name.rpartition(".")
             parent = layer.get_submodule(parent_name) if parent_name else layer
-            setattr(parent, attr, Fp8Linear(mod))
+            setattr(parent, attr, Fp8Linear.from_linear(mod))
     if keep:
         log.warning(
             "fp8: %d linear layers of a decoder layer kept in the model's dtype (a bias, or a "

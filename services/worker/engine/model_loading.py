@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from services.worker.engine import attention, cpu_linear, fp8, model_variants
+from services.worker.engine import attention, cpu_linear, fp8, fp8_checkpoint, model_variants
 from services.worker.engine.api import KvLayout
 from shared.model_store import load_causal_lm
 
@@ -42,9 +42,18 @@ def load_model(
     whose attention the engine cannot reproduce exactly."""
     from transformers import AutoConfig
 
-    model_variants.check_supported(AutoConfig.from_pretrained(model_path))
+    config = AutoConfig.from_pretrained(model_path)
+    model_variants.check_supported(config)
     attention.register()
-    fp8.check_supported(quantization, device)
+    # a checkpoint stored in FP8 is served in FP8 (InvalidArgument for other quantized ones)
+    stored_fp8 = fp8_checkpoint.scheme(config) == "fp8"
+    fp8.check_supported("fp8" if stored_fp8 else quantization, device)
+    if stored_fp8:
+        model = fp8_checkpoint.load(
+            model_path, device, dtype, attn_implementation=attention.ATTN_IMPLEMENTATION
+        )
+        log.info("fp8: the checkpoint's FP8 weights loaded as they are")
+        return _ready(model, prepack, row_copy)
     quantized: list[int] = []
 
     def to_fp8(layer: Any) -> None:
@@ -61,15 +70,19 @@ def load_model(
         dtype=dtype,
         attn_implementation=attention.ATTN_IMPLEMENTATION,
     )
+    if quantized:
+        if device.type == "cuda":  # the freed bf16 weights' segments back to the driver (KV pool)
+            torch.cuda.empty_cache()
+        log.info("fp8: %d linear layers quantized", sum(quantized))
+    return _ready(model, prepack, row_copy)
+
+
+def _ready(model: Any, prepack: bool, row_copy: bool) -> Any:
     model_variants.check_loaded(model)
     model.eval()
     # serving never differentiates: no autograd state in the weights (torch.compile'd layers
     # would otherwise trace for training)
     model.requires_grad_(False)
-    if quantized:
-        if device.type == "cuda":  # the freed bf16 weights' segments back to the driver (KV pool)
-            torch.cuda.empty_cache()
-        log.info("fp8: %d linear layers quantized", sum(quantized))
     if prepack:
         cpu_linear.prepack_linears(model, row_copy)
     return model

@@ -162,7 +162,8 @@ class EngineOptions(BackendOptions, SpecOptions):
         "with a scale per output channel, inputs quantized per token as each product runs (vLLM's "
         "online FP8: half the weight bytes of bf16; GPUs of compute capability 9.0 or more, or the "
         "CPU for tests). The embedding, LM head, norms and KV cache keep --dtype. Give prefill and "
-        "decode workers the same value",
+        "decode workers the same value. A checkpoint stored in FP8 (compressed-tensors "
+        "float-quantized, fbgemm_fp8) is served in FP8 whatever this says",
         choices=("", "fp8"),
     )
     max_model_len: int = field(0, "Longest prompt + generation (tokens); 0 = the model's limit")
