@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,7 @@ from shared.cluster import KvLayout
 log = structlog.get_logger(__name__)
 
 _BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+IDLE_UNMAP_S = 600.0  # a peer pool not read for this long is unmapped (seconds)
 
 
 @functools.cache
@@ -138,6 +140,7 @@ class PeerPools:
         self._mapped: dict[tuple[str, bytes, int], torch.Tensor] = {}
         self._refused: set[tuple[str, bytes, int]] = set()
         self._by_peer: dict[str, set[tuple[str, bytes, int]]] = {}  # agent name -> its shares
+        self._used: dict[tuple[str, bytes, int], float] = {}  # share -> last use (monotonic s)
         # the copies' own stream (CUDA), made on first use: a copy does not queue behind the
         # decode step running on the default stream
         self._stream: Any = None
@@ -148,7 +151,11 @@ class PeerPools:
             return None
         key = s.key()
         with self._lock:
+            now = time.monotonic()
+            self._unmap_idle(now, keep=key)
             pool = self._mapped.get(key)
+            if pool is not None:
+                self._used[key] = now
             if pool is not None or key in self._refused:
                 return pool
             shape = (self._layout.num_layers, 2, self._layout.num_kv_heads, pool_slots, self._layout.head_dim)
@@ -163,6 +170,7 @@ class PeerPools:
                 )
                 return None
             self._mapped[key] = pool
+            self._used[key] = now
             self._by_peer.setdefault(peer, set()).add(key)
             log.info("cuda_ipc_mapped", peer=peer, bytes=s.storage_bytes)
             return pool
@@ -172,6 +180,18 @@ class PeerPools:
         with self._lock:
             for key in self._by_peer.pop(peer, set()):
                 self._mapped.pop(key, None)
+                self._used.pop(key, None)
+
+    def _unmap_idle(self, now: float, keep: tuple[str, bytes, int]) -> None:
+        """(Under the lock.) Unmap pools not read for IDLE_UNMAP_S: a prefill worker that went
+        away (scaled down, restarted under another share) is never read again, and its mapping
+        would otherwise stay for the life of this worker; one still there is mapped again on
+        its next read."""
+        for key in [k for k, t in self._used.items() if now - t > IDLE_UNMAP_S and k != keep]:
+            self._mapped.pop(key, None)
+            self._used.pop(key, None)
+            for shares in self._by_peer.values():
+                shares.discard(key)
 
     def num_mapped(self) -> int:
         with self._lock:

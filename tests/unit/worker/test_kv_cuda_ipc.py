@@ -142,6 +142,24 @@ def test_a_peer_pool_is_mapped_once_and_only_from_this_host() -> None:
 
 
 @pytest.mark.skipif(not host_id(), reason="the kernel gives no boot id")
+def test_a_peer_pool_not_read_for_a_while_is_unmapped_and_mapped_again_when_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = [1000.0]
+    monkeypatch.setattr(kv_cuda_ipc.time, "monotonic", lambda: clock[0])
+    opener = _Opener()
+    peers = PeerPools(LAYOUT, torch.device("cpu"), torch.float32, opener)
+    gone, still = _share(handle=b"g" * 64), _share(handle=b"s" * 64)
+    assert peers.get("gone", gone, SLOTS) is not None and peers.get("still", still, SLOTS) is not None
+    clock[0] += kv_cuda_ipc.IDLE_UNMAP_S / 2
+    assert peers.get("still", still, SLOTS) is not None  # read: its clock starts again
+    clock[0] += kv_cuda_ipc.IDLE_UNMAP_S / 2 + 1
+    assert peers.get("still", still, SLOTS) is not None
+    assert peers.num_mapped() == 1 and opener.calls == 2  # the idle one went; the other stayed
+    assert peers.get("gone", gone, SLOTS) is not None and opener.calls == 3  # back when read
+
+
+@pytest.mark.skipif(not host_id(), reason="the kernel gives no boot id")
 def test_a_share_that_does_not_open_is_not_tried_again() -> None:
     opener = _Opener(fail=True)
     peers = PeerPools(LAYOUT, torch.device("cpu"), torch.float32, opener)
