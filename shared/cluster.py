@@ -106,6 +106,9 @@ class KvLayout:
     head_dim: int
     block_size: int  # tokens per KV block
     dtype: str  # "float32" | "bfloat16" | "float16"
+    # what computed the KV besides the model: "" (its own weights) or "fp8" (FP8 linear weights);
+    # KV of other weights is other KV (1.19)
+    weights: str = ""
 
 
 @dataclass(frozen=True)

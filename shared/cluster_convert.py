@@ -96,6 +96,7 @@ def kv_layout_to_pb(layout: KvLayout) -> common_pb2.KvLayout:
         head_dim=layout.head_dim,
         block_size=layout.block_size,
         dtype=layout.dtype,
+        weights=layout.weights or None,  # unset for the model's own: what an older peer sends
     )
 
 
@@ -106,6 +107,7 @@ def kv_layout_from_pb(pb: common_pb2.KvLayout) -> KvLayout:
         head_dim=pb.head_dim,
         block_size=pb.block_size,
         dtype=pb.dtype,
+        weights=pb.weights,
     )
 
 

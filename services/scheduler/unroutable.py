@@ -15,6 +15,7 @@ def _layout_text(layout: KvLayout) -> str:
     return (
         f"{layout.dtype} block_size={layout.block_size} layers={layout.num_layers} "
         f"kv_heads={layout.num_kv_heads} head_dim={layout.head_dim}"
+        + (f" weights={layout.weights}" if layout.weights else "")
     )
 
 

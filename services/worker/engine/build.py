@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from services.worker.engine import memory, model_variants
+from services.worker.engine import fp8, memory, model_variants
 from services.worker.engine.api import EngineConfig, KvLayout
 from services.worker.engine.backend import ModelBackend
 from services.worker.engine.block_manager import BlockManager
@@ -128,7 +128,7 @@ class RankBuilder:
             log.info("rank %d: LoRA adapters: %s", dp_rank, ", ".join(lora.names) or "none yet")
         if dp_rank == 0:
             text_cfg = model.config.get_text_config()
-            self.kv_layout = kv_layout_of(model.config, cfg.block_size, dtype)
+            self.kv_layout = kv_layout_of(model.config, cfg.block_size, dtype, fp8.weights_of(model))
             self.max_model_len = cfg.max_model_len or int(text_cfg.max_position_embeddings)
             self.eos_token_ids = eos_ids(model, self.tokenizer)
             self.vocab_size = int(text_cfg.vocab_size)

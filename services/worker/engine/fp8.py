@@ -128,6 +128,12 @@ class Fp8Linear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8"
 
 
+def weights_of(model: torch.nn.Module) -> str:
+    """What the model's KV layout says of its weights (KvLayout.weights): "fp8" when its linear
+    layers are FP8 (quantized at load or stored so), "" for the model's own."""
+    return "fp8" if any(isinstance(m, Fp8Linear) for m in model.modules()) else ""
+
+
 def check_supported(quantization: str, device: torch.device) -> None:
     """InvalidArgument naming the reason where `quantization` cannot run on `device`."""
     if quantization not in QUANTIZATIONS:

@@ -88,7 +88,9 @@ def _ready(model: Any, prepack: bool, row_copy: bool) -> Any:
     return model
 
 
-def kv_layout_of(model_config: Any, block_size: int, dtype: torch.dtype) -> KvLayout:
+def kv_layout_of(model_config: Any, block_size: int, dtype: torch.dtype, weights: str = "") -> KvLayout:
+    """The KV layout of a model's config; weights: fp8.weights_of(model) ("fp8" for FP8 linear
+    weights: their KV is other KV than the model's own)."""
     cfg = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     num_heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
@@ -98,4 +100,5 @@ def kv_layout_of(model_config: Any, block_size: int, dtype: torch.dtype) -> KvLa
         head_dim=head_dim,
         block_size=block_size,
         dtype=str(dtype).removeprefix("torch."),
+        weights=weights,
     )

@@ -124,6 +124,8 @@ async def test_an_fp8_engine_decodes_as_transformers_does_over_the_same_weights(
     prompts = [(5, 17, 99, 23, 41), (300, 12, 9), tuple(range(50, 70))]
     got = await greedy_tokens(engine, prompts, 12)
     assert got == [hf_greedy(reference, p, 12) for p in prompts]
+    # its KV is other KV than the model's own: it moves only to workers of FP8 weights too
+    assert engine.kv_layout.weights == "fp8"
 
 
 @pytest.mark.gpu

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from typing import Any
 
@@ -174,6 +175,10 @@ def test_incompatible_pair_is_unavailable_naming_the_layouts() -> None:
     r.apply_snapshot(snapshot(worker("p1", Role.PREFILL, layout=BF16), worker("d1", Role.DECODE)))
     with pytest.raises(Unavailable, match=r"no compatible prefill/decode pair.*bfloat16.*float32"):
         r.schedule(request())
+    fp8 = dataclasses.replace(worker("d1", Role.DECODE).info.kv_layout, weights="fp8")
+    r.apply_snapshot(snapshot(worker("p1", Role.PREFILL, layout=fp8), worker("d1", Role.DECODE)))
+    with pytest.raises(Unavailable, match=r"weights=fp8"):
+        r.schedule(request())
 
 
 @pytest.mark.parametrize(
@@ -181,6 +186,8 @@ def test_incompatible_pair_is_unavailable_naming_the_layouts() -> None:
     [
         KvLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=32, dtype="float32"),
         KvLayout(num_layers=3, num_kv_heads=2, head_dim=16, block_size=16, dtype="float32"),
+        # FP8 weights compute other KV (--quantization fp8 on one side only)
+        KvLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype="float32", weights="fp8"),
     ],
 )
 def test_pairs_only_matching_layouts(other: KvLayout) -> None:

@@ -31,6 +31,7 @@ BIG = 2**40  # beyond 32 bits: the uint64 fields must carry it
 LAYOUTS = [
     KvLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32"),
     KvLayout(num_layers=1, num_kv_heads=1, head_dim=1, block_size=1, dtype="bfloat16"),
+    KvLayout(num_layers=1, num_kv_heads=1, head_dim=1, block_size=1, dtype="bfloat16", weights="fp8"),
 ]
 INFOS = [
     WorkerInfo("p-1", "10.0.0.1:50061", Role.PREFILL, "m", 2, LAYOUTS[0]),
@@ -186,6 +187,7 @@ layouts = st.builds(
     head_dim=U32,
     block_size=U32,
     dtype=st.sampled_from(["float32", "bfloat16", "float16"]),
+    weights=st.sampled_from(["", "fp8"]),
 )
 
 
@@ -239,3 +241,10 @@ def test_any_rank_load_round_trips(load: RankLoad) -> None:
 def test_any_snapshot_round_trips(workers: tuple[WorkerLoad, ...], version: int, timestamp_ms: int) -> None:
     snapshot = LoadSnapshot(workers, version, timestamp_ms)
     assert cc.snapshot_from_pb(cc.snapshot_to_pb(snapshot)) == (snapshot, [])
+
+
+def test_a_layout_of_the_models_own_weights_leaves_weights_unset_as_an_older_worker_does() -> None:
+    pb = cc.kv_layout_to_pb(LAYOUTS[0])
+    assert not pb.HasField("weights")
+    assert cc.kv_layout_from_pb(pb) == LAYOUTS[0]
+    assert cc.kv_layout_to_pb(LAYOUTS[-1]).weights == "fp8"
