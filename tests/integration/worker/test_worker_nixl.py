@@ -114,6 +114,31 @@ async def test_nixl_handoff_matches_unified_and_skips_cached_blocks(
     await wait_blocks_free(prefill)
 
 
+async def test_fp8_workers_hand_kv_over_as_unified_serving_computes_it_and_only_to_each_other(
+    decode: RunningWorker, tiny_model: Path
+) -> None:
+    """--quantization fp8 on every worker: the handoff's tokens are the FP8 unified worker's; the
+    layout says FP8 weights, so a decode worker of the model's own weights refuses their KV as
+    other KV (FAILED_PRECONDITION, nothing left held on either side)."""
+    fp8 = dict(quantization="fp8")
+    async with (
+        running_worker(worker_settings(tiny_model, "prefill", **fp8)) as prefill8,
+        running_worker(worker_settings(tiny_model, "decode", **fp8)) as decode8,
+        running_worker(worker_settings(tiny_model, "unified", kv_transport="grpc", **fp8)) as unified8,
+    ):
+        info = await decode8.stub.Info(worker_pb2.InfoRequest())
+        assert info.kv_layout.weights == "fp8"
+        ids = prompt_ids(tiny_model)
+        reply, frames = await nixl_handoff(prefill8, decode8, "f1", ids, 10)
+        assert reply.kv_transport == worker_pb2.KV_TRANSPORT_NIXL and frames[-1].kind == FINAL
+        assert list(reply.token_ids) + token_ids_of(frames) == await unified_tokens(unified8, ids, 10)
+        refused, _ = await nixl_handoff(prefill8, decode, "f2", ids, 10)
+        assert isinstance(refused, grpc.aio.AioRpcError)
+        assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION and "fp8" in (refused.details() or "")
+        for worker in (prefill8, decode8, decode):
+            await wait_blocks_free(worker)
+
+
 async def test_a_push_under_the_gateways_ticket_may_come_before_the_admission(
     prefill: RunningWorker,
     decode: RunningWorker,
