@@ -55,6 +55,13 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"])
+    p.add_argument(
+        "--quantization",
+        default="",
+        choices=["", "fp8"],
+        help="every worker's --quantization: fp8 = the decoder layers' weights in FP8 (half the "
+        "bytes of bf16; GPUs of compute capability 9.0+); prefill and decode workers must agree",
+    )
     p.add_argument("--dp-size", type=int, default=1, help="data-parallel ranks per worker")
     p.add_argument(
         "--gpus",

@@ -202,6 +202,7 @@ def children(a: argparse.Namespace, model_path: str) -> list[Child]:
         str(block_size(a)),
         "--torch-threads",
         str(a.torch_threads),
+        *(["--quantization", a.quantization] if a.quantization else []),
     ]
     stack = [
         Child(

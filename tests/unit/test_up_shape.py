@@ -330,6 +330,20 @@ def test_lora_modules_given_once_reach_every_worker() -> None:
             assert settings.lora_adapters == ("sql", "chat")
 
 
+def test_fp8_weights_given_once_reach_every_worker_alike() -> None:
+    """`pdserve up --quantization fp8`: every worker of every role quantizes (a prefill and a
+    decode worker must agree: their KV layouts say so); unset, none does."""
+    from services.worker.settings import WorkerSettings
+    from shared.settings import parse_settings
+
+    for shape in ((), ("--unified-workers", "2"), ("--prefill-workers", "2")):
+        for flag, want in ((("--quantization", "fp8"), "fp8"), ((), "")):
+            workers = [c for c in _children(*shape, *flag) if "worker" in c.name]
+            assert workers
+            for child in workers:
+                assert parse_settings(WorkerSettings, child.args, env={}).quantization == want, child.name
+
+
 def test_runtime_lora_updating_is_turned_on_by_a_gateway_arg_and_a_worker_arg() -> None:
     """`--gateway-arg=--allow-runtime-lora-updating --worker-arg=--enable-lora` (the README's
     recipe): every gateway allows the updates and every worker of every role can take them."""
