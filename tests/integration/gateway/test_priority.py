@@ -12,11 +12,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 import pytest_asyncio
 
+from services.worker.engine.rank import Rank
 from shared.proto import gateway_pb2
 
 from .http_stack import HttpStack, http_stack
@@ -36,21 +38,40 @@ async def stack(request: pytest.FixtureRequest, tiny_model: Path) -> AsyncIterat
         yield served
 
 
-async def test_waiting_requests_finish_best_priority_first(stack: HttpStack) -> None:
+# each request's (priority, max_tokens): what tells them apart on the worker
+SHAPES = {"busy": (0, 1000), "batch": (10, 4), "default-1": (0, 5), "default-2": (0, 6), "urgent": (-5, 4)}
+
+
+async def test_waiting_requests_finish_best_priority_first(
+    stack: HttpStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the order the worker ends them in (the clients see busy's end only once they have read
+    # its 1,000 streamed frames, which on a loaded machine can be after the short requests')
     finished: list[str] = []
+    names = {shape: name for name, shape in SHAPES.items()}
+    real_finish = Rank.finish
+
+    def finish(rank: Rank, req: Any, *args: Any) -> None:
+        finished.append(names.get((req.priority, req.sampling.max_tokens), "?"))
+        real_finish(rank, req, *args)
+
+    monkeypatch.setattr(Rank, "finish", finish)
 
     async def grpc_call(name: str, priority: int) -> None:
         req = gateway_pb2.GenerateRequest(
-            prompt=f"{name} one two", max_tokens=4, ignore_eos=True, priority=priority
+            prompt=f"{name} one two", max_tokens=SHAPES[name][1], ignore_eos=True, priority=priority
         )
         await stack.stub.Complete(req, timeout=60)
-        finished.append(name)
 
     async def http_call(http: httpx.AsyncClient, name: str, priority: int) -> None:
-        body = {"prompt": f"{name} one two", "max_tokens": 4, "ignore_eos": True, "priority": priority}
+        body = {
+            "prompt": f"{name} one two",
+            "max_tokens": SHAPES[name][1],
+            "ignore_eos": True,
+            "priority": priority,
+        }
         r = await http.post("/v1/completions", json=body)
         assert r.status_code == 200, r.text
-        finished.append(name)
 
     # the busy request holds the one slot (it has streamed a token) while the others arrive,
     # the worst first, a second request of equal priority after the first
@@ -63,7 +84,6 @@ async def test_waiting_requests_finish_best_priority_first(stack: HttpStack) -> 
     async def drain_busy() -> None:
         async for _ in busy:
             pass
-        finished.append("busy")
 
     async with httpx.AsyncClient(base_url=stack.gateway.http_url or "", timeout=60) as http:
         tasks = [asyncio.ensure_future(drain_busy())]
