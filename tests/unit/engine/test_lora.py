@@ -444,3 +444,20 @@ def test_the_cuda_layout_runs_adapter_steps_unfused_and_base_steps_static(
     assert static.fused and static.graphs is not None and plain.graphs is None
     assert run(static, names, 8) == run(plain, names, 8)
     assert any(e.replays for e in static.graphs.buckets.values())  # the base-only steps'
+
+
+async def test_adapters_on_fp8_weights_agree_between_forwards_and_change_the_output(
+    make_engine: EngineFactory, adapters: dict[str, Path]
+) -> None:
+    """--quantization fp8 with LoRA adapters: the adapters' deltas ride on the FP8 products (no
+    PEFT reference exists for FP8 base layers), the same on the lean forward and on transformers'
+    forward (module hooks), and each adapter changes the FP8 model's output."""
+    got: dict[bool, dict[str, list[int]]] = {}
+    for lean in (True, False):
+        engine = make_engine(lora_modules=specs(adapters), lean_forward=lean, quantization="fp8")
+        got[lean] = {}
+        for name in ("sql", "chat", ""):
+            out = await collect(engine.add_request(request(f"f-{lean}-{name}", PROMPT, with_adapter(name))))
+            got[lean][name] = tokens_of(out)
+    assert got[True] == got[False]
+    assert len({tuple(t) for t in got[True].values()}) == 3
