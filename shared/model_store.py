@@ -271,20 +271,43 @@ def _build_by_layer(config: Any, dev: Any, layer_hook: Callable[[Any], None], **
         layer.requires_grad_(False)
         layers[i] = layer
         layer_hook(layer)
+    std = float(getattr(model.config, "initializer_range", 0.02))
+
+    def random_value(name: str, meta: Any) -> Any:
+        fresh = torch.empty(meta.shape, dtype=dtype, device=dev)
+        return fresh.fill_(1.0) if meta.dim() == 1 else fresh.normal_(0.0, std)
+
+    with torch.no_grad():  # what is still on the meta device: the non-layer parts
+        materialize(model, dev, random_value)
+    return finish_on_device(model, dev)
+
+
+def materialize(module: Any, dev: Any, value: Callable[[str, Any], Any], prefix: str = "") -> None:
+    """Every parameter of `module` still on the meta device replaced by value(name, meta
+    parameter), a tensor on `dev` (`name` from the model's root: `prefix` names `module`);
+    value None leaves it (a head tied to the embedding, which finish_on_device ties)."""
+    import torch
+
+    dot = f"{prefix}." if prefix else ""
+    for name, param in list(module.named_parameters()):
+        if param.device.type != "meta":
+            continue
+        tensor = value(dot + name, param)
+        if tensor is None:
+            continue
+        owner_name, _, attr = name.rpartition(".")
+        owner = module.get_submodule(owner_name) if owner_name else module
+        setattr(owner, attr, torch.nn.Parameter(tensor, requires_grad=False))
+
+
+def finish_on_device(model: Any, dev: Any) -> Any:
+    """A model made on the meta device and materialized: its rotary embedding made on `dev`
+    (its buffers are computed from the config, never stored) and its tied head tied."""
     decoder = model.get_decoder()
     rotary = getattr(decoder, "rotary_emb", None)
-    if rotary is not None:  # its buffers are computed from the config when made
+    if rotary is not None:
         with dev:
             decoder.rotary_emb = type(rotary)(model.config).to(dev)
-    std = float(getattr(model.config, "initializer_range", 0.02))
-    with torch.no_grad():
-        for module in model.modules():  # what is still on the meta device: the non-layer parts
-            for name, param in list(module.named_parameters(recurse=False)):
-                if param.device.type != "meta":
-                    continue
-                fresh = torch.empty(param.shape, dtype=dtype, device=dev)
-                fresh.fill_(1.0) if param.dim() == 1 else fresh.normal_(0.0, std)
-                setattr(module, name, torch.nn.Parameter(fresh, requires_grad=False))
     model.tie_weights()
     return model
 

@@ -248,15 +248,15 @@ class NixlKvAgent:
             cuda_ipc=self._shares[dp_rank],
         )
 
+    def _peer_pool(self, source: NixlSource) -> torch.Tensor | None:
+        """The source's pool mapped here through CUDA IPC (mapped now if it can be), or None."""
+        if self._peers is None:
+            return None
+        return self._peers.get(source.agent_name, source.cuda_ipc, source.pool_slots)
+
     def read_path(self, source: NixlSource) -> str:
-        """How a read of `source` goes: "cuda_ipc" (its pool is mapped here, mapped now if it
-        can be) or "nixl"."""
-        if (
-            self._peers is None
-            or self._peers.get(source.agent_name, source.cuda_ipc, source.pool_slots) is None
-        ):
-            return "nixl"
-        return "cuda_ipc"
+        """How a read of `source` goes: "cuda_ipc" (its pool is mapped here) or "nixl"."""
+        return "nixl" if self._peer_pool(source) is None else "cuda_ipc"
 
     def read(
         self,
@@ -280,11 +280,8 @@ class NixlKvAgent:
                 f"NIXL source has {len(source.block_ids)} blocks, {src_offset + len(block_ids)} needed"
             )
         pool = self._pools[dp_rank]
-        peers = self._peers
-        remote_pool = (
-            None if peers is None else peers.get(source.agent_name, source.cuda_ipc, source.pool_slots)
-        )
-        if peers is not None and remote_pool is not None:
+        remote_pool = self._peer_pool(source)
+        if remote_pool is not None and self._peers is not None:
             self._bind()
             try:
                 return kv_cuda_ipc.copy_blocks(
@@ -295,7 +292,7 @@ class NixlKvAgent:
                     block_ids,
                     num_trimmed,
                     layers,
-                    peers.stream(),
+                    self._peers.stream(),
                 )
             except Exception as exc:  # the mapping went bad (peer gone): its handoff falls back
                 raise KvTransferFailed(f"CUDA IPC copy from {source.agent_name} failed: {exc}") from exc

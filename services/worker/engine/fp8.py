@@ -45,10 +45,6 @@ class Fp8Weight(NamedTuple):
     q: torch.Tensor  # [out, in] float8_e4m3fn, row-major
     scale: torch.Tensor  # [1, out] float32: w[o, :] ~= q[o, :] * scale[0, o]
 
-    @property
-    def shape(self) -> torch.Size:
-        return self.q.shape
-
 
 def quantize_weight(w: torch.Tensor) -> Fp8Weight:
     """Per output channel: scale = max |w| / 448 over the row, q = w / scale (saturating)."""

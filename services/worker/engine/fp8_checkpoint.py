@@ -25,6 +25,7 @@ import torch
 
 from services.worker.engine.fp8 import FP8, Fp8Linear, Fp8Weight
 from shared.errors import InvalidArgument
+from shared.model_store import finish_on_device, materialize
 
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
 
@@ -112,19 +113,22 @@ def load(path: str | Path, device: torch.device, dtype: torch.dtype, **kwargs: A
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
     tensors = _Tensors(folder)
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+
+    def stored(name: str, meta: torch.Tensor) -> torch.Tensor | None:
+        if name not in tensors:
+            if tied and name == "lm_head.weight":  # not stored apart: tied to the embedding
+                return None
+            raise KeyError(f"the checkpoint has no tensor {name!r}")
+        return tensors.get(name).to(device=device, dtype=dtype)
+
     with torch.no_grad():
         names = {id(m): n for n, m in model.named_modules()}
         for layer in model.get_decoder().layers:  # one layer at a time on the device
             _fp8_linears(layer, names[id(layer)], tensors, device)
-            _materialize(layer, names[id(layer)], tensors, device, dtype)
-        _materialize(model, "", tensors, device, dtype)
-        decoder = model.get_decoder()
-        rotary = getattr(decoder, "rotary_emb", None)
-        if rotary is not None:  # buffers computed from the config, not stored
-            with device:
-                decoder.rotary_emb = type(rotary)(model.config).to(device)
-    model.tie_weights()
-    return model
+            materialize(layer, device, stored, names[id(layer)])
+        materialize(model, device, stored)
+    return finish_on_device(model, device)
 
 
 def _fp8_linears(layer: torch.nn.Module, prefix: str, tensors: _Tensors, device: torch.device) -> None:
@@ -155,29 +159,3 @@ def _fp8_linears(layer: torch.nn.Module, prefix: str, tensors: _Tensors, device:
         parent_name, _, attr = name.rpartition(".")
         parent = layer.get_submodule(parent_name) if parent_name else layer
         setattr(parent, attr, Fp8Linear(weight, mod.weight.dtype))
-
-
-def _materialize(
-    module: torch.nn.Module, prefix: str, tensors: _Tensors, device: torch.device, dtype: torch.dtype
-) -> None:
-    """Every parameter of `module` still on the meta device read from the checkpoint onto
-    `device` (a tied one is left for tie_weights)."""
-    dot = f"{prefix}." if prefix else ""
-    for name, param in list(module.named_parameters()):
-        if param.device.type != "meta":
-            continue
-        key = dot + name
-        if key not in tensors:
-            if _tied(module, name):
-                continue
-            raise KeyError(f"the checkpoint has no tensor {key!r}")
-        owner_name, _, attr = name.rpartition(".")
-        owner = module.get_submodule(owner_name) if owner_name else module
-        value = tensors.get(key).to(device=device, dtype=dtype)
-        setattr(owner, attr, torch.nn.Parameter(value, requires_grad=False))
-
-
-def _tied(model: torch.nn.Module, name: str) -> bool:
-    """An LM head tied to the input embedding (not stored apart)."""
-    config = getattr(model, "config", None)
-    return name == "lm_head.weight" and bool(getattr(config, "tie_word_embeddings", False))
